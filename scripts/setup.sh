@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs every Debian package the build, the tests, the VM rig and the benchmarks need.
+# Idempotent: packages already present are skipped, so a second run only checks.
+set -euo pipefail
+
+packages=(
+  # build
+  build-essential cmake ninja-build pkg-config g++ clang libclang-rt-14-dev
+  # libraries
+  libibverbs-dev librdmacm-dev liburing-dev libboost-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev libfuse3-dev fuse3
+  # real RDMA tooling (used inside the VM rig and by the benchmarks)
+  rdma-core ibverbs-utils rdmacm-utils perftest
+  # VM rig: QEMU/TCG with Debian's 6.12 kernel, busybox initramfs
+  qemu-system-x86 busybox-static kmod cpio xz-utils zstd iproute2
+  # benchmark peers and limits
+  iperf3
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "setup: installing ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

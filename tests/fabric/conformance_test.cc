@@ -1,0 +1,550 @@
+// Provider conformance: the semantics fabric.h promises, checked the same way on every provider.
+// Run as `fabric_conformance --fabric=loopback|tcp|rdma`.
+#include <cstring>
+#include <numeric>
+#include <thread>
+
+#include "fabric_harness.h"
+
+namespace ibtrs::fabric::testing {
+namespace {
+
+std::vector<std::byte> bytes_of(std::string_view s) {
+  std::vector<std::byte> v(s.size());
+  std::memcpy(v.data(), s.data(), s.size());
+  return v;
+}
+
+std::vector<std::byte> full_private_data(uint8_t seed) {
+  std::vector<std::byte> v(kMaxPrivateData);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::byte>(seed + i);
+  return v;
+}
+
+bool ok(const Completion& c) { return c.status == WcStatus::success; }
+
+using Conformance = FabricTest;
+
+// Case: a client connects with 56 bytes of private data, the server accepts with 56 of its own.
+// Expect: each side sees exactly the other's bytes; both connections report connected.
+TEST_F(Conformance, ConnectAcceptCarriesPrivateDataBothWays) {
+  auto req = full_private_data(1);
+  auto rsp = full_private_data(100);
+  connect_pair(cli_, srv_, {}, req, rsp);
+  EXPECT_EQ(srv_.peer_private, req);
+  EXPECT_EQ(cli_.peer_private, rsp);
+  EXPECT_EQ(cli_.conn->state(), ConnState::connected);
+  EXPECT_EQ(srv_.conn->state(), ConnState::connected);
+  EXPECT_FALSE(cli_.conn->device_name().empty());
+}
+
+// Case: private data of 57 bytes. Expect: EINVAL before anything is sent.
+TEST_F(Conformance, PrivateDataAboveLimitIsRefused) {
+  std::vector<std::byte> big(kMaxPrivateData + 1);
+  ConnectParams p;
+  p.remote = listener_->address();
+  p.source = ep_.client_source ? &*ep_.client_source : nullptr;
+  p.cq = cli_.cq.get();
+  p.private_data = big;
+  p.timeout = 2s;
+  auto r = client_domain_->connect(p);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), errc(EINVAL));
+}
+
+// Case: the server rejects with private data. Expect: connect fails with ECONNREFUSED and
+// delivers the reject data.
+TEST_F(Conformance, RejectDeliversPrivateData) {
+  auto reject_pd = bytes_of("no: queue depth too large");
+  std::thread srv([&] {
+    auto req = listener_->get_request(10s);
+    ASSERT_TRUE(req.ok());
+    EXPECT_EQ((*req)->private_data().size(), 3u);
+    EXPECT_TRUE((*req)->reject(reject_pd).ok());
+  });
+  auto hello = bytes_of("abc");
+  ConnectParams p;
+  p.remote = listener_->address();
+  p.source = ep_.client_source ? &*ep_.client_source : nullptr;
+  p.cq = cli_.cq.get();
+  p.private_data = hello;
+  p.timeout = 10s;
+  std::vector<std::byte> got;
+  auto r = client_domain_->connect(p, &got);
+  srv.join();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), errc(ECONNREFUSED));
+  EXPECT_EQ(got, reject_pd);
+}
+
+// Case: nobody listens on the address. Expect: connect fails (refused or unreachable), no hang.
+TEST_F(Conformance, ConnectToNoListenerFails) {
+  Address nowhere = listener_->address();
+  listener_.reset();
+  ConnectParams p;
+  p.remote = nowhere;
+  p.source = ep_.client_source ? &*ep_.client_source : nullptr;
+  p.cq = cli_.cq.get();
+  p.timeout = 5s;
+  auto r = client_domain_->connect(p);
+  EXPECT_FALSE(r.ok());
+}
+
+// Case: 200 SENDs of different sizes into 200 posted RECVs.
+// Expect: RECVs complete in posting order, each with the bytes of the matching SEND.
+TEST_F(Conformance, SendRecvInOrderByteExact) {
+  QueueCaps caps{256, 256, 2, 1};
+  connect_pair(cli_, srv_, caps);
+  constexpr int kN = 200;
+  constexpr size_t kSlot = 4096;
+  Buffer rx = Buffer::make(*server_domain_, kN * kSlot, kLocalWrite);
+  Buffer tx = Buffer::make(*client_domain_, kN * kSlot, 0);
+  tx.pattern(7);
+  for (int i = 0; i < kN; ++i) {
+    Sge s = rx.sge(i * kSlot, kSlot);
+    RecvWr r{static_cast<uint64_t>(i), {&s, 1}};
+    ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  }
+  for (int i = 0; i < kN; ++i) {
+    size_t len = 1 + (static_cast<size_t>(i) * 37) % kSlot;
+    Sge s = tx.sge(i * kSlot, len);
+    SendWr w{static_cast<uint64_t>(1000 + i), Opcode::send, {&s, 1}};
+    ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  }
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == kN && cli_.done.size() == kN; }));
+  for (int i = 0; i < kN; ++i) {
+    size_t len = 1 + (static_cast<size_t>(i) * 37) % kSlot;
+    const Completion& c = srv_.done[i];
+    ASSERT_TRUE(ok(c)) << to_string(c.status);
+    EXPECT_EQ(c.wr_id, static_cast<uint64_t>(i));
+    EXPECT_EQ(c.opcode, Opcode::recv);
+    EXPECT_EQ(c.byte_len, len);
+    EXPECT_EQ(0, std::memcmp(rx.bytes.data() + i * kSlot, tx.bytes.data() + i * kSlot, len)) << i;
+    EXPECT_TRUE(ok(cli_.done[i]));
+    EXPECT_EQ(cli_.done[i].wr_id, static_cast<uint64_t>(1000 + i));
+    EXPECT_EQ(cli_.done[i].opcode, Opcode::send);
+  }
+}
+
+// Case: WRITEs of every power-of-two size from 1 B to 1 MiB (and odd sizes between), each to a
+// distinct offset of the server's region.
+// Expect: the target bytes equal the source bytes exactly; bytes around each target untouched.
+TEST_F(Conformance, WriteByteExactAllSizes) {
+  QueueCaps caps{64, 64, 4, 1};
+  connect_pair(cli_, srv_, caps);
+  constexpr size_t kMax = 1 << 20;
+  Buffer target = Buffer::make(*server_domain_, 2 * kMax + 64, kRemoteWrite, std::byte{0xEE});
+  Buffer src = Buffer::make(*client_domain_, kMax, 0);
+  for (size_t size = 1; size <= kMax; size = size * 2 + (size < 64 ? 1 : 0)) {
+    src.pattern(static_cast<uint32_t>(size));
+    std::fill(target.bytes.begin(), target.bytes.end(), std::byte{0xEE});
+    const size_t off = 16 + (size % 7);
+    Sge s = src.sge(0, size);
+    SendWr w{size, Opcode::write, {&s, 1}, target.mr->remote_addr(off), target.mr->rkey()};
+    ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+    const size_t before = cli_.done.size();
+    ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == before + 1; })) << size;
+    ASSERT_TRUE(ok(cli_.done.back())) << size << " " << to_string(cli_.done.back().status);
+    EXPECT_EQ(cli_.done.back().opcode == Opcode::write || cli_.done.back().opcode == Opcode::write_with_imm, true);
+    ASSERT_EQ(0, std::memcmp(target.bytes.data() + off, src.bytes.data(), size)) << size;
+    for (size_t i = 0; i < off; ++i) ASSERT_EQ(target.bytes[i], std::byte{0xEE});
+    for (size_t i = off + size; i < target.bytes.size(); ++i) ASSERT_EQ(target.bytes[i], std::byte{0xEE}) << size;
+    if (size == kMax) break;
+  }
+  EXPECT_TRUE(srv_.done.empty()) << "a plain WRITE raises no completion at the target";
+}
+
+// Case: WRITE_WITH_IMM gathering 4 SGEs (uneven pieces from two regions) into one target.
+// Expect: the target holds the concatenation; the server's RECV completes with the immediate
+// value and byte_len = the write's length.
+TEST_F(Conformance, WriteWithImmScatterGatherAndImmediate) {
+  QueueCaps caps{16, 16, 4, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer target = Buffer::make(*server_domain_, 1 << 20, kRemoteWrite);
+  Buffer a = Buffer::make(*client_domain_, 300000, 0);
+  Buffer b = Buffer::make(*client_domain_, 300000, 0);
+  a.pattern(1);
+  b.pattern(2);
+  Buffer dummy = Buffer::make(*server_domain_, 64, kLocalWrite);
+  Sge rs = dummy.sge(0, 64);
+  RecvWr r{77, {&rs, 1}};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  Sge sg[4] = {a.sge(0, 1), b.sge(5, 4096), a.sge(100, 250000), b.sge(0, 33)};
+  const size_t total = 1 + 4096 + 250000 + 33;
+  SendWr w{9, Opcode::write_with_imm, sg, target.mr->remote_addr(128), target.mr->rkey(), 0xDEADBEEF};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == 1 && cli_.done.size() == 1; }));
+  const Completion& c = srv_.done[0];
+  ASSERT_TRUE(ok(c)) << to_string(c.status);
+  EXPECT_EQ(c.wr_id, 77u);
+  EXPECT_EQ(c.opcode, Opcode::recv_rdma_with_imm);
+  EXPECT_TRUE(c.with_imm);
+  EXPECT_EQ(c.imm, 0xDEADBEEFu);
+  EXPECT_EQ(c.byte_len, total);
+  std::vector<std::byte> expect;
+  auto append = [&](Buffer& buf, size_t off, size_t len) {
+    expect.insert(expect.end(), buf.bytes.begin() + off, buf.bytes.begin() + off + len);
+  };
+  append(a, 0, 1);
+  append(b, 5, 4096);
+  append(a, 100, 250000);
+  append(b, 0, 33);
+  EXPECT_EQ(0, std::memcmp(target.bytes.data() + 128, expect.data(), total));
+  EXPECT_EQ(std::vector<std::byte>(64, std::byte{0}), dummy.bytes) << "RECV buffer of a WRITE_IMM untouched";
+}
+
+// Case: a zero-length WRITE_WITH_IMM with rkey 0 (how IBTRS sends heartbeats).
+// Expect: the immediate arrives with byte_len 0; no memory is touched.
+TEST_F(Conformance, ZeroLengthWriteWithImmNeedsNoTarget) {
+  connect_pair(cli_, srv_);
+  RecvWr r{1, {}};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  SendWr w{2, Opcode::write_with_imm, {}, 0, 0, 0x80000000u};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == 1 && cli_.done.size() == 1; }));
+  EXPECT_TRUE(ok(srv_.done[0]));
+  EXPECT_EQ(srv_.done[0].imm, 0x80000000u);
+  EXPECT_EQ(srv_.done[0].byte_len, 0u);
+  EXPECT_TRUE(ok(cli_.done[0]));
+}
+
+// Case: a WRITE into a region with a wrong rkey.
+// Expect: the sender's request completes with remote_access_error, the connection breaks (every
+// later request flushes), and the target memory is untouched.
+TEST_F(Conformance, BadRkeyIsRemoteAccessErrorAndTargetUntouched) {
+  connect_pair(cli_, srv_);
+  Buffer target = Buffer::make(*server_domain_, 8192, kRemoteWrite, std::byte{0x5A});
+  Buffer src = Buffer::make(*client_domain_, 4096, 0, std::byte{0x11});
+  Sge s = src.sge(0, 4096);
+  SendWr bad{1, Opcode::write, {&s, 1}, target.mr->remote_addr(0), target.mr->rkey() ^ 0x5555u};
+  SendWr after{2, Opcode::write, {&s, 1}, target.mr->remote_addr(0), target.mr->rkey()};
+  SendWr wrs[2] = {bad, after};
+  ASSERT_TRUE(cli_.conn->post_send(wrs).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 2; }));
+  EXPECT_EQ(cli_.done[0].wr_id, 1u);
+  EXPECT_EQ(cli_.done[0].status, WcStatus::remote_access_error);
+  EXPECT_EQ(cli_.done[1].wr_id, 2u);
+  EXPECT_EQ(cli_.done[1].status, WcStatus::flush_error);
+  EXPECT_EQ(target.bytes, std::vector<std::byte>(8192, std::byte{0x5A}));
+  EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.conn->state() != ConnState::connected; }));
+}
+
+// Case: a WRITE that starts inside the region but runs 1 byte past its end.
+// Expect: remote_access_error; not one byte of the region changes.
+TEST_F(Conformance, OutOfBoundsWriteIsRemoteAccessErrorAndTargetUntouched) {
+  connect_pair(cli_, srv_);
+  Buffer target = Buffer::make(*server_domain_, 8192, kRemoteWrite, std::byte{0x5A});
+  Buffer src = Buffer::make(*client_domain_, 4096, 0, std::byte{0x11});
+  Sge s = src.sge(0, 4096);
+  SendWr w{1, Opcode::write, {&s, 1}, target.mr->remote_addr(8192 - 4095), target.mr->rkey()};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1; }));
+  EXPECT_EQ(cli_.done[0].status, WcStatus::remote_access_error);
+  EXPECT_EQ(target.bytes, std::vector<std::byte>(8192, std::byte{0x5A}));
+}
+
+// Case: a WRITE into a region registered without REMOTE_WRITE.
+// Expect: remote_access_error; target untouched.
+TEST_F(Conformance, WriteWithoutRemoteWriteAccessIsRefused) {
+  connect_pair(cli_, srv_);
+  Buffer target = Buffer::make(*server_domain_, 4096, kLocalWrite, std::byte{0x5A});
+  Buffer src = Buffer::make(*client_domain_, 4096, 0, std::byte{0x11});
+  Sge s = src.sge(0, 64);
+  SendWr w{1, Opcode::write, {&s, 1}, target.mr->remote_addr(0), target.mr->rkey()};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1; }));
+  EXPECT_EQ(cli_.done[0].status, WcStatus::remote_access_error);
+  EXPECT_EQ(target.bytes, std::vector<std::byte>(4096, std::byte{0x5A}));
+}
+
+// Case: a WRITE with the rkey of a region that has been deregistered.
+// Expect: remote_access_error (a stale key reaches nothing).
+TEST_F(Conformance, WriteToDeregisteredRegionIsRefused) {
+  connect_pair(cli_, srv_);
+  Buffer target = Buffer::make(*server_domain_, 4096, kRemoteWrite, std::byte{0x5A});
+  const uint64_t addr = target.mr->remote_addr(0);
+  const uint32_t rkey = target.mr->rkey();
+  target.mr.reset();
+  Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
+  Sge s = src.sge(0, 64);
+  SendWr w{1, Opcode::write, {&s, 1}, addr, rkey};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1; }));
+  EXPECT_EQ(cli_.done[0].status, WcStatus::remote_access_error);
+  EXPECT_EQ(target.bytes, std::vector<std::byte>(4096, std::byte{0x5A}));
+}
+
+// Case: a SEND of 200 bytes into a RECV of 100.
+// Expect: the receiver's RECV completes with local_length_error, the sender's SEND with
+// remote_invalid_request.
+TEST_F(Conformance, SendLargerThanRecvIsLengthError) {
+  connect_pair(cli_, srv_);
+  Buffer rx = Buffer::make(*server_domain_, 100, kLocalWrite);
+  Buffer tx = Buffer::make(*client_domain_, 200, 0);
+  Sge rs = rx.sge(0, 100);
+  RecvWr r{1, {&rs, 1}};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  Sge ts = tx.sge(0, 200);
+  SendWr w{2, Opcode::send, {&ts, 1}};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1 && !srv_.done.empty(); }));
+  EXPECT_EQ(srv_.done[0].status, WcStatus::local_length_error);
+  EXPECT_EQ(cli_.done[0].status, WcStatus::remote_invalid_request);
+}
+
+// Case: a SEND is posted before the peer posts any RECV.
+// Expect: it waits (receiver not ready, retried forever) and completes once a RECV is posted.
+TEST_F(Conformance, SendWaitsForReceiverNotReady) {
+  connect_pair(cli_, srv_);
+  Buffer rx = Buffer::make(*server_domain_, 64, kLocalWrite);
+  Buffer tx = Buffer::make(*client_domain_, 64, 0, std::byte{0x42});
+  Sge ts = tx.sge(0, 64);
+  SendWr w{2, Opcode::send, {&ts, 1}};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  EXPECT_FALSE(drive(cli_, srv_, [&] { return !cli_.done.empty(); }, 300ms));
+  Sge rs = rx.sge(0, 64);
+  RecvWr r{1, {&rs, 1}};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1 && srv_.done.size() == 1; }));
+  EXPECT_TRUE(ok(cli_.done[0]));
+  EXPECT_TRUE(ok(srv_.done[0]));
+  EXPECT_EQ(rx.bytes, tx.bytes);
+}
+
+// Case: 101 WRITEs posted in one call on a send queue of 100, then 100, only every 10th
+// signalled.
+// Expect: the 101 are refused whole (ENOMEM); of the 100 exactly 10 complete; afterwards the
+// whole send queue is free again.
+TEST_F(Conformance, SelectiveSignallingAndSendQueueAccounting) {
+  QueueCaps caps{100, 4, 1, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer target = Buffer::make(*server_domain_, 4096, kRemoteWrite);
+  Buffer src = Buffer::make(*client_domain_, 4096, 0);
+  Sge s = src.sge(0, 4096);
+  std::vector<SendWr> wrs;
+  for (int i = 0; i < 101; ++i)
+    wrs.push_back(SendWr{static_cast<uint64_t>(i), Opcode::write, {&s, 1},
+                         target.mr->remote_addr(0), target.mr->rkey(), 0, i % 10 == 9});
+  EXPECT_EQ(cli_.conn->post_send(wrs).error(), errc(ENOMEM)) << "more than the send queue holds";
+  wrs.pop_back();
+  ASSERT_TRUE(cli_.conn->post_send(wrs).ok());
+  SendWr one{999, Opcode::write, {&s, 1}, target.mr->remote_addr(0), target.mr->rkey()};
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 10; }));
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(cli_.done[i].wr_id, static_cast<uint64_t>(i * 10 + 9));
+  EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.conn->send_queue_free() == 100u; }));
+  EXPECT_TRUE(cli_.conn->post_send({&one, 1}).ok());
+}
+
+// Case: the server side of a connection goes away (its connection object is destroyed, as on
+// process death) while the client has 20 RECVs posted and 10 unacknowledged SENDs outstanding
+// (the server never posted RECVs for them).
+// Expect: every one of the 30 requests completes with flush_error, on_disconnected fires once,
+// and nothing hangs.
+TEST_F(Conformance, PeerDeathFlushesEveryOutstandingRequest) {
+  QueueCaps caps{32, 32, 1, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer rx = Buffer::make(*client_domain_, 20 * 64, kLocalWrite);
+  Buffer tx = Buffer::make(*client_domain_, 64, 0);
+  for (int i = 0; i < 20; ++i) {
+    Sge s = rx.sge(i * 64, 64);
+    RecvWr r{static_cast<uint64_t>(i), {&s, 1}};
+    ASSERT_TRUE(cli_.conn->post_recv({&r, 1}).ok());
+  }
+  Sge ts = tx.sge(0, 64);
+  for (int i = 0; i < 10; ++i) {
+    SendWr w{static_cast<uint64_t>(100 + i), Opcode::send, {&ts, 1}};
+    ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  }
+  drive(cli_, srv_, [] { return false; }, 100ms);
+  srv_.conn.reset();
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 30; }, 20s))
+      << "got " << cli_.done.size();
+  EXPECT_EQ(cli_.count([](const Completion& c) { return c.status == WcStatus::flush_error; }), 30u);
+  std::vector<uint64_t> ids;
+  for (auto& c : cli_.done) ids.push_back(c.wr_id);
+  std::sort(ids.begin(), ids.end());
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(ids[i], static_cast<uint64_t>(i));
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(ids[20 + i], static_cast<uint64_t>(100 + i));
+  EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.disconnects.load() == 1; }, 10s));
+  EXPECT_NE(cli_.conn->state(), ConnState::connected);
+  EXPECT_EQ(cli_.conn->post_send({}).error(), errc(ENOTCONN));
+}
+
+// Case: the client calls disconnect() with RECVs posted on both sides.
+// Expect: both sides flush their RECVs and both get on_disconnected.
+TEST_F(Conformance, DisconnectFlushesBothSides) {
+  connect_pair(cli_, srv_);
+  Buffer crx = Buffer::make(*client_domain_, 64, kLocalWrite);
+  Buffer srx = Buffer::make(*server_domain_, 64, kLocalWrite);
+  Sge cs = crx.sge(0, 64), ss = srx.sge(0, 64);
+  RecvWr cr{1, {&cs, 1}}, sr{2, {&ss, 1}};
+  ASSERT_TRUE(cli_.conn->post_recv({&cr, 1}).ok());
+  ASSERT_TRUE(srv_.conn->post_recv({&sr, 1}).ok());
+  cli_.conn->disconnect();
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1 && srv_.done.size() == 1; }, 20s));
+  EXPECT_EQ(cli_.done[0].status, WcStatus::flush_error);
+  EXPECT_EQ(srv_.done[0].status, WcStatus::flush_error);
+  EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.disconnects == 1 && srv_.disconnects == 1; }, 20s));
+}
+
+// Case: 64 signalled WRITEs posted in one batch, then the CQ is polled with room for 64.
+// Expect: completions come back several per poll (batching), all 64 in order.
+TEST_F(Conformance, CompletionsArePolledInBatches) {
+  QueueCaps caps{64, 4, 1, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer target = Buffer::make(*server_domain_, 64 * 512, kRemoteWrite);
+  Buffer src = Buffer::make(*client_domain_, 64 * 512, 0);
+  std::vector<Sge> sges;
+  for (int i = 0; i < 64; ++i) sges.push_back(src.sge(i * 512, 512));
+  std::vector<SendWr> wrs;
+  for (int i = 0; i < 64; ++i)
+    wrs.push_back(SendWr{static_cast<uint64_t>(i), Opcode::write, {&sges[i], 1},
+                         target.mr->remote_addr(i * 512), target.mr->rkey()});
+  ASSERT_TRUE(cli_.conn->post_send(wrs).ok());
+  // Let the server place everything before the client looks.
+  for (auto until = std::chrono::steady_clock::now() + 200ms; std::chrono::steady_clock::now() < until;)
+    poll_once(srv_);
+  size_t max_batch = 0;
+  std::vector<Completion> all;
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (all.size() < 64 && std::chrono::steady_clock::now() < deadline) {
+    Completion wc[64];
+    size_t n = cli_.cq->poll(wc);
+    max_batch = std::max(max_batch, n);
+    all.insert(all.end(), wc, wc + n);
+    poll_once(srv_);
+  }
+  ASSERT_EQ(all.size(), 64u);
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(all[i].wr_id, static_cast<uint64_t>(i));
+  EXPECT_GT(max_batch, 1u) << "completions should arrive in batches";
+}
+
+// Case: 8 connections, each driven by its own client thread with its own CQ, each streaming 200
+// WRITE_WITH_IMMs into its own slice of one shared server region; one server thread polls one
+// CQ for all 8.
+// Expect: every immediate arrives once, and every slice holds its connection's bytes.
+TEST_F(Conformance, ManyConnectionsInParallel) {
+  constexpr int kConns = 8;
+  constexpr int kPerConn = 200;
+  constexpr size_t kSize = 8192;
+  QueueCaps caps{32, kPerConn, 1, 1};
+  Buffer target = Buffer::make(*server_domain_, kConns * kSize, kRemoteWrite);
+  std::vector<std::unique_ptr<Side>> clients(kConns);
+  std::vector<std::unique_ptr<Side>> server_sides(kConns);
+  std::vector<Buffer> srcs(kConns);
+  for (int i = 0; i < kConns; ++i) {
+    clients[i] = std::make_unique<Side>();
+    clients[i]->domain = client_domain_;
+    auto cq = client_domain_->create_cq(256);
+    ASSERT_TRUE(cq.ok());
+    clients[i]->cq = std::move(cq).value();
+    server_sides[i] = std::make_unique<Side>();
+    server_sides[i]->domain = server_domain_;
+    server_sides[i]->shared_cq = srv_.cq.get();
+    connect_pair(*clients[i], *server_sides[i], caps);
+    for (int k = 0; k < kPerConn; ++k) {
+      RecvWr r{static_cast<uint64_t>(i), {}};
+      ASSERT_TRUE(server_sides[i]->conn->post_recv({&r, 1}).ok());
+    }
+    srcs[i] = Buffer::make(*client_domain_, kSize, 0);
+    srcs[i].pattern(static_cast<uint32_t>(i + 1));
+  }
+  std::atomic<bool> stop{false};
+  std::vector<int> imms(kConns * kPerConn, 0);
+  std::thread server([&] {
+    size_t got = 0;
+    Completion wc[64];
+    // Keeps polling after the last immediate: acknowledgements still have to flow back.
+    while (!stop) {
+      size_t n = srv_.cq->wait(wc, 10ms);
+      for (size_t k = 0; k < n; ++k) {
+        if (wc[k].status == WcStatus::success && wc[k].imm < imms.size()) ++imms[wc[k].imm];
+      }
+      got += n;
+    }
+  });
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int i = 0; i < kConns; ++i) {
+    threads.emplace_back([&, i] {
+      Side& c = *clients[i];
+      Sge s = srcs[i].sge(0, kSize);
+      int posted = 0, done = 0;
+      auto deadline = std::chrono::steady_clock::now() + 20s;
+      while (done < kPerConn && std::chrono::steady_clock::now() < deadline) {
+        while (posted < kPerConn && c.conn->send_queue_free() > 0) {
+          SendWr w{static_cast<uint64_t>(posted), Opcode::write_with_imm, {&s, 1},
+                   target.mr->remote_addr(i * kSize), target.mr->rkey(),
+                   static_cast<uint32_t>(i * kPerConn + posted)};
+          if (!c.conn->post_send({&w, 1}).ok()) break;
+          ++posted;
+        }
+        Completion wc[32];
+        size_t n = c.cq->wait(wc, 5ms);
+        for (size_t k = 0; k < n; ++k) {
+          if (wc[k].status != WcStatus::success) failures.fetch_add(1);
+        }
+        done += static_cast<int>(n);
+      }
+      if (done != kPerConn) failures.fetch_add(1000);
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  server.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (size_t k = 0; k < imms.size(); ++k) ASSERT_EQ(imms[k], 1) << "immediate " << k;
+  for (int i = 0; i < kConns; ++i)
+    EXPECT_EQ(0, std::memcmp(target.bytes.data() + i * kSize, srcs[i].bytes.data(), kSize)) << i;
+  for (auto& c : clients) c->conn.reset();
+  for (auto& s : server_sides) s->conn.reset();
+}
+
+// Case: a RECV scattered over three SGEs receives one SEND.
+// Expect: the bytes fill the SGEs in order.
+TEST_F(Conformance, RecvScattersOverSges) {
+  QueueCaps caps{4, 4, 1, 3};
+  connect_pair(cli_, srv_, caps);
+  Buffer rx = Buffer::make(*server_domain_, 300, kLocalWrite);
+  Buffer tx = Buffer::make(*client_domain_, 250, 0);
+  tx.pattern(3);
+  Sge rs[3] = {rx.sge(0, 10), rx.sge(100, 100), rx.sge(250, 50)};
+  RecvWr r{1, rs};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  Sge ts = tx.sge(0, 150);
+  SendWr w{2, Opcode::send, {&ts, 1}};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == 1; }));
+  ASSERT_TRUE(ok(srv_.done[0]));
+  EXPECT_EQ(srv_.done[0].byte_len, 150u);
+  EXPECT_EQ(0, std::memcmp(rx.bytes.data(), tx.bytes.data(), 10));
+  EXPECT_EQ(0, std::memcmp(rx.bytes.data() + 100, tx.bytes.data() + 10, 100));
+  EXPECT_EQ(0, std::memcmp(rx.bytes.data() + 250, tx.bytes.data() + 110, 40));
+}
+
+// Case: memory registration with bad arguments. Expect: EINVAL, nothing registered.
+TEST_F(Conformance, RegisterMemoryRejectsBadArguments) {
+  std::byte b[16];
+  EXPECT_EQ(server_domain_->register_memory(nullptr, 16, kLocalWrite).error(), errc(EINVAL));
+  EXPECT_EQ(server_domain_->register_memory(b, 0, kLocalWrite).error(), errc(EINVAL));
+  EXPECT_EQ(server_domain_->register_memory(b, 16, 1u << 20).error(), errc(EINVAL));
+}
+
+}  // namespace
+}  // namespace ibtrs::fabric::testing
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a(argv[i]);
+    if (a.rfind("--fabric=", 0) == 0) {
+      auto k = ibtrs::parse_fabric_kind(a.substr(9));
+      if (!k) {
+        std::fprintf(stderr, "unknown fabric '%s'\n", argv[i] + 9);
+        return 2;
+      }
+      ibtrs::fabric::testing::tested_kind() = *k;
+    }
+  }
+  return RUN_ALL_TESTS();
+}

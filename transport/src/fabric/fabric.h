@@ -1,0 +1,319 @@
+// The fabric layer: what the IBTRS session layer needs from an RDMA-capable transport, with
+// providers picked at run time (rdma = rdma-core verbs, tcp = software RDMA over TCP,
+// loopback = in-process with fault injection). Private to libibtrs.
+//
+// The model is the verbs model, reduced to what IBTRS uses:
+//   Fabric      a provider instance (rdma_cm event channel + devices; tcp engine; loopback world)
+//   Domain      a protection domain on one device; memory regions, CQs and connections live in one
+//   MemoryRegion registered memory: address, length, lkey/rkey, access; deregistered on destruction
+//   CompletionQueue  completions of one or more connections, polled in batches; a waitable fd
+//   Connection  a reliable-connected queue pair: post SEND, RECV, RDMA WRITE, WRITE_WITH_IMM
+//   Listener    accepts connection requests carrying private data
+//
+// Semantics every provider keeps (the conformance suite in tests/fabric checks them):
+//   - Work requests on one connection execute in order. A WRITE's bytes are placed before any
+//     later SEND or WRITE_WITH_IMM on the same connection completes at the receiver.
+//   - A send-side work request completes when the peer has placed it (RC acknowledgement), not
+//     when it left; its buffers may be reused only after its completion (or a later signalled
+//     completion on the same connection, as in verbs).
+//   - A remote write is checked against rkey, bounds and REMOTE_WRITE access before a byte is
+//     placed. A violation completes that request with WcStatus::remote_access_error and moves the
+//     connection to the error state; target memory is untouched.
+//   - SEND and WRITE_WITH_IMM consume one posted RECV at the receiver. With none posted the
+//     sender waits (RC with infinite RNR retry); a SEND larger than the RECV buffers is
+//     WcStatus::remote_invalid_request at the sender and WcStatus::local_length_error at the receiver.
+//   - Once a connection is in error (peer death, disconnect(), protocol violation) every
+//     outstanding work request, send or receive, signalled or not, completes with
+//     WcStatus::flush_error. Nothing hangs.
+//   - Private data on connect / accept / reject is limited to kMaxPrivateData bytes.
+//
+// Progress: the rdma provider progresses in hardware. The software providers progress when the
+// CompletionQueue a connection is attached to is polled (or armed and waited on): the owner of a
+// CQ must keep polling it or waiting on its fd while connections on it are alive, as every IBTRS
+// IO thread does.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ibtrs/address.h"
+#include "ibtrs/result.h"
+
+namespace ibtrs::fabric {
+
+// rdma_connect() carries at most 56 bytes of private data (IB CM REQ; RTRS's CON_REQ is exactly
+// this size). Accept allows 196 and reject 148 on IB, but the smallest limit applies everywhere
+// so an upper layer that works on one provider works on all.
+inline constexpr size_t kMaxPrivateData = 56;
+
+// Memory access rights, as in ibv_access_flags.
+enum Access : uint32_t {
+  kLocalWrite = 1u << 0,
+  kRemoteWrite = 1u << 1,
+  kRemoteRead = 1u << 2,
+};
+
+// Completion status. Names follow ibv_wc_status.
+enum class WcStatus : uint8_t {
+  success = 0,
+  flush_error,              // IBV_WC_WR_FLUSH_ERR: the connection went to error before this ran
+  local_length_error,       // IBV_WC_LOC_LEN_ERR: incoming message larger than the RECV buffers
+  local_protection_error,   // IBV_WC_LOC_PROT_ERR: a local SGE is not inside its lkey's region
+  remote_access_error,      // IBV_WC_REM_ACCESS_ERR: bad rkey, out of bounds or no REMOTE_WRITE
+  remote_invalid_request,   // IBV_WC_REM_INV_REQ_ERR: the peer could not take the request
+  remote_operation_error,   // IBV_WC_REM_OP_ERR: the peer failed while handling it
+  retry_exceeded,           // IBV_WC_RETRY_EXC_ERR: the peer stopped answering
+  fatal_error,              // anything else the provider reports
+};
+std::string_view to_string(WcStatus s);
+
+enum class Opcode : uint8_t {
+  send = 0,              // SEND: consumes a RECV at the peer
+  write,                 // RDMA WRITE: one-sided, no completion at the peer
+  write_with_imm,        // RDMA WRITE WITH IMMEDIATE: placed, then consumes a RECV at the peer
+  recv,                  // completion of a RECV consumed by a SEND
+  recv_rdma_with_imm,    // completion of a RECV consumed by a WRITE_WITH_IMM (byte_len = write size)
+};
+std::string_view to_string(Opcode o);
+
+// A scatter-gather element: local registered memory.
+struct Sge {
+  uint64_t addr = 0;
+  uint32_t length = 0;
+  uint32_t lkey = 0;
+};
+
+struct SendWr {
+  uint64_t wr_id = 0;
+  Opcode opcode = Opcode::send;  // send, write or write_with_imm
+  std::span<const Sge> sg_list;
+  uint64_t remote_addr = 0;      // write, write_with_imm
+  uint32_t rkey = 0;             // write, write_with_imm
+  uint32_t imm = 0;              // write_with_imm; delivered as the same host-order value
+  bool signaled = true;          // false: no completion on success (selective signalling)
+};
+
+struct RecvWr {
+  uint64_t wr_id = 0;
+  std::span<const Sge> sg_list;
+};
+
+struct Completion {
+  uint64_t wr_id = 0;
+  WcStatus status = WcStatus::success;
+  Opcode opcode = Opcode::send;  // valid only when status == success (as in verbs)
+  uint32_t byte_len = 0;         // receives: bytes placed
+  uint32_t imm = 0;              // recv_rdma_with_imm
+  bool with_imm = false;
+};
+
+// A registered memory region. Deregisters on destruction; the memory must stay valid until then.
+// After destruction no remote write can reach the memory, and later use of its keys fails.
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+
+  void* addr() const { return addr_; }
+  size_t length() const { return length_; }
+  uint32_t lkey() const { return lkey_; }
+  uint32_t rkey() const { return rkey_; }
+  uint32_t access() const { return access_; }
+
+  // An SGE covering [offset, offset + len) of this region.
+  Sge sge(size_t offset, uint32_t len) const {
+    return Sge{reinterpret_cast<uint64_t>(static_cast<char*>(addr_) + offset), len, lkey_};
+  }
+  uint64_t remote_addr(size_t offset = 0) const {
+    return reinterpret_cast<uint64_t>(static_cast<char*>(addr_) + offset);
+  }
+
+ protected:
+  MemoryRegion(void* addr, size_t length, uint32_t lkey, uint32_t rkey, uint32_t access)
+      : addr_(addr), length_(length), lkey_(lkey), rkey_(rkey), access_(access) {}
+
+ private:
+  void* addr_;
+  size_t length_;
+  uint32_t lkey_;
+  uint32_t rkey_;
+  uint32_t access_;
+};
+
+// Completions of the connections attached to it.
+// Threading: one thread polls a CQ at a time (it is the owner); arm/poll/wait/fd from the owner.
+class CompletionQueue {
+ public:
+  virtual ~CompletionQueue() = default;
+
+  // Moves up to out.size() completions into `out`; returns how many. Never blocks. For the
+  // software providers this is also where incoming data is placed.
+  virtual size_t poll(std::span<Completion> out) = 0;
+
+  // A file descriptor that becomes readable when completions may be available. Protocol, as
+  // with ibv_req_notify_cq: arm(); poll() again (to close the race); wait for the fd; then
+  // ack_events() and poll().
+  virtual int fd() const = 0;
+  virtual ibtrs::Status arm() = 0;
+  virtual void ack_events() = 0;
+
+  // Poll, and if nothing is there arm and wait on fd() up to `timeout`. Providers may do this
+  // in fewer system calls.
+  virtual size_t wait(std::span<Completion> out, std::chrono::milliseconds timeout);
+
+  uint32_t capacity() const { return capacity_; }
+
+ protected:
+  explicit CompletionQueue(uint32_t capacity) : capacity_(capacity) {}
+
+ private:
+  uint32_t capacity_;
+};
+
+// Connection-level events. Delivered on the rdma_cm event thread (rdma) or, for the software
+// providers, on the thread polling the connection's CQ, from inside poll()/wait(). Handlers
+// must not block, must not destroy any connection and must not poll a CQ; they record the event
+// and let the owner act on it.
+struct ConnectionEvents {
+  // The connection left the connected state: the peer disconnected or died, disconnect() was
+  // called, or a protocol error happened. Outstanding work requests complete with flush_error
+  // on the CQ. Called at most once.
+  std::function<void(std::error_code)> on_disconnected;
+};
+
+struct QueueCaps {
+  uint32_t max_send_wr = 64;   // send-queue depth: outstanding SEND/WRITE/WRITE_WITH_IMM
+  uint32_t max_recv_wr = 64;   // receive-queue depth
+  uint32_t max_send_sge = 4;   // scatter-gather entries per send work request
+  uint32_t max_recv_sge = 1;   // scatter-gather entries per receive work request
+};
+
+enum class ConnState : uint8_t { connected, error, closed };
+
+// A reliable connection (RC queue pair).
+// Threading: post_send/post_recv may be called from any thread (each call is atomic with
+// respect to others on the same connection). disconnect() from any thread. Destruction from the
+// owning thread after its CQ no longer needs it; destruction implies disconnect().
+class Connection {
+ public:
+  virtual ~Connection() = default;
+
+  // Posts a batch: all or nothing. Errors: EINVAL (bad opcode, too many SGEs, empty list where
+  // data is required, > 2 GiB), ENOMEM (send queue full: fewer than wrs.size() free slots),
+  // ENOTCONN (the connection is in error or closed; nothing was posted).
+  virtual ibtrs::Status post_send(std::span<const SendWr> wrs) = 0;
+  virtual ibtrs::Status post_recv(std::span<const RecvWr> wrs) = 0;
+
+  // Moves the connection to error and tells the peer; outstanding requests flush. Idempotent.
+  virtual void disconnect() = 0;
+
+  virtual ConnState state() const = 0;
+  virtual const QueueCaps& caps() const = 0;
+  // Free send-queue slots right now (send-queue depth accounting for the upper layer).
+  virtual uint32_t send_queue_free() const = 0;
+
+  virtual const Address& local_address() const = 0;
+  virtual const Address& peer_address() const = 0;
+  // Device and port the connection runs on ("rxe0", 1), as the kernel's hca_name/hca_port.
+  virtual std::string device_name() const = 0;
+  virtual uint8_t port_num() const = 0;
+};
+
+struct ConnectParams {
+  Address remote;
+  const Address* source = nullptr;        // optional source address to bind
+  CompletionQueue* cq = nullptr;          // required; from the same domain
+  QueueCaps caps;
+  std::span<const std::byte> private_data;  // <= kMaxPrivateData
+  ConnectionEvents events;
+  std::chrono::milliseconds timeout{30000};  // RTRS's connect timeout
+};
+
+
+// A connection request received by a Listener.
+class ConnectRequest {
+ public:
+  virtual ~ConnectRequest() = default;
+  virtual std::span<const std::byte> private_data() const = 0;
+  virtual const Address& peer_address() const = 0;
+  virtual const Address& local_address() const = 0;
+  // The domain the request arrived on: register memory and create the CQ there before accept.
+  virtual class Domain& domain() = 0;
+
+  // Accepts: the connection is usable when this returns (posting RECVs first is still advised).
+  virtual Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+                                                     std::span<const std::byte> private_data,
+                                                     ConnectionEvents events) = 0;
+  // Rejects; the connecting side's connect() fails with ECONNREFUSED and gets the data.
+  virtual ibtrs::Status reject(std::span<const std::byte> private_data) = 0;
+};
+
+// Listens on one address. Threading: one thread calls get_request() at a time.
+class Listener {
+ public:
+  virtual ~Listener() = default;
+  // Waits up to `timeout` for the next request. ETIMEDOUT when none came.
+  virtual Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) = 0;
+  // Readable when a request may be pending.
+  virtual int fd() const = 0;
+  // The bound address (with the real port when 0 was asked for).
+  virtual const Address& address() const = 0;
+};
+
+struct ConnectResult {
+  std::unique_ptr<Connection> connection;
+  std::vector<std::byte> private_data;  // the peer's accept private data
+};
+
+// A protection domain on one device.
+// Threading: all methods thread-safe.
+class Domain {
+ public:
+  virtual ~Domain() = default;
+  virtual std::string device_name() const = 0;
+
+  // Errors: EINVAL (null/zero length, unknown access bits), ENOMEM.
+  virtual Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length,
+                                                                uint32_t access) = 0;
+  virtual Result<std::unique_ptr<CompletionQueue>> create_cq(uint32_t capacity) = 0;
+
+  // Connects (blocking up to params.timeout). Errors: ECONNREFUSED (rejected: reject data in
+  // `reject_data` if non-null), ETIMEDOUT, EHOSTUNREACH/ENETUNREACH, EINVAL (bad params),
+  // ENOSPC (the CQ's capacity cannot take this connection's queues).
+  virtual Result<ConnectResult> connect(const ConnectParams& params,
+                                        std::vector<std::byte>* reject_data = nullptr) = 0;
+};
+
+// A provider instance.
+// Threading: all methods thread-safe. Must outlive every object created from it.
+class Fabric {
+ public:
+  virtual ~Fabric() = default;
+  virtual FabricKind kind() const = 0;
+
+  // The domain (device) that reaches `remote` (optionally from `source`). Stable pointer for
+  // the fabric's lifetime; the same device always yields the same domain.
+  virtual Result<Domain*> domain_for(const Address& remote, const Address* source = nullptr) = 0;
+
+  // Listens on `local` (port 0 picks a free one). `backlog` bounds pending requests.
+  virtual Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog = 128) = 0;
+};
+
+struct FabricOptions {
+  // tcp: busy-poll instead of sleeping in CompletionQueue::wait (trades a core for latency).
+  bool busy_poll = false;
+};
+
+// Opens a provider by kind. ENOTSUP when the rdma provider was not built, ENODEV when no RDMA
+// device exists.
+Result<std::unique_ptr<Fabric>> open_fabric(FabricKind kind, const FabricOptions& options = {});
+
+}  // namespace ibtrs::fabric

@@ -1,0 +1,1046 @@
+// The tcp provider: software RDMA over TCP with verbs semantics (see fabric.h and tcp_wire.h).
+//
+// Progress model: there is no engine thread. A post writes to the socket directly from the
+// posting thread (one sendmsg for a whole batch of work requests); whatever the socket does not
+// take is finished by the CQ's poller on EPOLLOUT. Incoming bytes are processed by the poller of
+// the CQ the connection is attached to, inside poll()/wait(), which places data and raises
+// completions. That keeps the round trip at the socket's own cost: no thread hand-off.
+//
+// Acknowledgements: every frame header carries how many of the peer's data frames were placed.
+// A poller owes an ack after placing frames; it rides on the next frame the connection sends,
+// or goes out as an ACK frame at the next poll()/arm()/wait() — so a request/response exchange
+// costs no extra frame, and streaming costs one ACK per poll.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "fabric/mr_table.h"
+#include "fabric/providers.h"
+#include "fabric/tcp/tcp_rx.h"
+#include "fabric/tcp/tcp_wire.h"
+
+namespace ibtrs::fabric {
+namespace tcp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Reads per connection per poll: bounds how long one busy connection holds the poller.
+constexpr unsigned kReadsPerEvent = 8;
+// Frames per sendmsg; IOV_MAX is 1024 and each frame takes 1 + SGE iovecs.
+constexpr size_t kMaxTxIov = 1024;
+constexpr int kMaxEvents = 64;
+// How long a listener waits for a connected socket's CONNECT_REQ before dropping it.
+constexpr std::chrono::milliseconds kHandshakeTimeout{5000};
+
+int remaining_ms(Clock::time_point deadline) {
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return left.count() <= 0 ? 0 : static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX));
+}
+
+// Blocking-with-deadline helpers for the handshake (the only blocking socket use).
+ibtrs::Status io_all(int fd, void* buf, size_t len, bool sending, Clock::time_point deadline) {
+  auto* p = static_cast<char*>(buf);
+  while (len > 0) {
+    ssize_t n = sending ? ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
+                        : ::recv(fd, p, len, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) return errc(ECONNRESET);
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return errc(errno);
+    pollfd pfd{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
+    int ms = remaining_ms(deadline);
+    if (ms == 0) return errc(ETIMEDOUT);
+    int r = ::poll(&pfd, 1, ms);
+    if (r < 0 && errno != EINTR) return errc(errno);
+    if (r == 0) return errc(ETIMEDOUT);
+  }
+  return {};
+}
+
+struct HandshakeFrame {
+  FrameHeader hdr;
+  ConnectBody body;
+};
+IBTRS_WIRE_STRUCT(HandshakeFrame, 96);
+
+HandshakeFrame make_handshake(FrameType type, uint8_t verdict, std::span<const std::byte> pd) {
+  HandshakeFrame f;
+  std::memset(&f, 0, sizeof(f));
+  f.hdr = make_header(type, sizeof(ConnectBody));
+  f.body.magic.set(kMagic);
+  f.body.version.set(kVersion);
+  f.body.private_len = static_cast<uint8_t>(pd.size());
+  f.body.verdict = verdict;
+  std::memcpy(f.body.private_data, pd.data(), pd.size());
+  return f;
+}
+
+bool handshake_valid(const HandshakeFrame& f, FrameType want) {
+  return header_is_valid(f.hdr) && static_cast<FrameType>(f.hdr.type) == want &&
+         f.hdr.ack.get() == 0 && f.body.magic.get() == kMagic &&
+         f.body.version.get() == kVersion && f.body.private_len <= kMaxPrivateData &&
+         f.body.verdict <= 1;
+}
+
+Address address_of(int fd, bool peer) {
+  Address a;
+  a.fabric = FabricKind::tcp;
+  socklen_t len = sizeof(a.sa);
+  if (peer) {
+    ::getpeername(fd, reinterpret_cast<sockaddr*>(&a.sa), &len);
+  } else {
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a.sa), &len);
+  }
+  a.port = a.sa.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&a.sa)->sin6_port)
+                                      : ntohs(reinterpret_cast<sockaddr_in*>(&a.sa)->sin_port);
+  return a;
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+ibtrs::Status validate_caps(const QueueCaps& c) {
+  if (c.max_send_wr == 0 || c.max_recv_wr == 0 || c.max_send_wr > (1u << 16) ||
+      c.max_recv_wr > (1u << 16) || c.max_send_sge == 0 || c.max_send_sge > kMaxSendSge ||
+      c.max_recv_sge == 0 || c.max_recv_sge > kMaxRecvSge)
+    return errc(EINVAL);
+  return {};
+}
+
+class TcpConnection;
+
+// ---------------------------------------------------------------------------------------------
+class TcpCq final : public CompletionQueue {
+ public:
+  static Result<std::unique_ptr<CompletionQueue>> create(uint32_t capacity, bool busy_poll);
+  ~TcpCq() override {
+    ::close(epfd_);
+    ::close(evfd_);
+  }
+
+  size_t poll(std::span<Completion> out) override;
+  size_t wait(std::span<Completion> out, std::chrono::milliseconds timeout) override;
+  int fd() const override { return epfd_; }
+  ibtrs::Status arm() override {
+    std::lock_guard lock(mu_);
+    flush_acks();
+    return {};
+  }
+  void ack_events() override {}
+
+  // Connection side (any thread).
+  ibtrs::Status reserve(uint32_t n);
+  void unreserve(uint32_t n);
+  uint64_t attach(TcpConnection* c, int sock);  // after reserve(); returns the epoll id
+  void detach(uint64_t id, int sock);
+  void wake() {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(evfd_, &one, sizeof(one));
+  }
+  void set_events(uint64_t id, int sock, uint32_t events) {
+    epoll_event ev{};
+    ev.events = events;
+    ev.data.u64 = id;
+    ::epoll_ctl(epfd_, EPOLL_CTL_MOD, sock, &ev);
+  }
+
+  // Poller side (mu_ held).
+  void push(const Completion& c) {
+    if (count_ == ring_.size()) grow();
+    ring_[(head_ + count_) % ring_.size()] = c;
+    ++count_;
+  }
+  void owe_ack(TcpConnection* c) {
+    if (std::find(ack_owed_.begin(), ack_owed_.end(), c) == ack_owed_.end()) ack_owed_.push_back(c);
+  }
+
+ private:
+  TcpCq(uint32_t capacity, int epfd, int evfd, bool busy)
+      : CompletionQueue(capacity), epfd_(epfd), evfd_(evfd), busy_poll_(busy), ring_(capacity) {
+    ack_owed_.reserve(16);
+  }
+  size_t drain(std::span<Completion> out);
+  void dispatch(const epoll_event* evs, int n);
+  void flush_acks();
+  void grow();
+
+  int epfd_;
+  int evfd_;
+  bool busy_poll_;
+  std::mutex mu_;
+  struct Attached {
+    uint64_t id;
+    TcpConnection* conn;
+  };
+  std::vector<Attached> conns_;
+  uint64_t next_id_ = 1;  // 0 is the eventfd
+  uint32_t reserved_ = 0;
+  std::vector<Completion> ring_;
+  size_t head_ = 0;
+  size_t count_ = 0;
+  std::vector<TcpConnection*> ack_owed_;
+};
+
+// ---------------------------------------------------------------------------------------------
+class TcpConnection final : public Connection, private RxHooks {
+ public:
+  TcpConnection(TcpCq& cq, int sock, const QueueCaps& caps, ConnectionEvents events,
+                std::shared_ptr<MrTable> mrs)
+      : cq_(cq),
+        sock_(sock),
+        caps_(caps),
+        events_(std::move(events)),
+        mrs_(std::move(mrs)),
+        local_(address_of(sock, false)),
+        peer_(address_of(sock, true)),
+        sq_(caps.max_send_wr),
+        sq_sges_(static_cast<size_t>(caps.max_send_wr) * caps.max_send_sge),
+        rq_(caps.max_recv_wr),
+        rx_(*mrs_) {}
+
+  // Attaching is separate from construction so that nothing can poll a half-built object.
+  void attach() { cq_id_ = cq_.attach(this, sock_); }
+
+  ~TcpConnection() override {
+    if (cq_id_ != 0) cq_.detach(cq_id_, sock_);
+    cq_.unreserve(caps_.max_send_wr + caps_.max_recv_wr);
+    ::close(sock_);
+  }
+
+  ibtrs::Status post_send(std::span<const SendWr> wrs) override;
+  ibtrs::Status post_recv(std::span<const RecvWr> wrs) override;
+  void disconnect() override {
+    ConnState expected = ConnState::connected;
+    if (state_.compare_exchange_strong(expected, ConnState::error)) {
+      local_disconnect_.store(true, std::memory_order_release);
+      cq_.wake();
+    }
+  }
+  ConnState state() const override { return state_.load(std::memory_order_acquire); }
+  const QueueCaps& caps() const override { return caps_; }
+  uint32_t send_queue_free() const override {
+    return caps_.max_send_wr - (sq_tail_.load(std::memory_order_acquire) -
+                                sq_acked_.load(std::memory_order_acquire));
+  }
+  const Address& local_address() const override { return local_; }
+  const Address& peer_address() const override { return peer_; }
+  std::string device_name() const override { return "tcp"; }
+  uint8_t port_num() const override { return 1; }
+
+  // Poller side, with the CQ lock held.
+  void on_events(uint32_t events);
+  void on_wakeup();
+  void send_owed_ack();
+
+ private:
+  struct TxEntry {
+    uint64_t wr_id;
+    FrameHeader hdr;
+    uint64_t total;  // payload bytes
+    uint32_t num_sge;
+    Opcode opcode;
+    bool signaled;
+  };
+  enum class Ctrl : uint8_t { none, ack, nak, disconnect };
+
+  // RxHooks (poller).
+  ssize_t read(const iovec* iov, int iovcnt) override {
+    ssize_t n = ::readv(sock_, iov, iovcnt);
+    return n < 0 ? -errno : n;
+  }
+  RecvEntry* head_recv() override {
+    std::lock_guard lock(rq_mu_);
+    return rq_head_ == rq_tail_ ? nullptr : &rq_[rq_head_ % rq_.size()];
+  }
+  void complete_recv(WcStatus status, Opcode opcode, uint32_t byte_len, uint32_t imm,
+                     bool with_imm) override {
+    uint64_t wr_id;
+    {
+      std::lock_guard lock(rq_mu_);
+      wr_id = rq_[rq_head_ % rq_.size()].wr_id;
+      ++rq_head_;
+    }
+    cq_.push(Completion{wr_id, status, opcode, byte_len, imm, with_imm});
+  }
+  bool on_ack(uint32_t ack) override;
+  void on_nak(uint32_t frame, WcStatus status) override {
+    failed_frame_ = frame;
+    failed_status_ = status;
+    has_failed_frame_ = true;
+  }
+
+  void pump();
+  // Transmits what can go now; tx_mu_ held.
+  void flush_tx();
+  void queue_ctrl(Ctrl c, WcStatus nak_status = WcStatus::success);
+  void set_epollout(bool on);
+  // Moves to error: tells the peer (best effort), flushes every outstanding request, calls
+  // on_disconnected once. Poller only.
+  void enter_error(std::error_code why, Ctrl tell_peer, WcStatus nak_status = WcStatus::success);
+
+  TcpCq& cq_;
+  int sock_;
+  uint64_t cq_id_ = 0;
+  QueueCaps caps_;
+  ConnectionEvents events_;
+  std::shared_ptr<MrTable> mrs_;
+  Address local_;
+  Address peer_;
+  std::atomic<ConnState> state_{ConnState::connected};
+  std::atomic<bool> local_disconnect_{false};
+  std::atomic<bool> tx_failed_{false};
+  bool dead_ = false;  // poller: flushed and out of epoll
+
+  // Send queue. Slot counters are the data frame numbers of the stream.
+  std::mutex tx_mu_;
+  std::vector<TxEntry> sq_;
+  std::vector<Sge> sq_sges_;
+  std::atomic<uint32_t> sq_acked_{0};  // frames the peer placed; written by the poller
+  uint32_t sq_tx_ = 0;                 // next frame to transmit (tx_mu_)
+  std::atomic<uint32_t> sq_tail_{0};   // next free slot (tx_mu_)
+  size_t tx_off_ = 0;                  // bytes of frame sq_tx_ already sent
+  bool epollout_ = false;
+  bool rx_enabled_ = true;
+  uint32_t ack_sent_ = 0;              // ack value in the last header we started sending
+  Ctrl ctrl_ = Ctrl::none;
+  FrameHeader ctrl_hdr_{};
+  size_t ctrl_off_ = 0;
+  bool tx_closed_ = false;             // a NAK or DISCONNECT went out: no more frames
+
+  // Receive queue.
+  std::mutex rq_mu_;
+  std::vector<RecvEntry> rq_;
+  uint32_t rq_head_ = 0;
+  uint32_t rq_tail_ = 0;
+  std::atomic<bool> rnr_{false};
+
+  RxEngine rx_;
+  bool has_failed_frame_ = false;
+  uint32_t failed_frame_ = 0;
+  WcStatus failed_status_ = WcStatus::success;
+};
+
+// ----- TcpConnection -------------------------------------------------------------------------
+
+ibtrs::Status TcpConnection::post_send(std::span<const SendWr> wrs) {
+  if (state() != ConnState::connected) return errc(ENOTCONN);
+  for (const SendWr& wr : wrs) {
+    if (wr.opcode != Opcode::send && wr.opcode != Opcode::write &&
+        wr.opcode != Opcode::write_with_imm)
+      return errc(EINVAL);
+    if (wr.sg_list.size() > caps_.max_send_sge) return errc(EINVAL);
+    uint64_t total = 0;
+    for (const Sge& s : wr.sg_list) {
+      total += s.length;
+      // A gather list outside registered memory would make sendmsg read arbitrary memory;
+      // verbs reports it as a local protection error, we refuse the post.
+      if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, 0)) return errc(EINVAL);
+    }
+    if (total > kMaxPayload) return errc(EINVAL);
+  }
+  std::lock_guard lock(tx_mu_);
+  if (state() != ConnState::connected || tx_closed_) return errc(ENOTCONN);
+  uint32_t tail = sq_tail_.load(std::memory_order_relaxed);
+  uint32_t used = tail - sq_acked_.load(std::memory_order_acquire);
+  if (wrs.size() > caps_.max_send_wr - used) return errc(ENOMEM);
+  for (const SendWr& wr : wrs) {
+    size_t slot = tail % sq_.size();
+    TxEntry& e = sq_[slot];
+    uint64_t total = 0;
+    Sge* sges = &sq_sges_[slot * caps_.max_send_sge];
+    for (size_t i = 0; i < wr.sg_list.size(); ++i) {
+      sges[i] = wr.sg_list[i];
+      total += wr.sg_list[i].length;
+    }
+    e.wr_id = wr.wr_id;
+    e.num_sge = static_cast<uint32_t>(wr.sg_list.size());
+    e.total = total;
+    e.opcode = wr.opcode;
+    e.signaled = wr.signaled;
+    FrameType type = wr.opcode == Opcode::send    ? FrameType::send
+                     : wr.opcode == Opcode::write ? FrameType::write
+                                                  : FrameType::write_imm;
+    e.hdr = make_header(type, static_cast<uint32_t>(total));
+    if (type != FrameType::send) {
+      e.hdr.remote_addr.set(wr.remote_addr);
+      e.hdr.rkey.set(wr.rkey);
+    }
+    if (type == FrameType::write_imm) e.hdr.imm.set(wr.imm);
+    ++tail;
+  }
+  sq_tail_.store(tail, std::memory_order_release);
+  if (!epollout_) flush_tx();
+  return {};
+}
+
+ibtrs::Status TcpConnection::post_recv(std::span<const RecvWr> wrs) {
+  if (state() != ConnState::connected) return errc(ENOTCONN);
+  for (const RecvWr& wr : wrs) {
+    if (wr.sg_list.size() > caps_.max_recv_sge) return errc(EINVAL);
+    for (const Sge& s : wr.sg_list) {
+      if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, kLocalWrite)) return errc(EINVAL);
+    }
+  }
+  {
+    std::lock_guard lock(rq_mu_);
+    if (wrs.size() > rq_.size() - (rq_tail_ - rq_head_)) return errc(ENOMEM);
+    for (const RecvWr& wr : wrs) {
+      RecvEntry& e = rq_[rq_tail_ % rq_.size()];
+      e.wr_id = wr.wr_id;
+      e.num_sge = static_cast<uint32_t>(wr.sg_list.size());
+      std::copy(wr.sg_list.begin(), wr.sg_list.end(), e.sge);
+      ++rq_tail_;
+    }
+  }
+  // A poller stalled on "receiver not ready" resumes once it sees a RECV.
+  if (rnr_.load(std::memory_order_acquire)) cq_.wake();
+  return {};
+}
+
+bool TcpConnection::on_ack(uint32_t ack) {
+  std::lock_guard lock(tx_mu_);
+  uint32_t acked = sq_acked_.load(std::memory_order_relaxed);
+  // The peer can only acknowledge frames we finished sending.
+  if (ack - acked > sq_tx_ - acked) return false;
+  for (uint32_t f = acked; f != ack; ++f) {
+    const TxEntry& e = sq_[f % sq_.size()];
+    if (e.signaled) {
+      Opcode op = e.opcode;
+      cq_.push(Completion{e.wr_id, WcStatus::success, op, static_cast<uint32_t>(e.total), 0, false});
+    }
+  }
+  sq_acked_.store(ack, std::memory_order_release);
+  return true;
+}
+
+void TcpConnection::set_epollout(bool on) {
+  if (epollout_ == on) return;
+  epollout_ = on;
+  cq_.set_events(cq_id_, sock_,
+                 (rx_enabled_ ? EPOLLIN | EPOLLRDHUP : 0u) | (on ? EPOLLOUT : 0u));
+}
+
+void TcpConnection::queue_ctrl(Ctrl c, WcStatus nak_status) {
+  if (tx_closed_ || ctrl_off_ > 0) return;  // a control frame is half sent: it goes first
+  ctrl_ = c;
+  FrameType t = c == Ctrl::ack ? FrameType::ack : c == Ctrl::nak ? FrameType::nak : FrameType::disconnect;
+  ctrl_hdr_ = make_header(t);
+  ctrl_hdr_.status = static_cast<uint8_t>(nak_status);
+}
+
+void TcpConnection::flush_tx() {
+  iovec iov[kMaxTxIov];
+  for (;;) {
+    if (tx_closed_) return;
+    int cnt = 0;
+    size_t bytes = 0;
+    uint32_t ack = rx_.placed();
+    bool ack_in_batch = false;
+    bool ctrl_in_batch = false;
+    const uint32_t tail = sq_tail_.load(std::memory_order_relaxed);
+    // A half-sent control frame finishes first; then data; a NAK/DISCONNECT preempts data
+    // that has not started (those requests are flushed anyway); an ACK goes only when no data
+    // header can carry it.
+    bool ctrl_first = ctrl_ != Ctrl::none && (ctrl_off_ > 0 || (ctrl_ != Ctrl::ack && tx_off_ == 0));
+    if (!ctrl_first) {
+      uint32_t f = sq_tx_;
+      size_t off = tx_off_;
+      while (f != tail && cnt + 1 + static_cast<int>(caps_.max_send_sge) <= static_cast<int>(kMaxTxIov)) {
+        TxEntry& e = sq_[f % sq_.size()];
+        if (off == 0) {
+          e.hdr.ack.set(ack);
+          ack_in_batch = true;
+        }
+        // Skip what was already sent of this frame.
+        size_t skip = off;
+        auto add = [&](void* base, size_t len) {
+          if (skip >= len) {
+            skip -= len;
+            return;
+          }
+          iov[cnt].iov_base = static_cast<char*>(base) + skip;
+          iov[cnt].iov_len = len - skip;
+          bytes += len - skip;
+          skip = 0;
+          ++cnt;
+        };
+        add(&e.hdr, sizeof(FrameHeader));
+        const Sge* sges = &sq_sges_[(f % sq_.size()) * caps_.max_send_sge];
+        for (uint32_t i = 0; i < e.num_sge; ++i) {
+          if (sges[i].length > 0) add(reinterpret_cast<void*>(sges[i].addr), sges[i].length);
+        }
+        off = 0;
+        ++f;
+      }
+    }
+    if (cnt == 0 && ctrl_ != Ctrl::none) {
+      if (ctrl_off_ == 0) ctrl_hdr_.ack.set(ack);
+      iov[0].iov_base = reinterpret_cast<char*>(&ctrl_hdr_) + ctrl_off_;
+      iov[0].iov_len = sizeof(FrameHeader) - ctrl_off_;
+      bytes = iov[0].iov_len;
+      cnt = 1;
+      ctrl_in_batch = true;
+      ack_in_batch = ctrl_off_ == 0;
+    }
+    if (cnt == 0) {
+      set_epollout(false);
+      return;
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = static_cast<size_t>(cnt);
+    ssize_t n = ::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        set_epollout(true);
+        return;
+      }
+      // The stream is broken; the poller flushes everything.
+      tx_failed_.store(true, std::memory_order_release);
+      tx_closed_ = true;
+      cq_.wake();
+      return;
+    }
+    if (ack_in_batch) {
+      ack_sent_ = ack;
+      // A data header carried the ack: a queued ACK frame that has not started is redundant.
+      if (!ctrl_in_batch && ctrl_ == Ctrl::ack && ctrl_off_ == 0) ctrl_ = Ctrl::none;
+    }
+    size_t sent = static_cast<size_t>(n);
+    if (ctrl_in_batch) {
+      ctrl_off_ += sent;
+      if (ctrl_off_ == sizeof(FrameHeader)) {
+        if (ctrl_ != Ctrl::ack) tx_closed_ = true;
+        ctrl_ = Ctrl::none;
+        ctrl_off_ = 0;
+      }
+    } else {
+      while (sent > 0) {
+        TxEntry& e = sq_[sq_tx_ % sq_.size()];
+        size_t frame = sizeof(FrameHeader) + e.total - tx_off_;
+        if (sent < frame) {
+          tx_off_ += sent;
+          sent = 0;
+        } else {
+          sent -= frame;
+          tx_off_ = 0;
+          ++sq_tx_;
+        }
+      }
+    }
+    if (static_cast<size_t>(n) < bytes) {
+      set_epollout(true);
+      return;
+    }
+  }
+}
+
+void TcpConnection::send_owed_ack() {
+  if (dead_) return;
+  std::lock_guard lock(tx_mu_);
+  if (rx_.placed() != ack_sent_ && ctrl_ == Ctrl::none) {
+    queue_ctrl(Ctrl::ack);
+    if (!epollout_) flush_tx();
+  }
+}
+
+void TcpConnection::pump() {
+  const uint32_t placed_before = rx_.placed();
+  RxResult r = rx_.pump(*this, kReadsPerEvent);
+  switch (r) {
+    case RxResult::idle:
+    case RxResult::more:
+      break;
+    case RxResult::rnr: {
+      rnr_.store(true, std::memory_order_release);
+      bool posted;
+      {
+        std::lock_guard lock(rq_mu_);
+        posted = rq_head_ != rq_tail_;
+      }
+      if (posted) {  // a RECV raced in between: go on
+        rnr_.store(false, std::memory_order_release);
+        cq_.wake();
+      } else {
+        // Stop reading until post_recv() wakes us; the peer's sender waits (infinite RNR retry).
+        std::lock_guard lock(tx_mu_);
+        rx_enabled_ = false;
+        cq_.set_events(cq_id_, sock_, epollout_ ? EPOLLOUT : 0u);
+      }
+      break;
+    }
+    case RxResult::peer_closed:
+      enter_error(rx_.error(), Ctrl::none);
+      return;
+    case RxResult::nak:
+      enter_error(errc(ECONNABORTED), Ctrl::none);
+      return;
+    case RxResult::failed:
+      enter_error(rx_.error(), Ctrl::nak, rx_.nak_status());
+      return;
+  }
+  if (rx_.placed() != placed_before) cq_.owe_ack(this);
+}
+
+void TcpConnection::on_events(uint32_t events) {
+  if (dead_) return;
+  if (events & EPOLLOUT) {
+    std::lock_guard lock(tx_mu_);
+    flush_tx();
+  }
+  if (events & (EPOLLIN | EPOLLERR | EPOLLHUP | EPOLLRDHUP)) pump();
+  on_wakeup();
+}
+
+void TcpConnection::on_wakeup() {
+  if (dead_) return;
+  if (local_disconnect_.load(std::memory_order_acquire)) {
+    enter_error(errc(ECONNABORTED), Ctrl::disconnect);
+    return;
+  }
+  if (tx_failed_.load(std::memory_order_acquire)) {
+    enter_error(errc(EPIPE), Ctrl::none);
+    return;
+  }
+  if (rnr_.load(std::memory_order_acquire)) {
+    bool posted;
+    {
+      std::lock_guard lock(rq_mu_);
+      posted = rq_head_ != rq_tail_;
+    }
+    if (posted) {
+      rnr_.store(false, std::memory_order_release);
+      {
+        std::lock_guard lock(tx_mu_);
+        rx_enabled_ = true;
+        cq_.set_events(cq_id_, sock_, EPOLLIN | EPOLLRDHUP | (epollout_ ? EPOLLOUT : 0u));
+      }
+      pump();
+    }
+  }
+}
+
+void TcpConnection::enter_error(std::error_code why, Ctrl tell_peer, WcStatus nak_status) {
+  if (dead_) return;
+  dead_ = true;
+  state_.store(ConnState::error, std::memory_order_release);
+  {
+    std::lock_guard lock(tx_mu_);
+    if (tell_peer != Ctrl::none) {
+      queue_ctrl(tell_peer, nak_status);
+      flush_tx();  // best effort: the socket may be full or gone
+    }
+    tx_closed_ = true;
+    // Every request not yet acknowledged completes now: the NAKed one with the peer's status,
+    // the rest with flush_error, signalled or not (fabric.h).
+    const uint32_t tail = sq_tail_.load(std::memory_order_relaxed);
+    for (uint32_t f = sq_acked_.load(std::memory_order_relaxed); f != tail; ++f) {
+      const TxEntry& e = sq_[f % sq_.size()];
+      WcStatus st = (has_failed_frame_ && f == failed_frame_) ? failed_status_ : WcStatus::flush_error;
+      cq_.push(Completion{e.wr_id, st, e.opcode, 0, 0, false});
+    }
+    sq_acked_.store(tail, std::memory_order_release);
+    sq_tx_ = tail;
+    tx_off_ = 0;
+  }
+  {
+    std::lock_guard lock(rq_mu_);
+    for (; rq_head_ != rq_tail_; ++rq_head_) {
+      cq_.push(Completion{rq_[rq_head_ % rq_.size()].wr_id, WcStatus::flush_error, Opcode::recv, 0,
+                          0, false});
+    }
+  }
+  ::shutdown(sock_, SHUT_WR);
+  epoll_event ev{};
+  ::epoll_ctl(cq_.fd(), EPOLL_CTL_DEL, sock_, &ev);
+  if (events_.on_disconnected) events_.on_disconnected(why);
+}
+
+// ----- TcpCq ---------------------------------------------------------------------------------
+
+Result<std::unique_ptr<CompletionQueue>> TcpCq::create(uint32_t capacity, bool busy_poll) {
+  if (capacity == 0 || capacity > (1u << 22)) return errc(EINVAL);
+  int ep = ::epoll_create1(EPOLL_CLOEXEC);
+  if (ep < 0) return errc(errno);
+  int ev = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (ev < 0) {
+    int e = errno;
+    ::close(ep);
+    return errc(e);
+  }
+  epoll_event e{};
+  e.events = EPOLLIN;
+  e.data.u64 = 0;
+  ::epoll_ctl(ep, EPOLL_CTL_ADD, ev, &e);
+  return std::unique_ptr<CompletionQueue>(new TcpCq(capacity, ep, ev, busy_poll));
+}
+
+ibtrs::Status TcpCq::reserve(uint32_t n) {
+  std::lock_guard lock(mu_);
+  if (n > capacity() - reserved_) return errc(ENOSPC);
+  reserved_ += n;
+  return {};
+}
+
+void TcpCq::unreserve(uint32_t n) {
+  std::lock_guard lock(mu_);
+  reserved_ -= n;
+}
+
+uint64_t TcpCq::attach(TcpConnection* c, int sock) {
+  std::lock_guard lock(mu_);
+  uint64_t id = next_id_++;
+  conns_.push_back({id, c});
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = id;
+  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, sock, &ev);
+  return id;
+}
+
+void TcpCq::detach(uint64_t id, int sock) {
+  std::lock_guard lock(mu_);
+  epoll_event ev{};
+  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, sock, &ev);
+  for (size_t i = 0; i < conns_.size(); ++i) {
+    if (conns_[i].id == id) {
+      TcpConnection* c = conns_[i].conn;
+      conns_.erase(conns_.begin() + static_cast<ptrdiff_t>(i));
+      ack_owed_.erase(std::remove(ack_owed_.begin(), ack_owed_.end(), c), ack_owed_.end());
+      break;
+    }
+  }
+}
+
+void TcpCq::grow() {
+  // Only reachable when the owner lets completions pile up beyond the CQ size (an overrun in
+  // verbs); we keep them rather than lose them.
+  std::vector<Completion> bigger(ring_.size() * 2);
+  for (size_t i = 0; i < count_; ++i) bigger[i] = ring_[(head_ + i) % ring_.size()];
+  ring_.swap(bigger);
+  head_ = 0;
+}
+
+size_t TcpCq::drain(std::span<Completion> out) {
+  size_t n = std::min(out.size(), count_);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = ring_[head_];
+    head_ = (head_ + 1) % ring_.size();
+  }
+  count_ -= n;
+  return n;
+}
+
+void TcpCq::flush_acks() {
+  // Swap out first: sending an ack can not add to the list, but keep iteration simple.
+  for (size_t i = 0; i < ack_owed_.size(); ++i) ack_owed_[i]->send_owed_ack();
+  ack_owed_.clear();
+}
+
+void TcpCq::dispatch(const epoll_event* evs, int n) {
+  for (int i = 0; i < n; ++i) {
+    uint64_t id = evs[i].data.u64;
+    if (id == 0) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t r = ::read(evfd_, &v, sizeof(v));
+      // Indexing, not iterators: a wakeup may detach nothing, but keep it robust to growth.
+      for (size_t k = 0; k < conns_.size(); ++k) conns_[k].conn->on_wakeup();
+      continue;
+    }
+    for (const Attached& a : conns_) {
+      if (a.id == id) {
+        a.conn->on_events(evs[i].events);
+        break;
+      }
+    }
+  }
+}
+
+size_t TcpCq::poll(std::span<Completion> out) {
+  std::lock_guard lock(mu_);
+  size_t n = drain(out);
+  if (n == out.size()) return n;
+  // Acks owed since the previous poll go out now unless a frame already carried them.
+  flush_acks();
+  epoll_event evs[kMaxEvents];
+  int k = ::epoll_wait(epfd_, evs, kMaxEvents, 0);
+  if (k > 0) dispatch(evs, k);
+  return n + drain(out.subspan(n));
+}
+
+size_t TcpCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout) {
+  size_t n = poll(out);
+  if (n > 0) return n;
+  {
+    std::lock_guard lock(mu_);
+    flush_acks();
+  }
+  auto deadline = Clock::now() + timeout;
+  epoll_event evs[kMaxEvents];
+  for (;;) {
+    int ms = busy_poll_ ? 0 : remaining_ms(deadline);
+    int k = ::epoll_wait(epfd_, evs, kMaxEvents, ms);
+    if (k > 0) {
+      // Dispatch under the lock; ids of connections detached meanwhile are simply not found.
+      std::lock_guard lock(mu_);
+      dispatch(evs, k);
+      n = drain(out);
+      if (n > 0) return n;
+      flush_acks();
+    }
+    if (Clock::now() >= deadline) return 0;
+  }
+}
+
+// ----- handshake objects ---------------------------------------------------------------------
+
+class TcpDomain;
+
+class TcpConnectRequest final : public ConnectRequest {
+ public:
+  TcpConnectRequest(TcpDomain& d, int sock, std::vector<std::byte> pd)
+      : domain_(d), sock_(sock), pd_(std::move(pd)), local_(address_of(sock, false)),
+        peer_(address_of(sock, true)) {}
+  ~TcpConnectRequest() override {
+    if (sock_ >= 0) ::close(sock_);
+  }
+  std::span<const std::byte> private_data() const override { return pd_; }
+  const Address& peer_address() const override { return peer_; }
+  const Address& local_address() const override { return local_; }
+  Domain& domain() override;
+  Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+                                             std::span<const std::byte> private_data,
+                                             ConnectionEvents events) override;
+  ibtrs::Status reject(std::span<const std::byte> private_data) override {
+    if (sock_ < 0) return errc(EINVAL);
+    if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
+    HandshakeFrame f = make_handshake(FrameType::connect_rsp, 0, private_data);
+    auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout);
+    ::close(sock_);
+    sock_ = -1;
+    return st;
+  }
+
+ private:
+  TcpDomain& domain_;
+  int sock_;
+  std::vector<std::byte> pd_;
+  Address local_;
+  Address peer_;
+};
+
+class TcpListener final : public Listener {
+ public:
+  TcpListener(TcpDomain& d, int sock, Address addr) : domain_(d), sock_(sock), addr_(std::move(addr)) {}
+  ~TcpListener() override { ::close(sock_); }
+  Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) override;
+  int fd() const override { return sock_; }
+  const Address& address() const override { return addr_; }
+
+ private:
+  TcpDomain& domain_;
+  int sock_;
+  Address addr_;
+};
+
+class TcpDomain final : public Domain {
+ public:
+  TcpDomain(std::shared_ptr<MrTable> mrs, bool busy) : mrs_(std::move(mrs)), busy_poll_(busy) {}
+  std::string device_name() const override { return "tcp"; }
+  Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length,
+                                                        uint32_t access) override {
+    return SoftMemoryRegion::create(mrs_, addr, length, access);
+  }
+  Result<std::unique_ptr<CompletionQueue>> create_cq(uint32_t capacity) override {
+    return TcpCq::create(capacity, busy_poll_);
+  }
+  Result<ConnectResult> connect(const ConnectParams& p, std::vector<std::byte>* reject_data) override;
+
+  // Builds the connection on an established, handshaken socket. Takes the socket on success.
+  Result<std::unique_ptr<Connection>> make_connection(CompletionQueue& cq, int sock,
+                                                      const QueueCaps& caps,
+                                                      ConnectionEvents events);
+  ibtrs::Status reserve(CompletionQueue& cq, const QueueCaps& caps) {
+    auto* tcq = dynamic_cast<TcpCq*>(&cq);
+    if (tcq == nullptr) return errc(EINVAL);
+    IBTRS_TRY(validate_caps(caps));
+    return tcq->reserve(caps.max_send_wr + caps.max_recv_wr);
+  }
+
+ private:
+  std::shared_ptr<MrTable> mrs_;
+  bool busy_poll_;
+};
+
+Domain& TcpConnectRequest::domain() { return domain_; }
+
+Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(CompletionQueue& cq,
+                                                              const QueueCaps& caps,
+                                                              std::span<const std::byte> private_data,
+                                                              ConnectionEvents events) {
+  if (sock_ < 0 || private_data.size() > kMaxPrivateData) return errc(EINVAL);
+  IBTRS_TRY(domain_.reserve(cq, caps));
+  // The response goes out before the connection is attached: the client sends nothing before
+  // it has read the response, and its frames wait in the socket until we attach.
+  HandshakeFrame f = make_handshake(FrameType::connect_rsp, 1, private_data);
+  auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout);
+  if (!st) {
+    static_cast<TcpCq&>(cq).unreserve(caps.max_send_wr + caps.max_recv_wr);
+    return st.error();
+  }
+  auto conn = domain_.make_connection(cq, sock_, caps, std::move(events));
+  sock_ = -1;
+  return conn;
+}
+
+Result<std::unique_ptr<Connection>> TcpDomain::make_connection(CompletionQueue& cq, int sock,
+                                                               const QueueCaps& caps,
+                                                               ConnectionEvents events) {
+  set_nodelay(sock);
+  auto c = std::make_unique<TcpConnection>(static_cast<TcpCq&>(cq), sock, caps, std::move(events),
+                                           mrs_);
+  c->attach();
+  return std::unique_ptr<Connection>(std::move(c));
+}
+
+Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std::byte>* reject_data) {
+  if (p.cq == nullptr || p.private_data.size() > kMaxPrivateData ||
+      p.remote.fabric != FabricKind::tcp)
+    return errc(EINVAL);
+  IBTRS_TRY(reserve(*p.cq, p.caps));
+  const uint32_t reserved = p.caps.max_send_wr + p.caps.max_recv_wr;
+  auto fail = [&](int e) -> Result<ConnectResult> {
+    static_cast<TcpCq*>(p.cq)->unreserve(reserved);
+    return errc(e);
+  };
+  const auto deadline = Clock::now() + p.timeout;
+  int sock = ::socket(p.remote.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (sock < 0) return fail(errno);
+  auto close_fail = [&](int e) {
+    ::close(sock);
+    return fail(e);
+  };
+  if (p.source != nullptr) {
+    Address src = p.source->with_port(0);
+    if (::bind(sock, src.sockaddr_ptr(), src.sockaddr_len()) != 0) return close_fail(errno);
+  }
+  if (::connect(sock, p.remote.sockaddr_ptr(), p.remote.sockaddr_len()) != 0) {
+    if (errno != EINPROGRESS) return close_fail(errno);
+    pollfd pfd{sock, POLLOUT, 0};
+    int r = ::poll(&pfd, 1, remaining_ms(deadline));
+    if (r == 0) return close_fail(ETIMEDOUT);
+    if (r < 0) return close_fail(errno);
+    int err = 0;
+    socklen_t len = sizeof(err);
+    ::getsockopt(sock, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err != 0) return close_fail(err);
+  }
+  set_nodelay(sock);
+  HandshakeFrame req = make_handshake(FrameType::connect_req, 0, p.private_data);
+  if (auto st = io_all(sock, &req, sizeof(req), true, deadline); !st)
+    return close_fail(st.error().value());
+  HandshakeFrame rsp;
+  if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline); !st)
+    return close_fail(st.error().value());
+  if (!handshake_valid(rsp, FrameType::connect_rsp)) return close_fail(EPROTO);
+  std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(rsp.body.private_data),
+                            reinterpret_cast<const std::byte*>(rsp.body.private_data) +
+                                rsp.body.private_len);
+  if (rsp.body.verdict == 0) {
+    if (reject_data != nullptr) *reject_data = std::move(pd);
+    return close_fail(ECONNREFUSED);
+  }
+  auto c = make_connection(*p.cq, sock, p.caps, p.events);
+  return ConnectResult{std::move(c).value(), std::move(pd)};
+}
+
+Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    int s = ::accept4(sock_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (s < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return errc(errno);
+      pollfd pfd{sock_, POLLIN, 0};
+      int ms = remaining_ms(deadline);
+      if (ms == 0) return errc(ETIMEDOUT);
+      int r = ::poll(&pfd, 1, ms);
+      if (r < 0 && errno != EINTR) return errc(errno);
+      if (r == 0) return errc(ETIMEDOUT);
+      continue;
+    }
+    // A socket that does not complete the handshake in time, or sends garbage, is dropped and
+    // we keep listening: a stray peer must not fail the server's accept loop.
+    HandshakeFrame req;
+    auto hs_deadline = std::min(deadline + kHandshakeTimeout, Clock::now() + kHandshakeTimeout);
+    if (!io_all(s, &req, sizeof(req), false, hs_deadline) ||
+        !handshake_valid(req, FrameType::connect_req)) {
+      ::close(s);
+      if (remaining_ms(deadline) == 0) return errc(ETIMEDOUT);
+      continue;
+    }
+    std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(req.body.private_data),
+                              reinterpret_cast<const std::byte*>(req.body.private_data) +
+                                  req.body.private_len);
+    return std::unique_ptr<ConnectRequest>(new TcpConnectRequest(domain_, s, std::move(pd)));
+  }
+}
+
+class TcpFabric final : public Fabric {
+ public:
+  explicit TcpFabric(const FabricOptions& o)
+      : domain_(std::make_shared<MrTable>(), o.busy_poll) {}
+  FabricKind kind() const override { return FabricKind::tcp; }
+  Result<Domain*> domain_for(const Address& remote, const Address*) override {
+    if (remote.fabric != FabricKind::tcp) return errc(EINVAL);
+    return static_cast<Domain*>(&domain_);
+  }
+  Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog) override {
+    if (local.fabric != FabricKind::tcp || backlog <= 0) return errc(EINVAL);
+    int s = ::socket(local.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0) return errc(errno);
+    int one = 1;
+    ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(s, local.sockaddr_ptr(), local.sockaddr_len()) != 0 || ::listen(s, backlog) != 0) {
+      int e = errno;
+      ::close(s);
+      return errc(e);
+    }
+    return std::unique_ptr<Listener>(new TcpListener(domain_, s, address_of(s, false)));
+  }
+
+ private:
+  TcpDomain domain_;
+};
+
+}  // namespace
+}  // namespace tcp
+
+Result<std::unique_ptr<Fabric>> make_tcp_fabric(const FabricOptions& options) {
+  return std::unique_ptr<Fabric>(new tcp::TcpFabric(options));
+}
+
+}  // namespace ibtrs::fabric
