@@ -454,8 +454,11 @@ TEST_F(Conformance, ManyConnectionsInParallel) {
   std::thread server([&] {
     size_t got = 0;
     Completion wc[64];
-    // Keeps polling after the last immediate: acknowledgements still have to flow back.
-    while (!stop) {
+    // Polls until every immediate is in and the clients are done: acknowledgements of the last
+    // writes still have to flow back after the last immediate.
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while ((!stop || got < static_cast<size_t>(kConns * kPerConn)) &&
+           std::chrono::steady_clock::now() < deadline) {
       size_t n = srv_.cq->wait(wc, 10ms);
       for (size_t k = 0; k < n; ++k) {
         if (wc[k].status == WcStatus::success && wc[k].imm < imms.size()) ++imms[wc[k].imm];

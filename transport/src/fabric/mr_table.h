@@ -78,7 +78,7 @@ class MrTable {
   mutable std::mutex mu_;  // guards allocation of slots and pages (not lookups)
   std::unique_ptr<std::atomic<Page*>[]> pages_;
   std::vector<uint32_t> free_;
-  uint32_t next_unused_ = 0;
+  uint32_t next_unused_ = 1;  // slot 0 unused: key 0 is never valid
 };
 
 // A MemoryRegion of the software providers.

@@ -91,7 +91,7 @@ HandshakeFrame make_handshake(FrameType type, uint8_t verdict, std::span<const s
   f.body.version.set(kVersion);
   f.body.private_len = static_cast<uint8_t>(pd.size());
   f.body.verdict = verdict;
-  std::memcpy(f.body.private_data, pd.data(), pd.size());
+  if (!pd.empty()) std::memcpy(f.body.private_data, pd.data(), pd.size());
   return f;
 }
 
@@ -285,6 +285,7 @@ class TcpConnection final : public Connection, private RxHooks {
     cq_.push(Completion{wr_id, status, opcode, byte_len, imm, with_imm});
   }
   bool on_ack(uint32_t ack) override;
+
   void on_nak(uint32_t frame, WcStatus status) override {
     failed_frame_ = frame;
     failed_status_ = status;
@@ -388,6 +389,10 @@ ibtrs::Status TcpConnection::post_send(std::span<const SendWr> wrs) {
       e.hdr.rkey.set(wr.rkey);
     }
     if (type == FrameType::write_imm) e.hdr.imm.set(wr.imm);
+    // Ask for a prompt ack when someone waits for this completion, or when the send queue is
+    // half full and its slots must come back.
+    if (wr.signaled || 2 * (tail + 1 - sq_acked_.load(std::memory_order_relaxed)) >= caps_.max_send_wr)
+      e.hdr.flags = kFlagAckRequested;
     ++tail;
   }
   sq_tail_.store(tail, std::memory_order_release);
@@ -568,7 +573,6 @@ void TcpConnection::send_owed_ack() {
 }
 
 void TcpConnection::pump() {
-  const uint32_t placed_before = rx_.placed();
   RxResult r = rx_.pump(*this, kReadsPerEvent);
   switch (r) {
     case RxResult::idle:
@@ -602,7 +606,7 @@ void TcpConnection::pump() {
       enter_error(rx_.error(), Ctrl::nak, rx_.nak_status());
       return;
   }
-  if (rx_.placed() != placed_before) cq_.owe_ack(this);
+  if (rx_.take_ack_request()) cq_.owe_ack(this);
 }
 
 void TcpConnection::on_events(uint32_t events) {

@@ -209,6 +209,7 @@ void RxEngine::finish_frame(RxHooks& hooks) {
   // Count the frame before completing the RECV, so that an upper layer reacting to the
   // completion by sending already acknowledges this frame.
   placed_.store(placed_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  if (hdr_.flags & kFlagAckRequested) ack_requested_ = true;
   if (type == FrameType::send) {
     hooks.complete_recv(WcStatus::success, Opcode::recv, hdr_.length.get(), 0, false);
   } else if (type == FrameType::write_imm) {

@@ -75,6 +75,13 @@ class RxEngine {
   // Data frames of the peer placed so far (mod 2^32); the value our headers acknowledge.
   uint32_t placed() const { return placed_.load(std::memory_order_acquire); }
 
+  // Whether a frame placed since the last call asked for a prompt acknowledgement.
+  bool take_ack_request() {
+    bool r = ack_requested_;
+    ack_requested_ = false;
+    return r;
+  }
+
   // After `failed`: the status to report to the peer in a NAK for frame number placed().
   WcStatus nak_status() const { return nak_status_; }
   // After `failed` or `peer_closed`: why (EPROTO, EMSGSIZE, EACCES, ECONNRESET, ...).
@@ -123,6 +130,7 @@ class RxEngine {
   MrTable::Ref refs_[kMaxRecvSge];
 
   std::atomic<uint32_t> placed_{0};
+  bool ack_requested_ = false;
   WcStatus nak_status_ = WcStatus::success;
   std::error_code error_;
   uint64_t staged_copy_bytes_ = 0;

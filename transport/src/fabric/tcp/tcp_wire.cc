@@ -5,8 +5,9 @@
 namespace ibtrs::fabric::tcp {
 
 bool header_is_valid(const FrameHeader& h) {
-  if (h.reserved0.get() != 0 || h.reserved1.get() != 0) return false;
+  if (h.reserved0 != 0 || h.reserved1.get() != 0) return false;
   const auto type = static_cast<FrameType>(h.type);
+  if ((h.flags & ~kKnownFlags) != 0 || (h.flags != 0 && !is_data_frame(type))) return false;
   const uint32_t len = h.length.get();
   const bool has_target = h.rkey.get() != 0 || h.remote_addr.get() != 0;
   switch (type) {

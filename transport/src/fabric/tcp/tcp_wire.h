@@ -6,7 +6,9 @@
 // payload is a ConnectBody. After it come data frames (SEND, WRITE, WRITE_IMM), which the peer
 // counts from 0, and control frames (ACK, NAK, DISCONNECT). Every header carries `ack`: how many
 // of the peer's data frames this side has placed, which is how a sender learns that its work
-// requests completed (RC acknowledgement semantics).
+// requests completed (RC acknowledgement semantics). A receiver sends a standalone ACK only for
+// frames flagged kFlagAckRequested (the sender flags signalled requests and those that fill half
+// its send queue); otherwise acks ride on whatever it sends next.
 #pragma once
 
 #include <cstddef>
@@ -34,10 +36,15 @@ enum class FrameType : uint8_t {
   disconnect = 8,   // orderly disconnect; stream ends
 };
 
+// FrameHeader::flags
+inline constexpr uint8_t kFlagAckRequested = 1u << 0;  // data frames: acknowledge promptly
+inline constexpr uint8_t kKnownFlags = kFlagAckRequested;
+
 struct FrameHeader {
   uint8_t type;         // FrameType
   uint8_t status;       // nak: fabric::WcStatus of the failed frame; 0 otherwise
-  le16 reserved0;       // 0
+  uint8_t flags;        // data frames: kFlagAckRequested; 0 otherwise
+  uint8_t reserved0;    // 0
   le32 length;          // payload bytes after the header (data and connect frames), else 0
   le32 ack;             // cumulative count of the peer's data frames placed here (mod 2^32)
   le32 imm;             // write_imm: the immediate, host order value; 0 otherwise
