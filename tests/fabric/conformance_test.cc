@@ -1,5 +1,7 @@
 // Provider conformance: the semantics fabric.h promises, checked the same way on every provider.
 // Run as `fabric_conformance --fabric=loopback|tcp|rdma`.
+#include <poll.h>
+
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -501,6 +503,44 @@ TEST_F(Conformance, ManyConnectionsInParallel) {
     EXPECT_EQ(0, std::memcmp(target.bytes.data() + i * kSize, srcs[i].bytes.data(), kSize)) << i;
   for (auto& c : clients) c->conn.reset();
   for (auto& s : server_sides) s->conn.reset();
+}
+
+// Case: the server sleeps on its CQ's fd (arm, poll again, wait for readability) while the
+// client sends one SEND from another thread.
+// Expect: the fd becomes readable and the RECV completion is there after ack_events().
+TEST_F(Conformance, CompletionFdWakesAnEventDrivenOwner) {
+  connect_pair(cli_, srv_);
+  Buffer rx = Buffer::make(*server_domain_, 64, kLocalWrite);
+  Buffer tx = Buffer::make(*client_domain_, 64, 0, std::byte{9});
+  Sge rs = rx.sge(0, 64);
+  RecvWr r{1, {&rs, 1}};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  std::atomic<bool> stop{false};
+  std::thread client([&] {
+    std::this_thread::sleep_for(50ms);
+    Sge ts = tx.sge(0, 64);
+    SendWr w{2, Opcode::send, {&ts, 1}};
+    EXPECT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+    while (!stop) poll_once(cli_);  // the client's CQ owner keeps polling for its ack
+  });
+  std::vector<Completion> got;
+  auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (got.empty() && std::chrono::steady_clock::now() < deadline) {
+    Completion wc[8];
+    ASSERT_TRUE(srv_.cq->arm().ok());
+    size_t n = srv_.cq->poll(wc);  // closes the race between the last poll and arm()
+    if (n == 0) {
+      pollfd pfd{srv_.cq->fd(), POLLIN, 0};
+      if (::poll(&pfd, 1, 1000) > 0) srv_.cq->ack_events();
+      n = srv_.cq->poll(wc);
+    }
+    got.insert(got.end(), wc, wc + n);
+  }
+  stop = true;
+  client.join();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(ok(got[0]));
+  EXPECT_EQ(rx.bytes, tx.bytes);
 }
 
 // Case: a RECV scattered over three SGEs receives one SEND.

@@ -796,10 +796,13 @@ size_t TcpCq::poll(std::span<Completion> out) {
 }
 
 size_t TcpCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout) {
-  size_t n = poll(out);
-  if (n > 0) return n;
   {
+    // Completions already queued are returned at once; otherwise owed acks go out and we block
+    // in epoll_wait straight away (a non-blocking look first would only add a system call to
+    // every round trip).
     std::lock_guard lock(mu_);
+    size_t n = drain(out);
+    if (n > 0) return n;
     flush_acks();
   }
   auto deadline = Clock::now() + timeout;
@@ -811,7 +814,7 @@ size_t TcpCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout)
       // Dispatch under the lock; ids of connections detached meanwhile are simply not found.
       std::lock_guard lock(mu_);
       dispatch(evs, k);
-      n = drain(out);
+      size_t n = drain(out);
       if (n > 0) return n;
       flush_acks();
     }
