@@ -417,8 +417,8 @@ class RdmaCq final : public CompletionQueue {
   RdmaDomain& domain_;
   ibv_comp_channel* channel_;
   ibv_cq* cq_;
-  // Held across a whole poll(): detach() takes it, so a core found here stays alive until poll
-  // returns. Only the CQ owner polls, so it is uncontended but for attach/detach.
+  // Held across a whole poll(): detach() takes it, so a core found in qps_ stays alive until poll
+  // returns. Only the CQ owner polls; connection setup and teardown are the only other takers.
   std::mutex mu_;
   uint64_t reserved_ = 0;
   std::unordered_map<uint32_t, ConnCore*> qps_;
@@ -458,9 +458,9 @@ class RdmaConnectRequest final : public ConnectRequest {
         local_(to_address(rdma_get_local_addr(id_.get()))),
         peer_(to_address(rdma_get_peer_addr(id_.get()))) {}
   ~RdmaConnectRequest() override {
-    // Neither accepted nor rejected: tell the peer now rather than let its REQ time out.
+    // Neither accepted nor rejected: answer now rather than let the peer's REQ time out. (Member
+    // order destroys the id before the channel it reports on.)
     if (id_) rdma_reject(id_.get(), nullptr, 0);
-    id_.reset();  // before the channel it reports on
   }
 
   std::span<const std::byte> private_data() const override { return private_data_; }
@@ -489,10 +489,9 @@ class RdmaListener final : public Listener {
         channel_(std::move(channel)),
         id_(std::move(id)),
         address_(to_address(rdma_get_local_addr(id_.get()))) {}
-  ~RdmaListener() override {
-    // Destroying the listen id also destroys the ids of requests still queued on the channel.
-    id_.reset();
-  }
+  // Destroying the listen id (before its channel: member order) also destroys the ids of
+  // requests still queued there; the kernel CM answers them with a REJ.
+  ~RdmaListener() override = default;
 
   Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) override;
   int fd() const override { return channel_->fd; }
@@ -1277,7 +1276,11 @@ void RdmaFabric::run() {
     }
     if (fds[1].revents & POLLIN) handle_cm_events();
     for (size_t i = 2; i < fds.size(); ++i) {
-      if (fds[i].revents & POLLIN) handle_async_events(fd_ctx[i - 2]);
+      if (fds[i].revents & POLLIN) {
+        handle_async_events(fd_ctx[i - 2]);
+      } else if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+        fds[i].fd = -1;  // a removed device stays readable-with-error: stop polling it
+      }
     }
   }
 }

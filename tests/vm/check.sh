@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Self-test of the VM rig (tests/vm/run-in-vm.sh). Boots the VM four times
+# (~10 s each on 2 cores, plus a one-time kernel download into the cache) and
+# checks: rxe0/rxe1 in ibv_devices, rping between 198.18.0.1 and 198.18.0.2
+# over the right rxe devices, ib_write_bw, the device nodes (uverbs, rdma_cm,
+# ublk-control, nbd0), environment, --cwd, --env, --rw-share, the overlay
+# protecting the host, stdout/stderr separation, exit code propagation,
+# --timeout, SIGTERM handling (no QEMU left behind) and exit code 77 when
+# QEMU is missing.
+#
+#   tests/vm/check.sh        prints "N passed, N failed"; exit 0 if all passed,
+#                            1 if any failed, 77 if the rig cannot run here.
+set -euo pipefail
+
+RIG_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+RUN="$RIG_DIR/run-in-vm.sh"
+
+passed=0
+failed=0
+pass() { passed=$((passed + 1)); echo "PASS  $1"; }
+fail() { failed=$((failed + 1)); echo "FAIL  $1${2:+: $2}"; }
+expect() { # NAME CONDITION-COMMAND...
+  local name="$1"
+  shift
+  if "$@"; then pass "$name"; else fail "$name"; fi
+}
+
+# Host scratch dirs. The probe dir must not be below /tmp (the guest hides the
+# host's /tmp behind a tmpfs), so it goes into the rig cache dir.
+cache_root="${IBTRS_VM_CACHE:-${HOME:-/root}/.cache/ibtrs-vm}"
+mkdir -p "$cache_root"
+probe_dir="$(mktemp -d "$cache_root/check-probe.XXXXXX")"
+rw_dir="$(mktemp -d "${TMPDIR:-/tmp}/ibtrs-vm-check-rw.XXXXXX")"
+# run-in-vm.sh creates its per-run dir below TMPDIR: a unique TMPDIR lets us
+# find (and assert the absence of) QEMU processes of our runs.
+run_tmp="$(mktemp -d "${TMPDIR:-/tmp}/ibtrs-vm-check-run.XXXXXX")"
+out="$run_tmp/out"
+err="$run_tmp/err"
+bg_pid=""
+cleanup() {
+  if [ -n "$bg_pid" ]; then kill "$bg_pid" 2>/dev/null || true; wait "$bg_pid" 2>/dev/null || true; fi
+  rm -rf -- "$probe_dir" "$rw_dir" "$run_tmp"
+}
+trap cleanup EXIT
+echo original >"$probe_dir/existing"
+
+no_qemu_left() { ! pgrep -f -- "$run_tmp/ibtrs-vm\." >/dev/null; }
+
+run() { TMPDIR="$run_tmp" "$RUN" "$@"; }
+
+# --- 0: QEMU missing -> 77 (no VM needed)
+rc=0
+IBTRS_VM_QEMU=/nonexistent/qemu-system-x86_64 run -- true >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 77 ] && grep -q SKIP "$err"; then pass "qemu-missing-exits-77"; else fail "qemu-missing-exits-77" "rc=$rc"; fi
+
+# --- 1: the main guest self-test
+t0=$SECONDS
+rc=0
+run --timeout 400 --cwd "$probe_dir" --rw-share "$rw_dir" --env "IBTRS_CHECK_VAR=hello world" \
+  -- bash "$RIG_DIR/check-guest.sh" "$rw_dir" "$probe_dir" >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 77 ]; then
+  cat "$err"
+  echo "0 passed, 0 failed (skipped: the rig cannot run here)"
+  exit 77
+fi
+echo "(guest self-test VM: $((SECONDS - t0)) s)"
+if [ "$rc" = 0 ]; then
+  pass "guest-run-exit-0"
+else
+  fail "guest-run-exit-0" "rc=$rc"
+  sed 's/^/  stderr| /' "$err"
+fi
+while IFS= read -r line; do
+  case "$line" in
+    "ok "*) pass "guest: ${line#ok }" ;;
+    "not ok "*) fail "guest: ${line#not ok }" ;;
+  esac
+done <"$out"
+grep -q '^ok ' "$out" || fail "guest-produced-results" "$(tail -n 5 "$err" | tr '\n' ' ')"
+expect "stdout-on-host-stdout" grep -qx marker-on-stdout "$out"
+expect "stderr-on-host-stderr" grep -qx marker-on-stderr "$err"
+expect "stdout-stderr-separated" bash -c "! grep -q marker-on-stderr '$out' && ! grep -q marker-on-stdout '$err'"
+expect "rw-share-reached-host" grep -qx from-guest "$rw_dir/from-guest"
+expect "host-tree-unchanged" bash -c "[ ! -e '$probe_dir/created-in-guest' ] && [ \"\$(cat '$probe_dir/existing')\" = original ]"
+expect "no-qemu-left-after-run" no_qemu_left
+
+# --- 2: exit code propagation
+rc=0
+run -- sh -c 'exit 3' >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 3 ]; then pass "exit-code-3-propagates"; else fail "exit-code-3-propagates" "rc=$rc"; fi
+
+# --- 3: --timeout kills the VM
+t0=$SECONDS
+rc=0
+run --timeout 20 -- sleep 1000 >"$out" 2>"$err" || rc=$?
+dt=$((SECONDS - t0))
+if [ "$rc" = 124 ] && grep -q TIMEOUT "$err" && [ "$dt" -lt 40 ]; then
+  pass "timeout-exits-124 (${dt} s)"
+else
+  fail "timeout-exits-124" "rc=$rc after ${dt} s"
+fi
+expect "no-qemu-left-after-timeout" no_qemu_left
+
+# --- 4: SIGTERM kills the VM
+TMPDIR="$run_tmp" "$RUN" -- sleep 1000 >"$out" 2>"$err" &
+bg_pid=$!
+for _ in $(seq 100); do pgrep -f -- "$run_tmp/ibtrs-vm\." >/dev/null && break; sleep 0.1; done
+sleep 2
+kill -TERM "$bg_pid"
+rc=0
+wait "$bg_pid" || rc=$?
+bg_pid=""
+sleep 0.5
+if [ "$rc" = 143 ]; then pass "sigterm-exits-143"; else fail "sigterm-exits-143" "rc=$rc"; fi
+expect "no-qemu-left-after-sigterm" no_qemu_left
+
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
