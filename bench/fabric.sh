@@ -42,12 +42,18 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done; pids=(); }
 trap cleanup EXIT
 
-start_bg() {  # start_bg LOG READY-PATTERN COMMAND...
-  local log=$1 pattern=$2
+start_bg() {  # start_bg LOG READY COMMAND...: READY is a log pattern, or port:N (listening)
+  local log=$1 ready=$2
   shift 2
   "$@" >"$log" 2>&1 &
   pids+=($!)
-  for _ in $(seq 100); do grep -q "$pattern" "$log" && return 0; sleep 0.05; done
+  for _ in $(seq 100); do
+    case "$ready" in
+      port:*) ss -Hltn "sport = :${ready#port:}" | grep -q . && return 0 ;;
+      *) grep -q "$ready" "$log" && return 0 ;;
+    esac
+    sleep 0.05
+  done
   echo "benchmark peer did not start: $*" >&2
   cat "$log" >&2
   return 1
@@ -65,7 +71,7 @@ if [ "$run_tcp" = 1 ]; then
   port=$((20000 + RANDOM % 20000))
   start_bg "$tmp/srv" listening "$perf" server --listen "tcp:127.0.0.1:$port"
   start_bg "$tmp/srvb" listening "$perf" server --listen "tcp:127.0.0.1:$((port + 1))" --busy-poll
-  start_bg "$tmp/ipf" "listening" iperf3 -s -p $((port + 2))
+  start_bg "$tmp/ipf" port:$((port + 2)) iperf3 -s -p $((port + 2))
   start_bg "$tmp/pp" listening "$pingpong" server $((port + 3))
 
   echo

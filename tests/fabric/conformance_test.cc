@@ -604,6 +604,26 @@ TEST_F(Conformance, CompletionFdWakesAnEventDrivenOwner) {
   EXPECT_EQ(rx.bytes, tx.bytes);
 }
 
+// Case: the server arms its CQ, a completion arrives and is polled (its notification is left
+// unread), then the server waits 300 ms with nothing else coming.
+// Expect: wait() returns 0 only once the 300 ms are over — a stale notification is not a result.
+TEST_F(Conformance, WaitReturnsNothingOnlyAfterItsTimeout) {
+  connect_pair(cli_, srv_);
+  RecvWr r{1, {}};
+  ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  ASSERT_TRUE(srv_.cq->arm().ok());
+  SendWr w{2, Opcode::write_with_imm, {}, 0, 0, 7};
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == 1 && cli_.done.size() == 1; }));
+  std::this_thread::sleep_for(20ms);
+  Completion wc[4];
+  auto t0 = std::chrono::steady_clock::now();
+  size_t n = srv_.cq->wait(wc, 300ms);
+  auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(n, 0u);
+  EXPECT_GE(waited, 280ms);
+}
+
 // Case: a RECV scattered over three SGEs receives one SEND.
 // Expect: the bytes fill the SGEs in order.
 TEST_F(Conformance, RecvScattersOverSges) {

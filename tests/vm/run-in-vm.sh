@@ -283,6 +283,7 @@ build_initramfs() { # KDIR IMG
   command -v cpio >/dev/null 2>&1 || skip "cpio not found"
   file -b "$busybox" 2>/dev/null | grep -q 'dynamically linked' \
     && skip "$busybox is dynamically linked (install busybox-static)"
+  [ "$verbose" = 0 ] || say "building $img"
   tmp="$(mktemp -d "$kdir/.initramfs.XXXXXX")"
   tmp_paths+=("$tmp")
   mkdir -p "$tmp/root/bin" "$tmp/root/modules"
@@ -323,7 +324,7 @@ fi
 
 # Cache key of the initramfs: the init script, busybox, the module list, the format.
 init_hash="$( { echo "format=$INITRAMFS_FORMAT modules=${INITRAMFS_MODULES[*]}";
-                cat "$INIT_SRC"; sha256sum "$(command -v busybox || echo /nonexistent)" 2>/dev/null || true; } \
+                cat "$INIT_SRC"; sha256sum <"$(command -v busybox || echo /nonexistent)" 2>/dev/null || true; } \
               | sha256sum | cut -c1-16)"
 initrd="$kdir/initramfs-$init_hash.cpio"
 if [ ! -f "$initrd" ]; then

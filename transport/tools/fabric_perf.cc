@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,6 +51,7 @@ IBTRS_WIRE_STRUCT(BufferInfo, 32);
 struct Options {
   std::string mode;
   std::string address;
+  std::string source;
   std::string test = "lat";
   size_t size = 8;
   std::vector<size_t> sizes;
@@ -107,7 +109,13 @@ struct Endpoint {
     std::vector<RecvWr> r(n, RecvWr{0, {}});
     if (auto st = conn->post_recv(r); !st) die("post_recv", st.error());
   }
+  // Verbs frees the send-queue slots of unsignalled requests only when a later signalled one
+  // completes, so every kSignalEvery-th request is signalled whatever the caller asked.
+  static constexpr uint64_t kSignalEvery = 16;
+  uint64_t posted = 0;
+
   void write_imm(uint64_t id, size_t off, size_t len, uint64_t remote_off, uint32_t imm, bool signaled = true) {
+    signaled = signaled || ++posted % kSignalEvery == 0;
     Sge s = mr->sge(off, static_cast<uint32_t>(len));
     SendWr w{id, Opcode::write_with_imm, len ? std::span<const Sge>(&s, 1) : std::span<const Sge>(),
              peer.addr.get() + remote_off, peer.rkey.get(), imm, signaled};
@@ -242,13 +250,20 @@ Endpoint connect_client(const Options& o, uint32_t block_size) {
   auto addr = Address::parse(o.address);
   if (!addr) die("bad --connect address", addr.error());
   Endpoint e = make_endpoint(*addr, o);
-  auto d = e.fabric->domain_for(*addr);
+  std::optional<Address> src;
+  if (!o.source.empty()) {
+    auto s = Address::parse(o.source);
+    if (!s || s->fabric != addr->fabric) die("bad --source address");
+    src = *s;
+  }
+  auto d = e.fabric->domain_for(*addr, src ? &*src : nullptr);
   if (!d) die("domain_for", d.error());
   e.domain = *d;
   setup_memory(e, o.buffer);
   BufferInfo mine = info_of(e, block_size);
   ConnectParams p;
   p.remote = *addr;
+  p.source = src ? &*src : nullptr;
   p.cq = e.cq.get();
   p.caps = caps_for(o.depth);
   p.private_data = std::span(reinterpret_cast<const std::byte*>(&mine), sizeof(mine));
@@ -379,7 +394,11 @@ int run_verify(Endpoint& e, const Options& o) {
       ++inflight;
     }
     size_t n = e.reap(wc, std::chrono::milliseconds(5000));
-    if (n == 0) die("verify run stalled");
+    if (n == 0) {
+      std::fprintf(stderr, "verify: sent %" PRIu64 ", answered %" PRIu64 ", in flight %" PRIu64 "\n",
+                   sent, ok + bad, inflight);
+      die("verify run stalled for 5 s");
+    }
     uint32_t reposts = 0;
     for (size_t k = 0; k < n; ++k) {
       if (wc[k].status != WcStatus::success) die("completion error");
@@ -427,7 +446,7 @@ size_t parse_size(std::string_view s) {
 void usage() {
   std::fprintf(stderr,
                "usage: ibtrs-fabric-perf server --listen ADDR [--once] [--busy-poll] [--buffer SIZE]\n"
-               "       ibtrs-fabric-perf client --connect ADDR --test lat|bw|verify [--size SIZE]\n"
+               "       ibtrs-fabric-perf client --connect ADDR [--source ADDR] --test lat|bw|verify [--size SIZE]\n"
                "                         [--sizes S1,S2,...] [--iters N] [--depth N] [--seconds S]\n"
                "                         [--busy-poll] [--buffer SIZE] [--json]\n"
                "ADDR: tcp:HOST:PORT | rdma:HOST:PORT\n");
@@ -447,6 +466,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--listen" || a == "--connect") o.address = next();
+    else if (a == "--source") o.source = next();
     else if (a == "--test") o.test = next();
     else if (a == "--size") o.size = parse_size(next());
     else if (a == "--sizes") {

@@ -33,15 +33,22 @@ std::string_view to_string(Opcode o) {
 }
 
 size_t CompletionQueue::wait(std::span<Completion> out, std::chrono::milliseconds timeout) {
-  size_t n = poll(out);
-  if (n > 0) return n;
-  if (!arm().ok()) return 0;
-  n = poll(out);  // a completion may have arrived between the first poll and arm()
-  if (n > 0) return n;
-  pollfd pfd{fd(), POLLIN, 0};
-  int ms = timeout.count() > INT32_MAX ? INT32_MAX : static_cast<int>(timeout.count());
-  if (::poll(&pfd, 1, ms) > 0) ack_events();
-  return poll(out);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    size_t n = poll(out);
+    if (n > 0) return n;
+    if (!arm().ok()) return 0;
+    n = poll(out);  // a completion may have arrived between the first poll and arm()
+    if (n > 0) return n;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return 0;
+    // An event left over from an earlier arm wakes us with nothing new to poll: keep waiting,
+    // so that 0 always means the timeout expired.
+    pollfd pfd{fd(), POLLIN, 0};
+    int ms = left.count() > INT32_MAX ? INT32_MAX : static_cast<int>(left.count());
+    if (::poll(&pfd, 1, ms) > 0) ack_events();
+  }
 }
 
 Result<std::unique_ptr<Fabric>> open_fabric(FabricKind kind, const FabricOptions& options) {

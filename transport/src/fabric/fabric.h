@@ -165,8 +165,8 @@ class CompletionQueue {
   virtual ibtrs::Status arm() = 0;
   virtual void ack_events() = 0;
 
-  // Poll, and if nothing is there arm and wait on fd() up to `timeout`. Providers may do this
-  // in fewer system calls.
+  // Poll, and if nothing is there arm and wait on fd() up to `timeout`. Returns 0 only when
+  // the timeout expired. Providers may do this in fewer system calls.
   virtual size_t wait(std::span<Completion> out, std::chrono::milliseconds timeout);
 
   uint32_t capacity() const { return capacity_; }
@@ -299,8 +299,11 @@ class Fabric {
   virtual ~Fabric() = default;
   virtual FabricKind kind() const = 0;
 
-  // The domain (device) that reaches `remote` (optionally from `source`). Stable pointer for
-  // the fabric's lifetime; the same device always yields the same domain.
+  // The domain (device) that reaches `remote` from `source`. Without a source, an address of
+  // this host yields the device that owns it (what a listener on it uses), any other address
+  // the device its route leaves through. A client on the same host as its server (test rigs)
+  // passes `source`. Stable pointer for the fabric's lifetime; the same device always yields
+  // the same domain.
   virtual Result<Domain*> domain_for(const Address& remote, const Address* source = nullptr) = 0;
 
   // Listens on `local` (port 0 picks a free one). `backlog` bounds pending requests.
