@@ -265,6 +265,33 @@ TEST_F(Conformance, ZeroLengthWriteWithImmNeedsNoTarget) {
   EXPECT_TRUE(ok(cli_.done[0]));
 }
 
+// Case: 15 unsignalled 4 KiB WRITEs, then a signalled zero-length WRITE with no SGE and rkey 0
+// (a fence: its completion covers everything before it).
+// Expect: exactly one completion, for the fence; the 15 writes are placed; the whole send queue
+// is free again.
+TEST_F(Conformance, ZeroLengthWriteFencesEarlierUnsignalledWrites) {
+  QueueCaps caps{16, 4, 1, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer target = Buffer::make(*server_domain_, 15 * 4096, kRemoteWrite);
+  Buffer src = Buffer::make(*client_domain_, 15 * 4096, 0);
+  src.pattern(11);
+  std::vector<Sge> sges;
+  std::vector<SendWr> wrs;
+  for (int i = 0; i < 15; ++i) sges.push_back(src.sge(i * 4096, 4096));
+  for (int i = 0; i < 15; ++i)
+    wrs.push_back(SendWr{static_cast<uint64_t>(i), Opcode::write, {&sges[i], 1},
+                         target.mr->remote_addr(i * 4096), target.mr->rkey(), 0, false});
+  wrs.push_back(SendWr{99, Opcode::write, {}, 0, 0, 0, true});
+  ASSERT_TRUE(cli_.conn->post_send(wrs).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 1; }));
+  drive(cli_, srv_, [] { return false; }, 50ms);
+  ASSERT_EQ(cli_.done.size(), 1u);
+  EXPECT_EQ(cli_.done[0].wr_id, 99u);
+  EXPECT_TRUE(ok(cli_.done[0]));
+  EXPECT_EQ(target.bytes, src.bytes);
+  EXPECT_EQ(cli_.conn->send_queue_free(), 16u);
+}
+
 // Case: a WRITE into a region with a wrong rkey.
 // Expect: the sender's request completes with remote_access_error, the connection breaks (every
 // later request flushes), and the target memory is untouched.

@@ -352,7 +352,11 @@ int run_bw(Endpoint& e, const Options& o) {
       if (!tail_signaled && Clock::now() >= until) {
         // Close the run with a signalled zero-length write: its completion covers the tail.
         SendWr w{posted, Opcode::write, {}, 0, 0, 0, true};
-        if (e.conn->post_send({&w, 1}).ok()) tail_signaled = true;
+        if (auto st = e.conn->post_send({&w, 1}); st.ok()) {
+          tail_signaled = true;
+        } else if (st.error() != errc(ENOMEM)) {
+          die("post_send (closing write)", st.error());
+        }
       }
       size_t n = e.reap(wc, std::chrono::milliseconds(5000));
       if (n == 0) die("bandwidth run stalled");

@@ -206,8 +206,9 @@ class Connection {
  public:
   virtual ~Connection() = default;
 
-  // Posts a batch: all or nothing. Errors: EINVAL (bad opcode, too many SGEs, empty list where
-  // data is required, > 2 GiB), ENOMEM (send queue full: fewer than wrs.size() free slots),
+  // Posts a batch: all or nothing. A WRITE may carry no data (a fence: its completion covers
+  // the requests before it). Errors: EINVAL (bad opcode, too many SGEs, an SGE outside
+  // registered memory, > 2 GiB), ENOMEM (send queue full: fewer than wrs.size() free slots),
   // ENOTCONN (the connection is in error or closed; nothing was posted).
   virtual ibtrs::Status post_send(std::span<const SendWr> wrs) = 0;
   virtual ibtrs::Status post_recv(std::span<const RecvWr> wrs) = 0;

@@ -710,7 +710,6 @@ ibtrs::Status ConnCore::post_send(std::span<const SendWr> wrs) {
       return errc(EINVAL);
     }
     if (wr.sg_list.size() > caps_.max_send_sge) return errc(EINVAL);
-    if (wr.opcode == Opcode::write && wr.sg_list.empty()) return errc(EINVAL);
     uint64_t total = 0;
     for (const Sge& s : wr.sg_list) total += s.length;
     if (total > kMaxMessage) return errc(EINVAL);
