@@ -90,7 +90,8 @@ write_bw() {
 traffic_check ib_write_bw-rxe0-to-rxe1 rxe0 rxe1 veth0 write_bw
 
 # --- file systems
-check tmp-is-tmpfs bash -c '[ "$(stat -f -c %T /tmp)" = tmpfs ] && touch /tmp/x'
+# /tmp is the overlay's: writable in RAM, with the host's /tmp content visible.
+check tmp-writable-overlay bash -c '[ "$(stat -f -c %T /tmp)" = overlayfs ] && touch /tmp/x'
 check write-host-tree-in-overlay bash -c "echo guest >'$probe_dir/created-in-guest' && echo guest >>'$probe_dir/existing'"
 check rw-share-write bash -c "echo from-guest >'$rw_dir/from-guest'"
 

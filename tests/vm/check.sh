@@ -25,8 +25,7 @@ expect() { # NAME CONDITION-COMMAND...
   if "$@"; then pass "$name"; else fail "$name"; fi
 }
 
-# Host scratch dirs. The probe dir must not be below /tmp (the guest hides the
-# host's /tmp behind a tmpfs), so it goes into the rig cache dir.
+# Host scratch dirs. The probe dir lives in the rig cache dir.
 cache_root="${IBTRS_VM_CACHE:-${HOME:-/root}/.cache/ibtrs-vm}"
 mkdir -p "$cache_root"
 probe_dir="$(mktemp -d "$cache_root/check-probe.XXXXXX")"

@@ -125,16 +125,6 @@ done
 for m in "${extra_modules[@]}"; do
   [[ "$m" =~ ^[A-Za-z0-9_-]+$ ]] || die "--modprobe: bad module name '$m'"
 done
-# The guest mounts a fresh tmpfs on /tmp, so host paths below /tmp are hidden
-# there unless they are (below) an --rw-share.
-case "$cwd/" in
-  /tmp/*)
-    ok=0
-    for d in "${rw_shares[@]}"; do case "$cwd/" in "$d"/*) ok=1 ;; esac; done
-    [ "$ok" = 1 ] || die "--cwd $cwd is below /tmp, which is a fresh tmpfs in the VM; use --rw-share or another directory"
-    ;;
-esac
-
 # ---------------------------------------------------------------- prerequisites
 qemu_bin="${IBTRS_VM_QEMU:-qemu-system-x86_64}"
 command -v "$qemu_bin" >/dev/null 2>&1 \

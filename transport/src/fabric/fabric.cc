@@ -51,6 +51,41 @@ size_t CompletionQueue::wait(std::span<Completion> out, std::chrono::millisecond
   }
 }
 
+namespace {
+uint64_t total_length(std::span<const Sge> sges) {
+  uint64_t total = 0;
+  for (const Sge& s : sges) total += s.length;
+  return total;
+}
+}  // namespace
+
+ibtrs::Status check_send_batch(std::span<const SendWr> wrs, const QueueCaps& caps) {
+  for (const SendWr& wr : wrs) {
+    if (wr.opcode != Opcode::send && wr.opcode != Opcode::write &&
+        wr.opcode != Opcode::write_with_imm)
+      return errc(EINVAL);
+    if (wr.sg_list.size() > caps.max_send_sge) return errc(EINVAL);
+    if (total_length(wr.sg_list) > kMaxMessage) return errc(EINVAL);
+  }
+  return {};
+}
+
+ibtrs::Status check_recv_batch(std::span<const RecvWr> wrs, const QueueCaps& caps) {
+  for (const RecvWr& wr : wrs) {
+    if (wr.sg_list.size() > caps.max_recv_sge) return errc(EINVAL);
+    if (total_length(wr.sg_list) > kMaxMessage) return errc(EINVAL);
+  }
+  return {};
+}
+
+ibtrs::Status check_caps(const QueueCaps& c, uint32_t max_wr, uint32_t max_sge) {
+  if (c.max_send_wr == 0 || c.max_send_wr > max_wr || c.max_recv_wr == 0 ||
+      c.max_recv_wr > max_wr || c.max_send_sge == 0 || c.max_send_sge > max_sge ||
+      c.max_recv_sge == 0 || c.max_recv_sge > max_sge)
+    return errc(EINVAL);
+  return {};
+}
+
 Result<std::unique_ptr<Fabric>> open_fabric(FabricKind kind, const FabricOptions& options) {
   switch (kind) {
     case FabricKind::tcp: return make_tcp_fabric(options);

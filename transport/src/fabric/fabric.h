@@ -311,6 +311,20 @@ class Fabric {
   virtual Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog = 128) = 0;
 };
 
+// Checks shared by every provider, so the contract of post_send/post_recv and of QueueCaps is
+// written once. Providers add their own checks after these (keys, queue space).
+
+// The largest message verbs allows.
+inline constexpr uint64_t kMaxMessage = 1ull << 31;
+
+// EINVAL unless every request has a send-side opcode, at most caps.max_send_sge SGEs and at most
+// kMaxMessage bytes.
+ibtrs::Status check_send_batch(std::span<const SendWr> wrs, const QueueCaps& caps);
+// EINVAL unless every request has at most caps.max_recv_sge SGEs and at most kMaxMessage bytes.
+ibtrs::Status check_recv_batch(std::span<const RecvWr> wrs, const QueueCaps& caps);
+// EINVAL unless both queue depths are in 1..max_wr and both SGE counts in 1..max_sge.
+ibtrs::Status check_caps(const QueueCaps& caps, uint32_t max_wr, uint32_t max_sge);
+
 struct FabricOptions {
   // tcp: busy-poll instead of sleeping in CompletionQueue::wait (trades a core for latency).
   bool busy_poll = false;

@@ -263,11 +263,8 @@ ibtrs::Status LbConnection::post_send(std::span<const SendWr> wrs) {
   std::lock_guard lock(world_mu());
   if (state_ != ConnState::connected) return errc(ENOTCONN);
   if (wrs.size() > caps_.max_send_wr - outq_.size()) return errc(ENOMEM);
+  IBTRS_TRY(check_send_batch(wrs, caps_));
   for (const SendWr& wr : wrs) {
-    if (wr.opcode != Opcode::send && wr.opcode != Opcode::write &&
-        wr.opcode != Opcode::write_with_imm)
-      return errc(EINVAL);
-    if (wr.sg_list.size() > caps_.max_send_sge || wr.sg_list.size() > kMaxSge) return errc(EINVAL);
     for (const Sge& s : wr.sg_list) {
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, 0)) return errc(EINVAL);
     }
@@ -311,8 +308,8 @@ ibtrs::Status LbConnection::post_recv(std::span<const RecvWr> wrs) {
   std::lock_guard lock(world_mu());
   if (state_ != ConnState::connected) return errc(ENOTCONN);
   if (wrs.size() > caps_.max_recv_wr - rq_.size()) return errc(ENOMEM);
+  IBTRS_TRY(check_recv_batch(wrs, caps_));
   for (const RecvWr& wr : wrs) {
-    if (wr.sg_list.size() > caps_.max_recv_sge || wr.sg_list.size() > kMaxSge) return errc(EINVAL);
     for (const Sge& s : wr.sg_list) {
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, kLocalWrite)) return errc(EINVAL);
     }
@@ -538,13 +535,6 @@ class LbDomain final : public Domain {
   std::atomic<uint64_t> clients_{0};
 };
 
-ibtrs::Status check_caps(const QueueCaps& c) {
-  if (c.max_send_wr == 0 || c.max_recv_wr == 0 || c.max_send_sge == 0 || c.max_send_sge > kMaxSge ||
-      c.max_recv_sge == 0 || c.max_recv_sge > kMaxSge)
-    return errc(EINVAL);
-  return {};
-}
-
 class LbConnectRequest final : public ConnectRequest {
  public:
   LbConnectRequest(LbListener& l, std::shared_ptr<PendingConnect> p) : listener_(l), p_(std::move(p)) {}
@@ -561,7 +551,7 @@ class LbConnectRequest final : public ConnectRequest {
                                              std::span<const std::byte> private_data,
                                              ConnectionEvents events) override {
     if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
-    IBTRS_TRY(check_caps(caps));
+    IBTRS_TRY(check_caps(caps, UINT32_MAX, kMaxSge));
     auto* scq = dynamic_cast<LbCq*>(&cq);
     if (scq == nullptr) return errc(EINVAL);
     std::lock_guard lock(world_mu());
@@ -623,7 +613,7 @@ Result<ConnectResult> LbDomain::connect(const ConnectParams& p, std::vector<std:
   if (p.cq == nullptr || dynamic_cast<LbCq*>(p.cq) == nullptr ||
       p.private_data.size() > kMaxPrivateData || p.remote.fabric != FabricKind::loopback)
     return errc(EINVAL);
-  IBTRS_TRY(check_caps(p.caps));
+  IBTRS_TRY(check_caps(p.caps, UINT32_MAX, kMaxSge));
   auto shared = std::make_shared<PendingConnect>();
   PendingConnect& pc = *shared;
   pc.cq = static_cast<LbCq*>(p.cq);

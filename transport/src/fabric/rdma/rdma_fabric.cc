@@ -70,8 +70,6 @@ constexpr uint8_t kRetryCount = 7;
 constexpr uint8_t kRnrRetryCount = 7;
 // Completions moved per ibv_poll_cq call (ibv_wc is 48 bytes: this stays on the stack).
 constexpr int kPollBatch = 32;
-// The largest message verbs can describe (byte_len is 32 bits; IB caps messages at 2 GiB).
-constexpr uint64_t kMaxMessage = 1ull << 31;
 // wr_id tag of receive requests; send requests carry their plain sequence number.
 constexpr uint64_t kRecvTag = 1ull << 63;
 
@@ -704,16 +702,7 @@ ibtrs::Status ConnCore::post_send(std::span<const SendWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
   if (wrs.empty()) return {};
   if (wrs.size() > caps_.max_send_wr) return errc(ENOMEM);  // can never fit: the queue is full
-  for (const SendWr& wr : wrs) {
-    if (wr.opcode != Opcode::send && wr.opcode != Opcode::write &&
-        wr.opcode != Opcode::write_with_imm) {
-      return errc(EINVAL);
-    }
-    if (wr.sg_list.size() > caps_.max_send_sge) return errc(EINVAL);
-    uint64_t total = 0;
-    for (const Sge& s : wr.sg_list) total += s.length;
-    if (total > kMaxMessage) return errc(EINVAL);
-  }
+  IBTRS_TRY(check_send_batch(wrs, caps_));
 
   std::lock_guard lk(send_mu_);
   if (state() != ConnState::connected) return errc(ENOTCONN);
@@ -775,12 +764,7 @@ ibtrs::Status ConnCore::post_recv(std::span<const RecvWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
   if (wrs.empty()) return {};
   if (wrs.size() > caps_.max_recv_wr) return errc(ENOMEM);
-  for (const RecvWr& wr : wrs) {
-    if (wr.sg_list.size() > caps_.max_recv_sge) return errc(EINVAL);
-    uint64_t total = 0;
-    for (const Sge& s : wr.sg_list) total += s.length;
-    if (total > kMaxMessage) return errc(EINVAL);
-  }
+  IBTRS_TRY(check_recv_batch(wrs, caps_));
 
   std::lock_guard lk(recv_mu_);
   if (state() != ConnState::connected) return errc(ENOTCONN);
@@ -917,11 +901,10 @@ Result<std::unique_ptr<CompletionQueue>> RdmaDomain::create_cq(uint32_t capacity
   return std::unique_ptr<CompletionQueue>(new RdmaCq(*this, channel, cq, capacity));
 }
 
-ibtrs::Status validate_caps(const QueueCaps& caps) {
-  if (caps.max_send_wr == 0 || caps.max_send_sge == 0) return errc(EINVAL);
-  if (caps.max_recv_wr > 0 && caps.max_recv_sge == 0) return errc(EINVAL);
-  return {};
-}
+// Verbs devices cap depths and SGEs per QP themselves (ibv_create_qp fails past them); these are
+// the bounds of our own rings.
+constexpr uint32_t kMaxQueueDepth = 1u << 16;
+constexpr uint32_t kMaxSgePerWr = 32;
 
 Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
                                           std::vector<std::byte>* reject_data) {
@@ -931,7 +914,7 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
   if (params.private_data.size() > kMaxPrivateData) return errc(EINVAL);
   if (!valid_ip_address(params.remote)) return errc(EINVAL);
   if (params.source != nullptr && !valid_ip_address(*params.source)) return errc(EINVAL);
-  IBTRS_TRY(validate_caps(params.caps));
+  IBTRS_TRY(check_caps(params.caps, kMaxQueueDepth, kMaxSgePerWr));
 
   const auto deadline = Clock::now() + params.timeout;
   IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
@@ -1064,7 +1047,7 @@ Result<std::unique_ptr<Connection>> RdmaConnectRequest::accept(CompletionQueue& 
   auto* cq = dynamic_cast<RdmaCq*>(&cq_base);
   if (cq == nullptr || &cq->domain() != &domain_) return errc(EINVAL);
   if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
-  IBTRS_TRY(validate_caps(caps));
+  IBTRS_TRY(check_caps(caps, kMaxQueueDepth, kMaxSgePerWr));
 
   auto core = std::make_shared<ConnCore>(fabric_, domain_, *cq, caps, std::move(events));
   IBTRS_TRY(core->init(std::move(id_)));

@@ -126,13 +126,8 @@ void set_nodelay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-ibtrs::Status validate_caps(const QueueCaps& c) {
-  if (c.max_send_wr == 0 || c.max_recv_wr == 0 || c.max_send_wr > (1u << 16) ||
-      c.max_recv_wr > (1u << 16) || c.max_send_sge == 0 || c.max_send_sge > kMaxSendSge ||
-      c.max_recv_sge == 0 || c.max_recv_sge > kMaxRecvSge)
-    return errc(EINVAL);
-  return {};
-}
+// Queue depths above 64 Ki would only hide a mistake; every IBTRS queue is far smaller.
+constexpr uint32_t kMaxQueueDepth = 1u << 16;
 
 class TcpConnection;
 
@@ -352,19 +347,13 @@ class TcpConnection final : public Connection, private RxHooks {
 
 ibtrs::Status TcpConnection::post_send(std::span<const SendWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
+  IBTRS_TRY(check_send_batch(wrs, caps_));
   for (const SendWr& wr : wrs) {
-    if (wr.opcode != Opcode::send && wr.opcode != Opcode::write &&
-        wr.opcode != Opcode::write_with_imm)
-      return errc(EINVAL);
-    if (wr.sg_list.size() > caps_.max_send_sge) return errc(EINVAL);
-    uint64_t total = 0;
     for (const Sge& s : wr.sg_list) {
-      total += s.length;
       // A gather list outside registered memory would make sendmsg read arbitrary memory;
       // verbs reports it as a local protection error, we refuse the post.
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, 0)) return errc(EINVAL);
     }
-    if (total > kMaxPayload) return errc(EINVAL);
   }
   std::lock_guard lock(tx_mu_);
   if (state() != ConnState::connected || tx_closed_) return errc(ENOTCONN);
@@ -407,8 +396,8 @@ ibtrs::Status TcpConnection::post_send(std::span<const SendWr> wrs) {
 
 ibtrs::Status TcpConnection::post_recv(std::span<const RecvWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
+  IBTRS_TRY(check_recv_batch(wrs, caps_));
   for (const RecvWr& wr : wrs) {
-    if (wr.sg_list.size() > caps_.max_recv_sge) return errc(EINVAL);
     for (const Sge& s : wr.sg_list) {
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, kLocalWrite)) return errc(EINVAL);
     }
@@ -901,7 +890,7 @@ class TcpDomain final : public Domain {
   ibtrs::Status reserve(CompletionQueue& cq, const QueueCaps& caps) {
     auto* tcq = dynamic_cast<TcpCq*>(&cq);
     if (tcq == nullptr) return errc(EINVAL);
-    IBTRS_TRY(validate_caps(caps));
+    IBTRS_TRY(check_caps(caps, kMaxQueueDepth, std::min(kMaxSendSge, kMaxRecvSge)));
     return tcq->reserve(caps.max_send_wr + caps.max_recv_wr);
   }
 
