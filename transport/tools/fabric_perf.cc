@@ -455,7 +455,7 @@ size_t parse_size(std::string_view s) {
   return static_cast<size_t>(v * static_cast<double>(mul));
 }
 
-void usage() {
+[[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: ibtrs-fabric-perf server --listen ADDR [--once] [--busy-poll] [--buffer SIZE]\n"
                "       ibtrs-fabric-perf client --connect ADDR [--source ADDR] --test lat|bw|verify [--size SIZE]\n"
