@@ -1,0 +1,313 @@
+// The IBTRS wire protocol (proto/ibtrs_proto.h): encodings round-trip, every field width is
+// checked, and every decoder refuses hostile input with a reason.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "proto/ibtrs_proto.h"
+
+namespace ibtrs::proto {
+namespace {
+
+Uuid uuid(uint8_t seed) {
+  Uuid u;
+  for (size_t i = 0; i < u.size(); ++i) u[i] = static_cast<uint8_t>(seed + i);
+  return u;
+}
+
+template <typename T>
+std::vector<std::byte> bytes(const T& v) {
+  auto s = as_bytes_of(v);
+  return std::vector<std::byte>(s.begin(), s.end());
+}
+
+TEST(ImmLayout, SplitsThePayloadByQueueDepth) {
+  auto l = imm_layout(512, 128 * 1024);
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->id_bits, 9u);
+  EXPECT_EQ(l->offset_bits, 19u);
+  EXPECT_TRUE(imm_layout(512, 512 * 1024).ok()) << "19 bits address 512 KiB";
+  EXPECT_FALSE(imm_layout(512, 1024 * 1024).ok()) << "1 MiB chunks need 20 offset bits";
+  auto one = imm_layout(1, 128 * 1024);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->id_bits, 1u);
+  auto big = imm_layout(65535, 4096);
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->id_bits, 16u);
+  EXPECT_FALSE(imm_layout(65535, 128 * 1024).ok());
+  EXPECT_FALSE(imm_layout(0, 4096).ok());
+}
+
+TEST(Imm, IoRequestRoundTripsAndChecksWidths) {
+  auto l = imm_layout(512, 128 * 1024).value();
+  for (uint32_t id : {0u, 1u, 255u, 511u}) {
+    for (uint32_t off : {0u, 8u, 131071u, (1u << 19) - 1}) {
+      auto imm = encode_io_req_imm(l, id, off);
+      ASSERT_TRUE(imm.ok());
+      EXPECT_EQ(imm_type(*imm), ImmType::io_req);
+      auto d = decode_io_req_imm(l, *imm);
+      EXPECT_EQ(d.chunk_id, id);
+      EXPECT_EQ(d.offset, off);
+    }
+  }
+  EXPECT_FALSE(encode_io_req_imm(l, 512, 0).ok()) << "chunk id needs a 10th bit";
+  EXPECT_FALSE(encode_io_req_imm(l, 0, 1u << 19).ok()) << "offset needs a 20th bit";
+}
+
+TEST(Imm, IoResponseCarriesPermitAndErrno) {
+  auto imm = encode_io_rsp_imm((1u << 19) - 1, EIO);
+  ASSERT_TRUE(imm.ok());
+  EXPECT_EQ(imm_type(*imm), ImmType::io_rsp);
+  auto d = decode_io_rsp_imm(*imm);
+  EXPECT_EQ(d.permit_id, (1u << 19) - 1);
+  EXPECT_EQ(d.err, EIO);
+  EXPECT_EQ(decode_io_rsp_imm(encode_io_rsp_imm(7, -ENOSPC).value()).err, ENOSPC) << "sign dropped";
+  EXPECT_EQ(decode_io_rsp_imm(encode_io_rsp_imm(7, 600).value()).err, EIO) << "clamped to a real errno";
+  EXPECT_EQ(imm_type(encode_io_rsp_imm(3, 0, true).value()), ImmType::io_rsp_w_inv);
+  EXPECT_FALSE(encode_io_rsp_imm(1u << 19, 0).ok());
+}
+
+TEST(Imm, HeartbeatTypesAreTheKernels) {
+  EXPECT_EQ(make_imm(ImmType::hb_msg, 0), 0x80000000u);
+  EXPECT_EQ(make_imm(ImmType::hb_ack, 0), 0x90000000u);
+}
+
+TEST(ConReq, RoundTrips) {
+  auto m = make_con_req(1, 3, 7, true, uuid(1), uuid(50));
+  std::string why;
+  auto p = parse_con_req(bytes(m), &why);
+  ASSERT_TRUE(p.ok()) << why;
+  EXPECT_EQ(p->cid.get(), 1);
+  EXPECT_EQ(p->cid_num.get(), 3);
+  EXPECT_EQ(p->recon_cnt.get(), 7);
+  EXPECT_EQ(p->flags.get(), kConReqFirstConn);
+  EXPECT_EQ(0, std::memcmp(p->path_uuid, uuid(50).data(), 16));
+}
+
+TEST(ConReq, AcceptsANewerMinorVersion) {
+  auto m = make_con_req(0, 2, 0, false, uuid(1), uuid(2));
+  m.version.set((kVersionMajor << 8) | 7);
+  EXPECT_TRUE(parse_con_req(bytes(m), nullptr).ok());
+}
+
+// Case: CON_REQs broken in every field a peer controls. Expect: refused with a reason.
+TEST(ConReq, RefusesHostileRequests) {
+  auto base = make_con_req(0, 2, 0, true, uuid(1), uuid(2));
+  std::vector<std::pair<const char*, ConReq>> cases;
+  auto m = base; m.magic.set(0x1234); cases.push_back({"magic", m});
+  m = base; m.version.set(3 << 8); cases.push_back({"major", m});
+  m = base; m.cid.set(2); cases.push_back({"cid >= cid_num", m});
+  m = base; m.cid_num.set(1); m.cid.set(0); cases.push_back({"cid_num < 2", m});
+  m = base; m.flags.set(0x8000); cases.push_back({"flags", m});
+  m = base; m.reserved0.set(1); cases.push_back({"reserved0", m});
+  m = base; m.reserved1[3] = 1; cases.push_back({"reserved1", m});
+  m = base; std::memset(m.sess_uuid, 0, 16); cases.push_back({"nil session uuid", m});
+  m = base; std::memset(m.path_uuid, 0, 16); cases.push_back({"nil path uuid", m});
+  for (auto& [name, c] : cases) {
+    std::string why;
+    EXPECT_FALSE(parse_con_req(bytes(c), &why).ok()) << name;
+    EXPECT_FALSE(why.empty()) << name;
+  }
+  auto b = bytes(base);
+  b.pop_back();
+  EXPECT_FALSE(parse_con_req(b, nullptr).ok()) << "short";
+}
+
+TEST(ConRsp, RoundTripsAcceptAndReject) {
+  auto a = make_con_rsp(0, 512, 128 * 1024, 4096, kConRspInvalidatePerIo);
+  std::string why;
+  auto p = parse_con_rsp(bytes(a), &why);
+  ASSERT_TRUE(p.ok()) << why;
+  EXPECT_EQ(p->queue_depth.get(), 512);
+  EXPECT_EQ(p->max_io_size.get(), 128u * 1024 - 4096);
+  EXPECT_EQ(p->flags.get(), kConRspInvalidatePerIo);
+  auto r = parse_con_rsp(bytes(make_con_rsp(-EBUSY, 0, 0, 0, 0)), &why);
+  ASSERT_TRUE(r.ok()) << why;
+  EXPECT_EQ(r->errno_.get(), EBUSY);
+}
+
+TEST(ConRsp, RefusesImpossibleGeometry) {
+  auto base = make_con_rsp(0, 512, 128 * 1024, 4096, 0);
+  std::vector<std::pair<const char*, ConRsp>> cases;
+  auto m = base; m.queue_depth.set(0); cases.push_back({"depth 0", m});
+  m = base; m.chunk_size.set(100000); cases.push_back({"not a power of two", m});
+  m = base; m.chunk_size.set(4096); cases.push_back({"below the minimum", m});
+  m = base; m.chunk_size.set(1u << 20); cases.push_back({"does not fit the immediate at depth 512", m});
+  m = base; m.max_io_size.set(128 * 1024); cases.push_back({"io + header > chunk", m});
+  m = base; m.max_hdr_size.set(0); cases.push_back({"no header room", m});
+  m = base; m.flags.set(0x10); cases.push_back({"unknown flag", m});
+  m = base; m.reserved[0] = 1; cases.push_back({"reserved", m});
+  for (auto& [name, c] : cases) {
+    std::string why;
+    EXPECT_FALSE(parse_con_rsp(bytes(c), &why).ok()) << name;
+  }
+}
+
+TEST(InfoReq, RoundTripsAndRefusesBadNames) {
+  auto m = make_info_req("sess-1", "ip:198.18.0.1@ip:198.18.0.2");
+  ASSERT_TRUE(m.ok());
+  std::string why;
+  auto p = parse_info_req(bytes(*m), &why);
+  ASSERT_TRUE(p.ok()) << why;
+  EXPECT_EQ(p->sessname, "sess-1");
+  EXPECT_EQ(p->pathname, "ip:198.18.0.1@ip:198.18.0.2");
+  EXPECT_FALSE(make_info_req("", "x").ok());
+  EXPECT_FALSE(make_info_req(std::string(64, 'a'), "x").ok());
+  EXPECT_FALSE(make_info_req("a\nb", "x").ok());
+
+  auto bad = *m;
+  bad.sessname[2] = 0x01;  // control character
+  EXPECT_FALSE(parse_info_req(bytes(bad), nullptr).ok());
+  bad = *m;
+  std::memset(bad.sessname, 'a', kNameMax);  // no terminator
+  EXPECT_FALSE(parse_info_req(bytes(bad), nullptr).ok());
+  bad = *m;
+  bad.pathname[60] = 'x';  // garbage after the terminator
+  EXPECT_FALSE(parse_info_req(bytes(bad), nullptr).ok());
+  bad = *m;
+  bad.type.set(static_cast<uint16_t>(MsgType::info_rsp));
+  EXPECT_FALSE(parse_info_req(bytes(bad), nullptr).ok());
+}
+
+std::vector<std::byte> info_rsp(uint16_t n, uint32_t len) {
+  std::vector<std::byte> out(info_rsp_size(n));
+  InfoRspHeader h{};
+  h.type.set(static_cast<uint16_t>(MsgType::info_rsp));
+  h.sg_cnt.set(n);
+  std::memcpy(out.data(), &h, sizeof(h));
+  for (uint16_t i = 0; i < n; ++i) {
+    ChunkDesc d{};
+    d.addr.set(0x100000 + uint64_t{i} * len);
+    d.key.set(77);
+    d.len.set(len);
+    std::memcpy(out.data() + sizeof(h) + i * sizeof(d), &d, sizeof(d));
+  }
+  return out;
+}
+
+TEST(InfoRsp, ParsesAndRefusesMismatches) {
+  std::string why;
+  auto ok = parse_info_rsp(info_rsp(4, 8192), 4, 8192, &why);
+  ASSERT_TRUE(ok.ok()) << why;
+  EXPECT_EQ(ok->size(), 4u);
+  EXPECT_EQ((*ok)[3].addr.get(), 0x100000u + 3 * 8192);
+  EXPECT_FALSE(parse_info_rsp(info_rsp(4, 8192), 5, 8192, nullptr).ok()) << "count";
+  EXPECT_FALSE(parse_info_rsp(info_rsp(4, 4096), 4, 8192, nullptr).ok()) << "chunk size";
+  auto shortmsg = info_rsp(4, 8192);
+  shortmsg.pop_back();
+  EXPECT_FALSE(parse_info_rsp(shortmsg, 4, 8192, nullptr).ok()) << "length";
+  auto zero = info_rsp(2, 8192);
+  std::memset(zero.data() + sizeof(InfoRspHeader), 0, 8);
+  EXPECT_FALSE(parse_info_rsp(zero, 2, 8192, nullptr).ok()) << "address 0";
+}
+
+class IoReqTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kChunk = 8192;
+  std::vector<std::byte> chunk = std::vector<std::byte>(kChunk);
+
+  uint32_t put_write(uint32_t data, uint32_t usr) {
+    WriteMsg m{};
+    m.type.set(static_cast<uint16_t>(MsgType::write));
+    m.usr_len.set(static_cast<uint16_t>(usr));
+    m.data_len.set(data);
+    std::memcpy(chunk.data() + data + usr, &m, sizeof(m));
+    return data + usr;
+  }
+  uint32_t put_read(uint32_t usr, uint16_t cnt, uint32_t desc_len = 4096, uint16_t flags = 0) {
+    ReadMsgHeader h{};
+    h.type.set(static_cast<uint16_t>(MsgType::read));
+    h.usr_len.set(static_cast<uint16_t>(usr));
+    h.flags.set(flags);
+    h.sg_cnt.set(cnt);
+    std::memcpy(chunk.data() + usr, &h, sizeof(h));
+    for (uint16_t i = 0; i < cnt; ++i) {
+      BufDesc d{};
+      d.addr.set(0x5000 + i * 4096ull);
+      d.key.set(9);
+      d.len.set(desc_len);
+      std::memcpy(chunk.data() + usr + sizeof(h) + i * sizeof(d), &d, sizeof(d));
+    }
+    return usr;
+  }
+  bool inside(std::span<const std::byte> s) const {
+    return s.empty() || (s.data() >= chunk.data() && s.data() + s.size() <= chunk.data() + chunk.size());
+  }
+};
+
+TEST_F(IoReqTest, WriteSplitsDataAndUserHeader) {
+  uint32_t off = put_write(4000, 24);
+  std::string why;
+  auto r = parse_io_req(chunk, off, 4096, &why);
+  ASSERT_TRUE(r.ok()) << why;
+  EXPECT_EQ(r->kind, IoKind::write);
+  EXPECT_EQ(r->write.data.size(), 4000u);
+  EXPECT_EQ(r->write.usr.size(), 24u);
+  EXPECT_EQ(r->write.usr.data(), chunk.data() + 4000);
+  EXPECT_TRUE(inside(r->write.data) && inside(r->write.usr));
+}
+
+TEST_F(IoReqTest, ReadCarriesDescriptors) {
+  uint32_t off = put_read(32, 3);
+  std::string why;
+  auto r = parse_io_req(chunk, off, 4096, &why);
+  ASSERT_TRUE(r.ok()) << why;
+  EXPECT_EQ(r->kind, IoKind::read);
+  EXPECT_EQ(r->read.usr.size(), 32u);
+  EXPECT_EQ(r->read.descs.size(), 3u);
+  EXPECT_EQ(r->read.total_len, 3u * 4096);
+  EXPECT_EQ(r->read.descs[2].addr.get(), 0x5000u + 2 * 4096);
+}
+
+// Case: IO messages that lie about their sizes or sit where the immediate says nothing is.
+// Expect: each refused with a reason; nothing returned points outside the chunk.
+TEST_F(IoReqTest, RefusesHostileMessages) {
+  struct Case {
+    const char* name;
+    uint32_t offset;
+  };
+  std::vector<Case> cases;
+  // write: lengths disagree with the offset
+  uint32_t off = put_write(100, 10);
+  chunk[off + 4] = std::byte{99};  // data_len low byte: 100 -> 99
+  cases.push_back({"write lengths do not add up", off});
+  // offset past the chunk
+  cases.push_back({"offset at the last byte", kChunk - 1});
+  cases.push_back({"offset past the end", kChunk + 100});
+  for (auto& c : cases) {
+    std::string why;
+    EXPECT_FALSE(parse_io_req(chunk, c.offset, 4096, &why).ok()) << c.name;
+    EXPECT_FALSE(why.empty()) << c.name;
+  }
+
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  off = put_write(0, 4090);
+  EXPECT_FALSE(parse_io_req(chunk, off, 4096, nullptr).ok()) << "user header over max_hdr_size";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  off = put_write(kChunk - 8, 0);  // message would end exactly at the chunk end: fine
+  EXPECT_TRUE(parse_io_req(chunk, off, 4096, nullptr).ok());
+
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 0), 4096, nullptr).ok()) << "no descriptors";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, kMaxReadDescs + 1), 8192, nullptr).ok()) << "too many";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 2, 0), 4096, nullptr).ok()) << "empty descriptor";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 1, 4096, 0x40), 4096, nullptr).ok()) << "flags";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  off = put_read(16, 1);
+  chunk[off + 2] = std::byte{0xff};  // usr_len low byte 16 -> 255, more than the offset
+  EXPECT_FALSE(parse_io_req(chunk, off, 4096, nullptr).ok()) << "user header before the chunk";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  off = put_read(0, 2);
+  EXPECT_FALSE(parse_io_req(std::span(chunk).first(off + 8 + 16), off, 4096, nullptr).ok())
+      << "descriptors past the chunk";
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  chunk[0] = std::byte{42};
+  EXPECT_FALSE(parse_io_req(chunk, 0, 4096, nullptr).ok()) << "unknown type";
+}
+
+}  // namespace
+}  // namespace ibtrs::proto

@@ -1,0 +1,244 @@
+#include "proto/ibtrs_proto.h"
+
+#include <bit>
+#include <cstring>
+
+namespace ibtrs::proto {
+
+namespace {
+
+template <typename T>
+Result<T> fail(std::string* why, const char* reason, int err = EPROTO) {
+  if (why != nullptr) *why = reason;
+  return errc(err);
+}
+
+template <typename T>
+T load(std::span<const std::byte> bytes, size_t at = 0) {
+  T v;
+  std::memcpy(&v, bytes.data() + at, sizeof(T));
+  return v;
+}
+
+bool all_zero(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] != 0) return false;
+  }
+  return true;
+}
+
+// A NUL-padded name field: printable ASCII, then only NULs.
+bool read_name(const uint8_t* field, size_t n, std::string& out) {
+  size_t len = 0;
+  while (len < n && field[len] != 0) {
+    if (field[len] < 0x20 || field[len] > 0x7e) return false;
+    ++len;
+  }
+  if (len == n) return false;  // no terminator
+  if (!all_zero(field + len, n - len)) return false;
+  out.assign(reinterpret_cast<const char*>(field), len);
+  return true;
+}
+
+}  // namespace
+
+Result<ImmLayout> imm_layout(uint32_t queue_depth, uint32_t chunk_size) {
+  if (queue_depth == 0 || queue_depth > 65535 || chunk_size == 0) return errc(EINVAL);
+  ImmLayout l;
+  l.id_bits = queue_depth == 1 ? 1 : static_cast<uint32_t>(std::bit_width(queue_depth - 1));
+  l.offset_bits = kImmPayloadBits - l.id_bits;
+  // Offsets go up to chunk_size - 1.
+  if (uint64_t{chunk_size} > (uint64_t{1} << l.offset_bits)) return errc(EINVAL);
+  return l;
+}
+
+Result<uint32_t> encode_io_req_imm(const ImmLayout& l, uint32_t chunk_id, uint32_t offset) {
+  if (l.id_bits + l.offset_bits != kImmPayloadBits) return errc(EINVAL);
+  if (chunk_id >= (1u << l.id_bits) || offset >= (1u << l.offset_bits)) return errc(EINVAL);
+  return make_imm(ImmType::io_req, (chunk_id << l.offset_bits) | offset);
+}
+
+IoReqImm decode_io_req_imm(const ImmLayout& l, uint32_t imm) {
+  uint32_t p = imm_payload(imm);
+  return IoReqImm{p >> l.offset_bits, p & ((1u << l.offset_bits) - 1)};
+}
+
+Result<uint32_t> encode_io_rsp_imm(uint32_t permit_id, int err, bool with_invalidate) {
+  if (permit_id >= (1u << kRspIdBits)) return errc(EINVAL);
+  uint32_t e = static_cast<uint32_t>(err < 0 ? -err : err);
+  if (e >= (1u << kRspErrnoBits)) e = EIO;  // errnos above 511 do not exist in Linux
+  return make_imm(with_invalidate ? ImmType::io_rsp_w_inv : ImmType::io_rsp,
+                  (e << kRspIdBits) | permit_id);
+}
+
+IoRspImm decode_io_rsp_imm(uint32_t imm) {
+  uint32_t p = imm_payload(imm);
+  return IoRspImm{p & ((1u << kRspIdBits) - 1), static_cast<int>(p >> kRspIdBits)};
+}
+
+Result<ConReq> parse_con_req(std::span<const std::byte> pd, std::string* why) {
+  if (pd.size() != sizeof(ConReq)) return fail<ConReq>(why, "CON_REQ has the wrong size");
+  auto m = load<ConReq>(pd);
+  if (m.magic.get() != kMagic) return fail<ConReq>(why, "CON_REQ: bad magic");
+  if (version_major(m.version.get()) != kVersionMajor)
+    return fail<ConReq>(why, "CON_REQ: unsupported protocol major version", EPROTONOSUPPORT);
+  if (m.cid_num.get() < 2) return fail<ConReq>(why, "CON_REQ: a path needs a service and an IO connection");
+  if (m.cid.get() >= m.cid_num.get()) return fail<ConReq>(why, "CON_REQ: connection id out of range");
+  if ((m.flags.get() & ~kConReqFirstConn) != 0 || m.reserved0.get() != 0 ||
+      !all_zero(m.reserved1, sizeof(m.reserved1)))
+    return fail<ConReq>(why, "CON_REQ: reserved bits set");
+  if (all_zero(m.sess_uuid, 16) || all_zero(m.path_uuid, 16))
+    return fail<ConReq>(why, "CON_REQ: nil session or path uuid");
+  return m;
+}
+
+Result<ConRsp> parse_con_rsp(std::span<const std::byte> pd, std::string* why) {
+  if (pd.size() != sizeof(ConRsp)) return fail<ConRsp>(why, "CON_RSP has the wrong size");
+  auto m = load<ConRsp>(pd);
+  if (m.magic.get() != kMagic) return fail<ConRsp>(why, "CON_RSP: bad magic");
+  if (version_major(m.version.get()) != kVersionMajor)
+    return fail<ConRsp>(why, "CON_RSP: unsupported protocol major version", EPROTONOSUPPORT);
+  if (!all_zero(m.reserved, sizeof(m.reserved)) || (m.flags.get() & ~kConRspInvalidatePerIo) != 0)
+    return fail<ConRsp>(why, "CON_RSP: reserved bits set");
+  if (m.errno_.get() != 0) return m;  // a reject carries only its errno
+  const uint32_t chunk = m.chunk_size.get();
+  if (m.queue_depth.get() == 0) return fail<ConRsp>(why, "CON_RSP: queue depth 0");
+  if (chunk < kMinChunkSize || chunk > kMaxChunkSize || !std::has_single_bit(chunk))
+    return fail<ConRsp>(why, "CON_RSP: chunk size not a power of two in range");
+  if (m.max_hdr_size.get() == 0 || m.max_hdr_size.get() >= chunk ||
+      m.max_io_size.get() + uint64_t{m.max_hdr_size.get()} > chunk)
+    return fail<ConRsp>(why, "CON_RSP: IO and header sizes do not fit the chunk");
+  if (!imm_layout(m.queue_depth.get(), chunk))
+    return fail<ConRsp>(why, "CON_RSP: queue depth and chunk size do not fit the immediate");
+  return m;
+}
+
+Result<InfoReqView> parse_info_req(std::span<const std::byte> msg, std::string* why) {
+  if (msg.size() != sizeof(InfoReq)) return fail<InfoReqView>(why, "INFO_REQ has the wrong size");
+  auto m = load<InfoReq>(msg);
+  if (m.type.get() != static_cast<uint16_t>(MsgType::info_req))
+    return fail<InfoReqView>(why, "INFO_REQ: wrong type");
+  if (m.reserved0.get() != 0 || !all_zero(m.reserved1, sizeof(m.reserved1)))
+    return fail<InfoReqView>(why, "INFO_REQ: reserved bytes set");
+  InfoReqView v;
+  if (!read_name(m.sessname, kNameMax, v.sessname) || v.sessname.empty())
+    return fail<InfoReqView>(why, "INFO_REQ: bad session name");
+  if (!read_name(m.pathname, kNameMax, v.pathname))
+    return fail<InfoReqView>(why, "INFO_REQ: bad path name");
+  return v;
+}
+
+Result<std::span<const ChunkDesc>> parse_info_rsp(std::span<const std::byte> msg,
+                                                  uint16_t expect_chunks, uint32_t chunk_size,
+                                                  std::string* why) {
+  using R = std::span<const ChunkDesc>;
+  if (msg.size() < sizeof(InfoRspHeader)) return fail<R>(why, "INFO_RSP too short");
+  auto h = load<InfoRspHeader>(msg);
+  if (h.type.get() != static_cast<uint16_t>(MsgType::info_rsp)) return fail<R>(why, "INFO_RSP: wrong type");
+  if (h.reserved.get() != 0) return fail<R>(why, "INFO_RSP: reserved bytes set");
+  if (h.sg_cnt.get() != expect_chunks) return fail<R>(why, "INFO_RSP: chunk count differs from the queue depth");
+  if (msg.size() != info_rsp_size(expect_chunks)) return fail<R>(why, "INFO_RSP: wrong length");
+  R descs(reinterpret_cast<const ChunkDesc*>(msg.data() + sizeof(InfoRspHeader)), expect_chunks);
+  for (const ChunkDesc& d : descs) {
+    if (d.len.get() != chunk_size) return fail<R>(why, "INFO_RSP: chunk of the wrong size");
+    if (d.addr.get() == 0 || d.addr.get() + chunk_size < d.addr.get())
+      return fail<R>(why, "INFO_RSP: bad chunk address");
+  }
+  return descs;
+}
+
+Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
+                           uint32_t max_hdr_size, std::string* why) {
+  const uint64_t size = chunk.size();
+  if (uint64_t{offset} + 2 > size) return fail<IoReq>(why, "IO message offset past the chunk");
+  const uint16_t type = load<le16>(chunk, offset).get();
+  IoReq r{};
+  if (type == static_cast<uint16_t>(MsgType::write)) {
+    if (uint64_t{offset} + sizeof(WriteMsg) > size) return fail<IoReq>(why, "write message past the chunk");
+    auto m = load<WriteMsg>(chunk, offset);
+    const uint64_t usr = m.usr_len.get();
+    const uint64_t data = m.data_len.get();
+    if (usr + sizeof(WriteMsg) > max_hdr_size) return fail<IoReq>(why, "write: user header too large");
+    if (data + usr != offset) return fail<IoReq>(why, "write: lengths do not add up to the offset");
+    r.kind = IoKind::write;
+    r.write.data = chunk.subspan(0, data);
+    r.write.usr = chunk.subspan(data, usr);
+    return r;
+  }
+  if (type == static_cast<uint16_t>(MsgType::read)) {
+    if (uint64_t{offset} + sizeof(ReadMsgHeader) > size) return fail<IoReq>(why, "read message past the chunk");
+    auto h = load<ReadMsgHeader>(chunk, offset);
+    const uint64_t usr = h.usr_len.get();
+    const uint64_t cnt = h.sg_cnt.get();
+    if (cnt == 0 || cnt > kMaxReadDescs) return fail<IoReq>(why, "read: descriptor count out of range");
+    if ((h.flags.get() & ~kReadNeedInvalidate) != 0) return fail<IoReq>(why, "read: unknown flags");
+    const uint64_t msg_len = sizeof(ReadMsgHeader) + cnt * sizeof(BufDesc);
+    if (uint64_t{offset} + msg_len > size) return fail<IoReq>(why, "read descriptors past the chunk");
+    if (usr > offset) return fail<IoReq>(why, "read: user header before the chunk start");
+    if (usr + msg_len > max_hdr_size) return fail<IoReq>(why, "read: header too large");
+    std::span<const BufDesc> descs(
+        reinterpret_cast<const BufDesc*>(chunk.data() + offset + sizeof(ReadMsgHeader)), cnt);
+    uint64_t total = 0;
+    for (const BufDesc& d : descs) {
+      if (d.len.get() == 0) return fail<IoReq>(why, "read: empty descriptor");
+      total += d.len.get();
+    }
+    r.kind = IoKind::read;
+    r.read.usr = chunk.subspan(offset - usr, usr);
+    r.read.flags = h.flags.get();
+    r.read.descs = descs;
+    r.read.total_len = total;
+    return r;
+  }
+  return fail<IoReq>(why, "unknown IO message type");
+}
+
+ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool first_conn,
+                    const Uuid& sess, const Uuid& path) {
+  ConReq m;
+  std::memset(&m, 0, sizeof(m));
+  m.magic.set(kMagic);
+  m.version.set(kVersion);
+  m.cid.set(cid);
+  m.cid_num.set(cid_num);
+  m.recon_cnt.set(recon_cnt);
+  m.flags.set(first_conn ? kConReqFirstConn : 0);
+  std::memcpy(m.sess_uuid, sess.data(), 16);
+  std::memcpy(m.path_uuid, path.data(), 16);
+  return m;
+}
+
+ConRsp make_con_rsp(int err, uint16_t queue_depth, uint32_t chunk_size, uint32_t max_hdr_size,
+                    uint32_t flags) {
+  ConRsp m;
+  std::memset(&m, 0, sizeof(m));
+  m.magic.set(kMagic);
+  m.version.set(kVersion);
+  m.errno_.set(static_cast<uint16_t>(err < 0 ? -err : err));
+  if (err == 0) {
+    m.queue_depth.set(queue_depth);
+    m.chunk_size.set(chunk_size);
+    m.max_hdr_size.set(max_hdr_size);
+    m.max_io_size.set(chunk_size - max_hdr_size);
+    m.flags.set(flags);
+  }
+  return m;
+}
+
+Result<InfoReq> make_info_req(std::string_view sessname, std::string_view pathname) {
+  if (sessname.empty() || sessname.size() >= kNameMax || pathname.size() >= kNameMax)
+    return errc(EINVAL);
+  for (std::string_view n : {sessname, pathname}) {
+    for (char c : n) {
+      if (c < 0x20 || c > 0x7e) return errc(EINVAL);
+    }
+  }
+  InfoReq m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::info_req));
+  std::memcpy(m.sessname, sessname.data(), sessname.size());
+  std::memcpy(m.pathname, pathname.data(), pathname.size());
+  return m;
+}
+
+}  // namespace ibtrs::proto

@@ -1,0 +1,267 @@
+// IBTRS wire protocol: every message and bit layout of the session layer, and nothing else.
+// (Kernel counterpart: drivers/infiniband/ulp/rtrs/rtrs-pri.h.) docs/protocol.md describes the
+// same for humans; every struct below proves its size.
+//
+// Where a message travels:
+//   CON_REQ / CON_RSP     private data of connect / accept / reject (<= 56 bytes, fabric limit)
+//   INFO_REQ / INFO_RSP   SEND / RECV on the service connection (connection 0 of a path)
+//   IO requests           one WRITE_WITH_IMM into the server chunk of the request's permit:
+//                           write: [data][user header][WriteMsg]
+//                           read:  [user header][ReadMsg + descriptors]
+//                         the immediate says which chunk and where in it the message is
+//   IO responses          WRITE_WITH_IMM (read: after writing the data into the client's buffer);
+//                         the immediate carries the permit id and errno
+//   heartbeats            zero-length WRITE_WITH_IMM with HB_MSG / HB_ACK immediates
+//
+// Decoders validate peer input and return an error with a reason; they never assert on it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "common/le.h"
+#include "ibtrs/result.h"
+
+namespace ibtrs::proto {
+
+inline constexpr uint16_t kMagic = 0x1BBD;       // RTRS's magic
+inline constexpr uint8_t kVersionMajor = 2;      // only the major must match (kernel rule)
+inline constexpr uint8_t kVersionMinor = 0;
+inline constexpr uint16_t kVersion = (kVersionMajor << 8) | kVersionMinor;
+inline constexpr uint16_t version_major(uint16_t v) { return v >> 8; }
+
+// Server defaults (kernel: rtrs-srv module parameters).
+inline constexpr uint32_t kDefaultChunkSize = 128 * 1024;  // max_chunk_size, power of two
+inline constexpr uint32_t kMinChunkSize = 8 * 1024;
+inline constexpr uint32_t kMaxChunkSize = 16u << 20;       // bounded by the immediate (below)
+inline constexpr uint16_t kDefaultQueueDepth = 512;        // sess_queue_depth, 1..65535
+inline constexpr uint32_t kMaxHdrSize = 4096;              // user header + IO message
+inline constexpr size_t kNameMax = 64;                     // session and path names on the wire
+
+using Uuid = std::array<uint8_t, 16>;
+
+// ------------------------------------------------------------------------------------------
+// Connection establishment (private data)
+
+// CON_REQ flags
+inline constexpr uint16_t kConReqFirstConn = 1u << 0;  // first connection of a new path
+
+struct ConReq {
+  le16 magic;          // kMagic
+  le16 version;        // kVersion
+  le16 cid;            // connection id in the path: 0 = service connection, 1..cid_num-1 IO
+  le16 cid_num;        // connections in the path (IO connections + 1)
+  le16 recon_cnt;      // reconnect counter of the path: tells a reconnect from a stale path
+  le16 flags;          // kConReqFirstConn
+  le32 reserved0;      // 0
+  uint8_t sess_uuid[16];  // session identity (random per client session)
+  uint8_t path_uuid[16];  // path identity (random per path, kept across reconnects)
+  uint8_t reserved1[8];   // 0
+};
+IBTRS_WIRE_STRUCT(ConReq, 56);
+
+// CON_RSP flags
+inline constexpr uint32_t kConRspInvalidatePerIo = 1u << 0;  // chunk keys change per IO (rdma)
+
+struct ConRsp {
+  le16 magic;          // kMagic
+  le16 version;        // kVersion
+  le16 errno_;         // 0 on accept; positive errno on reject
+  le16 queue_depth;    // chunks (= client permits) of the session
+  le32 max_io_size;    // largest data part of one request (chunk size - max_hdr_size)
+  le32 max_hdr_size;   // largest user header + IO message
+  le32 flags;          // kConRspInvalidatePerIo
+  le32 chunk_size;     // bytes per chunk (power of two)
+  uint8_t reserved[32];  // 0
+};
+IBTRS_WIRE_STRUCT(ConRsp, 56);
+
+// ------------------------------------------------------------------------------------------
+// Service messages (SEND/RECV on connection 0)
+
+enum class MsgType : uint16_t {
+  info_req = 1,
+  info_rsp = 2,
+  write = 3,     // trailer of a write request in a chunk
+  read = 4,      // trailer of a read request in a chunk
+  rkey_rsp = 5,  // new chunk key after per-IO invalidation
+};
+
+struct InfoReq {
+  le16 type;                 // MsgType::info_req
+  le16 reserved0;            // 0
+  uint8_t sessname[kNameMax];  // session name, NUL padded
+  uint8_t pathname[kNameMax];  // "src@dst" of the path, NUL padded
+  uint8_t reserved1[12];     // 0
+};
+IBTRS_WIRE_STRUCT(InfoReq, 144);
+
+// One server chunk as the client sees it.
+struct ChunkDesc {
+  le64 addr;   // remote address of the chunk
+  le32 key;    // rkey to write it with
+  le32 len;    // chunk size
+};
+IBTRS_WIRE_STRUCT(ChunkDesc, 16);
+
+struct InfoRspHeader {
+  le16 type;       // MsgType::info_rsp
+  le16 sg_cnt;     // number of ChunkDesc that follow (= queue depth)
+  le32 reserved;   // 0
+};
+IBTRS_WIRE_STRUCT(InfoRspHeader, 8);
+
+inline constexpr size_t info_rsp_size(uint16_t chunks) {
+  return sizeof(InfoRspHeader) + size_t{chunks} * sizeof(ChunkDesc);
+}
+
+// ------------------------------------------------------------------------------------------
+// IO messages, written at the end of a request in its chunk
+
+struct WriteMsg {
+  le16 type;       // MsgType::write
+  le16 usr_len;    // user header bytes, just before this message
+  le32 data_len;   // data bytes, at the start of the chunk
+};
+IBTRS_WIRE_STRUCT(WriteMsg, 8);
+
+// ReadMsg flags
+inline constexpr uint16_t kReadNeedInvalidate = 1u << 0;  // client asks to invalidate its key
+
+// Where the server writes read data: the client's registered buffer, in up to kMaxReadDescs
+// pieces.
+struct BufDesc {
+  le64 addr;   // client address
+  le32 key;    // client rkey
+  le32 len;    // bytes
+};
+IBTRS_WIRE_STRUCT(BufDesc, 16);
+
+inline constexpr uint16_t kMaxReadDescs = 64;
+
+struct ReadMsgHeader {
+  le16 type;       // MsgType::read
+  le16 usr_len;    // user header bytes, just before this message
+  le16 flags;      // kReadNeedInvalidate
+  le16 sg_cnt;     // BufDesc entries that follow, 1..kMaxReadDescs
+};
+IBTRS_WIRE_STRUCT(ReadMsgHeader, 8);
+
+struct RkeyRsp {
+  le16 type;       // MsgType::rkey_rsp
+  le16 buf_id;     // chunk whose key changed
+  le32 rkey;       // its new key
+};
+IBTRS_WIRE_STRUCT(RkeyRsp, 8);
+
+// ------------------------------------------------------------------------------------------
+// Immediates (32 bits; the rdma fabric carries them big-endian like the kernel)
+//
+//   [31..28] type   [27..0] payload
+//   IO_REQ   payload = chunk id << offset_bits | offset of the IO message in the chunk
+//   IO_RSP   payload = (errno & 0x1ff) << 19 | permit id (19 bits)
+//   HB_MSG / HB_ACK  payload 0
+
+enum class ImmType : uint8_t {
+  io_req = 0,
+  io_rsp = 1,
+  io_rsp_w_inv = 2,
+  hb_msg = 8,
+  hb_ack = 9,
+};
+
+inline constexpr uint32_t kImmPayloadBits = 28;
+inline constexpr uint32_t kImmPayloadMask = (1u << kImmPayloadBits) - 1;
+inline constexpr uint32_t kRspIdBits = 19;
+inline constexpr uint32_t kRspErrnoBits = 9;
+static_assert(kRspIdBits + kRspErrnoBits == kImmPayloadBits);
+
+// How a session splits IO_REQ payloads: chunk-id bits for its queue depth, the rest offset.
+struct ImmLayout {
+  uint32_t id_bits = 0;
+  uint32_t offset_bits = 0;
+};
+// EINVAL when queue_depth is 0 or the chunk size does not fit the offset bits left over
+// (e.g. 512 chunks leave 19 bits: chunks up to 512 KiB).
+Result<ImmLayout> imm_layout(uint32_t queue_depth, uint32_t chunk_size);
+
+inline constexpr uint32_t make_imm(ImmType t, uint32_t payload) {
+  return (static_cast<uint32_t>(t) << kImmPayloadBits) | (payload & kImmPayloadMask);
+}
+inline constexpr ImmType imm_type(uint32_t imm) { return static_cast<ImmType>(imm >> kImmPayloadBits); }
+inline constexpr uint32_t imm_payload(uint32_t imm) { return imm & kImmPayloadMask; }
+
+// EINVAL when chunk_id or offset does not fit its field.
+Result<uint32_t> encode_io_req_imm(const ImmLayout& l, uint32_t chunk_id, uint32_t offset);
+struct IoReqImm {
+  uint32_t chunk_id;
+  uint32_t offset;
+};
+IoReqImm decode_io_req_imm(const ImmLayout& l, uint32_t imm);
+
+// EINVAL when the permit id does not fit 19 bits. errno is clamped to 9 bits (0..511).
+Result<uint32_t> encode_io_rsp_imm(uint32_t permit_id, int err, bool with_invalidate = false);
+struct IoRspImm {
+  uint32_t permit_id;
+  int err;  // positive errno, 0 on success
+};
+IoRspImm decode_io_rsp_imm(uint32_t imm);
+
+// ------------------------------------------------------------------------------------------
+// Decoders of peer input. Each returns EPROTO (or EINVAL for bad parameters) and sets `why`.
+
+// Server side of connection establishment.
+Result<ConReq> parse_con_req(std::span<const std::byte> pd, std::string* why);
+// Client side. A reject (errno != 0) decodes fine; the caller looks at errno_.
+Result<ConRsp> parse_con_rsp(std::span<const std::byte> pd, std::string* why);
+
+struct InfoReqView {
+  std::string sessname;
+  std::string pathname;
+};
+Result<InfoReqView> parse_info_req(std::span<const std::byte> msg, std::string* why);
+// `expect_chunks` is the queue depth of the CON_RSP; every chunk must have `chunk_size` bytes.
+Result<std::span<const ChunkDesc>> parse_info_rsp(std::span<const std::byte> msg,
+                                                  uint16_t expect_chunks, uint32_t chunk_size,
+                                                  std::string* why);
+
+// A request found in a chunk: the chunk's bytes, the immediate's offset of the IO message.
+struct WriteReq {
+  std::span<const std::byte> data;
+  std::span<const std::byte> usr;
+};
+struct ReadReq {
+  std::span<const std::byte> usr;
+  uint16_t flags;
+  std::span<const BufDesc> descs;
+  uint64_t total_len;  // sum of the descriptors' lengths
+};
+enum class IoKind : uint8_t { write, read };
+struct IoReq {
+  IoKind kind;
+  WriteReq write;
+  ReadReq read;
+};
+// Validates an IO message at `offset` of `chunk` (the whole chunk) against the session limits.
+// Every span returned lies inside `chunk`.
+Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
+                           uint32_t max_hdr_size, std::string* why);
+
+// Builders (our own output).
+ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool first_conn,
+                    const Uuid& sess, const Uuid& path);
+ConRsp make_con_rsp(int err, uint16_t queue_depth, uint32_t chunk_size, uint32_t max_hdr_size,
+                    uint32_t flags);
+// EINVAL when a name does not fit kNameMax - 1 bytes.
+Result<InfoReq> make_info_req(std::string_view sessname, std::string_view pathname);
+
+template <typename T>
+std::span<const std::byte> as_bytes_of(const T& v) {
+  return std::span<const std::byte>(reinterpret_cast<const std::byte*>(&v), sizeof(T));
+}
+
+}  // namespace ibtrs::proto
