@@ -188,7 +188,8 @@ std::vector<std::byte> info_rsp(uint16_t n, uint32_t len) {
 
 TEST(InfoRsp, ParsesAndRefusesMismatches) {
   std::string why;
-  auto ok = parse_info_rsp(info_rsp(4, 8192), 4, 8192, &why);
+  const auto msg = info_rsp(4, 8192);  // the result is a view into it
+  auto ok = parse_info_rsp(msg, 4, 8192, &why);
   ASSERT_TRUE(ok.ok()) << why;
   EXPECT_EQ(ok->size(), 4u);
   EXPECT_EQ((*ok)[3].addr.get(), 0x100000u + 3 * 8192);
