@@ -1,0 +1,95 @@
+#include "ibtrs/path_spec.h"
+
+#include <cctype>
+#include <cstring>
+#include <random>
+
+namespace ibtrs {
+
+namespace {
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+}  // namespace
+
+Result<PathSpec> PathSpec::parse(std::string_view text, FabricKind default_fabric, uint16_t port) {
+  text = trim(text);  // sysfs writes end in a newline
+  if (text.empty()) return errc(EINVAL);
+  // "src@dst" (the kernel's path names) or "[src,]dst" (its add_path syntax). An IPv6 address
+  // contains neither ',' nor '@', so the separators are unambiguous.
+  std::string_view src, dst;
+  if (auto at = text.find('@'); at != std::string_view::npos) {
+    src = text.substr(0, at);
+    dst = text.substr(at + 1);
+    if (src.empty()) return errc(EINVAL);
+  } else if (auto comma = text.find(','); comma != std::string_view::npos) {
+    src = text.substr(0, comma);
+    dst = text.substr(comma + 1);
+    if (src.empty()) return errc(EINVAL);
+  } else {
+    dst = text;
+  }
+  if (dst.find_first_of(",@") != std::string_view::npos) return errc(EINVAL);
+  auto with_port = [&](std::string_view t) -> Result<Address> {
+    const bool kernel_form = t.rfind("ip:", 0) == 0 || t.rfind("gid:", 0) == 0;
+    auto a = Address::parse(t, default_fabric);
+    if (!a) return a.error();
+    return kernel_form ? a->with_port(port) : *a;
+  };
+  PathSpec p;
+  auto d = with_port(dst);
+  if (!d) return d.error();
+  p.destination = *d;
+  if (!src.empty()) {
+    auto s = with_port(src);
+    if (!s) return s.error();
+    if (s->fabric != p.destination.fabric) return errc(EINVAL);
+    if (s->fabric != FabricKind::loopback && s->family() != p.destination.family()) return errc(EINVAL);
+    p.source = s->with_port(0);
+  }
+  return p;
+}
+
+std::string PathSpec::name() const {
+  std::string src = source ? source->host_string()
+                           : (destination.family() == AF_INET6 ? "ip:::" : "ip:0.0.0.0");
+  return src + "@" + destination.host_string();
+}
+
+Uuid16 Uuid16::random() {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  Uuid16 u;
+  uint64_t a = rng(), b = rng();
+  std::memcpy(u.bytes, &a, 8);
+  std::memcpy(u.bytes + 8, &b, 8);
+  u.bytes[6] = static_cast<uint8_t>((u.bytes[6] & 0x0f) | 0x40);  // version 4
+  u.bytes[8] = static_cast<uint8_t>((u.bytes[8] & 0x3f) | 0x80);  // RFC 4122 variant
+  return u;
+}
+
+std::string Uuid16::to_string() const {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string s;
+  s.reserve(36);
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) s += '-';
+    s += kHex[bytes[i] >> 4];
+    s += kHex[bytes[i] & 0xf];
+  }
+  return s;
+}
+
+bool Uuid16::is_nil() const {
+  for (uint8_t b : bytes) {
+    if (b != 0) return false;
+  }
+  return true;
+}
+
+bool operator==(const Uuid16& a, const Uuid16& b) { return std::memcmp(a.bytes, b.bytes, 16) == 0; }
+
+}  // namespace ibtrs
