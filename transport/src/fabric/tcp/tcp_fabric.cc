@@ -756,7 +756,7 @@ size_t TcpCq::drain(std::span<Completion> out) {
 }
 
 void TcpCq::flush_acks() {
-  // Swap out first: sending an ack can not add to the list, but keep iteration simple.
+  // Sending an ack never adds to the list (only the rx path does), so plain iteration is safe.
   for (size_t i = 0; i < ack_owed_.size(); ++i) ack_owed_[i]->send_owed_ack();
   ack_owed_.clear();
 }
@@ -767,7 +767,7 @@ void TcpCq::dispatch(const epoll_event* evs, int n) {
     if (id == 0) {
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(evfd_, &v, sizeof(v));
-      // Indexing, not iterators: a wakeup may detach nothing, but keep it robust to growth.
+      // on_wakeup() may run rx (pump) but never attaches or detaches, so conns_ is stable here.
       for (size_t k = 0; k < conns_.size(); ++k) conns_[k].conn->on_wakeup();
       continue;
     }
