@@ -1,5 +1,5 @@
 // Provider conformance: the semantics fabric.h promises, checked the same way on every provider.
-// Run as `fabric_conformance --fabric=loopback|tcp|rdma`.
+// Run as `fabric_conformance --fabric=loopback|tcp|rdma [--busy-poll]`.
 #include <poll.h>
 
 #include <cstring>
@@ -695,6 +695,8 @@ int main(int argc, char** argv) {
         return 2;
       }
       ibtrs::fabric::testing::tested_kind() = *k;
+    } else if (a == "--busy-poll") {
+      ibtrs::fabric::testing::tested_options().busy_poll = true;
     }
   }
   return RUN_ALL_TESTS();

@@ -9,6 +9,11 @@ FabricKind& tested_kind() {
   return k;
 }
 
+FabricOptions& tested_options() {
+  static FabricOptions o;
+  return o;
+}
+
 Result<Endpoints> endpoints_for(FabricKind kind, const std::string& tag) {
   Endpoints e;
   switch (kind) {
@@ -42,14 +47,14 @@ Result<Endpoints> endpoints_for(FabricKind kind, const std::string& tag) {
 
 void FabricTest::SetUp() {
   kind_ = tested_kind();
-  auto sf = open_fabric(kind_);
+  auto sf = open_fabric(kind_, tested_options());
   if (!sf && (sf.error() == errc(ENODEV) || sf.error() == errc(ENOTSUP))) {
     GTEST_SKIP() << "fabric " << to_string(kind_) << " unavailable here: " << sf.error().message()
                  << " (the rdma provider runs in the VM rig: tests/vm)";
   }
   ASSERT_TRUE(sf.ok()) << sf.error().message();
   server_fabric_ = std::move(sf).value();
-  auto cf = open_fabric(kind_);
+  auto cf = open_fabric(kind_, tested_options());
   ASSERT_TRUE(cf.ok()) << cf.error().message();
   client_fabric_ = std::move(cf).value();
 

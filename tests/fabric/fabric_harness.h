@@ -22,6 +22,8 @@ using namespace std::chrono_literals;
 
 // Which provider the binary tests: --fabric=NAME on the command line (see conformance main).
 FabricKind& tested_kind();
+// Provider options of the run (--busy-poll).
+FabricOptions& tested_options();
 
 // Addresses for the tested provider: server listen address (port 0) and client source.
 struct Endpoints {

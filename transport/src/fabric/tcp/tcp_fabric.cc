@@ -156,6 +156,7 @@ class TcpCq final : public CompletionQueue {
   uint64_t attach(TcpConnection* c, int sock);  // after reserve(); returns the epoll id
   void detach(uint64_t id, int sock);
   void wake() {
+    wake_pending_.store(true, std::memory_order_release);
     uint64_t one = 1;
     [[maybe_unused]] ssize_t r = ::write(evfd_, &one, sizeof(one));
   }
@@ -201,6 +202,7 @@ class TcpCq final : public CompletionQueue {
   size_t head_ = 0;
   size_t count_ = 0;
   std::vector<TcpConnection*> ack_owed_;
+  std::atomic<bool> wake_pending_{false};  // set by wake(), cleared when the eventfd is read
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -251,6 +253,11 @@ class TcpConnection final : public Connection, private RxHooks {
 
   // Poller side, with the CQ lock held.
   void on_events(uint32_t events);
+  // Whether reading the socket is all this connection needs now (no send waiting for room,
+  // not stalled on a RECV, not dead).
+  bool can_spin_read() const {
+    return !dead_ && rx_enabled_ && !epollout_.load(std::memory_order_acquire);
+  }
   void on_wakeup();
   void send_owed_ack();
 
@@ -322,8 +329,8 @@ class TcpConnection final : public Connection, private RxHooks {
   uint32_t sq_tx_ = 0;                 // next frame to transmit (tx_mu_)
   std::atomic<uint32_t> sq_tail_{0};   // next free slot (tx_mu_)
   size_t tx_off_ = 0;                  // bytes of frame sq_tx_ already sent
-  bool epollout_ = false;
-  bool rx_enabled_ = true;
+  std::atomic<bool> epollout_{false};  // written under tx_mu_, read lock-free by the poller
+  bool rx_enabled_ = true;             // poller only
   uint32_t ack_sent_ = 0;              // ack value in the last header we started sending
   Ctrl ctrl_ = Ctrl::none;
   FrameHeader ctrl_hdr_{};
@@ -435,8 +442,8 @@ bool TcpConnection::on_ack(uint32_t ack) {
 }
 
 void TcpConnection::set_epollout(bool on) {
-  if (epollout_ == on) return;
-  epollout_ = on;
+  if (epollout_.load(std::memory_order_relaxed) == on) return;
+  epollout_.store(on, std::memory_order_release);
   cq_.set_events(cq_id_, sock_,
                  (rx_enabled_ ? EPOLLIN | EPOLLRDHUP : 0u) | (on ? EPOLLOUT : 0u));
 }
@@ -765,6 +772,7 @@ void TcpCq::dispatch(const epoll_event* evs, int n) {
   for (int i = 0; i < n; ++i) {
     uint64_t id = evs[i].data.u64;
     if (id == 0) {
+      wake_pending_.store(false, std::memory_order_release);
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(evfd_, &v, sizeof(v));
       // on_wakeup() may run rx (pump) but never attaches or detaches, so conns_ is stable here.
@@ -786,6 +794,14 @@ size_t TcpCq::poll(std::span<Completion> out) {
   if (n == out.size()) return n;
   // Acks owed since the previous poll go out now unless a frame already carried them.
   flush_acks();
+  // A busy-polled CQ with one connection (an IBTRS IO thread on a one-path session) reads its
+  // socket directly: one system call per spin instead of epoll_wait + readv. Anything else that
+  // needs attention - a wakeup, a send waiting for room - goes through epoll.
+  if (busy_poll_ && conns_.size() == 1 && !wake_pending_.load(std::memory_order_acquire) &&
+      conns_[0].conn->can_spin_read()) {
+    conns_[0].conn->on_events(EPOLLIN);
+    return n + drain(out.subspan(n));
+  }
   epoll_event evs[kMaxEvents];
   int k = ::epoll_wait(epfd_, evs, kMaxEvents, 0);
   if (k > 0) dispatch(evs, k);
