@@ -1,20 +1,11 @@
 #include "ibtrs/path_spec.h"
 
-#include <cctype>
 #include <cstring>
 #include <random>
 
+#include "common/text.h"
+
 namespace ibtrs {
-
-namespace {
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
-  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
-  return s;
-}
-
-}  // namespace
 
 Result<PathSpec> PathSpec::parse(std::string_view text, FabricKind default_fabric, uint16_t port) {
   text = trim(text);  // sysfs writes end in a newline

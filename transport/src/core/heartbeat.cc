@@ -1,8 +1,9 @@
 #include "core/heartbeat.h"
 
 #include <algorithm>
-#include <cctype>
 #include <charconv>
+
+#include "common/text.h"
 
 namespace ibtrs::core {
 
@@ -35,8 +36,7 @@ std::optional<std::chrono::nanoseconds> Heartbeat::latency() const {
 }
 
 Result<int32_t> parse_max_reconnect_attempts(std::string_view t) {
-  while (!t.empty() && std::isspace(static_cast<unsigned char>(t.front()))) t.remove_prefix(1);
-  while (!t.empty() && std::isspace(static_cast<unsigned char>(t.back()))) t.remove_suffix(1);
+  t = trim(t);
   int32_t v = 0;
   auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
   if (t.empty() || ec != std::errc{} || p != t.data() + t.size() || v < -1 || v > 9999)

@@ -1,13 +1,13 @@
 #include "core/policy.h"
 
-#include <cctype>
 #include <limits>
+
+#include "common/text.h"
 
 namespace ibtrs::core {
 
 Result<MpPolicy> parse_mp_policy(std::string_view t) {
-  while (!t.empty() && std::isspace(static_cast<unsigned char>(t.front()))) t.remove_prefix(1);
-  while (!t.empty() && std::isspace(static_cast<unsigned char>(t.back()))) t.remove_suffix(1);
+  t = trim(t);
   if (t == "round-robin" || t == "rr" || t == "0") return MpPolicy::round_robin;
   if (t == "min-inflight" || t == "mi" || t == "1") return MpPolicy::min_inflight;
   if (t == "min-latency" || t == "ml" || t == "2") return MpPolicy::min_latency;
