@@ -277,18 +277,21 @@ class TcpConnection final : public Connection, private RxHooks {
     ssize_t n = ::readv(sock_, iov, iovcnt);
     return n < 0 ? -errno : n;
   }
+  // The poller alone advances the head, so it reads the queue without the lock: the tail's
+  // release store publishes entries written by post_recv.
   RecvEntry* head_recv() override {
-    std::lock_guard lock(rq_mu_);
-    return rq_head_ == rq_tail_ ? nullptr : &rq_[rq_head_ % rq_.size()];
+    const uint32_t head = rq_head_.load(std::memory_order_relaxed);
+    return head == rq_tail_.load(std::memory_order_acquire) ? nullptr : &rq_[head % rq_.size()];
+  }
+  bool recv_posted() const {
+    return rq_head_.load(std::memory_order_relaxed) != rq_tail_.load(std::memory_order_acquire);
   }
   void complete_recv(WcStatus status, Opcode opcode, uint32_t byte_len, uint32_t imm,
                      bool with_imm) override {
-    uint64_t wr_id;
-    {
-      std::lock_guard lock(rq_mu_);
-      wr_id = rq_[rq_head_ % rq_.size()].wr_id;
-      ++rq_head_;
-    }
+    const uint32_t head = rq_head_.load(std::memory_order_relaxed);
+    const uint64_t wr_id = rq_[head % rq_.size()].wr_id;
+    // Release: post_recv may reuse the slot once it sees the new head.
+    rq_head_.store(head + 1, std::memory_order_release);
     cq_.push(Completion{wr_id, status, opcode, byte_len, imm, with_imm});
   }
   bool on_ack(uint32_t ack) override;
@@ -338,10 +341,10 @@ class TcpConnection final : public Connection, private RxHooks {
   bool tx_closed_ = false;             // a NAK or DISCONNECT went out: no more frames
 
   // Receive queue.
-  std::mutex rq_mu_;
+  std::mutex rq_mu_;  // serializes posters, and posters against the flush in enter_error()
   std::vector<RecvEntry> rq_;
-  uint32_t rq_head_ = 0;
-  uint32_t rq_tail_ = 0;
+  std::atomic<uint32_t> rq_head_{0};  // advanced by the poller only
+  std::atomic<uint32_t> rq_tail_{0};  // advanced by post_recv under rq_mu_
   std::atomic<bool> rnr_{false};
 
   RxEngine rx_;
@@ -411,14 +414,19 @@ ibtrs::Status TcpConnection::post_recv(std::span<const RecvWr> wrs) {
   }
   {
     std::lock_guard lock(rq_mu_);
-    if (wrs.size() > rq_.size() - (rq_tail_ - rq_head_)) return errc(ENOMEM);
+    // Checked again under the lock: enter_error() marks the state before it flushes under this
+    // lock, so a RECV either lands before the flush (and is flushed) or is refused.
+    if (state() != ConnState::connected) return errc(ENOTCONN);
+    uint32_t tail = rq_tail_.load(std::memory_order_relaxed);
+    if (wrs.size() > rq_.size() - (tail - rq_head_.load(std::memory_order_acquire))) return errc(ENOMEM);
     for (const RecvWr& wr : wrs) {
-      RecvEntry& e = rq_[rq_tail_ % rq_.size()];
+      RecvEntry& e = rq_[tail % rq_.size()];
       e.wr_id = wr.wr_id;
       e.num_sge = static_cast<uint32_t>(wr.sg_list.size());
       std::copy(wr.sg_list.begin(), wr.sg_list.end(), e.sge);
-      ++rq_tail_;
+      ++tail;
     }
+    rq_tail_.store(tail, std::memory_order_release);
   }
   // A poller stalled on "receiver not ready" resumes once it sees a RECV.
   if (rnr_.load(std::memory_order_acquire)) cq_.wake();
@@ -584,12 +592,7 @@ void TcpConnection::pump() {
       break;
     case RxResult::rnr: {
       rnr_.store(true, std::memory_order_release);
-      bool posted;
-      {
-        std::lock_guard lock(rq_mu_);
-        posted = rq_head_ != rq_tail_;
-      }
-      if (posted) {  // a RECV raced in between: go on
+      if (recv_posted()) {  // a RECV raced in between: go on
         rnr_.store(false, std::memory_order_release);
         cq_.wake();
       } else {
@@ -634,12 +637,7 @@ void TcpConnection::on_wakeup() {
     return;
   }
   if (rnr_.load(std::memory_order_acquire)) {
-    bool posted;
-    {
-      std::lock_guard lock(rq_mu_);
-      posted = rq_head_ != rq_tail_;
-    }
-    if (posted) {
+    if (recv_posted()) {
       rnr_.store(false, std::memory_order_release);
       {
         std::lock_guard lock(tx_mu_);
@@ -676,10 +674,12 @@ void TcpConnection::enter_error(std::error_code why, Ctrl tell_peer, WcStatus na
   }
   {
     std::lock_guard lock(rq_mu_);
-    for (; rq_head_ != rq_tail_; ++rq_head_) {
-      cq_.push(Completion{rq_[rq_head_ % rq_.size()].wr_id, WcStatus::flush_error, Opcode::recv, 0,
+    uint32_t head = rq_head_.load(std::memory_order_relaxed);
+    for (const uint32_t tail = rq_tail_.load(std::memory_order_acquire); head != tail; ++head) {
+      cq_.push(Completion{rq_[head % rq_.size()].wr_id, WcStatus::flush_error, Opcode::recv, 0,
                           0, false});
     }
+    rq_head_.store(head, std::memory_order_release);
   }
   ::shutdown(sock_, SHUT_WR);
   epoll_event ev{};

@@ -13,7 +13,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 
 #include "common/le.h"
 #include "fabric/fabric.h"
