@@ -35,15 +35,6 @@ std::optional<std::chrono::nanoseconds> Heartbeat::latency() const {
   return std::chrono::nanoseconds(l);
 }
 
-Result<int32_t> parse_max_reconnect_attempts(std::string_view t) {
-  t = trim(t);
-  int32_t v = 0;
-  auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
-  if (t.empty() || ec != std::errc{} || p != t.data() + t.size() || v < -1 || v > 9999)
-    return errc(EINVAL);
-  return v;
-}
-
 std::optional<std::chrono::milliseconds> ReconnectSchedule::next_delay() {
   if (cfg_.max_attempts >= 0 && attempts_ >= static_cast<uint32_t>(cfg_.max_attempts))
     return std::nullopt;

@@ -19,15 +19,14 @@
 #include <string_view>
 
 #include "ibtrs/result.h"
+#include "ibtrs/types.h"
 
 namespace ibtrs::core {
 
 using Clock = std::chrono::steady_clock;
 
-struct HeartbeatConfig {
-  std::chrono::milliseconds interval{5000};
-  uint32_t missed_max = 5;
-};
+using ibtrs::HeartbeatConfig;
+using ibtrs::ReconnectConfig;
 
 class Heartbeat {
  public:
@@ -52,22 +51,7 @@ class Heartbeat {
   std::atomic<int64_t> latency_ns_{-1};
 };
 
-// Reconnect schedule of a path (kernel: reconnect_delay_sec, RTRS_RECONNECT_BACKOFF,
-// max_reconnect_attempts). Attempt n (from 0) waits delay + n x backoff, capped at max_delay,
-// plus a random jitter below `jitter` so that many clients do not return in lockstep. The
-// kernel documents its jitter in seconds but applies milliseconds; here the unit is explicit.
-struct ReconnectConfig {
-  std::chrono::milliseconds delay{1000};
-  std::chrono::milliseconds backoff{1000};
-  std::chrono::milliseconds max_delay{30000};
-  std::chrono::milliseconds jitter{500};
-  int32_t max_attempts = -1;  // -1 forever, 0 never, else 1..9999
-};
-
-// The kernel's sysfs range for max_reconnect_attempts: -1..9999 (EINVAL otherwise; surrounding
-// whitespace allowed).
-Result<int32_t> parse_max_reconnect_attempts(std::string_view text);
-
+// Reconnect timing of a path after ReconnectConfig (ibtrs/types.h).
 class ReconnectSchedule {
  public:
   explicit ReconnectSchedule(ReconnectConfig c, uint64_t seed = std::random_device{}())

@@ -2,29 +2,6 @@
 
 namespace ibtrs::core {
 
-std::string_view to_string(ClientPathState s) {
-  switch (s) {
-    case ClientPathState::connecting: return "connecting";
-    case ClientPathState::connecting_err: return "connecting_err";
-    case ClientPathState::reconnecting: return "reconnecting";
-    case ClientPathState::connected: return "connected";
-    case ClientPathState::closing: return "closing";
-    case ClientPathState::closed: return "closed";
-    case ClientPathState::dead: return "dead";
-  }
-  return "?";
-}
-
-std::string_view to_string(ServerPathState s) {
-  switch (s) {
-    case ServerPathState::connecting: return "connecting";
-    case ServerPathState::connected: return "connected";
-    case ServerPathState::closing: return "closing";
-    case ServerPathState::closed: return "closed";
-  }
-  return "?";
-}
-
 bool transition_allowed(ClientPathState from, ClientPathState to) {
   using S = ClientPathState;
   switch (to) {

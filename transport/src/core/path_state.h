@@ -19,23 +19,12 @@
 #include <string_view>
 
 #include "ibtrs/result.h"
+#include "ibtrs/types.h"
 
 namespace ibtrs::core {
 
-enum class ClientPathState : uint8_t {
-  connecting,      // connections being established, then INFO_REQ/INFO_RSP
-  connecting_err,  // establishing failed; the path will be retried or closed
-  reconnecting,    // was usable; connections torn down, inflight IO failed over, retry pending
-  connected,       // INFO_RSP received: carries IO
-  closing,         // being disconnected on request
-  closed,          // disconnected; may be reconnected or removed
-  dead,            // removed from its session; nothing more happens to it
-};
-
-enum class ServerPathState : uint8_t { connecting, connected, closing, closed };
-
-std::string_view to_string(ClientPathState s);
-std::string_view to_string(ServerPathState s);
+using ibtrs::ClientPathState;
+using ibtrs::ServerPathState;
 
 bool transition_allowed(ClientPathState from, ClientPathState to);
 bool transition_allowed(ServerPathState from, ServerPathState to);

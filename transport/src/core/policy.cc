@@ -2,26 +2,8 @@
 
 #include <limits>
 
-#include "common/text.h"
 
 namespace ibtrs::core {
-
-Result<MpPolicy> parse_mp_policy(std::string_view t) {
-  t = trim(t);
-  if (t == "round-robin" || t == "rr" || t == "0") return MpPolicy::round_robin;
-  if (t == "min-inflight" || t == "mi" || t == "1") return MpPolicy::min_inflight;
-  if (t == "min-latency" || t == "ml" || t == "2") return MpPolicy::min_latency;
-  return errc(EINVAL);
-}
-
-std::string_view to_string(MpPolicy p) {
-  switch (p) {
-    case MpPolicy::round_robin: return "round-robin";
-    case MpPolicy::min_inflight: return "min-inflight";
-    case MpPolicy::min_latency: return "min-latency";
-  }
-  return "?";
-}
 
 std::optional<size_t> choose_path(MpPolicy policy, std::span<const PathLoad> paths, size_t& cursor,
                                   std::optional<size_t> skip) {

@@ -10,20 +10,11 @@
 #include <string_view>
 
 #include "ibtrs/result.h"
+#include "ibtrs/types.h"
 
 namespace ibtrs::core {
 
-enum class MpPolicy : uint8_t {
-  round_robin = 0,   // each IO thread cycles through the usable paths
-  min_inflight = 1,  // the path with the fewest requests in flight (kernel default)
-  min_latency = 2,   // the path with the lowest heartbeat round trip
-};
-
-// Accepts the kernel's spellings: "round-robin" | "min-inflight" | "min-latency", their short
-// forms "rr" | "mi" | "ml", and "0" | "1" | "2" (surrounding whitespace and a newline allowed, as
-// written to a sysfs file). EINVAL otherwise.
-Result<MpPolicy> parse_mp_policy(std::string_view text);
-std::string_view to_string(MpPolicy p);
+using ibtrs::MpPolicy;
 
 struct PathLoad {
   bool usable = false;      // CONNECTED and not excluded

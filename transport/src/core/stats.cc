@@ -18,6 +18,12 @@ void raise_to(std::atomic<T>& a, T v) {
   if (v > a.load(std::memory_order_relaxed)) a.store(v, std::memory_order_relaxed);
 }
 
+// Submissions come from any user thread mapped to the shard, so they add atomically.
+template <typename T, typename V>
+void add(std::atomic<T>& a, V by) {
+  a.fetch_add(static_cast<T>(by), std::memory_order_relaxed);
+}
+
 uint64_t get(const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); }
 
 }  // namespace
@@ -42,14 +48,14 @@ PathStats::PathStats(uint32_t shards) {
 void PathStats::on_submit(uint32_t shard, bool write, uint64_t bytes, uint32_t sg_entries) {
   Shard& s = *shards_[shard % shards_.size()];
   if (write) {
-    bump(s.write_cnt, 1);
-    bump(s.write_bytes, bytes);
+    add(s.write_cnt, 1);
+    add(s.write_bytes, bytes);
   } else {
-    bump(s.read_cnt, 1);
-    bump(s.read_bytes, bytes);
+    add(s.read_cnt, 1);
+    add(s.read_bytes, bytes);
   }
-  bump(s.submitted, 1);
-  bump(s.sg[std::min<size_t>(sg_entries, kSgBuckets - 1)], 1);
+  add(s.submitted, 1);
+  add(s.sg[std::min<size_t>(sg_entries, kSgBuckets - 1)], 1);
 }
 
 void PathStats::on_complete(uint32_t shard, bool write, uint64_t latency_ns, uint32_t submit_shard) {
@@ -72,7 +78,7 @@ void PathStats::on_poll(uint32_t shard, uint32_t completions) {
   raise_to(s.poll_max, uint64_t{completions});
 }
 
-void PathStats::on_failover(uint32_t shard) { bump(shards_[shard % shards_.size()]->failovered, 1); }
+void PathStats::on_failover(uint32_t shard) { add(shards_[shard % shards_.size()]->failovered, 1); }
 
 void PathStats::on_reconnect(bool ok) {
   Shard& s = *shards_.back();

@@ -3,8 +3,9 @@
 // histogram, completions per poll, sg-list sizes, requests completed on another thread.
 //
 // The IO path must not share cache lines between IO threads, so counters live in one shard per
-// IO thread (plus one for the control/service thread), each written only by its own thread
-// (relaxed load + store, no read-modify-write) and summed by snapshot(). reset() records a
+// IO thread (plus one for the control/service thread). Completion-side counters are written only
+// by the shard's poller thread (relaxed load + store, no read-modify-write); submissions and
+// failovers come from any thread mapped to the shard and add atomically. snapshot() sums. reset() records a
 // baseline that snapshot() subtracts, so it never races with the writers. inflight is a gauge
 // and is not reset.
 #pragma once
@@ -16,37 +17,15 @@
 #include <mutex>
 #include <vector>
 
+#include "ibtrs/types.h"
+
 namespace ibtrs::core {
 
-// Latency buckets: bucket b counts latencies in [2^b, 2^(b+1)) microseconds (bucket 0 also takes
-// < 1 us), the last bucket everything from 2^(kLatBuckets-1) us (~67 s) up.
-inline constexpr size_t kLatBuckets = 27;
-// sg-list length buckets: 0..kSgBuckets-2 entries, then "kSgBuckets-1 or more".
-inline constexpr size_t kSgBuckets = 17;
+using ibtrs::kLatBuckets;
+using ibtrs::kSgBuckets;
+using ibtrs::PathStatsSnapshot;
 
 size_t latency_bucket(uint64_t ns);
-
-struct PathStatsSnapshot {
-  uint64_t read_cnt = 0;
-  uint64_t read_bytes = 0;
-  uint64_t write_cnt = 0;
-  uint64_t write_bytes = 0;
-  int64_t inflight = 0;
-  uint64_t failovered = 0;
-  uint64_t reconnects_ok = 0;
-  uint64_t reconnects_failed = 0;
-  std::array<uint64_t, kLatBuckets> lat_read{};
-  std::array<uint64_t, kLatBuckets> lat_write{};
-  uint64_t lat_max_read_ns = 0;
-  uint64_t lat_max_write_ns = 0;
-  uint64_t polls = 0;             // CQ polls that returned completions
-  uint64_t polled_completions = 0;
-  uint64_t poll_max = 0;          // most completions one poll returned
-  std::array<uint64_t, kSgBuckets> sg_entries{};
-  uint64_t thread_migrations = 0;  // requests completed on another thread than submitted
-  std::vector<uint64_t> migrated_from;  // per shard: submitted here, completed elsewhere
-  std::vector<uint64_t> migrated_to;    // per shard: completed here, submitted elsewhere
-};
 
 class PathStats {
  public:
