@@ -1,0 +1,195 @@
+// libibtrs client: a session of one or more paths to one server, carrying read and write
+// requests (the kernel's rtrs-clt). See docs/protocol.md for the wire and docs/architecture.md
+// for how the pieces map to the kernel.
+//
+// A request holds a permit (one of the session's queue_depth) for its life; permit i always uses
+// server chunk i. A write sends [data][user header] into the chunk in one RDMA write with
+// immediate; a read sends the user header and descriptors of the caller's buffer, and the
+// server writes the data there. Requests larger than max_io_size() are refused (EMSGSIZE): the
+// upper layer splits.
+//
+// Data lives in registered memory (register_memory / alloc_buffer): each IoSeg names its
+// registration, so the IO path never looks memory up and never copies it.
+//
+// Failover: when a path breaks (fabric error, heartbeat loss, disconnect), its inflight requests
+// are re-sent on another CONNECTED path with the same permit, invisibly to the caller; the broken
+// path reconnects after a delay with backoff. Completion callbacks run exactly once.
+//
+// Threading:
+//   - request(), free_permits() and the accessors: any thread, concurrently.
+//   - Completion callbacks run on the session's IO threads; they may call request() (the
+//     request's permit is already released when the callback runs) but must not block or call
+//     the control functions below.
+//   - Control functions (add_path, remove_path, disconnect_path, reconnect_path, set_policy,
+//     set_max_reconnect_attempts) may be called from any thread except a completion callback or
+//     event callback; each returns when done. They are serialized.
+//   - Event callbacks (ClientOptions::on_event) run on the session's control thread.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "ibtrs/address.h"
+#include "ibtrs/path_spec.h"
+#include "ibtrs/result.h"
+#include "ibtrs/types.h"
+
+namespace ibtrs {
+
+class ClientSession;
+
+// Memory registered with every path of a session (and with paths added later). Deregisters on
+// destruction; it must outlive every request that uses it, and the session must outlive it.
+class RegisteredMemory {
+ public:
+  ~RegisteredMemory();
+  RegisteredMemory(const RegisteredMemory&) = delete;
+  RegisteredMemory& operator=(const RegisteredMemory&) = delete;
+
+  std::byte* data() const { return static_cast<std::byte*>(addr_); }
+  size_t size() const { return size_; }
+
+  struct Impl;
+  Impl* impl() const { return impl_; }
+
+ private:
+  friend class ClientSession;
+  RegisteredMemory(void* addr, size_t size, Impl* impl) : addr_(addr), size_(size), impl_(impl) {}
+  void* addr_;
+  size_t size_;
+  Impl* impl_;
+};
+
+// A piece of a request's data: `len` bytes at `addr`, inside `mem`.
+struct IoSeg {
+  void* addr = nullptr;
+  uint32_t len = 0;
+  const RegisteredMemory* mem = nullptr;
+};
+
+enum class IoDir : uint8_t { read, write };
+enum class PermitWait : uint8_t { no, yes };
+
+// Completion of a request: err is 0 or a positive errno (the server's, or ENOTCONN / ETIMEDOUT /
+// ECONNABORTED from the client when no path could carry it).
+using IoDoneFn = void (*)(void* ctx, int err);
+
+struct IoRequest {
+  IoDir dir = IoDir::read;
+  std::span<const std::byte> usr;  // user header, copied when the request is submitted
+  std::span<const IoSeg> data;     // write: the data; read: where it lands (1..max_segments())
+  IoDoneFn done = nullptr;
+  void* ctx = nullptr;
+};
+
+enum class SessionEvent : uint8_t {
+  path_up,       // a path became CONNECTED (first connect or reconnect)
+  path_down,     // a CONNECTED path broke or was disconnected
+  disconnected,  // the last CONNECTED path went down: requests wait for one to come back
+  reconnected,   // a path came back after `disconnected`
+};
+std::string_view to_string(SessionEvent e);
+
+struct SessionEventInfo {
+  SessionEvent event;
+  std::string path;       // the path's name (src@dst)
+  std::error_code reason; // why a path went down
+};
+
+struct ClientOptions {
+  std::string session_name;       // printable ASCII, 1..63 bytes; names the session on the server
+  std::vector<PathSpec> paths;    // at least one
+  uint32_t io_threads = 0;        // IO connections per path (0: min(hardware threads, 8))
+  MpPolicy policy = MpPolicy::min_inflight;
+  HeartbeatConfig heartbeat;
+  ReconnectConfig reconnect;
+  std::chrono::milliseconds connect_timeout{30000};  // per path establishment (RTRS: 30 s)
+  // How long a request waits for a CONNECTED path when none is (then it fails with ENOTCONN).
+  std::chrono::milliseconds pending_timeout{30000};
+  bool busy_poll = false;         // IO threads spin instead of sleeping (latency for CPU)
+  std::function<void(const SessionEventInfo&)> on_event;
+};
+
+struct ClientPathInfo {
+  std::string name;         // "src@dst"
+  PathSpec spec;
+  ClientPathState state;
+  FabricKind fabric;
+  std::string hca_name;     // device ("rxe0"; "tcp" for the software fabric)
+  uint8_t hca_port = 0;
+  uint16_t recon_cnt = 0;
+  std::optional<std::chrono::nanoseconds> latency;  // last heartbeat round trip
+  uint32_t inflight = 0;
+  PathStatsSnapshot stats;
+};
+
+class ClientSession {
+ public:
+  // Connects every path of `options`; succeeds when at least one path is CONNECTED (the others
+  // keep reconnecting). Errors: EINVAL (bad options), the first path's connect error when none
+  // connects (ECONNREFUSED, ETIMEDOUT, EPROTO for a server that speaks another version, ...).
+  static Result<std::unique_ptr<ClientSession>> open(ClientOptions options);
+  // Closes every path. Requests still in flight complete with ECONNABORTED first.
+  ~ClientSession();
+  ClientSession(const ClientSession&) = delete;
+  ClientSession& operator=(const ClientSession&) = delete;
+
+  // Submits a request. Errors (the callback is then not called): EINVAL (no callback, no data,
+  // too many segments, a segment outside its registration, user header too long), EMSGSIZE
+  // (data longer than max_io_size()), EAGAIN (no permit and PermitWait::no), ENOTCONN (no path
+  // is CONNECTED and none is coming back), ESHUTDOWN (the session is closing).
+  Status request(const IoRequest& req, PermitWait wait = PermitWait::yes);
+
+  // Registers caller memory (local write + remote write) on every path's device.
+  Result<std::unique_ptr<RegisteredMemory>> register_memory(void* addr, size_t size);
+  // Allocates page-aligned memory and registers it; freed with the handle.
+  Result<std::unique_ptr<RegisteredMemory>> alloc_buffer(size_t size);
+
+  // Geometry, fixed when the first path connects.
+  uint32_t queue_depth() const;
+  uint32_t max_io_size() const;      // data bytes per request
+  uint32_t max_usr_len(IoDir dir, size_t segments) const;  // user header bytes per request
+  static constexpr uint32_t kMaxSegments = 15;  // data segments per request
+  uint32_t free_permits() const;
+
+  const std::string& name() const;
+  const Uuid16& uuid() const;
+
+  // Path control; each returns when done. Names are PathSpec::name() ("src@dst").
+  // add_path: EEXIST (same name), ENOSPC (kMaxPaths), or the connect error (the path is removed).
+  static constexpr size_t kMaxPaths = 16;
+  Status add_path(const PathSpec& spec);
+  // Fails over the path's requests, closes it and forgets it. ENOENT; EBUSY for the last path.
+  Status remove_path(std::string_view name);
+  // Closes the path (its requests fail over); it stays CLOSED until reconnect_path(). ENOENT.
+  Status disconnect_path(std::string_view name);
+  // Closes the path if needed and connects it again; returns when CONNECTED or failed. ENOENT.
+  Status reconnect_path(std::string_view name);
+
+  Status set_policy(MpPolicy policy);
+  MpPolicy policy() const;
+  Status set_max_reconnect_attempts(int32_t attempts);  // -1..9999, else EINVAL
+  int32_t max_reconnect_attempts() const;
+
+  std::vector<ClientPathInfo> paths() const;
+  PathStatsSnapshot stats() const;  // sum over the paths
+  // Resets the counters of one path (ENOENT) or, with an empty name, of all.
+  Status reset_stats(std::string_view path = {});
+
+  struct Impl;
+
+ private:
+  explicit ClientSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ibtrs

@@ -1,0 +1,140 @@
+// libibtrs server: listens for client sessions and hands their requests to the upper layer
+// (the kernel's rtrs-srv). Per client session it allocates queue_depth chunks of chunk_size
+// bytes, shared by all the session's paths and registered for remote write on each path's device;
+// a request arrives in the chunk of its permit and is answered with the permit id and an errno.
+//
+// Safety: every request is validated before the upper layer sees it (docs/protocol.md,
+// "Validation on the server"). A malformed or hostile message closes that path with a logged
+// reason; the server never reads or writes outside the session's chunks.
+//
+// Threading:
+//   - ServerHandler callbacks: on_request on the server's IO threads, the session and path
+//     callbacks on its control thread. None may block for long or call Server::stop().
+//   - ServerRequest::complete(): any thread, exactly once per request, asynchronously.
+//   - Server methods: any thread.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ibtrs/address.h"
+#include "ibtrs/client.h"
+#include "ibtrs/path_spec.h"
+#include "ibtrs/result.h"
+#include "ibtrs/types.h"
+
+namespace ibtrs {
+
+struct ServerPathInfo {
+  std::string name;       // "src@dst" as the client named it in INFO_REQ
+  Address local;
+  Address peer;
+  ServerPathState state;
+  std::string hca_name;
+  uint8_t hca_port = 0;
+  uint16_t recon_cnt = 0;
+  uint16_t cid_num = 0;
+  PathStatsSnapshot stats;
+};
+
+class ServerSession {
+ public:
+  virtual ~ServerSession() = default;
+  virtual const std::string& name() const = 0;
+  virtual const Uuid16& uuid() const = 0;
+  virtual std::vector<ServerPathInfo> paths() const = 0;
+  virtual PathStatsSnapshot stats() const = 0;
+  // Resets the counters of one path (ENOENT) or, with an empty name, of all.
+  virtual Status reset_stats(std::string_view path = {}) = 0;
+  // Disconnects one path (ENOENT); the client will reconnect it.
+  virtual Status disconnect_path(std::string_view path) = 0;
+
+  // The upper layer's state for this session (set in on_session_up).
+  void* context = nullptr;
+};
+
+class ServerRequest {
+ public:
+  IoDir dir() const { return dir_; }
+  std::span<const std::byte> usr() const { return usr_; }
+  // write: the data the client sent; read: where the reply data goes (length = the bytes the
+  // client asked for, at most max_io_size). Valid until complete().
+  std::span<std::byte> data() const { return data_; }
+  ServerSession& session() const { return *session_; }
+  uint32_t chunk_id() const { return chunk_id_; }
+
+  // Answers the client: err 0 or a positive errno (above 511 sent as EIO). For a read with
+  // err == 0 the data must be in data(). Any thread, exactly once.
+  virtual void complete(int err) = 0;
+
+ protected:
+  ServerRequest() = default;
+  ~ServerRequest() = default;
+  IoDir dir_ = IoDir::read;
+  std::span<const std::byte> usr_;
+  std::span<std::byte> data_;
+  ServerSession* session_ = nullptr;
+  uint32_t chunk_id_ = 0;
+};
+
+class ServerHandler {
+ public:
+  virtual ~ServerHandler() = default;
+  // A session's first path is CONNECTED. Set session.context here.
+  virtual void on_session_up(ServerSession& session) { (void)session; }
+  // The session's last path is gone and every request of it completed; `session` is freed after.
+  virtual void on_session_down(ServerSession& session) { (void)session; }
+  virtual void on_path_up(ServerSession& session, const ServerPathInfo& path) {
+    (void)session;
+    (void)path;
+  }
+  virtual void on_path_down(ServerSession& session, const ServerPathInfo& path) {
+    (void)session;
+    (void)path;
+  }
+  // A validated request. Complete it, now or later, from any thread.
+  virtual void on_request(ServerRequest& req) = 0;
+};
+
+struct ServerOptions {
+  std::vector<Address> listen;            // at least one; port 0 picks a free one
+  uint16_t queue_depth = 512;             // chunks per session (kernel: sess_queue_depth)
+  uint32_t chunk_size = 128 * 1024;       // power of two, 8 KiB..16 MiB (kernel: max_chunk_size)
+  uint32_t max_hdr_size = 4096;           // user header + IO message; max_io = chunk - this
+  uint32_t io_threads = 0;                // 0: min(hardware threads, 8)
+  HeartbeatConfig heartbeat;
+  bool busy_poll = false;
+  ServerHandler* handler = nullptr;       // required; must outlive the server
+};
+
+class Server {
+ public:
+  // Errors: EINVAL (bad options: geometry, no handler, no address), EADDRINUSE, ...
+  static Result<std::unique_ptr<Server>> start(ServerOptions options);
+  // Closes every session (the handler sees path and session downs) and stops. Requests the
+  // handler still holds must be completed before this returns.
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // The bound listen addresses (with real ports).
+  std::vector<Address> addresses() const;
+  // Names of the live sessions, and one session's paths.
+  std::vector<std::string> sessions() const;
+  // Calls `fn` with the session under the server's lock (do not keep the reference). ENOENT.
+  Status with_session(std::string_view name, const std::function<void(ServerSession&)>& fn) const;
+
+  struct Impl;
+
+ private:
+  explicit Server(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ibtrs
