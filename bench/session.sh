@@ -73,9 +73,8 @@ if ! wait_file "$tmp/ready" "$server_pid"; then
 fi
 mapfile -t listen < <(sed -n 's/^listening //p' "$tmp/ready")
 [ "${#listen[@]}" -eq 2 ] || { echo "server reported ${#listen[@]} addresses, wanted 2" >&2; exit 1; }
-# Two paths to one host share a name unless their sources differ (names ignore the port).
-path1="tcp:127.0.0.1@${listen[0]}"
-path2="tcp:127.0.0.2@${listen[1]}"
+path1=${listen[0]}
+path2=${listen[1]}
 
 run_no=0
 declare -A base_iops  # workload -> 1-path IOPS

@@ -127,15 +127,15 @@ const char kUsage[] =
     "                    [--ready-file PATH] [--busy-poll]\n"
     "      Serves a RAM volume (default 1G) until SIGINT/SIGTERM. ADDR: tcp:127.0.0.1:1234,\n"
     "      rdma:198.18.0.2:1234, loopback:NAME; port 0 picks a free port. Prints `listening ADDR`\n"
-    "      per bound address and writes the same lines to --ready-file.\n"
+    "      per bound address and writes the same lines to --ready-file (removed on exit).\n"
     "  ibtrs-load client --session NAME --path SPEC [--path SPEC ...]\n"
     "                    [--policy round-robin|min-inflight|min-latency]\n"
     "                    [--rw randread|randwrite|read|write|randrw] [--bs SIZE] [--qd N]\n"
     "                    [--seconds S] [--count N] [--size SIZE] [--verify] [--io-threads N]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
-    "                    [--busy-poll] [--json] [--interval-ms N] [--control FIFO]\n"
-    "      SPEC: [src@]dst, e.g. tcp:127.0.0.1:1234 or tcp:127.0.0.2@tcp:127.0.0.1:1234 (a path's\n"
-    "      name ignores the port: two paths to one host need different sources).\n"
+    "                    [--pending-timeout-ms N] [--busy-poll] [--json] [--interval-ms N]\n"
+    "                    [--control FIFO]\n"
+    "      SPEC: [src@]dst, e.g. tcp:127.0.0.1:1234 or tcp:127.0.0.2@tcp:127.0.0.1:1234.\n"
     "      Runs --seconds (default 5 unless --count is given). --verify checks every read against\n"
     "      the last write of its block; blocks this client never wrote must read as zeros, so it\n"
     "      wants a fresh server. --control FIFO takes lines while running: disconnect NAME,\n"
@@ -291,7 +291,7 @@ struct SessionRecord {
   std::string name;
   bool live = true;
   ibtrs::PathStatsSnapshot total;
-  std::vector<ibtrs::ServerPathInfo> paths;
+  std::map<std::string, ibtrs::ServerPathInfo> paths;  // by name, including paths gone since
 };
 
 class RamVolume final : public ibtrs::ServerHandler {
@@ -326,17 +326,28 @@ class RamVolume final : public ibtrs::ServerHandler {
   }
   void on_path_down(ibtrs::ServerSession& s, const ibtrs::ServerPathInfo& p) override {
     say("path down %s %s", s.name().c_str(), p.name.c_str());
+    record(s, true, &p);
   }
 
-  void record(ibtrs::ServerSession& s, bool live) {
-    SessionRecord r{s.name(), live, s.stats(), s.paths()};
+  // By the time a session is down its paths are gone, so each path's last figures are kept
+  // from when it went down.
+  void record(ibtrs::ServerSession& s, bool live, const ibtrs::ServerPathInfo* gone = nullptr) {
+    auto paths = s.paths();
+    auto total = s.stats();
+    std::string uuid = s.uuid().to_string();
     std::lock_guard lk(mu_);
     // A long soak sees many sessions come and go; the oldest finished ones are dropped first.
-    if (records_.size() >= 1000 && !records_.count(s.uuid().to_string())) {
-      records_.erase(records_.begin());
+    if (records_.size() >= 1000 && !records_.count(uuid)) {
+      auto victim = std::find_if(records_.begin(), records_.end(), [](const auto& r) { return !r.second.live; });
+      records_.erase(victim == records_.end() ? records_.begin() : victim);
       ++dropped_;
     }
-    records_[s.uuid().to_string()] = std::move(r);
+    SessionRecord& r = records_[uuid];
+    r.name = s.name();
+    r.live = live;
+    r.total = total;
+    for (auto& p : paths) r.paths[p.name] = std::move(p);
+    if (gone) r.paths[gone->name] = *gone;
   }
 
   void print_records() {
@@ -346,7 +357,7 @@ class RamVolume final : public ibtrs::ServerHandler {
         rejected_.load(std::memory_order_relaxed));
     for (const auto& [uuid, r] : records_) {
       say("session %s (%s)%s: %s", r.name.c_str(), uuid.c_str(), r.live ? "" : " ended", stats_text(r.total).c_str());
-      for (const auto& p : r.paths)
+      for (const auto& [path_name, p] : r.paths)
         say("  path %s from %s %s reconnects %u: %s", p.name.c_str(), p.peer.to_string().c_str(),
             std::string(ibtrs::to_string(p.state)).c_str(), p.recon_cnt, stats_text(p.stats).c_str());
     }
@@ -467,6 +478,7 @@ struct ClientConfig {
   std::optional<uint32_t> hb_interval_ms;
   std::optional<uint32_t> hb_missed;
   std::optional<uint32_t> reconnect_delay_ms;
+  std::optional<uint32_t> pending_timeout_ms;
   bool busy_poll = false;
   bool json = false;
   uint32_t interval_ms = 0;
@@ -519,6 +531,8 @@ ClientConfig parse_client(Args& a) {
       c.hb_missed = static_cast<uint32_t>(a.num(1, 1000000));
     } else if (f == "--reconnect-delay-ms") {
       c.reconnect_delay_ms = static_cast<uint32_t>(a.num(0, 3600000));
+    } else if (f == "--pending-timeout-ms") {
+      c.pending_timeout_ms = static_cast<uint32_t>(a.num(0, 3600000));
     } else if (f == "--busy-poll") {
       c.busy_poll = true;
     } else if (f == "--json") {
@@ -537,9 +551,7 @@ ClientConfig parse_client(Args& a) {
     for (size_t j = 0; j < i; ++j)
       if (c.paths[i].name() == c.paths[j].name())
         usage_error("paths " + std::to_string(j + 1) + " and " + std::to_string(i + 1) + " are both named " +
-                    c.paths[i].name() +
-                    " (a path's name ignores the port): give them different sources, e.g. "
-                    "tcp:127.0.0.2@tcp:127.0.0.1:PORT");
+                    c.paths[i].name() + ": a session's paths need different names (sources, hosts or ports)");
   if (c.bs > c.size) usage_error("--bs is larger than --size");
   if (c.seconds == 0 && c.count == 0) c.seconds = 5;
   return c;
@@ -1030,6 +1042,7 @@ int run_client(const ClientConfig& c) {
   if (c.hb_interval_ms) o.heartbeat.interval = std::chrono::milliseconds(*c.hb_interval_ms);
   if (c.hb_missed) o.heartbeat.missed_max = *c.hb_missed;
   if (c.reconnect_delay_ms) o.reconnect.delay = std::chrono::milliseconds(*c.reconnect_delay_ms);
+  if (c.pending_timeout_ms) o.pending_timeout = std::chrono::milliseconds(*c.pending_timeout_ms);
   o.busy_poll = c.busy_poll;
   o.on_event = [quiet, t0](const ibtrs::SessionEventInfo& e) {
     if (quiet->load()) return;
