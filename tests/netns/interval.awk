@@ -1,5 +1,5 @@
 # Reads ibtrs-load client --interval-ms lines and prints "T_MS OPS" for the path whose name
-# contains ENVIRON["INTERVAL_DST"] (cumulative reads+writes of that path at time T_MS).
+# contains ENVIRON["INTERVAL_SEL"] (cumulative reads+writes of that path at time T_MS).
 # Placeholder format until the tool lands: "t_ms=500 NAME=OPS NAME=OPS ..."
 {
   t = -1
@@ -8,7 +8,7 @@
   }
   if (t < 0) next
   for (i = 1; i <= NF; i++) {
-    if (index($i, ENVIRON["INTERVAL_DST"]) && $i ~ /=[0-9]+$/) {
+    if (index($i, ENVIRON["INTERVAL_SEL"]) && $i ~ /=[0-9]+$/) {
       n = split($i, kv, "=")
       print t, kv[n] + 0
     }

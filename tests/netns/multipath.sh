@@ -58,28 +58,11 @@ PATH_C="tcp:$C_SRC@tcp:$C_DST:$PORT"
 COMMON=(--hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED")
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ibtrs-netns.XXXXXX")
-PIDS=()          # background processes we started (timeout(1) wrappers), killed on exit
-FAILED=0
-T0=$(date +%s%N)
-
-now_ms() { echo $((($(date +%s%N) - T0) / 1000000)); }
-note() { echo "# [$(now_ms) ms] $*"; }
-ok() { echo "ok - $*"; }
-not_ok() { echo "not ok - $1: $2"; FAILED=1; }
-join() { local IFS=$'\n'; echo "$*" | paste -sd '|' - | sed 's/|/; /g'; }
-
-kill_pids() {
-  local p alive
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for _ in $(seq 30); do
-    alive=0
-    for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    ((alive)) || break
-    sleep 0.1
-  done
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  PIDS=()
-}
+NETNS_DIR=$HERE
+SERVER_WRAP=(ip netns exec "$NSS")
+CLIENT_WRAP=(ip netns exec "$NSC")
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$HERE/lib.sh"
 
 cleanup() {
   local rc=$? ns p
@@ -135,140 +118,17 @@ if ! err=$(setup_links 2>&1); then
 fi
 note "namespaces $NSC / $NSS, ibtrs-load $LOAD, work dir $WORK"
 
-# ---- server and client ------------------------------------------------------------------------
-SERVER_PID=""
-ERR=""
-# start_server NAME LISTEN_ADDR...: 0 when it is listening, else 1 with the reason in $ERR.
-# (Not in $(...): SERVER_PID and PIDS must be set in this shell.)
-start_server() {
-  local name=$1; shift
-  local args=() a ready=$WORK/$name.server.ready
-  for a in "$@"; do args+=(--listen "tcp:$a:$PORT"); done
-  rm -f "$ready"
-  ip netns exec "$NSS" timeout -k 3 180 "$LOAD" server "${args[@]}" "${COMMON[@]}" --size "$SIZE" \
-    --queue-depth 128 --ready-file "$ready" >"$WORK/$name.server.out" 2>"$WORK/$name.server.err" &
-  SERVER_PID=$!
-  PIDS+=("$SERVER_PID")
-  for _ in $(seq 100); do
-    [[ -e $ready ]] && return 0
-    kill -0 "$SERVER_PID" 2>/dev/null || break
-    sleep 0.1
-  done
-  ERR="server did not become ready: $(tail -n 3 "$WORK/$name.server.err" | tr '\n' ' ')"
-  return 1
-}
-
-stop_server() {
-  [[ -n $SERVER_PID ]] || return 0
-  kill -TERM "$SERVER_PID" 2>/dev/null
-  for _ in $(seq 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$SERVER_PID" 2>/dev/null
-  wait "$SERVER_PID" 2>/dev/null
-  SERVER_PID=""
-}
-
-CLIENT_PID=""
-# start_client NAME SECONDS ARGS...: background client, stdout in $WORK/NAME.out
-start_client() {
-  local name=$1 secs=$2; shift 2
-  ip netns exec "$NSC" timeout -k 3 $((secs + 25)) "$LOAD" client --session "$name-$$" "${COMMON[@]}" \
-    --reconnect-delay-ms "$RECONNECT_MS" --size "$SIZE" --seconds "$secs" --json "$@" \
-    >"$WORK/$name.out" 2>"$WORK/$name.err" &
-  CLIENT_PID=$!
-  PIDS+=("$CLIENT_PID")
-}
-
-# wait_client: the client's exit status (124 = timeout(1) killed it)
-wait_client() {
-  local rc
-  wait "$CLIENT_PID"
-  rc=$?
-  CLIENT_PID=""
-  return $rc
-}
-
-# The final JSON object of a client run.
-final_json() { grep '^{' "$WORK/$1.out" | tail -n 1; }
-# jfield NAME JQ_EXPR
-jfield() { final_json "$1" | jq -r "$2" 2>/dev/null; }
-# path_field NAME DST_ADDR FIELD: a field of the paths[] entry whose name contains DST_ADDR
-path_field() {
-  final_json "$1" | jq -r --arg d "$2" --arg f "$3" \
-    '[.paths[] | select(.name | contains($d))][0][$f] // empty' 2>/dev/null
-}
-path_ops() {
-  final_json "$1" | jq -r --arg d "$2" \
-    '[.paths[] | select(.name | contains($d))][0] | ((.reads // 0) + (.writes // 0))' 2>/dev/null
-}
-
-# Interval lines: per-path cumulative op counts, one sample per --interval-ms.
-# interval_series NAME DST_ADDR -> "T_MS OPS" lines (T_MS since the client started, if the tool
-# prints it, else the sample number x interval).
-interval_series() {
-  local name=$1 dst=$2
-  grep -v '^{' "$WORK/$name.out" | INTERVAL_DST=$dst awk -f "$HERE/interval.awk"
-}
-
-# wait_busy NAME DST... : until every listed path has carried IO in the interval output (15 s max)
-wait_busy() {
-  local name=$1 d n; shift
-  for _ in $(seq 150); do
-    n=0
-    for d in "$@"; do
-      [[ $(interval_series "$name" "$d" | awk '$2 > 0' | head -n 1) ]] && n=$((n + 1))
-    done
-    ((n == $#)) && return 0
-    [[ -n $CLIENT_PID ]] && ! kill -0 "$CLIENT_PID" 2>/dev/null && return 1
-    sleep 0.1
-  done
-  return 1
-}
-
-# ops of a path at the last sample taken at or before T_MS, and at the end
-ops_at() { interval_series "$1" "$2" | awk -v t="$3" '$1 <= t { v = $2 } END { print v + 0 }'; }
-ops_last() { interval_series "$1" "$2" | awk '{ v = $2 } END { print v + 0 }'; }
-last_t() { interval_series "$1" "$2" | awk '{ v = $1 } END { print v + 0 }'; }
-
-client_summary() {
-  local name=$1
-  note "$name: $(final_json "$name" | jq -c '{ops, iops, mib_s, errors, verify_errors, lat_p99_us,
-    max_pause_ms, paths: [.paths[] | {name, state, ops: ((.reads // 0) + (.writes // 0)),
-    failovered, reconnects_ok}]}' 2>/dev/null || echo "no JSON; stderr: $(tail -n 3 "$WORK/$name.err")")"
-}
-
-# check_clean NAME RC: exit 0, a JSON line, zero errors and verify errors; prints the problem
-check_clean() {
-  local name=$1 rc=$2 e v
-  if [[ -z $(final_json "$name") ]]; then
-    echo "no JSON result (exit $rc; stderr: $(tail -n 3 "$WORK/$name.err" | tr '\n' ' '))"
-    return 1
-  fi
-  e=$(jfield "$name" .errors)
-  v=$(jfield "$name" .verify_errors)
-  if [[ $rc -ne 0 || $e != 0 || $v != 0 ]]; then
-    echo "exit $rc, errors=$e, verify_errors=$v (stderr: $(tail -n 3 "$WORK/$name.err" | tr '\n' ' '))"
-    return 1
-  fi
-  return 0
-}
-
-# Client timestamps are relative to the client's start; the script's clock to its own T0.
-CLIENT_T0=0
-mark_client_start() { CLIENT_T0=$(now_ms); }
-client_ms() { echo $(($(now_ms) - CLIENT_T0)); }
-
 want() { [[ -z ${IBTRS_NETNS_ONLY:-} || " $IBTRS_NETNS_ONLY " == *" $1 "* ]]; }
 
 # ---- 1. failover ------------------------------------------------------------------------------
 scenario_failover() {
   local n=failover rc msg t_down d_a d_b pause why=()
-  start_server $n "$A_DST" "$B_DST" || { not_ok $n "$ERR"; return; }
-  mark_client_start
+  start_server $n "tcp:$A_DST:$PORT" "tcp:$B_DST:$PORT" || { not_ok $n "$ERR"; return; }
   start_client $n 8 --path "$PATH_A" --path "$PATH_B" --rw randrw --bs 4096 --qd 32 --verify \
     --interval-ms 250
-  if ! wait_busy $n "$A_DST" "$B_DST"; then
+  if ! wait_busy $n 150 "$A_DST" "$B_DST"; then
     wait_client; stop_server
-    not_ok $n "both paths never carried IO before the cut (stderr: $(tail -n 2 "$WORK/$n.err" | tr '\n' ' '))"
+    not_ok $n "both paths never carried IO before the cut (stderr: $(err_tail "$WORK/$n.err" 2))"
     return
   fi
   sleep 2
@@ -294,19 +154,18 @@ scenario_failover() {
   elif awk -v p="$pause" -v l=$((HB_TIMEOUT_MS + 1000)) 'BEGIN { exit !(p > l) }'; then
     why+=("max_pause_ms $pause > heartbeat timeout $HB_TIMEOUT_MS + 1000")
   fi
-  if ((${#why[@]})); then not_ok $n "$(join "${why[@]}")"; else ok $n; fi
+  finish $n "${why[@]}"
 }
 
 # ---- 2. link back -----------------------------------------------------------------------------
 scenario_link_back() {
   local n=link-back rc msg t_up t_end a_up a_end rec st why=()
-  start_server $n "$A_DST" "$B_DST" || { not_ok $n "$ERR"; return; }
-  mark_client_start
+  start_server $n "tcp:$A_DST:$PORT" "tcp:$B_DST:$PORT" || { not_ok $n "$ERR"; return; }
   start_client $n 14 --path "$PATH_A" --path "$PATH_B" --rw randrw --bs 4096 --qd 32 --verify \
     --interval-ms 250
-  if ! wait_busy $n "$A_DST" "$B_DST"; then
+  if ! wait_busy $n 150 "$A_DST" "$B_DST"; then
     wait_client; stop_server
-    not_ok $n "both paths never carried IO (stderr: $(tail -n 2 "$WORK/$n.err" | tr '\n' ' '))"
+    not_ok $n "both paths never carried IO (stderr: $(err_tail "$WORK/$n.err" 2))"
     return
   fi
   sleep 1
@@ -331,7 +190,7 @@ scenario_link_back() {
   a_end=$(ops_last $n "$A_DST")
   note "$n: path A ops $a_up at t=$((t_end - 2000)) ms -> $a_end at t=$t_end ms"
   ((a_end > a_up)) || why+=("path A carried no IO in the last 2 s (ops stayed at $a_end)")
-  if ((${#why[@]})); then not_ok $n "$(join "${why[@]}")"; else ok $n; fi
+  finish $n "${why[@]}"
 }
 
 # ---- 3. delay ---------------------------------------------------------------------------------
@@ -365,13 +224,12 @@ scenario_delay() {
     slow_dst=$C_DST slow_path=$PATH_C
   fi
   note "$n: $how"
-  if ! start_server $n "$slow_dst" "$B_DST"; then
+  if ! start_server $n "tcp:$slow_dst:$PORT" "tcp:$B_DST:$PORT"; then
     why+=("$ERR")
   else
     for pol in min-latency min-inflight; do
       name=$n-$pol
-      mark_client_start
-      start_client "$name" 5 --path "$slow_path" --path "$PATH_B" --policy $pol --rw randrw \
+          start_client "$name" 5 --path "$slow_path" --path "$PATH_B" --policy $pol --rw randrw \
         --bs 4096 --qd 32 --verify
       wait_client
       rc=$?
@@ -396,7 +254,7 @@ scenario_delay() {
     ip netns exec "$NSC" tc qdisc del dev vca root 2>/dev/null
     ip netns exec "$NSS" tc qdisc del dev vsa root 2>/dev/null
   fi
-  if ((${#why[@]})); then not_ok $n "$(join "${why[@]}")"; else ok "$n # $how"; fi
+  if ((${#why[@]})); then finish $n "${why[@]}"; else ok "$n # $how"; fi
 }
 
 # ---- 4. rate shaping --------------------------------------------------------------------------
@@ -415,10 +273,9 @@ scenario_tbf() {
     fi
   done
   note "$n: tbf rate $TBF_RATE on both ends of both pairs"
-  if start_server $n "$A_DST" "$B_DST"; then
+  if start_server $n "tcp:$A_DST:$PORT" "tcp:$B_DST:$PORT"; then
     for name in $n-1path $n-2paths; do
-      mark_client_start
-      if [[ $name == *-1path ]]; then
+          if [[ $name == *-1path ]]; then
         start_client "$name" 5 --path "$PATH_A" --rw write --bs 131072 --qd 16
       else
         start_client "$name" 5 --path "$PATH_A" --path "$PATH_B" --policy min-inflight --rw write \
@@ -448,7 +305,7 @@ scenario_tbf() {
   for dev in "$NSC:vca" "$NSC:vcb" "$NSS:vsa" "$NSS:vsb"; do
     ip netns exec "${dev%%:*}" tc qdisc del dev "${dev#*:}" root 2>/dev/null
   done
-  if ((${#why[@]})); then not_ok $n "$(join "${why[@]}")"; else ok $n; fi
+  finish $n "${why[@]}"
 }
 
 want failover && scenario_failover
@@ -457,4 +314,4 @@ want delay && scenario_delay
 want tbf && scenario_tbf
 
 note "done in $(now_ms) ms"
-exit $FAILED
+exit "$FAILED"
