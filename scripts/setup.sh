@@ -14,7 +14,7 @@ packages=(
   # VM rig: QEMU/TCG with Debian's 6.12 kernel, busybox initramfs
   qemu-system-x86 busybox-static kmod cpio xz-utils zstd iproute2
   # benchmark peers and limits
-  iperf3
+  iperf3 nbdkit fio
 )
 
 missing=()
