@@ -22,10 +22,14 @@ TEST(PathSpec, DestinationOnlyAndPathNames) {
   ASSERT_TRUE(p.ok());
   EXPECT_FALSE(p->source.has_value());
   EXPECT_EQ(p->destination.port, 7777);
-  EXPECT_EQ(p->name(), "ip:0.0.0.0@ip:10.0.0.5");
-  auto at = PathSpec::parse("ip:1.2.3.4@ip:5.6.7.8");
+  EXPECT_EQ(p->name(), "tcp:0.0.0.0@tcp:10.0.0.5:7777")
+      << "a tcp path says so, and a port other than the default is part of the name";
+  auto at = PathSpec::parse("ip:1.2.3.4@ip:5.6.7.8", FabricKind::rdma);
   ASSERT_TRUE(at.ok());
-  EXPECT_EQ(at->name(), "ip:1.2.3.4@ip:5.6.7.8");
+  EXPECT_EQ(at->name(), "ip:1.2.3.4@ip:5.6.7.8") << "the kernel's names for rdma paths";
+  auto tcp = PathSpec::parse("tcp:1.2.3.4@tcp:5.6.7.8:1234");
+  ASSERT_TRUE(tcp.ok());
+  EXPECT_EQ(tcp->name(), "tcp:1.2.3.4@tcp:5.6.7.8");
 }
 
 TEST(PathSpec, OurFabricFormsKeepTheirPorts) {

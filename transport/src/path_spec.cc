@@ -45,10 +45,35 @@ Result<PathSpec> PathSpec::parse(std::string_view text, FabricKind default_fabri
   return p;
 }
 
+namespace {
+// The kernel's "ip:<addr>" for rdma (its only fabric); our other fabrics say which they are, so
+// an rdma and a tcp path between the same hosts have different names.
+std::string side_name(const Address& a) {
+  std::string h = a.host_string();
+  if (a.fabric == FabricKind::rdma || a.fabric == FabricKind::loopback) return h;
+  return std::string(to_string(a.fabric)) + h.substr(h.find(':'));
+}
+}  // namespace
+
 std::string PathSpec::name() const {
-  std::string src = source ? source->host_string()
-                           : (destination.family() == AF_INET6 ? "ip:::" : "ip:0.0.0.0");
-  return src + "@" + destination.host_string();
+  std::string src;
+  if (source) {
+    src = side_name(*source);
+  } else {
+    src = std::string(destination.fabric == FabricKind::rdma ? "ip" : to_string(destination.fabric)) +
+          (destination.family() == AF_INET6 ? ":::" : ":0.0.0.0");
+    if (destination.fabric == FabricKind::loopback) src = "loopback:";
+  }
+  std::string dst = side_name(destination);
+  // Two paths to one host differ by port: a port other than the default is part of the name.
+  if (destination.fabric != FabricKind::loopback && destination.port != kDefaultPort) {
+    if (destination.family() == AF_INET6) {
+      auto colon = dst.find(':');
+      dst = dst.substr(0, colon + 1) + "[" + dst.substr(colon + 1) + "]";
+    }
+    dst += ":" + std::to_string(destination.port);
+  }
+  return src + "@" + dst;
 }
 
 Uuid16 Uuid16::random() {

@@ -631,15 +631,21 @@ std::string check_pattern(const std::byte* p, size_t len, uint64_t offset, uint3
       for (size_t w = 2; w < 64; ++w) want[w] = splitmix64(seed);
     }
     if (std::memcmp(want, got, 512) == 0) continue;
-    char buf[256];
-    const char* expect = gen == 0 ? "zeros (never written by this client; is the server volume fresh?)" : nullptr;
-    std::string expect_s = expect ? expect : "generation " + std::to_string(gen);
-    if ((got[1] >> 32) == kLoadMagic)
-      std::snprintf(buf, sizeof(buf), "sector at %" PRIu64 ": expected %s, found the data of offset %" PRIu64
-                    " generation %" PRIu64, offset + s, expect_s.c_str(), got[0], got[1] & 0xffffffffu);
-    else
-      std::snprintf(buf, sizeof(buf), "sector at %" PRIu64 ": expected %s, found other data (first word %#" PRIx64
-                    ")", offset + s, expect_s.c_str(), got[0]);
+    size_t first = 0;
+    while (reinterpret_cast<const unsigned char*>(want)[first] == reinterpret_cast<const unsigned char*>(got)[first])
+      ++first;
+    char buf[320];
+    std::string expect = gen == 0 ? "zeros (never written by this client; is the server volume fresh?)"
+                                  : "generation " + std::to_string(gen);
+    std::string found;
+    if ((got[1] >> 32) == kLoadMagic) {
+      found = "the data of offset " + std::to_string(got[0]) + " generation " + std::to_string(got[1] & 0xffffffffu);
+      if (got[0] == want[0] && got[1] == want[1]) found += " with damaged bytes";
+    } else {
+      found = "other data";
+    }
+    std::snprintf(buf, sizeof(buf), "sector at %" PRIu64 ": expected %s, found %s (first difference at byte %zu)",
+                  offset + s, expect.c_str(), found.c_str(), first);
     return buf;
   }
   return {};

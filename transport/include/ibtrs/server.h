@@ -127,7 +127,7 @@ class Server {
   std::vector<Address> addresses() const;
   // Names of the live sessions, and one session's paths.
   std::vector<std::string> sessions() const;
-  // Calls `fn` with the session under the server's lock (do not keep the reference). ENOENT.
+  // Calls `fn` with the session on the server's control thread (do not keep the reference). ENOENT.
   Status with_session(std::string_view name, const std::function<void(ServerSession&)>& fn) const;
 
   struct Impl;

@@ -78,7 +78,12 @@ void PathStats::on_poll(uint32_t shard, uint32_t completions) {
   raise_to(s.poll_max, uint64_t{completions});
 }
 
-void PathStats::on_failover(uint32_t shard) { add(shards_[shard % shards_.size()]->failovered, 1); }
+// A failed-over request leaves this path: it counts as failovered and no longer in flight here.
+void PathStats::on_failover(uint32_t shard) {
+  Shard& s = *shards_[shard % shards_.size()];
+  add(s.failovered, 1);
+  add(s.completed, 1);
+}
 
 void PathStats::on_reconnect(bool ok) {
   Shard& s = *shards_.back();

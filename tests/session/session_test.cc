@@ -1,0 +1,606 @@
+// Session scenarios: a server with a RAM volume and a client session in one process, over the
+// fabric picked with --fabric=loopback|tcp|rdma (rdma: inside the VM rig). Fault injection needs
+// loopback; those cases skip elsewhere.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <future>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "fabric/loopback/loopback.h"
+#include "session_harness.h"
+
+namespace ibtrs::test {
+namespace {
+
+using namespace std::chrono_literals;
+namespace lb = fabric::loopback;
+
+FabricKind g_kind = FabricKind::loopback;
+
+// A listen address for the fabric under test ("tag" keeps loopback names apart).
+Address listen_addr(const std::string& tag) {
+  switch (g_kind) {
+    case FabricKind::loopback: return *Address::parse("loopback:" + tag + ":0");
+    case FabricKind::tcp: return *Address::parse("tcp:127.0.0.1:0");
+    case FabricKind::rdma: {
+      const char* b = std::getenv("IBTRS_RDMA_ADDR_B");
+      return *Address::parse(std::string("rdma:") + (b ? b : "198.18.0.2") + ":0");
+    }
+  }
+  return {};
+}
+
+// The client's path to a bound server address (rdma needs the client's own device as source).
+PathSpec path_to(const Address& a) {
+  PathSpec p{std::nullopt, a};
+  if (a.fabric == FabricKind::rdma) {
+    const char* src = std::getenv("IBTRS_RDMA_ADDR_A");
+    p.source = *Address::parse(std::string("rdma:") + (src ? src : "198.18.0.1") + ":0");
+  }
+  return p;
+}
+
+std::string endpoint_of(const Address& a) { return a.name; }
+
+class Session : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    lb::faults().clear();
+    if (g_kind == FabricKind::rdma && std::getenv("IBTRS_RDMA_ADDR_A") == nullptr)
+      GTEST_SKIP() << "rdma runs in the VM rig (tests/vm): IBTRS_RDMA_ADDR_A is not set";
+  }
+  void TearDown() override {
+    client_.reset();
+    buf_.reset();
+    lb::faults().clear();
+    server_.reset();
+  }
+
+  void start_server(size_t listeners = 2, uint16_t qd = 64) {
+    so_.queue_depth = qd;
+    so_.io_threads = 2;
+    so_.handler = &vol_;
+    so_.heartbeat = HeartbeatConfig{100ms, 5};
+    for (size_t i = 0; i < listeners; ++i) so_.listen.push_back(listen_addr("s" + std::to_string(i)));
+    auto s = Server::start(so_);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    server_ = std::move(*s);
+    addrs_ = server_->addresses();
+  }
+
+  ClientOptions options(size_t npaths = 2) {
+    ClientOptions co;
+    co.session_name = "sess";
+    for (size_t i = 0; i < npaths; ++i) co.paths.push_back(path_to(addrs_[i]));
+    co.io_threads = 2;
+    co.heartbeat = HeartbeatConfig{100ms, 5};
+    co.reconnect = ReconnectConfig{50ms, 50ms, 500ms, 10ms, -1};
+    co.on_event = [this](const SessionEventInfo& e) {
+      std::lock_guard l(ev_mu_);
+      events_.push_back(e);
+    };
+    return co;
+  }
+
+  void open(ClientOptions co) {
+    auto c = ClientSession::open(std::move(co));
+    ASSERT_TRUE(c.ok()) << c.error().message();
+    client_ = std::move(*c);
+    auto b = client_->alloc_buffer(4 << 20);
+    ASSERT_TRUE(b.ok());
+    buf_ = std::move(*b);
+  }
+
+  int io(IoDir dir, uint32_t len, uint64_t off, size_t buf_off = 0) {
+    return sync_io(*client_, dir, *buf_, buf_->data() + buf_off, len, off);
+  }
+
+  size_t count_events(SessionEvent e) {
+    std::lock_guard l(ev_mu_);
+    return static_cast<size_t>(std::count_if(events_.begin(), events_.end(),
+                                             [&](const SessionEventInfo& i) { return i.event == e; }));
+  }
+
+  const ClientPathInfo* path_info(const std::vector<ClientPathInfo>& v, const std::string& name) {
+    for (auto& p : v)
+      if (p.name == name) return &p;
+    return nullptr;
+  }
+
+  RamVolume vol_{16 << 20};
+  ServerOptions so_;
+  std::unique_ptr<Server> server_;
+  std::vector<Address> addrs_;
+  std::unique_ptr<ClientSession> client_;
+  std::unique_ptr<RegisteredMemory> buf_;
+  std::mutex ev_mu_;
+  std::vector<SessionEventInfo> events_;
+};
+
+// A load of `n` random 4 KiB writes and reads against a model, `qd` in flight; each callback
+// must run exactly once. Returns failed requests.
+struct Load {
+  struct Slot {
+    Load* load;
+    uint32_t idx;
+  };
+  ClientSession* s;
+  RegisteredMemory* mem;
+  std::vector<uint8_t> model;   // generation written per block (0 = never)
+  std::vector<int> calls;       // callbacks per request
+  std::atomic<uint32_t> failed{0}, mismatches{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  static constexpr uint32_t kBs = 4096;
+};
+
+int run_load(ClientSession& s, RegisteredMemory& mem, uint32_t n, uint32_t qd, uint32_t blocks,
+             const std::function<void(uint32_t)>& at_step = {}) {
+  // Phase 1: writes of a pattern (block, generation); phase 2: reads checked against it.
+  struct Ctx {
+    std::atomic<int> calls{0};
+    int err = 0;
+  };
+  std::vector<Ctx> ctx(2 * n);
+  std::atomic<uint32_t> bad{0};
+  std::mt19937 rng(42);
+  auto pattern = [](uint32_t block, uint32_t gen, std::byte* p) {
+    for (uint32_t i = 0; i < Load::kBs; i += 4) {
+      uint32_t v = block * 2654435761u ^ gen ^ i;
+      std::memcpy(p + i, &v, 4);
+    }
+  };
+  std::vector<uint32_t> gen(blocks, 0);
+  std::vector<uint32_t> blk(n);
+  for (uint32_t i = 0; i < n; ++i) blk[i] = i % blocks;  // distinct blocks while in flight (n<=blocks)
+  std::shuffle(blk.begin(), blk.end(), rng);
+  for (int phase = 0; phase < 2; ++phase) {
+    std::atomic<uint32_t> inflight{0};
+    for (uint32_t i = 0; i < n; ++i) {
+      while (inflight.load() >= qd) std::this_thread::sleep_for(50us);
+      if (at_step) at_step(phase * n + i);
+      const uint32_t b = blk[i];
+      std::byte* p = mem.data() + size_t{i % 512} * Load::kBs;
+      if (phase == 0) pattern(b, ++gen[b], p);
+      VolHdr h{uint64_t{b} * Load::kBs, Load::kBs, kVolMagic};
+      IoSeg seg{p, Load::kBs, &mem};
+      struct Cb {
+        Ctx* c;
+        std::atomic<uint32_t>* inflight;
+      };
+      auto* cb = new Cb{&ctx[phase * n + i], &inflight};
+      IoRequest r;
+      r.dir = phase == 0 ? IoDir::write : IoDir::read;
+      r.usr = std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h));
+      r.data = std::span(&seg, 1);
+      r.ctx = cb;
+      r.done = [](void* x, int err) {
+        auto* c = static_cast<Cb*>(x);
+        c->c->err = err;
+        c->c->calls.fetch_add(1);
+        c->inflight->fetch_sub(1);
+        delete c;
+      };
+      inflight.fetch_add(1);
+      auto st = s.request(r);
+      if (!st.ok()) {
+        inflight.fetch_sub(1);
+        ctx[phase * n + i].err = st.error().value();
+        ctx[phase * n + i].calls = 1;
+        delete cb;
+      }
+      // Reads of this slot's buffer must finish before the buffer is reused: n <= 512 per phase
+      // keeps slots distinct.
+    }
+    for (int t = 0; t < 4000 && inflight.load() != 0; ++t) std::this_thread::sleep_for(5ms);
+    if (phase == 1) {
+      for (uint32_t i = 0; i < n; ++i) {
+        std::byte expect[Load::kBs];
+        pattern(blk[i], gen[blk[i]], expect);
+        if (std::memcmp(expect, mem.data() + size_t{i % 512} * Load::kBs, Load::kBs) != 0) ++bad;
+      }
+    }
+  }
+  int failed = 0;
+  for (auto& c : ctx) {
+    EXPECT_EQ(c.calls.load(), 1) << "every request completes exactly once";
+    if (c.err != 0) ++failed;
+  }
+  EXPECT_EQ(bad.load(), 0u) << "data read back differs from what was written";
+  return failed;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(Session, WritesAndReadsOfEverySizeComeBackIntact) {
+  start_server(1);
+  open(options(1));
+  const uint32_t max = client_->max_io_size();
+  EXPECT_EQ(max, 128u * 1024 - 4096);
+  for (uint32_t len : {512u, 4096u, 4097u, 65536u, max}) {
+    for (uint32_t i = 0; i < len; ++i) buf_->data()[i] = std::byte(i * 31 + len);
+    ASSERT_EQ(io(IoDir::write, len, 8192), 0) << len;
+    std::memset(buf_->data() + (1 << 20), 0, len);
+    ASSERT_EQ(io(IoDir::read, len, 8192, 1 << 20), 0) << len;
+    ASSERT_EQ(std::memcmp(buf_->data(), buf_->data() + (1 << 20), len), 0) << len;
+    ASSERT_EQ(std::memcmp(buf_->data(), vol_.mem().data() + 8192, len), 0) << len;
+  }
+  auto st = client_->stats();
+  EXPECT_EQ(st.write_cnt, 5u);
+  EXPECT_EQ(st.read_cnt, 5u);
+  EXPECT_EQ(st.inflight, 0);
+}
+
+TEST_F(Session, ScatterGatherListsOnBothSides) {
+  start_server(1);
+  open(options(1));
+  // Three pieces of the buffer, out of order, written as one request and read back in 3 others.
+  std::byte* b = buf_->data();
+  for (int i = 0; i < 3 * 4096; ++i) b[i] = std::byte(i ^ 0x5a);
+  IoSeg segs[3] = {{b + 8192, 4096, buf_.get()}, {b, 4096, buf_.get()}, {b + 4096, 4096, buf_.get()}};
+  VolHdr h{0, 3 * 4096, kVolMagic};
+  Waiter w;
+  IoRequest r{IoDir::write, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+              std::span(segs, 3), &Waiter::cb, &w};
+  ASSERT_TRUE(client_->request(r).ok());
+  ASSERT_EQ(w.wait(), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data(), b + 8192, 4096), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data() + 4096, b, 4096), 0);
+  IoSeg rsegs[3] = {{b + 65536, 100, buf_.get()}, {b + 70000, 4000, buf_.get()},
+                    {b + 80000, 3 * 4096 - 4100, buf_.get()}};
+  Waiter w2;
+  IoRequest rr{IoDir::read, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+               std::span(rsegs, 3), &Waiter::cb, &w2};
+  ASSERT_TRUE(client_->request(rr).ok());
+  ASSERT_EQ(w2.wait(), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data(), b + 65536, 100), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data() + 100, b + 70000, 4000), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data() + 4100, b + 80000, 3 * 4096 - 4100), 0);
+}
+
+TEST_F(Session, BadRequestsAreRefusedBeforeAnythingIsSent) {
+  start_server(1);
+  open(options(1));
+  const uint64_t before = vol_.requests_.load();
+  EXPECT_EQ(io(IoDir::write, client_->max_io_size() + 1, 0), -EMSGSIZE)
+      << "larger than a chunk: the upper layer splits";
+  VolHdr h{0, 4096, kVolMagic};
+  IoSeg seg{buf_->data(), 4096, buf_.get()};
+  IoRequest r{IoDir::write, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+              std::span(&seg, 1), nullptr, nullptr};
+  EXPECT_EQ(client_->request(r).error(), errc(EINVAL)) << "no callback";
+  Waiter w;
+  r.done = &Waiter::cb;
+  r.ctx = &w;
+  std::vector<std::byte> big_usr(5000);
+  IoRequest r2 = r;
+  r2.usr = big_usr;
+  EXPECT_EQ(client_->request(r2).error(), errc(EINVAL)) << "user header over max_hdr_size";
+  IoSeg outside{buf_->data() + buf_->size() - 100, 4096, buf_.get()};
+  IoRequest r3 = r;
+  r3.data = std::span(&outside, 1);
+  EXPECT_EQ(client_->request(r3).error(), errc(EINVAL)) << "segment outside its registration";
+  std::vector<IoSeg> many(ClientSession::kMaxSegments + 1, IoSeg{buf_->data(), 512, buf_.get()});
+  IoRequest r4 = r;
+  r4.data = many;
+  EXPECT_EQ(client_->request(r4).error(), errc(EINVAL)) << "too many segments";
+  EXPECT_EQ(vol_.requests_.load(), before) << "nothing reached the server";
+  EXPECT_EQ(client_->free_permits(), client_->queue_depth()) << "no permit leaked";
+}
+
+TEST_F(Session, ServerErrnoReachesTheCaller) {
+  start_server(1);
+  open(options(1));
+  vol_.fail_with_ = ENOSPC;
+  EXPECT_EQ(io(IoDir::write, 4096, 0), ENOSPC);
+  vol_.fail_with_ = 0;
+  EXPECT_EQ(io(IoDir::write, 4096, 1ull << 40), EINVAL) << "the server's own validation";
+  EXPECT_EQ(io(IoDir::write, 4096, 0), 0);
+}
+
+TEST_F(Session, PermitExhaustionThenWakeUp) {
+  start_server(1, /*qd=*/4);
+  open(options(1));
+  ASSERT_EQ(client_->queue_depth(), 4u);
+  vol_.hold(true);
+  std::vector<std::unique_ptr<Waiter>> ws;
+  VolHdr h{0, 512, kVolMagic};
+  IoSeg seg{buf_->data(), 512, buf_.get()};
+  auto make = [&](Waiter* w) {
+    return IoRequest{IoDir::write, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+                     std::span(&seg, 1), &Waiter::cb, w};
+  };
+  for (int i = 0; i < 4; ++i) {
+    ws.push_back(std::make_unique<Waiter>());
+    ASSERT_TRUE(client_->request(make(ws.back().get()), PermitWait::no).ok());
+  }
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 4; }));
+  EXPECT_EQ(client_->free_permits(), 0u);
+  Waiter extra;
+  EXPECT_EQ(client_->request(make(&extra), PermitWait::no).error(), errc(EAGAIN))
+      << "no permit and no waiting";
+  Waiter waited;
+  auto blocked = std::async(std::launch::async,
+                            [&] { return client_->request(make(&waited), PermitWait::yes); });
+  EXPECT_EQ(blocked.wait_for(100ms), std::future_status::timeout) << "expect the caller to wait";
+  vol_.hold(false);
+  auto held = vol_.take_held();
+  ASSERT_EQ(held.size(), 4u);
+  held[0]->complete(0);
+  EXPECT_TRUE(blocked.get().ok()) << "a freed permit wakes the waiter";
+  for (size_t i = 1; i < held.size(); ++i) vol_.serve(*held[i]);
+  for (auto& w : ws) EXPECT_EQ(w->wait(), 0);
+  EXPECT_EQ(waited.wait(), 0);
+}
+
+TEST_F(Session, PathBrokenByTheServerFailsOverEachRequestExactlyOnce) {
+  start_server(2);
+  auto co = options(2);
+  co.policy = MpPolicy::round_robin;
+  open(co);
+  vol_.hold(true);
+  constexpr int kN = 8;
+  std::vector<std::unique_ptr<Waiter>> ws;
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  for (int i = 0; i < kN; ++i) {
+    hs[i] = VolHdr{uint64_t(i) * 4096, 4096, kVolMagic};
+    std::memset(buf_->data() + i * 4096, i + 1, 4096);
+    segs[i] = IoSeg{buf_->data() + i * 4096, 4096, buf_.get()};
+    ws.push_back(std::make_unique<Waiter>());
+    IoRequest r{IoDir::write, std::span(reinterpret_cast<const std::byte*>(&hs[i]), sizeof(VolHdr)),
+                std::span(&segs[i], 1), &Waiter::cb, ws.back().get()};
+    ASSERT_TRUE(client_->request(r).ok());
+  }
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == kN; }));
+  auto before = client_->paths();
+  ASSERT_EQ(before.size(), 2u);
+  EXPECT_GT(before[0].inflight, 0u) << "round-robin used both paths";
+  EXPECT_GT(before[1].inflight, 0u);
+  // The server drops the first path while it still holds that path's requests.
+  std::string victim;
+  ASSERT_TRUE(server_
+                  ->with_session("sess",
+                                 [&](ServerSession& s) {
+                                   auto ps = s.paths();
+                                   ASSERT_EQ(ps.size(), 2u);
+                                   victim = ps[0].name;
+                                   EXPECT_TRUE(s.disconnect_path(victim).ok());
+                                 })
+                  .ok());
+  // The client fails the path's requests over; the server sees them again on the other path
+  // (deferred behind the copies it still holds).
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = client_->paths();
+    return ps[0].stats.failovered + ps[1].stats.failovered > 0;
+  }));
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  for (int i = 0; i < kN; ++i) EXPECT_EQ(ws[i]->wait(), 0) << i;
+  for (int i = 0; i < kN; ++i)
+    EXPECT_EQ(vol_.mem()[i * 4096], std::byte(i + 1)) << "write " << i << " landed";
+  EXPECT_TRUE(wait_until([&] {
+    for (auto& p : client_->paths())
+      if (p.state != ClientPathState::connected) return false;
+    return true;
+  })) << "the broken path reconnects";
+  EXPECT_GE(count_events(SessionEvent::path_down), 1u);
+  EXPECT_EQ(count_events(SessionEvent::disconnected), 0u) << "the other path stayed up";
+  EXPECT_EQ(client_->stats().inflight, 0);
+}
+
+TEST_F(Session, LoadSurvivesAPathBreakingMidway) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(2);
+  open(options(2));
+  // The 300th request-carrying write to the first path's server breaks that connection.
+  const uint64_t rule = lb::faults().add(lb::FaultRule{.action = lb::FaultAction::disconnect,
+                                                       .opcode = fabric::Opcode::write_with_imm,
+                                                       .endpoint = endpoint_of(addrs_[0]),
+                                                       .direction = lb::Direction::to_server,
+                                                       .skip = 150,
+                                                       .count = 1});
+  int failed = run_load(*client_, *buf_, 500, 32, 512);
+  EXPECT_EQ(failed, 0);
+  EXPECT_EQ(lb::faults().hits(rule), 1u) << "the fault fired";
+  auto ps = client_->paths();
+  uint64_t failovered = 0;
+  for (auto& p : ps) failovered += p.stats.failovered;
+  EXPECT_GT(failovered, 0u);
+}
+
+TEST_F(Session, LostHeartbeatsTakeThePathDownAndItsIoMoves) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(2);
+  open(options(2));
+  ASSERT_EQ(io(IoDir::write, 4096, 0), 0);
+  // Everything the server sends on the first path vanishes silently.
+  lb::faults().add(lb::FaultRule{.action = lb::FaultAction::drop,
+                                 .opcode = std::nullopt,
+                                 .endpoint = endpoint_of(addrs_[0]),
+                                 .direction = lb::Direction::to_client,
+                                 .count = 0});
+  const auto t0 = std::chrono::steady_clock::now();
+  int failed = run_load(*client_, *buf_, 200, 16, 256);
+  EXPECT_EQ(failed, 0);
+  ASSERT_TRUE(wait_until([&] { return count_events(SessionEvent::path_down) >= 1; }, 5s));
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_LT(took, 100ms * 5 + 1500ms) << "detected within the heartbeat timeout (+ slack)";
+  {
+    std::lock_guard l(ev_mu_);
+    auto it = std::find_if(events_.begin(), events_.end(),
+                           [](auto& e) { return e.event == SessionEvent::path_down; });
+    EXPECT_EQ(it->reason, errc(ETIMEDOUT));
+  }
+}
+
+TEST_F(Session, ReconnectAttemptsRunOutThenThePathRestsClosed) {
+  start_server(1);
+  // A second server that goes away.
+  RamVolume other(1 << 20);
+  ServerOptions o2 = so_;
+  o2.listen = {listen_addr("gone")};
+  o2.handler = &other;
+  auto s2 = Server::start(o2);
+  ASSERT_TRUE(s2.ok());
+  auto co = options(1);
+  co.paths.push_back(path_to((*s2)->addresses()[0]));
+  co.reconnect = ReconnectConfig{20ms, 10ms, 100ms, 1ms, 2};
+  open(co);
+  ASSERT_EQ(client_->paths().size(), 2u);
+  const std::string gone = co.paths[1].name();
+  s2->reset();
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = client_->paths();
+    auto* p = path_info(ps, gone);
+    return p && p->state == ClientPathState::closed;
+  }, 10s)) << "two failed attempts, then CLOSED";
+  auto ps = client_->paths();
+  EXPECT_EQ(path_info(ps, gone)->stats.reconnects_failed, 2u);
+  EXPECT_EQ(io(IoDir::write, 4096, 0), 0) << "the other path carries IO";
+}
+
+TEST_F(Session, LastPathDownAndBackIsReportedAndQueuedIoResumes) {
+  start_server(1);
+  open(options(1));
+  const std::string name = client_->paths()[0].name;
+  ASSERT_TRUE(client_->disconnect_path(name).ok());
+  EXPECT_EQ(client_->paths()[0].state, ClientPathState::closed);
+  EXPECT_EQ(count_events(SessionEvent::disconnected), 1u);
+  EXPECT_EQ(io(IoDir::write, 4096, 0), -ENOTCONN) << "no path and none coming back";
+  ASSERT_TRUE(client_->reconnect_path(name).ok());
+  EXPECT_EQ(client_->paths()[0].state, ClientPathState::connected);
+  EXPECT_EQ(count_events(SessionEvent::reconnected), 1u);
+  EXPECT_EQ(io(IoDir::write, 4096, 0), 0);
+}
+
+TEST_F(Session, PathsAreAddedAndRemovedAtRunTime) {
+  start_server(3);
+  open(options(1));
+  EXPECT_EQ(client_->add_path(path_to(addrs_[0])).error(), errc(EEXIST));
+  ASSERT_TRUE(client_->add_path(path_to(addrs_[1])).ok());
+  ASSERT_TRUE(client_->add_path(path_to(addrs_[2])).ok());
+  EXPECT_EQ(client_->paths().size(), 3u);
+  ASSERT_TRUE(client_->set_policy(MpPolicy::round_robin).ok());
+  for (int i = 0; i < 30; ++i) ASSERT_EQ(io(IoDir::write, 4096, 0), 0);
+  for (auto& p : client_->paths()) EXPECT_EQ(p.stats.write_cnt, 10u) << p.name << ": round robin";
+  const std::string first = path_to(addrs_[0]).name();
+  ASSERT_TRUE(client_->remove_path(first).ok());
+  EXPECT_EQ(client_->remove_path(first).error(), errc(ENOENT));
+  EXPECT_EQ(client_->paths().size(), 2u);
+  ASSERT_TRUE(client_->remove_path(path_to(addrs_[1]).name()).ok());
+  EXPECT_EQ(client_->remove_path(path_to(addrs_[2]).name()).error(), errc(EBUSY))
+      << "the last path stays: close the session instead";
+  EXPECT_EQ(io(IoDir::read, 4096, 0), 0);
+  EXPECT_EQ(client_->add_path(PathSpec{std::nullopt, *Address::parse(
+                                  g_kind == FabricKind::loopback ? "loopback:nobody:9" : "tcp:127.0.0.1:9")})
+                .ok(),
+            false)
+      << "a path that cannot connect is not added";
+  EXPECT_EQ(client_->paths().size(), 1u);
+}
+
+TEST_F(Session, MinLatencyAvoidsTheSlowPath) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(2);
+  auto co = options(2);
+  co.policy = MpPolicy::min_latency;
+  open(co);
+  // Everything towards the first path's server is 3 ms late, heartbeats included.
+  lb::faults().add(lb::FaultRule{.action = lb::FaultAction::delay,
+                                 .opcode = std::nullopt,
+                                 .endpoint = endpoint_of(addrs_[0]),
+                                 .direction = lb::Direction::to_server,
+                                 .count = 0,
+                                 .delay = 3ms});
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = client_->paths();
+    return ps[0].latency && ps[1].latency && *ps[0].latency > *ps[1].latency;
+  }, 5s)) << "heartbeats measured both paths";
+  ASSERT_TRUE(client_->reset_stats().ok());
+  for (int i = 0; i < 50; ++i) ASSERT_EQ(io(IoDir::write, 4096, 0), 0);
+  auto ps = client_->paths();
+  EXPECT_GE(ps[1].stats.write_cnt, 45u) << "the fast path carries the IO";
+}
+
+TEST_F(Session, MixedFabricsFailOverToEachOther) {
+  if (g_kind == FabricKind::tcp) GTEST_SKIP() << "needs a second fabric besides tcp";
+  // One path over the fabric under test, one over tcp, in one session.
+  so_.listen.push_back(*Address::parse("tcp:127.0.0.1:0"));
+  if (g_kind == FabricKind::rdma) {
+    const char* b = std::getenv("IBTRS_RDMA_ADDR_B");
+    so_.listen.back() = *Address::parse(std::string("tcp:") + (b ? b : "198.18.0.2") + ":0");
+  }
+  start_server(1);
+  ASSERT_EQ(addrs_.size(), 2u);
+  ClientOptions co = options(0);
+  co.paths = {path_to(addrs_[1]), path_to(addrs_[0])};  // tcp first, then loopback / rdma
+  co.policy = MpPolicy::round_robin;
+  open(co);
+  auto ps = client_->paths();
+  ASSERT_EQ(ps.size(), 2u);
+  EXPECT_NE(ps[0].fabric, ps[1].fabric);
+  std::atomic<bool> broke{false};
+  int failed = run_load(*client_, *buf_, 400, 16, 512, [&](uint32_t step) {
+    if (step == 100 && !broke.exchange(true)) {
+      // Break the non-tcp path from the server side mid-load.
+      (void)server_->with_session("sess", [&](ServerSession& s) {
+        for (auto& p : s.paths())
+          if (p.local.fabric != FabricKind::tcp) (void)s.disconnect_path(p.name);
+      });
+    }
+  });
+  EXPECT_EQ(failed, 0);
+  EXPECT_TRUE(broke.load());
+  ps = client_->paths();
+  for (auto& p : ps) EXPECT_GT(p.stats.write_cnt + p.stats.read_cnt, 0u) << p.name;
+}
+
+TEST_F(Session, ServerSeesSessionsAndPathsComeAndGo) {
+  start_server(2);
+  open(options(2));
+  EXPECT_EQ(server_->sessions(), std::vector<std::string>{"sess"});
+  EXPECT_TRUE(wait_until([&] {
+    std::lock_guard l(vol_.mu_);
+    return vol_.sessions_up_.size() == 1 && vol_.paths_up_.size() == 2;
+  })) << "one session up with two paths (the server announces a path after its INFO_RSP)";
+  ASSERT_EQ(io(IoDir::write, 8192, 0), 0);
+  ASSERT_TRUE(server_
+                  ->with_session("sess",
+                                 [](ServerSession& s) {
+                                   auto st = s.stats();
+                                   EXPECT_EQ(st.write_cnt, 1u);
+                                   EXPECT_EQ(st.write_bytes, 8192u);
+                                 })
+                  .ok());
+  client_.reset();
+  ASSERT_TRUE(wait_until([&] {
+    std::lock_guard l(vol_.mu_);
+    return vol_.sessions_down_.size() == 1;
+  })) << "the session ends when its client closes";
+  EXPECT_TRUE(server_->sessions().empty());
+  std::lock_guard l(vol_.mu_);
+  EXPECT_EQ(vol_.paths_down_.size(), 2u);
+}
+
+}  // namespace
+}  // namespace ibtrs::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--fabric=", 0) == 0) {
+      auto k = ibtrs::parse_fabric_kind(a.substr(9));
+      if (!k.ok()) {
+        fprintf(stderr, "unknown fabric %s\n", a.c_str());
+        return 2;
+      }
+      ibtrs::test::g_kind = *k;
+    }
+  }
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,1122 @@
+// The IBTRS client session (kernel: rtrs-clt.c). Structure in client_impl.h; wire in
+// proto/ibtrs_proto.h.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "client/client_impl.h"
+#include "common/log.h"
+#include "core/fabrics.h"
+
+namespace ibtrs {
+
+using namespace std::chrono_literals;
+using client::Con;
+using client::Path;
+using client::Req;
+using client::Session;
+using fabric::Completion;
+using fabric::Opcode;
+using fabric::SendWr;
+using fabric::Sge;
+using fabric::WcStatus;
+
+struct ClientSession::Impl final : client::Session {};
+
+namespace client {
+
+namespace {
+
+// Work request ids: the low 3 bits say what completed.
+enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3 };
+constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
+
+constexpr uint32_t kSvcRecvs = 16;      // service connection: INFO_RSP + heartbeats
+constexpr uint32_t kSvcSends = 16;
+constexpr uint32_t kSignalEvery = 16;   // IO sends: one in this many is signalled
+constexpr uint32_t kRepostBatch = 16;   // RECVs reposted together
+constexpr auto kTick = 100ms;           // pending-request deadlines
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(core::Clock::now().time_since_epoch())
+      .count();
+}
+
+// The submitting thread's stats shard and IO connection: a session's own IO thread uses its own
+// connection (a completion callback that resubmits stays local); other threads are spread over
+// the connections and count in the last shard ("user threads").
+struct ThreadSlot {
+  uint32_t ci;
+  uint32_t shard;
+};
+thread_local const Session* tl_session = nullptr;
+thread_local uint32_t tl_poller = 0;
+std::atomic<uint32_t> g_thread_seq{0};
+thread_local uint32_t tl_seq = g_thread_seq.fetch_add(1, std::memory_order_relaxed);
+thread_local size_t tl_cursor = 0;
+
+ThreadSlot thread_slot(const Session& s) {
+  if (tl_session == &s) return {tl_poller, tl_poller};
+  return {tl_seq % s.nio, s.nio};
+}
+
+bool printable_name(std::string_view n) {
+  if (n.empty() || n.size() >= proto::kNameMax) return false;
+  return std::all_of(n.begin(), n.end(), [](char c) { return c > ' ' && c < 0x7f; });
+}
+
+std::string errstr(std::error_code ec) { return ec ? ec.message() : "ok"; }
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------
+// Path
+
+Path::Path(Session* sess, uint32_t slot_, PathSpec spec_, uint32_t io_threads)
+    : s(sess),
+      slot(slot_),
+      spec(std::move(spec_)),
+      name(spec.name()),
+      hb(sess->opts.heartbeat),
+      sched(sess->opts.reconnect),
+      stats(io_threads + 1) {
+  Uuid16 u = Uuid16::random();
+  std::memcpy(uuid.data(), u.bytes, 16);
+  for (uint32_t cid = 0; cid <= io_threads; ++cid) {
+    auto c = std::make_unique<Con>();
+    c->path = this;
+    c->cid = static_cast<uint16_t>(cid);
+    c->poller = cid == 0 ? sess->svc_poller.get() : sess->io_pollers[cid - 1].get();
+    cons.push_back(std::move(c));
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Connection completions (poller thread)
+
+void Con::repost_recvs() {
+  if (recv_missing < kRepostBatch && !(recv_missing > 0 && cid == 0)) return;
+  fabric::RecvWr wrs[64];
+  uint32_t n = std::min<uint32_t>(recv_missing, 64);
+  for (uint32_t i = 0; i < n; ++i) wrs[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
+  if (conn && conn->post_recv(std::span(wrs, n)).ok()) recv_missing -= n;
+}
+
+void Con::on_completions(std::span<Completion> wcs) {
+  Session& s = *path->s;
+  const uint32_t shard = poller->index();
+  tl_session = &s;
+  tl_poller = shard;
+  path->stats.on_poll(shard, static_cast<uint32_t>(wcs.size()));
+  std::error_code why;
+  for (const Completion& wc : wcs) {
+    if (wc.status != WcStatus::success) {
+      if (!why) why = errc(wc.status == WcStatus::flush_error ? ECONNRESET : EIO);
+      if (wc.status != WcStatus::flush_error)
+        IBTRS_LOG(warn, "path %s con %u: %s", path->name.c_str(), cid,
+                  std::string(fabric::to_string(wc.status)).c_str());
+      continue;
+    }
+    if (down) continue;  // leftovers of a torn-down incarnation
+    if (wc.opcode == Opcode::recv_rdma_with_imm) {
+      ++recv_missing;
+      const uint32_t imm = wc.imm;
+      if (path->hb.missed() != 0) path->hb.on_imm();
+      switch (proto::imm_type(imm)) {
+        case proto::ImmType::io_rsp:
+        case proto::ImmType::io_rsp_w_inv: {
+          auto rsp = proto::decode_io_rsp_imm(imm);
+          if (cid == 0 || !s.geo_set.load(std::memory_order_acquire) ||
+              rsp.permit_id >= s.geo.queue_depth) {
+            IBTRS_LOG(warn, "path %s con %u: IO_RSP for permit %u refused", path->name.c_str(), cid,
+                      rsp.permit_id);
+            why = errc(EPROTO);
+            break;
+          }
+          Req& r = s.reqs[rsp.permit_id];
+          Con* expected = this;
+          // A response of an incarnation we already failed over from finds the request gone.
+          if (r.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel))
+            s.finish(rsp.permit_id, rsp.err, shard);
+          break;
+        }
+        case proto::ImmType::hb_msg: {
+          SendWr ack{};
+          ack.wr_id = wr_id(kWrSvc);
+          ack.opcode = Opcode::write_with_imm;
+          ack.imm = proto::make_imm(proto::ImmType::hb_ack, 0);
+          if (conn) (void)conn->post_send(std::span(&ack, 1));
+          break;
+        }
+        case proto::ImmType::hb_ack:
+          path->hb.on_ack(core::Clock::now());
+          break;
+        default:
+          IBTRS_LOG(warn, "path %s con %u: unexpected immediate 0x%08x", path->name.c_str(), cid, imm);
+          why = errc(EPROTO);
+      }
+    } else if (wc.opcode == Opcode::recv) {
+      // Only INFO_RSP arrives as a SEND, on the service connection, once per incarnation.
+      ++recv_missing;
+      if (cid != 0 || svc_buf == nullptr) {
+        IBTRS_LOG(warn, "path %s con %u: unexpected message", path->name.c_str(), cid);
+        why = errc(EPROTO);
+        continue;
+      }
+      std::lock_guard lock(path->info_mu);
+      const size_t n = std::min<size_t>(wc.byte_len, svc_len);
+      path->info_rsp.assign(svc_buf.get(), svc_buf.get() + n);
+      path->info_ready = true;
+      path->info_cv.notify_all();
+    }
+  }
+  if (failed.load(std::memory_order_acquire) && !why) why = errc(ECONNRESET);
+  if (why && !down) {
+    go_down(why);
+    return;
+  }
+  if (!down) repost_recvs();
+}
+
+void Con::go_down(std::error_code why) {
+  if (down) return;
+  down = true;
+  failed.store(true, std::memory_order_release);
+  if (cid == 0) {
+    // An establishment waiting for INFO_RSP learns the service connection is gone.
+    std::lock_guard lock(path->info_mu);
+    path->info_cv.notify_all();
+  }
+  Session& s = *path->s;
+  gate.close_and_wait();
+  if (conn) conn->disconnect();
+  // What completed before the break is real: take it. Then nothing more can be placed.
+  if (cq) {
+    Completion wcs[32];
+    down = false;  // let the drain complete responses
+    for (size_t n; (n = cq->poll(std::span(wcs, 32))) > 0;) {
+      for (size_t i = 0; i < n; ++i) {
+        const Completion& wc = wcs[i];
+        if (wc.status != WcStatus::success || wc.opcode != Opcode::recv_rdma_with_imm) continue;
+        auto t = proto::imm_type(wc.imm);
+        if (t != proto::ImmType::io_rsp && t != proto::ImmType::io_rsp_w_inv) continue;
+        auto rsp = proto::decode_io_rsp_imm(wc.imm);
+        if (cid == 0 || !s.geo_set.load() || rsp.permit_id >= s.geo.queue_depth) continue;
+        Con* expected = this;
+        if (s.reqs[rsp.permit_id].con.compare_exchange_strong(expected, nullptr))
+          s.finish(rsp.permit_id, rsp.err, poller->index());
+      }
+    }
+    down = true;
+  }
+  if (cid != 0 && s.geo_set.load(std::memory_order_acquire)) {
+    for (uint32_t p = 0; p < s.geo.queue_depth; ++p) {
+      Req& r = s.reqs[p];
+      Con* expected = this;
+      if (r.con.load(std::memory_order_acquire) != this ||
+          !r.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel))
+        continue;
+      path->inflight.fetch_sub(1, std::memory_order_relaxed);
+      path->stats.on_failover(poller->index());
+      if (s.closing.load(std::memory_order_acquire)) {
+        s.finish(p, ECONNABORTED, poller->index());
+      } else if (!s.post(p, path)) {
+        s.park(p);
+      }
+    }
+  }
+  // Tell the worker once per incarnation; it tears the whole path down.
+  const uint64_t gen = path->gen.load(std::memory_order_acquire);
+  Path* p = path;
+  s.worker->post([&s, p, gen, why] { s.path_failed(p, gen, why); });
+}
+
+// ------------------------------------------------------------------------------------------
+// IO path
+
+bool Session::any_path_may_return() const {
+  const uint32_t n = npaths_hint.load(std::memory_order_acquire);
+  for (uint32_t i = 0; i < n; ++i) {
+    Path* p = paths[i].load(std::memory_order_acquire);
+    if (p == nullptr) continue;
+    auto st = p->state.get();
+    if (st == ClientPathState::connected || st == ClientPathState::connecting ||
+        st == ClientPathState::connecting_err || st == ClientPathState::reconnecting)
+      return true;
+  }
+  return false;
+}
+
+Status Session::submit(const IoRequest& r, PermitWait wait) {
+  if (closing.load(std::memory_order_acquire)) return errc(ESHUTDOWN);
+  if (r.done == nullptr || r.data.empty() || r.data.size() > ClientSession::kMaxSegments)
+    return errc(EINVAL);
+  uint64_t total = 0;
+  for (const IoSeg& sg : r.data) {
+    if (sg.mem == nullptr || sg.len == 0) return errc(EINVAL);
+    auto* base = sg.mem->data();
+    auto* a = static_cast<std::byte*>(sg.addr);
+    if (a < base || a + sg.len > base + sg.mem->size()) return errc(EINVAL);
+    total += sg.len;
+  }
+  const size_t msg = r.dir == IoDir::write
+                         ? sizeof(proto::WriteMsg)
+                         : sizeof(proto::ReadMsgHeader) + r.data.size() * sizeof(proto::BufDesc);
+  if (r.usr.size() + msg > geo.max_hdr_size) return errc(EINVAL);
+  if (total > geo.max_io_size) return errc(EMSGSIZE);
+
+  auto permit = permits->get(wait == PermitWait::yes ? core::PermitPool::Wait::yes
+                                                     : core::PermitPool::Wait::no);
+  if (!permit.ok()) return permit.error();
+  const uint32_t p = *permit;
+  Req& q = reqs[p];
+  const ThreadSlot ts = thread_slot(*this);
+  q.dir = r.dir;
+  q.done = r.done;
+  q.ctx = r.ctx;
+  q.usr_len = static_cast<uint16_t>(r.usr.size());
+  q.nseg = static_cast<uint8_t>(r.data.size());
+  q.data_len = static_cast<uint32_t>(total);
+  std::copy(r.data.begin(), r.data.end(), q.segs);
+  q.start_ns = now_ns();
+  q.submit_shard = ts.shard;
+  q.ci = ts.ci;
+  if (!r.usr.empty()) std::memcpy(iu + size_t{p} * geo.max_hdr_size, r.usr.data(), r.usr.size());
+  if (post(p, nullptr)) return {};
+  if (any_path_may_return()) {
+    park(p);
+    return {};
+  }
+  q.done = nullptr;
+  permits->put(p);
+  return errc(ENOTCONN);
+}
+
+bool Session::post(uint32_t p, Path* skip) {
+  Req& q = reqs[p];
+  const MpPolicy pol = policy.load(std::memory_order_relaxed);
+  Path* tried[ClientSession::kMaxPaths];
+  size_t ntried = 0;
+  for (size_t attempt = 0; attempt < ClientSession::kMaxPaths; ++attempt) {
+    // Snapshot the loads of the usable paths and let the policy choose.
+    core::PathLoad loads[ClientSession::kMaxPaths];
+    Path* by_idx[ClientSession::kMaxPaths];
+    const uint32_t n = npaths_hint.load(std::memory_order_acquire);
+    std::optional<size_t> skip_idx;
+    for (uint32_t i = 0; i < n; ++i) {
+      Path* pa = paths[i].load(std::memory_order_acquire);
+      by_idx[i] = pa;
+      loads[i] = {};
+      if (pa == nullptr || !pa->usable()) continue;
+      if (std::find(tried, tried + ntried, pa) != tried + ntried) continue;
+      loads[i].usable = true;
+      loads[i].inflight = pa->inflight.load(std::memory_order_relaxed);
+      auto lat = pa->hb.latency();
+      loads[i].latency_ns = lat ? static_cast<uint64_t>(lat->count()) : 0;
+      if (pa == skip) skip_idx = i;
+    }
+    auto idx = core::choose_path(pol, std::span(loads, n), tl_cursor, skip_idx);
+    if (!idx) return false;
+    Path* pa = by_idx[*idx];
+    tried[ntried++] = pa;
+    Con* c = pa->io_con(q.ci);
+    if (!c->gate.enter()) continue;
+
+    // Build the request for this path: chunk key and local keys are per path / device.
+    const uint32_t dom = pa->dom;
+    Sge sges[ClientSession::kMaxSegments + 1];
+    std::byte* u = iu + size_t{p} * geo.max_hdr_size;
+    uint32_t offset;
+    uint32_t nsge;
+    uint32_t iu_bytes;
+    if (q.dir == IoDir::write) {
+      for (uint32_t i = 0; i < q.nseg; ++i) {
+        auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+        sges[i] = Sge{reinterpret_cast<uint64_t>(q.segs[i].addr), q.segs[i].len, mr ? mr->lkey() : 0};
+      }
+      proto::WriteMsg m{};
+      m.type.set(static_cast<uint16_t>(proto::MsgType::write));
+      m.usr_len.set(q.usr_len);
+      m.data_len.set(q.data_len);
+      std::memcpy(u + q.usr_len, &m, sizeof(m));
+      iu_bytes = q.usr_len + static_cast<uint32_t>(sizeof(m));
+      offset = q.data_len + q.usr_len;
+      nsge = q.nseg;
+    } else {
+      proto::ReadMsgHeader h{};
+      h.type.set(static_cast<uint16_t>(proto::MsgType::read));
+      h.usr_len.set(q.usr_len);
+      h.flags.set(0);
+      h.sg_cnt.set(q.nseg);
+      std::memcpy(u + q.usr_len, &h, sizeof(h));
+      auto* d = u + q.usr_len + sizeof(h);
+      for (uint32_t i = 0; i < q.nseg; ++i) {
+        auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+        proto::BufDesc bd{};
+        bd.addr.set(reinterpret_cast<uint64_t>(q.segs[i].addr));
+        bd.key.set(mr ? mr->rkey() : 0);
+        bd.len.set(q.segs[i].len);
+        std::memcpy(d + i * sizeof(bd), &bd, sizeof(bd));
+      }
+      iu_bytes = q.usr_len + static_cast<uint32_t>(sizeof(h) + q.nseg * sizeof(proto::BufDesc));
+      offset = q.usr_len;
+      nsge = 0;
+    }
+    sges[nsge++] = Sge{reinterpret_cast<uint64_t>(u), iu_bytes,
+                       iu_lkey[dom].load(std::memory_order_relaxed)};
+    auto imm = proto::encode_io_req_imm(geo.layout, p, offset);
+    SendWr wr{};
+    wr.wr_id = wr_id(kWrIo, p);
+    wr.opcode = Opcode::write_with_imm;
+    wr.sg_list = std::span(sges, nsge);
+    wr.remote_addr = pa->chunks[p].addr;
+    wr.rkey = pa->chunks[p].key.load(std::memory_order_relaxed);
+    wr.imm = imm.ok() ? *imm : 0;
+    wr.signaled = c->sig.fetch_add(1, std::memory_order_relaxed) % kSignalEvery == 0;
+
+    q.path = pa;
+    pa->inflight.fetch_add(1, std::memory_order_relaxed);
+    q.con.store(c, std::memory_order_release);
+    auto st = c->conn->post_send(std::span(&wr, 1));
+    c->gate.exit();
+    if (st.ok()) {
+      // Counted after the post: a completion racing ahead only makes inflight briefly negative.
+      pa->stats.on_submit(q.submit_shard, q.dir == IoDir::write, q.data_len, q.nseg);
+      return true;
+    }
+    // Not posted (the connection broke or its queue is full): take the request back unless the
+    // connection's failover already did.
+    Con* expected = c;
+    if (!q.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel)) return true;
+    pa->inflight.fetch_sub(1, std::memory_order_relaxed);
+  }
+  return false;
+}
+
+void Session::finish(uint32_t p, int err, uint32_t shard) {
+  Req& q = reqs[p];
+  if (q.path != nullptr) {
+    q.path->inflight.fetch_sub(1, std::memory_order_relaxed);
+    q.path->stats.on_complete(shard, q.dir == IoDir::write,
+                              static_cast<uint64_t>(std::max<int64_t>(0, now_ns() - q.start_ns)),
+                              q.submit_shard);
+    q.path = nullptr;
+  }
+  IoDoneFn fn = q.done;
+  void* ctx = q.ctx;
+  q.done = nullptr;
+  // The permit goes back before the callback, so the callback may submit again.
+  permits->put(p);
+  if (fn != nullptr) fn(ctx, err);
+}
+
+// A request no path could take waits for one (or for its deadline).
+void Session::park(uint32_t p) {
+  reqs[p].path = nullptr;
+  reqs[p].pending_deadline_ns =
+      now_ns() + std::chrono::duration_cast<std::chrono::nanoseconds>(opts.pending_timeout).count();
+  std::lock_guard lock(pend_mu);
+  pending.push_back(p);
+}
+
+// Worker: resubmits parked requests, fails the expired ones (or all with `fail_all`).
+void Session::run_pending(bool fail_all, int err) {
+  std::deque<uint32_t> todo;
+  {
+    std::lock_guard lock(pend_mu);
+    todo.swap(pending);
+  }
+  const int64_t now = now_ns();
+  for (uint32_t p : todo) {
+    Req& q = reqs[p];
+    if (fail_all || now >= q.pending_deadline_ns) {
+      finish(p, fail_all ? err : ENOTCONN, nio);
+      continue;
+    }
+    if (!post(p, nullptr)) {
+      std::lock_guard lock(pend_mu);
+      pending.push_back(p);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Establishment (worker)
+
+Result<uint32_t> Session::domain_slot(fabric::Domain* d) {
+  std::lock_guard lock(mem_mu);
+  for (uint32_t i = 0; i < kMaxDomains; ++i) {
+    if (domains[i].load() == d) return i;
+  }
+  uint32_t slot = kMaxDomains;
+  for (uint32_t i = 0; i < kMaxDomains; ++i) {
+    if (domains[i].load() == nullptr) {
+      slot = i;
+      break;
+    }
+  }
+  if (slot == kMaxDomains) return errc(ENOSPC);
+  // Everything a request may point at must be registered on the device before a path on it
+  // carries IO: the permit IUs and every user registration.
+  IBTRS_ASSIGN_OR_RETURN(auto iu_mr, d->register_memory(iu, iu_len, fabric::kLocalWrite));
+  std::vector<std::unique_ptr<fabric::MemoryRegion>> regs;
+  for (auto* r : regions) {
+    IBTRS_ASSIGN_OR_RETURN(auto mr, d->register_memory(r->addr, r->size,
+                                                       fabric::kLocalWrite | fabric::kRemoteWrite));
+    regs.push_back(std::move(mr));
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    regions[i]->mrs[slot].store(regs[i].get(), std::memory_order_release);
+    regions[i]->keep.push_back(std::move(regs[i]));
+  }
+  iu_lkey[slot].store(iu_mr->lkey(), std::memory_order_release);
+  iu_mrs[slot] = std::move(iu_mr);
+  domains[slot].store(d, std::memory_order_release);
+  return slot;
+}
+
+Status Session::set_geometry(const proto::ConRsp& rsp) {
+  const uint16_t qd = rsp.queue_depth.get();
+  const uint32_t chunk = rsp.chunk_size.get();
+  const uint32_t hdr = rsp.max_hdr_size.get();
+  if (geo_set.load(std::memory_order_acquire)) {
+    // Every path of a session talks to the same server session: same chunks.
+    if (qd != geo.queue_depth || chunk != geo.chunk_size || hdr != geo.max_hdr_size) {
+      IBTRS_LOG(warn, "session %s: server geometry changed (queue depth %u, chunk %u)",
+                opts.session_name.c_str(), qd, chunk);
+      return errc(EPROTO);
+    }
+    return {};
+  }
+  IBTRS_ASSIGN_OR_RETURN(auto layout, proto::imm_layout(qd, chunk));
+  IBTRS_ASSIGN_OR_RETURN(permits, core::PermitPool::create(qd));
+  geo.queue_depth = qd;
+  geo.chunk_size = chunk;
+  geo.max_hdr_size = hdr;
+  geo.max_io_size = rsp.max_io_size.get();
+  geo.flags = rsp.flags.get();
+  geo.layout = layout;
+  reqs = std::make_unique<Req[]>(qd);
+  iu_len = (size_t{qd} * hdr + 4095) & ~size_t{4095};
+  void* m = ::mmap(nullptr, iu_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return errc(ENOMEM);
+  iu = static_cast<std::byte*>(m);
+  geo_set.store(true, std::memory_order_release);
+  return {};
+}
+
+Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd) {
+  fabric::QueueCaps caps;
+  if (con->cid == 0) {
+    caps.max_send_wr = kSvcSends;
+    caps.max_recv_wr = kSvcRecvs;
+    caps.max_send_sge = 1;
+    caps.max_recv_sge = 1;
+  } else {
+    caps.max_send_wr = geo.queue_depth + kSignalEvery + 16;
+    caps.max_recv_wr = geo.queue_depth + kRepostBatch + 16;
+    caps.max_send_sge = ClientSession::kMaxSegments + 1;
+    caps.max_recv_sge = 1;
+  }
+  IBTRS_ASSIGN_OR_RETURN(con->cq, path->domain->create_cq(caps.max_send_wr + caps.max_recv_wr));
+  con->failed.store(false);
+  con->down = false;
+  con->recv_missing = 0;
+  con->recv_depth = caps.max_recv_wr;
+  Con* c = con;
+  con->poller->run_sync([c] { c->poller->attach(c->cq.get(), c); });
+
+  fabric::ConnectParams params;
+  params.remote = path->spec.destination;
+  params.source = path->spec.source ? &*path->spec.source : nullptr;
+  params.cq = con->cq.get();
+  params.caps = caps;
+  params.private_data = pd;
+  params.timeout = opts.connect_timeout;
+  params.events.on_disconnected = [c](std::error_code) {
+    c->failed.store(true, std::memory_order_release);
+  };
+  std::vector<std::byte> reject;
+  auto r = path->domain->connect(params, &reject);
+  if (!r.ok()) {
+    if (r.error() == std::errc::connection_refused && !reject.empty()) {
+      std::string why;
+      auto rsp = proto::parse_con_rsp(reject, &why);
+      if (rsp.ok() && rsp->errno_.get() != 0) {
+        IBTRS_LOG(warn, "path %s: server refused connection %u: %s", path->name.c_str(), con->cid,
+                  std::strerror(rsp->errno_.get()));
+        return errc(rsp->errno_.get());
+      }
+    }
+    return r.error();
+  }
+  con->conn = std::move(r->connection);
+  std::string why;
+  auto rsp = proto::parse_con_rsp(r->private_data, &why);
+  if (!rsp.ok()) {
+    IBTRS_LOG(warn, "path %s: bad CON_RSP: %s", path->name.c_str(), why.c_str());
+    return rsp.error();
+  }
+  if (rsp->errno_.get() != 0) return errc(rsp->errno_.get());
+  IBTRS_TRY(set_geometry(*rsp));
+
+  // RECVs before anything can arrive. The service connection's first RECV takes INFO_RSP.
+  std::vector<fabric::RecvWr> recvs(caps.max_recv_wr);
+  Sge info_sge{};
+  for (auto& w : recvs) w = fabric::RecvWr{wr_id(kWrRecv), {}};
+  if (con->cid == 0) {
+    con->svc_len = proto::info_rsp_size(geo.queue_depth) + sizeof(proto::InfoReq);
+    con->svc_buf = std::make_unique<std::byte[]>(con->svc_len);
+    IBTRS_ASSIGN_OR_RETURN(con->svc_mr, path->domain->register_memory(
+                                            con->svc_buf.get(), con->svc_len, fabric::kLocalWrite));
+    info_sge = con->svc_mr->sge(0, static_cast<uint32_t>(proto::info_rsp_size(geo.queue_depth)));
+    recvs[0].sg_list = std::span(&info_sge, 1);
+  }
+  IBTRS_TRY(con->conn->post_recv(recvs));
+  return {};
+}
+
+Status Session::establish(Path* path) {
+  path->gen.fetch_add(1, std::memory_order_acq_rel);
+  {
+    std::lock_guard lock(path->info_mu);
+    path->info_ready = false;
+    path->info_rsp.clear();
+  }
+  IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(path->spec.destination.fabric, opts.busy_poll));
+  IBTRS_ASSIGN_OR_RETURN(path->domain,
+                         fab->domain_for(path->spec.destination,
+                                         path->spec.source ? &*path->spec.source : nullptr));
+  const uint16_t cid_num = static_cast<uint16_t>(nio + 1);
+  for (uint16_t cid = 0; cid < cid_num; ++cid) {
+    auto req = proto::make_con_req(cid, cid_num, path->recon_cnt, cid == 0, uuid_bytes, path->uuid);
+    IBTRS_TRY(connect_con(path, path->cons[cid].get(), proto::as_bytes_of(req)));
+    if (cid == 0) {
+      // The geometry is known from the first CON_RSP: IO connections are sized by it, and the
+      // device needs the IUs and user registrations.
+      IBTRS_ASSIGN_OR_RETURN(path->dom, domain_slot(path->domain));
+      path->chunks = std::make_unique<client::ChunkRemote[]>(geo.queue_depth);
+    }
+  }
+
+  // INFO_REQ / INFO_RSP on the service connection.
+  Con* svc = path->cons[0].get();
+  IBTRS_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
+  const size_t req_off = proto::info_rsp_size(geo.queue_depth);
+  std::memcpy(svc->svc_buf.get() + req_off, &info, sizeof(info));
+  Sge sge = svc->svc_mr->sge(req_off, sizeof(info));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
+  std::vector<std::byte> rsp;
+  {
+    std::unique_lock lock(path->info_mu);
+    if (!path->info_cv.wait_for(lock, opts.connect_timeout, [&] {
+          return path->info_ready || svc->failed.load(std::memory_order_acquire);
+        }))
+      return errc(ETIMEDOUT);
+    if (!path->info_ready) return errc(ECONNRESET);
+    rsp = std::move(path->info_rsp);
+  }
+  std::string why;
+  auto descs = proto::parse_info_rsp(rsp, geo.queue_depth, geo.chunk_size, &why);
+  if (!descs.ok()) {
+    IBTRS_LOG(warn, "path %s: bad INFO_RSP: %s", path->name.c_str(), why.c_str());
+    return descs.error();
+  }
+  for (uint32_t i = 0; i < geo.queue_depth; ++i) {
+    path->chunks[i].addr = (*descs)[i].addr.get();
+    path->chunks[i].key.store((*descs)[i].key.get(), std::memory_order_relaxed);
+  }
+  path->hca_name = svc->conn->device_name();
+  path->hca_port = svc->conn->port_num();
+  for (auto& c : path->cons) c->gate.open();
+  IBTRS_TRY(path->state.change_from(ClientPathState::connecting, ClientPathState::connected));
+  return {};
+}
+
+// Closes every connection of the path: failover happens on each connection's poller (between
+// its polls, so nothing is being placed), then the connections and CQs go.
+void Session::teardown(Path* path) {
+  if (uint64_t t = path->hb_timer.exchange(0)) svc_poller->cancel_timer(t);
+  for (auto& c : path->cons) {
+    Con* con = c.get();
+    con->gate.close_and_wait();
+    if (con->cq) {
+      con->poller->run_sync([con] {
+        con->go_down(errc(ECONNABORTED));
+        con->poller->detach(con->cq.get());
+      });
+    }
+  }
+  for (auto& c : path->cons) {
+    c->conn.reset();
+    c->cq.reset();
+    c->svc_mr.reset();
+    c->svc_buf.reset();
+  }
+}
+
+void Session::emit(SessionEvent e, const Path* path, std::error_code why) {
+  IBTRS_LOG(info, "session %s: %s %s %s", opts.session_name.c_str(),
+            std::string(to_string(e)).c_str(), path ? path->name.c_str() : "",
+            why ? why.message().c_str() : "");
+  if (opts.on_event) opts.on_event(SessionEventInfo{e, path ? path->name : std::string(), why});
+}
+
+void Session::on_path_up(Path* path) {
+  start_heartbeat(path);
+  connected_paths.fetch_add(1, std::memory_order_acq_rel);
+  emit(SessionEvent::path_up, path, {});
+  if (was_disconnected) {
+    was_disconnected = false;
+    emit(SessionEvent::reconnected, path, {});
+  }
+  run_pending(false, 0);
+}
+
+void Session::on_path_down(Path* path, std::error_code why) {
+  emit(SessionEvent::path_down, path, why);
+  if (connected_paths.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    was_disconnected = true;
+    emit(SessionEvent::disconnected, path, why);
+  }
+}
+
+void Session::start_heartbeat(Path* path) {
+  const uint64_t gen = path->gen.load(std::memory_order_acquire);
+  path->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,
+                                             [this, path, gen] { heartbeat_tick(path, gen); }));
+}
+
+// Service poller.
+void Session::heartbeat_tick(Path* path, uint64_t gen) {
+  if (path->gen.load(std::memory_order_acquire) != gen || !path->usable()) return;
+  if (path->hb.on_timer(core::Clock::now()) == core::Heartbeat::Action::peer_dead) {
+    IBTRS_LOG(warn, "path %s: %u heartbeats missed", path->name.c_str(), path->hb.missed());
+    worker->post([this, path, gen] { path_failed(path, gen, errc(ETIMEDOUT)); });
+    return;
+  }
+  Con* svc = path->cons[0].get();
+  if (svc->gate.enter()) {
+    SendWr hb{};
+    hb.wr_id = wr_id(kWrSvc);
+    hb.opcode = Opcode::write_with_imm;
+    hb.imm = proto::make_imm(proto::ImmType::hb_msg, 0);
+    (void)svc->conn->post_send(std::span(&hb, 1));
+    svc->gate.exit();
+  }
+  path->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,
+                                             [this, path, gen] { heartbeat_tick(path, gen); }));
+}
+
+// Worker: a connection of a CONNECTED path broke, or its heartbeats stopped.
+void Session::path_failed(Path* path, uint64_t gen, std::error_code why) {
+  if (path->gen.load(std::memory_order_acquire) != gen) return;
+  if (!path->state.change_from(ClientPathState::connected, ClientPathState::reconnecting).ok())
+    return;
+  IBTRS_LOG(warn, "path %s: down (%s), reconnecting", path->name.c_str(), errstr(why).c_str());
+  path->last_error = why;
+  teardown(path);
+  on_path_down(path, why);
+  schedule_reconnect(path);
+}
+
+void Session::schedule_reconnect(Path* path) {
+  if (closing.load()) return;
+  auto delay = path->sched.next_delay();
+  if (!delay) {
+    // Attempts used up: the path rests CLOSED until a user reconnects it.
+    (void)path->state.change(ClientPathState::closing);
+    (void)path->state.change(ClientPathState::closed);
+    IBTRS_LOG(warn, "path %s: reconnect attempts exhausted, closed", path->name.c_str());
+    if (!any_path_may_return()) run_pending(true, ENOTCONN);
+    return;
+  }
+  const uint64_t gen = path->gen.load();
+  path->reconnect_timer.store(svc_poller->add_timer(core::Clock::now() + *delay, [this, path, gen] {
+    worker->post([this, path, gen] {
+      if (path->gen.load() == gen) reconnect_attempt(path);
+    });
+  }));
+}
+
+void Session::reconnect_attempt(Path* path) {
+  if (closing.load()) return;
+  if (!path->state.change_from(ClientPathState::reconnecting, ClientPathState::connecting).ok())
+    return;
+  ++path->recon_cnt;
+  auto st = establish(path);
+  if (st.ok()) {
+    path->sched.reset();
+    path->stats.on_reconnect(true);
+    IBTRS_LOG(info, "path %s: reconnected", path->name.c_str());
+    on_path_up(path);
+    return;
+  }
+  path->stats.on_reconnect(false);
+  path->last_error = st.error();
+  IBTRS_LOG(info, "path %s: reconnect failed: %s", path->name.c_str(), errstr(st.error()).c_str());
+  teardown(path);
+  (void)path->state.change(ClientPathState::connecting_err);
+  (void)path->state.change(ClientPathState::reconnecting);
+  schedule_reconnect(path);
+}
+
+Result<Path*> Session::new_path(const PathSpec& spec) {
+  const std::string name = spec.name();
+  if (find(name) != nullptr) return errc(EEXIST);
+  uint32_t slot = ClientSession::kMaxPaths;
+  for (uint32_t i = 0; i < ClientSession::kMaxPaths; ++i) {
+    if (paths[i].load() == nullptr) {
+      slot = i;
+      break;
+    }
+  }
+  if (slot == ClientSession::kMaxPaths) return errc(ENOSPC);
+  auto p = std::make_unique<Path>(this, slot, spec, nio);
+  Path* raw = p.get();
+  all_paths.push_back(std::move(p));
+  paths[slot].store(raw, std::memory_order_release);
+  if (npaths_hint.load() < slot + 1) npaths_hint.store(slot + 1, std::memory_order_release);
+  return raw;
+}
+
+Path* Session::find(std::string_view name) const {
+  for (auto& slot : paths) {
+    Path* p = slot.load(std::memory_order_acquire);
+    if (p != nullptr && p->name == name) return p;
+  }
+  return nullptr;
+}
+
+// Worker: closes a path on request; it ends CLOSED (disconnect) or DEAD (remove).
+Status Session::close_path(Path* path, ClientPathState final_state) {
+  const auto prev = path->state.get();
+  if (uint64_t t = path->reconnect_timer.exchange(0)) svc_poller->cancel_timer(t);
+  path->gen.fetch_add(1);  // stale reconnect timers and failure reports find another generation
+  if (prev != ClientPathState::closed) {
+    if (!path->state.change(ClientPathState::closing).ok()) return errc(EBUSY);
+    teardown(path);
+    (void)path->state.change(ClientPathState::closed);
+    if (prev == ClientPathState::connected) on_path_down(path, errc(ESHUTDOWN));
+  }
+  if (final_state == ClientPathState::dead) {
+    (void)path->state.change(ClientPathState::dead);
+    paths[path->slot].store(nullptr, std::memory_order_release);
+  }
+  if (!any_path_may_return()) run_pending(true, ENOTCONN);
+  return {};
+}
+
+Status Session::open_paths() {
+  std::error_code first_err;
+  std::vector<Path*> failed;
+  for (const auto& spec : opts.paths) {
+    IBTRS_ASSIGN_OR_RETURN(Path * p, new_path(spec));
+    auto st = establish(p);
+    if (st.ok()) {
+      on_path_up(p);
+    } else {
+      if (!first_err) first_err = st.error();
+      IBTRS_LOG(warn, "path %s: %s", p->name.c_str(), errstr(st.error()).c_str());
+      p->last_error = st.error();
+      teardown(p);
+      (void)p->state.change(ClientPathState::connecting_err);
+      failed.push_back(p);
+    }
+  }
+  if (connected_paths.load() == 0) return first_err ? first_err : errc(ENOTCONN);
+  // The session is up; paths that did not connect keep trying in the background.
+  for (Path* p : failed) {
+    (void)p->state.change(ClientPathState::reconnecting);
+    schedule_reconnect(p);
+  }
+  return {};
+}
+
+Session::~Session() {
+  closing.store(true);
+  if (permits) permits->close();
+  if (worker) {
+    worker->call([this] {
+      for (auto& p : all_paths) {
+        if (uint64_t t = p->reconnect_timer.exchange(0)) svc_poller->cancel_timer(t);
+        p->gen.fetch_add(1);
+        (void)p->state.change(ClientPathState::closing);
+        teardown(p.get());
+        (void)p->state.change(ClientPathState::closed);
+      }
+      run_pending(true, ECONNABORTED);
+      return 0;
+    });
+    worker->stop();
+  }
+  if (svc_poller && tick_timer) svc_poller->cancel_timer(tick_timer);
+  io_pollers.clear();
+  svc_poller.reset();
+  {
+    std::lock_guard lock(mem_mu);
+    for (auto& mr : iu_mrs) mr.reset();
+  }
+  if (iu != nullptr) ::munmap(iu, iu_len);
+}
+
+}  // namespace client
+
+// ------------------------------------------------------------------------------------------
+// Public API
+
+std::string_view to_string(SessionEvent e) {
+  switch (e) {
+    case SessionEvent::path_up: return "path_up";
+    case SessionEvent::path_down: return "path_down";
+    case SessionEvent::disconnected: return "disconnected";
+    case SessionEvent::reconnected: return "reconnected";
+  }
+  return "?";
+}
+
+RegisteredMemory::~RegisteredMemory() {
+  client::Session* s = impl_->session;
+  {
+    std::lock_guard lock(s->mem_mu);
+    std::erase(s->regions, impl_);
+  }
+  const bool owned = impl_->owned;
+  delete impl_;  // deregisters from every device
+  if (owned) ::munmap(addr_, (size_ + 4095) & ~size_t{4095});
+}
+
+ClientSession::ClientSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ClientSession::~ClientSession() = default;
+
+Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options) {
+  if (!client::printable_name(options.session_name) || options.paths.empty() ||
+      options.paths.size() > kMaxPaths || options.heartbeat.interval.count() <= 0 ||
+      options.heartbeat.missed_max == 0)
+    return errc(EINVAL);
+  auto impl = std::make_unique<Impl>();
+  impl->opts = std::move(options);
+  const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
+  impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
+  if (impl->nio > 64) return errc(EINVAL);
+  impl->max_reconnect_attempts.store(impl->opts.reconnect.max_attempts);
+  impl->policy.store(impl->opts.policy);
+  impl->uuid = Uuid16::random();
+  std::memcpy(impl->uuid_bytes.data(), impl->uuid.bytes, 16);
+  for (uint32_t i = 0; i < impl->nio; ++i) {
+    IBTRS_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-c-io" + std::to_string(i), i,
+                                                       impl->opts.busy_poll));
+    impl->io_pollers.push_back(std::move(p));
+  }
+  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, false));
+  impl->worker = std::make_unique<core::Worker>();
+  Impl* s = impl.get();
+  IBTRS_TRY(s->worker->call([s] { return s->open_paths(); }));
+  // A periodic tick for parked requests' deadlines.
+  struct Ticker {
+    static void arm(Impl* s) {
+      s->tick_timer = s->svc_poller->add_timer(core::Clock::now() + client::kTick, [s] {
+        bool any;
+        {
+          std::lock_guard lock(s->pend_mu);
+          any = !s->pending.empty();
+        }
+        if (any) s->worker->post([s] { s->run_pending(false, 0); });
+        if (!s->closing.load()) arm(s);
+      });
+    }
+  };
+  Ticker::arm(s);
+  return std::unique_ptr<ClientSession>(new ClientSession(std::move(impl)));
+}
+
+Status ClientSession::request(const IoRequest& req, PermitWait wait) { return impl_->submit(req, wait); }
+
+Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* addr, size_t size) {
+  if (addr == nullptr || size == 0) return errc(EINVAL);
+  auto mi = std::make_unique<RegisteredMemory::Impl>();
+  mi->session = impl_.get();
+  mi->addr = addr;
+  mi->size = size;
+  std::lock_guard lock(impl_->mem_mu);
+  for (uint32_t i = 0; i < kMaxDomains; ++i) {
+    fabric::Domain* d = impl_->domains[i].load();
+    if (d == nullptr) continue;
+    IBTRS_ASSIGN_OR_RETURN(auto mr,
+                           d->register_memory(addr, size, fabric::kLocalWrite | fabric::kRemoteWrite));
+    mi->mrs[i].store(mr.get(), std::memory_order_release);
+    mi->keep.push_back(std::move(mr));
+  }
+  impl_->regions.push_back(mi.get());
+  auto* raw = mi.release();
+  std::unique_ptr<RegisteredMemory> h(new RegisteredMemory(addr, size, raw));
+  return h;
+}
+
+Result<std::unique_ptr<RegisteredMemory>> ClientSession::alloc_buffer(size_t size) {
+  if (size == 0) return errc(EINVAL);
+  const size_t len = (size + 4095) & ~size_t{4095};
+  void* m = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return errc(ENOMEM);
+  auto r = register_memory(m, size);
+  if (!r.ok()) {
+    ::munmap(m, len);
+    return r.error();
+  }
+  (*r)->impl()->owned = true;
+  return r;
+}
+
+uint32_t ClientSession::queue_depth() const { return impl_->geo.queue_depth; }
+uint32_t ClientSession::max_io_size() const { return impl_->geo.max_io_size; }
+uint32_t ClientSession::max_usr_len(IoDir dir, size_t segments) const {
+  const size_t msg = dir == IoDir::write
+                         ? sizeof(proto::WriteMsg)
+                         : sizeof(proto::ReadMsgHeader) + segments * sizeof(proto::BufDesc);
+  return impl_->geo.max_hdr_size > msg ? static_cast<uint32_t>(impl_->geo.max_hdr_size - msg) : 0;
+}
+uint32_t ClientSession::free_permits() const {
+  return impl_->permits->depth() - impl_->permits->in_use();
+}
+const std::string& ClientSession::name() const { return impl_->opts.session_name; }
+const Uuid16& ClientSession::uuid() const { return impl_->uuid; }
+
+Status ClientSession::add_path(const PathSpec& spec) {
+  Impl* s = impl_.get();
+  return s->worker->call([s, &spec]() -> Status {
+    IBTRS_ASSIGN_OR_RETURN(client::Path * p, s->new_path(spec));
+    auto st = s->establish(p);
+    if (st.ok()) {
+      s->on_path_up(p);
+      return {};
+    }
+    s->teardown(p);
+    (void)p->state.change(ClientPathState::connecting_err);
+    (void)p->state.change(ClientPathState::closing);
+    (void)p->state.change(ClientPathState::closed);
+    (void)p->state.change(ClientPathState::dead);
+    s->paths[p->slot].store(nullptr, std::memory_order_release);
+    return st;
+  });
+}
+
+Status ClientSession::remove_path(std::string_view name) {
+  Impl* s = impl_.get();
+  return s->worker->call([s, name]() -> Status {
+    client::Path* p = s->find(name);
+    if (p == nullptr) return errc(ENOENT);
+    size_t others = 0;
+    for (auto& slot : s->paths) {
+      auto* q = slot.load();
+      if (q != nullptr && q != p) ++others;
+    }
+    if (others == 0) return errc(EBUSY);
+    return s->close_path(p, ClientPathState::dead);
+  });
+}
+
+Status ClientSession::disconnect_path(std::string_view name) {
+  Impl* s = impl_.get();
+  return s->worker->call([s, name]() -> Status {
+    client::Path* p = s->find(name);
+    if (p == nullptr) return errc(ENOENT);
+    return s->close_path(p, ClientPathState::closed);
+  });
+}
+
+Status ClientSession::reconnect_path(std::string_view name) {
+  Impl* s = impl_.get();
+  return s->worker->call([s, name]() -> Status {
+    client::Path* p = s->find(name);
+    if (p == nullptr) return errc(ENOENT);
+    if (p->state.get() != ClientPathState::closed) IBTRS_TRY(s->close_path(p, ClientPathState::closed));
+    IBTRS_TRY(p->state.change(ClientPathState::reconnecting));
+    IBTRS_TRY(p->state.change(ClientPathState::connecting));
+    ++p->recon_cnt;
+    p->sched.reset();
+    auto st = s->establish(p);
+    if (st.ok()) {
+      p->stats.on_reconnect(true);
+      s->on_path_up(p);
+      return {};
+    }
+    p->stats.on_reconnect(false);
+    p->last_error = st.error();
+    s->teardown(p);
+    (void)p->state.change(ClientPathState::connecting_err);
+    (void)p->state.change(ClientPathState::reconnecting);
+    s->schedule_reconnect(p);
+    return st;
+  });
+}
+
+Status ClientSession::set_policy(MpPolicy policy) {
+  impl_->policy.store(policy);
+  return {};
+}
+MpPolicy ClientSession::policy() const { return impl_->policy.load(); }
+
+Status ClientSession::set_max_reconnect_attempts(int32_t attempts) {
+  if (attempts < -1 || attempts > 9999) return errc(EINVAL);
+  impl_->max_reconnect_attempts.store(attempts);
+  Impl* s = impl_.get();
+  return s->worker->call([s, attempts]() -> Status {
+    s->opts.reconnect.max_attempts = attempts;
+    for (auto& p : s->all_paths) {
+      p->sched = core::ReconnectSchedule(s->opts.reconnect);
+    }
+    return {};
+  });
+}
+int32_t ClientSession::max_reconnect_attempts() const { return impl_->max_reconnect_attempts.load(); }
+
+std::vector<ClientPathInfo> ClientSession::paths() const {
+  std::vector<ClientPathInfo> out;
+  for (auto& slot : impl_->paths) {
+    client::Path* p = slot.load(std::memory_order_acquire);
+    if (p == nullptr) continue;
+    ClientPathInfo i;
+    i.name = p->name;
+    i.spec = p->spec;
+    i.state = p->state.get();
+    i.fabric = p->spec.destination.fabric;
+    i.hca_name = p->hca_name;
+    i.hca_port = p->hca_port;
+    i.recon_cnt = p->recon_cnt;
+    i.latency = p->hb.latency();
+    i.inflight = p->inflight.load();
+    i.stats = p->stats.snapshot();
+    out.push_back(std::move(i));
+  }
+  return out;
+}
+
+PathStatsSnapshot ClientSession::stats() const {
+  PathStatsSnapshot total;
+  for (auto& slot : impl_->paths) {
+    client::Path* p = slot.load(std::memory_order_acquire);
+    if (p != nullptr) total += p->stats.snapshot();
+  }
+  return total;
+}
+
+Status ClientSession::reset_stats(std::string_view path) {
+  bool found = path.empty();
+  for (auto& slot : impl_->paths) {
+    client::Path* p = slot.load(std::memory_order_acquire);
+    if (p == nullptr || (!path.empty() && p->name != path)) continue;
+    p->stats.reset();
+    found = true;
+  }
+  return found ? Status{} : Status{errc(ENOENT)};
+}
+
+}  // namespace ibtrs

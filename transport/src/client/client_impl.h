@@ -1,0 +1,222 @@
+// Private to the client: the session, its paths and connections (kernel: rtrs-clt.h).
+//
+// Threads of a session (io_threads = N):
+//   IO pollers 0..N-1  own the CQ of connection cid = i + 1 of every path; complete requests,
+//                      fail over the requests of a connection that broke
+//   service poller     owns the CQs of the service connections (cid 0): INFO_RSP, heartbeats,
+//                      timers (heartbeat ticks, reconnect delays, pending-request deadlines)
+//   worker             path establishment and teardown, user control operations, events
+//
+// Lifetimes: a path and its connection objects (ClientCon) live until the session is destroyed;
+// a removed path is kept as a dead shell, so the IO path may hold a raw pointer to either without
+// reference counting. What changes per incarnation (the fabric connection and CQ) is guarded by
+// the connection's gate.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/con_gate.h"
+#include "core/heartbeat.h"
+#include "core/path_state.h"
+#include "core/permits.h"
+#include "core/poller.h"
+#include "core/policy.h"
+#include "core/stats.h"
+#include "core/worker.h"
+#include "fabric/fabric.h"
+#include "ibtrs/client.h"
+#include "proto/ibtrs_proto.h"
+
+namespace ibtrs {
+
+inline constexpr size_t kMaxDomains = 8;  // devices one session spans (rdma ports + tcp)
+
+namespace client {
+struct Session;
+}
+
+struct RegisteredMemory::Impl {
+  client::Session* session = nullptr;
+  void* addr = nullptr;
+  size_t size = 0;
+  bool owned = false;  // alloc_buffer: free the memory with the handle
+  // Per domain slot of the session; set before any path on that domain carries IO.
+  std::array<std::atomic<fabric::MemoryRegion*>, kMaxDomains> mrs{};
+  std::vector<std::unique_ptr<fabric::MemoryRegion>> keep;  // owners of mrs (under mem_mu)
+};
+
+namespace client {
+
+struct Session;
+struct Path;
+
+// One fabric connection of a path and the CQ it completes on.
+struct Con final : core::CqHandler {
+  Path* path = nullptr;
+  uint16_t cid = 0;
+  core::Poller* poller = nullptr;
+  std::unique_ptr<fabric::CompletionQueue> cq;
+  std::unique_ptr<fabric::Connection> conn;
+  core::ConGate gate;
+  std::atomic<bool> failed{false};   // the fabric reported a break (event or error completion)
+  bool down = false;                 // poller thread: failover done for this incarnation
+  std::atomic<uint32_t> sig{0};      // selective signalling counter
+  uint32_t recv_depth = 0;
+  uint32_t recv_missing = 0;         // poller thread: consumed RECVs not yet reposted
+  // Service connection: one registered buffer for INFO_RSP (first RECV) and INFO_REQ.
+  std::unique_ptr<std::byte[]> svc_buf;
+  size_t svc_len = 0;
+  std::unique_ptr<fabric::MemoryRegion> svc_mr;
+
+  void on_completions(std::span<fabric::Completion> wcs) override;
+  // Poller thread: the connection is broken; disconnect, take what completed, fail over the rest.
+  void go_down(std::error_code why);
+  void repost_recvs();
+};
+
+struct ChunkRemote {
+  uint64_t addr = 0;
+  std::atomic<uint32_t> key{0};
+};
+
+struct Path {
+  Session* s = nullptr;
+  uint32_t slot = 0;
+  PathSpec spec;
+  std::string name;
+  proto::Uuid uuid{};
+  core::ClientPathStateMachine state{ClientPathState::connecting};
+  std::atomic<uint64_t> gen{0};       // incarnation: bumped on every establishment
+  uint16_t recon_cnt = 0;             // worker
+  fabric::Domain* domain = nullptr;   // worker
+  uint32_t dom = 0;                   // domain slot
+  std::vector<std::unique_ptr<Con>> cons;  // [0] service, [1..N] IO; fixed for the path's life
+  std::unique_ptr<ChunkRemote[]> chunks;   // per permit: where its chunk is on this path
+  std::atomic<uint32_t> inflight{0};
+  core::Heartbeat hb;
+  core::ReconnectSchedule sched;
+  core::PathStats stats;
+  std::atomic<uint64_t> hb_timer{0};
+  std::atomic<uint64_t> reconnect_timer{0};
+  std::string hca_name;
+  uint8_t hca_port = 0;
+  std::error_code last_error;
+
+  // INFO_RSP hand-over from the service poller to the worker during establishment.
+  std::mutex info_mu;
+  std::condition_variable info_cv;
+  bool info_ready = false;
+  std::vector<std::byte> info_rsp;
+
+  Path(Session* sess, uint32_t slot, PathSpec spec, uint32_t io_threads);
+  Con* io_con(uint32_t ci) const { return cons[1 + ci].get(); }
+  bool usable() const { return state.get() == ClientPathState::connected; }
+};
+
+// One request slot per permit (kernel: rtrs_clt_io_req).
+struct Req {
+  std::atomic<Con*> con{nullptr};  // the connection it is posted on; claimed by CAS to finish
+  IoDir dir = IoDir::read;
+  IoDoneFn done = nullptr;
+  void* ctx = nullptr;
+  uint16_t usr_len = 0;
+  uint8_t nseg = 0;
+  uint32_t data_len = 0;
+  IoSeg segs[ClientSession::kMaxSegments];
+  int64_t start_ns = 0;
+  uint32_t submit_shard = 0;
+  uint32_t ci = 0;                 // IO connection index (same on every path)
+  Path* path = nullptr;            // path of the current post (inflight accounting)
+  int64_t pending_deadline_ns = 0;
+};
+
+struct Geometry {
+  uint16_t queue_depth = 0;
+  uint32_t chunk_size = 0;
+  uint32_t max_hdr_size = 0;
+  uint32_t max_io_size = 0;
+  uint32_t flags = 0;
+  proto::ImmLayout layout;
+};
+
+struct Session {
+  ClientOptions opts;
+  uint32_t nio = 1;  // IO threads = IO connections per path
+  Uuid16 uuid;
+  proto::Uuid uuid_bytes{};
+
+  std::vector<std::unique_ptr<core::Poller>> io_pollers;
+  std::unique_ptr<core::Poller> svc_poller;
+  std::unique_ptr<core::Worker> worker;
+
+  // Geometry and what depends on it: set once, by the first path to connect (worker), before
+  // any request can be submitted.
+  std::atomic<bool> geo_set{false};
+  Geometry geo;
+  std::unique_ptr<core::PermitPool> permits;
+  std::unique_ptr<Req[]> reqs;
+  std::byte* iu = nullptr;  // queue_depth x max_hdr_size: user header + IO message per permit
+  size_t iu_len = 0;
+
+  // Domains and registrations (mem_mu for changes; the IO path reads the atomics).
+  std::mutex mem_mu;
+  std::array<std::atomic<fabric::Domain*>, kMaxDomains> domains{};
+  std::array<std::unique_ptr<fabric::MemoryRegion>, kMaxDomains> iu_mrs;
+  std::array<std::atomic<uint32_t>, kMaxDomains> iu_lkey{};
+  std::vector<RegisteredMemory::Impl*> regions;
+
+  // Paths: slots read by the IO path; changed by the worker.
+  std::array<std::atomic<Path*>, ClientSession::kMaxPaths> paths{};
+  std::vector<std::unique_ptr<Path>> all_paths;  // owners, incl. removed shells (worker)
+  std::atomic<uint32_t> npaths_hint{0};          // slots in use are below this
+
+  std::atomic<MpPolicy> policy{MpPolicy::min_inflight};
+  std::atomic<int32_t> max_reconnect_attempts{-1};
+  std::atomic<bool> closing{false};
+  std::atomic<uint32_t> connected_paths{0};
+  bool was_disconnected = false;  // worker
+
+  std::mutex pend_mu;
+  std::deque<uint32_t> pending;  // permits waiting for a path
+  uint64_t tick_timer = 0;
+
+  ~Session();
+
+  // ---- IO path (any thread) ----
+  Status submit(const IoRequest& r, PermitWait wait);
+  // Posts request `p` on a usable path other than `skip` when possible. False: no path took it.
+  bool post(uint32_t p, Path* skip);
+  void finish(uint32_t p, int err, uint32_t shard);
+  void park(uint32_t p);
+  bool any_path_may_return() const;
+
+  // ---- worker ----
+  Status open_paths();
+  Result<Path*> new_path(const PathSpec& spec);
+  Status establish(Path* path);
+  Status connect_con(Path* path, Con* con, std::span<const std::byte> pd);
+  Status set_geometry(const proto::ConRsp& rsp);
+  Result<uint32_t> domain_slot(fabric::Domain* d);
+  void teardown(Path* path);
+  void path_failed(Path* path, uint64_t gen, std::error_code why);
+  void schedule_reconnect(Path* path);
+  void reconnect_attempt(Path* path);
+  void on_path_up(Path* path);
+  void on_path_down(Path* path, std::error_code why);
+  void run_pending(bool fail_all, int err);
+  void emit(SessionEvent e, const Path* path, std::error_code why);
+  Path* find(std::string_view name) const;
+  Status close_path(Path* path, ClientPathState final_state);
+  void start_heartbeat(Path* path);
+  void heartbeat_tick(Path* path, uint64_t gen);
+};
+
+}  // namespace client
+}  // namespace ibtrs

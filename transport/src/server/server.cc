@@ -1,0 +1,996 @@
+// The IBTRS server (kernel: rtrs-srv.c).
+//
+// Threads: an accept thread hands connection requests to the worker; the worker builds and tears
+// down sessions and paths (one at a time, may block); IO pollers own the IO connections' CQs and
+// hand validated requests to the upper layer; the service poller owns the service connections
+// (INFO_REQ, heartbeats) and the timers.
+//
+// Lifetimes: a session lives while it has a path or a request the upper layer has not completed;
+// its path and connection objects live as long as it does (a closed path stays as a shell), so
+// a completion from any thread reaches valid memory and finds the connection's gate closed.
+#include "ibtrs/server.h"
+
+#include <poll.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/log.h"
+#include "core/con_gate.h"
+#include "core/fabrics.h"
+#include "core/heartbeat.h"
+#include "core/path_state.h"
+#include "core/poller.h"
+#include "core/stats.h"
+#include "core/worker.h"
+#include "fabric/fabric.h"
+#include "proto/ibtrs_proto.h"
+
+namespace ibtrs {
+
+using namespace std::chrono_literals;
+using fabric::Completion;
+using fabric::Opcode;
+using fabric::SendWr;
+using fabric::Sge;
+using fabric::WcStatus;
+
+namespace server {
+namespace {
+
+enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3, kWrSvcRecv = 4 };
+constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
+
+constexpr uint32_t kSvcRecvs = 16;
+constexpr uint32_t kSvcSlot = 256;     // bytes per service RECV: INFO_REQ is 144
+constexpr uint32_t kSvcSends = 16;
+constexpr uint32_t kSignalEvery = 16;
+constexpr uint32_t kRepostBatch = 16;
+constexpr uint16_t kMaxCidNum = 129;   // 128 IO connections + service
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(core::Clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+struct Impl;
+struct Session;
+struct Path;
+
+struct Con final : core::CqHandler {
+  Path* path = nullptr;
+  uint16_t cid = 0;
+  core::Poller* poller = nullptr;
+  std::unique_ptr<fabric::CompletionQueue> cq;
+  std::unique_ptr<fabric::Connection> conn;
+  core::ConGate gate;
+  std::atomic<bool> failed{false};
+  bool down = false;  // poller thread
+  std::atomic<uint32_t> sig{0};
+  uint32_t recv_missing = 0;
+  // Service connection: kSvcRecvs RECV slots, then the INFO_RSP being sent.
+  std::unique_ptr<std::byte[]> svc_buf;
+  size_t svc_len = 0;
+  std::unique_ptr<fabric::MemoryRegion> svc_mr;
+  // Responses that did not fit the send queue, retried when sends complete.
+  std::mutex bl_mu;
+  std::deque<std::vector<SendWr>> backlog;
+  std::deque<std::vector<Sge>> backlog_sges;
+  std::atomic<bool> has_backlog{false};
+
+  void on_completions(std::span<Completion> wcs) override;
+  void go_down();
+  void post_or_backlog(std::span<const SendWr> wrs);
+  void retry_backlog();
+};
+
+struct Path {
+  Session* s = nullptr;
+  uint64_t id = 0;  // registry key: tasks name a path by id, so a freed one is never touched
+  proto::Uuid uuid{};
+  uint16_t recon_cnt = 0;
+  uint16_t cid_num = 0;
+  uint16_t accepted = 0;
+  core::ServerPathStateMachine state{ServerPathState::connecting};
+  std::vector<std::unique_ptr<Con>> cons;
+  std::string name;
+  Address local, peer;
+  fabric::Domain* domain = nullptr;
+  uint32_t chunk_lkey = 0, chunk_rkey = 0;
+  core::Heartbeat hb;
+  core::PathStats stats;
+  std::atomic<uint64_t> hb_timer{0};
+  bool announced = false;  // on_path_up was called (worker)
+
+  Path(Session* sess, const HeartbeatConfig& hbc, uint32_t shards) : s(sess), hb(hbc), stats(shards) {}
+  ServerPathInfo info() const;
+};
+
+struct Req final : ServerRequest {
+  Session* s = nullptr;
+  Con* con = nullptr;  // the connection the request came on: the response goes back there
+  std::atomic<uint32_t> state{0};  // 0 idle, 1 being served, 2 served and another one waiting
+  Con* deferred_con = nullptr;
+  uint32_t deferred_offset = 0;
+  uint16_t ndesc = 0;
+  proto::BufDesc descs[proto::kMaxReadDescs];
+  int64_t start_ns = 0;
+  uint32_t shard = 0;
+  uint64_t bytes = 0;
+
+  void complete(int err) override;
+  void start(Con* c, uint32_t offset);
+  using ServerRequest::chunk_id_;
+  using ServerRequest::data_;
+  using ServerRequest::dir_;
+  using ServerRequest::session_;
+  using ServerRequest::usr_;
+};
+
+struct Session final : ServerSession {
+  Impl* srv = nullptr;
+  std::string name_;
+  Uuid16 uuid_;
+  proto::Uuid uuid_bytes{};
+  uint16_t qd = 0;
+  uint32_t chunk_size = 0;
+  uint32_t max_hdr = 0;
+  proto::ImmLayout layout;
+  std::byte* chunks = nullptr;
+  size_t chunks_len = 0;
+  std::unique_ptr<Req[]> reqs;
+  std::map<fabric::Domain*, std::unique_ptr<fabric::MemoryRegion>> mrs;  // worker
+
+  mutable std::mutex mu;  // paths lists and name
+  std::vector<Path*> live;
+  std::vector<std::unique_ptr<Path>> all;
+  std::atomic<int64_t> inflight{0};  // requests the upper layer holds (+ deferred ones)
+  bool up = false;     // on_session_up called (worker)
+  bool dying = false;  // no path left (worker)
+
+  ~Session() override {
+    mrs.clear();
+    if (chunks != nullptr) ::munmap(chunks, chunks_len);
+  }
+  const std::string& name() const override { return name_; }
+  const Uuid16& uuid() const override { return uuid_; }
+  std::vector<ServerPathInfo> paths() const override;
+  PathStatsSnapshot stats() const override;
+  Status reset_stats(std::string_view path) override;
+  Status disconnect_path(std::string_view path) override;
+
+  std::span<std::byte> chunk(uint32_t id) const {
+    return {chunks + size_t{id} * chunk_size, chunk_size};
+  }
+  void request_arrived(Con* c, uint32_t chunk_id, uint32_t offset);
+  void request_done();
+};
+
+struct Impl {
+  ServerOptions opts;
+  uint32_t nio = 1;
+  std::vector<std::unique_ptr<fabric::Listener>> listeners;
+  std::vector<std::unique_ptr<core::Poller>> io_pollers;
+  std::unique_ptr<core::Poller> svc_poller;
+  std::unique_ptr<core::Worker> worker;
+  std::thread acceptor;
+  std::atomic<bool> stopping{false};
+
+  mutable std::mutex mu;  // sessions
+  std::map<proto::Uuid, std::unique_ptr<Session>> sessions;
+  std::vector<std::unique_ptr<Session>> dying;  // worker: waiting for their requests
+  std::map<uint64_t, Path*> path_ids;           // worker: every path of every session not freed
+  uint64_t next_path_id = 1;
+
+  // Worker: the path if it still exists. Tasks posted by pollers and timers may outlive a path's
+  // session; they look it up here first.
+  Path* lookup(uint64_t id) const {
+    auto it = path_ids.find(id);
+    return it == path_ids.end() ? nullptr : it->second;
+  }
+
+  void accept_loop();
+  void handle_connect(fabric::ConnectRequest& req);
+  Status accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::ConnectRequest& req);
+  void handle_info(Path* p, std::vector<std::byte> msg);
+  void close_path(Path* p, const char* why);
+  void reap();
+  void heartbeat_tick(Path* p);
+  Result<Session*> session_for(const proto::ConReq& cr);
+  void reject(fabric::ConnectRequest& req, int err, const std::string& why);
+  void detach_session_if_empty(Session* s);
+};
+
+// ------------------------------------------------------------------------------------------
+
+ServerPathInfo Path::info() const {
+  ServerPathInfo i;
+  i.name = name;
+  i.local = local;
+  i.peer = peer;
+  i.state = state.get();
+  if (!cons.empty() && cons[0]->conn) {
+    i.hca_name = cons[0]->conn->device_name();
+    i.hca_port = cons[0]->conn->port_num();
+  }
+  i.recon_cnt = recon_cnt;
+  i.cid_num = cid_num;
+  i.stats = stats.snapshot();
+  return i;
+}
+
+std::vector<ServerPathInfo> Session::paths() const {
+  std::lock_guard lock(mu);
+  std::vector<ServerPathInfo> out;
+  for (Path* p : live) out.push_back(p->info());
+  return out;
+}
+
+PathStatsSnapshot Session::stats() const {
+  std::lock_guard lock(mu);
+  PathStatsSnapshot t;
+  for (auto& p : all) t += p->stats.snapshot();
+  return t;
+}
+
+Status Session::reset_stats(std::string_view path) {
+  std::lock_guard lock(mu);
+  bool found = path.empty();
+  for (Path* p : live) {
+    if (!path.empty() && p->name != path) continue;
+    p->stats.reset();
+    found = true;
+  }
+  return found ? Status{} : Status{errc(ENOENT)};
+}
+
+Status Session::disconnect_path(std::string_view path) {
+  Path* target = nullptr;
+  {
+    std::lock_guard lock(mu);
+    for (Path* p : live)
+      if (p->name == path) target = p;
+  }
+  if (target == nullptr) return errc(ENOENT);
+  Impl* im = srv;
+  im->worker->call([im, target] {
+    im->close_path(target, "disconnected by the server");
+    return 0;
+  });
+  return {};
+}
+
+// ------------------------------------------------------------------------------------------
+// IO (poller threads, and complete() from anywhere)
+
+void Session::request_arrived(Con* c, uint32_t id, uint32_t offset) {
+  Req& r = reqs[id];
+  for (;;) {
+    uint32_t idle = 0;
+    if (r.state.compare_exchange_strong(idle, 1, std::memory_order_acq_rel)) {
+      r.start(c, offset);
+      return;
+    }
+    if (idle == 2) break;
+    // The chunk is still being served: a request failed over from another path while the old
+    // copy is still with the upper layer. It runs when the old one completes.
+    r.deferred_con = c;
+    r.deferred_offset = offset;
+    inflight.fetch_add(1, std::memory_order_acq_rel);
+    uint32_t busy = 1;
+    if (r.state.compare_exchange_strong(busy, 2, std::memory_order_acq_rel)) return;
+    inflight.fetch_sub(1, std::memory_order_acq_rel);
+    if (busy == 2) break;
+  }
+  IBTRS_LOG(warn, "session %s path %s: third request on busy chunk %u", name_.c_str(),
+            c->path->name.c_str(), id);
+  c->failed.store(true);
+}
+
+void Req::start(Con* c, uint32_t offset) {
+  Session& ss = *s;
+  std::string why;
+  auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, &why);
+  const uint32_t max_io = ss.chunk_size - ss.max_hdr;
+  if (io.ok() && io->kind == proto::IoKind::read && io->read.total_len > max_io) {
+    io = errc(EPROTO);
+    why = "read longer than max_io_size";
+  }
+  if (!io.ok()) {
+    IBTRS_LOG(warn, "session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
+              c->path->name.c_str(), chunk_id_, why.c_str());
+    state.store(0, std::memory_order_release);
+    c->failed.store(true);  // closes the path (the poller sees it after this batch)
+    return;
+  }
+  con = c;
+  start_ns = now_ns();
+  shard = c->poller->index();
+  auto chunk = ss.chunk(chunk_id_);
+  if (io->kind == proto::IoKind::write) {
+    dir_ = IoDir::write;
+    usr_ = io->write.usr;
+    const size_t off = static_cast<size_t>(io->write.data.data() - chunk.data());
+    data_ = chunk.subspan(off, io->write.data.size());
+    ndesc = 0;
+  } else {
+    dir_ = IoDir::read;
+    usr_ = io->read.usr;
+    ndesc = static_cast<uint16_t>(io->read.descs.size());
+    // A failed-over copy may overwrite the chunk's header area while this one is served.
+    std::memcpy(descs, io->read.descs.data(), ndesc * sizeof(proto::BufDesc));
+    data_ = chunk.subspan(ss.max_hdr, static_cast<size_t>(io->read.total_len));
+  }
+  bytes = data_.size();
+  ss.inflight.fetch_add(1, std::memory_order_acq_rel);
+  c->path->stats.on_submit(shard, dir_ == IoDir::write, bytes, dir_ == IoDir::read ? ndesc : 1);
+  ss.srv->opts.handler->on_request(*this);
+}
+
+void Req::complete(int err) {
+  Session& ss = *s;
+  Con* c = con;
+  Path* p = c->path;
+  p->stats.on_complete(shard, dir_ == IoDir::write,
+                       static_cast<uint64_t>(std::max<int64_t>(0, now_ns() - start_ns)), shard);
+  SendWr wrs[proto::kMaxReadDescs + 1];
+  Sge sges[proto::kMaxReadDescs];
+  size_t n = 0;
+  if (dir_ == IoDir::read && err == 0) {
+    uint64_t off = 0;
+    for (uint16_t i = 0; i < ndesc; ++i) {
+      const uint32_t len = descs[i].len.get();
+      sges[i] = Sge{reinterpret_cast<uint64_t>(data_.data() + off), len, p->chunk_lkey};
+      SendWr& w = wrs[n++];
+      w = SendWr{};
+      w.wr_id = wr_id(kWrIo, chunk_id_);
+      w.opcode = Opcode::write;
+      w.sg_list = std::span(&sges[i], 1);
+      w.remote_addr = descs[i].addr.get();
+      w.rkey = descs[i].key.get();
+      w.signaled = false;
+      off += len;
+    }
+  }
+  SendWr& rsp = wrs[n++];
+  rsp = SendWr{};
+  rsp.wr_id = wr_id(kWrIo, chunk_id_);
+  rsp.opcode = Opcode::write_with_imm;
+  auto imm = proto::encode_io_rsp_imm(chunk_id_, err);
+  rsp.imm = imm.ok() ? *imm : 0;
+  rsp.signaled = c->sig.fetch_add(1, std::memory_order_relaxed) % kSignalEvery == 0;
+
+  // Free the chunk before answering: the client reuses it only after the response, which the
+  // connection delivers after the data writes have read it.
+  Con* next = nullptr;
+  uint32_t next_off = 0;
+  uint32_t busy = 1;
+  if (!state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) {
+    next = deferred_con;
+    next_off = deferred_offset;
+    state.store(1, std::memory_order_release);
+  }
+  if (c->gate.enter()) {
+    c->post_or_backlog(std::span(wrs, n));
+    c->gate.exit();
+  }
+  if (next != nullptr) {
+    Req* self = this;
+    next->poller->post([self, next, next_off] {
+      self->start(next, next_off);
+      self->s->request_done();  // the deferral's own count
+    });
+  }
+  ss.request_done();
+}
+
+void Session::request_done() {
+  if (inflight.fetch_sub(1, std::memory_order_acq_rel) == 1 && srv != nullptr) {
+    Impl* im = srv;
+    im->worker->post([im] { im->reap(); });
+  }
+}
+
+void Con::post_or_backlog(std::span<const SendWr> wrs) {
+  if (has_backlog.load(std::memory_order_acquire) || !conn->post_send(wrs).ok()) {
+    if (conn->state() != fabric::ConnState::connected) return;  // the client fails it over
+    // Keep a private copy: the request slot may be reused before the queue drains.
+    std::lock_guard lock(bl_mu);
+    std::vector<Sge> sg;
+    for (const auto& w : wrs) sg.insert(sg.end(), w.sg_list.begin(), w.sg_list.end());
+    backlog_sges.push_back(std::move(sg));
+    std::vector<SendWr> copy(wrs.begin(), wrs.end());
+    size_t k = 0;
+    for (auto& w : copy) {
+      w.sg_list = std::span(backlog_sges.back().data() + k, w.sg_list.size());
+      k += w.sg_list.size();
+    }
+    backlog.push_back(std::move(copy));
+    has_backlog.store(true, std::memory_order_release);
+  }
+}
+
+void Con::retry_backlog() {
+  std::lock_guard lock(bl_mu);
+  while (!backlog.empty()) {
+    if (!conn->post_send(backlog.front()).ok()) return;
+    backlog.pop_front();
+    backlog_sges.pop_front();
+  }
+  has_backlog.store(false, std::memory_order_release);
+}
+
+void Con::on_completions(std::span<Completion> wcs) {
+  Path* p = path;
+  Session& s = *p->s;
+  Impl& srv = *s.srv;
+  p->stats.on_poll(poller->index(), static_cast<uint32_t>(wcs.size()));
+  bool broken = false;
+  uint32_t svc_slots[kSvcRecvs];
+  uint32_t nsvc = 0;
+  for (const Completion& wc : wcs) {
+    if (down) break;
+    if (wc.status != WcStatus::success) {
+      if (wc.status != WcStatus::flush_error)
+        IBTRS_LOG(warn, "session %s path %s con %u: %s", s.name_.c_str(), p->name.c_str(), cid,
+                  std::string(fabric::to_string(wc.status)).c_str());
+      broken = true;
+      continue;
+    }
+    if (wc.opcode == Opcode::recv_rdma_with_imm) {
+      if (cid == 0) svc_slots[nsvc++] = static_cast<uint32_t>(wc.wr_id >> 3);
+      else ++recv_missing;
+      if (p->hb.missed() != 0) p->hb.on_imm();
+      const uint32_t imm = wc.imm;
+      switch (proto::imm_type(imm)) {
+        case proto::ImmType::io_req: {
+          if (cid == 0 || p->state.get() != ServerPathState::connected) {
+            IBTRS_LOG(warn, "session %s path %s: IO request on %s", s.name_.c_str(),
+                      p->name.c_str(), cid == 0 ? "the service connection" : "a path not connected");
+            broken = true;
+            break;
+          }
+          auto io = proto::decode_io_req_imm(s.layout, imm);
+          if (io.chunk_id >= s.qd) {
+            IBTRS_LOG(warn, "session %s path %s: chunk id %u out of range", s.name_.c_str(),
+                      p->name.c_str(), io.chunk_id);
+            broken = true;
+            break;
+          }
+          s.request_arrived(this, io.chunk_id, io.offset);
+          break;
+        }
+        case proto::ImmType::hb_msg: {
+          if (cid != 0) break;
+          SendWr ack{};
+          ack.wr_id = wr_id(kWrSvc);
+          ack.opcode = Opcode::write_with_imm;
+          ack.imm = proto::make_imm(proto::ImmType::hb_ack, 0);
+          (void)conn->post_send(std::span(&ack, 1));
+          break;
+        }
+        case proto::ImmType::hb_ack:
+          p->hb.on_ack(core::Clock::now());
+          break;
+        default:
+          IBTRS_LOG(warn, "session %s path %s: unexpected immediate 0x%08x", s.name_.c_str(),
+                    p->name.c_str(), imm);
+          broken = true;
+      }
+    } else if (wc.opcode == Opcode::recv) {
+      if (cid != 0) {
+        IBTRS_LOG(warn, "session %s path %s: message on an IO connection", s.name_.c_str(),
+                  p->name.c_str());
+        broken = true;
+        continue;
+      }
+      const uint32_t slot = static_cast<uint32_t>(wc.wr_id >> 3);
+      svc_slots[nsvc++] = slot;
+      const std::byte* b = svc_buf.get() + size_t{slot} * kSvcSlot;
+      std::vector<std::byte> msg(b, b + std::min<uint32_t>(wc.byte_len, kSvcSlot));
+      Impl* im = &srv;
+      const uint64_t id = p->id;
+      srv.worker->post([im, id, m = std::move(msg)]() mutable {
+        if (Path* pp = im->lookup(id)) im->handle_info(pp, std::move(m));
+      });
+    }
+  }
+  if (broken || failed.load(std::memory_order_acquire)) {
+    go_down();
+    return;
+  }
+  if (down) return;
+  // Repost what was consumed.
+  if (cid == 0 && nsvc > 0) {
+    fabric::RecvWr rw[kSvcRecvs];
+    Sge sg[kSvcRecvs];
+    for (uint32_t i = 0; i < nsvc; ++i) {
+      sg[i] = svc_mr->sge(size_t{svc_slots[i]} * kSvcSlot, kSvcSlot);
+      rw[i] = fabric::RecvWr{wr_id(kWrSvcRecv, svc_slots[i]), std::span(&sg[i], 1)};
+    }
+    (void)conn->post_recv(std::span(rw, nsvc));
+  } else if (recv_missing >= kRepostBatch) {
+    fabric::RecvWr rw[64];
+    uint32_t n = std::min<uint32_t>(recv_missing, 64);
+    for (uint32_t i = 0; i < n; ++i) rw[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
+    if (conn->post_recv(std::span(rw, n)).ok()) recv_missing -= n;
+  }
+  if (has_backlog.load(std::memory_order_acquire) && gate.enter()) {
+    retry_backlog();
+    gate.exit();
+  }
+}
+
+void Con::go_down() {
+  if (down) return;
+  down = true;
+  failed.store(true);
+  gate.close_and_wait();
+  if (conn) conn->disconnect();
+  {
+    std::lock_guard lock(bl_mu);
+    backlog.clear();
+    backlog_sges.clear();
+    has_backlog.store(false);
+  }
+  Impl* im = path->s->srv;
+  const uint64_t id = path->id;
+  im->worker->post([im, id] {
+    if (Path* p = im->lookup(id)) im->close_path(p, "connection broken");
+  });
+}
+
+// ------------------------------------------------------------------------------------------
+// Control (worker)
+
+void Impl::reject(fabric::ConnectRequest& req, int err, const std::string& why) {
+  IBTRS_LOG(warn, "connection from %s refused: %s", req.peer_address().to_string().c_str(),
+            why.c_str());
+  auto rsp = proto::make_con_rsp(err, 0, 0, 0, 0);
+  (void)req.reject(proto::as_bytes_of(rsp));
+}
+
+Result<Session*> Impl::session_for(const proto::ConReq& cr) {
+  proto::Uuid id;
+  std::memcpy(id.data(), cr.sess_uuid, 16);
+  {
+    std::lock_guard lock(mu);
+    auto it = sessions.find(id);
+    if (it != sessions.end()) return it->second.get();
+  }
+  auto s = std::make_unique<Session>();
+  s->srv = this;
+  s->uuid_bytes = id;
+  std::memcpy(s->uuid_.bytes, cr.sess_uuid, 16);
+  s->qd = opts.queue_depth;
+  s->chunk_size = opts.chunk_size;
+  s->max_hdr = opts.max_hdr_size;
+  IBTRS_ASSIGN_OR_RETURN(s->layout, proto::imm_layout(s->qd, s->chunk_size));
+  s->chunks_len = size_t{s->qd} * s->chunk_size;
+  // Lazily backed: a session costs only what its requests touch.
+  void* m = ::mmap(nullptr, s->chunks_len, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return errc(ENOMEM);
+  s->chunks = static_cast<std::byte*>(m);
+  s->reqs = std::make_unique<Req[]>(s->qd);
+  for (uint32_t i = 0; i < s->qd; ++i) {
+    s->reqs[i].s = s.get();
+    s->reqs[i].chunk_id_ = i;
+    s->reqs[i].session_ = s.get();
+  }
+  Session* raw = s.get();
+  std::lock_guard lock(mu);
+  sessions.emplace(id, std::move(s));
+  return raw;
+}
+
+void Impl::handle_connect(fabric::ConnectRequest& req) {
+  std::string why;
+  auto cr = proto::parse_con_req(req.private_data(), &why);
+  if (!cr.ok()) return reject(req, cr.error().value(), why);
+  const uint16_t cid = cr->cid.get();
+  const uint16_t cid_num = cr->cid_num.get();
+  if (cid_num > kMaxCidNum) return reject(req, EINVAL, "too many connections per path");
+  auto sr = session_for(*cr);
+  if (!sr.ok()) return reject(req, sr.error().value(), "no memory for the session's chunks");
+  Session* s = *sr;
+
+  Path* p = nullptr;
+  {
+    std::lock_guard lock(s->mu);
+    for (Path* q : s->live)
+      if (std::memcmp(q->uuid.data(), cr->path_uuid, 16) == 0) p = q;
+  }
+  const uint16_t rc = cr->recon_cnt.get();
+  if (p != nullptr) {
+    // Reconnect counters tell a new incarnation of the path from a stale one.
+    if (static_cast<int16_t>(rc - p->recon_cnt) > 0) {
+      close_path(p, "the client reconnected it");
+      p = nullptr;
+      // That may have been the session's last path: then the new incarnation starts a new one.
+      sr = session_for(*cr);
+      if (!sr.ok()) return reject(req, sr.error().value(), "no memory for the session's chunks");
+      s = *sr;
+    } else if (rc != p->recon_cnt) {
+      return reject(req, ESTALE, "connection of an older incarnation of the path");
+    } else if (p->state.get() != ServerPathState::connecting || p->cid_num != cid_num ||
+               p->cons[cid]->conn != nullptr) {
+      return reject(req, EEXIST, "connection already established");
+    }
+  }
+  if (p == nullptr) {
+    auto np = std::make_unique<Path>(s, opts.heartbeat, nio + 1);
+    np->recon_cnt = rc;
+    np->cid_num = cid_num;
+    std::memcpy(np->uuid.data(), cr->path_uuid, 16);
+    np->local = req.local_address();
+    np->peer = req.peer_address();
+    for (uint16_t i = 0; i < cid_num; ++i) {
+      auto c = std::make_unique<Con>();
+      c->path = np.get();
+      c->cid = i;
+      c->poller = i == 0 ? svc_poller.get() : io_pollers[(i - 1) % nio].get();
+      np->cons.push_back(std::move(c));
+    }
+    p = np.get();
+    p->id = next_path_id++;
+    path_ids.emplace(p->id, p);
+    std::lock_guard lock(s->mu);
+    s->all.push_back(std::move(np));
+    s->live.push_back(p);
+  }
+  auto st = accept_con(s, p, *cr, req);
+  if (!st.ok()) {
+    IBTRS_LOG(warn, "session %s: accepting connection %u failed: %s", s->name_.c_str(), cid,
+              st.error().message().c_str());
+    close_path(p, "accept failed");
+  }
+}
+
+Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::ConnectRequest& req) {
+  const uint16_t cid = cr.cid.get();
+  fabric::Domain& d = req.domain();
+  if (p->domain != nullptr && p->domain != &d) {
+    reject(req, EINVAL, "connections of one path on different devices");
+    return errc(EINVAL);
+  }
+  p->domain = &d;
+  auto it = s->mrs.find(&d);
+  if (it == s->mrs.end()) {
+    auto mr = d.register_memory(s->chunks, s->chunks_len, fabric::kLocalWrite | fabric::kRemoteWrite);
+    if (!mr.ok()) {
+      reject(req, ENOMEM, "cannot register the session's chunks");
+      return mr.error();
+    }
+    it = s->mrs.emplace(&d, std::move(*mr)).first;
+  }
+  p->chunk_lkey = it->second->lkey();
+  p->chunk_rkey = it->second->rkey();
+
+  Con* c = p->cons[cid].get();
+  fabric::QueueCaps caps;
+  if (cid == 0) {
+    caps.max_send_wr = kSvcSends;
+    caps.max_recv_wr = kSvcRecvs;
+    caps.max_send_sge = 1;
+    caps.max_recv_sge = 1;
+  } else {
+    caps.max_send_wr = 2u * s->qd + kSignalEvery + 16;
+    caps.max_recv_wr = s->qd + kRepostBatch + 16;
+    caps.max_send_sge = 1;
+    caps.max_recv_sge = 1;
+  }
+  auto cq = d.create_cq(caps.max_send_wr + caps.max_recv_wr);
+  if (!cq.ok()) {
+    reject(req, ENOMEM, "cannot create a completion queue");
+    return cq.error();
+  }
+  c->cq = std::move(*cq);
+  c->poller->run_sync([c] { c->poller->attach(c->cq.get(), c); });
+  if (cid == 0) {
+    c->svc_len = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd);
+    c->svc_buf = std::make_unique<std::byte[]>(c->svc_len);
+    auto mr = d.register_memory(c->svc_buf.get(), c->svc_len, fabric::kLocalWrite);
+    if (!mr.ok()) {
+      reject(req, ENOMEM, "cannot register service buffers");
+      return mr.error();
+    }
+    c->svc_mr = std::move(*mr);
+  }
+  fabric::ConnectionEvents ev;
+  ev.on_disconnected = [c](std::error_code) { c->failed.store(true, std::memory_order_release); };
+  auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr, 0);
+  IBTRS_ASSIGN_OR_RETURN(c->conn, req.accept(*c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
+  std::vector<fabric::RecvWr> rw(caps.max_recv_wr);
+  std::vector<Sge> sg(caps.max_recv_wr);
+  for (uint32_t i = 0; i < caps.max_recv_wr; ++i) {
+    if (cid == 0) {
+      sg[i] = c->svc_mr->sge(size_t{i} * kSvcSlot, kSvcSlot);
+      rw[i] = fabric::RecvWr{wr_id(kWrSvcRecv, i), std::span(&sg[i], 1)};
+    } else {
+      rw[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
+    }
+  }
+  IBTRS_TRY(c->conn->post_recv(rw));
+  ++p->accepted;
+  return {};
+}
+
+void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
+  Session* s = p->s;
+  std::string why;
+  auto info = proto::parse_info_req(msg, &why);
+  if (!info.ok() || p->state.get() != ServerPathState::connecting || p->accepted != p->cid_num) {
+    IBTRS_LOG(warn, "session %s: INFO_REQ refused: %s", s->name_.c_str(),
+              info.ok() ? "path not ready (connections missing or already connected)" : why.c_str());
+    close_path(p, "bad INFO_REQ");
+    return;
+  }
+  {
+    std::lock_guard lock(s->mu);
+    if (s->name_.empty()) s->name_ = info->sessname;
+    p->name = info->pathname;
+  }
+  Con* svc = p->cons[0].get();
+  const size_t off = size_t{kSvcRecvs} * kSvcSlot;
+  proto::InfoRspHeader h{};
+  h.type.set(static_cast<uint16_t>(proto::MsgType::info_rsp));
+  h.sg_cnt.set(s->qd);
+  std::byte* out = svc->svc_buf.get() + off;
+  std::memcpy(out, &h, sizeof(h));
+  for (uint32_t i = 0; i < s->qd; ++i) {
+    proto::ChunkDesc d{};
+    d.addr.set(reinterpret_cast<uint64_t>(s->chunk(i).data()));
+    d.key.set(p->chunk_rkey);
+    d.len.set(s->chunk_size);
+    std::memcpy(out + sizeof(h) + i * sizeof(d), &d, sizeof(d));
+  }
+  // Open for IO before the client can learn the chunks: its first request may follow at once.
+  for (auto& c : p->cons) c->gate.open();
+  if (!p->state.change_from(ServerPathState::connecting, ServerPathState::connected).ok()) return;
+  Sge sge = svc->svc_mr->sge(off, static_cast<uint32_t>(proto::info_rsp_size(s->qd)));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  if (!svc->conn->post_send(std::span(&wr, 1)).ok()) {
+    close_path(p, "cannot send INFO_RSP");
+    return;
+  }
+  IBTRS_LOG(info, "session %s: path %s connected", s->name_.c_str(), p->name.c_str());
+  if (!s->up) {
+    s->up = true;
+    opts.handler->on_session_up(*s);
+  }
+  p->announced = true;
+  opts.handler->on_path_up(*s, p->info());
+  p->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,
+                                          [this, p] { heartbeat_tick(p); }));
+}
+
+// Service poller.
+void Impl::heartbeat_tick(Path* p) {
+  if (p->state.get() != ServerPathState::connected) return;
+  if (p->hb.on_timer(core::Clock::now()) == core::Heartbeat::Action::peer_dead) {
+    const uint64_t id = p->id;
+    worker->post([this, id] {
+      if (Path* pp = lookup(id)) close_path(pp, "heartbeats missed");
+    });
+    return;
+  }
+  Con* svc = p->cons[0].get();
+  if (svc->gate.enter()) {
+    SendWr hb{};
+    hb.wr_id = wr_id(kWrSvc);
+    hb.opcode = Opcode::write_with_imm;
+    hb.imm = proto::make_imm(proto::ImmType::hb_msg, 0);
+    (void)svc->conn->post_send(std::span(&hb, 1));
+    svc->gate.exit();
+  }
+  p->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,
+                                          [this, p] { heartbeat_tick(p); }));
+}
+
+void Impl::close_path(Path* p, const char* why) {
+  const auto prev = p->state.get();
+  if (!p->state.change(ServerPathState::closing).ok()) return;  // already closing or closed
+  Session* s = p->s;
+  IBTRS_LOG(info, "session %s: closing path %s (%s): %s", s->name_.c_str(), p->name.c_str(),
+            std::string(to_string(prev)).c_str(), why);
+  if (uint64_t t = p->hb_timer.exchange(0)) svc_poller->cancel_timer(t);
+  for (auto& c : p->cons) {
+    Con* con = c.get();
+    con->gate.close_and_wait();
+    if (con->cq) {
+      con->poller->run_sync([con] {
+        con->down = true;
+        if (con->conn) con->conn->disconnect();
+        con->poller->detach(con->cq.get());
+      });
+    }
+  }
+  // The service poller ran a task above (or runs this one): a heartbeat tick that was running
+  // during the first cancel has finished, and may have armed another.
+  svc_poller->run_sync([] {});
+  if (uint64_t t = p->hb_timer.exchange(0)) svc_poller->cancel_timer(t);
+  for (auto& c : p->cons) {
+    c->conn.reset();
+    c->cq.reset();
+    c->svc_mr.reset();
+    c->svc_buf.reset();
+    std::lock_guard lock(c->bl_mu);
+    c->backlog.clear();
+    c->backlog_sges.clear();
+  }
+  (void)p->state.change(ServerPathState::closed);
+  {
+    std::lock_guard lock(s->mu);
+    std::erase(s->live, p);
+  }
+  if (p->announced) opts.handler->on_path_down(*s, p->info());
+  detach_session_if_empty(s);
+}
+
+void Impl::detach_session_if_empty(Session* s) {
+  {
+    std::lock_guard lock(s->mu);
+    if (!s->live.empty() || s->dying) return;
+    s->dying = true;
+  }
+  std::unique_ptr<Session> owned;
+  {
+    std::lock_guard lock(mu);
+    auto it = sessions.find(s->uuid_bytes);
+    if (it != sessions.end() && it->second.get() == s) {
+      owned = std::move(it->second);
+      sessions.erase(it);
+    }
+  }
+  if (owned) dying.push_back(std::move(owned));
+  reap();
+}
+
+// Frees sessions without paths once the upper layer completed their requests.
+void Impl::reap() {
+  for (auto it = dying.begin(); it != dying.end();) {
+    Session* s = it->get();
+    if (s->inflight.load(std::memory_order_acquire) != 0) {
+      ++it;
+      continue;
+    }
+    if (s->up) opts.handler->on_session_down(*s);
+    for (auto& p : s->all) path_ids.erase(p->id);
+    it = dying.erase(it);
+  }
+}
+
+void Impl::accept_loop() {
+  std::vector<pollfd> fds;
+  for (auto& l : listeners) fds.push_back(pollfd{l->fd(), POLLIN, 0});
+  while (!stopping.load()) {
+    int k = ::poll(fds.data(), fds.size(), 100);
+    if (k <= 0) continue;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if ((fds[i].revents & POLLIN) == 0) continue;
+      auto r = listeners[i]->get_request(0ms);
+      if (!r.ok()) continue;
+      fabric::ConnectRequest* req = r->get();
+      worker->call([this, req] {
+        handle_connect(*req);
+        return 0;
+      });
+    }
+  }
+}
+
+}  // namespace server
+
+// ------------------------------------------------------------------------------------------
+
+struct Server::Impl final : server::Impl {};
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Server::~Server() {
+  Impl* im = impl_.get();
+  im->stopping.store(true);
+  if (im->acceptor.joinable()) im->acceptor.join();
+  // Close every path; wait for the upper layer to complete what it holds.
+  im->worker->call([im] {
+    std::vector<server::Path*> all;
+    {
+      std::lock_guard lock(im->mu);
+      for (auto& [id, s] : im->sessions) {
+        std::lock_guard sl(s->mu);
+        all.insert(all.end(), s->live.begin(), s->live.end());
+      }
+    }
+    for (auto* p : all) im->close_path(p, "server stopping");
+    return 0;
+  });
+  for (;;) {
+    bool empty = im->worker->call([im] {
+      im->reap();
+      return im->dying.empty();
+    });
+    if (empty) break;
+    std::this_thread::sleep_for(5ms);
+  }
+  im->worker->stop();
+  im->io_pollers.clear();
+  im->svc_poller.reset();
+  im->listeners.clear();
+}
+
+Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
+  if (o.handler == nullptr || o.listen.empty() || o.queue_depth == 0 ||
+      o.chunk_size < proto::kMinChunkSize || o.chunk_size > proto::kMaxChunkSize ||
+      (o.chunk_size & (o.chunk_size - 1)) != 0 || o.max_hdr_size < 64 ||
+      o.max_hdr_size >= o.chunk_size || o.heartbeat.interval.count() <= 0 ||
+      o.heartbeat.missed_max == 0)
+    return errc(EINVAL);
+  IBTRS_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
+  auto impl = std::make_unique<Impl>();
+  impl->opts = std::move(o);
+  const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
+  impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
+  for (const Address& a : impl->opts.listen) {
+    IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(a.fabric, impl->opts.busy_poll));
+    IBTRS_ASSIGN_OR_RETURN(auto l, fab->listen(a));
+    impl->listeners.push_back(std::move(l));
+  }
+  for (uint32_t i = 0; i < impl->nio; ++i) {
+    IBTRS_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-s-io" + std::to_string(i), i,
+                                                       impl->opts.busy_poll));
+    impl->io_pollers.push_back(std::move(p));
+  }
+  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-s-svc", impl->nio, false));
+  impl->worker = std::make_unique<core::Worker>();
+  Impl* raw = impl.get();
+  impl->acceptor = std::thread([raw] { raw->accept_loop(); });
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+std::vector<Address> Server::addresses() const {
+  std::vector<Address> out;
+  for (auto& l : impl_->listeners) out.push_back(l->address());
+  return out;
+}
+
+std::vector<std::string> Server::sessions() const {
+  std::lock_guard lock(impl_->mu);
+  std::vector<std::string> out;
+  for (auto& [id, s] : impl_->sessions) {
+    std::lock_guard sl(s->mu);
+    if (!s->name_.empty()) out.push_back(s->name_);
+  }
+  return out;
+}
+
+Status Server::with_session(std::string_view name,
+                            const std::function<void(ServerSession&)>& fn) const {
+  // On the worker, which alone frees sessions: `fn` may use control functions of the session.
+  Impl* im = impl_.get();
+  return im->worker->call([im, name, &fn]() -> Status {
+    server::Session* found = nullptr;
+    {
+      std::lock_guard lock(im->mu);
+      for (auto& [id, s] : im->sessions) {
+        std::lock_guard sl(s->mu);
+        if (s->name_ == name) found = s.get();
+      }
+    }
+    if (found == nullptr) return errc(ENOENT);
+    fn(*found);
+    return {};
+  });
+}
+
+}  // namespace ibtrs
