@@ -39,6 +39,7 @@ kill_pids() {
 
 # ---- server -----------------------------------------------------------------------------------
 SERVER_PID=""
+SERVER_EXTRA=()  # more server arguments for the next start_server
 ERR=""
 # start_server NAME LISTEN_ADDRESS...: 0 when it is listening, else 1 with the reason in $ERR.
 # Call it directly, not in $(...): SERVER_PID and PIDS must be set in this shell.
@@ -48,7 +49,7 @@ start_server() {
   for a in "$@"; do args+=(--listen "$a"); done
   rm -f "$ready"
   "${SERVER_WRAP[@]}" timeout -k 3 "${SERVER_TIMEOUT:-180}" "$LOAD" server "${args[@]}" \
-    "${COMMON[@]}" --size "$SIZE" --ready-file "$ready" \
+    "${COMMON[@]}" "${SERVER_EXTRA[@]}" --size "$SIZE" --ready-file "$ready" \
     >"$WORK/$name.server.out" 2>"$WORK/$name.server.err" &
   SERVER_PID=$!
   PIDS+=("$SERVER_PID")
@@ -142,7 +143,7 @@ wait_busy() {
 client_summary() {
   local name=$1 j
   j=$(final_json "$name" | jq -c '{ops, iops, mib_s, errors, verify_errors, lat_p50_us, lat_p99_us,
-    max_pause_ms, paths: [.paths[] | {name, state, ops: ((.reads // 0) + (.writes // 0)),
+    lat_max_us, max_pause_ms, paths: [.paths[] | {name, state, ops: ((.reads // 0) + (.writes // 0)),
     failovered, reconnects_ok}]}' 2>/dev/null)
   note "$name: ${j:-no JSON; stderr: $(err_tail "$WORK/$name.err")}"
 }

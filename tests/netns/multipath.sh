@@ -9,8 +9,10 @@
 # Only 198.18.0.0/15 (benchmarking range) addresses, nothing routed out of the namespaces.
 # One ibtrs-load server per scenario listens on both server addresses; the client session has one
 # path per pair. Scenarios (TAP-like output, "ok - NAME" / "not ok - NAME: reason"):
-#   failover   pair A down during a verified randrw run: no failed request, no verify error,
-#              path B carries the IO afterwards, the IO pause stays under heartbeat timeout + 1 s
+#   failover   pair A down (client side) during a verified randrw run: no failed request, no
+#              verify error, path B carries the IO afterwards, neither the IO pause nor any
+#              request's latency exceeds heartbeat timeout + 1 s
+#   failover-silent  the same with the server side of pair A down: the client's link stays up
 #   link-back  pair A down, then up again during a run: path A reconnects and carries IO again
 #   delay      5 ms one-way delay on pair A (netem; without sch_netem a TUN link with the same
 #              delay made by tundelay.py stands in for pair A): min-latency and min-inflight send
@@ -121,32 +123,38 @@ note "namespaces $NSC / $NSS, ibtrs-load $LOAD, work dir $WORK"
 want() { [[ -z ${IBTRS_NETNS_ONLY:-} || " $IBTRS_NETNS_ONLY " == *" $1 "* ]]; }
 
 # ---- 1. failover ------------------------------------------------------------------------------
+# scenario_failover NAME NS DEV: cut pair A by setting DEV down in NS. The client side's veth
+# (failover) fails fast: its route goes away and sends fail. The server side's veth
+# (failover-silent) leaves the client's link up and its packets silently dropped, so only the
+# heartbeats can tell.
 scenario_failover() {
-  local n=failover rc msg t_down d_a d_b pause why=()
-  start_server $n "tcp:$A_DST:$PORT" "tcp:$B_DST:$PORT" || { not_ok $n "$ERR"; return; }
-  start_client $n 8 --path "$PATH_A" --path "$PATH_B" --rw randrw --bs 4096 --qd 32 --verify \
+  local n=$1 cut_ns=$2 cut_dev=$3 rc msg t_down d_a d_b pause latmax why=()
+  start_server "$n" "tcp:$A_DST:$PORT" "tcp:$B_DST:$PORT" || { not_ok "$n" "$ERR"; return; }
+  start_client "$n" 8 --path "$PATH_A" --path "$PATH_B" --rw randrw --bs 4096 --qd 32 --verify \
     --interval-ms 250
-  if ! wait_busy $n 150 "$A_DST" "$B_DST"; then
+  if ! wait_busy "$n" 150 "$A_DST" "$B_DST"; then
     wait_client; stop_server
-    not_ok $n "both paths never carried IO before the cut (stderr: $(err_tail "$WORK/$n.err" 2))"
+    not_ok "$n" "both paths never carried IO before the cut (stderr: $(err_tail "$WORK/$n.err" 2))"
     return
   fi
   sleep 2
-  ip -n "$NSC" link set vca down
+  ip -n "$cut_ns" link set "$cut_dev" down
   t_down=$(client_ms)
-  note "$n: pair A down at client t=${t_down} ms"
+  note "$n: pair A down ($cut_dev) at client t=${t_down} ms"
   wait_client
   rc=$?
-  ip -n "$NSC" link set vca up
+  ip -n "$cut_ns" link set "$cut_dev" up
   stop_server
-  client_summary $n
-  msg=$(check_clean $n $rc) || why+=("$msg")
-  pause=$(jfield $n .max_pause_ms)
+  client_summary "$n"
+  msg=$(check_clean "$n" $rc) || why+=("$msg")
+  pause=$(jfield "$n" .max_pause_ms)
+  latmax=$(jfield "$n" .lat_max_us)
   # Path B must have carried IO after the failure was detected; path A none after the cut.
-  d_b=$(($(ops_last $n "$B_DST") - $(ops_at $n "$B_DST" $((t_down + HB_TIMEOUT_MS + 500)))))
-  d_a=$(($(ops_last $n "$A_DST") - $(ops_at $n "$A_DST" $((t_down + HB_TIMEOUT_MS + 500)))))
-  note "$n: after cut+hb timeout: path A +$d_a ops, path B +$d_b ops; max_pause_ms=$pause" \
-    "(limit $((HB_TIMEOUT_MS + 1000)))"
+  d_b=$(($(ops_last "$n" "$B_DST") - $(ops_at "$n" "$B_DST" $((t_down + HB_TIMEOUT_MS + 500)))))
+  d_a=$(($(ops_last "$n" "$A_DST") - $(ops_at "$n" "$A_DST" $((t_down + HB_TIMEOUT_MS + 500)))))
+  note "$n: after cut+hb timeout: path A +$d_a ops, path B +$d_b ops; max_pause_ms=$pause," \
+    "lat_max_us=$latmax (limit for both $((HB_TIMEOUT_MS + 1000)) ms)"
+  echo "# measured: $n max_pause_ms $pause lat_max_ms $(awk -v l="$latmax" 'BEGIN { printf "%.1f", l / 1000 }')"
   ((d_b > 0)) || why+=("path B carried no IO after pair A went down")
   ((d_a == 0)) || why+=("path A still counted $d_a ops after its link was down")
   if [[ ! $pause =~ ^[0-9.]+$ ]]; then
@@ -154,7 +162,14 @@ scenario_failover() {
   elif awk -v p="$pause" -v l=$((HB_TIMEOUT_MS + 1000)) 'BEGIN { exit !(p > l) }'; then
     why+=("max_pause_ms $pause > heartbeat timeout $HB_TIMEOUT_MS + 1000")
   fi
-  finish $n "${why[@]}"
+  # With path B busy the completion stream barely pauses; the requests caught on path A wait for
+  # the failure to be detected and failed over: their latency is the failover time.
+  if [[ ! $latmax =~ ^[0-9.]+$ ]]; then
+    why+=("no lat_max_us in the JSON")
+  elif awk -v p="$latmax" -v l=$(((HB_TIMEOUT_MS + 1000) * 1000)) 'BEGIN { exit !(p > l) }'; then
+    why+=("lat_max_us $latmax: a request waited longer than heartbeat timeout $HB_TIMEOUT_MS + 1000 ms")
+  fi
+  finish "$n" "${why[@]}"
 }
 
 # ---- 2. link back -----------------------------------------------------------------------------
@@ -224,29 +239,30 @@ scenario_delay() {
     slow_dst=$C_DST slow_path=$PATH_C
   fi
   note "$n: $how"
-  if ! start_server $n "tcp:$slow_dst:$PORT" "tcp:$B_DST:$PORT"; then
-    why+=("$ERR")
-  else
-    for pol in min-latency min-inflight; do
-      name=$n-$pol
-          start_client "$name" 5 --path "$slow_path" --path "$PATH_B" --policy $pol --rw randrw \
-        --bs 4096 --qd 32 --verify
-      wait_client
-      rc=$?
-      client_summary "$name"
-      msg=$(check_clean "$name" $rc) || { why+=("$pol: $msg"); continue; }
-      pa=$(path_ops "$name" "$slow_dst")
-      pb=$(path_ops "$name" "$B_DST")
-      if ((pa + pb == 0)); then why+=("$pol: no ops counted on the paths"); continue; fi
-      pct=$((100 * pb / (pa + pb)))
-      min=$ML_MIN_PCT
-      [[ $pol == min-inflight ]] && min=$MI_MIN_PCT
-      note "$n: $pol: fast path B $pb ops, delayed path $pa ops: ${pct}% on B (want >= ${min}%)"
-      echo "# measured: delay $pol B-share ${pct}%"
-      ((pct >= min)) || why+=("$pol sent only ${pct}% of IO to path B (want >= ${min}%)")
-    done
+  for pol in min-latency min-inflight; do
+    name=$n-$pol
+    # A fresh server per run: --verify expects never-written blocks to read as zeros.
+    if ! start_server "$name" "tcp:$slow_dst:$PORT" "tcp:$B_DST:$PORT"; then
+      why+=("$pol: $ERR")
+      continue
+    fi
+    start_client "$name" 5 --path "$slow_path" --path "$PATH_B" --policy $pol --rw randrw \
+      --bs 4096 --qd 32 --verify
+    wait_client
+    rc=$?
     stop_server
-  fi
+    client_summary "$name"
+    msg=$(check_clean "$name" $rc) || { why+=("$pol: $msg"); continue; }
+    pa=$(path_ops "$name" "$slow_dst")
+    pb=$(path_ops "$name" "$B_DST")
+    if ((pa + pb == 0)); then why+=("$pol: no ops counted on the paths"); continue; fi
+    pct=$((100 * pb / (pa + pb)))
+    min=$ML_MIN_PCT
+    [[ $pol == min-inflight ]] && min=$MI_MIN_PCT
+    note "$n: $pol: fast path B $pb ops, delayed path $pa ops: ${pct}% on B (want >= ${min}%)"
+    echo "# measured: delay $pol B-share ${pct}% ($pb of $((pa + pb)) ops)"
+    ((pct >= min)) || why+=("$pol sent only ${pct}% of IO to path B (want >= ${min}%)")
+  done
   if [[ -n $td_pid ]]; then
     kill -TERM "$td_pid" 2>/dev/null
     wait "$td_pid" 2>/dev/null
@@ -273,6 +289,7 @@ scenario_tbf() {
     fi
   done
   note "$n: tbf rate $TBF_RATE on both ends of both pairs"
+  SERVER_EXTRA=(--chunk-size 256k)  # room for 128 KiB IOs plus the header
   if start_server $n "tcp:$A_DST:$PORT" "tcp:$B_DST:$PORT"; then
     for name in $n-1path $n-2paths; do
           if [[ $name == *-1path ]]; then
@@ -287,6 +304,7 @@ scenario_tbf() {
       msg=$(check_clean "$name" $rc) || why+=("$name: $msg")
     done
     stop_server
+    SERVER_EXTRA=()
     i1=$(jfield $n-1path .iops)
     i2=$(jfield $n-2paths .iops)
     if [[ $i1 =~ ^[0-9.]+$ && $i2 =~ ^[0-9.]+$ ]]; then
@@ -308,7 +326,8 @@ scenario_tbf() {
   finish $n "${why[@]}"
 }
 
-want failover && scenario_failover
+want failover && scenario_failover failover "$NSC" vca
+want failover-silent && scenario_failover failover-silent "$NSS" vsa
 want link-back && scenario_link_back
 want delay && scenario_delay
 want tbf && scenario_tbf
