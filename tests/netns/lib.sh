@@ -87,12 +87,15 @@ start_client() {
 # ms since the running client was started (to compare with its interval timestamps)
 client_ms() { echo $(($(now_ms) - CLIENT_T0)); }
 
-# wait_client: the client's exit status (124 = timeout(1) killed it)
+# wait_client: the client's exit status (124 = timeout(1) killed it); CLIENT_WALL_MS is how long
+# the client process ran
+CLIENT_WALL_MS=0
 wait_client() {
   local rc
   wait "$CLIENT_PID"
   rc=$?
   CLIENT_PID=""
+  CLIENT_WALL_MS=$(client_ms)
   return $rc
 }
 
@@ -146,6 +149,8 @@ client_summary() {
     lat_max_us, max_pause_ms, paths: [.paths[] | {name, state, ops: ((.reads // 0) + (.writes // 0)),
     failovered, reconnects_ok}]}' 2>/dev/null)
   note "$name: ${j:-no JSON; stderr: $(err_tail "$WORK/$name.err")}"
+  note "$name: client ran ${CLIENT_WALL_MS} ms in all; load $(jfield "$name" .seconds) s; last event:" \
+    "$(grep '^event ' "$WORK/$name.out" | tail -n 1)"
 }
 
 # check_clean NAME RC: exit 0, a JSON line, zero errors and verify errors; else prints the problem

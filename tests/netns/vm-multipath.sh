@@ -13,9 +13,9 @@
 #                     path 0 is back and carries IO again, rxe0 really sent packets
 #   mixed-disconnect  one rdma and one tcp path; the rdma path disconnected (--control): the IO
 #                     continues on tcp with zero errors and verification passing
-#   mixed-rdma-cut    the same, but the rdma path is cut silently: a tc u32 filter on veth0/veth1
-#                     drops RoCEv2 (udp 4791) while tcp still flows over the same veths; only
-#                     heartbeats detect it. Last, because rxe in this kernel was seen not to
+#   mixed-rdma-cut    the same, but the rdma path is cut silently: tc u32 filters on the ingress
+#                     of veth0/veth1 drop RoCEv2 (udp 4791) while tcp still flows over the same
+#                     veths; RC retries or heartbeats must detect it. Last, because rxe in this kernel was seen not to
 #                     accept new rdma_cm connections for a while after such drops (rping).
 # Exit status: 0 all ok, 1 a scenario failed, 77 skipped (not in the VM, no ibtrs-load, no jq).
 # Env: IBTRS_NETNS_ONLY="..." runs only the named scenarios; IBTRS_NETNS_KEEP=1 keeps the logs
@@ -176,11 +176,13 @@ scenario_mixed() {
     after=$((t_cut + 1000))
   else
     CUT=1
+    # Dropped on ingress: an egress drop returns an error to rxe's sender, which then fails
+    # the QP at once; an ingress drop is a silent loss that only retries and heartbeats find.
     if ! msg=$({ tc qdisc add dev "$NET_A" clsact &&
-      tc filter add dev "$NET_A" egress protocol ip u32 match ip protocol 17 0xff \
+      tc filter add dev "$NET_A" ingress protocol ip u32 match ip protocol 17 0xff \
         match ip dport 4791 0xffff action drop &&
       tc qdisc add dev "$NET_B" clsact &&
-      tc filter add dev "$NET_B" egress protocol ip u32 match ip protocol 17 0xff \
+      tc filter add dev "$NET_B" ingress protocol ip u32 match ip protocol 17 0xff \
         match ip dport 4791 0xffff action drop; } 2>&1); then
       why+=("could not install the RoCEv2 drop filters: $msg")
     fi
@@ -205,6 +207,19 @@ scenario_mixed() {
     why+=("lat_max_us $lat: a request waited longer than heartbeat timeout $HB_TIMEOUT_MS + 2000 ms")
   fi
   finish "$n" "${why[@]}"
+  # Known library issue (reported, not fixed here): closing the session waits for a pending rdma
+  # (re)connect to reach the path's connect_timeout (30 s) instead of cancelling it. TODO-marked,
+  # so it shows without failing the file.
+  local open_s teardown
+  open_s=$(grep '^event .* path_up ' "$WORK/$n.out" | head -n 2 | awk '{ t = $2 } END { print t + 0 }')
+  teardown=$(awk -v w="$CLIENT_WALL_MS" -v o="$open_s" -v l="$(jfield "$n" .seconds)" \
+    'BEGIN { printf "%d", w - (o + l) * 1000 }')
+  echo "# measured: $n session teardown ${teardown} ms (client ${CLIENT_WALL_MS} ms - open ${open_s} s - load)"
+  if ((teardown > 10000)); then
+    echo "not ok - $n-teardown: the client took ${teardown} ms to close after its load # TODO close waits for a pending rdma connect"
+  else
+    ok "$n-teardown"
+  fi
 }
 
 note "VM $(uname -r), ibtrs-load $LOAD, $A ($DEV_A/$NET_A) -> $B, heartbeat ${HB_MS}ms x $HB_MISSED"
