@@ -62,6 +62,8 @@ class RamVolume final : public ServerHandler {
     if (h.magic != kVolMagic || h.offset + h.len > mem_.size() || h.len != r.data().size())
       return r.complete(EINVAL);
     if (fail_with_ != 0) return r.complete(fail_with_);
+    // A failed-over request may be served twice at once (old copy held, new copy deferred).
+    std::lock_guard l(mem_mu_);
     if (r.dir() == IoDir::write) {
       std::memcpy(mem_.data() + h.offset, r.data().data(), h.len);
     } else {
@@ -84,6 +86,7 @@ class RamVolume final : public ServerHandler {
   std::mutex mu_;
   std::vector<std::string> sessions_up_, sessions_down_, paths_up_, paths_down_;
   std::vector<ServerRequest*> held_;
+  std::mutex mem_mu_;
 
  private:
   std::vector<std::byte> mem_;

@@ -633,8 +633,11 @@ Status Session::establish(Path* path) {
     path->chunks[i].addr = (*descs)[i].addr.get();
     path->chunks[i].key.store((*descs)[i].key.get(), std::memory_order_relaxed);
   }
-  path->hca_name = svc->conn->device_name();
-  path->hca_port = svc->conn->port_num();
+  {
+    std::lock_guard lock(path->meta_mu);
+    path->hca_name = svc->conn->device_name();
+    path->hca_port = svc->conn->port_num();
+  }
   for (auto& c : path->cons) c->gate.open();
   IBTRS_TRY(path->state.change_from(ClientPathState::connecting, ClientPathState::connected));
   return {};
@@ -721,7 +724,10 @@ void Session::path_failed(Path* path, uint64_t gen, std::error_code why) {
   if (!path->state.change_from(ClientPathState::connected, ClientPathState::reconnecting).ok())
     return;
   IBTRS_LOG(warn, "path %s: down (%s), reconnecting", path->name.c_str(), errstr(why).c_str());
-  path->last_error = why;
+  {
+    std::lock_guard meta_lock(path->meta_mu);
+    path->last_error = why;
+  }
   teardown(path);
   on_path_down(path, why);
   schedule_reconnect(path);
@@ -760,7 +766,10 @@ void Session::reconnect_attempt(Path* path) {
     return;
   }
   path->stats.on_reconnect(false);
-  path->last_error = st.error();
+  {
+    std::lock_guard meta_lock(path->meta_mu);
+    path->last_error = st.error();
+  }
   IBTRS_LOG(info, "path %s: reconnect failed: %s", path->name.c_str(), errstr(st.error()).c_str());
   teardown(path);
   (void)path->state.change(ClientPathState::connecting_err);
@@ -825,7 +834,10 @@ Status Session::open_paths() {
     } else {
       if (!first_err) first_err = st.error();
       IBTRS_LOG(warn, "path %s: %s", p->name.c_str(), errstr(st.error()).c_str());
-      p->last_error = st.error();
+      {
+        std::lock_guard meta_lock(p->meta_mu);
+        p->last_error = st.error();
+      }
       teardown(p);
       (void)p->state.change(ClientPathState::connecting_err);
       failed.push_back(p);
@@ -857,7 +869,10 @@ Session::~Session() {
     });
     worker->stop();
   }
-  if (svc_poller && tick_timer) svc_poller->cancel_timer(tick_timer);
+  if (svc_poller) {
+    svc_poller->run_sync([] {});  // a running tick has re-armed by now, or saw `closing`
+    if (uint64_t t = tick_timer.load()) svc_poller->cancel_timer(t);
+  }
   io_pollers.clear();
   svc_poller.reset();
   {
@@ -1049,7 +1064,10 @@ Status ClientSession::reconnect_path(std::string_view name) {
       return {};
     }
     p->stats.on_reconnect(false);
-    p->last_error = st.error();
+    {
+      std::lock_guard meta_lock(p->meta_mu);
+      p->last_error = st.error();
+    }
     s->teardown(p);
     (void)p->state.change(ClientPathState::connecting_err);
     (void)p->state.change(ClientPathState::reconnecting);
@@ -1088,8 +1106,11 @@ std::vector<ClientPathInfo> ClientSession::paths() const {
     i.spec = p->spec;
     i.state = p->state.get();
     i.fabric = p->spec.destination.fabric;
-    i.hca_name = p->hca_name;
-    i.hca_port = p->hca_port;
+    {
+      std::lock_guard lock(p->meta_mu);
+      i.hca_name = p->hca_name;
+      i.hca_port = p->hca_port;
+    }
     i.recon_cnt = p->recon_cnt;
     i.latency = p->hb.latency();
     i.inflight = p->inflight.load();

@@ -94,7 +94,7 @@ struct Path {
   proto::Uuid uuid{};
   core::ClientPathStateMachine state{ClientPathState::connecting};
   std::atomic<uint64_t> gen{0};       // incarnation: bumped on every establishment
-  uint16_t recon_cnt = 0;             // worker
+  std::atomic<uint16_t> recon_cnt{0};  // changed by the worker, read by paths()
   fabric::Domain* domain = nullptr;   // worker
   uint32_t dom = 0;                   // domain slot
   std::vector<std::unique_ptr<Con>> cons;  // [0] service, [1..N] IO; fixed for the path's life
@@ -105,6 +105,7 @@ struct Path {
   core::PathStats stats;
   std::atomic<uint64_t> hb_timer{0};
   std::atomic<uint64_t> reconnect_timer{0};
+  mutable std::mutex meta_mu;  // hca_name, hca_port, last_error: worker writes, paths() reads
   std::string hca_name;
   uint8_t hca_port = 0;
   std::error_code last_error;
@@ -185,7 +186,7 @@ struct Session {
 
   std::mutex pend_mu;
   std::deque<uint32_t> pending;  // permits waiting for a path
-  uint64_t tick_timer = 0;
+  std::atomic<uint64_t> tick_timer{0};
 
   ~Session();
 

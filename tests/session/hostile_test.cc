@@ -1,0 +1,298 @@
+// A hostile or broken client speaking raw fabric to a real server: every malformed message
+// closes that path (or refuses that connection) with a reason, the server survives, nothing
+// outside the session's chunks changes, and an honest client keeps working.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "core/fabrics.h"
+#include "fabric/fabric.h"
+#include "proto/ibtrs_proto.h"
+#include "session_harness.h"
+
+namespace ibtrs::test {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace ibtrs::proto;
+using fabric::Opcode;
+
+FabricKind g_kind = FabricKind::loopback;
+
+class Hostile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ServerOptions so;
+    so.listen.push_back(g_kind == FabricKind::tcp ? *Address::parse("tcp:127.0.0.1:0")
+                                                  : *Address::parse("loopback:hostile:0"));
+    so.queue_depth = 48;  // chunk ids 48..63 fit the immediate but are out of range
+    so.io_threads = 1;
+    so.handler = &vol_;
+    auto s = Server::start(so);
+    ASSERT_TRUE(s.ok());
+    server_ = std::move(*s);
+    addr_ = server_->addresses()[0];
+    auto f = core::shared_fabric(addr_.fabric, false);
+    ASSERT_TRUE(f.ok());
+    auto d = (*f)->domain_for(addr_);
+    ASSERT_TRUE(d.ok());
+    dom_ = *d;
+    auto mr = dom_->register_memory(buf_, sizeof(buf_), fabric::kLocalWrite | fabric::kRemoteWrite);
+    ASSERT_TRUE(mr.ok());
+    mr_ = std::move(*mr);
+    sess_ = Uuid16::random();
+    path_ = Uuid16::random();
+  }
+
+  struct Con {
+    std::unique_ptr<fabric::CompletionQueue> cq;
+    std::unique_ptr<fabric::Connection> conn;
+  };
+
+  // Connects one connection with `req` as private data. The error and the CON_RSP errno of a
+  // refusal come back in `refused`.
+  Result<Con> connect(const ConReq& req, int* refused = nullptr) {
+    Con c;
+    IBTRS_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(256));
+    fabric::ConnectParams p;
+    p.remote = addr_;
+    p.cq = c.cq.get();
+    p.caps.max_recv_wr = 64;
+    p.caps.max_send_wr = 64;
+    p.private_data = as_bytes_of(req);
+    p.timeout = 5s;
+    std::vector<std::byte> rej;
+    auto r = dom_->connect(p, &rej);
+    if (!r.ok()) {
+      if (refused != nullptr && !rej.empty()) {
+        std::string why;
+        auto rsp = parse_con_rsp(rej, &why);
+        *refused = rsp.ok() ? rsp->errno_.get() : -1;
+      }
+      return r.error();
+    }
+    c.conn = std::move(r->connection);
+    std::vector<fabric::RecvWr> rw(32);
+    sge_ = mr_->sge(8192, 8192);
+    for (auto& w : rw) w = fabric::RecvWr{0, std::span(&sge_, 1)};
+    IBTRS_TRY(c.conn->post_recv(rw));
+    return c;
+  }
+
+  // A whole path (service + one IO connection) through INFO_RSP; returns the chunk descriptors.
+  bool establish(std::vector<Con>& cons, std::vector<ChunkDesc>& chunks) {
+    for (uint16_t cid = 0; cid < 2; ++cid) {
+      auto c = connect(make_con_req(cid, 2, 0, cid == 0, to_uuid(sess_), to_uuid(path_)));
+      if (!c.ok()) return false;
+      cons.push_back(std::move(*c));
+    }
+    auto info = make_info_req("hostile", "evil@server");
+    std::memcpy(buf_, &*info, sizeof(*info));
+    fabric::Sge s = mr_->sge(0, sizeof(*info));
+    fabric::SendWr w{};
+    w.opcode = Opcode::send;
+    w.sg_list = std::span(&s, 1);
+    if (!cons[0].conn->post_send(std::span(&w, 1)).ok()) return false;
+    fabric::Completion wc[8];
+    for (int i = 0; i < 200; ++i) {
+      size_t n = cons[0].cq->wait(wc, 50ms);
+      for (size_t k = 0; k < n; ++k) {
+        if (wc[k].status == fabric::WcStatus::success && wc[k].opcode == Opcode::recv) {
+          std::string why;
+          auto d = parse_info_rsp(std::span(reinterpret_cast<const std::byte*>(buf_ + 8192), wc[k].byte_len),
+                                  48, 128 * 1024, &why);
+          if (!d.ok()) return false;
+          chunks.assign(d->begin(), d->end());
+          return true;
+        }
+      }
+    }
+    return false;
+  }
+
+  static Uuid to_uuid(const Uuid16& u) {
+    Uuid r;
+    std::memcpy(r.data(), u.bytes, 16);
+    return r;
+  }
+
+  // Writes `len` bytes of buf_ into chunk `chunk` with immediate `imm` on the IO connection.
+  void send_io(Con& io, const ChunkDesc& chunk, uint32_t len, uint32_t imm) {
+    fabric::Sge s = mr_->sge(0, len);
+    fabric::SendWr w{};
+    w.opcode = Opcode::write_with_imm;
+    w.sg_list = std::span(&s, len ? 1 : 0);
+    w.remote_addr = chunk.addr.get();
+    w.rkey = chunk.key.get();
+    w.imm = imm;
+    ASSERT_TRUE(io.conn->post_send(std::span(&w, 1)).ok());
+  }
+
+  // Expect the server to close the path: our connections go to error.
+  bool closed_by_server(std::vector<Con>& cons) {
+    fabric::Completion wc[16];
+    for (int i = 0; i < 300; ++i) {
+      bool all = true;
+      for (auto& c : cons) {
+        (void)c.cq->poll(wc);
+        if (c.conn->state() == fabric::ConnState::connected) all = false;
+      }
+      if (all) return true;
+      std::this_thread::sleep_for(10ms);
+    }
+    return false;
+  }
+
+  // An honest client still gets served.
+  void honest_client_works() {
+    ClientOptions co;
+    co.session_name = "honest";
+    co.paths.push_back(PathSpec{std::nullopt, addr_});
+    co.io_threads = 1;
+    auto c = ClientSession::open(co);
+    ASSERT_TRUE(c.ok()) << c.error().message();
+    auto b = (*c)->alloc_buffer(4096);
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ(sync_io(**c, IoDir::write, **b, (*b)->data(), 4096, 0), 0);
+    b->reset();
+  }
+
+  RamVolume vol_{1 << 20};
+  std::unique_ptr<Server> server_;
+  Address addr_;
+  fabric::Domain* dom_ = nullptr;
+  alignas(4096) std::byte buf_[16384] = {};
+  std::unique_ptr<fabric::MemoryRegion> mr_;
+  fabric::Sge sge_{};
+  Uuid16 sess_, path_;
+};
+
+TEST_F(Hostile, BadMagicAndVersionAreRefusedAtConnect) {
+  auto req = make_con_req(0, 2, 0, true, to_uuid(sess_), to_uuid(path_));
+  req.magic.set(0xdead);
+  int err = 0;
+  EXPECT_EQ(connect(req, &err).error(), errc(ECONNREFUSED));
+  EXPECT_EQ(err, EPROTO) << "the reject says why";
+  req = make_con_req(0, 2, 0, true, to_uuid(sess_), to_uuid(path_));
+  req.version.set(0x0900);
+  EXPECT_EQ(connect(req, &err).error(), errc(ECONNREFUSED));
+  EXPECT_EQ(err, EPROTONOSUPPORT);
+  req = make_con_req(5, 2, 0, true, to_uuid(sess_), to_uuid(path_));
+  EXPECT_EQ(connect(req, &err).error(), errc(ECONNREFUSED)) << "connection id past cid_num";
+  honest_client_works();
+}
+
+TEST_F(Hostile, AStaleIncarnationOfAPathIsRefused) {
+  auto now = connect(make_con_req(0, 2, 5, true, to_uuid(sess_), to_uuid(path_)));
+  ASSERT_TRUE(now.ok());
+  int err = 0;
+  EXPECT_EQ(connect(make_con_req(1, 2, 3, false, to_uuid(sess_), to_uuid(path_)), &err).error(),
+            errc(ECONNREFUSED));
+  EXPECT_EQ(err, ESTALE) << "an older reconnect counter is a stale path";
+  EXPECT_EQ(connect(make_con_req(0, 2, 5, true, to_uuid(sess_), to_uuid(path_)), &err).error(),
+            errc(ECONNREFUSED));
+  EXPECT_EQ(err, EEXIST) << "the same connection twice";
+}
+
+TEST_F(Hostile, ChunkIdOutOfRangeClosesThePath) {
+  std::vector<Con> cons;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(cons, chunks));
+  auto layout = imm_layout(48, 128 * 1024);
+  send_io(cons[1], chunks[0], 0, *encode_io_req_imm(*layout, 50, 0));
+  EXPECT_TRUE(closed_by_server(cons));
+  honest_client_works();
+}
+
+TEST_F(Hostile, MessageOffsetPastTheChunkClosesThePath) {
+  std::vector<Con> cons;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(cons, chunks));
+  auto layout = imm_layout(48, 128 * 1024);
+  send_io(cons[1], chunks[3], 16, *encode_io_req_imm(*layout, 3, 128 * 1024 - 4));
+  EXPECT_TRUE(closed_by_server(cons));
+  EXPECT_EQ(vol_.requests_.load(), 0u) << "nothing reached the upper layer";
+  honest_client_works();
+}
+
+TEST_F(Hostile, LengthsThatDoNotAddUpCloseThePath) {
+  std::vector<Con> cons;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(cons, chunks));
+  WriteMsg m{};
+  m.type.set(static_cast<uint16_t>(MsgType::write));
+  m.usr_len.set(16);
+  m.data_len.set(100000);  // claims more data than precedes the message
+  std::memcpy(buf_ + 4096 + 16, &m, sizeof(m));
+  std::memmove(buf_, buf_ + 4096, 16 + sizeof(m));
+  auto layout = imm_layout(48, 128 * 1024);
+  send_io(cons[1], chunks[1], 16 + sizeof(m), *encode_io_req_imm(*layout, 1, 16));
+  EXPECT_TRUE(closed_by_server(cons));
+  EXPECT_EQ(vol_.requests_.load(), 0u);
+}
+
+TEST_F(Hostile, AReadLongerThanTheChunkClosesThePath) {
+  std::vector<Con> cons;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(cons, chunks));
+  ReadMsgHeader h{};
+  h.type.set(static_cast<uint16_t>(MsgType::read));
+  h.usr_len.set(0);
+  h.sg_cnt.set(2);
+  BufDesc d[2]{};
+  for (auto& x : d) {
+    x.addr.set(mr_->remote_addr(0));
+    x.key.set(mr_->rkey());
+    x.len.set(100 * 1024);  // 200 KiB in all: more than a 128 KiB chunk can hold
+  }
+  std::memcpy(buf_, &h, sizeof(h));
+  std::memcpy(buf_ + sizeof(h), d, sizeof(d));
+  auto layout = imm_layout(48, 128 * 1024);
+  send_io(cons[1], chunks[2], sizeof(h) + sizeof(d), *encode_io_req_imm(*layout, 2, 0));
+  EXPECT_TRUE(closed_by_server(cons));
+  EXPECT_EQ(vol_.requests_.load(), 0u);
+  honest_client_works();
+}
+
+TEST_F(Hostile, GarbageInfoRequestClosesThePath) {
+  std::vector<Con> cons;
+  for (uint16_t cid = 0; cid < 2; ++cid) {
+    auto c = connect(make_con_req(cid, 2, 0, cid == 0, to_uuid(sess_), to_uuid(path_)));
+    ASSERT_TRUE(c.ok());
+    cons.push_back(std::move(*c));
+  }
+  std::memset(buf_, 0x41, 144);
+  fabric::Sge s = mr_->sge(0, 144);
+  fabric::SendWr w{};
+  w.opcode = Opcode::send;
+  w.sg_list = std::span(&s, 1);
+  ASSERT_TRUE(cons[0].conn->post_send(std::span(&w, 1)).ok());
+  EXPECT_TRUE(closed_by_server(cons));
+  honest_client_works();
+}
+
+TEST_F(Hostile, IoBeforeTheHandshakeClosesThePath) {
+  std::vector<Con> cons;
+  for (uint16_t cid = 0; cid < 2; ++cid) {
+    auto c = connect(make_con_req(cid, 2, 0, cid == 0, to_uuid(sess_), to_uuid(path_)));
+    ASSERT_TRUE(c.ok());
+    cons.push_back(std::move(*c));
+  }
+  // No INFO exchange, so no key; a zero-length write with an IO immediate is still a request.
+  ChunkDesc none{};
+  send_io(cons[1], none, 0, make_imm(ImmType::io_req, 0));
+  EXPECT_TRUE(closed_by_server(cons));
+  EXPECT_EQ(vol_.requests_.load(), 0u);
+}
+
+}  // namespace
+}  // namespace ibtrs::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--fabric=tcp") ibtrs::test::g_kind = ibtrs::FabricKind::tcp;
+  }
+  return RUN_ALL_TESTS();
+}
