@@ -617,14 +617,22 @@ constexpr uint32_t kUnknownGen = UINT32_MAX;
 
 // The data of a block at `offset` written for the `gen`-th time: each 512-byte sector starts
 // with its own offset and the generation (so a mismatch can say whose data it found), the rest
-// is pseudo-random from both.
+// is pseudo-random from both. Generation 0 is all zeros.
+void sector_pattern(uint64_t (&words)[64], uint64_t sector_offset, uint32_t gen) {
+  if (gen == 0) {
+    std::memset(words, 0, sizeof(words));
+    return;
+  }
+  uint64_t seed = sector_offset * 0x100000001B3ull ^ gen;
+  words[0] = sector_offset;
+  words[1] = (uint64_t{kLoadMagic} << 32) | gen;
+  for (size_t w = 2; w < 64; ++w) words[w] = splitmix64(seed);
+}
+
 void fill_pattern(std::byte* p, size_t len, uint64_t offset, uint32_t gen) {
   for (size_t s = 0; s < len; s += 512) {
     uint64_t words[64];
-    uint64_t seed = (offset + s) * 0x100000001B3ull ^ gen;
-    words[0] = offset + s;
-    words[1] = (uint64_t{kLoadMagic} << 32) | gen;
-    for (size_t w = 2; w < 64; ++w) words[w] = splitmix64(seed);
+    sector_pattern(words, offset + s, gen);
     std::memcpy(p + s, words, 512);
   }
 }
@@ -634,14 +642,7 @@ std::string check_pattern(const std::byte* p, size_t len, uint64_t offset, uint3
   for (size_t s = 0; s < len; s += 512) {
     uint64_t want[64], got[64];
     std::memcpy(got, p + s, 512);
-    if (gen == 0) {
-      std::memset(want, 0, sizeof(want));
-    } else {
-      uint64_t seed = (offset + s) * 0x100000001B3ull ^ gen;
-      want[0] = offset + s;
-      want[1] = (uint64_t{kLoadMagic} << 32) | gen;
-      for (size_t w = 2; w < 64; ++w) want[w] = splitmix64(seed);
-    }
+    sector_pattern(want, offset + s, gen);
     if (std::memcmp(want, got, 512) == 0) continue;
     size_t first = 0;
     while (reinterpret_cast<const unsigned char*>(want)[first] == reinterpret_cast<const unsigned char*>(got)[first])
