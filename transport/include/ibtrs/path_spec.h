@@ -1,8 +1,9 @@
 // A path as users write it: the kernel's add_path / map_device syntax.
 //   "[src,]dst"  or  "src@dst"  where each address is ip:<ipv4|ipv6>, gid:<gid>, or one of our
 //   fabric forms tcp:/rdma:/loopback: (address.h). The kernel's forms take the default fabric.
-// A path's name, as sysfs shows it, is "src@dst" with each side printed as host_string()
-// ("ip:198.18.0.1@ip:198.18.0.2").
+// A path's name, as sysfs shows it, is "src@dst": the kernel's "ip:198.18.0.1@ip:198.18.0.2" for
+// rdma, "tcp:..." for tcp, and ":PORT" after the destination when it is not the default port (two
+// paths to one host may differ by port only).
 #pragma once
 
 #include <optional>
