@@ -379,12 +379,18 @@ bool Session::post(uint32_t p, Path* skip) {
 
     q.path = pa;
     pa->inflight.fetch_add(1, std::memory_order_relaxed);
+    // Once posted, the request may complete and its slot be reused at once: keep what the
+    // stats need.
+    const uint32_t sub_shard = q.submit_shard;
+    const bool is_write = q.dir == IoDir::write;
+    const uint32_t bytes = q.data_len;
+    const uint32_t nseg = q.nseg;
     q.con.store(c, std::memory_order_release);
     auto st = c->conn->post_send(std::span(&wr, 1));
     c->gate.exit();
     if (st.ok()) {
       // Counted after the post: a completion racing ahead only makes inflight briefly negative.
-      pa->stats.on_submit(q.submit_shard, q.dir == IoDir::write, q.data_len, q.nseg);
+      pa->stats.on_submit(sub_shard, is_write, bytes, nseg);
       return true;
     }
     // Not posted (the connection broke or its queue is full): take the request back unless the
