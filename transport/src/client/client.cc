@@ -10,6 +10,7 @@
 #include "client/client_impl.h"
 #include "common/log.h"
 #include "core/fabrics.h"
+#include "core/heartbeat_wr.h"
 
 namespace ibtrs {
 
@@ -144,11 +145,7 @@ void Con::on_completions(std::span<Completion> wcs) {
           break;
         }
         case proto::ImmType::hb_msg: {
-          SendWr ack{};
-          ack.wr_id = wr_id(kWrSvc);
-          ack.opcode = Opcode::write_with_imm;
-          ack.imm = proto::make_imm(proto::ImmType::hb_ack, 0);
-          if (conn) (void)conn->post_send(std::span(&ack, 1));
+          if (conn) (void)core::post_heartbeat(*conn, proto::ImmType::hb_ack, wr_id(kWrSvc));
           break;
         }
         case proto::ImmType::hb_ack:
@@ -713,11 +710,7 @@ void Session::heartbeat_tick(Path* path, uint64_t gen) {
   }
   Con* svc = path->cons[0].get();
   if (svc->gate.enter()) {
-    SendWr hb{};
-    hb.wr_id = wr_id(kWrSvc);
-    hb.opcode = Opcode::write_with_imm;
-    hb.imm = proto::make_imm(proto::ImmType::hb_msg, 0);
-    (void)svc->conn->post_send(std::span(&hb, 1));
+    (void)core::post_heartbeat(*svc->conn, proto::ImmType::hb_msg, wr_id(kWrSvc));
     svc->gate.exit();
   }
   path->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,

@@ -23,6 +23,7 @@
 #include "common/log.h"
 #include "core/con_gate.h"
 #include "core/fabrics.h"
+#include "core/heartbeat_wr.h"
 #include "core/heartbeat.h"
 #include "core/path_state.h"
 #include "core/poller.h"
@@ -469,11 +470,7 @@ void Con::on_completions(std::span<Completion> wcs) {
         }
         case proto::ImmType::hb_msg: {
           if (cid != 0) break;
-          SendWr ack{};
-          ack.wr_id = wr_id(kWrSvc);
-          ack.opcode = Opcode::write_with_imm;
-          ack.imm = proto::make_imm(proto::ImmType::hb_ack, 0);
-          (void)conn->post_send(std::span(&ack, 1));
+          (void)core::post_heartbeat(*conn, proto::ImmType::hb_ack, wr_id(kWrSvc));
           break;
         }
         case proto::ImmType::hb_ack:
@@ -787,11 +784,7 @@ void Impl::heartbeat_tick(Path* p) {
   }
   Con* svc = p->cons[0].get();
   if (svc->gate.enter()) {
-    SendWr hb{};
-    hb.wr_id = wr_id(kWrSvc);
-    hb.opcode = Opcode::write_with_imm;
-    hb.imm = proto::make_imm(proto::ImmType::hb_msg, 0);
-    (void)svc->conn->post_send(std::span(&hb, 1));
+    (void)core::post_heartbeat(*svc->conn, proto::ImmType::hb_msg, wr_id(kWrSvc));
     svc->gate.exit();
   }
   p->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,
