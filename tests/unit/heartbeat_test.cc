@@ -45,6 +45,23 @@ TEST(Heartbeat, AckMeasuresTheRoundTrip) {
   EXPECT_EQ(hb.missed(), 0u);
 }
 
+// Case: the ACK of a heartbeat arrives after the next heartbeat went out (round trip longer than
+// the interval). Expect: the latency counts from the unanswered heartbeat, not the newer one, and
+// the next round is measured afresh.
+TEST(Heartbeat, ALateAckIsMeasuredFromTheOldestUnansweredHeartbeat) {
+  Heartbeat hb({100ms, 5});
+  Clock::time_point t = Clock::time_point{} + 10s;
+  ASSERT_EQ(hb.on_timer(t), Heartbeat::Action::send_hb);
+  ASSERT_EQ(hb.on_timer(t + 100ms), Heartbeat::Action::send_hb);
+  hb.on_ack(t + 130ms);
+  EXPECT_EQ(*hb.latency(), 130ms) << "not the 30 ms since the second heartbeat";
+  ASSERT_EQ(hb.on_timer(t + 200ms), Heartbeat::Action::send_hb);
+  hb.on_ack(t + 201ms);
+  EXPECT_EQ(*hb.latency(), 1ms);
+  hb.on_ack(t + 400ms);
+  EXPECT_EQ(*hb.latency(), 1ms) << "an ACK with no heartbeat out measures nothing";
+}
+
 TEST(Reconnect, DelaysGrowByTheBackoffUpToTheCap) {
   ReconnectSchedule s({1000ms, 1000ms, 3500ms, 0ms, -1});
   std::vector<int64_t> got;

@@ -18,13 +18,16 @@ Heartbeat::Action Heartbeat::on_timer(Clock::time_point now) {
   // interval of silence, make the peer dead (5 x 5 s -> ~30 s, as the kernel).
   if (missed_.load(std::memory_order_relaxed) >= cfg_.missed_max) return Action::peer_dead;
   missed_.fetch_add(1, std::memory_order_relaxed);
-  last_sent_ns_.store(ns_of(now), std::memory_order_relaxed);
+  // An ACK cannot name its HB_MSG, so while one is unanswered the round trip is measured from
+  // it: a slow path then reads slow, never as fast as the gap between two heartbeats.
+  int64_t none = -1;
+  last_sent_ns_.compare_exchange_strong(none, ns_of(now), std::memory_order_relaxed);
   return Action::send_hb;
 }
 
 void Heartbeat::on_ack(Clock::time_point now) {
   on_imm();
-  const int64_t sent = last_sent_ns_.load(std::memory_order_relaxed);
+  const int64_t sent = last_sent_ns_.exchange(-1, std::memory_order_relaxed);
   const int64_t rtt = ns_of(now) - sent;
   if (sent >= 0 && rtt >= 0) latency_ns_.store(rtt, std::memory_order_relaxed);
 }

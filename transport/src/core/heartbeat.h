@@ -47,7 +47,7 @@ class Heartbeat {
  private:
   HeartbeatConfig cfg_;
   std::atomic<uint32_t> missed_{0};
-  std::atomic<int64_t> last_sent_ns_{-1};
+  std::atomic<int64_t> last_sent_ns_{-1};  // oldest unanswered HB_MSG; -1 when none
   std::atomic<int64_t> latency_ns_{-1};
 };
 

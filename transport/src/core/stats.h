@@ -40,6 +40,7 @@ class PathStats {
   void on_submit(uint32_t shard, bool write, uint64_t bytes, uint32_t sg_entries);
   void on_complete(uint32_t shard, bool write, uint64_t latency_ns, uint32_t submit_shard);
   void on_poll(uint32_t shard, uint32_t completions);
+  // A request moved off this path: counted as failovered and no longer inflight here.
   void on_failover(uint32_t shard);
   // Control thread (the last shard).
   void on_reconnect(bool ok);

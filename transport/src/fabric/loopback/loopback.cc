@@ -1,7 +1,9 @@
 #include "fabric/loopback/loopback.h"
 
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -115,15 +117,30 @@ struct Recv {
   uint32_t nsge = 0;
 };
 
+// The CQ's fd is an epoll set of an eventfd (a completion is there now) and a timerfd (a delayed
+// frame falls due then), so a poller sleeping on fd() wakes when a delay fault ends, as it would
+// when a late packet arrives on a real fabric.
 class LbCq final : public CompletionQueue {
  public:
   static Result<std::unique_ptr<CompletionQueue>> create(uint32_t capacity) {
     if (capacity == 0) return errc(EINVAL);
-    int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (fd < 0) return errc(errno);
-    return std::unique_ptr<CompletionQueue>(new LbCq(capacity, fd));
+    std::unique_ptr<LbCq> cq(new LbCq(capacity));
+    cq->fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+    cq->efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    cq->tfd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (cq->fd_ < 0 || cq->efd_ < 0 || cq->tfd_ < 0) return errc(errno);
+    for (int f : {cq->efd_, cq->tfd_}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      if (::epoll_ctl(cq->fd_, EPOLL_CTL_ADD, f, &ev) != 0) return errc(errno);
+    }
+    return std::unique_ptr<CompletionQueue>(std::move(cq));
   }
-  ~LbCq() override { ::close(fd_); }
+  ~LbCq() override {
+    for (int f : {fd_, efd_, tfd_}) {
+      if (f >= 0) ::close(f);
+    }
+  }
 
   size_t poll(std::span<Completion> out) override;
   size_t wait(std::span<Completion> out, std::chrono::milliseconds timeout) override;
@@ -131,7 +148,8 @@ class LbCq final : public CompletionQueue {
   ibtrs::Status arm() override { return {}; }
   void ack_events() override {
     uint64_t v;
-    [[maybe_unused]] ssize_t r = ::read(fd_, &v, sizeof(v));
+    [[maybe_unused]] ssize_t r = ::read(efd_, &v, sizeof(v));
+    r = ::read(tfd_, &v, sizeof(v));
   }
 
   // World lock held.
@@ -141,7 +159,12 @@ class LbCq final : public CompletionQueue {
   }
   void signal() {
     uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(fd_, &one, sizeof(one));
+    [[maybe_unused]] ssize_t r = ::write(efd_, &one, sizeof(one));
+  }
+  // Makes fd() readable at `t` unless it already will be earlier. World lock held.
+  void wake_at(Clock::time_point t) {
+    if (timer_armed_ && timer_at_ <= t) return;
+    set_timer(t);
   }
   ibtrs::Status reserve(uint32_t n) {
     if (n > capacity() - reserved_) return errc(ENOSPC);
@@ -152,8 +175,28 @@ class LbCq final : public CompletionQueue {
   std::vector<LbConnection*> conns;
 
  private:
-  LbCq(uint32_t capacity, int fd) : CompletionQueue(capacity), fd_(fd) {}
-  int fd_;
+  explicit LbCq(uint32_t capacity) : CompletionQueue(capacity) {}
+  // nullopt disarms. CLOCK_MONOTONIC is steady_clock's clock on Linux.
+  void set_timer(std::optional<Clock::time_point> t) {
+    itimerspec its{};
+    if (t) {
+      auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t->time_since_epoch()).count();
+      if (ns <= 0) ns = 1;  // a zero it_value would disarm
+      its.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+      its.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+    }
+    [[maybe_unused]] int r = ::timerfd_settime(tfd_, TFD_TIMER_ABSTIME, &its, nullptr);
+    timer_armed_ = t.has_value();
+    if (t) timer_at_ = *t;
+  }
+  // After delivering: the timer follows the earliest frame still waiting. World lock held.
+  void rearm_for_pending();
+
+  int fd_ = -1;
+  int efd_ = -1;
+  int tfd_ = -1;
+  bool timer_armed_ = false;
+  Clock::time_point timer_at_{};
   uint32_t reserved_ = 0;
   std::deque<Completion> ring_;
   friend class LbConnection;
@@ -301,6 +344,10 @@ ibtrs::Status LbConnection::post_send(std::span<const SendWr> wrs) {
     }
   }
   deliver(now);
+  if (auto d = next_due(); d && *d > now) {
+    cq_.wake_at(*d);
+    if (peer_ != nullptr) peer_->cq_.wake_at(*d);
+  }
   return {};
 }
 
@@ -434,10 +481,24 @@ size_t LbCq::poll(std::span<Completion> out) {
       if (c->peer() != nullptr) c->peer()->deliver(now);
     }
     for (LbConnection* c : conns) c->settle(deferred);
+    rearm_for_pending();
     n = drain(out);
   }
   run(deferred);
   return n;
+}
+
+void LbCq::rearm_for_pending() {
+  std::optional<Clock::time_point> next;
+  auto consider = [&](const LbConnection* c) {
+    if (c == nullptr) return;
+    if (auto d = c->next_due(); d && (!next || *d < *next)) next = d;
+  };
+  for (const LbConnection* c : conns) {
+    consider(c);
+    consider(c->peer());
+  }
+  if (next || timer_armed_) set_timer(next);
 }
 
 size_t LbCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout) {
