@@ -1,0 +1,68 @@
+// Vocabulary of the IBNBD block protocol shared by the wire codec (blockdev/src/proto), the
+// storage backends (blockdev/src/backend), the server daemon and the client library. Values of
+// the enums are the kernel's (drivers/block/rnbd/rnbd-proto.h) so the wire stays comparable.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "ibtrs/result.h"
+
+namespace ibnbd {
+
+using ibtrs::errc;
+using ibtrs::Result;
+using ibtrs::Status;
+
+// Who may hold a device open at once (kernel: RNBD_ACCESS_*). ro: any number of readers; rw: only
+// while no other writer holds it; migration: while fewer than two writers hold it (the source and
+// the destination hypervisor during a live migration).
+enum class AccessMode : uint8_t { ro = 0, rw = 1, migration = 2 };
+std::optional<AccessMode> parse_access_mode(std::string_view s);  // "ro" | "rw" | "migration"
+std::string_view to_string(AccessMode m);
+
+// Operation of an IO (low 8 bits of the wire `rw`, kernel RNBD_OP_*).
+enum class IoOp : uint8_t {
+  read = 0,
+  write = 1,
+  flush = 2,
+  discard = 3,
+  secure_erase = 4,
+  write_zeroes = 5,
+};
+std::string_view to_string(IoOp op);
+
+// Flags of an IO (bits 8.. of the wire `rw`, kernel RNBD_F_*).
+enum IoFlag : uint32_t {
+  kIoSync = 1u << 8,
+  kIoFua = 1u << 9,
+  kIoPreflush = 1u << 10,
+  kIoNoUnmap = 1u << 11,  // write-zeroes must allocate (no hole)
+};
+inline constexpr uint32_t kIoFlagsMask = kIoSync | kIoFua | kIoPreflush | kIoNoUnmap;
+
+// Cache policy bits of an opened device (kernel RNBD_FUA / RNBD_WRITEBACK).
+enum CachePolicy : uint8_t {
+  kCacheFua = 1,
+  kCacheWriteBack = 2,
+};
+
+inline constexpr uint32_t kSectorSize = 512;  // the wire counts in 512-byte sectors
+
+// What a client learns about a device when it opens it (the kernel's OPEN_RSP fields).
+struct DeviceGeometry {
+  uint64_t nsectors = 0;                  // size in 512-byte sectors
+  uint32_t logical_block_size = 512;      // bytes
+  uint32_t physical_block_size = 512;     // bytes
+  uint32_t max_hw_sectors = 0;            // largest READ/WRITE in sectors
+  uint32_t max_write_zeroes_sectors = 0;  // 0: not supported
+  uint32_t max_discard_sectors = 0;       // 0: not supported
+  uint32_t discard_granularity = 0;       // bytes
+  uint32_t discard_alignment = 0;         // bytes
+  uint16_t max_segments = 0;
+  bool secure_discard = false;
+  uint8_t cache_policy = 0;  // CachePolicy bits
+};
+
+}  // namespace ibnbd
