@@ -62,16 +62,22 @@ wait_file() {  # wait_file FILE PID: until FILE exists, while PID lives (10 s at
 
 # ---- ibtrs-load server: two loopback ports, chunks big enough for 1 MiB requests -------------
 # 128 chunks of 2 MiB: max io 2 MiB - 4 KiB, and 128 permits for the QD 128 rows.
-"$load" server --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --queue-depth 128 --chunk-size 2M \
-  --size 1G --ready-file "$tmp/ready" >"$tmp/server.log" 2>&1 &
-server_pid=$!
-pids+=("$server_pid")
-if ! wait_file "$tmp/ready" "$server_pid"; then
-  echo "ibtrs-load server did not start:" >&2
-  cat "$tmp/server.log" >&2
-  exit 1
-fi
-mapfile -t listen < <(sed -n 's/^listening //p' "$tmp/ready")
+# start_server NAME ARGS...: an ibtrs-load server; its addresses go to the array `listen`.
+start_server() {
+  local name=$1
+  shift
+  "$load" server "$@" --ready-file "$tmp/$name.ready" >"$tmp/$name.log" 2>&1 &
+  local pid=$!
+  pids+=("$pid")
+  if ! wait_file "$tmp/$name.ready" "$pid"; then
+    echo "ibtrs-load server did not start:" >&2
+    cat "$tmp/$name.log" >&2
+    exit 1
+  fi
+  mapfile -t listen < <(sed -n 's/^listening //p' "$tmp/$name.ready")
+}
+start_server server --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --queue-depth 128 --chunk-size 2M \
+  --size 1G
 [ "${#listen[@]}" -eq 2 ] || { echo "server reported ${#listen[@]} addresses, wanted 2" >&2; exit 1; }
 path1=${listen[0]}
 path2=${listen[1]}
@@ -79,10 +85,14 @@ path2=${listen[1]}
 run_no=0
 declare -A base_iops  # workload -> 1-path IOPS
 
-# run_load WORKLOAD NPATHS POLICY RW BS QD: one client run, prints its table row.
+# run_load WORKLOAD NPATHS POLICY RW BS QD: one client run, prints its table row. POLICY
+# "always-invalidate" runs one path against the re-keying server ($inv_path), rated against the
+# plain server's 1-path row.
 run_load() {
   local workload=$1 npaths=$2 policy=$3 rw=$4 bs=$5 qd=$6
-  local args=(--session "bench-$$-$run_no" --path "$path1" --policy "$policy" --rw "$rw" --bs "$bs" --qd "$qd"
+  local first=$path1 pol=$policy
+  if [ "$policy" = always-invalidate ]; then first=$inv_path; pol=min-inflight; fi
+  local args=(--session "bench-$$-$run_no" --path "$first" --policy "$pol" --rw "$rw" --bs "$bs" --qd "$qd"
     --seconds "$seconds" --json)
   run_no=$((run_no + 1))
   [ "$npaths" = 2 ] && args+=(--path "$path2")
@@ -118,7 +128,8 @@ run_load() {
 echo "# session benchmark ($(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r))"
 echo
 echo "ibtrs-load client and server over the tcp provider on loopback, ${seconds} s per run; server"
-echo "--queue-depth 128 --chunk-size 2M. ratio: 2-path IOPS / 1-path IOPS of the same workload;"
+echo "--queue-depth 128 --chunk-size 2M. ratio: 2-path IOPS / 1-path IOPS of the same workload"
+echo "(always-invalidate rows: 1 path to a server re-keying chunks per IO / 1 path to a plain one);"
 echo "nbdkit rows: ibtrs 1-path IOPS / nbdkit IOPS."
 echo
 echo "| workload | paths | policy | IOPS | MiB/s | p50 us | p99 us | ratio |"
@@ -143,6 +154,14 @@ for row in "${rows[@]}"; do
 done
 for policy in round-robin min-latency; do
   run_load "4k randread qd32" 2 "$policy" randread 4k 32
+done
+
+# ---- always_invalidate: a server that re-registers each chunk per IO (RKEY_RSP) ---------------
+start_server inv --listen tcp:127.0.0.1:0 --queue-depth 128 --chunk-size 2M --size 1G --always-invalidate
+inv_path=${listen[0]}
+for row in "4k randread qd32:randread:4k:32" "4k randwrite qd32:randwrite:4k:32" "128k read qd8:read:128k:8"; do
+  IFS=: read -r workload rw bs qd <<<"$row"
+  run_load "$workload" 1 always-invalidate "$rw" "$bs" "$qd"
 done
 
 # ---- nbdkit + fio: the same 4 KiB QD 32 workloads against a RAM-backed file -----------------

@@ -3,7 +3,9 @@
 // outside the session's chunks changes, and an honest client keeps working.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include "core/fabrics.h"
 #include "fabric/fabric.h"
@@ -28,6 +30,7 @@ class Hostile : public ::testing::Test {
     so.queue_depth = 48;  // chunk ids 48..63 fit the immediate but are out of range
     so.io_threads = 1;
     so.handler = &vol_;
+    so.always_invalidate = always_invalidate();
     auto s = Server::start(so);
     ASSERT_TRUE(s.ok());
     server_ = std::move(*s);
@@ -43,6 +46,8 @@ class Hostile : public ::testing::Test {
     sess_ = Uuid16::random();
     path_ = Uuid16::random();
   }
+
+  virtual bool always_invalidate() const { return false; }
 
   struct Con {
     std::unique_ptr<fabric::CompletionQueue> cq;
@@ -283,6 +288,94 @@ TEST_F(Hostile, IoBeforeTheHandshakeClosesThePath) {
   send_io(cons[1], none, 0, make_imm(ImmType::io_req, 0));
   EXPECT_TRUE(closed_by_server(cons));
   EXPECT_EQ(vol_.requests_.load(), 0u);
+}
+
+class HostileInvalidate : public Hostile {
+ protected:
+  bool always_invalidate() const override { return true; }
+
+  // A write request of 4096 bytes of `fill` into chunk `id` with `key`.
+  void write_request(Con& io, const ChunkDesc& chunk, uint32_t id, uint32_t key, char fill) {
+    std::memset(buf_, fill, 4096);
+    WriteMsg m{};
+    m.type.set(static_cast<uint16_t>(MsgType::write));
+    m.usr_len.set(0);
+    m.data_len.set(4096);
+    std::memcpy(buf_ + 4096, &m, sizeof(m));
+    ChunkDesc d = chunk;
+    d.key.set(key);
+    auto layout = imm_layout(48, 128 * 1024);
+    send_io(io, d, 4096 + sizeof(m), *encode_io_req_imm(*layout, id, 4096));
+  }
+  std::vector<ServerRequest*> wait_held(size_t n) {
+    std::vector<ServerRequest*> got;
+    for (int i = 0; i < 300 && got.size() < n; ++i) {
+      auto h = vol_.take_held();
+      got.insert(got.end(), h.begin(), h.end());
+      if (got.size() < n) std::this_thread::sleep_for(10ms);
+    }
+    return got;
+  }
+};
+
+// Case: the server runs with always_invalidate; a request is held by the upper layer and the
+// client writes into its chunk again with the key it was given. Expect: the response brings a
+// new key for the chunk (RKEY_RSP, then IO_RSP_W_INV), and a write while the next request is
+// served is refused by the fabric: the path breaks and the served bytes are the request's own.
+TEST_F(HostileInvalidate, AChunkCannotBeRewrittenWhileItsRequestIsServed) {
+  std::vector<Con> cons;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(cons, chunks));
+  vol_.hold(true);
+  const uint32_t first_key = chunks[0].key.get();
+  write_request(cons[1], chunks[0], 0, first_key, 'A');
+  auto held = wait_held(1);
+  ASSERT_EQ(held.size(), 1u);
+  held[0]->complete(0);
+
+  uint32_t new_key = 0;
+  bool rsp = false;
+  fabric::Completion wc[8];
+  for (int i = 0; i < 200 && !rsp; ++i) {
+    size_t n = cons[1].cq->wait(wc, 20ms);
+    for (size_t k = 0; k < n; ++k) {
+      ASSERT_EQ(wc[k].status, fabric::WcStatus::success);
+      if (wc[k].opcode == Opcode::recv) {
+        RkeyRsp m;
+        ASSERT_GE(wc[k].byte_len, sizeof(m));
+        std::memcpy(&m, buf_ + 8192, sizeof(m));
+        EXPECT_EQ(m.type.get(), static_cast<uint16_t>(MsgType::rkey_rsp));
+        EXPECT_EQ(m.buf_id.get(), 0u);
+        new_key = m.rkey.get();
+      } else if (wc[k].opcode == Opcode::recv_rdma_with_imm) {
+        EXPECT_EQ(imm_type(wc[k].imm), ImmType::io_rsp_w_inv);
+        EXPECT_NE(new_key, 0u) << "the new key comes before the response";
+        rsp = true;
+      }
+    }
+  }
+  ASSERT_TRUE(rsp);
+  EXPECT_NE(new_key, first_key);
+
+  write_request(cons[1], chunks[0], 0, new_key, 'B');
+  held = wait_held(1);
+  ASSERT_EQ(held.size(), 1u);
+  std::memset(buf_, 'X', 4096);
+  fabric::Sge sx = mr_->sge(0, 4096);
+  fabric::SendWr w{};
+  w.opcode = Opcode::write;
+  w.sg_list = std::span(&sx, 1);
+  w.remote_addr = chunks[0].addr.get();
+  w.rkey = new_key;
+  ASSERT_TRUE(cons[1].conn->post_send(std::span(&w, 1)).ok());
+  EXPECT_TRUE(closed_by_server(cons)) << "a write with a revoked key breaks the connection";
+  auto data = held[0]->data();
+  ASSERT_EQ(data.size(), 4096u);
+  EXPECT_TRUE(std::all_of(data.begin(), data.end(), [](std::byte b) { return b == std::byte{'B'}; }))
+      << "the request's bytes did not change while it was served";
+  held[0]->complete(0);
+  vol_.hold(false);
+  honest_client_works();
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ using namespace std::chrono_literals;
 namespace lb = fabric::loopback;
 
 FabricKind g_kind = FabricKind::loopback;
+bool g_invalidate = false;  // --always-invalidate: the server re-keys chunks per IO
 
 // A listen address for the fabric under test ("tag" keeps loopback names apart).
 Address listen_addr(const std::string& tag) {
@@ -64,6 +65,7 @@ class Session : public ::testing::Test {
     so_.io_threads = 2;
     so_.handler = &vol_;
     so_.heartbeat = HeartbeatConfig{100ms, 5};
+    so_.always_invalidate = g_invalidate;
     for (size_t i = 0; i < listeners; ++i) so_.listen.push_back(listen_addr("s" + std::to_string(i)));
     auto s = Server::start(so_);
     ASSERT_TRUE(s.ok()) << s.error().message();
@@ -601,6 +603,8 @@ int main(int argc, char** argv) {
         return 2;
       }
       ibtrs::test::g_kind = *k;
+    } else if (a == "--always-invalidate") {
+      ibtrs::test::g_invalidate = true;
     }
   }
   return RUN_ALL_TESTS();

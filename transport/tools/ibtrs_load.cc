@@ -124,7 +124,7 @@ const char kUsage[] =
     "usage:\n"
     "  ibtrs-load server --listen ADDR [--listen ADDR ...] [--queue-depth N] [--chunk-size SIZE]\n"
     "                    [--io-threads N] [--hb-interval-ms N] [--hb-missed N] [--size SIZE]\n"
-    "                    [--ready-file PATH] [--busy-poll]\n"
+    "                    [--ready-file PATH] [--busy-poll] [--always-invalidate]\n"
     "      Serves a RAM volume (default 1G) until SIGINT/SIGTERM. ADDR: tcp:127.0.0.1:1234,\n"
     "      rdma:198.18.0.2:1234, loopback:NAME; port 0 picks a free port. Prints `listening ADDR`\n"
     "      per bound address and writes the same lines to --ready-file (removed on exit).\n"
@@ -250,6 +250,7 @@ struct ServerConfig {
   uint64_t size = 1ull << 30;
   std::string ready_file;
   bool busy_poll = false;
+  bool always_invalidate = false;
 };
 
 ServerConfig parse_server(Args& a) {
@@ -277,6 +278,8 @@ ServerConfig parse_server(Args& a) {
       c.ready_file = std::string(a.str());
     } else if (f == "--busy-poll") {
       c.busy_poll = true;
+    } else if (f == "--always-invalidate") {
+      c.always_invalidate = true;
     } else {
       a.unknown();
     }
@@ -418,6 +421,7 @@ int run_server(const ServerConfig& c) {
   if (c.hb_interval_ms) o.heartbeat.interval = std::chrono::milliseconds(*c.hb_interval_ms);
   if (c.hb_missed) o.heartbeat.missed_max = *c.hb_missed;
   o.busy_poll = c.busy_poll;
+  o.always_invalidate = c.always_invalidate;
   o.handler = &volume;
 
   auto started = ibtrs::Server::start(std::move(o));

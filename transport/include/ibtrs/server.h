@@ -110,6 +110,10 @@ struct ServerOptions {
   uint32_t io_threads = 0;                // 0: min(hardware threads, 8)
   HeartbeatConfig heartbeat;
   bool busy_poll = false;
+  // The kernel's always_invalidate: a chunk's remote key is revoked when a request in it arrives
+  // and a new one goes to the client with the response (RKEY_RSP), so a client cannot change a
+  // request's bytes while the server serves it. Costs a registration per IO (docs/benchmarks.md).
+  bool always_invalidate = false;
   ServerHandler* handler = nullptr;       // required; must outlive the server
 };
 

@@ -98,12 +98,37 @@ Path::Path(Session* sess, uint32_t slot_, PathSpec spec_, uint32_t io_threads)
 // ------------------------------------------------------------------------------------------
 // Connection completions (poller thread)
 
+fabric::RecvWr Con::next_recv(Sge& sge) {
+  if (!rkeys) return fabric::RecvWr{wr_id(kWrRecv), {}};
+  const uint32_t slot = rkeys_next;
+  rkeys_next = (rkeys_next + 1) % recv_depth;
+  sge = rkeys_mr->sge(size_t{slot} * sizeof(proto::RkeyRsp), sizeof(proto::RkeyRsp));
+  return fabric::RecvWr{wr_id(kWrRecv, slot), std::span(&sge, 1)};
+}
+
 void Con::repost_recvs() {
   if (recv_missing < kRepostBatch && !(recv_missing > 0 && cid == 0)) return;
   fabric::RecvWr wrs[64];
+  Sge sges[64];
   uint32_t n = std::min<uint32_t>(recv_missing, 64);
-  for (uint32_t i = 0; i < n; ++i) wrs[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
-  if (conn && conn->post_recv(std::span(wrs, n)).ok()) recv_missing -= n;
+  const uint32_t slot0 = rkeys_next;
+  for (uint32_t i = 0; i < n; ++i) wrs[i] = next_recv(sges[i]);
+  if (conn && conn->post_recv(std::span(wrs, n)).ok()) {
+    recv_missing -= n;
+  } else {
+    rkeys_next = slot0;
+  }
+}
+
+bool Con::take_rkey(uint32_t slot, uint32_t len) {
+  Session& s = *path->s;
+  if (!rkeys || slot >= recv_depth || len < sizeof(proto::RkeyRsp)) return false;
+  const proto::RkeyRsp& m = rkeys[slot];
+  const uint16_t id = m.buf_id.get();
+  if (m.type.get() != static_cast<uint16_t>(proto::MsgType::rkey_rsp) || id >= s.geo.queue_depth)
+    return false;
+  path->chunks[id].key.store(m.rkey.get(), std::memory_order_relaxed);
+  return true;
 }
 
 void Con::on_completions(std::span<Completion> wcs) {
@@ -155,10 +180,18 @@ void Con::on_completions(std::span<Completion> wcs) {
           IBTRS_LOG(warn, "path %s con %u: unexpected immediate 0x%08x", path->name.c_str(), cid, imm);
           why = errc(EPROTO);
       }
-    } else if (wc.opcode == Opcode::recv) {
-      // Only INFO_RSP arrives as a SEND, on the service connection, once per incarnation.
+    } else if (wc.opcode == Opcode::recv && cid != 0) {
+      // RKEY_RSP: sent just before the IO_RSP_W_INV of the same chunk, so the permit is reused
+      // only with the new key.
       ++recv_missing;
-      if (cid != 0 || svc_buf == nullptr) {
+      if (!take_rkey(static_cast<uint32_t>(wc.wr_id >> 3), wc.byte_len)) {
+        IBTRS_LOG(warn, "path %s con %u: bad RKEY_RSP", path->name.c_str(), cid);
+        why = errc(EPROTO);
+      }
+    } else if (wc.opcode == Opcode::recv) {
+      // Only INFO_RSP arrives as a SEND on the service connection, once per incarnation.
+      ++recv_missing;
+      if (svc_buf == nullptr) {
         IBTRS_LOG(warn, "path %s con %u: unexpected message", path->name.c_str(), cid);
         why = errc(EPROTO);
         continue;
@@ -487,7 +520,8 @@ Status Session::set_geometry(const proto::ConRsp& rsp) {
   const uint32_t hdr = rsp.max_hdr_size.get();
   if (geo_set.load(std::memory_order_acquire)) {
     // Every path of a session talks to the same server session: same chunks.
-    if (qd != geo.queue_depth || chunk != geo.chunk_size || hdr != geo.max_hdr_size) {
+    if (qd != geo.queue_depth || chunk != geo.chunk_size || hdr != geo.max_hdr_size ||
+        rsp.flags.get() != geo.flags) {
       IBTRS_LOG(warn, "session %s: server geometry changed (queue depth %u, chunk %u)",
                 opts.session_name.c_str(), qd, chunk);
       return errc(EPROTO);
@@ -520,7 +554,9 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
     caps.max_recv_sge = 1;
   } else {
     caps.max_send_wr = geo.queue_depth + kSignalEvery + 16;
-    caps.max_recv_wr = geo.queue_depth + kRepostBatch + 16;
+    // With per-IO invalidation a response is two messages (RKEY_RSP, then IO_RSP_W_INV).
+    const bool inv = (geo.flags & proto::kConRspInvalidatePerIo) != 0;
+    caps.max_recv_wr = geo.queue_depth * (inv ? 2u : 1u) + kRepostBatch + 16;
     caps.max_send_sge = ClientSession::kMaxSegments + 1;
     caps.max_recv_sge = 1;
   }
@@ -567,9 +603,17 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   IBTRS_TRY(set_geometry(*rsp));
 
   // RECVs before anything can arrive. The service connection's first RECV takes INFO_RSP.
+  if (con->cid != 0 && (geo.flags & proto::kConRspInvalidatePerIo) != 0) {
+    if (!con->rkeys) con->rkeys = std::make_unique<proto::RkeyRsp[]>(con->recv_depth);
+    IBTRS_ASSIGN_OR_RETURN(con->rkeys_mr, path->domain->register_memory(
+                                              con->rkeys.get(), sizeof(proto::RkeyRsp) * con->recv_depth,
+                                              fabric::kLocalWrite));
+  }
+  con->rkeys_next = 0;
   std::vector<fabric::RecvWr> recvs(caps.max_recv_wr);
+  std::vector<Sge> recv_sges(caps.max_recv_wr);
   Sge info_sge{};
-  for (auto& w : recvs) w = fabric::RecvWr{wr_id(kWrRecv), {}};
+  for (uint32_t i = 0; i < caps.max_recv_wr; ++i) recvs[i] = con->next_recv(recv_sges[i]);
   if (con->cid == 0) {
     con->svc_len = proto::info_rsp_size(geo.queue_depth) + sizeof(proto::InfoReq);
     con->svc_buf = std::make_unique<std::byte[]>(con->svc_len);
@@ -664,6 +708,7 @@ void Session::teardown(Path* path) {
     c->conn.reset();
     c->cq.reset();
     c->svc_mr.reset();
+    c->rkeys_mr.reset();
     c->svc_buf.reset();
   }
 }

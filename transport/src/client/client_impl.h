@@ -74,11 +74,21 @@ struct Con final : core::CqHandler {
   std::unique_ptr<std::byte[]> svc_buf;
   size_t svc_len = 0;
   std::unique_ptr<fabric::MemoryRegion> svc_mr;
+  // IO connection of a session whose server re-keys chunks per IO (kConRspInvalidatePerIo):
+  // every RECV gets a slot for an RKEY_RSP. RECVs complete in the order they were posted, so
+  // slots are handed out round-robin and each is free again when its RECV completes.
+  std::unique_ptr<proto::RkeyRsp[]> rkeys;
+  std::unique_ptr<fabric::MemoryRegion> rkeys_mr;
+  uint32_t rkeys_next = 0;  // poller thread (worker before the connection is attached)
 
   void on_completions(std::span<fabric::Completion> wcs) override;
   // Poller thread: the connection is broken; disconnect, take what completed, fail over the rest.
   void go_down(std::error_code why);
   void repost_recvs();
+  // The next RECV to post; `sge` backs its scatter list.
+  fabric::RecvWr next_recv(fabric::Sge& sge);
+  // An RKEY_RSP arrived in RECV slot `slot`: the chunk's new key on this path. False: malformed.
+  bool take_rkey(uint32_t slot, uint32_t len);
 };
 
 struct ChunkRemote {

@@ -105,6 +105,10 @@ struct Path {
   Address local, peer;
   fabric::Domain* domain = nullptr;
   uint32_t chunk_lkey = 0, chunk_rkey = 0;
+  // always_invalidate: one remotely writable region per chunk, on this path's device. Dropped
+  // (the key revoked) when a request in the chunk starts, registered anew when it completes;
+  // both under a connection's gate, so a closed path's regions are never touched.
+  std::vector<std::unique_ptr<fabric::MemoryRegion>> chunk_mrs;
   core::Heartbeat hb;
   core::PathStats stats;
   std::atomic<uint64_t> hb_timer{0};
@@ -128,6 +132,9 @@ struct Req final : ServerRequest {
 
   void complete(int err) override;
   void start(Con* c, uint32_t offset);
+  // always_invalidate, under the connection's gate: registers the chunk anew on the path and
+  // fills `wr` with the RKEY_RSP SEND that carries the new key. False: the path is failed.
+  bool rekey(Con* c, SendWr& wr, Sge& sge);
   using ServerRequest::chunk_id_;
   using ServerRequest::data_;
   using ServerRequest::dir_;
@@ -145,7 +152,9 @@ struct Session final : ServerSession {
   uint32_t max_hdr = 0;
   proto::ImmLayout layout;
   std::byte* chunks = nullptr;
-  size_t chunks_len = 0;
+  size_t chunks_len = 0;            // the chunks, then (always_invalidate) the RKEY_RSP slots
+  bool invalidate = false;          // always_invalidate
+  proto::RkeyRsp* rkey_msgs = nullptr;  // per chunk: the RKEY_RSP its next response sends
   std::unique_ptr<Req[]> reqs;
   std::map<fabric::Domain*, std::unique_ptr<fabric::MemoryRegion>> mrs;  // worker
 
@@ -297,6 +306,16 @@ void Session::request_arrived(Con* c, uint32_t id, uint32_t offset) {
 
 void Req::start(Con* c, uint32_t offset) {
   Session& ss = *s;
+  if (ss.invalidate) {
+    // Revoke the client's key before reading anything of the request: from here on its bytes
+    // are the server's until the response hands out a new key.
+    if (!c->gate.enter()) {
+      state.store(0, std::memory_order_release);
+      return;
+    }
+    c->path->chunk_mrs[chunk_id_].reset();
+    c->gate.exit();
+  }
   std::string why;
   auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, &why);
   const uint32_t max_io = ss.chunk_size - ss.max_hdr;
@@ -341,7 +360,7 @@ void Req::complete(int err) {
   Path* p = c->path;
   p->stats.on_complete(shard, dir_ == IoDir::write,
                        static_cast<uint64_t>(std::max<int64_t>(0, now_ns() - start_ns)), shard);
-  SendWr wrs[proto::kMaxReadDescs + 1];
+  SendWr wrs[proto::kMaxReadDescs + 2];
   Sge sges[proto::kMaxReadDescs];
   size_t n = 0;
   if (dir_ == IoDir::read && err == 0) {
@@ -360,12 +379,15 @@ void Req::complete(int err) {
       off += len;
     }
   }
+  const size_t rkey_at = n;  // always_invalidate: the RKEY_RSP goes here, before the response
+  if (ss.invalidate) ++n;
   SendWr& rsp = wrs[n++];
   rsp = SendWr{};
   rsp.wr_id = wr_id(kWrIo, chunk_id_);
   rsp.opcode = Opcode::write_with_imm;
   auto imm = proto::encode_io_rsp_imm(chunk_id_, err);
   rsp.imm = imm.ok() ? *imm : 0;
+  if (ss.invalidate) rsp.imm = proto::make_imm(proto::ImmType::io_rsp_w_inv, proto::imm_payload(rsp.imm));
   rsp.signaled = c->sig.fetch_add(1, std::memory_order_relaxed) % kSignalEvery == 0;
 
   // Free the chunk before answering: the client reuses it only after the response, which the
@@ -379,7 +401,8 @@ void Req::complete(int err) {
     state.store(1, std::memory_order_release);
   }
   if (c->gate.enter()) {
-    c->post_or_backlog(std::span(wrs, n));
+    Sge rkey_sge;
+    if (!ss.invalidate || rekey(c, wrs[rkey_at], rkey_sge)) c->post_or_backlog(std::span(wrs, n));
     c->gate.exit();
   }
   if (next != nullptr) {
@@ -390,6 +413,33 @@ void Req::complete(int err) {
     });
   }
   ss.request_done();
+}
+
+bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
+  Session& ss = *s;
+  Path* p = c->path;
+  auto mr = p->domain->register_memory(ss.chunk(chunk_id_).data(), ss.chunk_size,
+                                       fabric::kLocalWrite | fabric::kRemoteWrite);
+  if (!mr.ok()) {
+    // Without a key the client cannot use the chunk on this path: let it fail over.
+    IBTRS_LOG(warn, "session %s path %s: cannot re-register chunk %u: %s", ss.name_.c_str(),
+              p->name.c_str(), chunk_id_, mr.error().message().c_str());
+    c->failed.store(true, std::memory_order_release);
+    c->conn->disconnect();
+    return false;
+  }
+  proto::RkeyRsp& m = ss.rkey_msgs[chunk_id_];
+  m.type.set(static_cast<uint16_t>(proto::MsgType::rkey_rsp));
+  m.buf_id.set(static_cast<uint16_t>(chunk_id_));
+  m.rkey.set((*mr)->rkey());
+  p->chunk_mrs[chunk_id_] = std::move(*mr);
+  sge = Sge{reinterpret_cast<uint64_t>(&m), sizeof(m), p->chunk_lkey};
+  wr = SendWr{};
+  wr.wr_id = wr_id(kWrIo, chunk_id_);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  wr.signaled = false;
+  return true;
 }
 
 void Session::request_done() {
@@ -570,12 +620,16 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr) {
   s->chunk_size = opts.chunk_size;
   s->max_hdr = opts.max_hdr_size;
   IBTRS_ASSIGN_OR_RETURN(s->layout, proto::imm_layout(s->qd, s->chunk_size));
-  s->chunks_len = size_t{s->qd} * s->chunk_size;
+  s->invalidate = opts.always_invalidate;
+  const size_t chunk_bytes = size_t{s->qd} * s->chunk_size;
+  s->chunks_len = chunk_bytes;
+  if (s->invalidate) s->chunks_len += (sizeof(proto::RkeyRsp) * s->qd + 4095) & ~size_t{4095};
   // Lazily backed: a session costs only what its requests touch.
   void* m = ::mmap(nullptr, s->chunks_len, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) return errc(ENOMEM);
   s->chunks = static_cast<std::byte*>(m);
+  if (s->invalidate) s->rkey_msgs = reinterpret_cast<proto::RkeyRsp*>(s->chunks + chunk_bytes);
   s->reqs = std::make_unique<Req[]>(s->qd);
   for (uint32_t i = 0; i < s->qd; ++i) {
     s->reqs[i].s = s.get();
@@ -661,7 +715,9 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   p->domain = &d;
   auto it = s->mrs.find(&d);
   if (it == s->mrs.end()) {
-    auto mr = d.register_memory(s->chunks, s->chunks_len, fabric::kLocalWrite | fabric::kRemoteWrite);
+    // With always_invalidate the session-wide region is only the server's own (local) view.
+    const uint32_t access = fabric::kLocalWrite | (s->invalidate ? 0u : uint32_t{fabric::kRemoteWrite});
+    auto mr = d.register_memory(s->chunks, s->chunks_len, access);
     if (!mr.ok()) {
       reject(req, ENOMEM, "cannot register the session's chunks");
       return mr.error();
@@ -670,6 +726,19 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   }
   p->chunk_lkey = it->second->lkey();
   p->chunk_rkey = it->second->rkey();
+  if (s->invalidate && p->chunk_mrs.empty()) {
+    p->chunk_mrs.resize(s->qd);
+    for (uint32_t i = 0; i < s->qd; ++i) {
+      auto mr = d.register_memory(s->chunk(i).data(), s->chunk_size,
+                                  fabric::kLocalWrite | fabric::kRemoteWrite);
+      if (!mr.ok()) {
+        p->chunk_mrs.clear();
+        reject(req, ENOMEM, "cannot register the session's chunks one by one");
+        return mr.error();
+      }
+      p->chunk_mrs[i] = std::move(*mr);
+    }
+  }
 
   Con* c = p->cons[cid].get();
   fabric::QueueCaps caps;
@@ -679,7 +748,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
     caps.max_send_sge = 1;
     caps.max_recv_sge = 1;
   } else {
-    caps.max_send_wr = 2u * s->qd + kSignalEvery + 16;
+    caps.max_send_wr = (s->invalidate ? 3u : 2u) * s->qd + kSignalEvery + 16;
     caps.max_recv_wr = s->qd + kRepostBatch + 16;
     caps.max_send_sge = 1;
     caps.max_recv_sge = 1;
@@ -703,7 +772,8 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   }
   fabric::ConnectionEvents ev;
   ev.on_disconnected = [c](std::error_code) { c->failed.store(true, std::memory_order_release); };
-  auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr, 0);
+  auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr,
+                                 s->invalidate ? proto::kConRspInvalidatePerIo : 0);
   IBTRS_ASSIGN_OR_RETURN(c->conn, req.accept(*c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
   std::vector<fabric::RecvWr> rw(caps.max_recv_wr);
   std::vector<Sge> sg(caps.max_recv_wr);
@@ -745,7 +815,7 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   for (uint32_t i = 0; i < s->qd; ++i) {
     proto::ChunkDesc d{};
     d.addr.set(reinterpret_cast<uint64_t>(s->chunk(i).data()));
-    d.key.set(p->chunk_rkey);
+    d.key.set(s->invalidate ? p->chunk_mrs[i]->rkey() : p->chunk_rkey);
     d.len.set(s->chunk_size);
     std::memcpy(out + sizeof(h) + i * sizeof(d), &d, sizeof(d));
   }
@@ -818,6 +888,12 @@ void Impl::close_path(Path* p, const char* why) {
     c->cq.reset();
     c->svc_mr.reset();
     c->svc_buf.reset();
+    std::lock_guard lock(c->bl_mu);
+    c->backlog.clear();
+    c->backlog_sges.clear();
+  }
+  p->chunk_mrs.clear();
+  for (auto& c : p->cons) {
     std::lock_guard lock(c->bl_mu);
     c->backlog.clear();
     c->backlog_sges.clear();
