@@ -2,6 +2,9 @@
 // fabric picked with --fabric=loopback|tcp|rdma (rdma: inside the VM rig). Fault injection needs
 // loopback; those cases skip elsewhere.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <future>
@@ -526,6 +529,39 @@ TEST_F(Session, MinLatencyAvoidsTheSlowPath) {
   for (int i = 0; i < 50; ++i) ASSERT_EQ(io(IoDir::write, 4096, 0), 0);
   auto ps = client_->paths();
   EXPECT_GE(ps[1].stats.write_cnt, 45u) << "the fast path carries the IO";
+}
+
+// Case: a path's reconnect is stuck in a connect that the far end never answers (a listener that
+// accepts TCP but says nothing) and the connect timeout is long. Action: close the session.
+// Expect: the close cancels the connect and returns at once, not after the connect timeout.
+TEST_F(Session, CloseDoesNotWaitForAStuckConnect) {
+  if (g_kind != FabricKind::tcp) GTEST_SKIP() << "needs a tcp listener that never answers";
+  start_server(1);
+  int hole = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(hole, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  socklen_t sl = sizeof(sa);
+  ASSERT_EQ(::getsockname(hole, reinterpret_cast<sockaddr*>(&sa), &sl), 0);
+  auto co = options(1);
+  // Bound but not listening: refused at once, so open() returns with the first path up.
+  co.paths.push_back(PathSpec{std::nullopt, *Address::parse("tcp:127.0.0.1:" + std::to_string(ntohs(sa.sin_port)))});
+  co.connect_timeout = 20s;
+  open(co);
+  ASSERT_EQ(::listen(hole, 8), 0) << "from now on the reconnects hang in the handshake";
+  std::this_thread::sleep_for(300ms);
+  const auto st = client_->paths()[1].state;
+  EXPECT_TRUE(st == ClientPathState::connecting || st == ClientPathState::reconnecting)
+      << "a reconnect attempt is under way, got " << to_string(st);
+  const auto t0 = std::chrono::steady_clock::now();
+  buf_.reset();
+  client_.reset();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ::close(hole);
+  EXPECT_LT(took, 3s) << "close waited "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
 }
 
 TEST_F(Session, MixedFabricsFailOverToEachOther) {

@@ -1,5 +1,6 @@
 // The IBTRS client session (kernel: rtrs-clt.c). Structure in client_impl.h; wire in
 // proto/ibtrs_proto.h.
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -575,6 +576,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   params.caps = caps;
   params.private_data = pd;
   params.timeout = opts.connect_timeout;
+  params.cancel_fd = cancel_fd;
   params.events.on_disconnected = [c](std::error_code) {
     c->failed.store(true, std::memory_order_release);
   };
@@ -664,10 +666,11 @@ Status Session::establish(Path* path) {
   {
     std::unique_lock lock(path->info_mu);
     if (!path->info_cv.wait_for(lock, opts.connect_timeout, [&] {
-          return path->info_ready || svc->failed.load(std::memory_order_acquire);
+          return path->info_ready || svc->failed.load(std::memory_order_acquire) ||
+                 closing.load(std::memory_order_acquire);
         }))
       return errc(ETIMEDOUT);
-    if (!path->info_ready) return errc(ECONNRESET);
+    if (!path->info_ready) return errc(closing.load() ? ECANCELED : ECONNRESET);
     rsp = std::move(path->info_rsp);
   }
   std::string why;
@@ -898,6 +901,14 @@ Status Session::open_paths() {
 
 Session::~Session() {
   closing.store(true);
+  if (cancel_fd >= 0) {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(cancel_fd, &one, sizeof(one));
+  }
+  for (auto& p : all_paths) {
+    std::lock_guard lock(p->info_mu);
+    p->info_cv.notify_all();
+  }
   if (permits) permits->close();
   if (worker) {
     worker->call([this] {
@@ -924,6 +935,7 @@ Session::~Session() {
     for (auto& mr : iu_mrs) mr.reset();
   }
   if (iu != nullptr) ::munmap(iu, iu_len);
+  if (cancel_fd >= 0) ::close(cancel_fd);
 }
 
 }  // namespace client
@@ -976,6 +988,8 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
     impl->io_pollers.push_back(std::move(p));
   }
   IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, false));
+  impl->cancel_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (impl->cancel_fd < 0) return errc(errno);
   impl->worker = std::make_unique<core::Worker>();
   Impl* s = impl.get();
   IBTRS_TRY(s->worker->call([s] { return s->open_paths(); }));

@@ -191,6 +191,9 @@ struct Session {
   std::atomic<MpPolicy> policy{MpPolicy::min_inflight};
   std::atomic<int32_t> max_reconnect_attempts{-1};
   std::atomic<bool> closing{false};
+  // Written once when the session closes: a connect in progress on the worker gives up at once
+  // instead of waiting out connect_timeout (ConnectParams::cancel_fd).
+  int cancel_fd = -1;
   std::atomic<uint32_t> connected_paths{0};
   bool was_disconnected = false;  // worker
 

@@ -236,6 +236,9 @@ struct ConnectParams {
   std::span<const std::byte> private_data;  // <= kMaxPrivateData
   ConnectionEvents events;
   std::chrono::milliseconds timeout{30000};  // RTRS's connect timeout
+  // Optional: when this fd becomes readable (e.g. an eventfd the owner writes on shutdown) the
+  // connect gives up at once with ECANCELED instead of waiting out `timeout`.
+  int cancel_fd = -1;
 };
 
 

@@ -176,8 +176,10 @@ void copy_event(const rdma_cm_event& ev, CmEvent& out) {
   }
 }
 
-// Waits for the next event on a private (setup) channel and acks it. ETIMEDOUT past `deadline`.
-ibtrs::Status next_event(rdma_event_channel* ch, Clock::time_point deadline, CmEvent& out) {
+// Waits for the next event on a private (setup) channel and acks it. ETIMEDOUT past `deadline`,
+// ECANCELED once `cancel_fd` (if any) is readable.
+ibtrs::Status next_event(rdma_event_channel* ch, Clock::time_point deadline, CmEvent& out,
+                         int cancel_fd = -1) {
   for (;;) {
     rdma_cm_event* ev = nullptr;
     if (rdma_get_cm_event(ch, &ev) == 0) {
@@ -188,8 +190,9 @@ ibtrs::Status next_event(rdma_event_channel* ch, Clock::time_point deadline, CmE
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return last_error();
     int left = ms_left(deadline);
     if (left == 0) return errc(ETIMEDOUT);
-    pollfd pfd{ch->fd, POLLIN, 0};
-    ::poll(&pfd, 1, left);
+    pollfd pfd[2] = {{ch->fd, POLLIN, 0}, {cancel_fd, POLLIN, 0}};
+    if (::poll(pfd, cancel_fd >= 0 ? 2 : 1, left) > 0 && cancel_fd >= 0 && (pfd[1].revents & POLLIN))
+      return errc(ECANCELED);
   }
 }
 
@@ -932,13 +935,13 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
     return errno == ENODEV ? errc(ENETUNREACH) : last_error();
   }
   CmEvent ev;
-  IBTRS_TRY(next_event(channel.get(), deadline, ev));
+  IBTRS_TRY(next_event(channel.get(), deadline, ev, params.cancel_fd));
   if (ev.type != RDMA_CM_EVENT_ADDR_RESOLVED) return resolve_error(ev);
   // The CQ (and the memory the caller registered) live on this domain's device.
   if (id->verbs != ctx_) return errc(EINVAL);
 
   if (rdma_resolve_route(id.get(), std::max(ms_left(deadline), 1)) != 0) return last_error();
-  IBTRS_TRY(next_event(channel.get(), deadline, ev));
+  IBTRS_TRY(next_event(channel.get(), deadline, ev, params.cancel_fd));
   if (ev.type != RDMA_CM_EVENT_ROUTE_RESOLVED) {
     return ms_left(deadline) == 0 ? errc(ETIMEDOUT) : resolve_error(ev);
   }
@@ -968,7 +971,7 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
   if (rdma_connect(core->id(), &param) != 0) return fail(last_error());
 
   for (;;) {
-    auto st = next_event(channel.get(), deadline, ev);
+    auto st = next_event(channel.get(), deadline, ev, params.cancel_fd);
     if (!st.ok()) return fail(st.error());
     switch (ev.type) {
       case RDMA_CM_EVENT_ESTABLISHED: {

@@ -58,8 +58,22 @@ int remaining_ms(Clock::time_point deadline) {
   return left.count() <= 0 ? 0 : static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX));
 }
 
+// Waits for `events` on `fd`: 0 past `deadline`, -ECANCELED when `cancel_fd` (if any) is
+// readable, -errno on failure, else > 0.
+int wait_fd(int fd, short events, Clock::time_point deadline, int cancel_fd) {
+  for (;;) {
+    pollfd pfd[2] = {{fd, events, 0}, {cancel_fd, POLLIN, 0}};
+    int r = ::poll(pfd, cancel_fd >= 0 ? 2 : 1, remaining_ms(deadline));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return -errno;
+    if (r > 0 && cancel_fd >= 0 && (pfd[1].revents & POLLIN)) return -ECANCELED;
+    return r;
+  }
+}
+
 // Blocking-with-deadline helpers for the handshake (the only blocking socket use).
-ibtrs::Status io_all(int fd, void* buf, size_t len, bool sending, Clock::time_point deadline) {
+ibtrs::Status io_all(int fd, void* buf, size_t len, bool sending, Clock::time_point deadline,
+                     int cancel_fd = -1) {
   auto* p = static_cast<char*>(buf);
   while (len > 0) {
     ssize_t n = sending ? ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
@@ -72,11 +86,9 @@ ibtrs::Status io_all(int fd, void* buf, size_t len, bool sending, Clock::time_po
     if (n == 0) return errc(ECONNRESET);
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) return errc(errno);
-    pollfd pfd{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
-    int ms = remaining_ms(deadline);
-    if (ms == 0) return errc(ETIMEDOUT);
-    int r = ::poll(&pfd, 1, ms);
-    if (r < 0 && errno != EINTR) return errc(errno);
+    if (remaining_ms(deadline) == 0) return errc(ETIMEDOUT);
+    int r = wait_fd(fd, static_cast<short>(sending ? POLLOUT : POLLIN), deadline, cancel_fd);
+    if (r < 0) return errc(-r);
     if (r == 0) return errc(ETIMEDOUT);
   }
   return {};
@@ -969,10 +981,9 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
   }
   if (::connect(sock, p.remote.sockaddr_ptr(), p.remote.sockaddr_len()) != 0) {
     if (errno != EINPROGRESS) return close_fail(errno);
-    pollfd pfd{sock, POLLOUT, 0};
-    int r = ::poll(&pfd, 1, remaining_ms(deadline));
+    int r = wait_fd(sock, POLLOUT, deadline, p.cancel_fd);
     if (r == 0) return close_fail(ETIMEDOUT);
-    if (r < 0) return close_fail(errno);
+    if (r < 0) return close_fail(-r);
     int err = 0;
     socklen_t len = sizeof(err);
     ::getsockopt(sock, SOL_SOCKET, SO_ERROR, &err, &len);
@@ -980,10 +991,10 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
   }
   set_nodelay(sock);
   HandshakeFrame req = make_handshake(FrameType::connect_req, 0, p.private_data);
-  if (auto st = io_all(sock, &req, sizeof(req), true, deadline); !st)
+  if (auto st = io_all(sock, &req, sizeof(req), true, deadline, p.cancel_fd); !st)
     return close_fail(st.error().value());
   HandshakeFrame rsp;
-  if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline); !st)
+  if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline, p.cancel_fd); !st)
     return close_fail(st.error().value());
   if (!handshake_valid(rsp, FrameType::connect_rsp)) return close_fail(EPROTO);
   std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(rsp.body.private_data),
