@@ -141,22 +141,24 @@ namespace {
 
 bool speakable(uint8_t ver) { return ver >= kMinProtoVersion && ver <= kProtoVersion; }
 
-}  // namespace
-
-Result<size_t> encode_sess_info(std::span<std::byte> out, const SessInfo& m) {
-  if (!speakable(m.ver)) return errc(EINVAL);
-  SessInfoMsg w{};
-  w.hdr = make_hdr(MsgType::sess_info);
-  w.ver = m.ver;
+// SESS_INFO and its response differ only in type.
+template <typename W>
+Result<size_t> encode_version_msg(std::span<std::byte> out, MsgType t, uint8_t ver) {
+  if (!speakable(ver)) return errc(EINVAL);
+  W w{};
+  w.hdr = make_hdr(t);
+  w.ver = ver;
   return store(out, w);
 }
 
+}  // namespace
+
+Result<size_t> encode_sess_info(std::span<std::byte> out, const SessInfo& m) {
+  return encode_version_msg<SessInfoMsg>(out, MsgType::sess_info, m.ver);
+}
+
 Result<size_t> encode_sess_info_rsp(std::span<std::byte> out, const SessInfoRsp& m) {
-  if (!speakable(m.ver)) return errc(EINVAL);
-  SessInfoRspMsg w{};
-  w.hdr = make_hdr(MsgType::sess_info_rsp);
-  w.ver = m.ver;
-  return store(out, w);
+  return encode_version_msg<SessInfoRspMsg>(out, MsgType::sess_info_rsp, m.ver);
 }
 
 Result<size_t> encode_open(std::span<std::byte> out, const Open& m) {
