@@ -19,6 +19,7 @@
 //   EBADMSG  too short, wrong length, unknown or unexpected type
 //   EINVAL   a field out of range, reserved bytes set, a carrier that does not fit the message
 // Version negotiation (negotiate_version / accept_version) answers EPROTONOSUPPORT and EPROTO.
+// Every function here is pure (no state, no allocation but the decoded dev_name): any thread.
 #pragma once
 
 #include <cstddef>
