@@ -41,19 +41,25 @@ int proto_one_input(const uint8_t* data, size_t size) {
     case 0: {
       auto r = decode_request(msg, c);
       if (!r.ok()) break;
-      if (const auto* s = std::get_if<SessInfo>(&*r)) {
-        if (c.dir != ibtrs::IoDir::read || c.data_len < kSessInfoCarrier.data_len) std::abort();
-        (void)negotiate_version(s->ver);
-      } else if (const auto* o = std::get_if<Open>(&*r)) {
-        if (c.dir != ibtrs::IoDir::read || c.data_len < kOpenCarrier.data_len) std::abort();
-        expect_reencodes(encode_open, *o, msg);
-      } else if (const auto* cl = std::get_if<Close>(&*r)) {
-        if (c != kCloseCarrier) std::abort();
-        expect_reencodes(encode_close, *cl, msg);
-      } else {
-        const Io& io = std::get<Io>(*r);
-        if (c != carrier_of(io)) std::abort();
-        expect_reencodes(encode_io, io, msg);
+      switch (r->type) {
+        case MsgType::sess_info:
+          if (c.dir != ibtrs::IoDir::read || c.data_len < kSessInfoCarrier.data_len) std::abort();
+          (void)negotiate_version(r->sess_info.ver);
+          break;
+        case MsgType::open:
+          if (c.dir != ibtrs::IoDir::read || c.data_len < kOpenCarrier.data_len) std::abort();
+          expect_reencodes(encode_open, r->open, msg);
+          break;
+        case MsgType::close:
+          if (c != kCloseCarrier) std::abort();
+          expect_reencodes(encode_close, r->close, msg);
+          break;
+        case MsgType::io:
+          if (c != carrier_of(r->io)) std::abort();
+          expect_reencodes(encode_io, r->io, msg);
+          break;
+        default:
+          std::abort();  // responses are never requests
       }
       break;
     }

@@ -273,23 +273,24 @@ Result<Io> decode_io(std::span<const std::byte> usr, Carrier c) {
 }
 
 Result<Request> decode_request(std::span<const std::byte> usr, Carrier c) {
-  IBTRS_ASSIGN_OR_RETURN(MsgType t, peek_type(usr));
-  switch (t) {
+  Request r;
+  IBTRS_ASSIGN_OR_RETURN(r.type, peek_type(usr));
+  switch (r.type) {
     case MsgType::sess_info: {
-      IBTRS_ASSIGN_OR_RETURN(SessInfo m, decode_sess_info(usr, c));
-      return Request{m};
+      IBTRS_ASSIGN_OR_RETURN(r.sess_info, decode_sess_info(usr, c));
+      return r;
     }
     case MsgType::open: {
-      IBTRS_ASSIGN_OR_RETURN(Open m, decode_open(usr, c));
-      return Request{std::move(m)};
+      IBTRS_ASSIGN_OR_RETURN(r.open, decode_open(usr, c));
+      return r;
     }
     case MsgType::close: {
-      IBTRS_ASSIGN_OR_RETURN(Close m, decode_close(usr, c));
-      return Request{m};
+      IBTRS_ASSIGN_OR_RETURN(r.close, decode_close(usr, c));
+      return r;
     }
     case MsgType::io: {
-      IBTRS_ASSIGN_OR_RETURN(Io m, decode_io(usr, c));
-      return Request{m};
+      IBTRS_ASSIGN_OR_RETURN(r.io, decode_io(usr, c));
+      return r;
     }
     case MsgType::sess_info_rsp:
     case MsgType::open_rsp:
