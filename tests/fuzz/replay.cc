@@ -11,6 +11,9 @@
 
 #include "proto_target.h"
 #include "tcp_rx_target.h"
+#ifdef IBTRS_FUZZ_IBNBD
+#include "ibnbd_proto_target.h"
+#endif
 
 namespace {
 
@@ -23,6 +26,9 @@ struct Target {
 const Target kTargets[] = {
     {"tcp_rx", ibtrs::fuzz::tcp_rx_one_input, ibtrs::fuzz::tcp_rx_seeds},
     {"proto", ibtrs::fuzz::proto_one_input, ibtrs::fuzz::proto_seeds},
+#ifdef IBTRS_FUZZ_IBNBD
+    {"ibnbd_proto", ibnbd::fuzz::proto_one_input, ibnbd::fuzz::proto_seeds},
+#endif
 };
 
 const Target* find(const char* name) {

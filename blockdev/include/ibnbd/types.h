@@ -63,6 +63,7 @@ struct DeviceGeometry {
   uint16_t max_segments = 0;
   bool secure_discard = false;
   uint8_t cache_policy = 0;  // CachePolicy bits
+  bool operator==(const DeviceGeometry&) const = default;
 };
 
 }  // namespace ibnbd

@@ -1,0 +1,185 @@
+#include "proto/access.h"
+
+namespace ibnbd::proto {
+
+namespace {
+
+bool known_mode(AccessMode m) { return static_cast<uint8_t>(m) <= static_cast<uint8_t>(AccessMode::migration); }
+
+}  // namespace
+
+Status check_op_allowed(AccessMode mode, IoOp op) {
+  if (is_writer(mode)) return {};
+  // Reading changes nothing, and a FLUSH of a device nobody writes through us is harmless.
+  if (op == IoOp::read || op == IoOp::flush) return {};
+  return errc(EPERM);
+}
+
+// ------------------------------------------------------------------------------------------
+// DeviceOpeners
+
+Result<DeviceOpeners::Opened> DeviceOpeners::open(SessionId s, AccessMode mode) {
+  if (!known_mode(mode)) return errc(EINVAL);
+  if (auto it = holders_.find(s); it != holders_.end()) {
+    if (it->second != mode) return errc(EBUSY);
+    return Opened::already;
+  }
+  switch (mode) {
+    case AccessMode::ro:
+      break;
+    case AccessMode::rw:
+      if (writers_ != 0) return errc(EBUSY);
+      break;
+    case AccessMode::migration:
+      if (writers_ >= 2) return errc(EBUSY);
+      break;
+  }
+  holders_.emplace(s, mode);
+  if (is_writer(mode)) ++writers_;
+  return Opened::now;
+}
+
+Status DeviceOpeners::close(SessionId s) {
+  auto it = holders_.find(s);
+  if (it == holders_.end()) return errc(ENOENT);
+  if (is_writer(it->second)) --writers_;
+  holders_.erase(it);
+  return {};
+}
+
+std::optional<AccessMode> DeviceOpeners::mode_of(SessionId s) const {
+  auto it = holders_.find(s);
+  if (it == holders_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<Holder> DeviceOpeners::holders() const {
+  std::vector<Holder> out;
+  out.reserve(holders_.size());
+  for (const auto& [s, m] : holders_) out.push_back(Holder{s, m});
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// DeviceIdAllocator
+
+Result<uint32_t> DeviceIdAllocator::alloc() {
+  uint64_t want = 0;  // 64 bits: "past max_id" must be representable when max_id is UINT32_MAX
+  for (uint32_t id : used_) {
+    if (id != want) break;
+    ++want;
+  }
+  if (want > max_id_) return errc(ENOSPC);
+  const auto id = static_cast<uint32_t>(want);
+  used_.insert(id);
+  return id;
+}
+
+Status DeviceIdAllocator::release(uint32_t id) {
+  if (used_.erase(id) == 0) return errc(ENOENT);
+  return {};
+}
+
+// ------------------------------------------------------------------------------------------
+// OpenTable
+
+const Opening* OpenTable::find_open(const SessionOpens& so, std::string_view dev) const {
+  for (const auto& [id, o] : so.by_id) {
+    if (!o.force_closed && o.dev == dev) return &o;
+  }
+  return nullptr;
+}
+
+OpenTable::Released OpenTable::drop_holder(SessionId s, const std::string& dev) {
+  Released r{dev, false};
+  auto it = devices_.find(dev);
+  if (it == devices_.end()) return r;
+  (void)it->second.close(s);
+  if (it->second.empty()) {
+    devices_.erase(it);
+    r.last_holder = true;
+  }
+  return r;
+}
+
+Result<OpenTable::Grant> OpenTable::open(SessionId s, std::string_view dev, AccessMode mode) {
+  auto dit = devices_.find(dev);
+  const bool first = dit == devices_.end();
+  if (first) dit = devices_.emplace(std::string(dev), DeviceOpeners{}).first;
+  auto opened = dit->second.open(s, mode);
+  if (!opened.ok()) {
+    if (first) devices_.erase(dit);
+    return opened.error();
+  }
+  if (*opened == DeviceOpeners::Opened::already) {
+    const Opening* o = find_open(sessions_.at(s), dev);
+    return Grant{o->device_id, true, false};
+  }
+  auto sit = sessions_.try_emplace(s, SessionOpens{DeviceIdAllocator(max_device_id_), {}}).first;
+  auto id = sit->second.ids.alloc();
+  if (!id.ok()) {
+    (void)dit->second.close(s);
+    if (first) devices_.erase(dit);
+    if (sit->second.by_id.empty()) sessions_.erase(sit);
+    return id.error();
+  }
+  sit->second.by_id.emplace(*id, Opening{*id, std::string(dev), mode, false});
+  return Grant{*id, false, first};
+}
+
+Result<OpenTable::Released> OpenTable::close(SessionId s, uint32_t device_id) {
+  auto sit = sessions_.find(s);
+  if (sit == sessions_.end()) return errc(ENOENT);
+  auto oit = sit->second.by_id.find(device_id);
+  if (oit == sit->second.by_id.end()) return errc(ENOENT);
+  // A force-closed id no longer holds its device; closing it only frees the id.
+  Released r = oit->second.force_closed ? Released{oit->second.dev, false}
+                                        : drop_holder(s, oit->second.dev);
+  (void)sit->second.ids.release(device_id);
+  sit->second.by_id.erase(oit);
+  if (sit->second.by_id.empty()) sessions_.erase(sit);
+  return r;
+}
+
+Result<OpenTable::Released> OpenTable::force_close(std::string_view dev, SessionId s) {
+  auto sit = sessions_.find(s);
+  if (sit == sessions_.end()) return errc(ENOENT);
+  const Opening* o = find_open(sit->second, dev);
+  if (o == nullptr) return errc(ENOENT);
+  sit->second.by_id.at(o->device_id).force_closed = true;
+  return drop_holder(s, o->dev);
+}
+
+std::vector<OpenTable::Released> OpenTable::end_session(SessionId s) {
+  std::vector<Released> out;
+  auto sit = sessions_.find(s);
+  if (sit == sessions_.end()) return out;
+  for (const auto& [id, o] : sit->second.by_id) {
+    if (!o.force_closed) out.push_back(drop_holder(s, o.dev));
+  }
+  sessions_.erase(sit);
+  return out;
+}
+
+Result<Opening> OpenTable::lookup(SessionId s, uint32_t device_id) const {
+  auto sit = sessions_.find(s);
+  if (sit == sessions_.end()) return errc(ENODEV);
+  auto oit = sit->second.by_id.find(device_id);
+  if (oit == sit->second.by_id.end() || oit->second.force_closed) return errc(ENODEV);
+  return oit->second;
+}
+
+std::vector<Holder> OpenTable::holders(std::string_view dev) const {
+  auto it = devices_.find(dev);
+  return it == devices_.end() ? std::vector<Holder>{} : it->second.holders();
+}
+
+std::vector<Opening> OpenTable::devices_of(SessionId s) const {
+  std::vector<Opening> out;
+  auto sit = sessions_.find(s);
+  if (sit == sessions_.end()) return out;
+  for (const auto& [id, o] : sit->second.by_id) out.push_back(o);
+  return out;
+}
+
+}  // namespace ibnbd::proto

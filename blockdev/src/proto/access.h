@@ -1,0 +1,147 @@
+// Server-side device access rules of the block protocol, as pure logic (no IO, no locks): who
+// may open an exported device in which mode, the device ids a session sees, and what CLOSE,
+// force_close and a session's end release. Kernel counterpart: rnbd-srv.c
+// (rnbd_srv_check_update_open_perm, the per-session index_idr, keep_id on force close).
+//
+// Rules (docs/protocol.md, "Access rules"):
+//   ro         always granted
+//   rw         granted while no session writes the device
+//   migration  granted while fewer than two sessions write it (source and destination of a live
+//              migration); rw and migration holders both count as writers
+// A refusal is EBUSY (the kernel says EPERM; EBUSY tells the operator the device is held).
+//
+// Thread-safety: none of these classes synchronizes. The server keeps one OpenTable and calls it
+// from one thread, its control thread: OPEN and CLOSE requests, admin force_close and session
+// ends are posted there. The IO path does not call lookup() per request; the server publishes
+// each session's id -> device map to its IO threads itself and refreshes it from this table
+// (or, if it does call in, holds the one mutex that guards every call).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ibnbd/types.h"
+
+namespace ibnbd::proto {
+
+// A server session as the access rules know it. The server numbers its sessions and never
+// reuses a number while it runs, so a stale number cannot name a newer session.
+using SessionId = uint64_t;
+
+// rw and migration holders may write; they are what the rules count.
+inline constexpr bool is_writer(AccessMode m) { return m != AccessMode::ro; }
+
+// EPERM when a holder with `mode` may not do `op`: ro holders READ and FLUSH only.
+Status check_op_allowed(AccessMode mode, IoOp op);
+
+struct Holder {
+  SessionId session = 0;
+  AccessMode mode = AccessMode::ro;
+  bool operator==(const Holder&) const = default;
+};
+
+// Who holds one exported device open.
+class DeviceOpeners {
+ public:
+  enum class Opened : uint8_t {
+    now,      // `s` holds the device from now on
+    already,  // `s` held it in the same mode: nothing changed, nothing counted twice
+  };
+  // EBUSY when the rules refuse `mode`, or when `s` already holds the device in another mode:
+  // a mode change is CLOSE then OPEN, so the rules are checked against the other holders and a
+  // client never ends up with a mode it did not ask for. EINVAL for an unknown mode.
+  Result<Opened> open(SessionId s, AccessMode mode);
+  // ENOENT when `s` does not hold the device.
+  Status close(SessionId s);
+
+  std::optional<AccessMode> mode_of(SessionId s) const;
+  std::vector<Holder> holders() const;  // by session id
+  uint32_t writers() const { return writers_; }
+  bool empty() const { return holders_.empty(); }
+
+ private:
+  std::map<SessionId, AccessMode> holders_;
+  uint32_t writers_ = 0;
+};
+
+// Device ids of one session (kernel: the session's index_idr). The lowest free id is handed out;
+// an id comes back only through release().
+class DeviceIdAllocator {
+ public:
+  explicit DeviceIdAllocator(uint32_t max_id = UINT32_MAX) : max_id_(max_id) {}
+  // ENOSPC when every id 0..max_id is taken.
+  Result<uint32_t> alloc();
+  // ENOENT when `id` is not taken.
+  Status release(uint32_t id);
+  bool in_use(uint32_t id) const { return used_.count(id) != 0; }
+  size_t size() const { return used_.size(); }
+
+ private:
+  uint32_t max_id_;
+  std::set<uint32_t> used_;  // ordered, so the lowest gap is found by one walk
+};
+
+// One device id of a session.
+struct Opening {
+  uint32_t device_id = 0;
+  std::string dev;  // the server's name of the exported device
+  AccessMode mode = AccessMode::ro;
+  bool force_closed = false;  // taken away by the admin; the id waits for the client's CLOSE
+  bool operator==(const Opening&) const = default;
+};
+
+// The server's open state across sessions and exported devices. `dev` is the server's canonical
+// name of an exported device (the resolved path), the same for every session that opens it.
+class OpenTable {
+ public:
+  explicit OpenTable(uint32_t max_device_id = UINT32_MAX) : max_device_id_(max_device_id) {}
+
+  struct Grant {
+    uint32_t device_id = 0;
+    bool reopened = false;      // `s` already held `dev` in this mode: same id, nothing changed
+    bool first_holder = false;  // nobody held `dev` before: the server opens its backend now
+  };
+  // OPEN from session `s`. EBUSY (the rules, or `s` holds `dev` in another mode), ENOSPC (the
+  // session has no device id left), EINVAL (unknown mode).
+  Result<Grant> open(SessionId s, std::string_view dev, AccessMode mode);
+
+  struct Released {
+    std::string dev;
+    bool last_holder = false;  // this call removed the device's last holder: close its backend
+  };
+  // CLOSE from session `s`: frees the id, force-closed or not. ENOENT for an id `s` does not have.
+  Result<Released> close(SessionId s, uint32_t device_id);
+  // Admin: takes `dev` away from `s`. The id stays reserved, and IO to it fails (lookup: ENODEV),
+  // until the client CLOSEs it or the session ends: the client may still send IO with that id,
+  // and a later OPEN must not give the same id to another device. ENOENT when `s` does not hold
+  // `dev`.
+  Result<Released> force_close(std::string_view dev, SessionId s);
+  // Session `s` is gone: releases everything it held, reserved ids included. Returns the devices
+  // it still held.
+  std::vector<Released> end_session(SessionId s);
+
+  // The device behind an id of `s`, for IO. ENODEV for an unknown or force-closed id.
+  Result<Opening> lookup(SessionId s, uint32_t device_id) const;
+  // Listings: who holds a device (empty when nobody does), and a session's ids by id.
+  std::vector<Holder> holders(std::string_view dev) const;
+  std::vector<Opening> devices_of(SessionId s) const;
+
+ private:
+  struct SessionOpens {
+    DeviceIdAllocator ids;
+    std::map<uint32_t, Opening> by_id;
+  };
+  const Opening* find_open(const SessionOpens& so, std::string_view dev) const;
+  Released drop_holder(SessionId s, const std::string& dev);
+
+  uint32_t max_device_id_;
+  std::map<std::string, DeviceOpeners, std::less<>> devices_;
+  std::map<SessionId, SessionOpens> sessions_;
+};
+
+}  // namespace ibnbd::proto

@@ -1,0 +1,582 @@
+// The IBNBD block protocol codec (blockdev/src/proto/ibnbd_proto.h): every message round-trips,
+// the layout is the documented one, and every decoder refuses hostile input with the promised
+// errno without reading past what it was given (messages live in exact-size heap buffers, so
+// the ASan build sees any overread).
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "proto/ibnbd_proto.h"
+
+namespace ibnbd::proto {
+namespace {
+
+using Bytes = std::vector<std::byte>;
+using ibtrs::IoDir;
+
+template <typename T>
+Bytes wire(const T& w) {
+  Bytes b(sizeof(T));
+  std::memcpy(b.data(), &w, sizeof(T));
+  return b;
+}
+
+template <typename T>
+T as_wire(const Bytes& b) {
+  T w;
+  std::memcpy(&w, b.data(), sizeof(T));
+  return w;
+}
+
+// Encodes into a buffer of exactly the encoder's output.
+template <typename Msg, typename Enc>
+Bytes encoded(Enc enc, const Msg& m) {
+  Bytes b(512);
+  auto n = enc(b, m);
+  EXPECT_TRUE(n.ok()) << n.error().message();
+  b.resize(n.ok() ? *n : 0);
+  return b;
+}
+
+Bytes enc_sess_info(const SessInfo& m) { return encoded(encode_sess_info, m); }
+Bytes enc_sess_info_rsp(const SessInfoRsp& m) { return encoded(encode_sess_info_rsp, m); }
+Bytes enc_open(const Open& m) { return encoded(encode_open, m); }
+Bytes enc_open_rsp(const OpenRsp& m) { return encoded(encode_open_rsp, m); }
+Bytes enc_close(const Close& m) { return encoded(encode_close, m); }
+Bytes enc_io(const Io& m) { return encoded(encode_io, m); }
+
+Bytes prefix(const Bytes& b, size_t n) { return Bytes(b.begin(), b.begin() + static_cast<ptrdiff_t>(n)); }
+
+template <typename T>
+int err_of(const Result<T>& r) {
+  return r.ok() ? 0 : r.error().value();
+}
+
+DeviceGeometry full_geometry() {
+  DeviceGeometry g;
+  g.nsectors = 0x0123456789ull;
+  g.logical_block_size = 4096;
+  g.physical_block_size = 65536;
+  g.max_hw_sectors = 2048;
+  g.max_write_zeroes_sectors = 1u << 20;
+  g.max_discard_sectors = 1u << 22;
+  g.discard_granularity = 1u << 20;
+  g.discard_alignment = 4096;
+  g.max_segments = 128;
+  g.secure_discard = true;
+  g.cache_policy = kCacheFua | kCacheWriteBack;
+  return g;
+}
+
+Io io(IoOp op, uint32_t bi_size, uint32_t flags = 0) {
+  Io m;
+  m.device_id = 7;
+  m.sector = 1000;
+  m.op = op;
+  m.flags = flags;
+  m.bi_size = bi_size;
+  m.prio = 0x4003;
+  return m;
+}
+
+// ------------------------------------------------------------------------------------------
+// Layout
+
+// Case: the wire structs. Expect: the sizes and offsets docs/protocol.md gives.
+TEST(IbnbdLayout, SizesAndOffsetsAreTheDocumentedOnes) {
+  EXPECT_EQ(sizeof(MsgHdr), 4u);
+  EXPECT_EQ(sizeof(SessInfoMsg), 36u);
+  EXPECT_EQ(sizeof(SessInfoRspMsg), 36u);
+  EXPECT_EQ(sizeof(OpenMsg), 264u);
+  EXPECT_EQ(sizeof(OpenRspMsg), 56u) << "the kernel's OPEN_RSP size";
+  EXPECT_EQ(sizeof(CloseMsg), 8u);
+  EXPECT_EQ(sizeof(IoMsg), 32u);
+
+  EXPECT_EQ(offsetof(SessInfoMsg, ver), 4u);
+  EXPECT_EQ(offsetof(OpenMsg, access_mode), 4u);
+  EXPECT_EQ(offsetof(OpenMsg, dev_name), 6u);
+  EXPECT_EQ(offsetof(OpenMsg, reserved1), 261u);
+  EXPECT_EQ(offsetof(OpenRspMsg, device_id), 4u);
+  EXPECT_EQ(offsetof(OpenRspMsg, nsectors), 8u);
+  EXPECT_EQ(offsetof(OpenRspMsg, max_hw_sectors), 16u);
+  EXPECT_EQ(offsetof(OpenRspMsg, physical_block_size), 36u);
+  EXPECT_EQ(offsetof(OpenRspMsg, logical_block_size), 40u);
+  EXPECT_EQ(offsetof(OpenRspMsg, max_segments), 44u);
+  EXPECT_EQ(offsetof(OpenRspMsg, secure_discard), 46u);
+  EXPECT_EQ(offsetof(OpenRspMsg, cache_policy), 47u);
+  EXPECT_EQ(offsetof(OpenRspMsg, reserved), 48u);
+  EXPECT_EQ(offsetof(CloseMsg, device_id), 4u);
+  EXPECT_EQ(offsetof(IoMsg, device_id), 4u);
+  EXPECT_EQ(offsetof(IoMsg, sector), 8u);
+  EXPECT_EQ(offsetof(IoMsg, rw), 16u);
+  EXPECT_EQ(offsetof(IoMsg, bi_size), 20u);
+  EXPECT_EQ(offsetof(IoMsg, prio), 24u);
+  EXPECT_EQ(offsetof(IoMsg, reserved), 26u);
+}
+
+// Case: message types, modes, ops and flags. Expect: the kernel's values.
+TEST(IbnbdLayout, EnumValuesAreTheKernels) {
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::sess_info), 0);
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::sess_info_rsp), 1);
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::open), 2);
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::open_rsp), 3);
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::io), 4);
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::close), 5);
+  EXPECT_EQ(static_cast<uint8_t>(AccessMode::migration), 2);
+  EXPECT_EQ(static_cast<uint8_t>(IoOp::write_zeroes), 5);
+  EXPECT_EQ(kIoSync, 1u << 8);
+  EXPECT_EQ(kIoNoUnmap, 1u << 11);
+  EXPECT_EQ(kProtoVersion, 2);
+}
+
+// Case: one IO encoded. Expect: little-endian fields at their offsets, reserved bytes zero.
+TEST(IbnbdLayout, IoBytesAreLittleEndian) {
+  Io m = io(IoOp::write, 8192, kIoFua);
+  m.device_id = 0x01020304;
+  m.sector = 0x0012131415161718ull;  // below 2^55: the byte offset fits 64 bits
+  const Bytes b = enc_io(m);
+  ASSERT_EQ(b.size(), 32u);
+  const Bytes want = {
+      std::byte{4},    std::byte{0},    std::byte{0},    std::byte{0},     // type IO, reserved
+      std::byte{4},    std::byte{3},    std::byte{2},    std::byte{1},     // device_id
+      std::byte{0x18}, std::byte{0x17}, std::byte{0x16}, std::byte{0x15},  // sector
+      std::byte{0x14}, std::byte{0x13}, std::byte{0x12}, std::byte{0x00},
+      std::byte{1},    std::byte{2},    std::byte{0},    std::byte{0},     // rw: WRITE | FUA
+      std::byte{0},    std::byte{0x20}, std::byte{0},    std::byte{0},     // bi_size 8192
+      std::byte{3},    std::byte{0x40},                                    // prio
+      std::byte{0},    std::byte{0},    std::byte{0},    std::byte{0},    std::byte{0}, std::byte{0},
+  };
+  EXPECT_EQ(b, want);
+}
+
+// ------------------------------------------------------------------------------------------
+// rw word
+
+// Case: every op with every combination of flags it may carry. Expect: pack/unpack round trip,
+// op in the low 8 bits.
+TEST(IbnbdRw, PacksEveryOpAndFlag) {
+  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::write_zeroes); ++o) {
+    for (uint32_t f = 0; f <= kIoFlagsMask; f += 1u << 8) {
+      const auto op = static_cast<IoOp>(o);
+      auto rw = pack_rw(op, f);
+      ASSERT_TRUE(rw.ok());
+      EXPECT_EQ(*rw & kRwOpMask, o);
+      auto back = unpack_rw(*rw);
+      ASSERT_TRUE(back.ok());
+      EXPECT_EQ(*back, (Rw{op, f}));
+    }
+  }
+}
+
+// Case: ops and flags outside the known ones. Expect: EINVAL both ways.
+TEST(IbnbdRw, RefusesUnknownOpsAndFlags) {
+  EXPECT_EQ(err_of(pack_rw(static_cast<IoOp>(6), 0)), EINVAL);
+  EXPECT_EQ(err_of(pack_rw(IoOp::write, 1u << 12)), EINVAL);
+  EXPECT_EQ(err_of(pack_rw(IoOp::write, 1u)), EINVAL) << "a flag in the op bits";
+  EXPECT_EQ(err_of(unpack_rw(6)), EINVAL);
+  EXPECT_EQ(err_of(unpack_rw(0xff)), EINVAL);
+  EXPECT_EQ(err_of(unpack_rw(1u | (1u << 12))), EINVAL);
+  EXPECT_EQ(err_of(unpack_rw(1u | (1u << 31))), EINVAL);
+}
+
+// ------------------------------------------------------------------------------------------
+// Round trips
+
+// Case: SESS_INFO and its response. Expect: the version comes back; the server's decoder
+// accepts it only as a READ whose buffer holds the response.
+TEST(IbnbdRoundTrip, SessInfo) {
+  const Bytes q = enc_sess_info(SessInfo{});
+  auto d = decode_sess_info(q, kSessInfoCarrier);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->ver, kProtoVersion);
+  auto r = decode_sess_info_rsp(enc_sess_info_rsp(SessInfoRsp{kProtoVersion}));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->ver, kProtoVersion);
+}
+
+// Case: OPEN in every mode, names of 1 and 254 bytes, UTF-8 and a path. Expect: round trip.
+TEST(IbnbdRoundTrip, Open) {
+  for (AccessMode mode : {AccessMode::ro, AccessMode::rw, AccessMode::migration}) {
+    for (std::string name : {std::string("a"), std::string(kDevNameMax, 'x'),
+                             std::string("vg0/disk-\xc3\xa9t\xc3\xa9"), std::string("nvme0n1")}) {
+      const Open m{mode, name};
+      auto d = decode_open(enc_open(m), kOpenCarrier);
+      ASSERT_TRUE(d.ok()) << name;
+      EXPECT_EQ(*d, m);
+    }
+  }
+}
+
+// Case: OPEN_RSP with every field set, and with the defaults. Expect: round trip.
+TEST(IbnbdRoundTrip, OpenRsp) {
+  OpenRsp m{0xfffffffe, full_geometry()};
+  auto d = decode_open_rsp(enc_open_rsp(m));
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, m);
+  OpenRsp plain{0, DeviceGeometry{}};
+  plain.geo.max_hw_sectors = 256;
+  auto p = decode_open_rsp(enc_open_rsp(plain));
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(*p, plain);
+}
+
+// Case: CLOSE. Expect: round trip as a WRITE without data.
+TEST(IbnbdRoundTrip, Close) {
+  auto d = decode_close(enc_close(Close{0xdeadbeef}), kCloseCarrier);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->device_id, 0xdeadbeefu);
+}
+
+// Case: IO of every op with the carrier carrier_of() gives. Expect: round trip; the carrier is
+// READ with the buffer for reads, WRITE with the data for writes, WRITE without data otherwise.
+TEST(IbnbdRoundTrip, IoOfEveryOp) {
+  const std::vector<Io> cases = {
+      io(IoOp::read, 4096),
+      io(IoOp::read, 512, kIoSync),
+      io(IoOp::write, 128 * 1024, kIoFua | kIoPreflush | kIoSync),
+      io(IoOp::flush, 0, kIoPreflush),
+      io(IoOp::discard, 1u << 20),
+      io(IoOp::secure_erase, 4096),
+      io(IoOp::write_zeroes, 1u << 30, kIoNoUnmap),
+      io(IoOp::write_zeroes, 512),
+  };
+  for (const Io& m : cases) {
+    const Carrier c = carrier_of(m);
+    switch (m.op) {
+      case IoOp::read: EXPECT_EQ(c, (Carrier{IoDir::read, m.bi_size})); break;
+      case IoOp::write: EXPECT_EQ(c, (Carrier{IoDir::write, m.bi_size})); break;
+      default: EXPECT_EQ(c, (Carrier{IoDir::write, 0})); break;
+    }
+    auto d = decode_io(enc_io(m), c);
+    ASSERT_TRUE(d.ok()) << to_string(m.op);
+    EXPECT_EQ(*d, m);
+  }
+}
+
+// Case: the largest range whose end still fits 64 bits of bytes. Expect: accepted.
+TEST(IbnbdRoundTrip, IoAtTheEndOfTheAddressSpace) {
+  Io m = io(IoOp::discard, 1024);
+  m.sector = (std::numeric_limits<uint64_t>::max() - 1024) / kSectorSize;
+  auto d = decode_io(enc_io(m), carrier_of(m));
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(*d, m);
+}
+
+// Case: each request through the server's one entry point. Expect: its type and message.
+TEST(IbnbdRoundTrip, DecodeRequestDispatches) {
+  auto s = decode_request(enc_sess_info(SessInfo{}), kSessInfoCarrier);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->type, MsgType::sess_info);
+  EXPECT_EQ(s->sess_info.ver, kProtoVersion);
+  auto o = decode_request(enc_open(Open{AccessMode::rw, "d"}), kOpenCarrier);
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->type, MsgType::open);
+  EXPECT_EQ(o->open, (Open{AccessMode::rw, "d"}));
+  auto c = decode_request(enc_close(Close{3}), kCloseCarrier);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->type, MsgType::close);
+  EXPECT_EQ(c->close.device_id, 3u);
+  const Io w = io(IoOp::write, 4096);
+  auto i = decode_request(enc_io(w), carrier_of(w));
+  ASSERT_TRUE(i.ok());
+  EXPECT_EQ(i->type, MsgType::io);
+  EXPECT_EQ(i->io, w);
+  EXPECT_EQ(peek_type(enc_io(w)).value(), MsgType::io);
+}
+
+// ------------------------------------------------------------------------------------------
+// Version negotiation
+
+// Case: the server sees older, equal and newer clients. Expect: the minimum; below our minimum
+// EPROTONOSUPPORT.
+TEST(IbnbdVersion, ServerUsesTheMinimum) {
+  EXPECT_EQ(negotiate_version(kProtoVersion).value(), kProtoVersion);
+  EXPECT_EQ(negotiate_version(kProtoVersion + 1).value(), kProtoVersion) << "newer client";
+  EXPECT_EQ(negotiate_version(255).value(), kProtoVersion);
+  EXPECT_EQ(err_of(negotiate_version(kMinProtoVersion - 1)), EPROTONOSUPPORT);
+  EXPECT_EQ(err_of(negotiate_version(0)), EPROTONOSUPPORT);
+}
+
+// Case: the client checks the answer to its proposal. Expect: the answer when it is at most the
+// proposal and at least our minimum; a higher answer is a protocol error.
+TEST(IbnbdVersion, ClientChecksTheAnswer) {
+  EXPECT_EQ(accept_version(kProtoVersion, kProtoVersion).value(), kProtoVersion);
+  EXPECT_EQ(err_of(accept_version(kProtoVersion, kProtoVersion + 1)), EPROTO);
+  EXPECT_EQ(err_of(accept_version(kProtoVersion, kMinProtoVersion - 1)), EPROTONOSUPPORT);
+}
+
+// Case: a whole exchange, and one with a newer client whose SESS_INFO carries more than we know
+// (version 3, reserved bytes set, a longer message). Expect: both end on our version.
+TEST(IbnbdVersion, ExchangeEndsOnTheCommonVersion) {
+  auto q = decode_sess_info(enc_sess_info(SessInfo{}), kSessInfoCarrier);
+  ASSERT_TRUE(q.ok());
+  const uint8_t agreed = negotiate_version(q->ver).value();
+  Bytes buf(4096);  // the client's read buffer may be larger than the response
+  ASSERT_TRUE(encode_sess_info_rsp(buf, SessInfoRsp{agreed}).ok());
+  auto r = decode_sess_info_rsp(buf);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(accept_version(kProtoVersion, r->ver).value(), kProtoVersion);
+
+  SessInfoMsg newer{};
+  newer.hdr.type.set(static_cast<uint16_t>(MsgType::sess_info));
+  newer.hdr.reserved.set(0x55);
+  newer.ver = kProtoVersion + 1;
+  newer.reserved[30] = 0xaa;
+  Bytes nb = wire(newer);
+  nb.resize(nb.size() + 16, std::byte{0x77});
+  auto nq = decode_sess_info(nb, Carrier{IoDir::read, 4096});
+  ASSERT_TRUE(nq.ok());
+  EXPECT_EQ(negotiate_version(nq->ver).value(), kProtoVersion);
+}
+
+// Case: encoders asked to send a version we do not speak. Expect: EINVAL.
+TEST(IbnbdVersion, EncodersSendOnlyVersionsWeSpeak) {
+  Bytes b(64);
+  EXPECT_EQ(err_of(encode_sess_info(b, SessInfo{kProtoVersion + 1})), EINVAL);
+  EXPECT_EQ(err_of(encode_sess_info(b, SessInfo{kMinProtoVersion - 1})), EINVAL);
+  EXPECT_EQ(err_of(encode_sess_info_rsp(b, SessInfoRsp{0})), EINVAL);
+}
+
+// ------------------------------------------------------------------------------------------
+// Refusals: framing (EBADMSG)
+
+// Case: every request cut one byte short, cut to a partial header, or empty. Expect: EBADMSG
+// from its decoder and from decode_request.
+TEST(IbnbdRefuse, TruncatedMessages) {
+  const std::vector<std::pair<Bytes, Carrier>> reqs = {
+      {enc_sess_info(SessInfo{}), kSessInfoCarrier},
+      {enc_open(Open{AccessMode::ro, "disk"}), kOpenCarrier},
+      {enc_close(Close{1}), kCloseCarrier},
+      {enc_io(io(IoOp::write, 512)), Carrier{IoDir::write, 512}},
+  };
+  for (const auto& [b, c] : reqs) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{3}, b.size() - 1}) {
+      EXPECT_EQ(err_of(decode_request(prefix(b, n), c)), EBADMSG) << "size " << b.size() << " cut to " << n;
+    }
+  }
+  EXPECT_EQ(err_of(decode_open(prefix(enc_open(Open{AccessMode::ro, "d"}), 263), kOpenCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_io(prefix(enc_io(io(IoOp::flush, 0)), 31), kCloseCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_close(prefix(enc_close(Close{1}), 7), kCloseCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_sess_info(prefix(enc_sess_info(SessInfo{}), 35), kSessInfoCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_sess_info_rsp(prefix(enc_sess_info_rsp(SessInfoRsp{}), 35))), EBADMSG);
+  EXPECT_EQ(err_of(decode_open_rsp(prefix(enc_open_rsp(OpenRsp{1, full_geometry()}), 55))), EBADMSG);
+  EXPECT_EQ(err_of(peek_type(Bytes(3))), EBADMSG);
+}
+
+// Case: OPEN, CLOSE and IO with bytes after the message. Expect: EBADMSG (requests are exact).
+TEST(IbnbdRefuse, RequestsWithTrailingBytes) {
+  Bytes o = enc_open(Open{AccessMode::ro, "d"});
+  o.push_back(std::byte{0});
+  EXPECT_EQ(err_of(decode_open(o, kOpenCarrier)), EBADMSG);
+  Bytes c = enc_close(Close{1});
+  c.push_back(std::byte{0});
+  EXPECT_EQ(err_of(decode_close(c, kCloseCarrier)), EBADMSG);
+  Bytes i = enc_io(io(IoOp::flush, 0));
+  i.push_back(std::byte{0});
+  EXPECT_EQ(err_of(decode_io(i, kCloseCarrier)), EBADMSG);
+}
+
+// Case: unknown types, responses sent as requests, and a message handed to the wrong decoder.
+// Expect: EBADMSG.
+TEST(IbnbdRefuse, UnknownAndMisplacedTypes) {
+  for (uint16_t t : {uint16_t{6}, uint16_t{0x100}, uint16_t{0xffff}}) {
+    MsgHdr h{};
+    h.type.set(t);
+    Bytes b = wire(h);
+    b.resize(64);
+    EXPECT_EQ(err_of(peek_type(b)), EBADMSG) << t;
+    EXPECT_EQ(err_of(decode_request(b, kCloseCarrier)), EBADMSG) << t;
+  }
+  EXPECT_EQ(err_of(decode_request(enc_sess_info_rsp(SessInfoRsp{}), kSessInfoCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_request(enc_open_rsp(OpenRsp{1, full_geometry()}), kOpenCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_close(enc_io(io(IoOp::flush, 0)), kCloseCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_open_rsp(enc_sess_info_rsp(SessInfoRsp{}))), EBADMSG);
+  EXPECT_EQ(err_of(decode_sess_info_rsp(enc_sess_info(SessInfo{}))), EBADMSG);
+}
+
+// ------------------------------------------------------------------------------------------
+// Refusals: fields (EINVAL)
+
+// Case: OPEN with an unknown mode, a name without NUL, an empty name, bytes after the NUL, a
+// control character, reserved bytes. Expect: EINVAL.
+TEST(IbnbdRefuse, BadOpen) {
+  const OpenMsg base = as_wire<OpenMsg>(enc_open(Open{AccessMode::rw, "disk"}));
+  std::vector<std::pair<const char*, OpenMsg>> cases;
+  auto m = base; m.access_mode = 3; cases.push_back({"mode 3", m});
+  m = base; m.access_mode = 0xff; cases.push_back({"mode 255", m});
+  m = base; std::memset(m.dev_name, 'a', kDevNameField); cases.push_back({"no NUL", m});
+  m = base; std::memset(m.dev_name, 0, kDevNameField); cases.push_back({"empty", m});
+  m = base; m.dev_name[200] = 'x'; cases.push_back({"byte after the NUL", m});
+  m = base; m.dev_name[1] = '\n'; cases.push_back({"control character", m});
+  m = base; m.dev_name[1] = 0x7f; cases.push_back({"DEL", m});
+  m = base; m.reserved0 = 1; cases.push_back({"reserved0", m});
+  m = base; m.reserved1[2] = 1; cases.push_back({"reserved1", m});
+  m = base; m.hdr.reserved.set(1); cases.push_back({"header reserved", m});
+  for (const auto& [name, c] : cases) {
+    EXPECT_EQ(err_of(decode_open(wire(c), kOpenCarrier)), EINVAL) << name;
+  }
+}
+
+// Case: IO with unknown op or flag bits, NOUNMAP on other ops, bi_size not a multiple of 512,
+// FLUSH with a size, other ops without one, a range past 2^64 bytes, reserved bytes. Expect:
+// EINVAL.
+TEST(IbnbdRefuse, BadIo) {
+  const IoMsg base = as_wire<IoMsg>(enc_io(io(IoOp::discard, 4096)));
+  std::vector<std::pair<const char*, IoMsg>> cases;
+  auto m = base; m.rw.set(6); cases.push_back({"op 6", m});
+  m = base; m.rw.set(0xff); cases.push_back({"op 255", m});
+  m = base; m.rw.set(3 | (1u << 12)); cases.push_back({"flag bit 12", m});
+  m = base; m.rw.set(3 | (1u << 31)); cases.push_back({"flag bit 31", m});
+  m = base; m.rw.set(3 | kIoNoUnmap); cases.push_back({"NOUNMAP on discard", m});
+  m = base; m.bi_size.set(4095); cases.push_back({"bi_size 4095", m});
+  m = base; m.bi_size.set(0); cases.push_back({"discard of nothing", m});
+  m = base; m.rw.set(static_cast<uint32_t>(IoOp::flush)); cases.push_back({"flush with a size", m});
+  m = base; m.sector.set(std::numeric_limits<uint64_t>::max() / kSectorSize); cases.push_back({"end past 2^64 bytes", m});
+  m = base; m.sector.set(std::numeric_limits<uint64_t>::max()); cases.push_back({"sector * 512 overflows", m});
+  m = base; m.reserved[5] = 1; cases.push_back({"reserved", m});
+  m = base; m.hdr.reserved.set(1); cases.push_back({"header reserved", m});
+  for (const auto& [name, c] : cases) {
+    EXPECT_EQ(err_of(decode_io(wire(c), kCloseCarrier)), EINVAL) << name;
+  }
+}
+
+// Case: a well-formed IO whose transport carrier does not fit it. Expect: EINVAL.
+TEST(IbnbdRefuse, IoOnTheWrongCarrier) {
+  struct Case {
+    const char* name;
+    Io io;
+    Carrier c;
+  };
+  const std::vector<Case> cases = {
+      {"write with less data", io(IoOp::write, 8192), {IoDir::write, 4096}},
+      {"write with more data", io(IoOp::write, 4096), {IoDir::write, 8192}},
+      {"write as a transport read", io(IoOp::write, 4096), {IoDir::read, 4096}},
+      {"read into a smaller buffer", io(IoOp::read, 8192), {IoDir::read, 4096}},
+      {"read into a larger buffer", io(IoOp::read, 4096), {IoDir::read, 8192}},
+      {"read as a transport write", io(IoOp::read, 4096), {IoDir::write, 4096}},
+      {"flush with data", io(IoOp::flush, 0), {IoDir::write, 512}},
+      {"flush as a read", io(IoOp::flush, 0), {IoDir::read, 0}},
+      {"discard with data", io(IoOp::discard, 4096), {IoDir::write, 4096}},
+      {"secure erase with data", io(IoOp::secure_erase, 4096), {IoDir::write, 512}},
+      {"write zeroes with data", io(IoOp::write_zeroes, 4096), {IoDir::write, 4096}},
+  };
+  for (const Case& k : cases) {
+    EXPECT_EQ(err_of(decode_io(enc_io(k.io), k.c)), EINVAL) << k.name;
+    EXPECT_EQ(err_of(decode_request(enc_io(k.io), k.c)), EINVAL) << k.name;
+  }
+}
+
+// Case: SESS_INFO, OPEN and CLOSE on the wrong carrier. Expect: EINVAL.
+TEST(IbnbdRefuse, ControlMessagesOnTheWrongCarrier) {
+  const Bytes s = enc_sess_info(SessInfo{});
+  EXPECT_EQ(err_of(decode_sess_info(s, {IoDir::write, 36})), EINVAL);
+  EXPECT_EQ(err_of(decode_sess_info(s, {IoDir::read, 35})), EINVAL) << "response does not fit";
+  EXPECT_TRUE(decode_sess_info(s, {IoDir::read, 4096}).ok()) << "a larger buffer is fine";
+  const Bytes o = enc_open(Open{AccessMode::ro, "d"});
+  EXPECT_EQ(err_of(decode_open(o, {IoDir::write, 56})), EINVAL);
+  EXPECT_EQ(err_of(decode_open(o, {IoDir::read, 55})), EINVAL);
+  EXPECT_TRUE(decode_open(o, {IoDir::read, 4096}).ok());
+  const Bytes c = enc_close(Close{1});
+  EXPECT_EQ(err_of(decode_close(c, {IoDir::write, 8})), EINVAL) << "CLOSE carries no data";
+  EXPECT_EQ(err_of(decode_close(c, {IoDir::read, 0})), EINVAL);
+  Bytes ch = c;
+  auto w = as_wire<CloseMsg>(ch);
+  w.hdr.reserved.set(2);
+  EXPECT_EQ(err_of(decode_close(wire(w), kCloseCarrier)), EINVAL);
+}
+
+// Case: OPEN_RSP with impossible geometry, unknown cache bits, secure_discard 2, reserved bytes.
+// Expect: EINVAL; a longer read buffer is fine.
+TEST(IbnbdRefuse, BadOpenRsp) {
+  const Bytes good = enc_open_rsp(OpenRsp{5, full_geometry()});
+  const OpenRspMsg base = as_wire<OpenRspMsg>(good);
+  std::vector<std::pair<const char*, OpenRspMsg>> cases;
+  auto m = base; m.logical_block_size.set(0); cases.push_back({"lbs 0", m});
+  m = base; m.logical_block_size.set(256); cases.push_back({"lbs 256", m});
+  m = base; m.logical_block_size.set(1000); cases.push_back({"lbs 1000", m});
+  m = base; m.logical_block_size.set(128 * 1024); m.physical_block_size.set(128 * 1024);
+  cases.push_back({"lbs 128 KiB", m});
+  m = base; m.physical_block_size.set(2048); cases.push_back({"pbs < lbs", m});
+  m = base; m.physical_block_size.set(12288); cases.push_back({"pbs not a power of two", m});
+  m = base; m.max_hw_sectors.set(0); cases.push_back({"max_hw_sectors 0", m});
+  m = base; m.nsectors.set(std::numeric_limits<uint64_t>::max() / kSectorSize + 1);
+  cases.push_back({"size past 2^64 bytes", m});
+  m = base; m.cache_policy = 4; cases.push_back({"cache bit 2", m});
+  m = base; m.secure_discard = 2; cases.push_back({"secure_discard 2", m});
+  m = base; m.reserved[7] = 1; cases.push_back({"reserved", m});
+  m = base; m.hdr.reserved.set(1); cases.push_back({"header reserved", m});
+  for (const auto& [name, c] : cases) {
+    EXPECT_EQ(err_of(decode_open_rsp(wire(c))), EINVAL) << name;
+  }
+  Bytes longer = good;
+  longer.resize(4096, std::byte{0xee});
+  EXPECT_TRUE(decode_open_rsp(longer).ok());
+}
+
+// Case: SESS_INFO_RSP with reserved bytes (the server knew our version). Expect: EINVAL.
+TEST(IbnbdRefuse, SessInfoRspReservedBytes) {
+  auto m = as_wire<SessInfoRspMsg>(enc_sess_info_rsp(SessInfoRsp{}));
+  m.reserved[0] = 1;
+  EXPECT_EQ(err_of(decode_sess_info_rsp(wire(m))), EINVAL);
+  m.reserved[0] = 0;
+  m.hdr.reserved.set(1);
+  EXPECT_EQ(err_of(decode_sess_info_rsp(wire(m))), EINVAL);
+}
+
+// ------------------------------------------------------------------------------------------
+// Encoders refuse what the decoders would
+
+// Case: every encoder with a buffer one byte short. Expect: ENOBUFS, nothing else written.
+TEST(IbnbdEncode, ShortBuffers) {
+  Bytes b(sizeof(OpenMsg) - 1, std::byte{0x5a});
+  EXPECT_EQ(err_of(encode_open(b, Open{AccessMode::ro, "d"})), ENOBUFS);
+  EXPECT_EQ(b, Bytes(sizeof(OpenMsg) - 1, std::byte{0x5a}));
+  EXPECT_EQ(err_of(encode_sess_info(std::span(b).first(35), SessInfo{})), ENOBUFS);
+  EXPECT_EQ(err_of(encode_sess_info_rsp(std::span(b).first(35), SessInfoRsp{})), ENOBUFS);
+  EXPECT_EQ(err_of(encode_open_rsp(std::span(b).first(55), OpenRsp{0, full_geometry()})), ENOBUFS);
+  EXPECT_EQ(err_of(encode_close(std::span(b).first(7), Close{})), ENOBUFS);
+  EXPECT_EQ(err_of(encode_io(std::span(b).first(31), io(IoOp::flush, 0))), ENOBUFS);
+}
+
+// Case: our own messages breaking the rules. Expect: EINVAL, so we never send what we refuse.
+TEST(IbnbdEncode, RefusesInvalidMessages) {
+  Bytes b(512);
+  EXPECT_EQ(err_of(encode_open(b, Open{AccessMode::ro, ""})), EINVAL);
+  EXPECT_EQ(err_of(encode_open(b, Open{AccessMode::ro, std::string(kDevNameMax + 1, 'a')})), EINVAL);
+  EXPECT_EQ(err_of(encode_open(b, Open{AccessMode::ro, std::string("a\0b", 3)})), EINVAL);
+  EXPECT_EQ(err_of(encode_open(b, Open{static_cast<AccessMode>(3), "d"})), EINVAL);
+  DeviceGeometry g = full_geometry();
+  g.logical_block_size = 520;
+  EXPECT_EQ(err_of(encode_open_rsp(b, OpenRsp{0, g})), EINVAL);
+  EXPECT_EQ(err_of(encode_io(b, io(IoOp::write, 100))), EINVAL);
+  EXPECT_EQ(err_of(encode_io(b, io(IoOp::write, 0))), EINVAL);
+  EXPECT_EQ(err_of(encode_io(b, io(IoOp::flush, 512))), EINVAL);
+  EXPECT_EQ(err_of(encode_io(b, io(IoOp::write, 512, kIoNoUnmap))), EINVAL);
+  EXPECT_EQ(err_of(encode_io(b, io(static_cast<IoOp>(9), 512))), EINVAL);
+  EXPECT_EQ(err_of(encode_io(b, io(IoOp::read, 512, 1u << 20))), EINVAL);
+}
+
+// ------------------------------------------------------------------------------------------
+// Text forms (blockdev/src/types.cc)
+
+// Case: access modes as users write them. Expect: the kernel's words, a trailing newline
+// tolerated, anything else refused; to_string gives the words back.
+TEST(IbnbdText, AccessModes) {
+  EXPECT_EQ(parse_access_mode("ro"), AccessMode::ro);
+  EXPECT_EQ(parse_access_mode("rw\n"), AccessMode::rw);
+  EXPECT_EQ(parse_access_mode(" migration "), AccessMode::migration);
+  EXPECT_EQ(parse_access_mode("RW"), std::nullopt);
+  EXPECT_EQ(parse_access_mode("1"), std::nullopt);
+  EXPECT_EQ(parse_access_mode(""), std::nullopt);
+  for (AccessMode m : {AccessMode::ro, AccessMode::rw, AccessMode::migration})
+    EXPECT_EQ(parse_access_mode(to_string(m)), m);
+  EXPECT_EQ(to_string(IoOp::write_zeroes), "write_zeroes");
+  EXPECT_EQ(to_string(IoOp::secure_erase), "secure_erase");
+  EXPECT_EQ(to_string(MsgType::open_rsp), "OPEN_RSP");
+}
+
+}  // namespace
+}  // namespace ibnbd::proto
