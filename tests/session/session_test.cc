@@ -266,6 +266,21 @@ TEST_F(Session, ScatterGatherListsOnBothSides) {
   EXPECT_EQ(std::memcmp(vol_.mem().data() + 4100, b + 80000, 3 * 4096 - 4100), 0);
 }
 
+// Case: a write that carries only its user header (how the block layer sends FLUSH or DISCARD).
+// Expect: the server sees the header and no data; a read without data is refused.
+TEST_F(Session, AWriteMayBeJustItsHeader) {
+  start_server(1);
+  open(options(1));
+  VolHdr h{4096, 0, kVolMagic};
+  Waiter w;
+  IoRequest r{IoDir::write, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)), {},
+              &Waiter::cb, &w};
+  ASSERT_TRUE(client_->request(r).ok());
+  EXPECT_EQ(w.wait(), 0) << "the volume accepted a zero-length write with its header";
+  r.dir = IoDir::read;
+  EXPECT_EQ(client_->request(r).error(), errc(EINVAL)) << "a read needs a buffer";
+}
+
 TEST_F(Session, BadRequestsAreRefusedBeforeAnythingIsSent) {
   start_server(1);
   open(options(1));

@@ -86,7 +86,9 @@ using IoDoneFn = void (*)(void* ctx, int err);
 struct IoRequest {
   IoDir dir = IoDir::read;
   std::span<const std::byte> usr;  // user header, copied when the request is submitted
-  std::span<const IoSeg> data;     // write: the data; read: where it lands (1..max_segments())
+  // write: the data (0..max_segments(); none: the header is the whole request);
+  // read: where it lands (1..max_segments())
+  std::span<const IoSeg> data;
   IoDoneFn done = nullptr;
   void* ctx = nullptr;
 };
@@ -143,7 +145,8 @@ class ClientSession {
   ClientSession(const ClientSession&) = delete;
   ClientSession& operator=(const ClientSession&) = delete;
 
-  // Submits a request. Errors (the callback is then not called): EINVAL (no callback, no data,
+  // Submits a request. Errors (the callback is then not called): EINVAL (no callback, a read
+  // without data,
   // too many segments, a segment outside its registration, user header too long), EMSGSIZE
   // (data longer than max_io_size()), EAGAIN (no permit and PermitWait::no), ENOTCONN (no path
   // is CONNECTED and none is coming back), ESHUTDOWN (the session is closing).

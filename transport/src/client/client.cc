@@ -283,7 +283,10 @@ bool Session::any_path_may_return() const {
 
 Status Session::submit(const IoRequest& r, PermitWait wait) {
   if (closing.load(std::memory_order_acquire)) return errc(ESHUTDOWN);
-  if (r.done == nullptr || r.data.empty() || r.data.size() > ClientSession::kMaxSegments)
+  // A write may carry only its user header (the block layer's FLUSH, DISCARD, CLOSE, ...); a
+  // read needs somewhere to land.
+  if (r.done == nullptr || (r.data.empty() && r.dir == IoDir::read) ||
+      r.data.size() > ClientSession::kMaxSegments)
     return errc(EINVAL);
   uint64_t total = 0;
   for (const IoSeg& sg : r.data) {
