@@ -39,11 +39,11 @@ trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
 json_field() { sed -n "s/.*\"$1\":\([0-9.]*\).*/\1/p" | tail -1; }
 wait_ready() { for _ in $(seq 300); do [ -s "$1" ] && return 0; sleep 0.1; done; return 1; }
 
-# Same geometry for both: 128 chunks of 128 KiB.
-"$load" server --listen "rdma:$B:12371" --queue-depth 128 --size 256M --ready-file "$tmp/plain" \
+# Same geometry for both: 128 chunks of 256 KiB (room for 128 KiB requests).
+"$load" server --listen "rdma:$B:12371" --queue-depth 128 --chunk-size 256K --size 256M --ready-file "$tmp/plain" \
   >"$tmp/plain.log" 2>&1 &
 pids+=($!)
-"$load" server --listen "rdma:$B:12372" --queue-depth 128 --size 256M --always-invalidate \
+"$load" server --listen "rdma:$B:12372" --queue-depth 128 --chunk-size 256K --size 256M --always-invalidate \
   --ready-file "$tmp/inv" >"$tmp/inv.log" 2>&1 &
 pids+=($!)
 wait_ready "$tmp/plain" && wait_ready "$tmp/inv" ||
