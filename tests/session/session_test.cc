@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <future>
 #include <random>
 #include <set>
@@ -544,6 +545,75 @@ TEST_F(Session, MinLatencyAvoidsTheSlowPath) {
   for (int i = 0; i < 50; ++i) ASSERT_EQ(io(IoDir::write, 4096, 0), 0);
   auto ps = client_->paths();
   EXPECT_GE(ps[1].stats.write_cnt, 45u) << "the fast path carries the IO";
+}
+
+// A handler that leaves every request to the hook of the IO thread it arrived on, which serves
+// the queue when the thread flushes (as an io_uring-backed store submits at the end of a batch).
+class HookedVolume final : public ServerHandler, public IoThreadHook {
+ public:
+  explicit HookedVolume(RamVolume& v) : vol_(v) {}
+  void on_request(ServerRequest& r) override {
+    if (r.io_thread() != 0) wrong_thread_ = true;
+    on_request_thread_ = std::this_thread::get_id();
+    queue_.push_back(&r);
+  }
+  IoThreadHook* io_thread_hook(uint32_t thread) override {
+    ++hooks_asked_;
+    return thread == 0 ? this : nullptr;
+  }
+  int fd() const override { return -1; }
+  size_t poll() override { return 0; }
+  void flush() override {
+    if (queue_.empty()) return;
+    if (std::this_thread::get_id() != on_request_thread_) wrong_thread_ = true;
+    ++flushes_;
+    served_ += queue_.size();  // before the answers: the client may look at once
+    for (ServerRequest* r : queue_) vol_.serve(*r);
+    queue_.clear();
+  }
+
+  RamVolume& vol_;
+  std::vector<ServerRequest*> queue_;  // IO thread 0 only
+  std::thread::id on_request_thread_;
+  std::atomic<bool> wrong_thread_{false};
+  std::atomic<uint32_t> hooks_asked_{0};
+  std::atomic<uint64_t> flushes_{0}, served_{0};
+};
+
+// Case: the upper layer hands each request to a hook on the IO thread that received it and
+// answers only when the thread flushes the hook. Expect: every request reaches the hook on its
+// own thread, is answered at the end of the pass that brought it, and the data is intact.
+TEST_F(Session, AnIoThreadHookServesRequestsOnTheirThread) {
+  HookedVolume hv(vol_);
+  so_.queue_depth = 64;
+  so_.io_threads = 1;
+  so_.handler = &hv;
+  so_.heartbeat = HeartbeatConfig{100ms, 5};
+  so_.always_invalidate = g_invalidate;
+  so_.listen.push_back(listen_addr("hooked"));
+  auto srv = Server::start(so_);
+  ASSERT_TRUE(srv.ok());
+  server_ = std::move(*srv);
+  EXPECT_EQ(hv.hooks_asked_.load(), 1u) << "asked once per IO thread";
+  addrs_ = server_->addresses();
+  auto co = options(1);
+  co.io_threads = 1;
+  open(co);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 64; ++i) {
+    const uint32_t len = 512u * (1 + rng() % 64);
+    const uint64_t off = 4096u * (rng() % 256);
+    for (uint32_t k = 0; k < len; ++k) buf_->data()[k] = static_cast<std::byte>(rng());
+    ASSERT_EQ(io(IoDir::write, len, off), 0);
+    ASSERT_EQ(io(IoDir::read, len, off, 1 << 20), 0);
+    ASSERT_EQ(std::memcmp(buf_->data(), buf_->data() + (1 << 20), len), 0) << i;
+  }
+  EXPECT_FALSE(hv.wrong_thread_.load());
+  EXPECT_EQ(hv.served_.load(), 128u);
+  EXPECT_GT(hv.flushes_.load(), 0u);
+  client_.reset();
+  buf_.reset();
+  server_.reset();
 }
 
 // Case: a path's reconnect is stuck in a connect that the far end never answers (a listener that

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ibtrs/address.h"
+#include "ibtrs/io_hook.h"
 #include "ibtrs/client.h"
 #include "ibtrs/path_spec.h"
 #include "ibtrs/result.h"
@@ -68,6 +69,9 @@ class ServerRequest {
   std::span<std::byte> data() const { return data_; }
   ServerSession& session() const { return *session_; }
   uint32_t chunk_id() const { return chunk_id_; }
+  // The server IO thread on_request() runs on (0..io_threads-1): the thread whose
+  // IoThreadHook, if any, may take the request's work.
+  uint32_t io_thread() const { return io_thread_; }
 
   // Answers the client: err 0 or a positive errno (above 511 sent as EIO). For a read with
   // err == 0 the data must be in data(). Any thread, exactly once.
@@ -81,6 +85,7 @@ class ServerRequest {
   std::span<std::byte> data_;
   ServerSession* session_ = nullptr;
   uint32_t chunk_id_ = 0;
+  uint32_t io_thread_ = 0;
 };
 
 class ServerHandler {
@@ -98,8 +103,15 @@ class ServerHandler {
     (void)session;
     (void)path;
   }
-  // A validated request. Complete it, now or later, from any thread.
+  // A validated request, on server IO thread req.io_thread(). Complete it, now or later, from
+  // any thread.
   virtual void on_request(ServerRequest& req) = 0;
+  // Called by Server::start() once per IO thread (0..io_threads-1) before anything is accepted:
+  // work to drive on that thread (ibtrs/io_hook.h), or nullptr. The hook must outlive the server.
+  virtual IoThreadHook* io_thread_hook(uint32_t thread) {
+    (void)thread;
+    return nullptr;
+  }
 };
 
 struct ServerOptions {

@@ -14,6 +14,9 @@ constexpr size_t kBatch = 32;  // completions per poll() call
 // An idle poller still wakes this often, so timers added without a wake-up are never late by
 // more than this (they always wake it, but the bound keeps a lost wake-up harmless).
 constexpr auto kMaxSleep = std::chrono::milliseconds(100);
+// epoll tag of a PollSource's fd (CQs are tagged by their pointer, the wake-up eventfd by 0):
+// nothing to acknowledge, the source's own poll() consumes its fd.
+constexpr uint64_t kSourceTag = 1;
 }  // namespace
 
 Result<std::unique_ptr<Poller>> Poller::start(std::string name, uint32_t index, bool busy_poll) {
@@ -109,6 +112,30 @@ void Poller::detach(fabric::CompletionQueue* cq) {
   std::erase_if(cqs_, [&](const Entry& e) { return e.cq == cq; });
 }
 
+void Poller::add_source(PollSource* s) {
+  sources_.push_back(s);
+  if (s->fd() < 0) return;
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kSourceTag;
+  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, s->fd(), &ev);
+}
+
+void Poller::remove_source(PollSource* s) {
+  if (s->fd() >= 0) ::epoll_ctl(epfd_, EPOLL_CTL_DEL, s->fd(), nullptr);
+  std::erase(sources_, s);
+}
+
+size_t Poller::poll_sources() {
+  size_t n = 0;
+  for (PollSource* s : sources_) n += s->poll();
+  return n;
+}
+
+void Poller::flush_sources() {
+  for (PollSource* s : sources_) s->flush();
+}
+
 void Poller::run_tasks() {
   std::vector<Task> tasks;
   {
@@ -148,6 +175,8 @@ void Poller::sleep_until(Clock::time_point deadline) {
       got = true;
     }
   }
+  if (poll_sources() > 0) got = true;
+  flush_sources();
   if (got) return;
   sleeping_.store(true, std::memory_order_seq_cst);
   if (pending_.load(std::memory_order_seq_cst) || stop_.load(std::memory_order_seq_cst)) {
@@ -165,6 +194,7 @@ void Poller::sleep_until(Clock::time_point deadline) {
       [[maybe_unused]] ssize_t r = ::read(evfd_, &v, sizeof(v));
       continue;
     }
+    if (evs[i].data.u64 == kSourceTag) continue;
     auto* cq = static_cast<fabric::CompletionQueue*>(evs[i].data.ptr);
     cq->ack_events();
   }
@@ -187,6 +217,10 @@ void Poller::loop() {
         e.handler->on_completions(std::span(wcs, n));
         total += n;
       }
+    }
+    if (!sources_.empty()) {
+      total += poll_sources();
+      flush_sources();
     }
     if (total > 0 || busy_) continue;
     sleep_until(next_timer);

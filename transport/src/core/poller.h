@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "ibtrs/io_hook.h"
 #include "ibtrs/result.h"
 
 namespace ibtrs::core {
@@ -31,6 +32,9 @@ class CqHandler {
   // A batch of completions polled from the handler's CQ.
   virtual void on_completions(std::span<fabric::Completion> wcs) = 0;
 };
+
+// Extra work an owner drives from the poller loop (ibtrs/io_hook.h has the contract).
+using PollSource = ibtrs::IoThreadHook;
 
 class Poller {
  public:
@@ -55,6 +59,8 @@ class Poller {
   // Poller thread only.
   void attach(fabric::CompletionQueue* cq, CqHandler* handler);
   void detach(fabric::CompletionQueue* cq);
+  void add_source(PollSource* s);
+  void remove_source(PollSource* s);
 
   bool on_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
   uint32_t index() const { return index_; }
@@ -84,6 +90,9 @@ class Poller {
   const int epfd_;
   const int evfd_;
   std::vector<Entry> cqs_;  // poller thread only
+  std::vector<PollSource*> sources_;  // poller thread only
+  size_t poll_sources();
+  void flush_sources();
   std::mutex mu_;           // tasks and timers
   std::vector<Task> tasks_;
   std::vector<Timer> timers_;  // a heap on `when`

@@ -140,6 +140,7 @@ struct Req final : ServerRequest {
   using ServerRequest::dir_;
   using ServerRequest::session_;
   using ServerRequest::usr_;
+  using ServerRequest::io_thread_;
 };
 
 struct Session final : ServerSession {
@@ -188,6 +189,7 @@ struct Impl {
   uint32_t nio = 1;
   std::vector<std::unique_ptr<fabric::Listener>> listeners;
   std::vector<std::unique_ptr<core::Poller>> io_pollers;
+  std::vector<std::pair<uint32_t, IoThreadHook*>> hooks;  // the handler's, per IO thread
   std::unique_ptr<core::Poller> svc_poller;
   std::unique_ptr<core::Worker> worker;
   std::thread acceptor;
@@ -333,6 +335,7 @@ void Req::start(Con* c, uint32_t offset) {
   con = c;
   start_ns = now_ns();
   shard = c->poller->index();
+  io_thread_ = shard;
   auto chunk = ss.chunk(chunk_id_);
   if (io->kind == proto::IoKind::write) {
     dir_ = IoDir::write;
@@ -993,6 +996,10 @@ Server::~Server() {
     std::this_thread::sleep_for(5ms);
   }
   im->worker->stop();
+  for (auto [i, h] : im->hooks) {
+    core::Poller* p = im->io_pollers[i].get();
+    p->run_sync([p, h = h] { p->remove_source(h); });
+  }
   im->io_pollers.clear();
   im->svc_poller.reset();
   im->listeners.clear();
@@ -1021,6 +1028,13 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
     impl->io_pollers.push_back(std::move(p));
   }
   IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-s-svc", impl->nio, false));
+  for (uint32_t i = 0; i < impl->nio; ++i) {
+    if (IoThreadHook* h = impl->opts.handler->io_thread_hook(i)) {
+      core::Poller* p = impl->io_pollers[i].get();
+      p->run_sync([p, h] { p->add_source(h); });
+      impl->hooks.emplace_back(i, h);
+    }
+  }
   impl->worker = std::make_unique<core::Worker>();
   Impl* raw = impl.get();
   impl->acceptor = std::thread([raw] { raw->accept_loop(); });
