@@ -304,6 +304,21 @@ TEST(FileIo, ReadsPastTheEndFail) {
             0);
 }
 
+// Case: O_DIRECT, and the file truncated behind the backend's back to an end that is not
+// block-aligned; a read across that end. Expect: EIO, never a partial buffer (ext4 answers the
+// unaligned rest with 0 bytes; a filesystem answering EINVAL is caught by the alignment check).
+TEST(FileIo, DirectReadAcrossAnUnalignedEndFails) {
+  std::string dir;
+  if (auto why = direct_dir_or_skip_reason(dir); !why.empty()) GTEST_SKIP() << why;
+  Rig r;
+  RIG_OR_SKIP(r, dir);
+  ASSERT_TRUE(r.be->direct());
+  ASSERT_EQ(::truncate(r.path.c_str(), (1 << 20) + 100), 0);
+  AlignedBuf buf(64 << 10);
+  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 1 << 20, buf.span())), EIO);
+  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, (1 << 20) - 4096, buf.span())), EIO);
+}
+
 // Case: a read-only backend. Expect: reads and flushes work; WRITE, DISCARD, WRITE_ZEROES and
 // SECURE_ERASE are EROFS; the geometry offers no discard or write-zeroes.
 TEST(FileIo, ReadOnlyBackendRefusesWrites) {

@@ -8,8 +8,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cerrno>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "backend/blocking_worker.h"
@@ -58,6 +60,13 @@ struct IoEngine::Impl {
   std::vector<BlockingWorker::Done> worker_done;
   bool in_completions = false;
   uint32_t callbacks = 0;  // made by the current run_completions()
+  // The owning thread, learnt at the first submit: debug builds assert the threading contract.
+  std::thread::id owner;
+
+  void check_owner() {
+    if (owner == std::thread::id{}) owner = std::this_thread::get_id();
+    assert(owner == std::this_thread::get_id() && "IoEngine used from two threads");
+  }
 
   ~Impl() {
     if (!ring_ready) return;
@@ -202,6 +211,7 @@ void IoEngine::Impl::plan(Slot& s) {
 
 Status IoEngine::submit(const IoRequest& r) {
   Impl& m = *impl_;
+  m.check_owner();
   IBTRS_TRY(m.validate(r));
   if (m.free_slots.empty()) return errc(EAGAIN);
   if (r.op == IoOp::discard || r.op == IoOp::secure_erase) {
@@ -256,7 +266,7 @@ Status IoEngine::Impl::start_round(Slot& s) {
   const uint32_t idx = static_cast<uint32_t>(&s - slots.data());
   auto on_helper = [&s](uint8_t st) {
     return st == backend::kStageMain && s.be->kind() == Backend::Kind::block_device &&
-           (s.op == IoOp::discard || s.op == IoOp::secure_erase);
+           (s.op == IoOp::discard || s.op == IoOp::secure_erase) && s.len > 0;
   };
   auto todo = [&s](uint8_t st) { return (s.planned & stage_bit(st)) && !(s.ok & stage_bit(st)); };
   uint8_t first = 0;
@@ -413,7 +423,11 @@ void IoEngine::Impl::end_round(Slot& s) {
   // A data round that moved nothing: end of file under a read (the store shrank), or a write
   // the kernel will not continue. Never hand back a partial buffer as success.
   const uint8_t main = stage_bit(backend::kStageMain);
-  if (is_data(s.op) && (s.round & main) && !(s.ok & main) && !s.progress) return finish(s, EIO);
+  if (is_data(s.op) && (s.round & main) && !(s.ok & main)) {
+    if (!s.progress) return finish(s, EIO);
+    // An O_DIRECT read cut at an unaligned end of file: the rest could only fail with EINVAL.
+    if (s.op == IoOp::read && (s.offset + s.done) % s.be->io_align() != 0) return finish(s, EIO);
+  }
   if (!start_round(s).ok()) finish(s, EAGAIN);
 }
 
@@ -430,6 +444,7 @@ void IoEngine::Impl::finish(Slot& s, int err) {
 
 uint32_t IoEngine::run_completions() {
   Impl& m = *impl_;
+  m.check_owner();
   assert(!m.in_completions && "run_completions() is not reentrant");
   m.in_completions = true;
   m.callbacks = 0;
