@@ -12,10 +12,8 @@
 #include "backend_test_util.h"
 #include "ibnbd/backend.h"
 
-namespace ibnbd {
+namespace ibnbd::test {
 namespace {
-
-using test::TempDir;
 
 class ExportTest : public ::testing::Test {
  protected:
@@ -28,10 +26,10 @@ class ExportTest : public ::testing::Test {
     ASSERT_EQ(::mkdir((root_ + "/sub").c_str(), 0700), 0);
     ASSERT_EQ(::mkdir((*dir_ / "sessions").c_str(), 0700), 0);
     ASSERT_EQ(::mkdir((*dir_ / "sessions/s1").c_str(), 0700), 0);
-    ASSERT_TRUE(test::make_file(root_ + "/disk.img", 1 << 20));
-    ASSERT_TRUE(test::make_file(root_ + "/sub/b.img", 1 << 20));
-    ASSERT_TRUE(test::make_file(*dir_ / "outside.img", 1 << 20));
-    ASSERT_TRUE(test::make_file(*dir_ / "sessions/s1/x.img", 1 << 20));
+    ASSERT_TRUE(make_file(root_ + "/disk.img", 1 << 20));
+    ASSERT_TRUE(make_file(root_ + "/sub/b.img", 1 << 20));
+    ASSERT_TRUE(make_file(*dir_ / "outside.img", 1 << 20));
+    ASSERT_TRUE(make_file(*dir_ / "sessions/s1/x.img", 1 << 20));
   }
 
   // The errno of a refused resolution (0 when it resolved), with the reason printed on failure.
@@ -71,7 +69,7 @@ TEST_F(ExportTest, DotDotComponentsAreRefused) {
   EXPECT_EQ(refused(root_, "s", "sub/.."), EINVAL);
   EXPECT_NE(last_why_.find(".."), std::string::npos) << last_why_;
   // A name that merely contains two dots is a name.
-  ASSERT_TRUE(test::make_file(root_ + "/a..b", 4096));
+  ASSERT_TRUE(make_file(root_ + "/a..b", 4096));
   EXPECT_EQ(refused(root_, "s", "a..b"), 0) << last_why_;
 }
 
@@ -85,7 +83,7 @@ TEST_F(ExportTest, AbsoluteNamesOnlyBeneathTheRoot) {
   EXPECT_EQ(refused(root_, "s", "/etc/passwd"), EXDEV);
   // A sibling whose name starts like the root is outside too (component match, not prefix).
   ASSERT_EQ(::mkdir((root_ + "2").c_str(), 0700), 0);
-  ASSERT_TRUE(test::make_file(root_ + "2/disk.img", 4096));
+  ASSERT_TRUE(make_file(root_ + "2/disk.img", 4096));
   EXPECT_EQ(refused(root_, "s", root_ + "2/disk.img"), EXDEV);
   EXPECT_EQ(refused(root_, "s", root_), EINVAL);
   EXPECT_EQ(refused(root_, "s", "/"), EXDEV);
@@ -137,7 +135,7 @@ TEST_F(ExportTest, SessionNamespaces) {
   EXPECT_EQ(refused(root_, "", "disk.img"), 0);
   // Every occurrence is replaced.
   ASSERT_EQ(::mkdir((*dir_ / "sessions/s1/s1").c_str(), 0700), 0);
-  ASSERT_TRUE(test::make_file(*dir_ / "sessions/s1/s1/y.img", 4096));
+  ASSERT_TRUE(make_file(*dir_ / "sessions/s1/s1/y.img", 4096));
   EXPECT_EQ(refused(*dir_ / "sessions/%SESSNAME%/%SESSNAME%", "s1", "y.img"), 0) << last_why_;
 }
 
@@ -175,4 +173,4 @@ TEST_F(ExportTest, BackendOpenBeneathTheRoot) {
 }
 
 }  // namespace
-}  // namespace ibnbd
+}  // namespace ibnbd::test

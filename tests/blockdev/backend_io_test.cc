@@ -16,49 +16,40 @@
 #include "backend_test_util.h"
 #include "ibnbd/backend.h"
 
-namespace ibnbd {
+namespace ibnbd::test {
 namespace {
-
-using test::AlignedBuf;
-using test::run_io;
-using test::TempDir;
 
 constexpr uint64_t kFileSize = 8 << 20;
 
-// A scratch file on a chosen filesystem, its backend and an engine.
-struct Rig {
-  std::optional<TempDir> dir;
-  std::string path;
-  std::unique_ptr<Backend> be;
-  std::unique_ptr<IoEngine> eng;
-};
+// Where a scratch file lives: tmpfs (buffered: tmpfs has no real O_DIRECT) or a filesystem
+// that takes O_DIRECT, found at run time.
+enum class Fs { tmpfs, direct };
 
-// Builds a rig in `base`; an empty string on success, else why the test cannot run.
-std::string make_rig(Rig& r, const std::string& base, OpenOptions o = {}, uint32_t depth = 64,
+// Builds a rig on `fs`; an empty string on success, else why the test cannot run.
+std::string make_rig(Rig& r, Fs fs, OpenOptions o = {}, uint32_t depth = 64,
                      uint64_t size = kFileSize) {
-  r.dir = TempDir::make(base);
-  if (!r.dir) return "cannot create a directory in " + base;
-  r.path = *r.dir / "disk.img";
-  if (!test::make_file(r.path, size)) return "cannot create " + r.path;
-  auto b = Backend::open_path(r.path, o);
-  if (!b) return "open " + r.path + ": " + b.error().message();
-  r.be = std::move(*b);
-  auto e = IoEngine::create({depth});
-  if (!e) return "io_uring: " + e.error().message();
-  r.eng = std::move(*e);
-  return {};
+  const std::string base = fs == Fs::tmpfs ? "/dev/shm" : find_direct_io_dir();
+  if (base.empty()) return "no filesystem with O_DIRECT among /var/tmp, /tmp, /work";
+  if (std::string why = r.make_file_in(base, size); !why.empty()) return why;
+  return r.open(r.path, o, depth);
 }
 
-#define RIG_OR_SKIP(rig, ...)                                   \
-  do {                                                          \
-    std::string why_ = make_rig(rig, __VA_ARGS__);              \
-    if (!why_.empty()) GTEST_SKIP() << why_;                    \
+#define RIG_OR_SKIP(rig, ...)                      \
+  do {                                             \
+    std::string why_ = make_rig(rig, __VA_ARGS__); \
+    if (!why_.empty()) GTEST_SKIP() << why_;       \
   } while (0)
 
-std::string direct_dir_or_skip_reason(std::string& dir) {
-  dir = test::find_direct_io_dir();
-  return dir.empty() ? "no filesystem with O_DIRECT among /var/tmp, /tmp, /work" : "";
+// The cases that must hold on both kinds of file.
+class EachFs : public ::testing::TestWithParam<Fs> {
+ protected:
+  void SetUp() override { RIG_OR_SKIP(r, GetParam()); }
+  Rig r;
+};
+std::string fs_name(const ::testing::TestParamInfo<Fs>& p) {
+  return p.param == Fs::tmpfs ? "tmpfs" : "direct";
 }
+INSTANTIATE_TEST_SUITE_P(Files, EachFs, ::testing::Values(Fs::tmpfs, Fs::direct), fs_name);
 
 // Writes random patterns at random offsets and sizes (multiples of `align`), each read back
 // through the engine and compared, and checked once more with pread() on a buffered descriptor
@@ -72,17 +63,17 @@ void write_read_random(Rig& r, uint32_t align, int rounds, uint32_t max_len) {
     const uint32_t len = align * static_cast<uint32_t>(1 + rng() % (max_len / align));
     const uint64_t off = align * (rng() % ((r.be->size() - len) / align + 1));
     const uint64_t seed = rng();
-    test::fill_pattern(wbuf.sub(0, len), seed, off);
-    ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::write, off, wbuf.sub(0, len))), 0)
+    fill_pattern(wbuf.sub(0, len), seed, off);
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, off, wbuf.sub(0, len))), 0)
         << "write off " << off << " len " << len;
     std::memset(rbuf.data(), 0xee, len);
-    ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, off, rbuf.sub(0, len))), 0);
-    ASSERT_EQ(test::check_pattern(rbuf.sub(0, len), seed, off), -1)
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, off, rbuf.sub(0, len))), 0);
+    ASSERT_EQ(check_pattern(rbuf.sub(0, len), seed, off), -1)
         << "read back differs, off " << off << " len " << len;
     std::vector<std::byte> truth(len);
     ASSERT_EQ(::pread(plain.get(), truth.data(), len, static_cast<off_t>(off)),
               static_cast<ssize_t>(len));
-    ASSERT_EQ(test::check_pattern(truth, seed, off), -1) << "the file differs";
+    ASSERT_EQ(check_pattern(truth, seed, off), -1) << "the file differs";
   }
 }
 
@@ -113,7 +104,7 @@ TEST(EngineInternals, TagPackingAndIovAdvance) {
 // granularity read back exactly.
 TEST(FileIo, TmpfsIsBufferedAndMovesRealBytes) {
   Rig r;
-  RIG_OR_SKIP(r, "/dev/shm");
+  RIG_OR_SKIP(r, Fs::tmpfs);
   EXPECT_FALSE(r.be->direct());
   EXPECT_EQ(r.be->io_align(), 1u);
   const DeviceGeometry g = r.be->geometry();
@@ -128,7 +119,7 @@ TEST(FileIo, TmpfsIsBufferedAndMovesRealBytes) {
 TEST(FileIo, RequiringDirectOnTmpfsFails) {
   auto d = TempDir::make("/dev/shm");
   ASSERT_TRUE(d);
-  ASSERT_TRUE(test::make_file(*d / "f", 1 << 20));
+  ASSERT_TRUE(make_file(*d / "f", 1 << 20));
   OpenOptions o;
   o.direct = DirectIo::require;
   auto b = Backend::open_path(*d / "f", o);
@@ -139,10 +130,8 @@ TEST(FileIo, RequiringDirectOnTmpfsFails) {
 // Case: a file on a filesystem with O_DIRECT. Expect: direct, the logical block is the reported
 // alignment; 200 random aligned writes read back exactly.
 TEST(FileIo, DirectFileMovesRealBytes) {
-  std::string dir;
-  if (auto why = direct_dir_or_skip_reason(dir); !why.empty()) GTEST_SKIP() << why;
   Rig r;
-  RIG_OR_SKIP(r, dir);
+  RIG_OR_SKIP(r, Fs::direct);
   ASSERT_TRUE(r.be->direct());
   EXPECT_GE(r.be->io_align(), 512u);
   EXPECT_EQ(r.be->geometry().logical_block_size, std::max(512u, r.be->io_align()));
@@ -152,129 +141,99 @@ TEST(FileIo, DirectFileMovesRealBytes) {
 // Case: O_DIRECT and a request off the alignment: offset, length, buffer address. Expect:
 // EINVAL at submit, nothing in flight.
 TEST(FileIo, DirectRejectsMisalignedRequests) {
-  std::string dir;
-  if (auto why = direct_dir_or_skip_reason(dir); !why.empty()) GTEST_SKIP() << why;
   Rig r;
-  RIG_OR_SKIP(r, dir);
+  RIG_OR_SKIP(r, Fs::direct);
   ASSERT_TRUE(r.be->direct());
   const uint32_t a = r.be->io_align();
   AlignedBuf buf(8192);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 1, buf.sub(0, a))), EINVAL);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 0, buf.sub(0, a + 1))), EINVAL);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 1, buf.sub(0, a))), EINVAL);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, buf.sub(0, a + 1))), EINVAL);
   if (r.be->mem_align() > 1) {
-    EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 0, buf.sub(1, a))), EINVAL);
+    EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, buf.sub(1, a))), EINVAL);
   }
   EXPECT_EQ(r.eng->in_flight(), 0u);
 }
 
 // Case: a read and a write over a scatter list of uneven segments (direct and buffered).
 // Expect: the segments are filled / taken in order.
-TEST(FileIo, ScatterListsRoundTrip) {
-  for (std::string base : {std::string("/dev/shm"), test::find_direct_io_dir()}) {
-    if (base.empty()) continue;
-    SCOPED_TRACE(base);
-    Rig r;
-    ASSERT_EQ(make_rig(r, base), "");
-    const uint32_t a = std::max(512u, r.be->io_align());
-    AlignedBuf w(16 * a), rd(16 * a);
-    test::fill_pattern(w.span(), 7, 3 * a);
-    iovec wv[3] = {{w.data(), a}, {w.data() + a, 5 * a}, {w.data() + 6 * a, 10 * a}};
-    iovec rv[4] = {{rd.data(), 2 * a}, {rd.data() + 2 * a, a}, {rd.data() + 3 * a, 12 * a},
-                   {rd.data() + 15 * a, a}};
-    IoRequest wr = test::range_op(*r.be, IoOp::write, 3 * a, 16 * a);
-    wr.iov = wv;
-    ASSERT_EQ(run_io(*r.eng, wr), 0);
-    IoRequest rr = test::range_op(*r.be, IoOp::read, 3 * a, 16 * a);
-    rr.iov = rv;
-    ASSERT_EQ(run_io(*r.eng, rr), 0);
-    EXPECT_EQ(test::check_pattern(rd.span(), 7, 3 * a), -1);
-    // Segments that do not add up to len are refused.
-    rr.len -= a;
-    EXPECT_EQ(run_io(*r.eng, rr), EINVAL);
-  }
+TEST_P(EachFs, ScatterListsRoundTrip) {
+  const uint32_t a = std::max(512u, r.be->io_align());
+  AlignedBuf w(16 * a), rd(16 * a);
+  fill_pattern(w.span(), 7, 3 * a);
+  iovec wv[3] = {{w.data(), a}, {w.data() + a, 5 * a}, {w.data() + 6 * a, 10 * a}};
+  iovec rv[4] = {{rd.data(), 2 * a},
+                 {rd.data() + 2 * a, a},
+                 {rd.data() + 3 * a, 12 * a},
+                 {rd.data() + 15 * a, a}};
+  IoRequest wr = range_op(*r.be, IoOp::write, 3 * a, 16 * a);
+  wr.iov = wv;
+  ASSERT_EQ(run_io(*r.eng, wr), 0);
+  IoRequest rr = range_op(*r.be, IoOp::read, 3 * a, 16 * a);
+  rr.iov = rv;
+  ASSERT_EQ(run_io(*r.eng, rr), 0);
+  EXPECT_EQ(check_pattern(rd.span(), 7, 3 * a), -1);
+  // Segments that do not add up to len are refused.
+  rr.len -= a;
+  EXPECT_EQ(run_io(*r.eng, rr), EINVAL);
 }
 
 // Case: writes with FUA, with PREFLUSH, with both, and FLUSH alone, on both kinds of files.
 // Expect: all complete without error and the data reads back (RWF_DSYNC on the write; a linked
 // fdatasync before it).
-TEST(FileIo, FuaPreflushAndFlush) {
-  for (std::string base : {std::string("/dev/shm"), test::find_direct_io_dir()}) {
-    if (base.empty()) continue;
-    SCOPED_TRACE(base);
-    Rig r;
-    ASSERT_EQ(make_rig(r, base), "");
-    AlignedBuf w(64 << 10), rd(64 << 10);
-    uint64_t seed = 100;
-    for (uint32_t flags : {uint32_t{kIoFua}, uint32_t{kIoPreflush}, kIoFua | kIoPreflush,
-                           kIoFua | kIoPreflush | kIoSync}) {
-      const uint64_t off = (++seed % 16) * (128 << 10);
-      test::fill_pattern(w.span(), seed, off);
-      ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::write, off, w.span(), flags)), 0) << flags;
-      ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, off, rd.span(), flags)), 0);
-      EXPECT_EQ(test::check_pattern(rd.span(), seed, off), -1) << flags;
-    }
-    EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::flush, 0, 0)), 0);
-    EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::flush, 0, 0, kIoPreflush | kIoFua)), 0);
+TEST_P(EachFs, FuaPreflushAndFlush) {
+  AlignedBuf w(64 << 10), rd(64 << 10);
+  uint64_t seed = 100;
+  for (uint32_t flags : {uint32_t{kIoFua}, uint32_t{kIoPreflush}, kIoFua | kIoPreflush,
+                         kIoFua | kIoPreflush | kIoSync}) {
+    const uint64_t off = (++seed % 16) * (128 << 10);
+    fill_pattern(w.span(), seed, off);
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, off, w.span(), flags)), 0) << flags;
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, off, rd.span(), flags)), 0);
+    EXPECT_EQ(check_pattern(rd.span(), seed, off), -1) << flags;
   }
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::flush, 0, 0)), 0);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::flush, 0, 0, kIoPreflush | kIoFua)), 0);
 }
 
 // Case: DISCARD of a written range in the middle of a file. Expect: the range reads as zeros,
 // its neighbours keep their data and the file's allocated blocks drop (the hole is punched).
-TEST(FileIo, DiscardPunchesAHole) {
-  for (std::string base : {std::string("/dev/shm"), test::find_direct_io_dir()}) {
-    if (base.empty()) continue;
-    SCOPED_TRACE(base);
-    Rig r;
-    ASSERT_EQ(make_rig(r, base), "");
-    ASSERT_TRUE(r.be->can_discard());
-    AlignedBuf w(4 << 20), rd(4 << 20);
-    test::fill_pattern(w.span(), 5, 0);
-    ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::write, 0, w.span(), kIoFua)), 0);
-    const uint64_t before = test::st_blocks(r.path);
-    ASSERT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::discard, 1 << 20, 2 << 20)), 0);
-    EXPECT_LE(test::st_blocks(r.path), before - (2 << 20) / 512) << "blocks were not freed";
-    ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 0, rd.span())), 0);
-    EXPECT_EQ(test::check_pattern(rd.sub(0, 1 << 20), 5, 0), -1);
-    EXPECT_TRUE(test::all_zero(rd.sub(1 << 20, 2 << 20)));
-    EXPECT_EQ(test::check_pattern(rd.sub(3 << 20, 1 << 20), 5, 3 << 20), -1);
-    // With FUA and PREFLUSH: the chain fdatasync -> punch -> fdatasync.
-    ASSERT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::discard, 0, 4096, kIoFua | kIoPreflush)),
-              0);
-  }
+TEST_P(EachFs, DiscardPunchesAHole) {
+  ASSERT_TRUE(r.be->can_discard());
+  AlignedBuf w(4 << 20), rd(4 << 20);
+  fill_pattern(w.span(), 5, 0);
+  ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, 0, w.span(), kIoFua)), 0);
+  const uint64_t before = st_blocks(r.path);
+  ASSERT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::discard, 1 << 20, 2 << 20)), 0);
+  EXPECT_LE(st_blocks(r.path), before - (2 << 20) / 512) << "blocks were not freed";
+  ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, rd.span())), 0);
+  expect_zeroed_ranges(rd.span(), 5, {{1 << 20, 2 << 20}});
+  // With FUA and PREFLUSH: the chain fdatasync -> punch -> fdatasync.
+  ASSERT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::discard, 0, 4096, kIoFua | kIoPreflush)), 0);
 }
 
 // Case: WRITE_ZEROES without NOUNMAP, then with NOUNMAP, on tmpfs (no FALLOC_FL_ZERO_RANGE: the
 // engine falls back to punch + allocate) and on an O_DIRECT filesystem (ZERO_RANGE).
 // Expect: both read as zeros with neighbours intact; without NOUNMAP the blocks are freed, with
 // NOUNMAP they stay allocated.
-TEST(FileIo, WriteZeroesWithAndWithoutUnmap) {
-  for (std::string base : {std::string("/dev/shm"), test::find_direct_io_dir()}) {
-    if (base.empty()) continue;
-    SCOPED_TRACE(base);
-    Rig r;
-    ASSERT_EQ(make_rig(r, base), "");
-    ASSERT_TRUE(r.be->can_write_zeroes());
-    AlignedBuf w(4 << 20), rd(4 << 20);
-    for (uint32_t flags : {0u, uint32_t{kIoNoUnmap}, kIoNoUnmap | kIoFua}) {
-      SCOPED_TRACE(flags);
-      test::fill_pattern(w.span(), flags + 1, 0);
-      ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::write, 0, w.span())), 0);
-      ASSERT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::flush, 0, 0)), 0);
-      const uint64_t before = test::st_blocks(r.path);
-      ASSERT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::write_zeroes, 1 << 20, 2 << 20, flags)),
-                0);
-      const uint64_t after = test::st_blocks(r.path);
-      if (flags & kIoNoUnmap)
-        EXPECT_GE(after, before) << "NOUNMAP must keep the blocks allocated";
-      else
-        EXPECT_LE(after, before - (2 << 20) / 512) << "without NOUNMAP the range is punched";
-      ASSERT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 0, rd.span())), 0);
-      EXPECT_EQ(test::check_pattern(rd.sub(0, 1 << 20), flags + 1, 0), -1);
-      EXPECT_TRUE(test::all_zero(rd.sub(1 << 20, 2 << 20)));
-      EXPECT_EQ(test::check_pattern(rd.sub(3 << 20, 1 << 20), flags + 1, 3 << 20), -1);
-    }
-    EXPECT_EQ(r.be->zero_range_unsupported.load(), test::is_tmpfs(base));
+TEST_P(EachFs, WriteZeroesWithAndWithoutUnmap) {
+  ASSERT_TRUE(r.be->can_write_zeroes());
+  AlignedBuf w(4 << 20), rd(4 << 20);
+  for (uint32_t flags : {0u, uint32_t{kIoNoUnmap}, kIoNoUnmap | kIoFua}) {
+    SCOPED_TRACE(flags);
+    fill_pattern(w.span(), flags + 1, 0);
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, 0, w.span())), 0);
+    ASSERT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::flush, 0, 0)), 0);
+    const uint64_t before = st_blocks(r.path);
+    ASSERT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::write_zeroes, 1 << 20, 2 << 20, flags)), 0);
+    const uint64_t after = st_blocks(r.path);
+    if (flags & kIoNoUnmap)
+      EXPECT_GE(after, before) << "NOUNMAP must keep the blocks allocated";
+    else
+      EXPECT_LE(after, before - (2 << 20) / 512) << "without NOUNMAP the range is punched";
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, rd.span())), 0);
+    expect_zeroed_ranges(rd.span(), flags + 1, {{1 << 20, 2 << 20}});
   }
+  EXPECT_EQ(r.be->zero_range_unsupported.load(), GetParam() == Fs::tmpfs);
 }
 
 // Case: a read ending past the exported size; a read of a file truncated behind the backend's
@@ -282,14 +241,14 @@ TEST(FileIo, WriteZeroesWithAndWithoutUnmap) {
 // case — at submit for the first, from the short-read logic for the others — never zeros.
 TEST(FileIo, ReadsPastTheEndFail) {
   Rig r;
-  RIG_OR_SKIP(r, "/dev/shm");
+  RIG_OR_SKIP(r, Fs::tmpfs);
   AlignedBuf buf(64 << 10);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, kFileSize - 4096, buf.span())), EIO);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::write, kFileSize, buf.sub(0, 512))), EIO);
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::discard, kFileSize - 512, 1024)), EIO);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, kFileSize - 4096, buf.span())), EIO);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, kFileSize, buf.sub(0, 512))), EIO);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::discard, kFileSize - 512, 1024)), EIO);
   ASSERT_EQ(::truncate(r.path.c_str(), kFileSize / 2), 0);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, kFileSize - (64 << 10), buf.span())), EIO);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, kFileSize / 2 - 4096, buf.span())), EIO)
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, kFileSize - (64 << 10), buf.span())), EIO);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, kFileSize / 2 - 4096, buf.span())), EIO)
       << "a read straddling the end must not succeed with a partial buffer";
   // refresh_size() learns the new size: the same read is now refused at submit.
   auto s = r.be->refresh_size();
@@ -300,23 +259,20 @@ TEST(FileIo, ReadsPastTheEndFail) {
   s = r.be->refresh_size();
   ASSERT_TRUE(s.ok());
   EXPECT_EQ(*s, kFileSize * 2) << "the tail under one logical block is not exported";
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, kFileSize * 2 - 4096, buf.sub(0, 4096))),
-            0);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, kFileSize * 2 - 4096, buf.sub(0, 4096))), 0);
 }
 
 // Case: O_DIRECT, and the file truncated behind the backend's back to an end that is not
 // block-aligned; a read across that end. Expect: EIO, never a partial buffer (ext4 answers the
 // unaligned rest with 0 bytes; a filesystem answering EINVAL is caught by the alignment check).
 TEST(FileIo, DirectReadAcrossAnUnalignedEndFails) {
-  std::string dir;
-  if (auto why = direct_dir_or_skip_reason(dir); !why.empty()) GTEST_SKIP() << why;
   Rig r;
-  RIG_OR_SKIP(r, dir);
+  RIG_OR_SKIP(r, Fs::direct);
   ASSERT_TRUE(r.be->direct());
   ASSERT_EQ(::truncate(r.path.c_str(), (1 << 20) + 100), 0);
   AlignedBuf buf(64 << 10);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 1 << 20, buf.span())), EIO);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, (1 << 20) - 4096, buf.span())), EIO);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 1 << 20, buf.span())), EIO);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, (1 << 20) - 4096, buf.span())), EIO);
 }
 
 // Case: a read-only backend. Expect: reads and flushes work; WRITE, DISCARD, WRITE_ZEROES and
@@ -325,14 +281,14 @@ TEST(FileIo, ReadOnlyBackendRefusesWrites) {
   OpenOptions o;
   o.read_only = true;
   Rig r;
-  RIG_OR_SKIP(r, "/dev/shm", o);
+  RIG_OR_SKIP(r, Fs::tmpfs, o);
   AlignedBuf buf(4096);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 0, buf.span())), 0);
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::flush, 0, 0)), 0);
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::write, 0, buf.span())), EROFS);
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::discard, 0, 4096)), EROFS);
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::write_zeroes, 0, 4096)), EROFS);
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::secure_erase, 0, 4096)), EROFS);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, buf.span())), 0);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::flush, 0, 0)), 0);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, 0, buf.span())), EROFS);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::discard, 0, 4096)), EROFS);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::write_zeroes, 0, 4096)), EROFS);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::secure_erase, 0, 4096)), EROFS);
   const DeviceGeometry g = r.be->geometry();
   EXPECT_EQ(g.max_discard_sectors, 0u);
   EXPECT_EQ(g.max_write_zeroes_sectors, 0u);
@@ -342,9 +298,9 @@ TEST(FileIo, ReadOnlyBackendRefusesWrites) {
 // and segments, too many segments, SECURE_ERASE on a file. Expect: EINVAL / EOPNOTSUPP.
 TEST(FileIo, InvalidRequestsAreRefusedAtSubmit) {
   Rig r;
-  RIG_OR_SKIP(r, "/dev/shm");
+  RIG_OR_SKIP(r, Fs::tmpfs);
   AlignedBuf buf(4096);
-  IoRequest q = test::rw(*r.be, IoOp::read, 0, buf.span());
+  IoRequest q = rw(*r.be, IoOp::read, 0, buf.span());
   EXPECT_EQ(r.eng->submit(q).error().value(), EINVAL) << "no callback";
   q.flags = 1u << 20;
   EXPECT_EQ(run_io(*r.eng, q), EINVAL);
@@ -360,10 +316,10 @@ TEST(FileIo, InvalidRequestsAreRefusedAtSubmit) {
   q.iov = v;
   q.len = 256 * (kMaxIoSegments + 1);
   EXPECT_EQ(run_io(*r.eng, q), EINVAL) << "too many segments";
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::secure_erase, 0, 4096)), EOPNOTSUPP);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::secure_erase, 0, 4096)), EOPNOTSUPP);
   // Zero-length requests complete (nothing to move) rather than hang.
-  EXPECT_EQ(run_io(*r.eng, test::rw(*r.be, IoOp::read, 0, {})), 0);
-  EXPECT_EQ(run_io(*r.eng, test::range_op(*r.be, IoOp::discard, 0, 0)), 0);
+  EXPECT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, {})), 0);
+  EXPECT_EQ(run_io(*r.eng, range_op(*r.be, IoOp::discard, 0, 0)), 0);
   EXPECT_EQ(r.eng->in_flight(), 0u);
 }
 
@@ -389,7 +345,7 @@ TEST(FileIo, EnospcReachesTheCaller) {
       return;
     }
     const std::string f = *d / "small.img";
-    if (!test::make_file(f, 1 << 20)) {
+    if (!make_file(f, 1 << 20)) {
       skip = "cannot create the file";
       return;
     }
@@ -409,8 +365,8 @@ TEST(FileIo, EnospcReachesTheCaller) {
   int err = 0;
   uint64_t off = 0;
   for (; off < (1 << 20); off += kPiece) {
-    test::fill_pattern(w.span(), 3, off);
-    err = run_io(**e, test::rw(*be, IoOp::write, off, w.span()));
+    fill_pattern(w.span(), 3, off);
+    err = run_io(**e, rw(*be, IoOp::write, off, w.span()));
     if (err != 0) break;
   }
   EXPECT_EQ(err, ENOSPC);
@@ -418,7 +374,7 @@ TEST(FileIo, EnospcReachesTheCaller) {
   std::vector<std::byte> tail(64 << 10);
   ASSERT_EQ(::pread(be->fd(), tail.data(), tail.size(), static_cast<off_t>(off)),
             static_cast<ssize_t>(tail.size()));
-  EXPECT_EQ(test::check_pattern(tail, 3, off), -1) << "the short part of the write landed";
+  EXPECT_EQ(check_pattern(tail, 3, off), -1) << "the short part of the write landed";
 }
 
 // Case: queue depth 64 and 64 writes of mixed sizes submitted before one kick, then 64 reads.
@@ -426,10 +382,9 @@ TEST(FileIo, EnospcReachesTheCaller) {
 // with its own context; data reads back. Completion order is whatever the kernel gives (mixed
 // sizes usually finish out of order; printed, not required).
 TEST(FileIo, SixtyFourInFlight) {
-  std::string base = test::find_direct_io_dir();
-  if (base.empty()) base = "/dev/shm";
+  const Fs fs = find_direct_io_dir().empty() ? Fs::tmpfs : Fs::direct;
   Rig r;
-  RIG_OR_SKIP(r, base, {}, 64, 64ull << 20);
+  RIG_OR_SKIP(r, fs, {}, 64, 64ull << 20);
   constexpr int kN = 64;
   const uint32_t kSlot = 1 << 20;
   AlignedBuf w(kN * kSlot), rd(kN * kSlot);
@@ -447,7 +402,9 @@ TEST(FileIo, SixtyFourInFlight) {
     c->err = err;
     c->order->push_back(c->index);
   };
-  auto len_of = [&](int i) { return i % 4 == 0 ? kSlot : static_cast<uint32_t>(4096 * (1 + i % 3)); };
+  auto len_of = [&](int i) {
+    return i % 4 == 0 ? kSlot : static_cast<uint32_t>(4096 * (1 + i % 3));
+  };
   for (IoOp op : {IoOp::write, IoOp::read}) {
     SCOPED_TRACE(op == IoOp::write ? "write" : "read");
     order.clear();
@@ -455,14 +412,14 @@ TEST(FileIo, SixtyFourInFlight) {
       ctx[i] = {i, 0, -1, &order};
       const uint64_t off = uint64_t(i) * kSlot;
       auto* mem = (op == IoOp::write ? w : rd).data() + off;
-      if (op == IoOp::write) test::fill_pattern({mem, len_of(i)}, 11, off);
-      IoRequest q = test::rw(*r.be, op, off, {mem, len_of(i)});
+      if (op == IoOp::write) fill_pattern({mem, len_of(i)}, 11, off);
+      IoRequest q = rw(*r.be, op, off, {mem, len_of(i)});
       q.done = cb;
       q.ctx = &ctx[i];
       ASSERT_TRUE(r.eng->submit(q).ok()) << i;
     }
     EXPECT_EQ(r.eng->in_flight(), 64u);
-    IoRequest extra = test::rw(*r.be, op, 0, w.sub(0, 4096));
+    IoRequest extra = rw(*r.be, op, 0, w.sub(0, 4096));
     extra.done = cb;
     extra.ctx = &ctx[0];
     EXPECT_EQ(r.eng->submit(extra).error().value(), EAGAIN);
@@ -479,8 +436,7 @@ TEST(FileIo, SixtyFourInFlight) {
                 op == IoOp::write ? "write" : "read", out_of_order, kN);
   }
   for (int i = 0; i < kN; ++i)
-    ASSERT_EQ(test::check_pattern(rd.sub(uint64_t(i) * kSlot, len_of(i)), 11, uint64_t(i) * kSlot),
-              -1)
+    ASSERT_EQ(check_pattern(rd.sub(uint64_t(i) * kSlot, len_of(i)), 11, uint64_t(i) * kSlot), -1)
         << i;
 }
 
@@ -489,7 +445,7 @@ TEST(FileIo, SixtyFourInFlight) {
 // was readable whenever completions were pending, nothing is left in flight.
 TEST(FileIo, CallbacksMaySubmitAndTheEventfdWakes) {
   Rig r;
-  RIG_OR_SKIP(r, "/dev/shm", {}, 2);
+  RIG_OR_SKIP(r, Fs::tmpfs, {}, 2);
   AlignedBuf buf(4096);
   struct Chain {
     IoEngine* eng;
@@ -499,7 +455,7 @@ TEST(FileIo, CallbacksMaySubmitAndTheEventfdWakes) {
     int done = 0;
     int errors = 0;
   } chain{r.eng.get(), r.be.get(), buf.span(), 500};
-  IoRequest first = test::rw(*r.be, IoOp::write, 0, buf.span());
+  IoRequest first = rw(*r.be, IoOp::write, 0, buf.span());
   first.ctx = &chain;
   // A named function, so the callback can submit its successor with itself as callback.
   struct Self {
@@ -508,7 +464,7 @@ TEST(FileIo, CallbacksMaySubmitAndTheEventfdWakes) {
       ++c->done;
       c->errors += err != 0;
       if (--c->left == 0) return;
-      IoRequest n = test::rw(*c->be, IoOp::write, uint64_t(c->left % 64) * 4096, c->buf);
+      IoRequest n = rw(*c->be, IoOp::write, uint64_t(c->left % 64) * 4096, c->buf);
       n.ctx = c;
       n.done = &Self::done;
       if (!c->eng->submit(n).ok()) ++c->errors;
@@ -533,11 +489,11 @@ TEST(FileIo, CallbacksMaySubmitAndTheEventfdWakes) {
 // for them (the buffers stay valid until it returns) and drops their callbacks.
 TEST(FileIo, DestroyWithRequestsInFlight) {
   Rig r;
-  RIG_OR_SKIP(r, "/dev/shm");
+  RIG_OR_SKIP(r, Fs::tmpfs);
   AlignedBuf buf(16 << 20);
   int calls = 0;
   for (int i = 0; i < 16; ++i) {
-    IoRequest q = test::rw(*r.be, IoOp::read, 0, buf.sub(uint64_t(i) << 20, 1 << 20));
+    IoRequest q = rw(*r.be, IoOp::read, 0, buf.sub(uint64_t(i) << 20, 1 << 20));
     q.ctx = &calls;
     q.done = [](void* p, int) { ++*static_cast<int*>(p); };
     ASSERT_TRUE(r.eng->submit(q).ok());
@@ -548,4 +504,4 @@ TEST(FileIo, DestroyWithRequestsInFlight) {
 }
 
 }  // namespace
-}  // namespace ibnbd
+}  // namespace ibnbd::test

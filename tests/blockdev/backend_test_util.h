@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <ftw.h>
+#include <gtest/gtest.h>
 #include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <span>
@@ -136,6 +138,45 @@ inline bool all_zero(std::span<const std::byte> b) {
     if (x != std::byte{0}) return false;
   return true;
 }
+
+// `b` holds the device from offset 0, written with pattern `seed`, then some ranges zeroed
+// (discard, write-zeroes): expects zeros in each {offset, length} of `zeroed` (ascending) and the
+// pattern everywhere else.
+inline void expect_zeroed_ranges(std::span<const std::byte> b, uint64_t seed,
+                                 std::initializer_list<std::pair<uint64_t, uint64_t>> zeroed) {
+  uint64_t at = 0;
+  for (auto [off, len] : zeroed) {
+    EXPECT_EQ(check_pattern(b.subspan(at, off - at), seed, at), -1) << "data before " << off;
+    EXPECT_TRUE(all_zero(b.subspan(off, len))) << "zeros at " << off << " + " << len;
+    at = off + len;
+  }
+  EXPECT_EQ(check_pattern(b.subspan(at), seed, at), -1) << "data after " << at;
+}
+
+// A scratch file in a fresh directory, the backend under test (opened on the file itself or on
+// a device built over it) and an engine. The helpers return "" or why the test cannot run.
+struct Rig {
+  std::optional<TempDir> dir;
+  std::string path;  // the scratch file
+  std::unique_ptr<Backend> be;
+  std::unique_ptr<IoEngine> eng;
+
+  std::string make_file_in(const std::string& base, uint64_t size) {
+    dir = TempDir::make(base);
+    if (!dir) return "cannot create a directory in " + base;
+    path = *dir / "disk.img";
+    return make_file(path, size) ? "" : "cannot create " + path;
+  }
+  std::string open(const std::string& dev, const OpenOptions& o, uint32_t depth) {
+    auto b = Backend::open_path(dev, o);
+    if (!b) return "open " + dev + ": " + b.error().message();
+    be = std::move(*b);
+    auto e = IoEngine::create({depth});
+    if (!e) return "io_uring: " + e.error().message();
+    eng = std::move(*e);
+    return {};
+  }
+};
 
 // Runs one request to its callback. Returns the submit error, or the completion's errno.
 inline int run_io(IoEngine& e, IoRequest r) {

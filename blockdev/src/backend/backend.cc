@@ -1,4 +1,6 @@
 // Backend: opening a regular file or block device for export and learning its geometry.
+#include "ibnbd/backend.h"
+
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <linux/magic.h>
@@ -12,7 +14,6 @@
 #include <memory>
 
 #include "backend/sys.h"
-#include "ibnbd/backend.h"
 
 namespace ibnbd {
 
@@ -38,7 +39,7 @@ Status set_direct(int fd, bool on) {
 }
 
 struct DirectAlign {
-  uint32_t io = 0;   // 0: O_DIRECT not usable on this file
+  uint32_t io = 0;  // 0: O_DIRECT not usable on this file
   uint32_t mem = 0;
 };
 
@@ -71,8 +72,7 @@ Result<std::unique_ptr<Backend>> Backend::open(const ExportTarget& t, const Open
   return open_fd(t.root.get(), t.rel_path, true, o, t.root_path + "/" + t.rel_path);
 }
 
-Result<std::unique_ptr<Backend>> Backend::open_path(const std::string& path,
-                                                    const OpenOptions& o) {
+Result<std::unique_ptr<Backend>> Backend::open_path(const std::string& path, const OpenOptions& o) {
   return open_fd(AT_FDCWD, path, false, o, path);
 }
 
@@ -84,7 +84,8 @@ Result<std::unique_ptr<Backend>> Backend::open_fd(int dirfd, const std::string& 
   int flags = (o.read_only ? O_RDONLY : O_RDWR) | O_NONBLOCK | (o.exclusive ? O_EXCL : 0);
   UniqueFd fd;
   if (beneath) {
-    IBTRS_ASSIGN_OR_RETURN(fd, backend::openat2_beneath(dirfd, path, flags, backend::kResolveExport));
+    IBTRS_ASSIGN_OR_RETURN(fd,
+                           backend::openat2_beneath(dirfd, path, flags, backend::kResolveExport));
   } else {
     int f = ::openat(dirfd, path.c_str(), flags | O_CLOEXEC);
     if (f < 0) return errc(errno);
@@ -138,8 +139,8 @@ Status Backend::probe(const OpenOptions& o) {
     }
     const backend::QueueLimits q = backend::read_queue_limits(st.st_rdev);
     g.max_hw_sectors = static_cast<uint32_t>(q.max_hw_sectors_kb.value_or(512) * 2);
-    g.max_segments =
-        static_cast<uint16_t>(std::min<uint64_t>(q.max_segments.value_or(kFileMaxSegments), 0xffff));
+    g.max_segments = static_cast<uint16_t>(
+        std::min<uint64_t>(q.max_segments.value_or(kFileMaxSegments), 0xffff));
     if (!read_only_) {
       const uint64_t dmax = q.discard_max_bytes.value_or(0) / kSectorSize;
       can_discard_ = dmax > 0;
@@ -175,8 +176,8 @@ Status Backend::probe(const OpenOptions& o) {
       // Punching a block past the end changes nothing (KEEP_SIZE) but tells whether the
       // filesystem can punch at all. Write-zeroes falls back to punch + allocate, so it needs it
       // too (ZERO_RANGE cannot be probed without allocating blocks).
-      const off_t past_end = static_cast<off_t>(
-          (static_cast<uint64_t>(st.st_size) + fs_block - 1) / fs_block * fs_block);
+      const off_t past_end = static_cast<off_t>((static_cast<uint64_t>(st.st_size) + fs_block - 1) /
+                                                fs_block * fs_block);
       if (::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, past_end, fs_block) == 0) {
         can_discard_ = can_write_zeroes_ = true;
         g.max_discard_sectors = g.max_write_zeroes_sectors = kMaxRangeSectors;

@@ -51,7 +51,7 @@ class BlockingWorker {
   const int event_fd_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Job> jobs_;  // guarded by mu_
+  std::vector<Job> jobs_;   // guarded by mu_
   std::vector<Done> done_;  // guarded by mu_
   bool stop_ = false;       // guarded by mu_
   std::thread thread_;

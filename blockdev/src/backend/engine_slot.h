@@ -25,9 +25,9 @@ constexpr uint8_t stage_bit(uint8_t s) { return static_cast<uint8_t>(1u << s); }
 
 // How a WRITE_ZEROES is carried out (see IoEngine in backend.h).
 enum class ZeroWay : uint8_t {
-  zero_range,  // FALLOC_FL_ZERO_RANGE: zeros, blocks stay allocated
-  punch,       // FALLOC_FL_PUNCH_HOLE: zeros, blocks may be freed
-  punch_alloc, // punch, then allocate again: for filesystems without ZERO_RANGE (tmpfs)
+  zero_range,   // FALLOC_FL_ZERO_RANGE: zeros, blocks stay allocated
+  punch,        // FALLOC_FL_PUNCH_HOLE: zeros, blocks may be freed
+  punch_alloc,  // punch, then allocate again: for filesystems without ZERO_RANGE (tmpfs)
 };
 
 // user_data of an SQE: slot | stage | generation. The generation catches a completion that

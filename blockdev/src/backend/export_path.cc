@@ -107,10 +107,18 @@ Result<ExportTarget> resolve_export(std::string_view search_path_template,
     int e = target.error().value();
     std::string reason;
     switch (e) {
-      case EXDEV: reason = "a symlink leads outside " + root_clean; break;
-      case ELOOP: reason = "symlink loop or /proc magic link"; break;
-      case ENOSYS: reason = "kernel lacks openat2 (Linux >= 5.6): exports refused"; break;
-      default: reason = rel + ": " + std::generic_category().message(e); break;
+      case EXDEV:
+        reason = "a symlink leads outside " + root_clean;
+        break;
+      case ELOOP:
+        reason = "symlink loop or /proc magic link";
+        break;
+      case ENOSYS:
+        reason = "kernel lacks openat2 (Linux >= 5.6): exports refused";
+        break;
+      default:
+        reason = rel + ": " + std::generic_category().message(e);
+        break;
     }
     return refuse(why, e, std::move(reason));
   }

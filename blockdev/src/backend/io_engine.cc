@@ -1,8 +1,8 @@
 // IoEngine: requests as chains of linked SQEs on one io_uring, short transfers resumed, block
 // device discards on a helper thread. The mapping of operations is documented in backend.h.
 #include <fcntl.h>
-#include <linux/fs.h>
 #include <liburing.h>
+#include <linux/fs.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -273,8 +273,8 @@ Status IoEngine::Impl::start_round(Slot& s) {
   while (first < backend::kStageCount && !todo(first)) ++first;
   if (first == backend::kStageCount) return {};
   if (on_helper(first)) {
-    worker->post({s.be->fd(), s.op == IoOp::discard ? BLKDISCARD : BLKSECDISCARD, s.offset,
-                  s.len, backend::pack_tag({idx, first, s.gen})});
+    worker->post({s.be->fd(), s.op == IoOp::discard ? BLKDISCARD : BLKSECDISCARD, s.offset, s.len,
+                  backend::pack_tag({idx, first, s.gen})});
     s.round = stage_bit(first);
     s.pending = 1;
     return {};
