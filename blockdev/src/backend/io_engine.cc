@@ -470,8 +470,13 @@ uint32_t IoEngine::run_completions() {
     m.worker->take_done(m.worker_done);
     for (const auto& d : m.worker_done) m.on_result(d.tag, d.res);
   }
-  // Resubmissions and whatever the callbacks queued go out together.
-  (void)m.kick();
+  // Resubmissions and whatever the callbacks queued go out together. Should the kernel refuse
+  // the batch (EAGAIN/EBUSY, transient), poke our own eventfd so the owner's loop comes back and
+  // retries rather than sleeping on requests that never reached the kernel.
+  if (!m.kick().ok()) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t wr = ::write(m.efd.get(), &one, sizeof(one));
+  }
   m.in_completions = false;
   return m.callbacks;
 }
