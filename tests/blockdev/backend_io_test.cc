@@ -233,7 +233,7 @@ TEST_P(EachFs, WriteZeroesWithAndWithoutUnmap) {
     ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::read, 0, rd.span())), 0);
     expect_zeroed_ranges(rd.span(), flags + 1, {{1 << 20, 2 << 20}});
   }
-  EXPECT_EQ(r.be->zero_range_unsupported.load(), GetParam() == Fs::tmpfs);
+  EXPECT_EQ(r.be->zero_range_unsupported(), GetParam() == Fs::tmpfs);
 }
 
 // Case: a read ending past the exported size; a read of a file truncated behind the backend's

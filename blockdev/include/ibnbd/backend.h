@@ -121,9 +121,10 @@ class Backend {
   // new exported size. IO racing with a shrink fails with EIO (range check or short read).
   Result<uint64_t> refresh_size();
 
-  // Set by the engine when the filesystem turns out to lack FALLOC_FL_ZERO_RANGE (tmpfs): later
-  // write-zeroes go straight to the punch + allocate fallback.
-  std::atomic<bool> zero_range_unsupported{false};
+  // Learnt by the engine when the filesystem turns out to lack FALLOC_FL_ZERO_RANGE (tmpfs):
+  // later write-zeroes go straight to the punch + allocate fallback. Any thread.
+  bool zero_range_unsupported() const { return no_zero_range_.load(std::memory_order_relaxed); }
+  void note_zero_range_unsupported() { no_zero_range_.store(true, std::memory_order_relaxed); }
 
  private:
   Backend() = default;
@@ -142,6 +143,7 @@ class Backend {
   uint32_t mem_align_ = 1;
   DeviceGeometry geo_;  // everything but nsectors, fixed at open
   std::atomic<uint64_t> size_{0};
+  std::atomic<bool> no_zero_range_{false};
 };
 
 // ---------------------------------------------------------------------------------------------

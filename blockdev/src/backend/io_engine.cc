@@ -200,8 +200,7 @@ void IoEngine::Impl::plan(Slot& s) {
   if (s.op == IoOp::write_zeroes) {
     if (!(s.flags & kIoNoUnmap))
       s.zero = ZeroWay::punch;
-    else if (s.be->kind() == Backend::Kind::file &&
-             s.be->zero_range_unsupported.load(std::memory_order_relaxed))
+    else if (s.be->kind() == Backend::Kind::file && s.be->zero_range_unsupported())
       s.zero = ZeroWay::punch_alloc;
     else
       s.zero = ZeroWay::zero_range;
@@ -403,7 +402,7 @@ void IoEngine::Impl::end_round(Slot& s) {
         !s.fell_back) {
       s.fell_back = true;
       if (s.zero == ZeroWay::zero_range && s.be->kind() == Backend::Kind::file) {
-        s.be->zero_range_unsupported.store(true, std::memory_order_relaxed);
+        s.be->note_zero_range_unsupported();
         s.zero = ZeroWay::punch_alloc;
         s.planned |= stage_bit(backend::kStageMain2);
       } else if (s.zero == ZeroWay::punch) {
