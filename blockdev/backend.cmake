@@ -1,0 +1,36 @@
+# ibnbd_backend: the server's storage backends (export resolution, opened devices, the io_uring
+# IO engine). liburing stays private: the public header (ibnbd/backend.h) does not include it.
+find_package(PkgConfig QUIET)
+if(PkgConfig_FOUND)
+  pkg_check_modules(LIBURING QUIET IMPORTED_TARGET liburing)
+endif()
+if(TARGET PkgConfig::LIBURING)
+  set(IBNBD_URING PkgConfig::LIBURING)
+else()
+  find_library(URING_LIB uring)
+  find_path(URING_INCLUDE liburing.h)
+  if(NOT URING_LIB OR NOT URING_INCLUDE)
+    message(FATAL_ERROR "liburing not found (Debian: apt-get install liburing-dev)")
+  endif()
+  add_library(ibnbd_uring INTERFACE)
+  target_include_directories(ibnbd_uring SYSTEM INTERFACE ${URING_INCLUDE})
+  target_link_libraries(ibnbd_uring INTERFACE ${URING_LIB})
+  set(IBNBD_URING ibnbd_uring)
+endif()
+
+add_library(ibnbd_backend STATIC
+  src/backend/sys.cc
+  src/backend/export_path.cc
+  src/backend/backend.cc
+  src/backend/blocking_worker.cc
+  src/backend/io_engine.cc
+)
+target_include_directories(ibnbd_backend PRIVATE src)
+target_link_libraries(ibnbd_backend
+  PUBLIC ibnbd_types Threads::Threads
+  PRIVATE ${IBNBD_URING} ibtrs_build_flags)
+
+# The internal headers (slots, tags, sysfs limits) for the project's own tests.
+add_library(ibnbd_backend_internal INTERFACE)
+target_include_directories(ibnbd_backend_internal INTERFACE src)
+target_link_libraries(ibnbd_backend_internal INTERFACE ibnbd_backend ${IBNBD_URING})
