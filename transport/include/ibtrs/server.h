@@ -14,6 +14,7 @@
 //   - Server methods: any thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -56,8 +57,9 @@ class ServerSession {
   // Disconnects one path (ENOENT); the client will reconnect it.
   virtual Status disconnect_path(std::string_view path) = 0;
 
-  // The upper layer's state for this session (set in on_session_up).
-  void* context = nullptr;
+  // The upper layer's state for this session: set in on_session_up (which runs before any
+  // request of the session reaches on_request), read on the IO threads.
+  std::atomic<void*> context{nullptr};
 };
 
 class ServerRequest {
@@ -91,7 +93,7 @@ class ServerRequest {
 class ServerHandler {
  public:
   virtual ~ServerHandler() = default;
-  // A session's first path is CONNECTED. Set session.context here.
+  // A session's first path is connecting and about to carry requests. Set session.context here.
   virtual void on_session_up(ServerSession& session) { (void)session; }
   // The session's last path is gone and every request of it completed; `session` is freed after.
   virtual void on_session_down(ServerSession& session) { (void)session; }

@@ -822,6 +822,12 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     d.len.set(s->chunk_size);
     std::memcpy(out + sizeof(h) + i * sizeof(d), &d, sizeof(d));
   }
+  // The upper layer learns of the session before any request of it can arrive (it sets its
+  // context there).
+  if (!s->up) {
+    s->up = true;
+    opts.handler->on_session_up(*s);
+  }
   // Open for IO before the client can learn the chunks: its first request may follow at once.
   for (auto& c : p->cons) c->gate.open();
   if (!p->state.change_from(ServerPathState::connecting, ServerPathState::connected).ok()) return;
@@ -835,10 +841,6 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     return;
   }
   IBTRS_LOG(info, "session %s: path %s connected", s->name_.c_str(), p->name.c_str());
-  if (!s->up) {
-    s->up = true;
-    opts.handler->on_session_up(*s);
-  }
   p->announced = true;
   opts.handler->on_path_up(*s, p->info());
   p->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,

@@ -1,0 +1,106 @@
+// The IBNBD block server (kernel counterpart: rnbd-srv): exports regular files and block devices
+// found under a search path to IBNBD clients over an IBTRS server, with the IO moved by io_uring
+// straight between the transport chunks and the store.
+//
+// Threads: the IBTRS server's IO threads decode requests and submit IO to their own io_uring
+// (one per IO thread, driven as an IoThreadHook, so a request is received, submitted and
+// answered on one thread); OPEN and CLOSE, which touch the filesystem, and the admin operations
+// run on the block server's control thread. Every public function may be called from any thread
+// except from inside a request's completion (none are exposed).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ibnbd/backend.h"
+#include "ibnbd/types.h"
+#include "ibtrs/server.h"
+
+namespace ibnbd {
+
+struct BlockServerOptions {
+  // The transport: listen addresses, queue depth, chunk size, IO threads, heartbeats,
+  // always_invalidate. `handler` is set by the block server.
+  ibtrs::ServerOptions transport;
+  // Where exported devices live (kernel: dev_search_path); %SESSNAME% is replaced by the client
+  // session's name for per-session namespaces. Must be absolute.
+  std::string dev_search_path = "/";
+  DirectIo direct_io = DirectIo::prefer;
+  // Every device is exported read-only: rw and migration opens are refused with EROFS.
+  bool read_only = false;
+  uint32_t engine_queue_depth = 1024;  // io_uring requests in flight per IO thread
+  uint32_t max_devices_per_session = 256;
+};
+
+// Per-device and per-session counters (cumulative since the device was opened / the session
+// came up).
+struct BlockStats {
+  uint64_t read_ops = 0, read_bytes = 0;
+  uint64_t write_ops = 0, write_bytes = 0;
+  uint64_t flush_ops = 0, discard_ops = 0, write_zeroes_ops = 0;
+  uint64_t errors = 0;
+  int64_t inflight = 0;
+};
+
+struct DeviceHolderInfo {
+  std::string session;
+  uint32_t device_id = 0;
+  AccessMode mode = AccessMode::ro;
+};
+
+struct ExportedDeviceInfo {
+  std::string name;  // the resolved path under the search root
+  std::string kind;  // "file" | "block_device"
+  uint64_t size = 0;
+  bool direct = false;
+  bool read_only = false;
+  std::vector<DeviceHolderInfo> holders;
+  BlockStats stats;
+};
+
+struct SessionOpenInfo {
+  uint32_t device_id = 0;
+  std::string device;
+  AccessMode mode = AccessMode::ro;
+  bool force_closed = false;
+};
+
+struct BlockSessionInfo {
+  std::string name;
+  uint8_t version = 0;  // negotiated (0 before SESS_INFO)
+  std::vector<ibtrs::ServerPathInfo> paths;
+  std::vector<SessionOpenInfo> devices;
+  BlockStats stats;
+};
+
+class BlockServer {
+ public:
+  // Errors: EINVAL (bad options), what ibtrs::Server::start and io_uring setup return.
+  static Result<std::unique_ptr<BlockServer>> start(BlockServerOptions options);
+  // Graceful: closes every session, waits for the IO in flight, syncs and closes the devices.
+  ~BlockServer();
+  BlockServer(const BlockServer&) = delete;
+  BlockServer& operator=(const BlockServer&) = delete;
+
+  std::vector<ibtrs::Address> addresses() const;
+  std::vector<BlockSessionInfo> sessions() const;
+  std::vector<ExportedDeviceInfo> devices() const;
+  // Takes `device` (its name as devices() shows it) away from `session`: its IO gets ENODEV until
+  // the client closes and reopens it. ENOENT when the session does not hold the device.
+  Status force_close(std::string_view device, std::string_view session);
+  // Passes through to the transport session (ENOENT for an unknown session or path).
+  Status disconnect_path(std::string_view session, std::string_view path);
+  Status reset_path_stats(std::string_view session, std::string_view path);
+
+  struct Impl;
+
+ private:
+  explicit BlockServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ibnbd

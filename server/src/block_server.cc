@@ -1,0 +1,510 @@
+#include "ibnbd/server.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "control_thread.h"
+#include "proto/access.h"
+#include "proto/ibnbd_proto.h"
+
+namespace ibnbd {
+
+using ibtrs::IoDir;
+using ibtrs::ServerRequest;
+using ibtrs::ServerSession;
+
+namespace server {
+namespace {
+
+void log_warn(const char* fmt, const std::string& a, const std::string& b) {
+  std::fprintf(stderr, "ibnbd-server: ");
+  std::fprintf(stderr, fmt, a.c_str(), b.c_str());
+  std::fputc('\n', stderr);
+}
+
+struct Counters {
+  std::atomic<uint64_t> read_ops{0}, read_bytes{0}, write_ops{0}, write_bytes{0};
+  std::atomic<uint64_t> flush_ops{0}, discard_ops{0}, write_zeroes_ops{0}, errors{0};
+  std::atomic<int64_t> inflight{0};
+
+  void done(IoOp op, uint32_t bytes, int err) {
+    constexpr auto r = std::memory_order_relaxed;
+    if (err != 0) errors.fetch_add(1, r);
+    switch (op) {
+      case IoOp::read: read_ops.fetch_add(1, r); read_bytes.fetch_add(err ? 0 : bytes, r); break;
+      case IoOp::write: write_ops.fetch_add(1, r); write_bytes.fetch_add(err ? 0 : bytes, r); break;
+      case IoOp::flush: flush_ops.fetch_add(1, r); break;
+      case IoOp::discard:
+      case IoOp::secure_erase: discard_ops.fetch_add(1, r); break;
+      case IoOp::write_zeroes: write_zeroes_ops.fetch_add(1, r); break;
+    }
+  }
+  BlockStats snapshot() const {
+    constexpr auto r = std::memory_order_relaxed;
+    BlockStats s;
+    s.read_ops = read_ops.load(r);
+    s.read_bytes = read_bytes.load(r);
+    s.write_ops = write_ops.load(r);
+    s.write_bytes = write_bytes.load(r);
+    s.flush_ops = flush_ops.load(r);
+    s.discard_ops = discard_ops.load(r);
+    s.write_zeroes_ops = write_zeroes_ops.load(r);
+    s.errors = errors.load(r);
+    s.inflight = inflight.load(r);
+    return s;
+  }
+};
+
+// One exported device, shared by every session that holds it open.
+struct Device {
+  std::string name;
+  std::unique_ptr<Backend> backend;
+  Counters stats;
+};
+
+// A device id of a session as the IO threads see it. Written by the control thread only.
+struct Slot {
+  std::atomic<Device*> dev{nullptr};
+  std::atomic<uint8_t> mode{0};
+};
+
+// What the engine's callback needs to answer one request; one per chunk of the session (a chunk
+// carries one request at a time), so the IO path allocates nothing.
+struct IoCtx {
+  struct Sess* sess = nullptr;
+  ServerRequest* req = nullptr;
+  Device* dev = nullptr;
+  IoOp op = IoOp::read;
+  uint32_t bytes = 0;
+};
+
+struct Sess {
+  proto::SessionId id = 0;
+  ServerSession* ts = nullptr;
+  std::string name;
+  std::atomic<uint8_t> version{0};
+  std::unique_ptr<Slot[]> slots;
+  std::unique_ptr<IoCtx[]> ctxs;
+  uint32_t nctx = 0;
+  Counters stats;
+};
+
+}  // namespace
+
+// One IO thread's io_uring, driven by that thread (ibtrs::IoThreadHook).
+struct EngineHook final : ibtrs::IoThreadHook {
+  std::unique_ptr<IoEngine> engine;
+  // Requests the ring had no room for (EAGAIN): retried as completions free slots.
+  std::deque<std::pair<ServerRequest*, ibnbd::IoRequest>> overflow;
+  std::atomic<uint64_t> passes{0};
+
+  int fd() const override { return engine->event_fd(); }
+  size_t poll() override {
+    size_t n = engine->run_completions();
+    while (!overflow.empty()) {
+      auto& [req, io] = overflow.front();
+      auto st = engine->submit(io);
+      if (!st.ok() && st.error() == std::errc::resource_unavailable_try_again) break;
+      if (!st.ok()) {
+        auto* ctx = static_cast<IoCtx*>(io.ctx);
+        io.done(ctx, st.error().value());
+      }
+      overflow.pop_front();
+      ++n;
+    }
+    return n;
+  }
+  void flush() override {
+    (void)engine->kick();
+    passes.fetch_add(1, std::memory_order_release);
+  }
+};
+
+}  // namespace server
+
+using namespace server;
+
+struct BlockServer::Impl final : ibtrs::ServerHandler {
+  BlockServerOptions opts;
+  std::vector<std::unique_ptr<EngineHook>> hooks;  // per IO thread
+  std::unique_ptr<ibtrs::Server> transport;
+  ControlThread control;
+
+  // Control thread only.
+  proto::OpenTable table;
+  std::map<std::string, std::unique_ptr<Device>, std::less<>> devices;
+  proto::SessionId next_session = 1;
+
+  // Sessions by name, for listings and admin lookups (the IO path never takes it).
+  mutable std::mutex mu;
+  std::map<proto::SessionId, Sess*> sessions;
+
+  explicit Impl(BlockServerOptions o) : opts(std::move(o)), table(o.max_devices_per_session - 1) {}
+
+  // ---- transport callbacks ----
+  IoThreadHook* io_thread_hook(uint32_t thread) override {
+    if (thread >= hooks.size()) hooks.resize(thread + 1);
+    auto e = IoEngine::create(EngineOptions{opts.engine_queue_depth});
+    if (!e.ok()) {
+      log_warn("io_uring for IO thread %s: %s", std::to_string(thread), e.error().message());
+      return nullptr;
+    }
+    hooks[thread] = std::make_unique<EngineHook>();
+    hooks[thread]->engine = std::move(*e);
+    return hooks[thread].get();
+  }
+
+  void on_session_up(ServerSession& ts) override {
+    auto* s = new Sess;
+    s->ts = &ts;
+    s->name = ts.name();
+    s->slots = std::make_unique<Slot[]>(opts.max_devices_per_session);
+    s->nctx = opts.transport.queue_depth;
+    s->ctxs = std::make_unique<IoCtx[]>(s->nctx);
+    s->id = control.call([this] { return next_session++; });
+    {
+      std::lock_guard l(mu);
+      sessions[s->id] = s;
+    }
+    ts.context.store(s, std::memory_order_release);
+  }
+
+  void on_session_down(ServerSession& ts) override {
+    auto* s = static_cast<Sess*>(ts.context.load(std::memory_order_acquire));
+    if (s == nullptr) return;
+    {
+      std::lock_guard l(mu);
+      sessions.erase(s->id);
+    }
+    // Every request of the session has completed (the transport's promise), so no IO thread
+    // holds any of its slots.
+    control.call([this, s] {
+      for (auto& r : table.end_session(s->id)) {
+        if (r.last_holder) close_device(r.dev);
+      }
+      return 0;
+    });
+    ts.context.store(nullptr, std::memory_order_release);
+    delete s;
+  }
+
+  void on_request(ServerRequest& r) override {
+    auto* s = static_cast<Sess*>(r.session().context.load(std::memory_order_acquire));
+    if (s == nullptr) return r.complete(ESHUTDOWN);
+    auto type = proto::peek_type(r.usr());
+    if (!type.ok()) return r.complete(EBADMSG);
+    const proto::Carrier carrier{r.dir(), r.data().size()};
+    switch (*type) {
+      case proto::MsgType::io: return submit_io(*s, r, carrier);
+      case proto::MsgType::sess_info: {
+        auto m = proto::decode_sess_info(r.usr(), carrier);
+        if (!m.ok()) return r.complete(m.error().value());
+        auto v = proto::negotiate_version(m->ver);
+        if (!v.ok()) return r.complete(v.error().value());
+        auto n = proto::encode_sess_info_rsp(r.data(), proto::SessInfoRsp{*v});
+        if (!n.ok()) return r.complete(n.error().value());
+        s->version.store(*v, std::memory_order_relaxed);
+        return r.complete(0);
+      }
+      case proto::MsgType::open:
+      case proto::MsgType::close:
+        control.post([this, s, &r, carrier] { control_request(*s, r, carrier); });
+        return;
+      default:
+        return r.complete(EBADMSG);
+    }
+  }
+
+  // ---- IO path (the request's IO thread) ----
+  void submit_io(Sess& s, ServerRequest& r, const proto::Carrier& carrier) {
+    auto io = proto::decode_io(r.usr(), carrier);
+    if (!io.ok()) return r.complete(io.error().value());
+    if (s.version.load(std::memory_order_relaxed) == 0) return r.complete(EPROTO);
+    if (io->device_id >= opts.max_devices_per_session || r.chunk_id() >= s.nctx)
+      return r.complete(ENODEV);
+    Slot& slot = s.slots[io->device_id];
+    Device* d = slot.dev.load(std::memory_order_acquire);
+    if (d == nullptr) return r.complete(ENODEV);
+    auto allowed = proto::check_op_allowed(static_cast<AccessMode>(slot.mode.load(std::memory_order_relaxed)), io->op);
+    if (!allowed.ok()) return r.complete(allowed.error().value());
+    IoCtx& c = s.ctxs[r.chunk_id()];
+    c.sess = &s;
+    c.req = &r;
+    c.dev = d;
+    c.op = io->op;
+    c.bytes = io->bi_size;
+    d->stats.inflight.fetch_add(1, std::memory_order_relaxed);
+    s.stats.inflight.fetch_add(1, std::memory_order_relaxed);
+    ibnbd::IoRequest q;
+    q.backend = d->backend.get();
+    q.op = io->op;
+    q.flags = io->flags;
+    q.offset = io->sector * kSectorSize;
+    q.len = io->bi_size;
+    if (io->op == IoOp::read || io->op == IoOp::write) q.buf = r.data();
+    q.done = &Impl::io_done;
+    q.ctx = &c;
+    EngineHook* h = r.io_thread() < hooks.size() ? hooks[r.io_thread()].get() : nullptr;
+    if (h == nullptr) return io_done(&c, EIO);
+    auto st = h->engine->submit(q);
+    if (st.ok()) return;
+    if (st.error() == std::errc::resource_unavailable_try_again) {
+      h->overflow.emplace_back(&r, q);
+      return;
+    }
+    io_done(&c, st.error().value());
+  }
+
+  static void io_done(void* ctx, int err) {
+    auto* c = static_cast<IoCtx*>(ctx);
+    c->dev->stats.done(c->op, c->bytes, err);
+    c->sess->stats.done(c->op, c->bytes, err);
+    c->dev->stats.inflight.fetch_sub(1, std::memory_order_relaxed);
+    c->sess->stats.inflight.fetch_sub(1, std::memory_order_relaxed);
+    c->req->complete(err);
+  }
+
+  // ---- control thread ----
+  void control_request(Sess& s, ServerRequest& r, const proto::Carrier& carrier) {
+    auto type = proto::peek_type(r.usr());
+    if (*type == proto::MsgType::open) {
+      auto m = proto::decode_open(r.usr(), carrier);
+      if (!m.ok()) return r.complete(m.error().value());
+      auto rsp = open_device(s, *m);
+      if (!rsp.ok()) return r.complete(rsp.error().value());
+      auto n = proto::encode_open_rsp(r.data(), *rsp);
+      return r.complete(n.ok() ? 0 : n.error().value());
+    }
+    auto m = proto::decode_close(r.usr(), carrier);
+    if (!m.ok()) return r.complete(m.error().value());
+    r.complete(close_id(s, m->device_id).error().value());
+  }
+
+  Result<proto::OpenRsp> open_device(Sess& s, const proto::Open& m) {
+    if (s.version.load(std::memory_order_relaxed) == 0) return errc(EPROTO);
+    std::string why;
+    auto target = resolve_export(opts.dev_search_path, s.name, m.dev_name, &why);
+    if (!target.ok()) {
+      log_warn("OPEN %s refused: %s", m.dev_name, why.empty() ? target.error().message() : why);
+      return target.error();
+    }
+    if (opts.read_only && m.mode != AccessMode::ro) return errc(EROFS);
+    const std::string name = target->root_path + "/" + target->rel_path;
+    Device* dev = nullptr;
+    if (auto it = devices.find(name); it != devices.end()) {
+      dev = it->second.get();
+      if (dev->backend->read_only() && m.mode != AccessMode::ro) return errc(EROFS);
+    }
+    auto grant = table.open(s.id, name, m.mode);
+    if (!grant.ok()) return grant.error();
+    if (dev == nullptr) {
+      OpenOptions oo;
+      oo.read_only = opts.read_only;
+      oo.direct = opts.direct_io;
+      auto b = Backend::open(*target, oo);
+      if (!b.ok() && !opts.read_only && m.mode == AccessMode::ro &&
+          (b.error() == std::errc::permission_denied || b.error() == std::errc::read_only_file_system)) {
+        oo.read_only = true;  // a store we may only read still serves ro opens
+        b = Backend::open(*target, oo);
+      }
+      if (!b.ok()) {
+        (void)table.close(s.id, grant->device_id);
+        log_warn("OPEN %s: %s", name, b.error().message());
+        return b.error();
+      }
+      auto d = std::make_unique<Device>();
+      d->name = name;
+      d->backend = std::move(*b);
+      dev = d.get();
+      devices.emplace(name, std::move(d));
+    }
+    if (grant->device_id >= opts.max_devices_per_session) {
+      (void)release(s.id, grant->device_id);
+      return errc(ENOSPC);
+    }
+    Slot& slot = s.slots[grant->device_id];
+    slot.mode.store(static_cast<uint8_t>(m.mode), std::memory_order_relaxed);
+    slot.dev.store(dev, std::memory_order_release);
+    proto::OpenRsp rsp;
+    rsp.device_id = grant->device_id;
+    rsp.geo = dev->backend->geometry();
+    return rsp;
+  }
+
+  // Frees a session's id; the device goes when its last holder does.
+  Status release(proto::SessionId sid, uint32_t id) {
+    auto r = table.close(sid, id);
+    if (!r.ok()) return r.error();
+    if (r->last_holder) close_device(r->dev);
+    return {};
+  }
+
+  Status close_id(Sess& s, uint32_t id) {
+    if (id >= opts.max_devices_per_session) return errc(ENOENT);
+    s.slots[id].dev.store(nullptr, std::memory_order_release);
+    quiesce();
+    return release(s.id, id);
+  }
+
+  // Waits until every IO thread finished the pass it was in: a request that saw a slot before
+  // it was cleared has by then counted itself in flight on the device.
+  void quiesce() {
+    std::vector<uint64_t> seen;
+    for (auto& h : hooks) seen.push_back(h ? h->passes.load(std::memory_order_acquire) : 0);
+    for (size_t i = 0; i < hooks.size(); ++i) {
+      while (hooks[i] && hooks[i]->passes.load(std::memory_order_acquire) <= seen[i] + 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  void close_device(const std::string& name) {
+    auto it = devices.find(name);
+    if (it == devices.end()) return;
+    Device* d = it->second.get();
+    quiesce();
+    while (d->stats.inflight.load(std::memory_order_acquire) > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (!d->backend->read_only()) ::fdatasync(d->backend->fd());
+    devices.erase(it);
+  }
+
+  Sess* find_session(std::string_view name) const {
+    std::lock_guard l(mu);
+    for (auto& [id, s] : sessions)
+      if (s->name == name) return s;
+    return nullptr;
+  }
+};
+
+// ---- public API ----
+
+BlockServer::BlockServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+BlockServer::~BlockServer() {
+  // Closes every path and waits until each request was answered; the IO threads (and with them
+  // the engines' completions) run until then.
+  impl_->transport.reset();
+  impl_->control.call([im = impl_.get()] {
+    std::vector<std::string> names;
+    for (auto& [n, d] : im->devices) names.push_back(n);
+    for (auto& n : names) im->close_device(n);
+    return 0;
+  });
+  impl_->control.stop();
+}
+
+Result<std::unique_ptr<BlockServer>> BlockServer::start(BlockServerOptions o) {
+  if (o.dev_search_path.empty() || o.dev_search_path[0] != '/' || o.max_devices_per_session == 0 ||
+      o.engine_queue_depth == 0)
+    return errc(EINVAL);
+  auto impl = std::make_unique<Impl>(std::move(o));
+  impl->opts.transport.handler = impl.get();
+  auto srv = ibtrs::Server::start(impl->opts.transport);
+  if (!srv.ok()) return srv.error();
+  impl->transport = std::move(*srv);
+  for (auto& h : impl->hooks) {
+    if (!h) return errc(ENOSYS);  // an IO thread without io_uring could not serve anything
+  }
+  return std::unique_ptr<BlockServer>(new BlockServer(std::move(impl)));
+}
+
+std::vector<ibtrs::Address> BlockServer::addresses() const { return impl_->transport->addresses(); }
+
+std::vector<BlockSessionInfo> BlockServer::sessions() const {
+  std::vector<std::pair<proto::SessionId, Sess*>> live;
+  {
+    std::lock_guard l(impl_->mu);
+    live.assign(impl_->sessions.begin(), impl_->sessions.end());
+  }
+  std::vector<BlockSessionInfo> out;
+  impl_->control.call([&] {
+    for (auto& [id, s] : live) {
+      BlockSessionInfo i;
+      i.name = s->name;
+      i.version = s->version.load();
+      i.stats = s->stats.snapshot();
+      for (auto& o : impl_->table.devices_of(id))
+        i.devices.push_back(SessionOpenInfo{o.device_id, o.dev, o.mode, o.force_closed});
+      out.push_back(std::move(i));
+    }
+    return 0;
+  });
+  for (auto& i : out) {
+    (void)impl_->transport->with_session(i.name, [&](ibtrs::ServerSession& ts) { i.paths = ts.paths(); });
+  }
+  return out;
+}
+
+std::vector<ExportedDeviceInfo> BlockServer::devices() const {
+  std::map<proto::SessionId, std::string> names;
+  {
+    std::lock_guard l(impl_->mu);
+    for (auto& [id, s] : impl_->sessions) names[id] = s->name;
+  }
+  return impl_->control.call([&] {
+    std::vector<ExportedDeviceInfo> out;
+    for (auto& [n, d] : impl_->devices) {
+      ExportedDeviceInfo i;
+      i.name = n;
+      i.kind = d->backend->kind() == Backend::Kind::file ? "file" : "block_device";
+      i.size = d->backend->size();
+      i.direct = d->backend->direct();
+      i.read_only = d->backend->read_only();
+      i.stats = d->stats.snapshot();
+      for (auto& h : impl_->table.holders(n)) {
+        DeviceHolderInfo hi;
+        hi.session = names.count(h.session) ? names[h.session] : std::to_string(h.session);
+        hi.mode = h.mode;
+        for (auto& o : impl_->table.devices_of(h.session))
+          if (o.dev == n) hi.device_id = o.device_id;
+        i.holders.push_back(std::move(hi));
+      }
+      out.push_back(std::move(i));
+    }
+    return out;
+  });
+}
+
+Status BlockServer::force_close(std::string_view device, std::string_view session) {
+  Sess* s = impl_->find_session(session);
+  if (s == nullptr) return errc(ENOENT);
+  return impl_->control.call([&]() -> Status {
+    uint32_t id = UINT32_MAX;
+    for (auto& o : impl_->table.devices_of(s->id))
+      if (o.dev == device && !o.force_closed) id = o.device_id;
+    if (id == UINT32_MAX) return errc(ENOENT);
+    if (id < impl_->opts.max_devices_per_session)
+      s->slots[id].dev.store(nullptr, std::memory_order_release);
+    impl_->quiesce();
+    auto r = impl_->table.force_close(device, s->id);
+    if (!r.ok()) return r.error();
+    if (r->last_holder) impl_->close_device(r->dev);
+    return {};
+  });
+}
+
+Status BlockServer::disconnect_path(std::string_view session, std::string_view path) {
+  Status st = errc(ENOENT);
+  auto found = impl_->transport->with_session(session, [&](ibtrs::ServerSession& ts) {
+    st = ts.disconnect_path(path);
+  });
+  return found.ok() ? st : found;
+}
+
+Status BlockServer::reset_path_stats(std::string_view session, std::string_view path) {
+  Status st = errc(ENOENT);
+  auto found = impl_->transport->with_session(session, [&](ibtrs::ServerSession& ts) {
+    st = ts.reset_stats(path);
+  });
+  return found.ok() ? st : found;
+}
+
+}  // namespace ibnbd
