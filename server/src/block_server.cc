@@ -24,10 +24,9 @@ using ibtrs::ServerSession;
 namespace server {
 namespace {
 
-void log_warn(const char* fmt, const std::string& a, const std::string& b) {
-  std::fprintf(stderr, "ibnbd-server: ");
-  std::fprintf(stderr, fmt, a.c_str(), b.c_str());
-  std::fputc('\n', stderr);
+// "ibnbd-server: WHAT WHO: WHY" on stderr (the daemon's log).
+void log_warn(const std::string& what, const std::string& who, const std::string& why) {
+  std::fprintf(stderr, "ibnbd-server: %s %s: %s\n", what.c_str(), who.c_str(), why.c_str());
 }
 
 struct Counters {
@@ -147,14 +146,14 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   mutable std::mutex mu;
   std::map<proto::SessionId, Sess*> sessions;
 
-  explicit Impl(BlockServerOptions o) : opts(std::move(o)), table(o.max_devices_per_session - 1) {}
+  explicit Impl(BlockServerOptions o) : opts(std::move(o)), table(opts.max_devices_per_session - 1) {}
 
   // ---- transport callbacks ----
-  IoThreadHook* io_thread_hook(uint32_t thread) override {
+  ibtrs::IoThreadHook* io_thread_hook(uint32_t thread) override {
     if (thread >= hooks.size()) hooks.resize(thread + 1);
     auto e = IoEngine::create(EngineOptions{opts.engine_queue_depth});
     if (!e.ok()) {
-      log_warn("io_uring for IO thread %s: %s", std::to_string(thread), e.error().message());
+      log_warn("io_uring for IO thread", std::to_string(thread), e.error().message());
       return nullptr;
     }
     hooks[thread] = std::make_unique<EngineHook>();
@@ -293,7 +292,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     std::string why;
     auto target = resolve_export(opts.dev_search_path, s.name, m.dev_name, &why);
     if (!target.ok()) {
-      log_warn("OPEN %s refused: %s", m.dev_name, why.empty() ? target.error().message() : why);
+      log_warn("OPEN refused:", m.dev_name, why.empty() ? target.error().message() : why);
       return target.error();
     }
     if (opts.read_only && m.mode != AccessMode::ro) return errc(EROFS);
@@ -317,7 +316,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       }
       if (!b.ok()) {
         (void)table.close(s.id, grant->device_id);
-        log_warn("OPEN %s: %s", name, b.error().message());
+        log_warn("OPEN", name, b.error().message());
         return b.error();
       }
       auto d = std::make_unique<Device>();

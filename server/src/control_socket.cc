@@ -1,0 +1,113 @@
+#include "control_socket.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace ibnbd {
+
+namespace {
+constexpr size_t kMaxLine = 1 << 20;  // a request larger than this is refused, not buffered
+constexpr int kIdleMs = 30000;        // a silent admin connection is dropped after this
+}  // namespace
+
+nlohmann::json ControlSocket::error(int err, const std::string& text) {
+  return {{"ok", false}, {"errno", err}, {"error", text.empty() ? std::strerror(err) : text}};
+}
+
+Result<std::unique_ptr<ControlSocket>> ControlSocket::start(const std::string& path, Handler h) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(sa.sun_path)) return errc(ENAMETOOLONG);
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errc(errno);
+  ::unlink(path.c_str());
+  const mode_t old = ::umask(0077);
+  int r = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+  ::umask(old);
+  if (r != 0 || ::listen(fd, 16) != 0) {
+    int e = errno;
+    ::close(fd);
+    return errc(e);
+  }
+  int stop = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (stop < 0) {
+    int e = errno;
+    ::close(fd);
+    return errc(e);
+  }
+  std::unique_ptr<ControlSocket> cs(new ControlSocket(path, fd, stop, std::move(h)));
+  cs->thread_ = std::thread([p = cs.get()] { p->loop(); });
+  return cs;
+}
+
+ControlSocket::ControlSocket(std::string path, int fd, int stop_fd, Handler h)
+    : path_(std::move(path)), fd_(fd), stop_fd_(stop_fd), handler_(std::move(h)) {}
+
+ControlSocket::~ControlSocket() {
+  uint64_t one = 1;
+  [[maybe_unused]] ssize_t w = ::write(stop_fd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+  ::close(fd_);
+  ::close(stop_fd_);
+  ::unlink(path_.c_str());
+}
+
+void ControlSocket::loop() {
+  for (;;) {
+    pollfd p[2] = {{fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    if (::poll(p, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (p[1].revents != 0) return;
+    int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    serve(c);
+    ::close(c);
+  }
+}
+
+void ControlSocket::serve(int conn) {
+  std::string buf;
+  char tmp[4096];
+  for (;;) {
+    size_t nl;
+    while ((nl = buf.find('\n')) != std::string::npos) {
+      std::string line = buf.substr(0, nl);
+      buf.erase(0, nl + 1);
+      nlohmann::json rsp;
+      try {
+        auto req = nlohmann::json::parse(line);
+        if (!req.is_object() || !req.contains("cmd") || !req["cmd"].is_string())
+          rsp = error(EINVAL, "a request is a JSON object with a string \"cmd\"");
+        else
+          rsp = handler_(req);
+      } catch (const std::exception& e) {
+        rsp = error(EINVAL, std::string("bad request: ") + e.what());
+      }
+      std::string out = rsp.dump() + "\n";
+      for (size_t off = 0; off < out.size();) {
+        ssize_t n = ::send(conn, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+        if (n <= 0) return;
+        off += static_cast<size_t>(n);
+      }
+    }
+    if (buf.size() > kMaxLine) return;
+    pollfd p[2] = {{conn, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    int r = ::poll(p, 2, kIdleMs);
+    if (r <= 0 || p[1].revents != 0) return;
+    ssize_t n = ::recv(conn, tmp, sizeof(tmp), 0);
+    if (n <= 0) return;
+    buf.append(tmp, static_cast<size_t>(n));
+  }
+}
+
+}  // namespace ibnbd

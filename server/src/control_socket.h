@@ -1,0 +1,47 @@
+// A daemon's local control socket: a unix stream socket speaking one JSON object per line. Each
+// request line gets one response line. The admin CLI is the client.
+//
+//   request:  {"cmd": "devices", ...arguments}
+//   response: {"ok": true, ...} or {"ok": false, "errno": N, "error": "text"}
+//
+// Threading: one thread serves the connections one at a time (admin traffic), calling the
+// handler on that thread. Bad JSON gets an error response; the connection stays open.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "ibnbd/types.h"
+
+namespace ibnbd {
+
+class ControlSocket {
+ public:
+  using Handler = std::function<nlohmann::json(const nlohmann::json& request)>;
+  // Binds `path` (an existing socket file there is replaced; its directory must exist) with
+  // mode 0600. Errors: what bind/listen return, ENAMETOOLONG.
+  static Result<std::unique_ptr<ControlSocket>> start(const std::string& path, Handler h);
+  ~ControlSocket();  // stops the thread, removes the socket file
+  ControlSocket(const ControlSocket&) = delete;
+  ControlSocket& operator=(const ControlSocket&) = delete;
+
+  // Builds the error response for `err`.
+  static nlohmann::json error(int err, const std::string& text = {});
+
+ private:
+  ControlSocket(std::string path, int fd, int stop_fd, Handler h);
+  void loop();
+  void serve(int conn);
+
+  std::string path_;
+  int fd_;
+  int stop_fd_;
+  Handler handler_;
+  std::thread thread_;
+};
+
+}  // namespace ibnbd

@@ -1,0 +1,283 @@
+// ibnbd-server: exports files and block devices under a search path to IBNBD clients.
+//
+//   ibnbd-server --listen ADDR [--listen ADDR ...] --dev-search-path DIR [options]
+//   ibnbd-server --config FILE [options]        (options override the file)
+//
+// Runs until SIGTERM/SIGINT, then closes every session, waits for the IO in flight and syncs the
+// devices. Admin commands (ibnbd server ...) come over --control-socket.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "control_socket.h"
+#include "ibnbd/server.h"
+
+namespace {
+
+using nlohmann::json;
+
+const char kUsage[] =
+    "usage: ibnbd-server [--config FILE] [--listen ADDR ...] [--dev-search-path DIR]\n"
+    "                    [--queue-depth N] [--chunk-size SIZE] [--io-threads N]\n"
+    "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
+    "                    [--hb-interval-ms N] [--hb-missed N] [--busy-poll]\n"
+    "                    [--control-socket PATH] [--ready-file PATH]\n"
+    "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
+    "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
+    "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
+    "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 512, \"read_only\": false}.\n"
+    "  --control-socket: default /run/ibnbd-server.sock. --ready-file: written with one\n"
+    "         `listening ADDR` line per address once the server accepts connections.\n";
+
+[[noreturn]] void die(const std::string& msg) {
+  std::fprintf(stderr, "ibnbd-server: %s\n", msg.c_str());
+  std::exit(2);
+}
+
+std::optional<uint64_t> parse_size(std::string_view s) {
+  uint64_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || p == s.data()) return std::nullopt;
+  std::string_view unit(p, static_cast<size_t>(s.data() + s.size() - p));
+  int shift = 0;
+  if (unit == "" || unit == "B") shift = 0;
+  else if (unit == "K" || unit == "KiB" || unit == "k") shift = 10;
+  else if (unit == "M" || unit == "MiB") shift = 20;
+  else if (unit == "G" || unit == "GiB") shift = 30;
+  else return std::nullopt;
+  if (shift && v > (UINT64_MAX >> shift)) return std::nullopt;
+  return v << shift;
+}
+
+struct Config {
+  ibnbd::BlockServerOptions o;
+  std::string control_socket = "/run/ibnbd-server.sock";
+  std::string ready_file;
+};
+
+// One setting by name, from the command line (text) or the config file (JSON).
+void apply(Config& c, const std::string& key, const json& v) {
+  auto text = [&]() -> std::string {
+    if (v.is_string()) return v.get<std::string>();
+    if (v.is_number_unsigned() || v.is_number_integer()) return std::to_string(v.get<int64_t>());
+    if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
+    die(key + ": expected a string or a number");
+  };
+  auto number = [&](uint64_t lo, uint64_t hi) {
+    auto n = parse_size(text());
+    if (!n || *n < lo || *n > hi)
+      die(key + ": '" + text() + "' is not in " + std::to_string(lo) + ".." + std::to_string(hi));
+    return *n;
+  };
+  auto flag = [&] { return v.is_boolean() ? v.get<bool>() : text() == "true"; };
+  auto& t = c.o.transport;
+  if (key == "listen") {
+    std::vector<std::string> items;
+    if (v.is_array()) {
+      for (auto& e : v) items.push_back(e.get<std::string>());
+    } else {
+      items.push_back(text());
+    }
+    for (auto& s : items) {
+      auto a = ibtrs::Address::parse(s);
+      if (!a) die("listen '" + s + "': " + a.error().message());
+      t.listen.push_back(*a);
+    }
+  } else if (key == "dev_search_path") {
+    c.o.dev_search_path = text();
+  } else if (key == "queue_depth") {
+    t.queue_depth = static_cast<uint16_t>(number(1, 65535));
+  } else if (key == "chunk_size") {
+    t.chunk_size = static_cast<uint32_t>(number(8192, 16u << 20));
+  } else if (key == "io_threads") {
+    t.io_threads = static_cast<uint32_t>(number(0, 64));
+  } else if (key == "direct_io") {
+    auto s = text();
+    if (s == "prefer") c.o.direct_io = ibnbd::DirectIo::prefer;
+    else if (s == "off") c.o.direct_io = ibnbd::DirectIo::off;
+    else if (s == "require") c.o.direct_io = ibnbd::DirectIo::require;
+    else die("direct_io: prefer, off or require");
+  } else if (key == "read_only") {
+    c.o.read_only = flag();
+  } else if (key == "always_invalidate") {
+    t.always_invalidate = flag();
+  } else if (key == "busy_poll") {
+    t.busy_poll = flag();
+  } else if (key == "hb_interval_ms") {
+    t.heartbeat.interval = std::chrono::milliseconds(number(1, 3600000));
+  } else if (key == "hb_missed") {
+    t.heartbeat.missed_max = static_cast<uint32_t>(number(1, 1000));
+  } else if (key == "control_socket") {
+    c.control_socket = text();
+  } else if (key == "ready_file") {
+    c.ready_file = text();
+  } else {
+    die("unknown setting '" + key + "'");
+  }
+}
+
+Config parse(int argc, char** argv) {
+  Config c;
+  std::vector<std::pair<std::string, json>> cli;
+  std::string config_file;
+  bool listen_given = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (a.rfind("--", 0) != 0) die("unexpected argument '" + a + "'\n" + kUsage);
+    std::string key = a.substr(2);
+    for (auto& ch : key)
+      if (ch == '-') ch = '_';
+    if (key == "read_only" || key == "always_invalidate" || key == "busy_poll") {
+      cli.emplace_back(key, true);
+      continue;
+    }
+    if (i + 1 >= argc) die(a + " needs a value");
+    if (key == "config") {
+      config_file = argv[++i];
+      continue;
+    }
+    if (key == "listen") listen_given = true;
+    cli.emplace_back(key, std::string(argv[++i]));
+  }
+  if (!config_file.empty()) {
+    std::ifstream in(config_file);
+    if (!in) die("cannot read " + config_file + ": " + std::strerror(errno));
+    json j;
+    try {
+      j = json::parse(in);
+    } catch (const std::exception& e) {
+      die(config_file + ": " + e.what());
+    }
+    if (!j.is_object()) die(config_file + ": expected a JSON object");
+    for (auto& [k, v] : j.items()) {
+      if (k == "listen" && listen_given) continue;  // the command line's addresses win
+      apply(c, k, v);
+    }
+  }
+  for (auto& [k, v] : cli) apply(c, k, v);
+  if (c.o.transport.listen.empty()) die("at least one --listen ADDR\n" + std::string(kUsage));
+  return c;
+}
+
+json stats_json(const ibnbd::BlockStats& s) {
+  return {{"read_ops", s.read_ops}, {"read_bytes", s.read_bytes}, {"write_ops", s.write_ops},
+          {"write_bytes", s.write_bytes}, {"flush_ops", s.flush_ops}, {"discard_ops", s.discard_ops},
+          {"write_zeroes_ops", s.write_zeroes_ops}, {"errors", s.errors}, {"inflight", s.inflight}};
+}
+
+json path_json(const ibtrs::ServerPathInfo& p) {
+  return {{"name", p.name},
+          {"src_addr", p.peer.to_string()},
+          {"dst_addr", p.local.to_string()},
+          {"state", std::string(ibtrs::to_string(p.state))},
+          {"hca_name", p.hca_name},
+          {"hca_port", p.hca_port},
+          {"read_cnt", p.stats.read_cnt},
+          {"read_bytes", p.stats.read_bytes},
+          {"write_cnt", p.stats.write_cnt},
+          {"write_bytes", p.stats.write_bytes},
+          {"inflight", p.stats.inflight}};
+}
+
+json handle(ibnbd::BlockServer& srv, const json& req) {
+  const std::string cmd = req["cmd"].get<std::string>();
+  auto status = [](ibtrs::Status st) {
+    return st.ok() ? json{{"ok", true}} : ibnbd::ControlSocket::error(st.error().value());
+  };
+  auto arg = [&](const char* k) -> std::string {
+    if (!req.contains(k) || !req[k].is_string()) throw std::invalid_argument(std::string("missing \"") + k + "\"");
+    return req[k].get<std::string>();
+  };
+  if (cmd == "sessions") {
+    json out = json::array();
+    for (auto& s : srv.sessions()) {
+      json paths = json::array();
+      for (auto& p : s.paths) paths.push_back(path_json(p));
+      json devs = json::array();
+      for (auto& d : s.devices)
+        devs.push_back({{"device_id", d.device_id}, {"device", d.device},
+                        {"access_mode", std::string(ibnbd::to_string(d.mode))}, {"force_closed", d.force_closed}});
+      out.push_back({{"name", s.name}, {"version", s.version}, {"paths", paths}, {"devices", devs},
+                     {"stats", stats_json(s.stats)}});
+    }
+    return {{"ok", true}, {"sessions", out}};
+  }
+  if (cmd == "devices") {
+    json out = json::array();
+    for (auto& d : srv.devices()) {
+      json holders = json::array();
+      for (auto& h : d.holders)
+        holders.push_back({{"session", h.session}, {"device_id", h.device_id},
+                           {"access_mode", std::string(ibnbd::to_string(h.mode))}});
+      out.push_back({{"name", d.name}, {"kind", d.kind}, {"size", d.size}, {"direct", d.direct},
+                     {"read_only", d.read_only}, {"sessions", holders}, {"stats", stats_json(d.stats)}});
+    }
+    return {{"ok", true}, {"devices", out}};
+  }
+  if (cmd == "force_close") return status(srv.force_close(arg("device"), arg("session")));
+  if (cmd == "disconnect_path") return status(srv.disconnect_path(arg("session"), arg("path")));
+  if (cmd == "reset_stats") return status(srv.reset_path_stats(arg("session"), req.value("path", "")));
+  return ibnbd::ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config c = parse(argc, argv);
+  // Signals go to sigwait below only: every thread started from here inherits the mask.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  auto srv = ibnbd::BlockServer::start(c.o);
+  if (!srv) {
+    std::fprintf(stderr, "ibnbd-server: cannot start: %s\n", srv.error().message().c_str());
+    return 1;
+  }
+  ibnbd::BlockServer& s = **srv;
+  auto ctl = ibnbd::ControlSocket::start(c.control_socket, [&s](const json& req) {
+    try {
+      return handle(s, req);
+    } catch (const std::exception& e) {
+      return ibnbd::ControlSocket::error(EINVAL, e.what());
+    }
+  });
+  if (!ctl) {
+    std::fprintf(stderr, "ibnbd-server: control socket %s: %s\n", c.control_socket.c_str(),
+                 ctl.error().message().c_str());
+    return 1;
+  }
+  std::string lines;
+  for (auto& a : s.addresses()) lines += "listening " + a.to_string() + "\n";
+  std::fputs(lines.c_str(), stdout);
+  std::fflush(stdout);
+  if (!c.ready_file.empty()) {
+    std::string tmp = c.ready_file + ".tmp";
+    std::ofstream(tmp) << lines;
+    ::rename(tmp.c_str(), c.ready_file.c_str());
+  }
+  int sig = 0;
+  sigwait(&set, &sig);
+  std::fprintf(stderr, "ibnbd-server: %s: closing sessions\n", strsignal(sig));
+  ctl->reset();
+  srv->reset();
+  if (!c.ready_file.empty()) ::unlink(c.ready_file.c_str());
+  return 0;
+}

@@ -1,0 +1,341 @@
+// The block server end to end: a real BlockServer exporting files under a temporary search root,
+// spoken to by IBTRS client sessions that send hand-built IBNBD messages (the client library is
+// tested on its own). Over loopback by default, tcp with --fabric=tcp.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "ibnbd/server.h"
+#include "proto/ibnbd_proto.h"
+#include "../session/session_harness.h"
+
+namespace ibnbd::test {
+namespace {
+
+using namespace std::chrono_literals;
+using ibtrs::ClientOptions;
+using ibtrs::ClientSession;
+using ibtrs::FabricKind;
+using ibtrs::IoDir;
+using ibtrs::IoRequest;
+using ibtrs::IoSeg;
+using ibtrs::RegisteredMemory;
+using ibtrs::test::Waiter;
+namespace fs = std::filesystem;
+
+FabricKind g_kind = FabricKind::loopback;
+int g_n = 0;
+
+ibtrs::Address listen_addr() {
+  if (g_kind == FabricKind::tcp) return *ibtrs::Address::parse("tcp:127.0.0.1:0");
+  return *ibtrs::Address::parse("loopback:blk" + std::to_string(++g_n) + ":0");
+}
+
+// One client session speaking raw IBNBD.
+class Peer {
+ public:
+  static std::unique_ptr<Peer> open(const ibtrs::Address& a, const std::string& name) {
+    ClientOptions co;
+    co.session_name = name;
+    co.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
+    co.io_threads = 1;
+    auto s = ClientSession::open(co);
+    if (!s.ok()) return nullptr;
+    auto p = std::make_unique<Peer>();
+    p->s = std::move(*s);
+    p->buf = std::move(*p->s->alloc_buffer(4 << 20));
+    return p;
+  }
+  ~Peer() {
+    buf.reset();
+    s.reset();
+  }
+
+  // Sends `usr` with `len` bytes of buf at `off` as data; returns the errno of the response.
+  int send(IoDir dir, std::span<const std::byte> usr, uint32_t len, size_t off = 0) {
+    IoSeg seg{buf->data() + off, len, buf.get()};
+    Waiter w;
+    IoRequest r;
+    r.dir = dir;
+    r.usr = usr;
+    if (len > 0) r.data = std::span(&seg, 1);
+    r.done = &Waiter::cb;
+    r.ctx = &w;
+    auto st = s->request(r);
+    if (!st.ok()) return -st.error().value();
+    return w.wait();
+  }
+  int sess_info(uint8_t ver = proto::kProtoVersion) {
+    std::byte m[64];
+    auto n = proto::encode_sess_info(m, proto::SessInfo{ver});
+    if (!n.ok()) return -1;
+    int e = send(IoDir::read, std::span(m, *n), sizeof(proto::SessInfoRspMsg));
+    if (e == 0) {
+      auto rsp = proto::decode_sess_info_rsp(std::span(buf->data(), sizeof(proto::SessInfoRspMsg)));
+      if (!rsp.ok()) return -2;
+    }
+    return e;
+  }
+  // OPEN; returns the errno, and the response in `rsp`.
+  int open_dev(const std::string& name, AccessMode mode, proto::OpenRsp* rsp = nullptr) {
+    std::byte m[512];
+    auto n = proto::encode_open(m, proto::Open{mode, name});
+    if (!n.ok()) return -1;
+    int e = send(IoDir::read, std::span(m, *n), sizeof(proto::OpenRspMsg));
+    if (e == 0 && rsp != nullptr) {
+      auto r = proto::decode_open_rsp(std::span(buf->data(), sizeof(proto::OpenRspMsg)));
+      if (!r.ok()) return -2;
+      *rsp = *r;
+    }
+    return e;
+  }
+  int close_dev(uint32_t id) {
+    std::byte m[64];
+    auto n = proto::encode_close(m, proto::Close{id});
+    return send(IoDir::write, std::span(m, *n), 0);
+  }
+  int io(uint32_t id, IoOp op, uint64_t off, uint32_t len, uint32_t flags = 0, size_t buf_off = 0) {
+    proto::Io io;
+    io.device_id = id;
+    io.sector = off / kSectorSize;
+    io.op = op;
+    io.flags = flags;
+    io.bi_size = len;
+    std::byte m[64];
+    auto n = proto::encode_io(m, io);
+    if (!n.ok()) return -1;
+    const bool data = op == IoOp::read || op == IoOp::write;
+    return send(op == IoOp::read ? IoDir::read : IoDir::write, std::span(m, *n), data ? len : 0, buf_off);
+  }
+
+  std::unique_ptr<ClientSession> s;
+  std::unique_ptr<RegisteredMemory> buf;
+};
+
+class BlockServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // /var/tmp: a disk filesystem where O_DIRECT works (tmpfs falls back to buffered).
+    char tmpl[] = "/var/tmp/ibnbd-srv-XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    root_ = tmpl;
+    make_file("disk.img", 8 << 20);
+    make_file("other.img", 1 << 20);
+  }
+  void TearDown() override {
+    peers_.clear();
+    server_.reset();
+    fs::remove_all(root_);
+  }
+  void make_file(const std::string& rel, uint64_t size) {
+    fs::create_directories(fs::path(root_ + "/" + rel).parent_path());
+    std::ofstream(root_ + "/" + rel).close();
+    fs::resize_file(root_ + "/" + rel, size);
+  }
+  void start(const std::string& search = {}) {
+    BlockServerOptions o;
+    o.transport.listen.push_back(listen_addr());
+    o.transport.queue_depth = 32;
+    o.transport.io_threads = 2;
+    o.dev_search_path = search.empty() ? root_ : search;
+    auto s = BlockServer::start(o);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    server_ = std::move(*s);
+  }
+  Peer& peer(const std::string& name, bool info = true) {
+    auto p = Peer::open(server_->addresses()[0], name);
+    EXPECT_NE(p, nullptr);
+    if (info) {
+      EXPECT_EQ(p->sess_info(), 0);
+    }
+    peers_.push_back(std::move(p));
+    return *peers_.back();
+  }
+  void fill(Peer& p, size_t off, size_t len, uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (size_t i = 0; i < len; ++i) p.buf->data()[off + i] = static_cast<std::byte>(rng());
+  }
+
+  std::string root_;
+  std::unique_ptr<BlockServer> server_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+};
+
+// Case: a client opens a file rw and runs every operation. Expect: geometry from the file,
+// written patterns read back, discard and write-zeroes read as zeros, flush and FUA succeed, and
+// the bytes are in the file on the server.
+TEST_F(BlockServerTest, EveryOperationRoundTrips) {
+  start();
+  Peer& p = peer("alpha");
+  proto::OpenRsp rsp;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::rw, &rsp), 0);
+  EXPECT_EQ(rsp.geo.nsectors * kSectorSize, uint64_t{8} << 20);
+  EXPECT_GE(rsp.geo.max_hw_sectors, 8u);
+  const uint32_t id = rsp.device_id;
+  std::mt19937 rng(1);
+  for (int i = 0; i < 40; ++i) {
+    const uint32_t len = 4096u * (1 + rng() % 16);
+    const uint64_t off = 4096u * (rng() % 1024);
+    fill(p, 0, len, static_cast<uint32_t>(i));
+    ASSERT_EQ(p.io(id, IoOp::write, off, len, i % 3 == 0 ? uint32_t{kIoFua} : 0u), 0) << i;
+    ASSERT_EQ(p.io(id, IoOp::read, off, len, 0, 1 << 20), 0) << i;
+    ASSERT_EQ(std::memcmp(p.buf->data(), p.buf->data() + (1 << 20), len), 0) << i;
+  }
+  EXPECT_EQ(p.io(id, IoOp::flush, 0, 0), 0);
+  fill(p, 0, 65536, 99);
+  ASSERT_EQ(p.io(id, IoOp::write, 1 << 20, 65536, kIoPreflush), 0);
+  {
+    std::ifstream f(root_ + "/disk.img", std::ios::binary);
+    f.seekg(1 << 20);
+    std::vector<char> got(65536);
+    f.read(got.data(), 65536);
+    EXPECT_EQ(std::memcmp(got.data(), p.buf->data(), 65536), 0) << "the bytes are in the file";
+  }
+  ASSERT_EQ(p.io(id, IoOp::discard, 1 << 20, 16384), 0);
+  ASSERT_EQ(p.io(id, IoOp::read, 1 << 20, 16384), 0);
+  EXPECT_TRUE(std::all_of(p.buf->data(), p.buf->data() + 16384, [](std::byte b) { return b == std::byte{0}; }));
+  ASSERT_EQ(p.io(id, IoOp::write_zeroes, (1 << 20) + 16384, 16384, kIoNoUnmap), 0);
+  ASSERT_EQ(p.io(id, IoOp::read, (1 << 20) + 16384, 16384), 0);
+  EXPECT_TRUE(std::all_of(p.buf->data(), p.buf->data() + 16384, [](std::byte b) { return b == std::byte{0}; }));
+  EXPECT_EQ(p.io(id, IoOp::read, (8 << 20) - 4096, 8192), EIO) << "past the end";
+  EXPECT_EQ(p.io(id + 7, IoOp::read, 0, 4096), ENODEV) << "an id never opened";
+  EXPECT_EQ(p.close_dev(id), 0);
+  EXPECT_EQ(p.io(id, IoOp::read, 0, 4096), ENODEV) << "closed";
+  EXPECT_EQ(p.close_dev(id), ENOENT);
+}
+
+// Case: requests before the version is agreed, and names outside the search root. Expect: EPROTO
+// before SESS_INFO, then '..', absolute paths elsewhere, escaping symlinks and missing files are
+// refused with their errno and nothing is opened.
+TEST_F(BlockServerTest, BadOpensAreRefused) {
+  start();
+  fs::create_symlink("/etc/passwd", root_ + "/abs-link");
+  fs::create_symlink("../../etc/passwd", root_ + "/rel-escape");
+  fs::create_symlink("disk.img", root_ + "/inside-link");
+  Peer& p = peer("beta", false);
+  EXPECT_EQ(p.open_dev("disk.img", AccessMode::ro), EPROTO) << "no SESS_INFO yet";
+  ASSERT_EQ(p.sess_info(), 0);
+  EXPECT_EQ(p.open_dev("../disk.img", AccessMode::ro), EINVAL);
+  EXPECT_EQ(p.open_dev("a/../../x", AccessMode::ro), EINVAL);
+  EXPECT_EQ(p.open_dev("/etc/passwd", AccessMode::ro), EXDEV);
+  EXPECT_EQ(p.open_dev("abs-link", AccessMode::ro), EXDEV);
+  EXPECT_EQ(p.open_dev("rel-escape", AccessMode::ro), EXDEV);
+  EXPECT_EQ(p.open_dev("missing.img", AccessMode::ro), ENOENT);
+  EXPECT_TRUE(server_->devices().empty());
+  proto::OpenRsp rsp;
+  EXPECT_EQ(p.open_dev("inside-link", AccessMode::ro, &rsp), 0) << "a relative link inside is fine";
+}
+
+// Case: several sessions open one device in different modes. Expect: ro always; a second rw is
+// EBUSY; migration while fewer than two write; ro holders may not write (EPERM); a re-open by
+// the same session returns the same id; listings name the holders.
+TEST_F(BlockServerTest, AccessModesAcrossSessions) {
+  start();
+  Peer& a = peer("a");
+  Peer& b = peer("b");
+  Peer& c = peer("c");
+  proto::OpenRsp ra, rb, rc, again;
+  ASSERT_EQ(a.open_dev("disk.img", AccessMode::rw, &ra), 0);
+  EXPECT_EQ(b.open_dev("disk.img", AccessMode::rw), EBUSY);
+  ASSERT_EQ(b.open_dev("disk.img", AccessMode::ro, &rb), 0);
+  fill(b, 0, 4096, 3);
+  EXPECT_EQ(b.io(rb.device_id, IoOp::write, 0, 4096), EPERM) << "a reader may not write";
+  EXPECT_EQ(b.io(rb.device_id, IoOp::read, 0, 4096), 0);
+  ASSERT_EQ(c.open_dev("disk.img", AccessMode::migration, &rc), 0) << "second writer: migration";
+  ASSERT_EQ(a.open_dev("disk.img", AccessMode::rw, &again), 0);
+  EXPECT_EQ(again.device_id, ra.device_id) << "re-open: same device";
+  ASSERT_EQ(a.open_dev("other.img", AccessMode::rw), 0);
+  auto devs = server_->devices();
+  ASSERT_EQ(devs.size(), 2u);
+  for (auto& d : devs) {
+    if (d.name.find("disk.img") != std::string::npos) {
+      EXPECT_EQ(d.holders.size(), 3u);
+    }
+  }
+  Peer& d = peer("d");
+  EXPECT_EQ(d.open_dev("disk.img", AccessMode::migration), EBUSY) << "two writers already";
+  EXPECT_EQ(a.close_dev(ra.device_id), 0);
+  EXPECT_EQ(d.open_dev("disk.img", AccessMode::migration), 0) << "the rw holder left";
+}
+
+// Case: the admin takes a device away from a session. Expect: its IO gets ENODEV, the client can
+// still close the id, and a new open works.
+TEST_F(BlockServerTest, ForceCloseTakesTheDeviceAway) {
+  start();
+  Peer& p = peer("victim");
+  proto::OpenRsp rsp;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::rw, &rsp), 0);
+  ASSERT_EQ(p.io(rsp.device_id, IoOp::read, 0, 4096), 0);
+  const std::string name = server_->devices().at(0).name;
+  EXPECT_EQ(server_->force_close(name, "nobody").error(), errc(ENOENT));
+  ASSERT_TRUE(server_->force_close(name, "victim").ok());
+  EXPECT_EQ(p.io(rsp.device_id, IoOp::read, 0, 4096), ENODEV);
+  EXPECT_TRUE(server_->devices().empty()) << "its only holder is gone: the device closed";
+  EXPECT_EQ(p.close_dev(rsp.device_id), 0);
+  proto::OpenRsp again;
+  EXPECT_EQ(p.open_dev("disk.img", AccessMode::rw, &again), 0);
+  EXPECT_EQ(p.io(again.device_id, IoOp::read, 0, 4096), 0);
+}
+
+// Case: the search path has %SESSNAME%. Expect: each session sees its own directory.
+TEST_F(BlockServerTest, PerSessionNamespaces) {
+  make_file("s1/disk.img", 1 << 20);
+  make_file("s2/disk.img", 2 << 20);
+  start(root_ + "/%SESSNAME%");
+  proto::OpenRsp r1, r2;
+  ASSERT_EQ(peer("s1").open_dev("disk.img", AccessMode::rw, &r1), 0);
+  ASSERT_EQ(peer("s2").open_dev("disk.img", AccessMode::rw, &r2), 0) << "not the same device";
+  EXPECT_EQ(r1.geo.nsectors * 512, 1u << 20);
+  EXPECT_EQ(r2.geo.nsectors * 512, 2u << 20);
+  EXPECT_EQ(peer("s3").open_dev("disk.img", AccessMode::ro), ENOENT) << "no directory for s3";
+}
+
+// Case: many requests in flight from several sessions while the server shuts down. Expect: every
+// request gets an answer (success or a clean error) and the server stops.
+TEST_F(BlockServerTest, ShutdownWithIoInFlight) {
+  start();
+  Peer& p = peer("busy");
+  proto::OpenRsp rsp;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::rw, &rsp), 0);
+  std::vector<std::unique_ptr<Waiter>> ws;
+  std::vector<std::array<std::byte, 32>> hdrs(64);
+  std::vector<IoSeg> segs(64);
+  for (int i = 0; i < 64; ++i) {
+    proto::Io io;
+    io.device_id = rsp.device_id;
+    io.sector = static_cast<uint64_t>(i) * 8;
+    io.op = IoOp::write;
+    io.bi_size = 4096;
+    ASSERT_TRUE(proto::encode_io(hdrs[i], io).ok());
+    segs[i] = IoSeg{p.buf->data() + i * 4096, 4096, p.buf.get()};
+    ws.push_back(std::make_unique<Waiter>());
+    IoRequest r;
+    r.dir = IoDir::write;
+    r.usr = hdrs[i];
+    r.data = std::span(&segs[i], 1);
+    r.done = &Waiter::cb;
+    r.ctx = ws.back().get();
+    ASSERT_TRUE(p.s->request(r).ok());
+  }
+  server_.reset();
+  for (auto& w : ws) {
+    int e = w->wait(10s);
+    EXPECT_NE(e, -ETIMEDOUT);
+  }
+}
+
+}  // namespace
+}  // namespace ibnbd::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--fabric=tcp") ibnbd::test::g_kind = ibtrs::FabricKind::tcp;
+  }
+  return RUN_ALL_TESTS();
+}
