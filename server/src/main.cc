@@ -195,8 +195,9 @@ json path_json(const ibtrs::ServerPathInfo& p) {
 
 json handle(ibnbd::BlockServer& srv, const json& req) {
   const std::string cmd = req["cmd"].get<std::string>();
-  auto status = [](ibtrs::Status st) {
-    return st.ok() ? json{{"ok", true}} : ibnbd::ControlSocket::error(st.error().value());
+  auto status = [](ibtrs::Status st, const std::string& what) {
+    if (st.ok()) return json{{"ok", true}};
+    return ibnbd::ControlSocket::error(st.error().value(), what + ": " + st.error().message());
   };
   auto arg = [&](const char* k) -> std::string {
     if (!req.contains(k) || !req[k].is_string()) throw std::invalid_argument(std::string("missing \"") + k + "\"");
@@ -228,9 +229,15 @@ json handle(ibnbd::BlockServer& srv, const json& req) {
     }
     return {{"ok", true}, {"devices", out}};
   }
-  if (cmd == "force_close") return status(srv.force_close(arg("device"), arg("session")));
-  if (cmd == "disconnect_path") return status(srv.disconnect_path(arg("session"), arg("path")));
-  if (cmd == "reset_stats") return status(srv.reset_path_stats(arg("session"), req.value("path", "")));
+  if (cmd == "force_close")
+    return status(srv.force_close(arg("device"), arg("session")),
+                  "session '" + arg("session") + "' holding device '" + arg("device") + "'");
+  if (cmd == "disconnect_path")
+    return status(srv.disconnect_path(arg("session"), arg("path")),
+                  "path '" + arg("path") + "' of session '" + arg("session") + "'");
+  if (cmd == "reset_stats")
+    return status(srv.reset_path_stats(arg("session"), req.value("path", "")),
+                  "session '" + arg("session") + "'");
   return ibnbd::ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");
 }
 

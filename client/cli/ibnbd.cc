@@ -1,0 +1,292 @@
+// ibnbd: the admin CLI, modelled on the `rnbd` tool. It holds no state and no logic of its own:
+// each command is one request to a daemon's control socket (ibnbd-server or ibnbd-client), whose
+// JSON answer is rendered as a table, JSON or CSV.
+//
+//   ibnbd [options] [client|server] [device|session|path] <command> [arguments]
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "output.h"
+
+namespace {
+
+using nlohmann::json;
+using namespace ibnbd::cli;
+
+const char kUsage[] =
+    "usage: ibnbd [options] [client|server] [device|session|path] <command> [arguments]\n"
+    "\n"
+    "client (default):\n"
+    "  device map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]\n"
+    "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
+    "  session list | show <session> | reconnect <session> | disconnect <session>\n"
+    "  path list [<session>] | add <session> <path> | delete <session> <path>\n"
+    "       | reconnect <session> <path> | disconnect <session> <path>\n"
+    "server:\n"
+    "  session list | show <session>\n"
+    "  device list | show <device> | force-close <device> <session>\n"
+    "  path list [<session>] | disconnect <session> <path>\n"
+    "\n"
+    "options:\n"
+    "  --format table|json|csv   (-f)    --units B|K|M|G|T|P|E|auto   (-u)\n"
+    "  --noheaders                       --socket PATH (default /run/ibnbd-<client|server>.sock)\n"
+    "A <server> or <path> is [src@]dst with addresses like tcp:10.0.0.1, rdma:10.0.0.1:1234 or\n"
+    "ip:10.0.0.1 (rdma).\n";
+
+[[noreturn]] void fail(int code, const std::string& msg) {
+  std::fprintf(stderr, "ibnbd: %s\n", msg.c_str());
+  std::exit(code);
+}
+
+// One request, one answer over the daemon's control socket.
+json call(const std::string& path, const json& req) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(sa.sun_path)) fail(2, "socket path too long: " + path);
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0)
+    fail(1, "cannot reach the daemon at " + path + ": " + std::strerror(errno) +
+                " (is it running? --socket PATH)");
+  std::string out = req.dump() + "\n";
+  for (size_t off = 0; off < out.size();) {
+    ssize_t n = ::send(fd, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) fail(1, std::string("sending to the daemon: ") + std::strerror(errno));
+    off += static_cast<size_t>(n);
+  }
+  std::string in;
+  char buf[65536];
+  while (in.find('\n') == std::string::npos) {
+    // Mapping a device may wait for a connect timeout; anything longer is a stuck daemon.
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 120000) <= 0) fail(1, "no answer from the daemon");
+    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) fail(1, "the daemon closed the connection");
+    in.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  try {
+    return json::parse(in.substr(0, in.find('\n')));
+  } catch (const std::exception& e) {
+    fail(1, std::string("bad answer from the daemon: ") + e.what());
+  }
+}
+
+// The daemon's verdict: on failure its message goes to stderr and its errno is the exit code.
+const json& check(const json& rsp) {
+  if (rsp.value("ok", false)) return rsp;
+  int e = rsp.value("errno", 1);
+  fail(e > 0 && e < 126 ? e : 1, rsp.value("error", std::string("failed")));
+}
+
+int64_t num(const json& j, const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<int64_t>() : 0; }
+uint64_t unum(const json& j, const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<uint64_t>() : 0; }
+std::string str(const json& j, const char* k) {
+  if (!j.contains(k)) return "";
+  if (j[k].is_string()) return j[k].get<std::string>();
+  return j[k].dump();
+}
+
+struct Cli {
+  OutputOptions out;
+  std::string socket;
+  std::string side = "client";
+  std::string object;
+  std::string command;
+  std::vector<std::string> args;
+
+  std::string arg(size_t i, const char* what) const {
+    if (i >= args.size()) fail(22, command + ": missing " + what + "\n" + kUsage);
+    return args[i];
+  }
+  void print(const Listing& l) const { std::fputs(render(l, out).c_str(), stdout); }
+  json rpc(json req) const { return check(call(socket, req)); }
+};
+
+// ---- server side ----
+
+Listing server_sessions(const json& sessions, const std::string& only) {
+  Listing l{{{"sessname"}, {"path_cnt", true}, {"devices", true}, {"rx_bytes", true},
+             {"tx_bytes", true}, {"inflights", true}, {"version", true}},
+            {}};
+  for (auto& s : sessions) {
+    if (!only.empty() && str(s, "name") != only) continue;
+    const json& st = s["stats"];
+    l.rows.push_back({str(s, "name"), static_cast<int64_t>(s["paths"].size()),
+                      static_cast<int64_t>(s["devices"].size()), Bytes{unum(st, "write_bytes")},
+                      Bytes{unum(st, "read_bytes")}, num(st, "inflight"), num(s, "version")});
+  }
+  return l;
+}
+
+Listing server_paths(const json& sessions, const std::string& only) {
+  Listing l{{{"sessname"}, {"pathname"}, {"src_addr"}, {"dst_addr"}, {"hca_name"}, {"hca_port", true},
+             {"state"}, {"rx_bytes", true}, {"tx_bytes", true}, {"inflights", true}},
+            {}};
+  for (auto& s : sessions) {
+    if (!only.empty() && str(s, "name") != only) continue;
+    for (auto& p : s["paths"])
+      l.rows.push_back({str(s, "name"), str(p, "name"), str(p, "src_addr"), str(p, "dst_addr"),
+                        str(p, "hca_name"), num(p, "hca_port"), str(p, "state"),
+                        Bytes{unum(p, "write_bytes")}, Bytes{unum(p, "read_bytes")}, num(p, "inflight")});
+  }
+  return l;
+}
+
+Listing server_devices(const json& devices, const std::string& only) {
+  Listing l{{{"device"}, {"kind"}, {"size", true}, {"sessions"}, {"io_mode"}, {"rx_bytes", true},
+             {"tx_bytes", true}, {"errors", true}},
+            {}};
+  for (auto& d : devices) {
+    if (!only.empty() && str(d, "name") != only) continue;
+    std::string holders;
+    for (auto& h : d["sessions"]) {
+      if (!holders.empty()) holders += " ";
+      holders += str(h, "session") + ":" + str(h, "access_mode");
+    }
+    const json& st = d["stats"];
+    l.rows.push_back({str(d, "name"), str(d, "kind"), Bytes{unum(d, "size")}, holders,
+                      std::string(d.value("direct", false) ? "direct" : "buffered") +
+                          (d.value("read_only", false) ? ",ro" : ""),
+                      Bytes{unum(st, "write_bytes")}, Bytes{unum(st, "read_bytes")}, num(st, "errors")});
+  }
+  return l;
+}
+
+int run_server(const Cli& c) {
+  const std::string& o = c.object;
+  const std::string& cmd = c.command;
+  if (o == "session" && (cmd == "list" || cmd == "show")) {
+    std::string only = cmd == "show" ? c.arg(0, "<session>") : "";
+    auto l = server_sessions(c.rpc({{"cmd", "sessions"}})["sessions"], only);
+    if (!only.empty() && l.rows.empty()) fail(2, "no session " + only);
+    c.print(l);
+    if (cmd == "show") {
+      std::fputs("\n", stdout);
+      c.print(server_paths(c.rpc({{"cmd", "sessions"}})["sessions"], only));
+    }
+    return 0;
+  }
+  if (o == "path" && cmd == "list") {
+    c.print(server_paths(c.rpc({{"cmd", "sessions"}})["sessions"], c.args.empty() ? "" : c.args[0]));
+    return 0;
+  }
+  if (o == "path" && cmd == "disconnect") {
+    c.rpc({{"cmd", "disconnect_path"}, {"session", c.arg(0, "<session>")}, {"path", c.arg(1, "<path>")}});
+    return 0;
+  }
+  if (o == "device" && (cmd == "list" || cmd == "show")) {
+    std::string only = cmd == "show" ? c.arg(0, "<device>") : "";
+    auto l = server_devices(c.rpc({{"cmd", "devices"}})["devices"], only);
+    if (!only.empty() && l.rows.empty()) fail(2, "no device " + only);
+    c.print(l);
+    return 0;
+  }
+  if (o == "device" && (cmd == "force-close" || cmd == "close")) {
+    c.rpc({{"cmd", "force_close"}, {"device", c.arg(0, "<device>")}, {"session", c.arg(1, "<session>")}});
+    return 0;
+  }
+  fail(22, "unknown command: server " + o + " " + cmd + "\n" + kUsage);
+}
+
+// ---- client side: the daemon returns listings ready to render ----
+
+Listing listing_of(const json& rsp) {
+  Listing l;
+  for (auto& col : rsp["columns"]) l.columns.push_back(Column{str(col, "name"), col.value("right", false)});
+  for (auto& row : rsp["rows"]) {
+    std::vector<Cell> r;
+    for (size_t i = 0; i < l.columns.size() && i < row.size(); ++i) {
+      const json& v = row[i];
+      if (v.is_object() && v.contains("bytes")) r.push_back(Bytes{v["bytes"].get<uint64_t>()});
+      else if (v.is_number()) r.push_back(v.get<int64_t>());
+      else r.push_back(v.is_string() ? v.get<std::string>() : v.dump());
+    }
+    l.rows.push_back(std::move(r));
+  }
+  return l;
+}
+
+int run_client(const Cli& c) {
+  json req{{"cmd", c.object + "_" + c.command}};
+  const std::string& cmd = c.command;
+  if (c.object == "device" && cmd == "map") {
+    // map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]
+    req["device"] = c.arg(0, "<device>");
+    if (c.arg(1, "'from'") != "from") fail(22, "map <device> from <server> ...");
+    json paths = json::array();
+    for (size_t i = 2; i < c.args.size(); ++i) {
+      const std::string& a = c.args[i];
+      if (a == "ro" || a == "rw" || a == "migration") req["access_mode"] = a;
+      else if (a == "session") req["session"] = c.arg(++i, "<session name>");
+      else paths.push_back(a);
+    }
+    if (paths.empty()) fail(22, "map: at least one <server> path");
+    req["paths"] = paths;
+  } else if (c.object == "device" && cmd != "list") {
+    req["device"] = c.arg(0, "<device>");
+    if (cmd == "unmap" && c.args.size() > 1) req["force"] = c.args[1] == "force";
+  } else if (c.object == "session" && cmd != "list") {
+    req["session"] = c.arg(0, "<session>");
+  } else if (c.object == "path" && cmd == "list") {
+    if (!c.args.empty()) req["session"] = c.args[0];
+  } else if (c.object == "path") {
+    req["session"] = c.arg(0, "<session>");
+    req["path"] = c.arg(1, "<path>");
+  }
+  json rsp = c.rpc(req);
+  if (rsp.contains("columns")) c.print(listing_of(rsp));
+  else if (rsp.contains("message")) std::printf("%s\n", str(rsp, "message").c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Cli c;
+  std::vector<std::string> words;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) fail(22, a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "-h" || a == "--help" || a == "help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    } else if (a == "-f" || a == "--format") {
+      auto f = parse_format(value());
+      if (!f) fail(22, "--format: table, json or csv");
+      c.out.format = *f;
+    } else if (a == "-u" || a == "--units") {
+      auto u = parse_unit(value());
+      if (!u) fail(22, "--units: B, K, M, G, T, P, E or auto");
+      c.out.unit = *u;
+    } else if (a == "--noheaders") {
+      c.out.headers = false;
+    } else if (a == "--socket") {
+      c.socket = value();
+    } else {
+      words.push_back(a);
+    }
+  }
+  size_t w = 0;
+  if (w < words.size() && (words[w] == "client" || words[w] == "server")) c.side = words[w++];
+  if (w >= words.size() || (words[w] != "device" && words[w] != "session" && words[w] != "path"))
+    fail(22, std::string("expected device, session or path\n") + kUsage);
+  c.object = words[w++];
+  c.command = w < words.size() ? words[w++] : "list";
+  c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(w), words.end());
+  if (c.socket.empty()) c.socket = "/run/ibnbd-" + c.side + ".sock";
+  return c.side == "server" ? run_server(c) : run_client(c);
+}

@@ -1,0 +1,59 @@
+// Listings of the `ibnbd` CLI: rows of named fields rendered as an aligned table, JSON or CSV,
+// with byte counts in the unit the user asked for (the `rnbd` tool's output options).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace ibnbd::cli {
+
+enum class Format : uint8_t { table, json, csv };
+std::optional<Format> parse_format(std::string_view s);
+
+// Byte counts: "auto" picks the largest binary unit that keeps a value >= 1.
+enum class Unit : uint8_t { B, K, M, G, T, P, E, automatic };
+std::optional<Unit> parse_unit(std::string_view s);
+std::string format_bytes(uint64_t v, Unit u);
+
+struct Bytes {
+  uint64_t v = 0;
+};
+// A text, a number or a byte count. (Not a std::variant: g++ 12 warns falsely about moving one
+// that holds a std::string.)
+struct Cell {
+  enum class Kind : uint8_t { text, number, bytes };
+  Cell(std::string t) : kind(Kind::text), s(std::move(t)) {}  // NOLINT: implicit by design
+  Cell(const char* t) : kind(Kind::text), s(t) {}             // NOLINT
+  Cell(int64_t n) : kind(Kind::number), i(n) {}               // NOLINT
+  Cell(Bytes b) : kind(Kind::bytes), u(b.v) {}                // NOLINT
+  Kind kind;
+  std::string s;
+  int64_t i = 0;
+  uint64_t u = 0;
+};
+
+struct Column {
+  std::string name;
+  bool right = false;  // numbers align right
+};
+
+struct Listing {
+  std::vector<Column> columns;
+  std::vector<std::vector<Cell>> rows;
+};
+
+struct OutputOptions {
+  Format format = Format::table;
+  Unit unit = Unit::automatic;
+  bool headers = true;
+};
+
+// JSON keeps raw byte counts (numbers), whatever the unit.
+std::string render(const Listing& l, const OutputOptions& o);
+
+}  // namespace ibnbd::cli
