@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,27 @@ const char kUsage[] =
   std::exit(code);
 }
 
-// One request, one answer over the daemon's control socket.
+bool progress_shown = false;
+std::string progress_phase;
+
+// {"phase": "write", "done": bytes, "total": bytes, "mib_s": x}: one redrawn line on stderr.
+void show_progress(const json& p) {
+  const double total = p.value("total", 0.0), done = p.value("done", 0.0);
+  const double frac = total > 0 ? std::min(1.0, done / total) : 0;
+  const int width = 40, fill = static_cast<int>(frac * width);
+  std::string bar(static_cast<size_t>(fill), '#');
+  bar.resize(width, '.');
+  const std::string phase = p.value("phase", std::string());
+  if (progress_shown && phase != progress_phase) std::fputc('\n', stderr);  // keep the last one
+  progress_phase = phase;
+  std::fprintf(stderr, "\r%-6s [%s] %5.1f%%  %8.1f MiB/s", p.value("phase", std::string()).c_str(),
+               bar.c_str(), frac * 100, p.value("mib_s", 0.0));
+  std::fflush(stderr);
+  progress_shown = true;
+}
+
+// One request over the daemon's control socket: progress lines are shown as they come, the
+// last line is the answer.
 json call(const std::string& path, const json& req) {
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
@@ -66,19 +87,29 @@ json call(const std::string& path, const json& req) {
   }
   std::string in;
   char buf[65536];
-  while (in.find('\n') == std::string::npos) {
+  for (;;) {
+    size_t nl;
+    while ((nl = in.find('\n')) != std::string::npos) {
+      json line;
+      try {
+        line = json::parse(in.substr(0, nl));
+      } catch (const std::exception& e) {
+        fail(1, std::string("bad answer from the daemon: ") + e.what());
+      }
+      in.erase(0, nl + 1);
+      if (!line.contains("progress")) {
+        if (progress_shown) std::fputc('\n', stderr);
+        ::close(fd);
+        return line;
+      }
+      show_progress(line["progress"]);
+    }
     // Mapping a device may wait for a connect timeout; anything longer is a stuck daemon.
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, 120000) <= 0) fail(1, "no answer from the daemon");
     ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
     if (n <= 0) fail(1, "the daemon closed the connection");
     in.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  try {
-    return json::parse(in.substr(0, in.find('\n')));
-  } catch (const std::exception& e) {
-    fail(1, std::string("bad answer from the daemon: ") + e.what());
   }
 }
 

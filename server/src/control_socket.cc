@@ -75,6 +75,16 @@ void ControlSocket::loop() {
   }
 }
 
+bool ControlSocket::send_line(int conn, const nlohmann::json& j) {
+  std::string out = j.dump() + "\n";
+  for (size_t off = 0; off < out.size();) {
+    ssize_t n = ::send(conn, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
 void ControlSocket::serve(int conn) {
   std::string buf;
   char tmp[4096];
@@ -89,16 +99,11 @@ void ControlSocket::serve(int conn) {
         if (!req.is_object() || !req.contains("cmd") || !req["cmd"].is_string())
           rsp = error(EINVAL, "a request is a JSON object with a string \"cmd\"");
         else
-          rsp = handler_(req);
+          rsp = handler_(req, [this, conn](const nlohmann::json& p) { return send_line(conn, p); });
       } catch (const std::exception& e) {
         rsp = error(EINVAL, std::string("bad request: ") + e.what());
       }
-      std::string out = rsp.dump() + "\n";
-      for (size_t off = 0; off < out.size();) {
-        ssize_t n = ::send(conn, out.data() + off, out.size() - off, MSG_NOSIGNAL);
-        if (n <= 0) return;
-        off += static_cast<size_t>(n);
-      }
+      if (!send_line(conn, rsp)) return;
     }
     if (buf.size() > kMaxLine) return;
     pollfd p[2] = {{conn, POLLIN, 0}, {stop_fd_, POLLIN, 0}};

@@ -3,6 +3,8 @@
 //
 //   request:  {"cmd": "devices", ...arguments}
 //   response: {"ok": true, ...} or {"ok": false, "errno": N, "error": "text"}
+// A long command may send progress lines first ({"progress": ...}, through Emit); the line with
+// "ok" is always the last one.
 //
 // Threading: one thread serves the connections one at a time (admin traffic), calling the
 // handler on that thread. Bad JSON gets an error response; the connection stays open.
@@ -21,7 +23,9 @@ namespace ibnbd {
 
 class ControlSocket {
  public:
-  using Handler = std::function<nlohmann::json(const nlohmann::json& request)>;
+  // Sends one progress line to the requester now; false once the requester is gone.
+  using Emit = std::function<bool(const nlohmann::json& progress)>;
+  using Handler = std::function<nlohmann::json(const nlohmann::json& request, const Emit& emit)>;
   // Binds `path` (an existing socket file there is replaced; its directory must exist) with
   // mode 0600. Errors: what bind/listen return, ENAMETOOLONG.
   static Result<std::unique_ptr<ControlSocket>> start(const std::string& path, Handler h);
@@ -36,6 +40,7 @@ class ControlSocket {
   ControlSocket(std::string path, int fd, int stop_fd, Handler h);
   void loop();
   void serve(int conn);
+  bool send_line(int conn, const nlohmann::json& j);
 
   std::string path_;
   int fd_;

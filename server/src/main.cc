@@ -259,7 +259,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   ibnbd::BlockServer& s = **srv;
-  auto ctl = ibnbd::ControlSocket::start(c.control_socket, [&s](const json& req) {
+  auto ctl = ibnbd::ControlSocket::start(c.control_socket, [&s](const json& req, const auto&) {
     try {
       return handle(s, req);
     } catch (const std::exception& e) {
