@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <charconv>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,8 @@ const char kUsage[] =
     "client (default):\n"
     "  device map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]\n"
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
+    "  device io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]\n"
+    "         writes a pattern and reads it back through the mapped device (progress on stderr)\n"
     "  session list | show <session> | reconnect <session> | disconnect <session>\n"
     "  path list [<session>] | add <session> <path> | delete <session> <path>\n"
     "       | reconnect <session> <path> | disconnect <session> <path>\n"
@@ -47,6 +51,21 @@ const char kUsage[] =
 [[noreturn]] void fail(int code, const std::string& msg) {
   std::fprintf(stderr, "ibnbd: %s\n", msg.c_str());
   std::exit(code);
+}
+
+std::optional<uint64_t> parse_size(const std::string& s) {
+  uint64_t v = 0;
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || p == s.data()) return std::nullopt;
+  std::string unit(p, s.data() + s.size());
+  int shift = 0;
+  if (unit.empty() || unit == "B") shift = 0;
+  else if (unit == "K" || unit == "k") shift = 10;
+  else if (unit == "M") shift = 20;
+  else if (unit == "G") shift = 30;
+  else if (unit == "T") shift = 40;
+  else return std::nullopt;
+  return v << shift;
 }
 
 bool progress_shown = false;
@@ -248,6 +267,34 @@ Listing listing_of(const json& rsp) {
   return l;
 }
 
+// The summary of `device io`: a line per pass and the per-path split.
+int print_io(const Cli& c, const json& rsp) {
+  if (!rsp.contains("bytes")) check(rsp);
+  Listing passes{{{"pass"}, {"bytes", true}, {"seconds", true}, {"MiB/s", true}, {"errors", true},
+                  {"bad_blocks", true}},
+                 {}};
+  for (const char* k : {"write", "verify"}) {
+    if (!rsp.contains(k)) continue;
+    const json& r = rsp[k];
+    char secs[32], rate[32];
+    std::snprintf(secs, sizeof(secs), "%.2f", r.value("seconds", 0.0));
+    std::snprintf(rate, sizeof(rate), "%.1f", r.value("mib_s", 0.0));
+    passes.rows.push_back({k, Bytes{unum(rsp, "bytes")}, std::string(secs), std::string(rate),
+                           num(r, "errors"), r.contains("bad_blocks") ? num(r, "bad_blocks") : int64_t{0}});
+  }
+  c.print(passes);
+  Listing paths{{{"path"}, {"state"}, {"read_cnt", true}, {"rx_bytes", true}, {"write_cnt", true},
+                 {"tx_bytes", true}, {"failovered", true}},
+                {}};
+  for (auto& p : rsp["paths"])
+    paths.rows.push_back({str(p, "name"), str(p, "state"), num(p, "read_cnt"), Bytes{unum(p, "read_bytes")},
+                          num(p, "write_cnt"), Bytes{unum(p, "write_bytes")}, num(p, "failovered")});
+  std::fputs("\n", stdout);
+  c.print(paths);
+  check(rsp);
+  return 0;
+}
+
 int run_client(const Cli& c) {
   json req{{"cmd", c.object + "_" + c.command}};
   const std::string& cmd = c.command;
@@ -264,6 +311,20 @@ int run_client(const Cli& c) {
     }
     if (paths.empty()) fail(22, "map: at least one <server> path");
     req["paths"] = paths;
+  } else if (c.object == "device" && cmd == "io") {
+    // io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]
+    req["device"] = c.arg(0, "<device>");
+    for (size_t i = 1; i < c.args.size(); i += 2) {
+      const std::string& k = c.args[i];
+      const std::string v = c.arg(i + 1, "a value");
+      if (k == "mode") {
+        req["mode"] = v;
+        continue;
+      }
+      auto n = parse_size(v);
+      if (!n || (k != "size" && k != "offset" && k != "bs" && k != "qd")) fail(22, "io: bad '" + k + " " + v + "'");
+      req[k] = *n;
+    }
   } else if (c.object == "device" && cmd != "list") {
     req["device"] = c.arg(0, "<device>");
     if (cmd == "unmap" && c.args.size() > 1) req["force"] = c.args[1] == "force";
@@ -275,6 +336,7 @@ int run_client(const Cli& c) {
     req["session"] = c.arg(0, "<session>");
     req["path"] = c.arg(1, "<path>");
   }
+  if (c.object == "device" && cmd == "io") return print_io(c, call(c.socket, req));
   json rsp = c.rpc(req);
   if (rsp.contains("columns")) c.print(listing_of(rsp));
   else if (rsp.contains("message")) std::printf("%s\n", str(rsp, "message").c_str());

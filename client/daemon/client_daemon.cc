@@ -1,0 +1,461 @@
+#include "client_daemon.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <vector>
+
+namespace ibnbd {
+
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+json err(int e, const std::string& text = {}) { return ControlSocket::error(e, text); }
+json err(std::error_code ec, const std::string& what) {
+  return ControlSocket::error(ec.value(), what + ": " + ec.message());
+}
+
+std::string str_arg(const json& req, const char* k) {
+  if (!req.contains(k) || !req[k].is_string()) throw std::invalid_argument(std::string("missing \"") + k + "\"");
+  return req[k].get<std::string>();
+}
+
+json bytes(uint64_t v) { return json{{"bytes", v}}; }
+json col(const char* name, bool right = false) { return json{{"name", name}, {"right", right}}; }
+
+// A session name the kernel would accept (printable, no '/'), from the first server address.
+std::string default_session_name(const ibtrs::PathSpec& p) {
+  std::string n = "ibnbd-" + p.destination.to_string();
+  for (char& c : n)
+    if (c == '/' || c == ' ') c = '_';
+  return n;
+}
+
+// The verification pattern: 8-byte words that depend on the seed and their device offset, so a
+// block read back from the wrong place or a stale one is caught.
+uint64_t pattern_word(uint64_t seed, uint64_t off) {
+  uint64_t z = seed ^ (off * 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+void fill_pattern(std::byte* p, uint64_t off, uint32_t len, uint64_t seed) {
+  for (uint32_t i = 0; i + 8 <= len; i += 8) {
+    uint64_t w = pattern_word(seed, off + i);
+    std::memcpy(p + i, &w, 8);
+  }
+}
+bool check_pattern(const std::byte* p, uint64_t off, uint32_t len, uint64_t seed) {
+  for (uint32_t i = 0; i + 8 <= len; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    if (w != pattern_word(seed, off + i)) return false;
+  }
+  return true;
+}
+
+// One pass of device_io: every block of the range written (or read and checked) with `qd`
+// requests in flight, progress reported about five times a second.
+struct Pass {
+  RemoteDevice& dev;
+  ibtrs::RegisteredMemory& mem;
+  bool write;
+  uint64_t seed;
+  uint64_t offset, size;
+  uint32_t bs, qd;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<uint32_t> free_slots;
+  std::vector<uint64_t> slot_off;
+  uint64_t done_bytes = 0;
+  uint64_t errors = 0, bad_blocks = 0;
+  int first_err = 0;
+
+  struct Ctx {
+    Pass* p;
+    uint32_t slot;
+  };
+  std::vector<Ctx> ctxs;
+
+  static void on_done(void* c, int e) {
+    auto* x = static_cast<Ctx*>(c);
+    Pass& p = *x->p;
+    bool bad = false;
+    if (e == 0 && !p.write)
+      bad = !check_pattern(p.mem.data() + size_t{x->slot} * p.bs, p.slot_off[x->slot], p.bs, p.seed);
+    std::lock_guard l(p.mu);
+    if (e != 0) {
+      ++p.errors;
+      if (p.first_err == 0) p.first_err = e;
+    }
+    if (bad) ++p.bad_blocks;
+    p.done_bytes += p.bs;
+    p.free_slots.push_back(x->slot);
+    p.cv.notify_one();
+  }
+
+  // Returns the seconds it took.
+  double run(const ControlSocket::Emit& emit) {
+    ctxs.resize(qd);
+    slot_off.assign(qd, 0);
+    for (uint32_t i = 0; i < qd; ++i) {
+      ctxs[i] = Ctx{this, i};
+      free_slots.push_back(qd - 1 - i);
+    }
+    const auto t0 = Clock::now();
+    auto last = t0;
+    auto report = [&](bool force) {
+      auto now = Clock::now();
+      if (!force && now - last < std::chrono::milliseconds(200)) return;
+      last = now;
+      const double s = std::chrono::duration<double>(now - t0).count();
+      uint64_t d;
+      {
+        std::lock_guard l(mu);
+        d = done_bytes;
+      }
+      emit({{"progress",
+             {{"phase", write ? "write" : "verify"}, {"done", d}, {"total", size},
+              {"mib_s", s > 0 ? static_cast<double>(d) / s / (1 << 20) : 0.0}}}});
+    };
+    for (uint64_t off = offset; off < offset + size; off += bs) {
+      uint32_t slot;
+      {
+        std::unique_lock l(mu);
+        cv.wait(l, [&] { return !free_slots.empty(); });
+        slot = free_slots.back();
+        free_slots.pop_back();
+      }
+      slot_off[slot] = off;
+      std::byte* b = mem.data() + size_t{slot} * bs;
+      ibtrs::IoSeg seg{b, bs, &mem};
+      Status st;
+      if (write) {
+        fill_pattern(b, off, bs, seed);
+        st = dev.write(off, std::span(&seg, 1), 0, IoDone{&Pass::on_done, &ctxs[slot]});
+      } else {
+        st = dev.read(off, std::span(&seg, 1), IoDone{&Pass::on_done, &ctxs[slot]});
+      }
+      if (!st.ok()) on_done(&ctxs[slot], st.error().value());
+      report(false);
+    }
+    std::unique_lock l(mu);
+    cv.wait(l, [&] { return free_slots.size() == qd; });
+    l.unlock();
+    report(true);
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+};
+
+json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
+  return json::array({sess, p.name, p.spec.source ? p.spec.source->to_string() : "",
+                      p.spec.destination.to_string(), p.hca_name, p.hca_port,
+                      std::string(ibtrs::to_string(p.state)), bytes(p.stats.read_bytes),
+                      bytes(p.stats.write_bytes), p.inflight, p.stats.reconnects_ok,
+                      p.latency ? static_cast<int64_t>(p.latency->count()) : -1});
+}
+
+}  // namespace
+
+ClientDaemon::~ClientDaemon() {
+  std::lock_guard l(mu_);
+  for (auto& [n, s] : sessions_) {
+    for (auto& d : s.s->devices()) (void)s.s->unmap(d->name(), UnmapMode::force);
+    s.io_buf.reset();
+  }
+  sessions_.clear();
+}
+
+json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
+  std::lock_guard l(mu_);
+  try {
+    const std::string cmd = req.at("cmd").get<std::string>();
+    if (cmd == "device_map") return device_map(req);
+    if (cmd == "device_list") return device_list(req, false);
+    if (cmd == "device_show") return device_list(req, true);
+    if (cmd == "device_unmap") return device_unmap(req);
+    if (cmd == "device_remap" || cmd == "device_resize") return device_remap(req);
+    if (cmd == "device_io") return device_io(req, emit);
+    if (cmd == "session_list") return session_list(req, false);
+    if (cmd == "session_show") return session_list(req, true);
+    if (cmd == "session_disconnect" || cmd == "session_close") return session_close(req);
+    if (cmd == "session_policy") return policy_set(req);
+    if (cmd == "path_list") return path_list(req);
+    if (cmd == "path_add" || cmd == "path_delete" || cmd == "path_disconnect" || cmd == "path_reconnect")
+      return path_op(req, cmd.substr(5));
+    if (cmd == "session_reconnect") {
+      Sess* s = find_session(str_arg(req, "session"));
+      if (s == nullptr) return err(ENOENT, "no session " + str_arg(req, "session"));
+      for (auto& p : s->s->transport().paths()) {
+        if (p.state != ibtrs::ClientPathState::connected) (void)s->s->transport().reconnect_path(p.name);
+      }
+      return {{"ok", true}};
+    }
+    return err(EINVAL, "unknown command '" + cmd + "'");
+  } catch (const std::exception& e) {
+    return err(EINVAL, e.what());
+  }
+}
+
+ClientDaemon::Sess* ClientDaemon::find_session(const std::string& name) {
+  auto it = sessions_.find(name);
+  return it == sessions_.end() ? nullptr : &it->second;
+}
+
+std::pair<ClientDaemon::Sess*, std::shared_ptr<RemoteDevice>> ClientDaemon::find_device(const std::string& name) {
+  for (auto& [n, s] : sessions_) {
+    if (auto d = s.s->find(name)) return {&s, d};
+  }
+  return {nullptr, nullptr};
+}
+
+json ClientDaemon::device_map(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  AccessMode mode = AccessMode::rw;
+  if (req.contains("access_mode")) {
+    auto m = parse_access_mode(req["access_mode"].get<std::string>());
+    if (!m) return err(EINVAL, "access_mode: ro, rw or migration");
+    mode = *m;
+  }
+  std::vector<ibtrs::PathSpec> paths;
+  for (auto& p : req.at("paths")) {
+    auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
+    if (!spec.ok()) return err(EINVAL, "path '" + p.get<std::string>() + "': " + spec.error().message());
+    paths.push_back(*spec);
+  }
+  if (paths.empty()) return err(EINVAL, "at least one path");
+  const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
+  if (auto [s, d] = find_device(dev); d && s->s->name() != sname)
+    return err(EEXIST, "device " + dev + " is mapped through session " + s->s->name());
+  Sess* s = find_session(sname);
+  if (s == nullptr) {
+    BlockSessionOptions o;
+    o.transport.session_name = sname;
+    o.transport.paths = paths;
+    o.transport.io_threads = opts_.io_threads;
+    o.transport.heartbeat = opts_.heartbeat;
+    o.transport.reconnect = opts_.reconnect;
+    o.transport.connect_timeout = opts_.connect_timeout;
+    o.transport.policy = opts_.policy;
+    auto bs = BlockSession::open(std::move(o));
+    if (!bs.ok()) return err(bs.error(), "session " + sname);
+    s = &sessions_[sname];
+    s->s = std::move(*bs);
+  } else {
+    // Paths named here that the session lacks are added, as map_device with more paths would.
+    auto have = s->s->transport().paths();
+    for (auto& p : paths) {
+      if (std::none_of(have.begin(), have.end(), [&](auto& h) { return h.name == p.name(); }))
+        (void)s->s->transport().add_path(p);
+    }
+  }
+  auto d = s->s->map(dev, mode);
+  if (!d.ok()) {
+    if (s->s->devices().empty()) sessions_.erase(sname);
+    return err(d.error(), "map " + dev);
+  }
+  json rsp = device_list(json{{"device", dev}}, true);
+  return rsp;
+}
+
+json ClientDaemon::device_list(const json& req, bool one) {
+  const std::string only = one ? str_arg(req, "device") : "";
+  json rows = json::array();
+  for (auto& [n, s] : sessions_) {
+    for (auto& d : s.s->devices()) {
+      if (one && d->name() != only) continue;
+      auto st = d->stats();
+      rows.push_back(json::array({d->name(), n, std::string(to_string(d->access_mode())),
+                                  bytes(d->size_bytes()), std::string(to_string(d->state())),
+                                  d->device_id(), bytes(st.read_bytes), bytes(st.write_bytes),
+                                  st.inflight, st.errors, st.remaps}));
+    }
+  }
+  if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
+  return {{"ok", true},
+          {"columns", json::array({col("device"), col("session"), col("access_mode"), col("size", true),
+                                   col("state"), col("device_id", true), col("rx_bytes", true),
+                                   col("tx_bytes", true), col("inflights", true), col("errors", true),
+                                   col("remaps", true)})},
+          {"rows", rows}};
+}
+
+json ClientDaemon::device_unmap(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  auto [s, d] = find_device(dev);
+  if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
+  d.reset();
+  const bool force = req.value("force", false);
+  auto st = s->s->unmap(dev, force ? UnmapMode::force : UnmapMode::normal);
+  if (!st.ok() && st.error() == std::errc::device_or_resource_busy)
+    return err(EBUSY, "device " + dev + " has IO outstanding (unmap " + dev + " force)");
+  if (s->s->devices().empty()) {
+    // The last device gone: the session goes too (the kernel's rnbd keeps it; nothing uses it).
+    const std::string n = s->s->name();
+    s->io_buf.reset();
+    sessions_.erase(n);
+  }
+  if (!st.ok()) return err(st.error(), "close " + dev + " on the server (unmapped here)");
+  return {{"ok", true}};
+}
+
+json ClientDaemon::device_remap(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  auto [s, d] = find_device(dev);
+  if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
+  auto st = s->s->remap(dev);
+  if (!st.ok()) return err(st.error(), "remap " + dev);
+  return device_list(json{{"device", dev}}, true);
+}
+
+json ClientDaemon::device_io(const json& req, const ControlSocket::Emit& emit) {
+  const std::string dev = str_arg(req, "device");
+  auto [s, d] = find_device(dev);
+  if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
+  const uint32_t lbs = d->geometry().logical_block_size;
+  uint32_t bs = req.value("bs", 1u << 20);
+  bs = std::min(bs, d->max_part_bytes());
+  const uint32_t qd = std::clamp(req.value("qd", 16u), 1u, 256u);
+  const uint64_t offset = req.value("offset", uint64_t{0});
+  uint64_t size = req.value("size", d->size_bytes() - std::min(offset, d->size_bytes()));
+  if (bs == 0 || bs % lbs != 0 || offset % lbs != 0 || offset + size > d->size_bytes())
+    return err(EINVAL, "offset, size and bs must be multiples of the block size inside the device");
+  size -= size % bs;
+  if (size == 0) return err(EINVAL, "nothing to do: size below one block of bs");
+  const std::string mode = req.value("mode", std::string("write-verify"));
+  const bool do_write = mode == "write-verify" || mode == "write";
+  const bool do_verify = mode == "write-verify" || mode == "verify";
+  if (!do_write && !do_verify) return err(EINVAL, "mode: write-verify, write or verify");
+  const size_t need = size_t{bs} * qd;
+  if (!s->io_buf || s->io_buf->size() < need) {
+    s->io_buf.reset();
+    auto b = s->s->alloc_buffer(need);
+    if (!b.ok()) return err(b.error(), "IO buffers");
+    s->io_buf = std::move(*b);
+  }
+  const uint64_t seed = req.value("seed", uint64_t{0x1b7d5eed});
+  json out{{"ok", true}, {"device", dev}, {"bytes", size}, {"bs", bs}, {"qd", qd}};
+  for (bool w : {true, false}) {
+    if ((w && !do_write) || (!w && !do_verify)) continue;
+    Pass p{*d, *s->io_buf, w, seed, offset, size, bs, qd, {}, {}, {}, {}, 0, 0, 0, 0, {}};
+    const double secs = p.run(emit);
+    json r{{"seconds", secs}, {"mib_s", static_cast<double>(size) / secs / (1 << 20)},
+           {"errors", p.errors}};
+    if (!w) r["bad_blocks"] = p.bad_blocks;
+    if (p.first_err) r["first_error"] = std::strerror(p.first_err);
+    out[w ? "write" : "verify"] = r;
+    if (p.errors || p.bad_blocks) out["ok"] = false;
+  }
+  json paths = json::array();
+  for (auto& pi : s->s->transport().paths())
+    paths.push_back({{"name", pi.name}, {"state", std::string(ibtrs::to_string(pi.state))},
+                     {"read_cnt", pi.stats.read_cnt}, {"read_bytes", pi.stats.read_bytes},
+                     {"write_cnt", pi.stats.write_cnt}, {"write_bytes", pi.stats.write_bytes},
+                     {"failovered", pi.stats.failovered}});
+  out["paths"] = paths;
+  if (!out["ok"].get<bool>()) {
+    out["errno"] = EIO;
+    out["error"] = "IO errors or blocks that did not verify";
+  }
+  return out;
+}
+
+json ClientDaemon::session_list(const json& req, bool one) {
+  const std::string only = one ? str_arg(req, "session") : "";
+  json rows = json::array();
+  for (auto& [n, s] : sessions_) {
+    if (one && n != only) continue;
+    auto ps = s.s->transport().paths();
+    std::string uu;
+    uint32_t up = 0, inflight = 0;
+    uint64_t reconnects = 0;
+    for (auto& p : ps) {
+      const bool u = p.state == ibtrs::ClientPathState::connected;
+      uu += u ? 'U' : '_';
+      up += u;
+      inflight += p.inflight;
+      reconnects += p.stats.reconnects_ok;
+    }
+    auto st = s.s->transport().stats();
+    rows.push_back(json::array({n, ps.size(), up, std::string(to_string(s.s->state())), uu,
+                                std::string(ibtrs::to_string(s.s->transport().policy())),
+                                bytes(st.read_bytes), bytes(st.write_bytes), inflight, reconnects,
+                                s.s->devices().size()}));
+  }
+  if (one && rows.empty()) return err(ENOENT, "no session " + only);
+  return {{"ok", true},
+          {"columns", json::array({col("sessname"), col("path_cnt", true), col("act_path_cnt", true),
+                                   col("state"), col("path_uu"), col("mp"), col("rx_bytes", true),
+                                   col("tx_bytes", true), col("inflights", true), col("reconnects", true),
+                                   col("devices", true)})},
+          {"rows", rows}};
+}
+
+json ClientDaemon::session_close(const json& req) {
+  const std::string n = str_arg(req, "session");
+  Sess* s = find_session(n);
+  if (s == nullptr) return err(ENOENT, "no session " + n);
+  for (auto& d : s->s->devices()) (void)s->s->unmap(d->name(), UnmapMode::force);
+  s->io_buf.reset();
+  sessions_.erase(n);
+  return {{"ok", true}};
+}
+
+json ClientDaemon::policy_set(const json& req) {
+  Sess* s = find_session(str_arg(req, "session"));
+  if (s == nullptr) return err(ENOENT, "no session " + str_arg(req, "session"));
+  auto p = ibtrs::parse_mp_policy(str_arg(req, "policy"));
+  if (!p) return err(EINVAL, "policy: round-robin, min-inflight or min-latency");
+  auto st = s->s->transport().set_policy(*p);
+  return st.ok() ? json{{"ok", true}} : err(st.error(), "policy");
+}
+
+json ClientDaemon::path_list(const json& req) {
+  const std::string only = req.contains("session") ? str_arg(req, "session") : "";
+  json rows = json::array();
+  for (auto& [n, s] : sessions_) {
+    if (!only.empty() && n != only) continue;
+    for (auto& p : s.s->transport().paths()) rows.push_back(path_row(n, p));
+  }
+  if (!only.empty() && find_session(only) == nullptr) return err(ENOENT, "no session " + only);
+  return {{"ok", true},
+          {"columns", json::array({col("sessname"), col("pathname"), col("src_addr"), col("dst_addr"),
+                                   col("hca_name"), col("hca_port", true), col("state"),
+                                   col("rx_bytes", true), col("tx_bytes", true), col("inflights", true),
+                                   col("reconnects", true), col("cur_latency_ns", true)})},
+          {"rows", rows}};
+}
+
+json ClientDaemon::path_op(const json& req, const std::string& op) {
+  const std::string n = str_arg(req, "session");
+  Sess* s = find_session(n);
+  if (s == nullptr) return err(ENOENT, "no session " + n);
+  const std::string path = str_arg(req, "path");
+  auto& t = s->s->transport();
+  Status st;
+  if (op == "add") {
+    auto spec = ibtrs::PathSpec::parse(path);
+    if (!spec.ok()) return err(EINVAL, "path '" + path + "': " + spec.error().message());
+    st = t.add_path(*spec);
+  } else {
+    // A path is named as the kernel names it ("src@dst"), or by what was given when it was added.
+    std::string name = path;
+    if (auto spec = ibtrs::PathSpec::parse(path); spec.ok()) {
+      for (auto& p : t.paths())
+        if (p.name == spec->name()) name = p.name;
+    }
+    if (op == "delete") st = t.remove_path(name);
+    else if (op == "disconnect") st = t.disconnect_path(name);
+    else st = t.reconnect_path(name);
+  }
+  return st.ok() ? json{{"ok", true}} : err(st.error(), op + " path " + path);
+}
+
+}  // namespace ibnbd

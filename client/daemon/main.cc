@@ -1,0 +1,95 @@
+// ibnbd-client: holds IBNBD sessions and mapped remote devices, controlled by the `ibnbd` CLI
+// over a unix socket. Runs until SIGTERM/SIGINT, then unmaps everything.
+//
+//   ibnbd-client [--control-socket PATH] [--io-threads N] [--policy P]
+//                [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]
+//                [--connect-timeout-ms N] [--ready-file PATH]
+#include <signal.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "client_daemon.h"
+
+namespace {
+
+const char kUsage[] =
+    "usage: ibnbd-client [--control-socket PATH] [--io-threads N]\n"
+    "                    [--policy round-robin|min-inflight|min-latency]\n"
+    "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
+    "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
+    "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too).\n"
+    "  --ready-file: written once the control socket accepts commands.\n";
+
+[[noreturn]] void die(const std::string& m) {
+  std::fprintf(stderr, "ibnbd-client: %s\n%s", m.c_str(), kUsage);
+  std::exit(2);
+}
+
+uint64_t number(const char* flag, const char* v, uint64_t lo, uint64_t hi) {
+  uint64_t n = 0;
+  std::string_view s(v);
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), n);
+  if (ec != std::errc() || p != s.data() + s.size() || n < lo || n > hi)
+    die(std::string(flag) + ": '" + v + "' is not a number in " + std::to_string(lo) + ".." + std::to_string(hi));
+  return n;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ibnbd::ClientDaemonOptions o;
+  std::string socket_path = "/run/ibnbd-client.sock";
+  std::string ready_file;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (i + 1 >= argc) die(a + " needs a value");
+    const char* v = argv[++i];
+    if (a == "--control-socket") socket_path = v;
+    else if (a == "--ready-file") ready_file = v;
+    else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
+    else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
+    else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));
+    else if (a == "--reconnect-delay-ms") o.reconnect.delay = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
+    else if (a == "--connect-timeout-ms") o.connect_timeout = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
+    else if (a == "--policy") {
+      auto p = ibtrs::parse_mp_policy(v);
+      if (!p) die("--policy: round-robin, min-inflight or min-latency");
+      o.policy = *p;
+    } else {
+      die("unknown option " + a);
+    }
+  }
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  ibnbd::ClientDaemon daemon(o);
+  auto ctl = ibnbd::ControlSocket::start(socket_path, [&](const nlohmann::json& req, const auto& emit) {
+    return daemon.handle(req, emit);
+  });
+  if (!ctl) {
+    std::fprintf(stderr, "ibnbd-client: control socket %s: %s\n", socket_path.c_str(),
+                 ctl.error().message().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "ibnbd-client: ready on %s\n", socket_path.c_str());
+  if (!ready_file.empty()) std::ofstream(ready_file) << "ready " << socket_path << "\n";
+  int sig = 0;
+  sigwait(&set, &sig);
+  std::fprintf(stderr, "ibnbd-client: %s: unmapping\n", strsignal(sig));
+  ctl->reset();
+  if (!ready_file.empty()) ::unlink(ready_file.c_str());
+  return 0;
+}
