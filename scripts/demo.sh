@@ -1,33 +1,99 @@
 #!/usr/bin/env bash
-# The main job: installs what is needed, builds, then starts a server and a client on this
-# machine that move and verify data over the fabric layer's tcp provider, and print throughput
-# and latency. (Later issues replace this with the block-device demo.)
+# The main job: installs what is needed, builds, then on this machine
+#   1. starts ibnbd-server exporting a sparse file,
+#   2. starts ibnbd-client and maps the file with `ibnbd client device map` over the tcp fabric
+#      on loopback with two paths,
+#   3. writes a pattern over the whole device and reads it back, verified, with a progress bar,
+#   4. prints throughput and the per-path split, the sessions as both sides see them,
+#   5. unmaps and stops everything (also on Ctrl-C or failure).
+# Everything stays on 127.0.0.1 and in a temporary directory.
+#
+#   bash scripts/demo.sh [--size SIZE]        (default 1G; e.g. 256M for a quick look)
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
+size=1G
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --size) size=$2; shift 2 ;;
+    *) echo "usage: $0 [--size SIZE]" >&2; exit 2 ;;
+  esac
+done
+
 bash scripts/setup.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-ninja -C build ibtrs-fabric-perf
+ninja -C build ibnbd-server ibnbd-client ibnbd
 
-perf=build/transport/ibtrs-fabric-perf
-port=${IBTRS_DEMO_PORT:-18515}
-addr="tcp:127.0.0.1:$port"
-log=$(mktemp)
-"$perf" server --listen "$addr" >"$log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -f "$log"' EXIT
-for _ in $(seq 50); do grep -q listening "$log" && break; sleep 0.1; done
-grep -q listening "$log" || { cat "$log"; echo "demo: server did not start"; exit 1; }
+bin=$top/build
+srv=$bin/server/ibnbd-server
+cli_daemon=$bin/client/daemon/ibnbd-client
+ibnbd=$bin/client/cli/ibnbd
+work=$(mktemp -d /var/tmp/ibnbd-demo.XXXXXX)
+pids=()
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [ -S "$work/client.sock" ]; then
+    "$ibnbd" --socket "$work/client.sock" client device unmap demo.img force >/dev/null 2>&1 || true
+  fi
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  if [ $rc -ne 0 ]; then
+    echo "demo failed (exit $rc); daemon logs:" >&2
+    tail -n 20 "$work"/*.log >&2 2>/dev/null || true
+  fi
+  rm -rf "$work"
+  exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
-echo "== server process $server listening on $addr"
-echo "== client: 20000 blocks of 64 KiB written into the server's memory (RDMA WRITE_WITH_IMM),"
-echo "   checked there, written back by the server and checked again"
-"$perf" client --connect "$addr" --test verify --size 64k --iters 20000 --depth 16
-echo "== client: round-trip latency of 8-byte WRITE_WITH_IMM ping-pongs"
-"$perf" client --connect "$addr" --test lat --iters 20000
-echo "== client: streaming RDMA WRITE bandwidth"
-"$perf" client --connect "$addr" --test bw --sizes 4k,64k,1m --seconds 1 --depth 32
-sleep 0.2
-echo "== server log"
-cat "$log"
+wait_for() {  # wait_for FILE PID
+  for _ in $(seq 100); do
+    [ -e "$1" ] && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+
+mkdir -p "$work/export"
+truncate -s "$size" "$work/export/demo.img"
+echo "== ibnbd-server: exporting $work/export/demo.img ($size, sparse) on two loopback ports"
+"$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+  --control-socket "$work/server.sock" --ready-file "$work/server.ready" >"$work/server.log" 2>&1 &
+pids+=($!)
+wait_for "$work/server.ready" "${pids[-1]}" || { echo "ibnbd-server did not start" >&2; exit 1; }
+mapfile -t addrs < <(sed -n 's/^listening //p' "$work/server.ready")
+echo "   listening on ${addrs[*]}"
+
+echo "== ibnbd-client: the client daemon"
+"$cli_daemon" --control-socket "$work/client.sock" --ready-file "$work/client.ready" \
+  >"$work/client.log" 2>&1 &
+pids+=($!)
+wait_for "$work/client.ready" "${pids[-1]}" || { echo "ibnbd-client did not start" >&2; exit 1; }
+
+c() { "$ibnbd" --socket "$work/client.sock" client "$@"; }
+s() { "$ibnbd" --socket "$work/server.sock" server "$@"; }
+
+echo "== ibnbd client device map demo.img from ${addrs[*]} rw session demo"
+c device map demo.img from "${addrs[@]}" rw session demo
+echo
+echo "== write a pattern over the whole device, read it back and verify it"
+c device io demo.img bs 1M qd 16
+echo
+echo "== the session from the client"
+c session list
+echo
+c path list demo
+echo
+echo "== and from the server"
+s session list
+echo
+s device list
+echo
+echo "== unmap"
+c device unmap demo.img
+c device list
+echo "demo: ok"

@@ -611,8 +611,8 @@ TEST_F(Session, AnIoThreadHookServesRequestsOnTheirThread) {
   EXPECT_FALSE(hv.wrong_thread_.load());
   EXPECT_EQ(hv.served_.load(), 128u);
   EXPECT_GT(hv.flushes_.load(), 0u);
+  buf_.reset();  // registrations go before their session
   client_.reset();
-  buf_.reset();
   server_.reset();
 }
 
