@@ -698,7 +698,7 @@ TEST_F(Client, ForgottenIdsWithoutReconnectAreReportedUntilRemap) {
 
 // Case: after the paths come back, the server refuses to re-open the device (it is gone);
 // a write waits meanwhile. Expect: the write fails with the server's errno, the device is
-// closed and refuses new IO; once the server allows it, remap() brings it back.
+// closed and refuses new IO; once the server allows it, mapping it again re-opens it.
 TEST_F(Client, RefusedReopenEndsInACleanError) {
   start_server(1);
   auto o = options(1);
@@ -716,8 +716,12 @@ TEST_F(Client, RefusedReopenEndsInACleanError) {
   EXPECT_EQ(write(*d, 0, *m, 0, 4096), -ENODEV);
   EXPECT_EQ(count_events(DeviceEvent::Kind::remap_failed), 1u);
   EXPECT_EQ(s->state(), SessionState::connected);
+  EXPECT_EQ(s->map("vol0", AccessMode::rw).error(), errc(ENOENT)) << "still refused";
   srv_.refuse_open(0);
-  ASSERT_TRUE(s->remap("vol0").ok());
+  auto again = s->map("vol0", AccessMode::rw);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), d.get()) << "the same device, open again";
+  EXPECT_EQ(d->state(), DeviceState::open);
   pattern(m->data(), 4096, 5);
   EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
   EXPECT_TRUE(same("vol0", 0, m->data(), 4096));

@@ -149,7 +149,8 @@ struct PartList {
 
 // While a thread submits (or runs a control function), completions it causes are handed to the
 // session's worker instead of running on it: a caller's callback never runs inside its own call.
-extern thread_local int tl_defer_completions;
+// (inline, not extern: g++ 12's UBSan misreads the TLS wrapper of an extern thread_local.)
+inline thread_local int tl_defer_completions = 0;
 struct DeferCompletions {
   DeferCompletions() { ++tl_defer_completions; }
   ~DeferCompletions() { --tl_defer_completions; }
@@ -238,6 +239,7 @@ struct BlockSession::Impl {
   bool stop = false;
   std::vector<client::UserReq*> deferred;  // completions for the worker to run
   std::thread worker;
+  uint64_t worker_gen = 0;  // link_gen the worker's remap is for (worker thread only)
 
   std::atomic<int64_t> inflight{0};      // see the top of this file
   std::atomic<uint64_t> outstanding{0};  // user requests not completed (destructor waits)
@@ -311,6 +313,7 @@ struct BlockSession::Impl {
   Result<uint8_t> sess_info();
   Result<proto::OpenRsp> open_device(const std::string& name, AccessMode mode);
   Status close_id(uint32_t id);
+  Status remap_device(Device* d);
   void emit(const DeviceEvent& e);
   std::vector<Device*> device_list();
   void reap_retired();

@@ -10,8 +10,6 @@ namespace ibnbd {
 
 using namespace client;
 
-thread_local int client::tl_defer_completions = 0;
-
 // A part leaves the transport: the counters a remap or a forced unmap waits on.
 void Session::left_transport(Device* d) {
   d->inflight_parts.fetch_sub(1, std::memory_order_seq_cst);

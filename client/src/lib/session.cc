@@ -92,10 +92,26 @@ Status Session::control(ibtrs::IoDir dir, std::span<const std::byte> usr, std::s
     give_back();
     return st.error() == errc(EAGAIN) ? errc(ETIMEDOUT) : st.error();
   }
+  // The worker waits here during a remap; it keeps expiring IO and running deferred
+  // completions meanwhile, and gives up when the link changes (the remap starts over).
+  const bool on_worker = std::this_thread::get_id() == worker.get_id();
   std::unique_lock l(ctl_slot_mu);
-  if (!ctl_cv.wait_until(l, deadline, [&] { return slot.done; })) {
-    slot.abandoned = true;  // the slot is freed by the completion, whenever it comes
-    return errc(ETIMEDOUT);
+  while (!slot.done) {
+    const auto now = Clock::now();
+    int give_up = now >= deadline ? ETIMEDOUT : 0;
+    if (give_up == 0 && on_worker) {
+      l.unlock();
+      run_deferred();
+      expire(now);
+      if (link_changed(worker_gen)) give_up = ENOTCONN;
+      l.lock();
+    }
+    if (slot.done) break;
+    if (give_up != 0) {
+      slot.abandoned = true;  // the slot is freed by the completion, whenever it comes
+      return errc(give_up);
+    }
+    ctl_cv.wait_until(l, std::min(deadline, now + kExpiryTick));
   }
   const int err = slot.err;
   if (err == 0 && !rsp.empty()) std::memcpy(rsp.data(), buf, std::min(rsp.size(), kCtlSlotSize));
@@ -282,6 +298,7 @@ bool Session::wait_device_drain(Device* d, Clock::time_point deadline) {
 // (a transport error, the link changed, the drain took too long).
 bool Session::remap_all(uint64_t gen) {
   std::lock_guard cl(ctl_mu);
+  worker_gen = gen;
   DeferCompletions defer;  // completions of failed parts run when this returns
   std::vector<Device*> devs;
   {
@@ -428,6 +445,8 @@ Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_nam
   if (s->closing.load()) return errc(ESHUTDOWN);
   if (auto d = find(dev_name)) {
     if (d->access_mode() != mode) return errc(EBUSY);
+    // Mapped but closed (the server refused its re-open): mapping it again opens it again.
+    if (d->impl()->state.load() == DeviceState::closed) IBTRS_TRY(s->remap_device(d->impl()));
     return d;
   }
   uint64_t gen = 0;
@@ -509,43 +528,47 @@ Status BlockSession::unmap(std::string_view dev_name, UnmapMode mode) {
 Status BlockSession::remap(std::string_view dev_name) {
   Impl* s = impl_.get();
   std::lock_guard cl(s->ctl_mu);
-  DeferCompletions defer;
   std::shared_ptr<RemoteDevice> dev = find(dev_name);
   if (!dev) return errc(ENOENT);
-  Device* d = dev->impl();
+  return s->remap_device(dev->impl());
+}
+
+// Control function, under ctl_mu.
+Status Session::remap_device(Device* d) {
+  DeferCompletions defer;
   uint64_t gen = 0;
   {
-    std::lock_guard l(s->st_mu);
-    if (!s->open.load()) return errc(ENOTCONN);
-    gen = s->link_gen;
+    std::lock_guard l(st_mu);
+    if (!open.load()) return errc(ENOTCONN);
+    gen = link_gen;
   }
   d->remapping.store(true, std::memory_order_seq_cst);
   // The old id must be quiet before it is closed and handed out again.
-  if (!s->wait_device_drain(d, Clock::now() + s->opts.control_timeout)) {
-    s->release_held(d);
+  if (!wait_device_drain(d, Clock::now() + opts.control_timeout)) {
+    release_held(d);
     return errc(ETIMEDOUT);
   }
   const uint32_t old = d->id.load();
   const bool had_id = d->state.load() != DeviceState::closed && d->open_link_gen == gen;
-  auto r = s->open_device(d->name, d->mode);
+  auto r = open_device(d->name, d->mode);
   if (!r.ok()) {
     if (transport_error(r.error().value())) {
-      s->release_held(d);
+      release_held(d);
       return r.error();
     }
-    s->close_device(d, r.error().value());
-    s->emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, r.error()});
+    close_device(d, r.error().value());
+    emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, r.error()});
     return r.error();
   }
   // Force-closed ids stay reserved on the server until we close them.
-  if (had_id && r->device_id != old) (void)s->close_id(old);
-  d->apply(*r, s->ts->max_io_size());
+  if (had_id && r->device_id != old) (void)close_id(old);
+  d->apply(*r, ts->max_io_size());
   d->open_link_gen = gen;
   d->closed_err.store(ENODEV);
   d->state.store(DeviceState::open, std::memory_order_seq_cst);
   d->st.remaps.fetch_add(1, std::memory_order_relaxed);
-  s->emit(DeviceEvent{DeviceEvent::Kind::remapped, d->name, old, r->device_id, {}});
-  s->release_held(d);
+  emit(DeviceEvent{DeviceEvent::Kind::remapped, d->name, old, r->device_id, {}});
+  release_held(d);
   return {};
 }
 
