@@ -1,0 +1,262 @@
+// libibnbd-client: block devices of an IBNBD server over one IBTRS session (the kernel's
+// rnbd-clt without the gendisk). A BlockSession negotiates the block protocol (SESS_INFO) on an
+// ibtrs::ClientSession; map() opens a remote device by name and access mode and returns a
+// RemoteDevice with its geometry and asynchronous read / write / flush / discard / write-zeroes
+// / secure-erase. The wire is docs/protocol.md, "IBNBD block protocol"; client/README.md
+// describes this library for humans.
+//
+// Requests
+//   - Offsets and lengths are bytes; both must be multiples of the device's logical block size,
+//     and the range must lie inside the device. A request that breaks a rule, or that the
+//     access mode or the geometry does not allow, is refused before anything is sent: the call
+//     returns the errno and the callback never runs.
+//   - A request larger than what one transport request carries (min(max_io_size of the session,
+//     max_hw_sectors of the device) for READ/WRITE, max_discard_sectors for DISCARD and
+//     SECURE_ERASE, max_write_zeroes_sectors for WRITE_ZEROES) is split into parts sent
+//     concurrently. The callback runs once, after every part has completed, with 0 or the first
+//     part's error. A failed split WRITE may have changed any of its blocks (as a failed write of
+//     a disk may).
+//   - Zero copy: read() and write() take data segments inside memory registered through this
+//     session (alloc_buffer / register_memory). read_copy() and write_copy() take any memory and
+//     copy through a per-device pool of registered bounce buffers (BlockSessionOptions::
+//     bounce_slots); for callers whose buffers are not theirs to register (an NBD socket
+//     buffer). The caller's memory must stay valid until the callback in both cases.
+//   - Submitting never blocks: parts that find no free transport permit (queue_depth of the
+//     session) or no bounce buffer wait in the library and go out as others complete.
+//
+// Reconnect and remap (kernel: rnbd_clt_remap / RTRS_CLT_LINK_EV_RECONNECTED)
+//   When the last path of the session goes down, IO submitted from then on waits in the
+//   library. When a path is back, the session sends SESS_INFO again, waits until every request
+//   sent with the old device ids has come back, then re-OPENs every mapped device (its id may
+//   change; geometry is taken anew) and sends the waiting IO with the new ids. A request the
+//   server answers with ENODEV while a remap is pending or after one (the server restarted and
+//   no longer knows the id) waits for the remap and is sent once more, once. IO waits for a
+//   remap at most BlockSessionOptions::remap_timeout, then fails with ETIMEDOUT (a path is up
+//   but the remap did not finish) or ENOTCONN (no path came back). A device whose re-OPEN the
+//   server refuses turns `closed`: its waiting IO fails with that errno.
+//
+// Guarantee: every request whose submit call returned 0 completes exactly once. A WRITE (or
+// any other op) that completes with 0 was carried out by the server (and a FUA write is stable
+// there); otherwise the callback says an errno. Nothing is dropped silently: a request that the
+// transport re-sends after a path or server failure is either answered by the server or failed
+// with ENOTCONN / ETIMEDOUT / ECONNABORTED. Old device ids never reach another device: no
+// device is re-opened while a request carrying an old id is still in flight.
+//
+// An ENODEV that arrives while the session stayed up and no remap was under way (the admin
+// force-closed the device on the server) is returned to the caller, not retried: re-opening on
+// our own would undo the admin's force_close. remap() re-opens on request.
+//
+// Threading
+//   - RemoteDevice IO functions, stats and accessors: any thread, concurrently; never block.
+//     They may be called from a completion callback.
+//   - Completion callbacks run on the transport's IO threads or on the session's control thread
+//     (requests failed without a server answer: timeouts, or a part that failed while the
+//     request was being submitted). Never inside the submitting call. They must not block and
+//     must not call the control functions below.
+//   - Control functions (BlockSession::map, unmap, remap, alloc_buffer, register_memory) may be
+//     called from any thread except a callback (completion, session event or device event);
+//     they are serialized with each other and with the automatic remap, and return when done.
+//   - Accessors of BlockSession (devices, find, state, version, transport): any thread.
+//   - The BlockSession must outlive every registration made through it, and must not be
+//     destroyed while another thread calls into it or its devices. Devices the caller still
+//     holds afterwards refuse everything with ESHUTDOWN.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "ibnbd/types.h"
+#include "ibtrs/client.h"
+
+namespace ibnbd {
+
+// Completion of a block request: err is 0 or a positive errno.
+using IoDoneFn = void (*)(void* ctx, int err);
+struct IoDone {
+  IoDoneFn fn = nullptr;
+  void* ctx = nullptr;
+};
+
+// Kernel rnbd-clt device states, minus the ones of the gendisk (init, unmapped).
+enum class DeviceState : uint8_t {
+  open,       // IO goes out
+  remapping,  // the session or this device is being re-opened: IO waits
+  closed,     // unmapped, or the server refused the re-open: IO is refused (ENODEV)
+};
+std::string_view to_string(DeviceState s);
+
+enum class SessionState : uint8_t {
+  connected,     // a path is up and every device is remapped
+  disconnected,  // no path is up: IO waits
+  remapping,     // a path is back; SESS_INFO and re-OPENs are under way: IO waits
+};
+std::string_view to_string(SessionState s);
+
+enum class UnmapMode : uint8_t {
+  normal,  // EBUSY while a request of the device is outstanding
+  force,   // refuse new IO at once; fail the IO still waiting in the library (ECANCELED); wait
+           // (at most control_timeout) for the IO the server has; then CLOSE
+};
+
+// What happened to a mapped device, for the daemon's log and sysfs (the kernel prints these).
+struct DeviceEvent {
+  enum class Kind : uint8_t {
+    remapped,      // re-opened after a reconnect or remap(): old_id -> new_id
+    remap_failed,  // the server refused the re-open (error); the device is closed
+  };
+  Kind kind = Kind::remapped;
+  std::string dev_name;
+  uint32_t old_id = 0;
+  uint32_t new_id = 0;
+  std::error_code error;
+};
+
+struct DeviceStats {
+  uint64_t reads = 0;          // user requests, by op
+  uint64_t writes = 0;
+  uint64_t flushes = 0;
+  uint64_t discards = 0;       // DISCARD and SECURE_ERASE
+  uint64_t write_zeroes = 0;
+  uint64_t read_bytes = 0;
+  uint64_t write_bytes = 0;
+  uint64_t parts_sent = 0;     // transport requests (a split request counts each part)
+  uint64_t errors = 0;         // user requests completed with an error
+  uint64_t enodev_retries = 0; // parts re-sent after an ENODEV and a remap
+  uint64_t remaps = 0;         // successful re-opens
+  uint32_t inflight = 0;       // user requests submitted and not yet completed
+};
+
+struct BlockSessionOptions {
+  // The IBTRS session: name, paths, policy, io_threads, heartbeat, reconnect, connect and
+  // pending timeouts, busy_poll, on_event. All pass through; on_event sees every transport
+  // event (on the transport's control thread) after the block layer has taken note of it.
+  ibtrs::ClientOptions transport;
+  // How long IO waits in the library for a reconnect and remap (then ETIMEDOUT or ENOTCONN).
+  std::chrono::milliseconds remap_timeout{30000};
+  // How long SESS_INFO, OPEN and CLOSE wait for the server's answer (then ETIMEDOUT).
+  std::chrono::milliseconds control_timeout{30000};
+  // Registered bounce buffers per device for read_copy / write_copy, each the size of one
+  // transport request of the device. 0: those calls fail with EOPNOTSUPP.
+  uint32_t bounce_slots = 8;
+  // Device events; run on the thread that remapped (the session's control thread after a
+  // reconnect, the caller of remap()). Must not block or call control functions.
+  std::function<void(const DeviceEvent&)> on_device_event;
+};
+
+class BlockSession;
+
+// A mapped remote device. Obtained from BlockSession::map(); shared with the session, which
+// keeps it until unmap.
+class RemoteDevice {
+ public:
+  ~RemoteDevice();
+  RemoteDevice(const RemoteDevice&) = delete;
+  RemoteDevice& operator=(const RemoteDevice&) = delete;
+
+  const std::string& name() const;
+  AccessMode access_mode() const;
+  // From the last OPEN_RSP (a remap may change it).
+  DeviceGeometry geometry() const;
+  uint64_t size_bytes() const;
+  uint32_t device_id() const;  // the server's id in this session (a remap may change it)
+  DeviceState state() const;
+  DeviceStats stats() const;
+  // Largest READ/WRITE sent as one transport request; larger ones are split.
+  uint32_t max_part_bytes() const;
+
+  // Errors returned (nothing sent, callback not run): EINVAL (no callback; offset or length
+  // not a multiple of the logical block size, length 0, past the end of the device; a segment
+  // outside its registration or without one; more than 15 segments smaller than a block in a
+  // row, which no transport request can carry), EPERM (the access mode forbids
+  // the op, as the server would say), EOPNOTSUPP (the device does not support the op), ENODEV
+  // (the device is closed), ESHUTDOWN (the session is closing or gone).
+
+  // Reads `segs` (in order) from `offset`. Length: the sum of the segments.
+  Status read(uint64_t offset, std::span<const ibtrs::IoSeg> segs, IoDone done, uint16_t prio = 0);
+  // Writes; flags: kIoFua (each part is stable when it completes), kIoPreflush (sent on the
+  // first part: what completed before is stable first), kIoSync; anything else is EINVAL.
+  Status write(uint64_t offset, std::span<const ibtrs::IoSeg> segs, uint32_t flags, IoDone done,
+               uint16_t prio = 0);
+  Status flush(IoDone done);
+  Status discard(uint64_t offset, uint64_t len, IoDone done);
+  // no_unmap: the range must stay allocated (NOUNMAP).
+  Status write_zeroes(uint64_t offset, uint64_t len, bool no_unmap, IoDone done);
+  Status secure_erase(uint64_t offset, uint64_t len, IoDone done);
+  // Copying variants for unregistered memory (see the top of this file). EOPNOTSUPP without
+  // bounce buffers.
+  Status read_copy(uint64_t offset, std::span<std::byte> out, IoDone done, uint16_t prio = 0);
+  Status write_copy(uint64_t offset, std::span<const std::byte> data, uint32_t flags, IoDone done,
+                    uint16_t prio = 0);
+
+  struct Impl;
+  Impl* impl() const { return impl_.get(); }
+
+ private:
+  friend class BlockSession;
+  explicit RemoteDevice(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class BlockSession {
+ public:
+  // Opens the IBTRS session and negotiates the block protocol version. Errors: those of
+  // ibtrs::ClientSession::open (EINVAL, ECONNREFUSED, ...), EPROTO / EPROTONOSUPPORT (version),
+  // ETIMEDOUT (no SESS_INFO answer within control_timeout), the server's errno.
+  static Result<std::unique_ptr<BlockSession>> open(BlockSessionOptions options);
+  // Fails the IO still waiting in the library (ESHUTDOWN), closes the transport session (what
+  // the server holds is released with it; no CLOSE is sent). Not from a callback.
+  ~BlockSession();
+  BlockSession(const BlockSession&) = delete;
+  BlockSession& operator=(const BlockSession&) = delete;
+
+  // OPENs `dev_name` (1..254 bytes, no control characters; the server resolves it) in `mode`.
+  // The same name mapped again in the same mode returns the existing device (re-opened first
+  // if a failed remap left it closed, as remap() does); in another mode, EBUSY (unmap first: a
+  // mode change is CLOSE then OPEN, as on the server). Errors: EINVAL,
+  // the server's errno (ENOENT, EBUSY from the access rules, ...), EMSGSIZE (a logical block
+  // larger than one transport request), ENOTCONN / ETIMEDOUT (no answer), ESHUTDOWN.
+  Result<std::shared_ptr<RemoteDevice>> map(std::string_view dev_name, AccessMode mode);
+  // CLOSEs and forgets the device; it turns `closed` for whoever still holds it. ENOENT (not
+  // mapped), EBUSY (normal mode with requests outstanding). The device is unmapped locally
+  // even when the CLOSE fails (its errno is returned; the server releases the device when the
+  // session ends), and no CLOSE is sent while the session is down (the server's session is
+  // gone with the paths).
+  Status unmap(std::string_view dev_name, UnmapMode mode = UnmapMode::normal);
+  // Re-OPENs one device now (kernel: remap_device): after the server force-closed it, or to
+  // bring back a device that a failed remap left closed. Waits for the device's IO in flight
+  // first and holds new IO meanwhile; CLOSEs the old id when the server gave a new one in the
+  // same session. ENOENT (not mapped), ENOTCONN (the session is down: it remaps by itself when
+  // a path returns), the server's errno (the device is then closed).
+  Status remap(std::string_view dev_name);
+
+  std::vector<std::shared_ptr<RemoteDevice>> devices() const;  // mapped, by name
+  std::shared_ptr<RemoteDevice> find(std::string_view dev_name) const;
+
+  // Registered memory for read() / write() (ibtrs::ClientSession passthroughs).
+  Result<std::unique_ptr<ibtrs::RegisteredMemory>> alloc_buffer(size_t size);
+  Result<std::unique_ptr<ibtrs::RegisteredMemory>> register_memory(void* addr, size_t size);
+
+  SessionState state() const;
+  uint8_t proto_version() const;  // negotiated by SESS_INFO
+  const std::string& name() const;
+  // The transport session, for statistics and path control (add_path, disconnect_path, ...;
+  // its threading rules apply).
+  ibtrs::ClientSession& transport();
+  const ibtrs::ClientSession& transport() const;
+
+  struct Impl;
+
+ private:
+  explicit BlockSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ibnbd

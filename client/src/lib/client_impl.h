@@ -1,0 +1,333 @@
+// Private state of the IBNBD client library (kernel: rnbd-clt.h). The public contract is
+// client/include/ibnbd/client.h; this file says how the pieces hold it up.
+//
+// The life of a block request:
+//   RemoteDevice::read/write/... validates, takes a UserReq (kernel: the blk-mq request) and
+//   cuts it into Parts (kernel: rnbd_iu), one per transport request. A part goes through at most
+//   three waits, each a FIFO of parts linked through Part::next:
+//     1. a bounce slot of its device (read_copy / write_copy only)   Device::bounce_wait
+//     2. its device being re-opened                                   Device::held
+//     3. the session: a free permit, or the session being remapped    Session::queue
+//   and is then sent with the device's current id. Its completion re-sends it once on ENODEV
+//   (after a remap), or finishes it; the last part to finish completes the UserReq.
+//
+// Counters that make remap safe (see Session::remap_all):
+//   Session::inflight   requests on the transport that carry a device id (IO parts, CLOSE);
+//                       a remap re-OPENs nothing until it is 0, so an old id can never reach
+//                       a device that got it anew.
+//   Device::inflight_parts  the same per device, for remap() and a forced unmap.
+// Senders increment the counter, then check the gate (Session::open, Device::remapping); the
+// remapper closes the gate, then waits for the counter: both sequentially consistent, so one
+// of the two sees the other.
+//
+// Locks, never two at once except where noted: Session::ctl_mu (control functions and the
+// remap, held across the others), Session::st_mu (link state, worker), Session::q_mu, Device::mu,
+// Device::bounce_mu, Session::ctl_slot_mu, Session::dev_mu.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ibnbd/client.h"
+#include "lib/split.h"
+#include "proto/ibnbd_proto.h"
+
+namespace ibnbd {
+
+namespace client {
+
+using Clock = std::chrono::steady_clock;
+using Session = BlockSession::Impl;
+using Device = RemoteDevice::Impl;
+struct UserReq;
+
+// One transport request of a block request.
+struct Part {
+  Part* next = nullptr;  // link in whichever wait list (or free list) holds the part
+  UserReq* req = nullptr;
+  proto::Io io;           // device_id is filled in at every send
+  uint8_t nseg = 0;
+  bool retried = false;   // re-sent once after ENODEV already
+  int32_t slot = -1;      // bounce slot held, or -1
+  std::byte* user = nullptr;  // bounce: the caller's memory of this part
+  uint32_t dev_gen = 0;       // Device::gen when last sent
+  Clock::time_point queued_at{};  // when it started waiting (expiry)
+  ibtrs::IoSeg segs[kMaxPartSegs];
+  std::byte usr[sizeof(proto::IoMsg)];
+};
+
+// One block request of the caller.
+struct UserReq {
+  UserReq* next = nullptr;  // free list
+  Device* dev = nullptr;
+  IoDone done;
+  ibtrs::IoDir dir = ibtrs::IoDir::read;
+  bool bounce = false;
+  std::atomic<uint32_t> left{0};  // parts not finished
+  std::atomic<int> err{0};        // the first part's error
+};
+
+// Objects recycled through a free list; grows when empty (the hot path allocates only while
+// the load exceeds everything seen before).
+template <typename T>
+class FreeList {
+ public:
+  void grow(size_t n) {
+    auto block = std::make_unique<T[]>(n);
+    for (size_t i = 0; i < n; ++i) {
+      block[i].next = head_;
+      head_ = &block[i];
+    }
+    blocks_.push_back(std::move(block));
+  }
+  T* get() {
+    std::lock_guard l(mu_);
+    if (head_ == nullptr) grow(64);
+    T* t = head_;
+    head_ = t->next;
+    t->next = nullptr;
+    return t;
+  }
+  void put(T* t) {
+    std::lock_guard l(mu_);
+    t->next = head_;
+    head_ = t;
+  }
+
+ private:
+  std::mutex mu_;
+  T* head_ = nullptr;
+  std::vector<std::unique_ptr<T[]>> blocks_;
+};
+
+// An intrusive FIFO of parts (the caller holds the lock that guards it).
+struct PartList {
+  Part* head = nullptr;
+  Part* tail = nullptr;
+  size_t size = 0;
+  bool empty() const { return head == nullptr; }
+  void push(Part* p) {
+    p->next = nullptr;
+    if (tail) tail->next = p; else head = p;
+    tail = p;
+    ++size;
+  }
+  void push_front(Part* p) {
+    p->next = head;
+    head = p;
+    if (tail == nullptr) tail = p;
+    ++size;
+  }
+  Part* pop() {
+    Part* p = head;
+    head = p->next;
+    if (head == nullptr) tail = nullptr;
+    p->next = nullptr;
+    --size;
+    return p;
+  }
+  PartList take() { return std::exchange(*this, PartList{}); }
+  // Moves the parts for which pred(p) holds into the returned list, keeping the order of both.
+  template <typename Pred>
+  PartList extract(Pred pred) {
+    PartList keep, out;
+    while (!empty()) {
+      Part* p = pop();
+      (pred(p) ? out : keep).push(p);
+    }
+    *this = keep;
+    return out;
+  }
+};
+
+// While a thread submits (or runs a control function), completions it causes are handed to the
+// session's worker instead of running on it: a caller's callback never runs inside its own call.
+// (inline, not extern: g++ 12's UBSan misreads the TLS wrapper of an extern thread_local.)
+inline thread_local int tl_defer_completions = 0;
+struct DeferCompletions {
+  DeferCompletions() { ++tl_defer_completions; }
+  ~DeferCompletions() { --tl_defer_completions; }
+  DeferCompletions(const DeferCompletions&) = delete;
+  DeferCompletions& operator=(const DeferCompletions&) = delete;
+};
+
+// try_send outcomes besides 0 (sent) and a positive errno.
+inline constexpr int kWaitSession = -1;  // no permit, or the session is not open: Session::queue
+inline constexpr int kWaitDevice = -2;   // the device is being re-opened: Device::held
+
+struct Stats {
+  std::atomic<uint64_t> reads{0}, writes{0}, flushes{0}, discards{0}, write_zeroes{0};
+  std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, parts_sent{0}, errors{0};
+  std::atomic<uint64_t> enodev_retries{0}, remaps{0};
+};
+
+}  // namespace client
+
+struct RemoteDevice::Impl {
+  client::Session* s = nullptr;  // null once the session is gone
+  std::string name;
+  AccessMode mode = AccessMode::ro;
+
+  // Current incarnation on the server. `id` is stored before `gen` is bumped, so a sender that
+  // reads the new gen (acquire) sends the new id.
+  std::atomic<uint32_t> id{0};
+  std::atomic<uint32_t> gen{0};
+  std::atomic<DeviceState> state{DeviceState::open};
+  std::atomic<bool> remapping{false};  // gate: parts wait in `held`
+  std::atomic<int> closed_err{ENODEV};  // what parts still waiting get when the device closes
+  uint64_t open_link_gen = 0;  // Session::link_gen of the last OPEN (under Session::ctl_mu)
+
+  // Limits for validation and splitting, relaxed: the server checks every part again.
+  std::atomic<uint64_t> size{0};
+  std::atomic<uint32_t> lbs{512};
+  std::atomic<uint32_t> max_rw{0};       // bytes per READ/WRITE part
+  std::atomic<uint32_t> max_discard{0};  // bytes per DISCARD/SECURE_ERASE part, 0: none
+  std::atomic<uint32_t> max_wz{0};       // bytes per WRITE_ZEROES part, 0: none
+  std::atomic<bool> secure{false};
+
+  std::atomic<uint32_t> inflight_reqs{0};   // user requests outstanding
+  std::atomic<uint32_t> inflight_parts{0};  // parts on the transport
+
+  mutable std::mutex mu;  // geo, held
+  DeviceGeometry geo;
+  client::PartList held;
+
+  // Bounce buffers: slot i is bytes [i * slot_size, (i + 1) * slot_size) of `bounce`.
+  std::unique_ptr<ibtrs::RegisteredMemory> bounce;
+  uint32_t slot_size = 0;
+  std::mutex bounce_mu;
+  std::vector<int32_t> free_slots;  // capacity fixed at map: no allocation when returned
+  client::PartList bounce_wait;
+
+  client::Stats st;
+
+  // Validation, splitting, submission (device.cc).
+  Status submit(IoOp op, uint64_t offset, uint64_t len, std::span<const ibtrs::IoSeg> segs,
+                std::byte* copy_buf, uint32_t flags, IoDone done, uint16_t prio);
+  void apply(const proto::OpenRsp& rsp, uint32_t max_io_size);
+  bool take_slot(client::Part* p);
+  client::Part* release_slot(client::Part* p);
+  std::byte* slot_addr(int32_t slot) const { return bounce->data() + size_t(slot) * slot_size; }
+  // Moves the parts of this device out of its wait lists (not the session's queue).
+  client::PartList take_waiting();
+};
+
+struct BlockSession::Impl {
+  using Clock = client::Clock;
+  using Device = RemoteDevice::Impl;
+
+  BlockSessionOptions opts;
+  std::unique_ptr<ibtrs::ClientSession> ts;
+  std::atomic<uint8_t> version{0};  // rewritten by every remap
+  std::atomic<bool> closing{false};
+
+  // ---- link state (events from the transport, the worker) -----------------------------------
+  std::atomic<bool> open{true};  // gate: IO may go out (connected and remapped)
+  std::mutex st_mu;
+  std::condition_variable st_cv;
+  bool link_up = true;
+  uint64_t link_gen = 0;  // bumped by disconnected and reconnected
+  Clock::time_point down_since{};
+  Clock::time_point remap_due{};
+  bool stop = false;
+  std::vector<client::UserReq*> deferred;  // completions for the worker to run
+  std::thread worker;
+  uint64_t worker_gen = 0;  // link_gen the worker's remap is for (worker thread only)
+
+  std::atomic<int64_t> inflight{0};      // see the top of this file
+  std::atomic<uint64_t> outstanding{0};  // user requests not completed (destructor waits)
+
+  // ---- the session queue ----------------------------------------------------------------------
+  std::mutex q_mu;
+  client::PartList queue;
+  std::atomic<size_t> q_len{0};
+
+  client::FreeList<client::Part> parts;
+  client::FreeList<client::UserReq> reqs;
+
+  // ---- control ----------------------------------------------------------------------------------
+  std::mutex ctl_mu;
+  // Control messages land in slots of one registered buffer. A slot stays busy until the
+  // transport completes its request, even if the waiter gave up: the server may still write.
+  static constexpr size_t kCtlSlots = 32;
+  static constexpr size_t kCtlSlotSize = 64;
+  static_assert(kCtlSlotSize >= sizeof(proto::OpenRspMsg) &&
+                kCtlSlotSize >= sizeof(proto::SessInfoRspMsg));
+  struct CtlSlot {
+    Impl* s = nullptr;
+    bool busy = false;
+    bool done = false;
+    bool abandoned = false;
+    bool counted = false;  // counts in `inflight` (CLOSE carries a device id)
+    int err = 0;
+  };
+  std::unique_ptr<ibtrs::RegisteredMemory> ctl_mem;
+  std::mutex ctl_slot_mu;
+  std::condition_variable ctl_cv;
+  CtlSlot ctl_slots[kCtlSlots];
+
+  // ---- devices ----------------------------------------------------------------------------------
+  mutable std::mutex dev_mu;
+  std::map<std::string, std::shared_ptr<RemoteDevice>, std::less<>> devices;
+  // Unmapped (forced) devices whose requests are still out: kept alive for their completions.
+  std::vector<std::shared_ptr<RemoteDevice>> retired;
+  // Every device ever mapped, to detach the survivors when the session goes.
+  std::vector<std::weak_ptr<RemoteDevice>> all_devices;
+
+  ~Impl();
+
+  // ---- IO path (io.cc) --------------------------------------------------------------------------
+  static void on_part_done(void* ctx, int err);
+  void advance(client::Part* p);
+  void send_or_queue(client::Part* p);
+  int try_send(client::Part* p);
+  bool hold(client::Part* p);
+  void pump();
+  void left_transport(Device* d);
+  void finish_part(client::Part* p, int err);
+  void complete_req(client::UserReq* r);
+  void run_completion(client::UserReq* r);
+  void release_held(Device* d);
+  void close_device(Device* d, int err);
+  void fail_list(client::PartList l, int err);
+
+  // ---- control and remap (session.cc) -----------------------------------------------------------
+  void on_transport_event(const ibtrs::SessionEventInfo& e);
+  void worker_main();
+  bool remap_all(uint64_t gen);
+  bool wait_drain(uint64_t gen, Clock::time_point deadline);
+  bool wait_device_drain(Device* d, Clock::time_point deadline);
+  Clock::time_point expire(Clock::time_point now);
+  void run_deferred();
+  bool link_changed(uint64_t gen);
+  static void on_ctl_done(void* ctx, int err);
+  Status control(ibtrs::IoDir dir, std::span<const std::byte> usr, std::span<std::byte> rsp,
+                 bool carries_id);
+  Result<uint8_t> sess_info();
+  Result<proto::OpenRsp> open_device(const std::string& name, AccessMode mode);
+  Status close_id(uint32_t id);
+  Status remap_device(Device* d);
+  void emit(const DeviceEvent& e);
+  std::vector<Device*> device_list();
+  void reap_retired();
+};
+
+namespace client {
+
+// Errors that say "the transport could not carry it", not "the server said no": a remap that
+// meets one is tried again when the link allows.
+inline bool transport_error(int e) {
+  return e == ENOTCONN || e == ECONNABORTED || e == ETIMEDOUT || e == ESHUTDOWN ||
+         e == ECONNRESET || e == EAGAIN || e == ENOBUFS;
+}
+
+}  // namespace client
+
+}  // namespace ibnbd

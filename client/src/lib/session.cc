@@ -1,0 +1,615 @@
+// BlockSession: the block protocol's control messages (SESS_INFO, OPEN, CLOSE), map / unmap,
+// and the remap after a reconnect (kernel: rnbd_clt_sess, rnbd_clt_map_device,
+// rnbd_clt_remap_device, rnbd_clt_link_ev).
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+#include "lib/client_impl.h"
+
+namespace ibnbd {
+
+using namespace client;
+
+namespace {
+
+// How often a remap that met a transport error is tried again while a path is up, and how
+// often the worker looks for IO that waited too long while the session is down.
+constexpr auto kRemapRetry = std::chrono::milliseconds(100);
+constexpr auto kExpiryTick = std::chrono::milliseconds(50);
+// Polling period of the drain waits (the counters are decremented on the IO path, which does
+// not signal).
+constexpr auto kDrainPoll = std::chrono::milliseconds(1);
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Control messages
+
+void Session::on_ctl_done(void* ctx, int err) {
+  auto* slot = static_cast<CtlSlot*>(ctx);
+  Impl* s = slot->s;
+  // `counted` and `s` are stable while the slot is busy, and it stays busy until below.
+  if (slot->counted) s->inflight.fetch_sub(1, std::memory_order_seq_cst);
+  // A permit came back; IO may be waiting for one.
+  if (s->q_len.load(std::memory_order_acquire) != 0) s->pump();
+  std::lock_guard l(s->ctl_slot_mu);
+  slot->done = true;
+  slot->err = err;
+  if (slot->abandoned) slot->busy = false;
+  s->ctl_cv.notify_all();
+}
+
+// Sends one control message and waits for the answer. READ carriers land in a slot of ctl_mem
+// and are copied to `rsp`. `carries_id`: the message names a device id (CLOSE), so it counts in
+// `inflight` and is only sent while the session is open (see client_impl.h).
+Status Session::control(ibtrs::IoDir dir, std::span<const std::byte> usr, std::span<std::byte> rsp,
+                        bool carries_id) {
+  size_t idx = kCtlSlots;
+  {
+    std::lock_guard l(ctl_slot_mu);
+    for (size_t i = 0; i < kCtlSlots; ++i) {
+      if (!ctl_slots[i].busy) {
+        idx = i;
+        break;
+      }
+    }
+    if (idx == kCtlSlots) return errc(ENOBUFS);  // every slot held by an answer still due
+    ctl_slots[idx] = CtlSlot{this, true, false, false, carries_id, 0};
+  }
+  CtlSlot& slot = ctl_slots[idx];
+  auto give_back = [&] {
+    std::lock_guard l(ctl_slot_mu);
+    slot.busy = false;
+  };
+  std::byte* buf = ctl_mem->data() + idx * kCtlSlotSize;
+  ibtrs::IoSeg seg{buf, static_cast<uint32_t>(kCtlSlotSize), ctl_mem.get()};
+  ibtrs::IoRequest req;
+  req.dir = dir;
+  req.usr = usr;
+  if (dir == ibtrs::IoDir::read) req.data = std::span<const ibtrs::IoSeg>(&seg, 1);
+  req.done = &Session::on_ctl_done;
+  req.ctx = &slot;
+  if (carries_id) {
+    inflight.fetch_add(1, std::memory_order_seq_cst);
+    if (!open.load(std::memory_order_seq_cst)) {
+      inflight.fetch_sub(1, std::memory_order_seq_cst);
+      give_back();
+      return errc(ENOTCONN);
+    }
+  }
+  // Permits may all be taken by IO; wait for one, but not past the control timeout (a
+  // PermitWait::yes could wait for ever on a server that holds requests).
+  const auto deadline = Clock::now() + opts.control_timeout;
+  Status st;
+  for (;;) {
+    st = ts->request(req, ibtrs::PermitWait::no);
+    if (st.ok() || st.error() != errc(EAGAIN) || Clock::now() >= deadline) break;
+    std::this_thread::sleep_for(kDrainPoll);
+  }
+  if (!st.ok()) {
+    if (carries_id) inflight.fetch_sub(1, std::memory_order_seq_cst);
+    give_back();
+    return st.error() == errc(EAGAIN) ? errc(ETIMEDOUT) : st.error();
+  }
+  // The worker waits here during a remap; it keeps expiring IO and running deferred
+  // completions meanwhile, and gives up when the link changes (the remap starts over).
+  const bool on_worker = std::this_thread::get_id() == worker.get_id();
+  std::unique_lock l(ctl_slot_mu);
+  while (!slot.done) {
+    const auto now = Clock::now();
+    int give_up = now >= deadline ? ETIMEDOUT : 0;
+    if (give_up == 0 && on_worker) {
+      l.unlock();
+      run_deferred();
+      expire(now);
+      if (link_changed(worker_gen)) give_up = ENOTCONN;
+      l.lock();
+    }
+    if (slot.done) break;
+    if (give_up != 0) {
+      slot.abandoned = true;  // the slot is freed by the completion, whenever it comes
+      return errc(give_up);
+    }
+    ctl_cv.wait_until(l, std::min(deadline, now + kExpiryTick));
+  }
+  const int err = slot.err;
+  if (err == 0 && !rsp.empty()) std::memcpy(rsp.data(), buf, std::min(rsp.size(), kCtlSlotSize));
+  slot.busy = false;
+  if (err != 0) return errc(err);
+  return {};
+}
+
+Result<uint8_t> Session::sess_info() {
+  std::byte msg[sizeof(proto::SessInfoMsg)];
+  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_sess_info(msg, proto::SessInfo{proto::kProtoVersion}));
+  std::byte rsp[kCtlSlotSize];
+  IBTRS_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
+  IBTRS_ASSIGN_OR_RETURN(auto r, proto::decode_sess_info_rsp(rsp));
+  return proto::accept_version(proto::kProtoVersion, r.ver);
+}
+
+Result<proto::OpenRsp> Session::open_device(const std::string& name, AccessMode mode) {
+  std::byte msg[sizeof(proto::OpenMsg)];
+  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_open(msg, proto::Open{mode, name}));
+  std::byte rsp[kCtlSlotSize];
+  IBTRS_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
+  return proto::decode_open_rsp(rsp);
+}
+
+Status Session::close_id(uint32_t id) {
+  std::byte msg[sizeof(proto::CloseMsg)];
+  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_close(msg, proto::Close{id}));
+  return control(ibtrs::IoDir::write, std::span(msg, n), {}, true);
+}
+
+void Session::emit(const DeviceEvent& e) {
+  IBTRS_LOG(info, "ibnbd %s: %s %s id %u -> %u %s", opts.transport.session_name.c_str(),
+            e.dev_name.c_str(), e.kind == DeviceEvent::Kind::remapped ? "remapped" : "remap failed",
+            e.old_id, e.new_id, e.error ? e.error.message().c_str() : "");
+  if (opts.on_device_event) opts.on_device_event(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Link events and the worker
+
+// Transport control thread. Only notes the state: the remap runs on our worker, because it
+// waits for requests whose failover needs the transport's control thread.
+void Session::on_transport_event(const ibtrs::SessionEventInfo& e) {
+  if (e.event == ibtrs::SessionEvent::disconnected || e.event == ibtrs::SessionEvent::reconnected) {
+    {
+      std::lock_guard l(st_mu);
+      ++link_gen;
+      if (e.event == ibtrs::SessionEvent::disconnected) {
+        // Before the transport re-sends anything on a new path (it does so after emitting
+        // `reconnected`), so every IO answered by a restarted server finds the gate closed.
+        open.store(false, std::memory_order_seq_cst);
+        link_up = false;
+        down_since = Clock::now();
+      } else {
+        link_up = true;
+        remap_due = Clock::now();
+      }
+    }
+    st_cv.notify_all();
+  }
+  if (opts.transport.on_event) opts.transport.on_event(e);
+}
+
+bool Session::link_changed(uint64_t gen) {
+  std::lock_guard l(st_mu);
+  return link_gen != gen || stop;
+}
+
+void Session::run_deferred() {
+  std::vector<UserReq*> v;
+  {
+    std::lock_guard l(st_mu);
+    v.swap(deferred);
+  }
+  for (UserReq* r : v) run_completion(r);
+}
+
+void Session::worker_main() {
+  std::unique_lock l(st_mu);
+  while (!stop) {
+    if (!deferred.empty()) {
+      l.unlock();
+      run_deferred();
+      l.lock();
+      continue;
+    }
+    auto now = Clock::now();
+    if (!open.load() && link_up && now >= remap_due) {
+      const uint64_t gen = link_gen;
+      l.unlock();
+      const bool done = remap_all(gen);
+      l.lock();
+      if (!done && link_gen == gen) remap_due = Clock::now() + kRemapRetry;
+      continue;
+    }
+    l.unlock();
+    reap_retired();
+    const auto next = expire(now);
+    l.lock();
+    if (stop || !deferred.empty()) continue;
+    auto wake = next;
+    if (!open.load()) {
+      wake = std::min(wake, now + kExpiryTick);
+      if (link_up) wake = std::min(wake, remap_due);
+    }
+    if (wake == Clock::time_point::max()) {
+      st_cv.wait(l);
+    } else {
+      st_cv.wait_until(l, wake);
+    }
+  }
+}
+
+// Fails parts that waited longer than remap_timeout for the session or a device to come back.
+// Returns when the next one would expire.
+Clock::time_point Session::expire(Clock::time_point now) {
+  Clock::time_point since;
+  bool up = false;
+  {
+    std::lock_guard l(st_mu);
+    since = down_since;
+    up = link_up;
+  }
+  const int err = up ? ETIMEDOUT : ENOTCONN;
+  const auto limit = opts.remap_timeout;
+  Clock::time_point next = Clock::time_point::max();
+  PartList dead;
+  if (!open.load()) {
+    std::lock_guard l(q_mu);
+    dead = queue.extract([&](Part* p) { return std::max(p->queued_at, since) + limit <= now; });
+    q_len.store(queue.size, std::memory_order_release);
+    for (Part* p = queue.head; p != nullptr; p = p->next)
+      next = std::min(next, std::max(p->queued_at, since) + limit);
+  }
+  for (Device* d : device_list()) {
+    std::lock_guard l(d->mu);
+    PartList old = d->held.extract([&](Part* p) { return p->queued_at + limit <= now; });
+    while (!old.empty()) dead.push(old.pop());
+    for (Part* p = d->held.head; p != nullptr; p = p->next) next = std::min(next, p->queued_at + limit);
+  }
+  fail_list(dead, err);
+  return next;
+}
+
+std::vector<Device*> Session::device_list() {
+  std::lock_guard l(dev_mu);
+  std::vector<Device*> v;
+  v.reserve(devices.size() + retired.size());
+  for (auto& [name, d] : devices) v.push_back(d->impl());
+  for (auto& d : retired) v.push_back(d->impl());
+  return v;
+}
+
+void Session::reap_retired() {
+  std::lock_guard l(dev_mu);
+  std::erase_if(retired, [](const std::shared_ptr<RemoteDevice>& d) {
+    return d->impl()->inflight_reqs.load() == 0 && d->impl()->inflight_parts.load() == 0;
+  });
+}
+
+// Waits until no request with an old device id is on the transport. false: the link changed,
+// or the deadline passed (the remap is tried again later).
+bool Session::wait_drain(uint64_t gen, Clock::time_point deadline) {
+  while (inflight.load(std::memory_order_seq_cst) != 0) {
+    if (link_changed(gen) || Clock::now() >= deadline) return false;
+    // The worker is busy here: keep its other duties going.
+    run_deferred();
+    expire(Clock::now());
+    std::this_thread::sleep_for(kDrainPoll);
+  }
+  return true;
+}
+
+bool Session::wait_device_drain(Device* d, Clock::time_point deadline) {
+  while (d->inflight_parts.load(std::memory_order_seq_cst) != 0) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(kDrainPoll);
+  }
+  return true;
+}
+
+// Worker: the session is back after all paths were down. Returns false to be tried again
+// (a transport error, the link changed, the drain took too long).
+bool Session::remap_all(uint64_t gen) {
+  std::lock_guard cl(ctl_mu);
+  worker_gen = gen;
+  DeferCompletions defer;  // completions of failed parts run when this returns
+  std::vector<Device*> devs;
+  {
+    std::lock_guard l(dev_mu);
+    for (auto& [name, d] : devices)
+      if (d->impl()->state.load() != DeviceState::closed) devs.push_back(d->impl());
+  }
+  // Re-open in the order of the old ids: on a server that kept nothing, they come back the same
+  // when nothing was unmapped in between (it hands out the lowest free id).
+  std::sort(devs.begin(), devs.end(), [](Device* a, Device* b) { return a->id.load() < b->id.load(); });
+  for (Device* d : devs) d->remapping.store(true, std::memory_order_seq_cst);
+
+  auto v = sess_info();
+  if (!v.ok()) {
+    if (transport_error(v.error().value())) return false;
+    // The server no longer speaks our protocol: nothing of this session can work.
+    IBTRS_LOG(error, "ibnbd %s: SESS_INFO after reconnect: %s", opts.transport.session_name.c_str(),
+              v.error().message().c_str());
+    for (Device* d : devs) {
+      close_device(d, v.error().value());
+      emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, d->id.load(), d->id.load(), v.error()});
+    }
+  } else {
+    version.store(*v);
+    if (!wait_drain(gen, Clock::now() + opts.remap_timeout)) return false;
+    for (Device* d : devs) {
+      if (link_changed(gen)) return false;
+      const uint32_t old = d->id.load();
+      auto r = open_device(d->name, d->mode);
+      if (!r.ok()) {
+        if (transport_error(r.error().value())) return false;
+        close_device(d, r.error().value());
+        emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, r.error()});
+        continue;
+      }
+      d->apply(*r, ts->max_io_size());
+      d->open_link_gen = gen;
+      d->st.remaps.fetch_add(1, std::memory_order_relaxed);
+      emit(DeviceEvent{DeviceEvent::Kind::remapped, d->name, old, r->device_id, {}});
+      // Its held parts join the session queue (still closed) in their order.
+      release_held(d);
+    }
+  }
+  {
+    std::lock_guard l(st_mu);
+    if (link_gen != gen) return false;
+    open.store(true, std::memory_order_seq_cst);
+  }
+  IBTRS_LOG(info, "ibnbd %s: remapped %zu devices", opts.transport.session_name.c_str(), devs.size());
+  pump();
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// BlockSession
+
+BlockSession::BlockSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+BlockSession::~BlockSession() = default;
+
+Result<std::unique_ptr<BlockSession>> BlockSession::open(BlockSessionOptions options) {
+  auto impl = std::make_unique<Impl>();
+  Impl* s = impl.get();
+  impl->opts = std::move(options);
+  ibtrs::ClientOptions to = s->opts.transport;
+  // Events reach the block layer first (it closes the IO gate before the transport re-sends),
+  // then the caller's callback from opts.transport.on_event.
+  to.on_event = [s](const ibtrs::SessionEventInfo& e) { s->on_transport_event(e); };
+  IBTRS_ASSIGN_OR_RETURN(impl->ts, ibtrs::ClientSession::open(std::move(to)));
+  IBTRS_ASSIGN_OR_RETURN(impl->ctl_mem, impl->ts->alloc_buffer(Impl::kCtlSlots * Impl::kCtlSlotSize));
+  const uint32_t qd = impl->ts->queue_depth();
+  impl->parts.grow(qd);
+  impl->reqs.grow(qd);
+  IBTRS_ASSIGN_OR_RETURN(uint8_t ver, impl->sess_info());
+  impl->version.store(ver);
+  impl->worker = std::thread([s] { s->worker_main(); });
+  return std::unique_ptr<BlockSession>(new BlockSession(std::move(impl)));
+}
+
+Session::~Impl() {
+  closing.store(true, std::memory_order_seq_cst);
+  {
+    std::lock_guard l(st_mu);
+    stop = true;
+  }
+  st_cv.notify_all();
+  if (worker.joinable()) worker.join();
+  run_deferred();
+  // IO still waiting in the library never went out: it fails here.
+  std::vector<Device*> devs = device_list();
+  {
+    PartList l;
+    {
+      std::lock_guard g(q_mu);
+      l = queue.take();
+      q_len.store(0);
+    }
+    fail_list(l, ESHUTDOWN);
+  }
+  for (Device* d : devs) fail_list(d->take_waiting(), ESHUTDOWN);
+  auto busy_ctl = [this] {
+    std::lock_guard l(ctl_slot_mu);
+    return std::any_of(std::begin(ctl_slots), std::end(ctl_slots), [](const CtlSlot& c) { return c.busy; });
+  };
+  // Registrations must go before the transport session, and requests using them before the
+  // registrations: closing the paths completes whatever the transport still has (ENOTCONN).
+  if (ts && (outstanding.load() != 0 || busy_ctl())) {
+    for (auto& p : ts->paths()) (void)ts->disconnect_path(p.name);
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while ((outstanding.load() != 0 || busy_ctl()) && Clock::now() < deadline) {
+      run_deferred();
+      std::this_thread::sleep_for(kDrainPoll);
+    }
+    run_deferred();
+    if (outstanding.load() != 0)
+      IBTRS_LOG(error, "ibnbd %s: %llu requests did not complete at close",
+                opts.transport.session_name.c_str(),
+                static_cast<unsigned long long>(outstanding.load()));
+  }
+  // Devices the caller still holds outlive us: cut them loose.
+  std::vector<std::shared_ptr<RemoteDevice>> alive;
+  {
+    std::lock_guard l(dev_mu);
+    for (auto& w : all_devices)
+      if (auto d = w.lock()) alive.push_back(std::move(d));
+    devices.clear();
+    retired.clear();
+  }
+  for (auto& d : alive) {
+    Device* di = d->impl();
+    di->closed_err.store(ESHUTDOWN);
+    di->state.store(DeviceState::closed);
+    di->bounce.reset();
+    di->s = nullptr;
+  }
+  alive.clear();
+  ctl_mem.reset();
+  ts.reset();
+}
+
+Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_name, AccessMode mode) {
+  Impl* s = impl_.get();
+  IBTRS_TRY(proto::check_dev_name(dev_name));
+  std::lock_guard cl(s->ctl_mu);
+  if (s->closing.load()) return errc(ESHUTDOWN);
+  if (auto d = find(dev_name)) {
+    if (d->access_mode() != mode) return errc(EBUSY);
+    // Mapped but closed (the server refused its re-open): mapping it again opens it again.
+    if (d->impl()->state.load() == DeviceState::closed) IBTRS_TRY(s->remap_device(d->impl()));
+    return d;
+  }
+  uint64_t gen = 0;
+  {
+    std::lock_guard l(s->st_mu);
+    if (!s->link_up) return errc(ENOTCONN);
+    gen = s->link_gen;
+  }
+  const std::string name(dev_name);
+  IBTRS_ASSIGN_OR_RETURN(auto rsp, s->open_device(name, mode));
+  auto impl = std::make_unique<RemoteDevice::Impl>();
+  Device* d = impl.get();
+  d->s = s;
+  d->name = name;
+  d->mode = mode;
+  d->apply(rsp, s->ts->max_io_size());
+  d->open_link_gen = gen;
+  std::shared_ptr<RemoteDevice> dev(new RemoteDevice(std::move(impl)));
+  auto undo = [&](std::error_code ec) -> std::error_code {
+    (void)s->close_id(rsp.device_id);
+    d->bounce.reset();
+    d->s = nullptr;
+    return ec;
+  };
+  // Not even one logical block fits one transport request: no READ/WRITE could be sent.
+  if (d->max_rw.load() < rsp.geo.logical_block_size) return undo(errc(EMSGSIZE));
+  if (s->opts.bounce_slots != 0) {
+    d->slot_size = d->max_rw.load();
+    auto b = s->ts->alloc_buffer(size_t{d->slot_size} * s->opts.bounce_slots);
+    if (!b.ok()) return undo(b.error());
+    d->bounce = std::move(*b);
+    d->free_slots.reserve(s->opts.bounce_slots);
+    for (uint32_t i = s->opts.bounce_slots; i > 0; --i) d->free_slots.push_back(static_cast<int32_t>(i - 1));
+  }
+  std::lock_guard l(s->dev_mu);
+  s->devices.emplace(name, dev);
+  std::erase_if(s->all_devices, [](const std::weak_ptr<RemoteDevice>& w) { return w.expired(); });
+  s->all_devices.push_back(dev);
+  return dev;
+}
+
+Status BlockSession::unmap(std::string_view dev_name, UnmapMode mode) {
+  Impl* s = impl_.get();
+  std::lock_guard cl(s->ctl_mu);
+  DeferCompletions defer;
+  s->reap_retired();
+  std::shared_ptr<RemoteDevice> dev = find(dev_name);
+  if (!dev) return errc(ENOENT);
+  Device* d = dev->impl();
+  if (mode == UnmapMode::normal && d->inflight_reqs.load() != 0) return errc(EBUSY);
+  const bool was_open = d->state.load() != DeviceState::closed;
+  if (mode == UnmapMode::force) {
+    s->close_device(d, ECANCELED);
+    // The server still has some of its IO: let it answer before the CLOSE makes the id
+    // unknown (the answers would turn into ENODEV).
+    if (!s->wait_device_drain(d, Clock::now() + s->opts.control_timeout))
+      IBTRS_LOG(warn, "ibnbd %s: unmap %s with IO still in flight",
+                s->opts.transport.session_name.c_str(), d->name.c_str());
+  } else {
+    d->closed_err.store(ENODEV);
+    d->state.store(DeviceState::closed, std::memory_order_seq_cst);
+  }
+  {
+    std::lock_guard l(s->dev_mu);
+    s->devices.erase(d->name);
+    if (d->inflight_reqs.load() != 0 || d->inflight_parts.load() != 0) s->retired.push_back(dev);
+  }
+  bool same_session = false;
+  {
+    std::lock_guard l(s->st_mu);
+    same_session = s->link_up && d->open_link_gen == s->link_gen;
+  }
+  // A closed device holds no id on the server any more (its re-open failed); and after a
+  // reconnect without remap the id belongs to a session that is gone.
+  if (!was_open || !same_session) return {};
+  return s->close_id(d->id.load());
+}
+
+Status BlockSession::remap(std::string_view dev_name) {
+  Impl* s = impl_.get();
+  std::lock_guard cl(s->ctl_mu);
+  std::shared_ptr<RemoteDevice> dev = find(dev_name);
+  if (!dev) return errc(ENOENT);
+  return s->remap_device(dev->impl());
+}
+
+// Control function, under ctl_mu.
+Status Session::remap_device(Device* d) {
+  DeferCompletions defer;
+  uint64_t gen = 0;
+  {
+    std::lock_guard l(st_mu);
+    if (!open.load()) return errc(ENOTCONN);
+    gen = link_gen;
+  }
+  d->remapping.store(true, std::memory_order_seq_cst);
+  // The old id must be quiet before it is closed and handed out again.
+  if (!wait_device_drain(d, Clock::now() + opts.control_timeout)) {
+    release_held(d);
+    return errc(ETIMEDOUT);
+  }
+  const uint32_t old = d->id.load();
+  const bool had_id = d->state.load() != DeviceState::closed && d->open_link_gen == gen;
+  auto r = open_device(d->name, d->mode);
+  if (!r.ok()) {
+    if (transport_error(r.error().value())) {
+      release_held(d);
+      return r.error();
+    }
+    close_device(d, r.error().value());
+    emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, r.error()});
+    return r.error();
+  }
+  // Force-closed ids stay reserved on the server until we close them.
+  if (had_id && r->device_id != old) (void)close_id(old);
+  d->apply(*r, ts->max_io_size());
+  d->open_link_gen = gen;
+  d->closed_err.store(ENODEV);
+  d->state.store(DeviceState::open, std::memory_order_seq_cst);
+  d->st.remaps.fetch_add(1, std::memory_order_relaxed);
+  emit(DeviceEvent{DeviceEvent::Kind::remapped, d->name, old, r->device_id, {}});
+  release_held(d);
+  return {};
+}
+
+std::vector<std::shared_ptr<RemoteDevice>> BlockSession::devices() const {
+  std::lock_guard l(impl_->dev_mu);
+  std::vector<std::shared_ptr<RemoteDevice>> v;
+  for (auto& [name, d] : impl_->devices) v.push_back(d);
+  return v;
+}
+
+std::shared_ptr<RemoteDevice> BlockSession::find(std::string_view dev_name) const {
+  std::lock_guard l(impl_->dev_mu);
+  auto it = impl_->devices.find(dev_name);
+  return it == impl_->devices.end() ? nullptr : it->second;
+}
+
+Result<std::unique_ptr<ibtrs::RegisteredMemory>> BlockSession::alloc_buffer(size_t size) {
+  return impl_->ts->alloc_buffer(size);
+}
+Result<std::unique_ptr<ibtrs::RegisteredMemory>> BlockSession::register_memory(void* addr, size_t size) {
+  return impl_->ts->register_memory(addr, size);
+}
+
+SessionState BlockSession::state() const {
+  std::lock_guard l(impl_->st_mu);
+  if (impl_->open.load()) return SessionState::connected;
+  return impl_->link_up ? SessionState::remapping : SessionState::disconnected;
+}
+
+uint8_t BlockSession::proto_version() const { return impl_->version.load(); }
+const std::string& BlockSession::name() const { return impl_->ts->name(); }
+ibtrs::ClientSession& BlockSession::transport() { return *impl_->ts; }
+const ibtrs::ClientSession& BlockSession::transport() const { return *impl_->ts; }
+
+std::string_view to_string(SessionState s) {
+  switch (s) {
+    case SessionState::connected: return "connected";
+    case SessionState::disconnected: return "disconnected";
+    case SessionState::remapping: return "remapping";
+  }
+  return "?";
+}
+
+}  // namespace ibnbd

@@ -1,0 +1,877 @@
+// Client library scenarios: a FakeBlockServer (real codec, real access rules, RAM volumes) and
+// BlockSessions in one process, over the fabric picked with --fabric=loopback|tcp. Fault
+// injection needs loopback; those cases skip elsewhere. Every case moves real bytes and checks
+// them on the server and back at the client.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <future>
+#include <random>
+#include <thread>
+
+#include "fabric/loopback/loopback.h"
+#include "fake_block_server.h"
+#include "ibnbd/client.h"
+
+namespace ibnbd::test {
+namespace {
+
+using namespace std::chrono_literals;
+namespace lb = ibtrs::fabric::loopback;
+using ibtrs::IoSeg;
+
+ibtrs::FabricKind g_kind = ibtrs::FabricKind::loopback;
+
+constexpr uint32_t kChunk = 128 * 1024;
+constexpr uint32_t kMaxIo = kChunk - 4096;  // what one transport request carries
+constexpr uint64_t kVolSize = 16 << 20;
+
+ibtrs::Address listen_addr(const std::string& tag) {
+  return *ibtrs::Address::parse(g_kind == ibtrs::FabricKind::loopback ? "loopback:" + tag + ":0"
+                                                                      : "tcp:127.0.0.1:0");
+}
+
+// One completion, and how many times it came.
+struct Done {
+  std::mutex mu;
+  std::condition_variable cv;
+  int calls = 0;
+  int err = -1;
+  static void cb(void* ctx, int err) {
+    auto* d = static_cast<Done*>(ctx);
+    std::lock_guard l(d->mu);
+    ++d->calls;
+    d->err = err;
+    d->cv.notify_all();
+  }
+  IoDone io() { return IoDone{&Done::cb, this}; }
+  int wait(std::chrono::milliseconds t = 20s) {
+    std::unique_lock l(mu);
+    if (!cv.wait_for(l, t, [&] { return calls > 0; })) return -ETIMEDOUT;
+    return err;
+  }
+  bool done() {
+    std::lock_guard l(mu);
+    return calls > 0;
+  }
+};
+
+// Submits and waits: the callback's errno, or minus the errno the submit call returned.
+int sync(const std::function<Status(IoDone)>& submit) {
+  Done d;
+  auto st = submit(d.io());
+  if (!st.ok()) return -st.error().value();
+  const int e = d.wait();
+  EXPECT_EQ(d.calls, 1);
+  return e;
+}
+
+bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds t = 20s) {
+  const auto end = std::chrono::steady_clock::now() + t;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(2ms);
+  }
+  return pred();
+}
+
+void pattern(std::byte* p, size_t len, uint32_t seed) {
+  for (size_t i = 0; i < len; ++i) p[i] = std::byte((i * 131 + seed * 7 + (i >> 9)) & 0xff);
+}
+
+class Client : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    lb::faults().clear();
+    srv_.add_device("vol0", kVolSize);
+    srv_.add_device("vol1", 8 << 20);
+    DeviceGeometry plain = FakeBlockServer::default_geometry();
+    plain.max_discard_sectors = 0;
+    plain.max_write_zeroes_sectors = 0;
+    plain.secure_discard = false;
+    srv_.add_device("plain", 4 << 20, plain);
+    DeviceGeometry big = FakeBlockServer::default_geometry();
+    big.logical_block_size = 4096;
+    big.physical_block_size = 4096;
+    srv_.add_device("vol4k", 4 << 20, big);
+  }
+  void TearDown() override {
+    bufs_.clear();
+    sessions_.clear();
+    srv_.drop_held(ECONNABORTED);
+    lb::faults().clear();
+    server_.reset();
+  }
+
+  void start_server(size_t listeners = 2, uint16_t qd = 64) {
+    ibtrs::ServerOptions so;
+    so.queue_depth = qd;
+    so.chunk_size = kChunk;
+    so.io_threads = 2;
+    so.handler = &srv_;
+    so.heartbeat = ibtrs::HeartbeatConfig{100ms, 5};
+    for (size_t i = 0; i < listeners; ++i) so.listen.push_back(listen_addr("b" + std::to_string(i)));
+    auto s = ibtrs::Server::start(so);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    server_ = std::move(*s);
+    addrs_ = server_->addresses();
+  }
+
+  BlockSessionOptions options(size_t npaths = 1, const std::string& name = "sess") {
+    BlockSessionOptions o;
+    o.transport.session_name = name;
+    for (size_t i = 0; i < npaths; ++i) o.transport.paths.push_back(ibtrs::PathSpec{std::nullopt, addrs_[i]});
+    o.transport.io_threads = 2;
+    o.transport.heartbeat = ibtrs::HeartbeatConfig{100ms, 5};
+    o.transport.reconnect = ibtrs::ReconnectConfig{50ms, 50ms, 500ms, 10ms, -1};
+    o.on_device_event = [this](const DeviceEvent& e) {
+      std::lock_guard l(ev_mu_);
+      dev_events_.push_back(e);
+    };
+    return o;
+  }
+
+  BlockSession* open(BlockSessionOptions o) {
+    auto s = BlockSession::open(std::move(o));
+    EXPECT_TRUE(s.ok()) << s.error().message();
+    if (!s.ok()) return nullptr;
+    sessions_.push_back(std::move(*s));
+    return sessions_.back().get();
+  }
+
+  // A registered buffer of `size` bytes of session `s` (freed before the session).
+  ibtrs::RegisteredMemory* buffer(BlockSession& s, size_t size) {
+    auto b = s.alloc_buffer(size);
+    EXPECT_TRUE(b.ok());
+    bufs_.push_back(std::move(*b));
+    return bufs_.back().get();
+  }
+
+  std::shared_ptr<RemoteDevice> map(BlockSession& s, const std::string& dev, AccessMode m = AccessMode::rw) {
+    auto d = s.map(dev, m);
+    EXPECT_TRUE(d.ok()) << dev << ": " << d.error().message();
+    return d.ok() ? *d : nullptr;
+  }
+
+  static int write(RemoteDevice& d, uint64_t off, ibtrs::RegisteredMemory& m, size_t boff, uint32_t len,
+                   uint32_t flags = 0) {
+    IoSeg seg{m.data() + boff, len, &m};
+    return sync([&](IoDone done) { return d.write(off, std::span(&seg, 1), flags, done); });
+  }
+  static int read(RemoteDevice& d, uint64_t off, ibtrs::RegisteredMemory& m, size_t boff, uint32_t len) {
+    IoSeg seg{m.data() + boff, len, &m};
+    return sync([&](IoDone done) { return d.read(off, std::span(&seg, 1), done); });
+  }
+
+  bool same(const std::string& dev, uint64_t off, const std::byte* p, size_t len) {
+    auto b = srv_.bytes(dev, off, len);
+    return std::memcmp(b.data(), p, len) == 0;
+  }
+
+  // The server drops every path of the session (as a restarting server would).
+  void server_disconnects(const std::string& sess) {
+    ASSERT_TRUE(server_
+                    ->with_session(sess,
+                                   [](ibtrs::ServerSession& s) {
+                                     for (auto& p : s.paths()) EXPECT_TRUE(s.disconnect_path(p.name).ok());
+                                   })
+                    .ok());
+  }
+
+  std::vector<IoRecord> ios_of(const std::string& dev, size_t from = 0) {
+    std::vector<IoRecord> out;
+    auto all = srv_.ios();
+    for (size_t i = from; i < all.size(); ++i)
+      if (all[i].dev == dev) out.push_back(all[i]);
+    return out;
+  }
+
+  size_t count_events(DeviceEvent::Kind k) {
+    std::lock_guard l(ev_mu_);
+    return static_cast<size_t>(std::count_if(dev_events_.begin(), dev_events_.end(),
+                                             [&](const DeviceEvent& e) { return e.kind == k; }));
+  }
+
+  FakeBlockServer srv_;
+  std::unique_ptr<ibtrs::Server> server_;
+  std::vector<ibtrs::Address> addrs_;
+  std::vector<std::unique_ptr<BlockSession>> sessions_;
+  std::vector<std::unique_ptr<ibtrs::RegisteredMemory>> bufs_;  // go before their sessions
+  std::mutex ev_mu_;
+  std::vector<DeviceEvent> dev_events_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+// Case: map a device rw, again rw, again ro, and names that do not resolve.
+// Expect: the geometry of the server's OPEN_RSP; the same device for the same name and mode;
+// EBUSY for another mode (nothing sent); the server's ENOENT; EINVAL for a bad name.
+TEST_F(Client, MapOpensTheDeviceWithItsGeometry) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->proto_version(), proto::kProtoVersion);
+  EXPECT_EQ(s->state(), SessionState::connected);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  DeviceGeometry g = FakeBlockServer::default_geometry();
+  g.nsectors = kVolSize / 512;
+  EXPECT_EQ(d->geometry(), g);
+  EXPECT_EQ(d->name(), "vol0");
+  EXPECT_EQ(d->access_mode(), AccessMode::rw);
+  EXPECT_EQ(d->state(), DeviceState::open);
+  EXPECT_EQ(d->size_bytes(), kVolSize);
+  EXPECT_EQ(d->max_part_bytes(), kMaxIo) << "min(max_io_size, max_hw_sectors * 512)";
+  const uint64_t opens = srv_.opens_.load();
+  auto again = s->map("vol0", AccessMode::rw);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), d.get()) << "the same device, not a second OPEN";
+  EXPECT_EQ(s->map("vol0", AccessMode::ro).error(), errc(EBUSY));
+  EXPECT_EQ(srv_.opens_.load(), opens);
+  EXPECT_EQ(s->map("nope", AccessMode::ro).error(), errc(ENOENT));
+  EXPECT_EQ(s->map("", AccessMode::ro).error(), errc(EINVAL));
+  EXPECT_EQ(s->map(std::string("a\nb"), AccessMode::ro).error(), errc(EINVAL));
+  auto d1 = map(*s, "vol1", AccessMode::ro);
+  ASSERT_NE(d1, nullptr);
+  EXPECT_NE(d1->device_id(), d->device_id());
+  auto list = s->devices();
+  ASSERT_EQ(list.size(), 2u);
+  EXPECT_EQ(list[0]->name(), "vol0");
+  EXPECT_EQ(list[1]->name(), "vol1");
+  EXPECT_EQ(s->find("vol1").get(), d1.get());
+  EXPECT_EQ(s->find("vol2"), nullptr);
+}
+
+// Case: every op once, with bytes checked on the server and read back.
+// Expect: writes land, reads return them, DISCARD / WRITE_ZEROES / SECURE_ERASE read back as
+// zeroes, FLUSH succeeds; the statistics count each request.
+TEST_F(Client, EveryOpRoundTripsWithRealBytes) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  pattern(m->data(), 65536, 1);
+  ASSERT_EQ(write(*d, 4096, *m, 0, 65536), 0);
+  EXPECT_TRUE(same("vol0", 4096, m->data(), 65536));
+  std::memset(m->data() + 65536, 0, 65536);
+  ASSERT_EQ(read(*d, 4096, *m, 65536, 65536), 0);
+  EXPECT_EQ(std::memcmp(m->data(), m->data() + 65536, 65536), 0);
+  ASSERT_EQ(write(*d, 4096, *m, 0, 512, kIoFua), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->flush(done); }), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->discard(8192, 8192, done); }), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->write_zeroes(16384, 4096, true, done); }), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->secure_erase(32768, 4096, done); }), 0);
+  std::vector<std::byte> zero(8192);
+  EXPECT_TRUE(same("vol0", 8192, zero.data(), 8192));
+  EXPECT_TRUE(same("vol0", 16384, zero.data(), 4096));
+  EXPECT_TRUE(same("vol0", 32768, zero.data(), 4096));
+  EXPECT_TRUE(same("vol0", 4096, m->data(), 4096)) << "outside the ranges nothing changed";
+  ASSERT_EQ(read(*d, 0, *m, 0, 65536), 0);
+  EXPECT_EQ(std::memcmp(m->data() + 8192, zero.data(), 8192), 0);
+  auto st = d->stats();
+  EXPECT_EQ(st.writes, 2u);
+  EXPECT_EQ(st.reads, 2u);
+  EXPECT_EQ(st.flushes, 1u);
+  EXPECT_EQ(st.discards, 2u);
+  EXPECT_EQ(st.write_zeroes, 1u);
+  EXPECT_EQ(st.write_bytes, 65536u + 512);
+  EXPECT_EQ(st.errors, 0u);
+  EXPECT_EQ(st.inflight, 0u);
+  EXPECT_EQ(st.parts_sent, 8u);
+}
+
+// Case: four sessions open vol0: rw, rw, ro, migration, migration.
+// Expect: the server's access rules: one rw writer, readers always, migration while fewer
+// than two writers; an ro device refuses writes here with the server's EPERM, nothing sent.
+TEST_F(Client, AccessModesFollowTheServersRules) {
+  start_server(1);
+  BlockSession* a = open(options(1, "sa"));
+  BlockSession* b = open(options(1, "sb"));
+  BlockSession* c = open(options(1, "sc"));
+  BlockSession* e = open(options(1, "se"));
+  ASSERT_TRUE(a && b && c && e);
+  auto da = map(*a, "vol0", AccessMode::rw);
+  ASSERT_NE(da, nullptr);
+  EXPECT_EQ(b->map("vol0", AccessMode::rw).error(), errc(EBUSY)) << "one rw writer";
+  auto db = map(*b, "vol0", AccessMode::ro);
+  ASSERT_NE(db, nullptr);
+  auto dc = map(*c, "vol0", AccessMode::migration);
+  ASSERT_NE(dc, nullptr) << "a second writer for a migration";
+  EXPECT_EQ(e->map("vol0", AccessMode::migration).error(), errc(EBUSY)) << "not a third";
+  auto* mb = buffer(*b, 65536);
+  auto* ma = buffer(*a, 65536);
+  pattern(ma->data(), 4096, 9);
+  ASSERT_EQ(write(*da, 0, *ma, 0, 4096), 0);
+  const size_t before = srv_.io_count();
+  EXPECT_EQ(write(*db, 0, *mb, 0, 4096), -EPERM);
+  EXPECT_EQ(sync([&](IoDone done) { return db->discard(0, 4096, done); }), -EPERM);
+  EXPECT_EQ(sync([&](IoDone done) { return db->write_zeroes(0, 4096, false, done); }), -EPERM);
+  EXPECT_EQ(sync([&](IoDone done) { return db->secure_erase(0, 4096, done); }), -EPERM);
+  EXPECT_EQ(srv_.io_count(), before) << "refused before anything was sent";
+  ASSERT_EQ(read(*db, 0, *mb, 0, 4096), 0) << "readers read";
+  EXPECT_EQ(std::memcmp(mb->data(), ma->data(), 4096), 0);
+  EXPECT_EQ(sync([&](IoDone done) { return db->flush(done); }), 0) << "ro may flush";
+  EXPECT_EQ(srv_.holders("vol0").size(), 3u);
+}
+
+// Case: a 1 MiB write and read through a server whose chunk is 128 KiB; then the same bytes
+// as 37 uneven segments.
+// Expect: 9 transport requests of at most 126976 bytes at consecutive sectors each way, and the
+// bytes intact on the server and back.
+TEST_F(Client, LargeRequestsAreSplitAndReassembled) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 4 << 20);
+  constexpr uint32_t kLen = 1 << 20;
+  constexpr uint64_t kOff = 512 * 3;
+  pattern(m->data(), kLen, 3);
+  const size_t from = srv_.io_count();
+  ASSERT_EQ(write(*d, kOff, *m, 0, kLen), 0);
+  auto parts = ios_of("vol0", from);
+  ASSERT_EQ(parts.size(), 9u);
+  std::sort(parts.begin(), parts.end(), [](auto& x, auto& y) { return x.io.sector < y.io.sector; });
+  uint64_t sector = kOff / 512;
+  for (auto& p : parts) {
+    EXPECT_EQ(p.io.op, IoOp::write);
+    EXPECT_EQ(p.io.sector, sector);
+    EXPECT_LE(p.io.bi_size, kMaxIo);
+    sector += p.io.bi_size / 512;
+  }
+  EXPECT_EQ(sector, (kOff + kLen) / 512);
+  EXPECT_TRUE(same("vol0", kOff, m->data(), kLen));
+  ASSERT_EQ(read(*d, kOff, *m, kLen, kLen), 0);
+  EXPECT_EQ(std::memcmp(m->data(), m->data() + kLen, kLen), 0);
+  // Uneven segments spread over the buffer, read back in one request.
+  std::vector<IoSeg> segs;
+  std::mt19937 rng(7);
+  size_t left = kLen;
+  size_t pos = 2 * kLen;
+  while (left > 0) {
+    size_t len = std::min<size_t>(left, 1000 + rng() % 60000);
+    if (left - len < 512 && left - len != 0) len = left;  // keep the tail a whole block
+    segs.push_back(IoSeg{m->data() + pos, static_cast<uint32_t>(len), m});
+    pos += len + 64;  // gaps between segments
+    left -= len;
+  }
+  EXPECT_GT(segs.size(), 15u);
+  ASSERT_EQ(sync([&](IoDone done) { return d->read(kOff, segs, done); }), 0);
+  size_t at = 0;
+  for (auto& sg : segs) {
+    ASSERT_EQ(std::memcmp(sg.addr, m->data() + at, sg.len), 0) << "segment at " << at;
+    at += sg.len;
+  }
+  // And written from uneven segments to another place.
+  for (auto& sg : segs) pattern(static_cast<std::byte*>(sg.addr), sg.len, uint32_t(sg.len));
+  ASSERT_EQ(sync([&](IoDone done) { return d->write(8 << 20, segs, 0, done); }), 0);
+  at = 0;
+  for (auto& sg : segs) {
+    ASSERT_TRUE(same("vol0", (8 << 20) + at, static_cast<std::byte*>(sg.addr), sg.len));
+    at += sg.len;
+  }
+}
+
+// Case: the 4th of 9 parts of a 1 MiB write fails on the server (EIO).
+// Expect: one callback, with EIO, after every part came back; the other parts landed.
+TEST_F(Client, AFailingMiddlePartFailsTheRequestOnce) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  pattern(m->data(), 1 << 20, 5);
+  const uint64_t bad = 3 * (kMaxIo / 512);
+  srv_.set_io_fault([bad](const proto::Io& io) { return io.sector == bad ? EIO : 0; });
+  Done done;
+  IoSeg seg{m->data(), 1 << 20, m};
+  ASSERT_TRUE(d->write(0, std::span(&seg, 1), 0, done.io()).ok());
+  EXPECT_EQ(done.wait(), EIO);
+  std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(done.calls, 1) << "once, for the whole request";
+  EXPECT_EQ(ios_of("vol0").size(), 9u) << "every part went out";
+  EXPECT_TRUE(same("vol0", 0, m->data(), 3 * kMaxIo)) << "parts before landed";
+  EXPECT_TRUE(same("vol0", 4 * kMaxIo, m->data() + 4 * kMaxIo, (1 << 20) - 4 * kMaxIo)) << "and after";
+  EXPECT_EQ(d->stats().errors, 1u);
+  srv_.set_io_fault(nullptr);
+  EXPECT_EQ(write(*d, 0, *m, 0, 1 << 20), 0);
+}
+
+// Case: requests that break the rules of the device or of the call.
+// Expect: each refused with its errno by the call itself, no callback, nothing at the server,
+// every permit free.
+TEST_F(Client, BadRequestsAreRefusedBeforeAnythingIsSent) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  auto plain = map(*s, "plain");
+  auto d4k = map(*s, "vol4k");
+  ASSERT_TRUE(d && plain && d4k);
+  auto* m = buffer(*s, 1 << 20);
+  std::vector<std::byte> unregistered(8192);
+  const size_t before = srv_.io_count();
+  EXPECT_EQ(write(*d, 100, *m, 0, 512), -EINVAL) << "unaligned offset";
+  EXPECT_EQ(write(*d, 0, *m, 0, 1000), -EINVAL) << "unaligned length";
+  EXPECT_EQ(write(*d, 0, *m, 0, 0), -EINVAL) << "nothing to write";
+  EXPECT_EQ(write(*d, kVolSize - 512, *m, 0, 1024), -EINVAL) << "past the end";
+  EXPECT_EQ(write(*d, kVolSize, *m, 0, 512), -EINVAL) << "at the end";
+  EXPECT_EQ(sync([&](IoDone done) { return d->discard(UINT64_MAX - 511, 1024, done); }), -EINVAL)
+      << "a range that wraps";
+  EXPECT_EQ(sync([&](IoDone done) { return d->discard(0, 0, done); }), -EINVAL);
+  EXPECT_EQ(write(*d, 0, *m, 0, 512, kIoNoUnmap), -EINVAL) << "NOUNMAP is for write-zeroes";
+  EXPECT_EQ(write(*d, 0, *m, 0, 512, 1u << 20), -EINVAL) << "unknown flag";
+  IoSeg outside{m->data() + m->size() - 512, 1024, m};
+  EXPECT_EQ(sync([&](IoDone done) { return d->write(0, std::span(&outside, 1), 0, done); }), -EINVAL)
+      << "a segment past its registration";
+  IoSeg foreign{unregistered.data(), 512, m};
+  EXPECT_EQ(sync([&](IoDone done) { return d->read(0, std::span(&foreign, 1), done); }), -EINVAL)
+      << "a segment outside its registration";
+  IoSeg unnamed{m->data(), 512, nullptr};
+  EXPECT_EQ(sync([&](IoDone done) { return d->read(0, std::span(&unnamed, 1), done); }), -EINVAL)
+      << "a segment without registration";
+  std::vector<IoSeg> tiny(32, IoSeg{m->data(), 16, m});
+  EXPECT_EQ(sync([&](IoDone done) { return d->write(0, tiny, 0, done); }), -EINVAL)
+      << "15 segments that do not hold a block";
+  IoSeg seg{m->data(), 512, m};
+  EXPECT_EQ(d->write(0, std::span(&seg, 1), 0, IoDone{}).error(), errc(EINVAL)) << "no callback";
+  EXPECT_EQ(sync([&](IoDone done) { return plain->discard(0, 4096, done); }), -EOPNOTSUPP);
+  EXPECT_EQ(sync([&](IoDone done) { return plain->write_zeroes(0, 4096, false, done); }), -EOPNOTSUPP);
+  EXPECT_EQ(sync([&](IoDone done) { return plain->secure_erase(0, 4096, done); }), -EOPNOTSUPP);
+  EXPECT_EQ(write(*d4k, 512, *m, 0, 4096), -EINVAL) << "4 KiB blocks";
+  EXPECT_EQ(write(*d4k, 0, *m, 0, 512), -EINVAL);
+  EXPECT_EQ(srv_.io_count(), before) << "nothing reached the server";
+  EXPECT_EQ(s->transport().free_permits(), s->transport().queue_depth());
+  EXPECT_EQ(d->stats().inflight, 0u);
+  EXPECT_EQ(write(*d4k, 4096, *m, 0, 8192), 0) << "what the rules allow still works";
+}
+
+// Case: a FUA | PREFLUSH | SYNC write of three parts, a flush, a NOUNMAP write-zeroes and a
+// prioritized read. Expect: the server sees PREFLUSH on the first part only, FUA and SYNC on
+// each, FLUSH with no range, NOUNMAP, and the prio.
+TEST_F(Client, FlagsArriveAsSent) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  const size_t from = srv_.io_count();
+  ASSERT_EQ(write(*d, 0, *m, 0, 3 * kMaxIo, kIoFua | kIoPreflush | kIoSync), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->flush(done); }), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->write_zeroes(0, 4096, true, done); }), 0);
+  IoSeg seg{m->data(), 4096, m};
+  ASSERT_EQ(sync([&](IoDone done) { return d->read(0, std::span(&seg, 1), done, 0x4005); }), 0);
+  auto r = ios_of("vol0", from);
+  ASSERT_EQ(r.size(), 6u);
+  std::sort(r.begin(), r.begin() + 3, [](auto& x, auto& y) { return x.io.sector < y.io.sector; });
+  EXPECT_EQ(r[0].io.flags, kIoFua | kIoPreflush | kIoSync);
+  EXPECT_EQ(r[1].io.flags, kIoFua | kIoSync);
+  EXPECT_EQ(r[2].io.flags, kIoFua | kIoSync);
+  EXPECT_EQ(r[3].io.op, IoOp::flush);
+  EXPECT_EQ(r[3].io.bi_size, 0u);
+  EXPECT_EQ(r[4].io.op, IoOp::write_zeroes);
+  EXPECT_EQ(r[4].io.flags, uint32_t{kIoNoUnmap});
+  EXPECT_EQ(r[5].io.op, IoOp::read);
+  EXPECT_EQ(r[5].io.prio, 0x4005);
+}
+
+// Case: read_copy / write_copy of 600 KiB from unregistered, unaligned memory, four at once
+// through two bounce buffers. Expect: the bytes round trip; parts waited for a slot and came.
+TEST_F(Client, CopyingPathForUnregisteredMemory) {
+  start_server(1);
+  auto o = options();
+  o.bounce_slots = 2;
+  BlockSession* s = open(o);
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  constexpr size_t kLen = 600 * 1024;
+  std::vector<std::byte> src(4 * kLen + 1), dst(4 * kLen + 1);
+  pattern(src.data() + 1, 4 * kLen, 11);
+  Done w[4];
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(d->write_copy(i * kLen, std::span(src.data() + 1 + i * kLen, kLen), 0, w[i].io()).ok());
+  for (auto& x : w) EXPECT_EQ(x.wait(), 0);
+  EXPECT_TRUE(same("vol0", 0, src.data() + 1, 4 * kLen));
+  Done r[4];
+  for (int i = 0; i < 4; ++i)
+    ASSERT_TRUE(d->read_copy(i * kLen, std::span(dst.data() + 1 + i * kLen, kLen), r[i].io()).ok());
+  for (auto& x : r) EXPECT_EQ(x.wait(), 0);
+  EXPECT_EQ(std::memcmp(src.data() + 1, dst.data() + 1, 4 * kLen), 0);
+  std::vector<std::byte> odd(1000);
+  EXPECT_EQ(sync([&](IoDone done) { return d->write_copy(0, odd, 0, done); }), -EINVAL);
+  o = options(1, "nobounce");
+  o.bounce_slots = 0;
+  BlockSession* s2 = open(o);
+  ASSERT_NE(s2, nullptr);
+  auto d2 = map(*s2, "vol1", AccessMode::ro);
+  ASSERT_NE(d2, nullptr);
+  EXPECT_EQ(sync([&](IoDone done) { return d2->read_copy(0, std::span(dst.data(), 4096), done); }),
+            -EOPNOTSUPP);
+}
+
+// A load of split writes, then reads, of random sizes from several threads, each thread on
+// its own region; verified against what was written. Returns the failed requests.
+int run_load(RemoteDevice& d, ibtrs::RegisteredMemory& m, int threads, int per_thread,
+             const std::function<void(int)>& at_step = {}) {
+  std::atomic<int> failed{0}, bad{0};
+  const size_t region = m.size() / threads / 2;
+  const uint64_t dev_region = d.size_bytes() / threads;
+  std::vector<std::thread> ts;
+  std::atomic<int> step{0};
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      std::mt19937 rng(t + 1);
+      std::byte* wbuf = m.data() + 2 * t * region;
+      std::byte* rbuf = wbuf + region;
+      for (int i = 0; i < per_thread; ++i) {
+        if (at_step) at_step(step.fetch_add(1));
+        const uint32_t len = static_cast<uint32_t>((1 + rng() % (region / 4096)) * 4096);
+        const uint64_t off = t * dev_region + (rng() % ((dev_region - len) / 4096)) * 4096;
+        pattern(wbuf, len, rng());
+        IoSeg ws{wbuf, len, &m};
+        IoSeg rs{rbuf, len, &m};
+        const int e1 = sync([&](IoDone done) { return d.write(off, std::span(&ws, 1), 0, done); });
+        const int e2 = sync([&](IoDone done) { return d.read(off, std::span(&rs, 1), done); });
+        if (e1 != 0 || e2 != 0) {
+          ++failed;
+          continue;
+        }
+        if (std::memcmp(wbuf, rbuf, len) != 0) ++bad;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(bad.load(), 0) << "data read back differs from what was written";
+  return failed.load();
+}
+
+// Case: split reads and writes from four threads at once. Expect: all succeed, bytes intact.
+TEST_F(Client, ConcurrentSplitIoFromManyThreads) {
+  start_server(2);
+  BlockSession* s = open(options(2));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 8 << 20);
+  EXPECT_EQ(run_load(*d, *m, 4, 40), 0);
+  EXPECT_EQ(d->stats().inflight, 0u);
+  EXPECT_GT(d->stats().parts_sent, d->stats().writes + d->stats().reads) << "requests were split";
+}
+
+// Case: one of two paths breaks (fabric fault) while split IO runs.
+// Expect: the transport fails the path's requests over; every request succeeds with its bytes.
+TEST_F(Client, APathBrokenMidIoFailsOverTransparently) {
+  if (g_kind != ibtrs::FabricKind::loopback) GTEST_SKIP() << "fault injection needs loopback";
+  start_server(2);
+  BlockSession* s = open(options(2));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 8 << 20);
+  const uint64_t rule = lb::faults().add(lb::FaultRule{.action = lb::FaultAction::disconnect,
+                                                       .opcode = ibtrs::fabric::Opcode::write_with_imm,
+                                                       .endpoint = addrs_[0].name,
+                                                       .direction = lb::Direction::to_server,
+                                                       .skip = 60,
+                                                       .count = 1});
+  EXPECT_EQ(run_load(*d, *m, 4, 30), 0);
+  EXPECT_EQ(lb::faults().hits(rule), 1u) << "the fault fired";
+  uint64_t failovered = 0;
+  for (auto& p : s->transport().paths()) failovered += p.stats.failovered;
+  EXPECT_GT(failovered, 0u);
+  EXPECT_EQ(s->state(), SessionState::connected) << "the other path stayed";
+  EXPECT_EQ(d->stats().remaps, 0u);
+}
+
+// Case: two devices mapped, the first unmapped (the second keeps id 1); the server drops every
+// path; a write is submitted while the session is down.
+// Expect: the write waits, the session reconnects and re-opens the device, which gets id 0 on
+// the server's new session (reported old -> new); the write goes out with the new id and lands
+// on the right volume.
+TEST_F(Client, AllPathsDownAndBackRemapsAndQueuedIoResumes) {
+  start_server(2);
+  BlockSession* s = open(options(2));
+  ASSERT_NE(s, nullptr);
+  auto d0 = map(*s, "vol0");
+  auto d1 = map(*s, "vol1");
+  ASSERT_TRUE(d0 && d1);
+  EXPECT_EQ(d1->device_id(), 1u);
+  ASSERT_TRUE(s->unmap("vol0").ok());
+  EXPECT_EQ(d0->state(), DeviceState::closed);
+  auto* m = buffer(*s, 1 << 20);
+  srv_.fill("vol0", 0, 1 << 20, std::byte{0xee});
+  server_disconnects("sess");
+  ASSERT_TRUE(wait_until([&] { return s->state() != SessionState::connected; }));
+  pattern(m->data(), 300000 & ~511u, 21);
+  const size_t from = srv_.io_count();
+  Done w;
+  IoSeg seg{m->data(), 300000 & ~511u, m};
+  ASSERT_TRUE(d1->write(65536, std::span(&seg, 1), 0, w.io()).ok());
+  EXPECT_EQ(w.wait(), 0);
+  EXPECT_EQ(s->state(), SessionState::connected);
+  EXPECT_EQ(d1->state(), DeviceState::open);
+  EXPECT_EQ(d1->device_id(), 0u) << "the new session's lowest id";
+  EXPECT_EQ(d1->stats().remaps, 1u);
+  {
+    std::lock_guard l(ev_mu_);
+    ASSERT_EQ(dev_events_.size(), 1u);
+    EXPECT_EQ(dev_events_[0].kind, DeviceEvent::Kind::remapped);
+    EXPECT_EQ(dev_events_[0].dev_name, "vol1");
+    EXPECT_EQ(dev_events_[0].old_id, 1u);
+    EXPECT_EQ(dev_events_[0].new_id, 0u);
+  }
+  for (auto& r : srv_.ios()) {
+    if (r.io.op != IoOp::write) continue;
+    EXPECT_EQ(r.dev, "vol1") << "nothing reached another device";
+  }
+  EXPECT_EQ(ios_of("vol1", from).size(), 3u) << "sent once, after the remap";
+  EXPECT_TRUE(same("vol1", 65536, m->data(), 300000 & ~511u));
+  std::vector<std::byte> ee(1 << 20, std::byte{0xee});
+  EXPECT_TRUE(same("vol0", 0, ee.data(), ee.size())) << "vol0 untouched";
+  EXPECT_GE(srv_.sess_infos_.load(), 2u) << "SESS_INFO again after the reconnect";
+  ASSERT_EQ(read(*d1, 65536, *m, 512 * 1024, 300000 & ~511u), 0);
+  EXPECT_EQ(std::memcmp(m->data(), m->data() + 512 * 1024, 300000 & ~511u), 0);
+}
+
+// Case: a server "restart" with writes in flight: the server holds 8 writes, forgets every
+// device id, drops its paths and the held requests (unserved).
+// Expect: the transport re-sends the writes to the new server session, which answers ENODEV;
+// the client remaps and sends each once more: all complete with 0 and their bytes are there.
+TEST_F(Client, ServerRestartWithIoInFlightRetriesAfterRemap) {
+  start_server(1);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  srv_.hold_io(true);
+  constexpr int kN = 8;
+  Done w[kN];
+  IoSeg seg[kN];
+  for (int i = 0; i < kN; ++i) {
+    pattern(m->data() + i * 65536, 65536, 100 + i);
+    seg[i] = IoSeg{m->data() + i * 65536, 65536, m};
+    ASSERT_TRUE(d->write(uint64_t(i) * 65536, std::span(&seg[i], 1), 0, w[i].io()).ok());
+  }
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == kN; }));
+  srv_.hold_io(false);
+  srv_.forget_ids();
+  server_disconnects("sess");
+  srv_.drop_held(EIO);  // the crashed server never answers them; nothing was written
+  for (int i = 0; i < kN; ++i) EXPECT_EQ(w[i].wait(), 0) << i;
+  for (int i = 0; i < kN; ++i)
+    EXPECT_TRUE(same("vol0", uint64_t(i) * 65536, m->data() + i * 65536, 65536)) << i;
+  EXPECT_EQ(d->stats().enodev_retries, uint64_t{kN});
+  EXPECT_EQ(d->stats().remaps, 1u);
+  EXPECT_EQ(d->stats().errors, 0u);
+  EXPECT_EQ(s->state(), SessionState::connected);
+}
+
+// Case: the server forgets the device ids while the session stays up (an admin force close).
+// Expect: IO fails with ENODEV (not retried: re-opening on our own would undo the force
+// close); remap() re-opens and IO works again.
+TEST_F(Client, ForgottenIdsWithoutReconnectAreReportedUntilRemap) {
+  start_server(1);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  ASSERT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  srv_.forget_ids();
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), ENODEV);
+  EXPECT_EQ(d->stats().enodev_retries, 0u);
+  ASSERT_TRUE(s->remap("vol0").ok());
+  EXPECT_EQ(d->state(), DeviceState::open);
+  pattern(m->data(), 4096, 77);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 0, m->data(), 4096));
+  EXPECT_EQ(s->remap("nope").error(), errc(ENOENT));
+  EXPECT_EQ(count_events(DeviceEvent::Kind::remapped), 1u);
+}
+
+// Case: after the paths come back, the server refuses to re-open the device (it is gone);
+// a write waits meanwhile. Expect: the write fails with the server's errno, the device is
+// closed and refuses new IO; once the server allows it, mapping it again re-opens it.
+TEST_F(Client, RefusedReopenEndsInACleanError) {
+  start_server(1);
+  auto o = options(1);
+  o.transport.reconnect.delay = 300ms;  // the write below is submitted while the session is down
+  BlockSession* s = open(o);
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  srv_.refuse_open(ENOENT);
+  server_disconnects("sess");
+  ASSERT_TRUE(wait_until([&] { return s->state() != SessionState::connected; }));
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), ENOENT);
+  EXPECT_EQ(d->state(), DeviceState::closed);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), -ENODEV);
+  EXPECT_EQ(count_events(DeviceEvent::Kind::remap_failed), 1u);
+  EXPECT_EQ(s->state(), SessionState::connected);
+  EXPECT_EQ(s->map("vol0", AccessMode::rw).error(), errc(ENOENT)) << "still refused";
+  srv_.refuse_open(0);
+  auto again = s->map("vol0", AccessMode::rw);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->get(), d.get()) << "the same device, open again";
+  EXPECT_EQ(d->state(), DeviceState::open);
+  pattern(m->data(), 4096, 5);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 0, m->data(), 4096));
+}
+
+// Case: the client's only path is closed and does not come back; a write waits.
+// Expect: after remap_timeout it fails with ENOTCONN; when the path is reconnected the session
+// remaps and IO works.
+TEST_F(Client, IoWaitsForTheRemapOnlyUntilTheTimeout) {
+  start_server(1);
+  auto o = options(1);
+  o.remap_timeout = 300ms;
+  BlockSession* s = open(o);
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  const std::string path = s->transport().paths()[0].name;
+  ASSERT_TRUE(s->transport().disconnect_path(path).ok());
+  EXPECT_EQ(s->state(), SessionState::disconnected);
+  EXPECT_EQ(d->state(), DeviceState::remapping);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), ENOTCONN);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, 250ms);
+  EXPECT_LT(took, 3s);
+  ASSERT_TRUE(s->transport().reconnect_path(path).ok());
+  ASSERT_TRUE(wait_until([&] { return s->state() == SessionState::connected; }));
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+}
+
+// Case: unmap while a write is held by the server, then after; then a forced unmap with a
+// write held. Expect: EBUSY while IO is out; then CLOSE reaches the server (no holder) and the
+// device is closed; forced: new IO is refused at once, the held write still completes, and the
+// unmap returns once it did.
+TEST_F(Client, UnmapRefusesWhileIoIsOutUnlessForced) {
+  start_server(1);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 1 << 20);
+  srv_.hold_io(true);
+  Done w;
+  IoSeg seg{m->data(), 4096, m};
+  ASSERT_TRUE(d->write(0, std::span(&seg, 1), 0, w.io()).ok());
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == 1; }));
+  EXPECT_EQ(s->unmap("vol0").error(), errc(EBUSY));
+  srv_.hold_io(false);
+  srv_.release_held();
+  EXPECT_EQ(w.wait(), 0);
+  ASSERT_TRUE(s->unmap("vol0").ok());
+  EXPECT_TRUE(srv_.holders("vol0").empty()) << "CLOSE reached the server";
+  EXPECT_EQ(d->state(), DeviceState::closed);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), -ENODEV);
+  EXPECT_EQ(s->unmap("vol0").error(), errc(ENOENT));
+  EXPECT_TRUE(s->devices().empty());
+
+  auto d2 = map(*s, "vol0");
+  ASSERT_NE(d2, nullptr);
+  srv_.hold_io(true);
+  Done w2;
+  ASSERT_TRUE(d2->write(0, std::span(&seg, 1), 0, w2.io()).ok());
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == 1; }));
+  auto unmapped = std::async(std::launch::async, [&] { return s->unmap("vol0", UnmapMode::force); });
+  ASSERT_TRUE(wait_until([&] { return d2->state() == DeviceState::closed; }));
+  EXPECT_EQ(write(*d2, 0, *m, 0, 4096), -ENODEV) << "refused at once";
+  EXPECT_EQ(unmapped.wait_for(100ms), std::future_status::timeout) << "waits for the held write";
+  srv_.hold_io(false);
+  srv_.release_held();
+  EXPECT_EQ(w2.wait(), 0);
+  EXPECT_TRUE(unmapped.get().ok());
+  EXPECT_TRUE(srv_.holders("vol0").empty());
+}
+
+// Case: vol0 mapped rw by one session and ro by another; the writer unmaps.
+// Expect: the reader keeps reading the writer's bytes; the device is free for a new writer.
+TEST_F(Client, UnmapWhileMappedElsewhere) {
+  start_server(1);
+  BlockSession* a = open(options(1, "sa"));
+  BlockSession* b = open(options(1, "sb"));
+  BlockSession* c = open(options(1, "sc"));
+  ASSERT_TRUE(a && b && c);
+  auto da = map(*a, "vol0", AccessMode::rw);
+  auto db = map(*b, "vol0", AccessMode::ro);
+  ASSERT_TRUE(da && db);
+  auto* ma = buffer(*a, 65536);
+  auto* mb = buffer(*b, 65536);
+  pattern(ma->data(), 8192, 42);
+  ASSERT_EQ(write(*da, 0, *ma, 0, 8192), 0);
+  EXPECT_EQ(c->map("vol0", AccessMode::rw).error(), errc(EBUSY));
+  ASSERT_TRUE(a->unmap("vol0").ok());
+  auto h = srv_.holders("vol0");
+  ASSERT_EQ(h.size(), 1u);
+  EXPECT_EQ(h[0].mode, AccessMode::ro);
+  ASSERT_EQ(read(*db, 0, *mb, 0, 8192), 0);
+  EXPECT_EQ(std::memcmp(ma->data(), mb->data(), 8192), 0);
+  EXPECT_NE(map(*c, "vol0", AccessMode::rw), nullptr) << "the writer slot is free";
+}
+
+// Case: a server that answers SESS_INFO with a version above the one proposed, or below ours.
+// Expect: open() fails with EPROTO / EPROTONOSUPPORT.
+TEST_F(Client, VersionNegotiationRefusesWhatItCannotSpeak) {
+  start_server(1);
+  srv_.answer_version(proto::kProtoVersion + 1);
+  EXPECT_EQ(BlockSession::open(options()).error(), errc(EPROTO));
+  srv_.answer_version(proto::kMinProtoVersion - 1);
+  EXPECT_EQ(BlockSession::open(options()).error(), errc(EPROTONOSUPPORT));
+  srv_.answer_version(std::nullopt);
+  EXPECT_NE(open(options()), nullptr);
+}
+
+// Case: the session is closed while the server holds a write and the caller keeps the device.
+// Expect: the write completes once with an error; the device then refuses IO with ESHUTDOWN.
+TEST_F(Client, ClosingTheSessionCompletesItsIo) {
+  start_server(1);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 65536);
+  srv_.hold_io(true);
+  Done w;
+  IoSeg seg{m->data(), 4096, m};
+  ASSERT_TRUE(d->write(0, std::span(&seg, 1), 0, w.io()).ok());
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == 1; }));
+  bufs_.clear();
+  sessions_.clear();
+  EXPECT_NE(w.wait(1s), 0);
+  EXPECT_EQ(w.calls, 1);
+  std::vector<std::byte> x(4096);
+  EXPECT_EQ(sync([&](IoDone done) { return d->write_copy(0, x, 0, done); }), -ESHUTDOWN);
+  EXPECT_EQ(d->state(), DeviceState::closed);
+}
+
+}  // namespace
+}  // namespace ibnbd::test
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--fabric=", 0) == 0) {
+      auto k = ibtrs::parse_fabric_kind(a.substr(9));
+      if (!k.ok() || *k == ibtrs::FabricKind::rdma) {
+        fprintf(stderr, "fabric must be loopback or tcp: %s\n", a.c_str());
+        return 2;
+      }
+      ibnbd::test::g_kind = *k;
+    }
+  }
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,299 @@
+// A small IBNBD server for the client library's tests, until server/ exists: ibtrs::Server, the
+// real codec (decode_request, the response encoders, version negotiation), the real access
+// rules (proto::OpenTable, check_op_allowed) and RAM volumes. It records every IO it is sent and
+// has knobs for the faults the client must survive: fail IO with an errno, hold IO, forget
+// every device id (as a restarted server would), refuse OPEN, answer another version.
+//
+// Threading: ServerHandler callbacks come from the server's threads; knobs and observers are
+// for the test thread. One mutex guards the open table and the session list (access.h allows
+// that in place of a single control thread), one the volumes' bytes.
+#pragma once
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ibtrs/server.h"
+#include "proto/access.h"
+#include "proto/ibnbd_proto.h"
+
+namespace ibnbd::test {
+
+namespace proto = ibnbd::proto;
+
+// What the server saw of one IO request.
+struct IoRecord {
+  std::string session;
+  std::string dev;        // empty when the id was unknown
+  proto::Io io;
+  bool operator==(const IoRecord&) const = default;
+};
+
+class FakeBlockServer final : public ibtrs::ServerHandler {
+ public:
+  // A sane block device: 512-byte sectors, 1 MiB per READ/WRITE, discard / write-zeroes /
+  // secure erase supported, a write-back cache with FUA.
+  static DeviceGeometry default_geometry() {
+    DeviceGeometry g;
+    g.logical_block_size = 512;
+    g.physical_block_size = 4096;
+    g.max_hw_sectors = 2048;
+    g.max_write_zeroes_sectors = 8192;
+    g.max_discard_sectors = 8192;
+    g.discard_granularity = 4096;
+    g.max_segments = 128;
+    g.secure_discard = true;
+    g.cache_policy = kCacheFua | kCacheWriteBack;
+    return g;
+  }
+
+  // Exports `name` with `size` bytes (before the server starts).
+  void add_device(const std::string& name, uint64_t size, DeviceGeometry geo = default_geometry()) {
+    auto d = std::make_unique<Volume>();
+    geo.nsectors = size / kSectorSize;
+    d->geo = geo;
+    d->mem.resize(size);
+    vols_[name] = std::move(d);
+  }
+
+  // ---- ServerHandler --------------------------------------------------------------------------
+  // The transport opens a path for IO before it announces the session (the client's first
+  // request may race on_session_up), so the session's state is found or made on first use
+  // rather than kept in ServerSession::context.
+  void on_session_up(ibtrs::ServerSession& s) override {
+    std::lock_guard l(mu_);
+    (void)sess_locked(s);
+  }
+  void on_session_down(ibtrs::ServerSession& s) override {
+    std::lock_guard l(mu_);
+    auto it = sessions_.find(&s);
+    if (it == sessions_.end()) return;
+    (void)table_.end_session(it->second->id);
+    sessions_.erase(it);
+  }
+  void on_path_up(ibtrs::ServerSession& s, const ibtrs::ServerPathInfo&) override {
+    std::lock_guard l(mu_);
+    ++sess_locked(s).paths;
+  }
+  // A session without paths is over for its client (a reconnect makes a new one): release what
+  // it held now, not when its last held request completes, or its writer slots would refuse the
+  // client's own re-open.
+  void on_path_down(ibtrs::ServerSession& s, const ibtrs::ServerPathInfo&) override {
+    std::lock_guard l(mu_);
+    Sess& c = sess_locked(s);
+    if (--c.paths == 0) (void)table_.end_session(c.id);
+  }
+
+  void on_request(ibtrs::ServerRequest& r) override {
+    requests_.fetch_add(1);
+    auto m = proto::decode_request(r.usr(), proto::Carrier{r.dir(), r.data().size()});
+    if (!m.ok()) return r.complete(m.error().value());
+    Sess* sess = nullptr;
+    {
+      std::lock_guard l(mu_);
+      sess = &sess_locked(r.session());
+    }
+    switch (m->type) {
+      case proto::MsgType::sess_info: return sess_info(r, m->sess_info);
+      case proto::MsgType::open: return open(r, *sess, m->open);
+      case proto::MsgType::close: return close(r, *sess, m->close);
+      case proto::MsgType::io: return io(r, *sess, m->io);
+      default: return r.complete(EBADMSG);
+    }
+  }
+
+  // ---- knobs ------------------------------------------------------------------------------------
+  // Called for every IO of a known device before it is served; a non-zero errno fails it.
+  void set_io_fault(std::function<int(const proto::Io&)> f) {
+    std::lock_guard l(mu_);
+    io_fault_ = std::move(f);
+  }
+  // Held IO waits until release_held() serves it or drop_held() fails it unserved.
+  void hold_io(bool on) { hold_.store(on); }
+  size_t held() {
+    std::lock_guard l(mu_);
+    return held_.size();
+  }
+  void release_held() {
+    for (auto& h : take_held()) serve(*h.req, h.vol, h.io);
+  }
+  // As a crashed server: the held requests are answered with `err` and change nothing.
+  void drop_held(int err) {
+    for (auto& h : take_held()) h.req->complete(err);
+  }
+  // As after a restart: every live session loses its device ids and holds nothing.
+  void forget_ids() {
+    std::lock_guard l(mu_);
+    for (auto& [key, c] : sessions_) {
+      (void)table_.end_session(c->id);
+      c->id = next_id_++;
+    }
+  }
+  void refuse_open(int err) { refuse_open_.store(err); }
+  // Answers SESS_INFO with this version instead of negotiating.
+  void answer_version(std::optional<uint8_t> v) {
+    std::lock_guard l(mu_);
+    version_ = v;
+  }
+
+  // ---- observers ----------------------------------------------------------------------------------
+  std::vector<IoRecord> ios() {
+    std::lock_guard l(mu_);
+    return ios_;
+  }
+  size_t io_count() {
+    std::lock_guard l(mu_);
+    return ios_.size();
+  }
+  std::vector<proto::Holder> holders(const std::string& dev) {
+    std::lock_guard l(mu_);
+    return table_.holders(dev);
+  }
+  // The volume's bytes (copy, taken under the lock).
+  std::vector<std::byte> bytes(const std::string& dev, uint64_t off, size_t len) {
+    Volume& v = *vols_.at(dev);
+    std::lock_guard l(v.mu);
+    return {v.mem.begin() + static_cast<ptrdiff_t>(off), v.mem.begin() + static_cast<ptrdiff_t>(off + len)};
+  }
+  void fill(const std::string& dev, uint64_t off, size_t len, std::byte b) {
+    Volume& v = *vols_.at(dev);
+    std::lock_guard l(v.mu);
+    std::memset(v.mem.data() + off, static_cast<int>(b), len);
+  }
+  std::atomic<uint64_t> requests_{0};
+  std::atomic<uint64_t> opens_{0};
+  std::atomic<uint64_t> closes_{0};
+  std::atomic<uint64_t> sess_infos_{0};
+
+ private:
+  struct Volume {
+    DeviceGeometry geo;
+    std::mutex mu;
+    std::vector<std::byte> mem;
+  };
+  struct Sess {
+    proto::SessionId id;
+    std::string name;
+    int paths;
+  };
+  struct Held {
+    ibtrs::ServerRequest* req;
+    Volume* vol;
+    proto::Io io;
+  };
+
+  Sess& sess_locked(ibtrs::ServerSession& s) {
+    auto& c = sessions_[&s];
+    if (!c) c = std::make_unique<Sess>(Sess{next_id_++, s.name(), 0});
+    return *c;
+  }
+
+  std::vector<Held> take_held() {
+    std::lock_guard l(mu_);
+    return std::exchange(held_, {});
+  }
+
+  void sess_info(ibtrs::ServerRequest& r, const proto::SessInfo& m) {
+    sess_infos_.fetch_add(1);
+    std::optional<uint8_t> forced;
+    {
+      std::lock_guard l(mu_);
+      forced = version_;
+    }
+    if (forced) {
+      // Written by hand: our encoder refuses versions we do not speak, and that is the point.
+      proto::SessInfoRspMsg w{};
+      w.hdr.type.set(static_cast<uint16_t>(proto::MsgType::sess_info_rsp));
+      w.ver = *forced;
+      std::memcpy(r.data().data(), &w, sizeof(w));
+      return r.complete(0);
+    }
+    auto v = proto::negotiate_version(m.ver);
+    if (!v.ok()) return r.complete(v.error().value());
+    auto n = proto::encode_sess_info_rsp(r.data(), proto::SessInfoRsp{*v});
+    r.complete(n.ok() ? 0 : n.error().value());
+  }
+
+  void open(ibtrs::ServerRequest& r, Sess& s, const proto::Open& m) {
+    opens_.fetch_add(1);
+    if (int e = refuse_open_.load()) return r.complete(e);
+    auto it = vols_.find(m.dev_name);
+    if (it == vols_.end()) return r.complete(ENOENT);
+    Result<proto::OpenTable::Grant> g = errc(EINVAL);
+    {
+      std::lock_guard l(mu_);
+      g = table_.open(s.id, m.dev_name, m.mode);
+    }
+    if (!g.ok()) return r.complete(g.error().value());
+    auto n = proto::encode_open_rsp(r.data(), proto::OpenRsp{g->device_id, it->second->geo});
+    r.complete(n.ok() ? 0 : n.error().value());
+  }
+
+  void close(ibtrs::ServerRequest& r, Sess& s, const proto::Close& m) {
+    closes_.fetch_add(1);
+    std::lock_guard l(mu_);
+    auto rel = table_.close(s.id, m.device_id);
+    r.complete(rel.ok() ? 0 : rel.error().value());
+  }
+
+  void io(ibtrs::ServerRequest& r, Sess& s, const proto::Io& m) {
+    std::function<int(const proto::Io&)> fault;
+    Result<proto::Opening> o = errc(ENODEV);
+    {
+      std::lock_guard l(mu_);
+      o = table_.lookup(s.id, m.device_id);
+      ios_.push_back(IoRecord{s.name, o.ok() ? o->dev : std::string(), m});
+      fault = io_fault_;
+    }
+    if (!o.ok()) return r.complete(o.error().value());
+    if (auto st = proto::check_op_allowed(o->mode, m.op); !st.ok()) return r.complete(st.error().value());
+    Volume* v = vols_.at(o->dev).get();
+    if (m.sector > v->geo.nsectors || m.bi_size / kSectorSize > v->geo.nsectors - m.sector)
+      return r.complete(EINVAL);
+    if (fault) {
+      if (int e = fault(m)) return r.complete(e);
+    }
+    if (hold_.load()) {
+      std::lock_guard l(mu_);
+      held_.push_back(Held{&r, v, m});
+      return;
+    }
+    serve(r, v, m);
+  }
+
+  static void serve(ibtrs::ServerRequest& r, Volume* v, const proto::Io& m) {
+    const size_t off = m.sector * kSectorSize;
+    std::lock_guard l(v->mu);
+    switch (m.op) {
+      case IoOp::read: std::memcpy(r.data().data(), v->mem.data() + off, m.bi_size); break;
+      case IoOp::write: std::memcpy(v->mem.data() + off, r.data().data(), m.bi_size); break;
+      case IoOp::flush: break;
+      // A RAM volume reads zeroes after a discard, like a thinly provisioned one.
+      case IoOp::discard:
+      case IoOp::secure_erase:
+      case IoOp::write_zeroes: std::memset(v->mem.data() + off, 0, m.bi_size); break;
+    }
+    r.complete(0);
+  }
+
+  std::map<std::string, std::unique_ptr<Volume>> vols_;  // fixed once the server runs
+  std::mutex mu_;
+  proto::OpenTable table_;
+  proto::SessionId next_id_ = 1;
+  // Live sessions by the server's object (erased at on_session_down, before it is freed).
+  std::map<const ibtrs::ServerSession*, std::unique_ptr<Sess>> sessions_;
+  std::vector<IoRecord> ios_;
+  std::vector<Held> held_;
+  std::function<int(const proto::Io&)> io_fault_;
+  std::optional<uint8_t> version_;
+  std::atomic<bool> hold_{false};
+  std::atomic<int> refuse_open_{0};
+};
+
+}  // namespace ibnbd::test
