@@ -22,7 +22,8 @@ while [ $# -gt 0 ]; do
 done
 
 bash scripts/setup.sh
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+# The same optimized build as scripts/test.sh (RelWithDebInfo), so the two share one tree.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 ninja -C build ibnbd-server ibnbd-client ibnbd
 
 bin=$top/build

@@ -87,7 +87,10 @@ std::string render(const Listing& l, const OutputOptions& o) {
   }
   if (o.format == Format::csv) {
     auto line = [&](const std::vector<std::string>& v) {
-      for (size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + csv_field(v[i]);
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (i) out += ',';
+        out += csv_field(v[i]);
+      }
       out += "\n";
     };
     if (o.headers) {

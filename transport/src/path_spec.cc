@@ -71,9 +71,14 @@ std::string PathSpec::name() const {
       auto colon = dst.find(':');
       dst = dst.substr(0, colon + 1) + "[" + dst.substr(colon + 1) + "]";
     }
-    dst += ":" + std::to_string(destination.port);
+    // Appended piecewise: g++ 12 -O3 warns falsely (-Wrestrict) on "literal" + std::string.
+    dst += ':';
+    dst += std::to_string(destination.port);
   }
-  return src + "@" + dst;
+  std::string name = std::move(src);
+  name += '@';
+  name += dst;
+  return name;
 }
 
 Uuid16 Uuid16::random() {
