@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The daemons driven only through the `ibnbd` CLI, as an administrator would: ibnbd-server
+# exporting files, ibnbd-client mapping them over two loopback tcp paths. TAP-like output
+# ("ok - NAME" / "not ok - NAME: why"); exit 1 when anything failed.
+#
+#   bash tests/cli/daemons.sh BUILD_DIR        (ctest: cli_daemons)
+set -u -o pipefail
+
+build=${1:?usage: $0 BUILD_DIR}
+srv=$build/server/ibnbd-server
+cld=$build/client/daemon/ibnbd-client
+ibnbd=$build/client/cli/ibnbd
+for b in "$srv" "$cld" "$ibnbd"; do
+  [ -x "$b" ] || { echo "1..0 # SKIP $b not built"; exit 77; }
+done
+command -v jq >/dev/null || { echo "1..0 # SKIP no jq"; exit 77; }
+
+work=$(mktemp -d /var/tmp/ibnbd-cli-test.XXXXXX)
+pids=()
+failed=0
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ok() { echo "ok - $1"; }
+not_ok() { echo "not ok - $1: $2"; failed=1; }
+# expect NAME WANT_RC CMD...: runs CMD, checks its exit status.
+expect() {
+  local name=$1 want=$2 rc
+  shift 2
+  "$@" >"$work/out" 2>"$work/err"
+  rc=$?
+  if [ "$rc" = "$want" ]; then ok "$name"; else not_ok "$name" "exit $rc, want $want: $(tail -2 "$work/err")"; fi
+}
+wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
+
+mkdir -p "$work/export/sub"
+truncate -s 64M "$work/export/a.img"
+truncate -s 16M "$work/export/sub/b.img"
+ln -s /etc/passwd "$work/export/escape"
+"$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+  --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" --hb-interval-ms 200 \
+  >"$work/srv.log" 2>&1 &
+pids+=($!)
+wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
+mapfile -t addrs < <(sed -n 's/^listening //p' "$work/srv.ready")
+"$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 200 \
+  --reconnect-delay-ms 200 >"$work/cl.log" 2>&1 &
+pids+=($!)
+wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
+
+c() { "$ibnbd" --socket "$work/cl.sock" client "$@"; }
+s() { "$ibnbd" --socket "$work/srv.sock" server "$@"; }
+
+# Case: map over two paths. Expect: the device is open with the file's size, both paths up.
+expect map 0 c device map a.img from "${addrs[@]}" rw session t1
+size=$(c -f json device show a.img | jq '.[0].size')
+[ "$size" = $((64 << 20)) ] && ok "size from the server" || not_ok "size from the server" "got $size"
+uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
+[ "$uu" = UU ] && ok "both paths up" || not_ok "both paths up" "path_uu $uu"
+
+# Case: bad maps. Expect: the server's errno as exit status, nothing mapped.
+expect "map of a missing file is ENOENT" 2 c device map nope.img from "${addrs[0]}" session t1
+expect "map through an escaping symlink is EXDEV" 18 c device map escape from "${addrs[0]}" session t1
+expect "map with '..' is EINVAL" 22 c device map ../a.img from "${addrs[0]}" session t1
+expect "the same device in another session of this client is EEXIST" 17 c device map a.img from "${addrs[0]}" ro session t3
+
+# Case: a second client host (another ibnbd-client) wants the device. Expect: rw refused by the
+# server's access rules (EBUSY), ro granted and readable, then unmapped.
+"$cld" --control-socket "$work/cl2.sock" --ready-file "$work/cl2.ready" >"$work/cl2.log" 2>&1 &
+pids+=($!)
+wait_for "$work/cl2.ready" || not_ok "second client start" "$(cat "$work/cl2.log")"
+c2() { "$ibnbd" --socket "$work/cl2.sock" client "$@"; }
+expect "a second writer is EBUSY" 16 c2 device map a.img from "${addrs[0]}" rw session other
+expect "a reader is fine" 0 c2 device map a.img from "${addrs[0]}" ro session other
+expect "the reader may not write (EPERM -> IO error)" 5 c2 device io a.img size 1M bs 64K mode write
+expect "the reader unmaps" 0 c2 device unmap a.img
+n=$(c -f json device list | jq length)
+[ "$n" = 1 ] && ok "only one device mapped" || not_ok "only one device mapped" "$n devices"
+
+# Case: write and verify the whole device. Expect: no error, both paths carried IO.
+expect "write + verify 64 MiB" 0 c device io a.img bs 256K qd 8
+split=$(c -f json path list t1 | jq '[.[] | select(.tx_bytes > 0)] | length')
+[ "$split" = 2 ] && ok "IO on both paths" || not_ok "IO on both paths" "$split paths carried writes"
+
+# Case: a path is disconnected, IO runs, the path is reconnected. Expect: no IO error.
+p0=$(c -f json path list t1 | jq -r '.[0].pathname')
+expect "path disconnect" 0 c path disconnect t1 "$p0"
+state=$(c -f json path list t1 | jq -r '.[0].state')
+[ "$state" != connected ] && ok "the path is down ($state)" || not_ok "the path is down" "still $state"
+expect "IO with one path down" 0 c device io a.img size 8M bs 64K qd 8
+expect "path reconnect" 0 c path reconnect t1 "$p0"
+uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
+[ "$uu" = UU ] && ok "both paths up again" || not_ok "both paths up again" "path_uu $uu"
+
+# Case: the server side sees the session and the device; the admin force-closes it.
+# Expect: client IO fails, a remap brings it back, IO works again.
+sn=$(s -f json session list | jq -r '.[0].sessname')
+[ "$sn" = t1 ] && ok "server lists the session" || not_ok "server lists the session" "got $sn"
+dev=$(s -f json device list | jq -r '.[0].device')
+expect "force-close" 0 s device force-close "$dev" t1
+expect "IO after force-close fails (ENODEV)" 5 c device io a.img size 1M bs 64K qd 1
+expect "remap" 0 c device remap a.img
+expect "IO after remap" 0 c device io a.img size 1M bs 64K qd 1 mode verify
+
+# Case: malformed commands. Expect: EINVAL, the daemons keep serving.
+expect "unknown command" 22 c device frobnicate a.img
+expect "io with a misaligned offset" 22 c device io a.img offset 100
+expect "unknown session" 2 c session show nobody
+expect "server: unknown device force-close" 2 s device force-close nothing t1
+expect "client daemon still answers" 0 c device list
+
+# Case: unmap. Expect: gone on both sides.
+expect unmap 0 c device unmap a.img
+n=$(c -f json device list | jq length)
+[ "$n" = 0 ] && ok "nothing mapped" || not_ok "nothing mapped" "$n devices"
+for _ in $(seq 50); do [ "$(s -f json device list | jq length)" = 0 ] && break; sleep 0.1; done
+n=$(s -f json device list | jq length)
+[ "$n" = 0 ] && ok "server closed the device" || not_ok "server closed the device" "$n open"
+
+exit $failed
