@@ -4,7 +4,9 @@
 # ("ok - NAME" / "not ok - NAME: why"); exit 1 when anything failed.
 #
 #   bash tests/cli/daemons.sh BUILD_DIR        (ctest: cli_daemons)
+#   IBTRS_CLI_FABRIC=rdma: the same over Soft-RoCE inside the VM rig (ctest: vm_cli_daemons)
 set -u -o pipefail
+fabric=${IBTRS_CLI_FABRIC:-tcp}
 
 build=${1:?usage: $0 BUILD_DIR}
 srv=$build/server/ibnbd-server
@@ -14,6 +16,15 @@ for b in "$srv" "$cld" "$ibnbd"; do
   [ -x "$b" ] || { echo "1..0 # SKIP $b not built"; exit 77; }
 done
 command -v jq >/dev/null || { echo "1..0 # SKIP no jq"; exit 77; }
+if [ "$fabric" = rdma ]; then
+  [ -n "${IBTRS_RDMA_ADDR_A:-}" ] && [ -n "${IBTRS_RDMA_ADDR_B:-}" ] ||
+    { echo "1..0 # SKIP rdma needs the VM rig (IBTRS_RDMA_ADDR_A/B unset)"; exit 77; }
+  listen=(--listen "rdma:$IBTRS_RDMA_ADDR_B:0" --listen "rdma:$IBTRS_RDMA_ADDR_B:0")
+  src="rdma:$IBTRS_RDMA_ADDR_A@"  # the client's own Soft-RoCE device
+else
+  listen=(--listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0)
+  src=""
+fi
 
 work=$(mktemp -d /var/tmp/ibnbd-cli-test.XXXXXX)
 pids=()
@@ -41,12 +52,12 @@ mkdir -p "$work/export/sub"
 truncate -s 64M "$work/export/a.img"
 truncate -s 16M "$work/export/sub/b.img"
 ln -s /etc/passwd "$work/export/escape"
-"$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+"$srv" "${listen[@]}" --dev-search-path "$work/export" \
   --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" --hb-interval-ms 200 \
   >"$work/srv.log" 2>&1 &
 pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
-mapfile -t addrs < <(sed -n 's/^listening //p' "$work/srv.ready")
+mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
 "$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 200 \
   --reconnect-delay-ms 200 >"$work/cl.log" 2>&1 &
 pids+=($!)
