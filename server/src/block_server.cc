@@ -176,6 +176,26 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     ts.context.store(s, std::memory_order_release);
   }
 
+  // The session's last path went away: its opens are released now, not when its last request
+  // completes (on_session_down), so a client that reconnects and re-opens is not refused by its
+  // own previous incarnation still holding the rw slot. Its IO from now on gets ENODEV, which
+  // the client answers with a remap.
+  void on_path_down(ServerSession& ts, const ibtrs::ServerPathInfo&) override {
+    auto* s = static_cast<Sess*>(ts.context.load(std::memory_order_acquire));
+    if (s == nullptr || !ts.paths().empty()) return;
+    control.post([this, s] { release_all(*s); });  // on_session_down's call() runs after it
+  }
+
+  void release_all(Sess& s) {
+    bool published = false;
+    for (uint32_t i = 0; i < opts.max_devices_per_session; ++i)
+      published |= s.slots[i].dev.exchange(nullptr, std::memory_order_acq_rel) != nullptr;
+    if (published) quiesce();
+    for (auto& r : table.end_session(s.id)) {
+      if (r.last_holder) close_device(r.dev);
+    }
+  }
+
   void on_session_down(ServerSession& ts) override {
     auto* s = static_cast<Sess*>(ts.context.load(std::memory_order_acquire));
     if (s == nullptr) return;
@@ -186,9 +206,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     // Every request of the session has completed (the transport's promise), so no IO thread
     // holds any of its slots.
     control.call([this, s] {
-      for (auto& r : table.end_session(s->id)) {
-        if (r.last_holder) close_device(r.dev);
-      }
+      release_all(*s);
       return 0;
     });
     ts.context.store(nullptr, std::memory_order_release);

@@ -446,10 +446,10 @@ bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
 }
 
 void Session::request_done() {
-  if (inflight.fetch_sub(1, std::memory_order_acq_rel) == 1 && srv != nullptr) {
-    Impl* im = srv;
+  // Read before the decrement: the last one lets the worker's reap free this session.
+  Impl* im = srv;
+  if (inflight.fetch_sub(1, std::memory_order_acq_rel) == 1 && im != nullptr)
     im->worker->post([im] { im->reap(); });
-  }
 }
 
 void Con::post_or_backlog(std::span<const SendWr> wrs) {
