@@ -608,6 +608,39 @@ TEST_F(Client, ConcurrentSplitIoFromManyThreads) {
   EXPECT_GT(d->stats().parts_sent, d->stats().writes + d->stats().reads) << "requests were split";
 }
 
+// Case: a session of queue depth 4 and 16 writes of 3 parts each submitted at once, then read
+// back the same way. Expect: the parts beyond the 4 permits wait in the library (the calls
+// never block) and all complete, in any order, with their bytes.
+TEST_F(Client, PartsBeyondTheQueueDepthWaitForPermits) {
+  start_server(1, /*qd=*/4);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  ASSERT_EQ(s->transport().queue_depth(), 4u);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  constexpr int kN = 16;
+  constexpr uint32_t kLen = 3 * kMaxIo;
+  auto* m = buffer(*s, 2 * kN * size_t{kLen});
+  pattern(m->data(), size_t{kN} * kLen, 99);
+  Done w[kN], r[kN];
+  IoSeg ws[kN], rs[kN];
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < kN; ++i) {
+    ws[i] = IoSeg{m->data() + size_t{kLen} * i, kLen, m};
+    ASSERT_TRUE(d->write(uint64_t{kLen} * i, std::span(&ws[i], 1), 0, w[i].io()).ok());
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "submitting does not wait for permits";
+  for (auto& x : w) EXPECT_EQ(x.wait(), 0);
+  for (int i = 0; i < kN; ++i) {
+    rs[i] = IoSeg{m->data() + size_t{kLen} * (kN + i), kLen, m};
+    ASSERT_TRUE(d->read(uint64_t{kLen} * i, std::span(&rs[i], 1), r[i].io()).ok());
+  }
+  for (auto& x : r) EXPECT_EQ(x.wait(), 0);
+  EXPECT_EQ(std::memcmp(m->data(), m->data() + size_t{kN} * kLen, size_t{kN} * kLen), 0);
+  EXPECT_EQ(d->stats().parts_sent, 2u * 3 * kN);
+  EXPECT_EQ(s->transport().free_permits(), 4u);
+}
+
 // Case: one of two paths breaks (fabric fault) while split IO runs.
 // Expect: the transport fails the path's requests over; every request succeeds with its bytes.
 TEST_F(Client, APathBrokenMidIoFailsOverTransparently) {
