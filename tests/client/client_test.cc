@@ -98,6 +98,14 @@ class Client : public ::testing::Test {
   void TearDown() override {
     bufs_.clear();
     sessions_.clear();
+    if (server_) {
+      // Held requests are completed only once the server has closed the sessions' paths: a
+      // completion racing the close's reap touches the freed session (server.cc,
+      // Session::request_done reads `srv` after its last decrement). with_session runs on the
+      // server's control thread, after the close.
+      (void)wait_until([&] { return server_->sessions().empty(); }, 5s);
+      (void)server_->with_session("", [](ibtrs::ServerSession&) {});
+    }
     srv_.drop_held(ECONNABORTED);
     lb::faults().clear();
     server_.reset();
