@@ -49,10 +49,12 @@
 // Threading
 //   - RemoteDevice IO functions, stats and accessors: any thread, concurrently; never block.
 //     They may be called from a completion callback.
-//   - Completion callbacks run on the transport's IO threads or on the session's control thread
-//     (requests failed without a server answer: timeouts, or a part that failed while the
-//     request was being submitted). Never inside the submitting call. They must not block and
-//     must not call the control functions below.
+//   - Completion callbacks run on the transport's threads (its IO threads; its control thread
+//     when it fails a request that waited for a path), on the session's own control thread
+//     (requests failed in the library: timeouts, a part that failed while the request was being
+//     submitted or while a control function ran), or on the thread destroying the session.
+//     Never inside the submitting call. They must not block and must not call the control
+//     functions below.
 //   - Control functions (BlockSession::map, unmap, remap, alloc_buffer, register_memory) may be
 //     called from any thread except a callback (completion, session event or device event);
 //     they are serialized with each other and with the automatic remap, and return when done.
@@ -147,7 +149,8 @@ struct BlockSessionOptions {
   // transport request of the device. 0: those calls fail with EOPNOTSUPP.
   uint32_t bounce_slots = 8;
   // Device events; run on the thread that remapped (the session's control thread after a
-  // reconnect, the caller of remap()). Must not block or call control functions.
+  // reconnect, the caller of remap() or of the map() that re-opened a closed device). Must not
+  // block or call control functions.
   std::function<void(const DeviceEvent&)> on_device_event;
 };
 

@@ -85,6 +85,9 @@ int Session::try_send(Part* p) {
   req.data = std::span<const ibtrs::IoSeg>(p->segs, p->nseg);
   req.done = &Session::on_part_done;
   req.ctx = p;
+  // A wait after this one (an ENODEV retry) is timed from its own start. Set before the
+  // request: once sent, the part belongs to its completion.
+  p->queued_at = Clock::time_point{};
   // Never wait for a permit here: the caller may be a completion callback or an event loop.
   auto st = ts->request(req, ibtrs::PermitWait::no);
   if (!st.ok()) {
