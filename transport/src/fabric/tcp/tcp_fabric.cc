@@ -290,13 +290,9 @@ class TcpConnection final : public Connection, private RxHooks {
   void attach() { cq_id_ = cq_.attach(this, sock_); }
 
   ~TcpConnection() override {
+    // A doorbell still deferred is not rung: as when verbs destroys a QP, requests that never
+    // completed are dropped, and their memory may already be gone (sending would read it).
     if (cq_id_ != 0) cq_.detach(cq_id_, sock_);
-    {
-      // Frames of the owner's last batch still go out before the socket closes, as they did
-      // when every post flushed at once (best effort, then as now).
-      std::lock_guard lock(tx_mu_);
-      ring_deferred();
-    }
     cq_.unreserve(caps_.max_send_wr + caps_.max_recv_wr);
     ::close(sock_);
   }
