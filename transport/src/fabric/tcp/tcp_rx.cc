@@ -37,18 +37,21 @@ RxResult RxEngine::pump(RxHooks& hooks, unsigned max_reads) {
       }
       for (int k = 0; k < cnt; ++k) want += iov[k].iov_len;
     }
+    const int held = cnt;  // refs_[0, held) pin the payload targets during the read
     if (s_begin_ > 0) {
       std::memmove(stage_.get(), stage_.get() + s_begin_, staged());
       s_end_ -= s_begin_;
       s_begin_ = 0;
     }
+    size_t room = stage_cap_ - s_end_;
+    if (want >= kDefaultStaging) room = std::min(room, kStagingBesideLargePayload);
     iov[cnt].iov_base = stage_.get() + s_end_;
-    iov[cnt].iov_len = stage_cap_ - s_end_;
+    iov[cnt].iov_len = room;
     want += iov[cnt].iov_len;
     ++cnt;
 
     ssize_t n = hooks.read(iov, cnt);
-    for (auto& r : refs_) r.reset();
+    for (int k = 0; k < held; ++k) refs_[k].reset();
     if (n == -EAGAIN || n == -EWOULDBLOCK || n == -EINTR) return RxResult::idle;
     if (n <= 0) {
       error_ = errc(n == 0 ? ECONNRESET : static_cast<int>(-n));
