@@ -910,10 +910,12 @@ size_t TcpCq::poll(std::span<Completion> out) {
   if (n == out.size()) return open_batch(n);
   // Acks owed since the previous poll go out now unless a frame already carried them.
   flush_acks();
-  // A busy-polled CQ with one connection (an IBTRS IO thread on a one-path session) reads its
-  // socket directly: one system call per spin instead of epoll_wait + readv. Anything else that
-  // needs attention - a wakeup, a send waiting for room - goes through epoll.
-  if (busy_poll_ && conns_.size() == 1 && !wake_pending_.load(std::memory_order_acquire) &&
+  // A CQ with one connection (an IBTRS IO thread on a one-path session) reads its socket
+  // directly: one system call per poll instead of epoll_wait + readv, busy-polled or not (an
+  // empty socket costs a readv instead of an epoll_wait; the owner sleeps on the epoll fd as
+  // before). Anything else that needs attention - a wakeup, a send waiting for room, a stall
+  // on RECVs - goes through epoll.
+  if (conns_.size() == 1 && !wake_pending_.load(std::memory_order_acquire) &&
       conns_[0].conn->can_spin_read()) {
     conns_[0].conn->on_events(EPOLLIN);
     return open_batch(n + drain(out.subspan(n)));
