@@ -78,6 +78,14 @@ RxResult RxEngine::pump(RxHooks& hooks, unsigned max_reads) {
 }
 
 RxEngine::Step RxEngine::process_staged(RxHooks& hooks, RxResult& out) {
+  Step step = run_staged(hooks, out);
+  // The header's hold never outlives this pass: a frame may now wait for the socket or for a
+  // RECV indefinitely, and a held region cannot be deregistered.
+  if (frame_ref_) frame_ref_.reset();
+  return step;
+}
+
+RxEngine::Step RxEngine::run_staged(RxHooks& hooks, RxResult& out) {
   for (;;) {
     switch (state_) {
       case State::ended:
@@ -146,8 +154,11 @@ RxEngine::Step RxEngine::on_header(RxHooks& hooks, RxResult& out) {
       if (len > 0) {
         // A zero-length write touches no memory, so (as in verbs) its rkey is not checked:
         // IBTRS heartbeats are exactly that.
+        // The check's hold is kept for the rest of this pass, so that a payload already
+        // staged behind its header is placed without acquiring the region a second time.
         MrTable::Fault fault = MrTable::Fault::none;
-        if (!mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault)) {
+        frame_ref_ = mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault);
+        if (!frame_ref_) {
           out = fail(WcStatus::remote_access_error,
                      fault == MrTable::Fault::out_of_bounds ? EFAULT : EACCES);
           return Step::stop;
@@ -208,6 +219,7 @@ RxEngine::Step RxEngine::bind_recv(RxHooks& hooks, RxResult& out) {
 }
 
 void RxEngine::finish_frame(RxHooks& hooks) {
+  if (frame_ref_) frame_ref_.reset();  // the next frame's placement must not use it
   const auto type = static_cast<FrameType>(hdr_.type);
   // Count the frame before completing the RECV, so that an upper layer reacting to the
   // completion by sending already acknowledges this frame.
@@ -228,9 +240,14 @@ bool RxEngine::place_from_staging(size_t n) {
   while (left > 0) {
     const Segment& sg = segs_[seg_idx_];
     uint64_t chunk = std::min<uint64_t>(left, sg.len - seg_off_);
-    MrTable::Ref ref = mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr);
-    if (!ref) return false;
-    std::memcpy(ref.ptr(), src, chunk);
+    if (frame_ref_) {
+      // A WRITE whose header was checked in this pass: its one segment is the held window.
+      std::memcpy(frame_ref_.ptr() + seg_off_, src, chunk);
+    } else {
+      MrTable::Ref ref = mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr);
+      if (!ref) return false;
+      std::memcpy(ref.ptr(), src, chunk);
+    }
     src += chunk;
     left -= chunk;
     advance_payload(chunk);

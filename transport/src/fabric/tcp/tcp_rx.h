@@ -110,6 +110,7 @@ class RxEngine {
 
   // Runs the state machine over the staged bytes. `out` is set when processing must stop.
   Step process_staged(RxHooks& hooks, RxResult& out);
+  Step run_staged(RxHooks& hooks, RxResult& out);
   Step on_header(RxHooks& hooks, RxResult& out);
   Step bind_recv(RxHooks& hooks, RxResult& out);
   void finish_frame(RxHooks& hooks);
@@ -136,6 +137,9 @@ class RxEngine {
   uint64_t seg_off_ = 0;
   uint64_t remaining_ = 0;
   MrTable::Ref refs_[kMaxRecvSge];
+  // WRITE / WRITE_IMM target [remote_addr, +length) as checked by on_header; held only within
+  // one process_staged() pass (see there).
+  MrTable::Ref frame_ref_;
 
   std::atomic<uint32_t> placed_{0};
   bool ack_requested_ = false;
