@@ -695,7 +695,8 @@ TEST_F(Conformance, PostsFromThePollLoopAndAnotherThreadKeepOrder) {
       sdone.push_back(c);
       // A WRITE_WITH_IMM's writes are placed before its immediate is delivered: look now,
       // before any later message could matter.
-      if (c.status == WcStatus::success && c.opcode == Opcode::recv_rdma_with_imm && c.imm < kTotal) {
+      if (c.status == WcStatus::success && c.opcode == Opcode::recv_rdma_with_imm &&
+          c.imm < kTotal) {
         placed_in_time = placed_in_time &&
             std::memcmp(&target.bytes[a_off(c.imm)], &src.bytes[a_off(c.imm)], kA) == 0 &&
             std::memcmp(&target.bytes[b_off(c.imm)], &src.bytes[b_off(c.imm)], kB) == 0;

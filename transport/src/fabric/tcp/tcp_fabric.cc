@@ -5,8 +5,8 @@
 // take is finished by the CQ's poller on EPOLLOUT. The exception is a batch: the thread that
 // took two or more completions out of a CQ with poll() and posts to that CQ's connections
 // before its next poll()/wait()/arm() on it (an IO thread answering or resubmitting from its
-// completion handlers). Those posts ring a deferred doorbell, and that next call sends everything the
-// batch posted with one sendmsg per connection instead of one per post (see
+// completion handlers). Those posts ring a deferred doorbell, and that next call sends
+// everything the batch posted with one sendmsg per connection instead of one per post (see
 // TcpCq::in_owner_batch). Incoming bytes are processed by the poller of the CQ the connection
 // is attached to, inside poll()/wait(), which places data and raises completions. That keeps
 // the round trip at the socket's own cost: no thread hand-off.
@@ -209,11 +209,11 @@ class TcpCq final : public CompletionQueue {
 
   // Deferred doorbells (any thread, no other lock but the connection's tx_mu_ held).
   // Whether a post from the calling thread may wait for the end of the owner's batch: only the
-  // thread that took a batch of completions with poll() and has not called into this CQ since. A thread
-  // polling in a loop comes back (polls again, or arms before it sleeps), and that call sends
-  // what the batch posted. wait() opens no batch: its callers may well block elsewhere next (as
-  // an event-driven test thread does), and nobody else may be relied on either, since the
-  // poller may be asleep.
+  // thread that took a batch of completions with poll() and has not called into this CQ since.
+  // A thread polling in a loop comes back (polls again, or arms before it sleeps), and that
+  // call sends what the batch posted. wait() opens no batch: its callers may well block
+  // elsewhere next (as an event-driven test thread does), and nobody else may be relied on
+  // either, since the poller may be asleep.
   bool in_owner_batch() const {
     return t_thread_id != 0 && batch_owner_.load(std::memory_order_relaxed) == t_thread_id;
   }

@@ -157,7 +157,8 @@ RxEngine::Step RxEngine::on_header(RxHooks& hooks, RxResult& out) {
         // The check's hold is kept for the rest of this pass, so that a payload already
         // staged behind its header is placed without acquiring the region a second time.
         MrTable::Fault fault = MrTable::Fault::none;
-        frame_ref_ = mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault);
+        frame_ref_ =
+            mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault);
         if (!frame_ref_) {
           out = fail(WcStatus::remote_access_error,
                      fault == MrTable::Fault::out_of_bounds ? EFAULT : EACCES);
