@@ -3,6 +3,7 @@
 #include <poll.h>
 
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <thread>
 
@@ -591,6 +592,147 @@ TEST_F(Conformance, ManyConnectionsInParallel) {
     EXPECT_EQ(0, std::memcmp(target.bytes.data() + i * kSize, srcs[i].bytes.data(), kSize)) << i;
   for (auto& c : clients) c->conn.reset();
   for (auto& s : server_sides) s->conn.reset();
+}
+
+// Case: the client's CQ owner posts from its poll loop, the way an IO thread answers or
+// resubmits from its completion handlers: every WRITE_WITH_IMM completion it polls makes it post
+// another WRITE + WRITE_WITH_IMM pair (the tcp provider defers those doorbells to the owner's
+// next poll). Meanwhile a second thread streams SENDs on the same connection (those flush at
+// once). A test-side lock makes the order of post_send calls the order of sequence numbers.
+// Expect: the server's RECVs complete in exactly that order, each SEND's bytes in its RECV and
+// each WRITE_WITH_IMM's two writes placed when its immediate is seen; the client's completions
+// come in the same order, all successful; nothing is lost and the send queue drains.
+TEST_F(Conformance, PostsFromThePollLoopAndAnotherThreadKeepOrder) {
+  constexpr uint32_t kPairs = 800;  // from the poll loop (WRITE + WRITE_WITH_IMM)
+  constexpr uint32_t kSends = 800;  // from the other thread
+  constexpr uint32_t kTotal = kPairs + kSends;  // RECV-consuming messages = sequence numbers
+  constexpr uint32_t kPrimed = 16;  // pairs posted before the loop starts
+  constexpr size_t kA = 64, kB = 16;  // bytes of a pair's WRITE and WRITE_WITH_IMM
+  QueueCaps caps{128, kTotal, 1, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer target = Buffer::make(*server_domain_, kTotal * (kA + kB), kRemoteWrite);
+  Buffer rx = Buffer::make(*server_domain_, kTotal * 8, kLocalWrite);
+  Buffer src = Buffer::make(*client_domain_, kTotal * (kA + kB + 8), 0);
+  auto a_off = [&](uint32_t seq) { return size_t{seq} * kA; };
+  auto b_off = [&](uint32_t seq) { return size_t{kTotal} * kA + size_t{seq} * kB; };
+  auto s_off = [&](uint32_t seq) { return size_t{kTotal} * (kA + kB) + size_t{seq} * 8; };
+  // Every source byte says which sequence number it belongs to.
+  for (uint32_t seq = 0; seq < kTotal; ++seq) {
+    for (size_t i = 0; i < kA; ++i) src.bytes[a_off(seq) + i] = std::byte(seq * 7 + i);
+    for (size_t i = 0; i < kB; ++i) src.bytes[b_off(seq) + i] = std::byte(seq * 13 + i + 1);
+    std::memcpy(&src.bytes[s_off(seq)], &seq, sizeof(seq));
+  }
+  for (uint32_t i = 0; i < kTotal; ++i) {
+    Sge s = rx.sge(i * 8, 8);
+    RecvWr r{i, {&s, 1}};
+    ASSERT_TRUE(srv_.conn->post_recv({&r, 1}).ok());
+  }
+
+  std::mutex order_mu;  // post_send calls happen in sequence-number order
+  uint32_t next_seq = 0;
+  std::vector<uint32_t> pair_seqs, send_seqs;  // what each source posted, in order
+  // Posts one pair; false when the send queue is full (retried later) or all pairs are out.
+  auto post_pair = [&]() -> bool {
+    std::lock_guard lock(order_mu);
+    if (pair_seqs.size() == kPairs) return false;
+    const uint32_t seq = next_seq;
+    Sge sa = src.sge(a_off(seq), kA), sb = src.sge(b_off(seq), kB);
+    SendWr wrs[2] = {
+        SendWr{~uint64_t{0}, Opcode::write, {&sa, 1}, target.mr->remote_addr(a_off(seq)),
+               target.mr->rkey(), 0, false},
+        SendWr{seq, Opcode::write_with_imm, {&sb, 1}, target.mr->remote_addr(b_off(seq)),
+               target.mr->rkey(), seq, true}};
+    if (!cli_.conn->post_send(wrs).ok()) return false;
+    pair_seqs.push_back(seq);
+    ++next_seq;
+    return true;
+  };
+  for (uint32_t i = 0; i < kPrimed; ++i) ASSERT_TRUE(post_pair());
+
+  std::atomic<bool> sender_failed{false};
+  std::thread sender([&] {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (std::chrono::steady_clock::now() < deadline) {
+      {
+        std::lock_guard lock(order_mu);
+        if (send_seqs.size() == kSends) return;
+        const uint32_t seq = next_seq;
+        Sge s = src.sge(s_off(seq), 8);
+        SendWr w{seq, Opcode::send, {&s, 1}};
+        auto st = cli_.conn->post_send({&w, 1});
+        if (st.ok()) {
+          send_seqs.push_back(seq);
+          ++next_seq;
+          continue;
+        }
+        if (st.error() != errc(ENOMEM)) {
+          sender_failed = true;
+          return;
+        }
+      }
+      std::this_thread::yield();  // send queue full: the poll loop frees it
+    }
+    sender_failed = true;
+  });
+
+  // The poll loop: one thread owns both CQs, as the harness's drive() does.
+  std::vector<Completion> cdone, sdone;
+  uint32_t owed = 0;  // pairs earned by completions but refused for a full send queue
+  bool placed_in_time = true;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while ((sdone.size() < kTotal || cdone.size() < kTotal) &&
+         std::chrono::steady_clock::now() < deadline) {
+    Completion wc[32];
+    size_t n = cli_.queue().poll(wc);
+    for (size_t i = 0; i < n; ++i) {
+      cdone.push_back(wc[i]);
+      if (wc[i].status == WcStatus::success && wc[i].opcode == Opcode::write_with_imm) ++owed;
+    }
+    while (owed > 0 && post_pair()) --owed;  // right after poll(): inside the owner's batch
+    n = srv_.queue().poll(wc);
+    for (size_t i = 0; i < n; ++i) {
+      const Completion& c = wc[i];
+      sdone.push_back(c);
+      // A WRITE_WITH_IMM's writes are placed before its immediate is delivered: look now,
+      // before any later message could matter.
+      if (c.status == WcStatus::success && c.opcode == Opcode::recv_rdma_with_imm &&
+          c.imm < kTotal) {
+        placed_in_time = placed_in_time &&
+            std::memcmp(&target.bytes[a_off(c.imm)], &src.bytes[a_off(c.imm)], kA) == 0 &&
+            std::memcmp(&target.bytes[b_off(c.imm)], &src.bytes[b_off(c.imm)], kB) == 0;
+      }
+    }
+  }
+  sender.join();
+  EXPECT_FALSE(sender_failed.load());
+  ASSERT_EQ(pair_seqs.size(), kPairs);
+  ASSERT_EQ(send_seqs.size(), kSends);
+  ASSERT_EQ(sdone.size(), kTotal);
+  ASSERT_EQ(cdone.size(), kTotal) << "unsignalled WRITEs raise nothing, everything else one each";
+  EXPECT_TRUE(placed_in_time) << "a WRITE_WITH_IMM was delivered before the writes of its pair";
+  std::vector<bool> is_send(kTotal, false);
+  for (uint32_t seq : send_seqs) is_send[seq] = true;
+  for (uint32_t seq = 0; seq < kTotal; ++seq) {
+    const Completion& r = sdone[seq];
+    ASSERT_TRUE(ok(r)) << seq << " " << to_string(r.status);
+    EXPECT_EQ(r.wr_id, seq) << "RECVs complete in posting order";
+    if (is_send[seq]) {
+      ASSERT_EQ(r.opcode, Opcode::recv) << seq;
+      EXPECT_EQ(r.byte_len, 8u);
+      uint32_t got = 0;
+      std::memcpy(&got, &rx.bytes[seq * 8], sizeof(got));
+      EXPECT_EQ(got, seq) << "message " << seq << " arrived out of order";
+    } else {
+      ASSERT_EQ(r.opcode, Opcode::recv_rdma_with_imm) << seq;
+      EXPECT_EQ(r.imm, seq) << "message " << seq << " arrived out of order";
+      EXPECT_EQ(r.byte_len, kB);
+    }
+    const Completion& c = cdone[seq];
+    ASSERT_TRUE(ok(c)) << seq << " " << to_string(c.status);
+    EXPECT_EQ(c.wr_id, seq) << "send completions in posting order";
+    EXPECT_EQ(c.opcode, is_send[seq] ? Opcode::send : Opcode::write_with_imm) << seq;
+  }
+  EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.conn->send_queue_free() == 128u; }));
 }
 
 // Case: the server sleeps on its CQ's fd (arm, poll again, wait for readability) while the

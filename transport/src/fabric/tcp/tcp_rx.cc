@@ -37,18 +37,21 @@ RxResult RxEngine::pump(RxHooks& hooks, unsigned max_reads) {
       }
       for (int k = 0; k < cnt; ++k) want += iov[k].iov_len;
     }
+    const int held = cnt;  // refs_[0, held) pin the payload targets during the read
     if (s_begin_ > 0) {
       std::memmove(stage_.get(), stage_.get() + s_begin_, staged());
       s_end_ -= s_begin_;
       s_begin_ = 0;
     }
+    size_t room = stage_cap_ - s_end_;
+    if (want >= kDefaultStaging) room = std::min(room, kStagingBesideLargePayload);
     iov[cnt].iov_base = stage_.get() + s_end_;
-    iov[cnt].iov_len = stage_cap_ - s_end_;
+    iov[cnt].iov_len = room;
     want += iov[cnt].iov_len;
     ++cnt;
 
     ssize_t n = hooks.read(iov, cnt);
-    for (auto& r : refs_) r.reset();
+    for (int k = 0; k < held; ++k) refs_[k].reset();
     if (n == -EAGAIN || n == -EWOULDBLOCK || n == -EINTR) return RxResult::idle;
     if (n <= 0) {
       error_ = errc(n == 0 ? ECONNRESET : static_cast<int>(-n));
@@ -75,6 +78,14 @@ RxResult RxEngine::pump(RxHooks& hooks, unsigned max_reads) {
 }
 
 RxEngine::Step RxEngine::process_staged(RxHooks& hooks, RxResult& out) {
+  Step step = run_staged(hooks, out);
+  // The header's hold never outlives this pass: a frame may now wait for the socket or for a
+  // RECV indefinitely, and a held region cannot be deregistered.
+  if (frame_ref_) frame_ref_.reset();
+  return step;
+}
+
+RxEngine::Step RxEngine::run_staged(RxHooks& hooks, RxResult& out) {
   for (;;) {
     switch (state_) {
       case State::ended:
@@ -143,8 +154,12 @@ RxEngine::Step RxEngine::on_header(RxHooks& hooks, RxResult& out) {
       if (len > 0) {
         // A zero-length write touches no memory, so (as in verbs) its rkey is not checked:
         // IBTRS heartbeats are exactly that.
+        // The check's hold is kept for the rest of this pass, so that a payload already
+        // staged behind its header is placed without acquiring the region a second time.
         MrTable::Fault fault = MrTable::Fault::none;
-        if (!mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault)) {
+        frame_ref_ =
+            mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault);
+        if (!frame_ref_) {
           out = fail(WcStatus::remote_access_error,
                      fault == MrTable::Fault::out_of_bounds ? EFAULT : EACCES);
           return Step::stop;
@@ -205,6 +220,7 @@ RxEngine::Step RxEngine::bind_recv(RxHooks& hooks, RxResult& out) {
 }
 
 void RxEngine::finish_frame(RxHooks& hooks) {
+  if (frame_ref_) frame_ref_.reset();  // the next frame's placement must not use it
   const auto type = static_cast<FrameType>(hdr_.type);
   // Count the frame before completing the RECV, so that an upper layer reacting to the
   // completion by sending already acknowledges this frame.
@@ -225,9 +241,14 @@ bool RxEngine::place_from_staging(size_t n) {
   while (left > 0) {
     const Segment& sg = segs_[seg_idx_];
     uint64_t chunk = std::min<uint64_t>(left, sg.len - seg_off_);
-    MrTable::Ref ref = mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr);
-    if (!ref) return false;
-    std::memcpy(ref.ptr(), src, chunk);
+    if (frame_ref_) {
+      // A WRITE whose header was checked in this pass: its one segment is the held window.
+      std::memcpy(frame_ref_.ptr() + seg_off_, src, chunk);
+    } else {
+      MrTable::Ref ref = mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr);
+      if (!ref) return false;
+      std::memcpy(ref.ptr(), src, chunk);
+    }
     src += chunk;
     left -= chunk;
     advance_payload(chunk);

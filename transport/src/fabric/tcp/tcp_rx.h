@@ -4,8 +4,10 @@
 //
 // Placement: a payload whose header has been parsed is read straight into its target (the
 // region of the rkey, or the SGEs of the RECV it consumes). Bytes that arrive in the same read
-// as their header land in a small staging buffer first and are copied once from there; that is
-// bounded by the staging size per read, so large transfers are received in place.
+// as their header land in a staging buffer first and are copied once from there. The buffer is
+// large enough for a whole burst of small frames per read (one readv for a batch of 4 KiB IOs);
+// beside a large payload only a small part of it is offered, so that the copy stays bounded
+// by kStagingBesideLargePayload per read and large transfers are received in place.
 // Every placement step holds an MrTable::Ref on the region it writes, and a target is checked
 // (key, bounds, access) before the first byte of its frame is placed.
 #pragma once
@@ -26,7 +28,13 @@ namespace ibtrs::fabric::tcp {
 
 inline constexpr uint32_t kMaxRecvSge = 16;
 inline constexpr uint32_t kMaxSendSge = 32;
-inline constexpr size_t kDefaultStaging = 16 * 1024;
+// 64 KiB: a batch of 4 KiB IOs (16 per read) per readv. Measured A/B at 4 KiB QD32 on loopback
+// against 16 KiB: client readv per IO 0.27 -> 0.08 (randread), server 0.28 -> 0.07
+// (randwrite); 128 and 256 KiB took only ~0.02 more per IO off.
+inline constexpr size_t kDefaultStaging = 64 * 1024;
+// Staging offered beside an in-place payload of at least kDefaultStaging bytes: enough for the
+// next frames' headers, small enough that a stream of large WRITEs is still copied only ~1.5%.
+inline constexpr size_t kStagingBesideLargePayload = 16 * 1024;
 
 // A posted RECV as the receive queue stores it.
 struct RecvEntry {
@@ -102,6 +110,7 @@ class RxEngine {
 
   // Runs the state machine over the staged bytes. `out` is set when processing must stop.
   Step process_staged(RxHooks& hooks, RxResult& out);
+  Step run_staged(RxHooks& hooks, RxResult& out);
   Step on_header(RxHooks& hooks, RxResult& out);
   Step bind_recv(RxHooks& hooks, RxResult& out);
   void finish_frame(RxHooks& hooks);
@@ -128,6 +137,9 @@ class RxEngine {
   uint64_t seg_off_ = 0;
   uint64_t remaining_ = 0;
   MrTable::Ref refs_[kMaxRecvSge];
+  // WRITE / WRITE_IMM target [remote_addr, +length) as checked by on_header; held only within
+  // one process_staged() pass (see there).
+  MrTable::Ref frame_ref_;
 
   std::atomic<uint32_t> placed_{0};
   bool ack_requested_ = false;
