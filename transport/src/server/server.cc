@@ -162,7 +162,12 @@ struct Session final : ServerSession {
   mutable std::mutex mu;  // paths lists and name
   std::vector<Path*> live;
   std::vector<std::unique_ptr<Path>> all;
-  std::atomic<int64_t> inflight{0};  // requests the upper layer holds (+ deferred ones)
+  // Requests the upper layer holds (+ deferred ones), plus kDetached once the session has no
+  // path left. One word, so the request that takes a detached session to zero and the worker
+  // that detaches a session with nothing in flight agree on who reaps it — and a live session's
+  // last request costs no hand-off to the worker.
+  static constexpr int64_t kDetached = int64_t{1} << 62;
+  std::atomic<int64_t> inflight{0};
   bool up = false;     // on_session_up called (worker)
   bool dying = false;  // no path left (worker)
 
@@ -448,7 +453,7 @@ bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
 void Session::request_done() {
   // Read before the decrement: the last one lets the worker's reap free this session.
   Impl* im = srv;
-  if (inflight.fetch_sub(1, std::memory_order_acq_rel) == 1 && im != nullptr)
+  if (inflight.fetch_sub(1, std::memory_order_acq_rel) == (kDetached | 1) && im != nullptr)
     im->worker->post([im] { im->reap(); });
 }
 
@@ -928,6 +933,9 @@ void Impl::detach_session_if_empty(Session* s) {
     }
   }
   if (owned) dying.push_back(std::move(owned));
+  // From here the request that brings the count to zero asks for the reap; if none is in
+  // flight, reap() below finds it at zero.
+  s->inflight.fetch_or(Session::kDetached, std::memory_order_acq_rel);
   reap();
 }
 
@@ -935,7 +943,7 @@ void Impl::detach_session_if_empty(Session* s) {
 void Impl::reap() {
   for (auto it = dying.begin(); it != dying.end();) {
     Session* s = it->get();
-    if (s->inflight.load(std::memory_order_acquire) != 0) {
+    if ((s->inflight.load(std::memory_order_acquire) & ~Session::kDetached) != 0) {
       ++it;
       continue;
     }
