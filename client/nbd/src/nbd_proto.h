@@ -134,7 +134,8 @@ enum ReplyType : uint16_t {
   kReplyErrorOffset = 0x8002,
 };
 
-// ---- base:allocation status flags ----
+// ---- base:allocation: this server's id for it (any non-zero id; LIST answers 0) and flags ----
+inline constexpr uint32_t kBaseAllocationId = 1;
 inline constexpr uint32_t kStateHole = 1u << 0;
 inline constexpr uint32_t kStateZero = 1u << 1;
 

@@ -39,8 +39,6 @@ static_assert(kMaxOptionLen <= kInBufSize, "an option must fit the input buffer"
 // A slot keeps its data buffer for the next request up to this size (no allocation on the hot
 // path for the usual 4 KiB..1 MiB requests); larger buffers are given back when done.
 inline constexpr size_t kKeepBuffer = 2 << 20;
-// The only metadata context: base:allocation, with this id.
-inline constexpr uint32_t kBaseAllocationId = 1;
 
 struct Conn;
 
