@@ -492,7 +492,6 @@ json ClientDaemon::nbd_export(const json& req) {
   const std::string dev = str_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
-  if (exports_.count(dev)) return err(EEXIST, "device " + dev + " is already exported (unexport it first)");
   nbd::NbdServerOptions o;
   if (req.contains("unix")) o.listen.push_back(nbd::ListenSpec::unix_socket(str_arg(req, "unix")));
   if (req.contains("tcp")) {
@@ -505,6 +504,7 @@ json ClientDaemon::nbd_export(const json& req) {
     o.listen.push_back(*l);
   }
   if (o.listen.empty()) return err(EINVAL, "nothing to listen on: unix PATH and/or tcp HOST:PORT");
+  if (exports_.count(dev)) return err(EEXIST, "device " + dev + " is already exported (unexport it first)");
   const std::string name = req.contains("name") ? str_arg(req, "name") : dev;
   if (name.size() > 4096 || name.find('\0') != std::string::npos) return err(EINVAL, "bad export name");
   o.exports.emplace_back(name, std::make_shared<nbd::DeviceExport>(d));
