@@ -331,8 +331,10 @@ TEST_F(NbdServerTest, EveryCommandSimpleReplies) {
   ASSERT_TRUE(r);
   for (size_t i = 0; i < 16384; ++i) ASSERT_EQ(r->payload[i], 0) << i;
   ASSERT_TRUE(c->request(kCmdRead, 0, 6, (1 << 20) + 16384, 4096));
-  r = c->reply(4096);
-  EXPECT_TRUE(std::equal(r->payload.begin(), r->payload.end(), d.begin() + 16384));
+  auto r2 = c->reply(4096);
+  ASSERT_TRUE(r2);
+  ASSERT_EQ(r2->payload.size(), 4096u);
+  EXPECT_TRUE(std::equal(r2->payload.begin(), r2->payload.end(), d.begin() + 16384));
   // DF without structured replies, REQ_ONE on a READ: flags not valid for the command.
   expect_error(*c, kCmdRead, kCmdFlagDf, 0, 512, kEinval);
   expect_error(*c, kCmdRead, kCmdFlagReqOne, 0, 512, kEinval);
