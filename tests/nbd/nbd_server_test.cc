@@ -49,6 +49,12 @@ class NbdServerTest : public ::testing::Test {
     EXPECT_TRUE(srv_->serve_fd(sv[0]).ok());
     return std::make_unique<Client>(sv[1]);
   }
+  // Connected, greeted, client flags sent: ready for options.
+  std::unique_ptr<Client> negotiating() {
+    auto c = connect();
+    EXPECT_GE(c->handshake(), 0);
+    return c;
+  }
   // Connected and in transmission.
   std::unique_ptr<Client> ready(bool structured, bool meta = false) {
     auto c = connect();
@@ -114,8 +120,7 @@ TEST_F(NbdServerTest, UnknownClientFlagsClose) {
 // NBD_REP_ERR_INVALID for the malformed one; the connection stays usable.
 TEST_F(NbdServerTest, ListExports) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptList, {}));
   auto rs = c->opt_replies();
   ASSERT_EQ(rs.size(), 3u);
@@ -139,8 +144,7 @@ TEST_F(NbdServerTest, ListExports) {
 // Case: ABORT. Expect: ACK, then the server closes.
 TEST_F(NbdServerTest, AbortIsAcknowledgedThenClosed) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptAbort, {}));
   auto r = c->opt_reply();
   ASSERT_TRUE(r);
@@ -153,8 +157,7 @@ TEST_F(NbdServerTest, AbortIsAcknowledgedThenClosed) {
 // flags), ACK; still in the handshake (LIST answers).
 TEST_F(NbdServerTest, InfoWithoutBlockSizeRequest) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptInfo, Client::info_data("disk", {})));
   auto rs = c->opt_replies();
   ASSERT_EQ(rs.size(), 3u);
@@ -177,8 +180,7 @@ TEST_F(NbdServerTest, InfoWithoutBlockSizeRequest) {
 // ("") export. Expect: NAME is "disk", DESCRIPTION "ram", the unknown request ignored.
 TEST_F(NbdServerTest, InfoWithRequests) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptInfo, Client::info_data("", {kInfoName, kInfoBlockSize, kInfoDescription, 99})));
   auto rs = c->opt_replies();
   ASSERT_EQ(rs.size(), 5u);
@@ -193,8 +195,7 @@ TEST_F(NbdServerTest, InfoWithRequests) {
 // NBD_REP_ERR_UNKNOWN and NBD_REP_ERR_INVALID; GO of the right name still works afterwards.
 TEST_F(NbdServerTest, InfoErrors) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptGo, Client::info_data("nope", {})));
   EXPECT_EQ(c->opt_replies().back().type, kRepErrUnknown);
   Bytes bad = Client::info_data("disk", {kInfoBlockSize});
@@ -216,8 +217,7 @@ TEST_F(NbdServerTest, BlockSizeRequiredAbove512) {
   ExportInfo i = ram_->info();
   i.min_block = 4096;
   ram_->set_info(i);
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptGo, Client::info_data("disk", {})));
   EXPECT_EQ(c->opt_replies().back().type, kRepErrBlockSizeReqd);
   ASSERT_TRUE(c->option(kOptGo, Client::info_data("disk", {kInfoBlockSize})));
@@ -248,8 +248,7 @@ TEST_F(NbdServerTest, ExportNameFallback) {
 // Case: EXPORT_NAME of an unknown export. Expect: the server closes (the option cannot fail).
 TEST_F(NbdServerTest, ExportNameUnknownCloses) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptExportName, {'x'}));
   EXPECT_TRUE(c->closed());
 }
@@ -258,8 +257,7 @@ TEST_F(NbdServerTest, ExportNameUnknownCloses) {
 // ERR_TOO_BIG (its data read past), and the handshake goes on to GO.
 TEST_F(NbdServerTest, UnsupportedAndOversizedOptions) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptStartTls, {}));
   EXPECT_EQ(c->opt_reply()->type, kRepErrUnsup);
   ASSERT_TRUE(c->option(4242, {1, 2, 3}));
@@ -278,8 +276,7 @@ TEST_F(NbdServerTest, UnsupportedAndOversizedOptions) {
 // context selects nothing.
 TEST_F(NbdServerTest, MetaContexts) {
   start();
-  auto c = connect();
-  ASSERT_GE(c->handshake(), 0);
+  auto c = negotiating();
   ASSERT_TRUE(c->option(kOptListMetaContext, Client::meta_data("disk", {})));
   EXPECT_EQ(c->opt_replies().back().type, kRepErrInvalid);
   ASSERT_TRUE(c->option(kOptStructuredReply, {}));

@@ -10,12 +10,8 @@
 set -u -o pipefail
 
 build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
-srv=$build/server/ibnbd-server
-cld=$build/client/daemon/ibnbd-client
-ibnbd=$build/client/cli/ibnbd
-for b in "$srv" "$cld" "$ibnbd"; do
-  [ -x "$b" ] || { echo "1..0 # SKIP $b not built"; exit 77; }
-done
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/ibnbd_bins.sh"
+ibnbd_bins "$build"
 for t in nbdinfo nbdcopy nbdfuse qemu-img fio jq python3 sha256sum cmp mkfs.ext4 fsck.ext4 losetup fusermount3; do
   command -v "$t" >/dev/null || { echo "1..0 # SKIP $t is missing (scripts/setup.sh installs it)"; exit 77; }
 done

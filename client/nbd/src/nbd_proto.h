@@ -10,10 +10,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/le.h"  // IBTRS_WIRE_STRUCT: the project's size / layout proof of wire structs
+
 namespace ibnbd::nbd::wire {
 
-// A big-endian wire integer: alignment 1, trivially copyable, so a struct of these has the
-// protocol's layout on every host without packing pragmas.
+// A big-endian wire integer (NBD is network byte order; IBTRS's ibtrs::Le is little-endian):
+// alignment 1, trivially copyable, so a struct of these has the protocol's layout on every host
+// without packing pragmas.
 template <typename T>
 struct Be {
   static_assert(std::is_unsigned_v<T>, "wire integers are unsigned");
@@ -35,10 +38,9 @@ using be16 = Be<uint16_t>;
 using be32 = Be<uint32_t>;
 using be64 = Be<uint64_t>;
 
-#define IBNBD_NBD_WIRE_STRUCT(T, size)                                              \
-  static_assert(sizeof(T) == (size), #T " must be " #size " bytes on the wire");   \
-  static_assert(std::is_trivially_copyable_v<T>, #T " must be trivially copyable"); \
-  static_assert(alignof(T) == 1, #T " must have no padding requirements")
+static_assert(sizeof(be16) == 2 && alignof(be16) == 1);
+static_assert(sizeof(be32) == 4 && alignof(be32) == 1);
+static_assert(sizeof(be64) == 8 && alignof(be64) == 1);
 
 // ---- magics ----
 inline constexpr uint64_t kNbdMagic = 0x4e42444d41474943ull;   // "NBDMAGIC" (INIT_PASSWD)
@@ -160,7 +162,7 @@ struct ServerGreeting {
   be64 opt_magic;  // kOptMagic
   be16 flags;      // handshake flags
 };
-IBNBD_NBD_WIRE_STRUCT(ServerGreeting, 18);
+IBTRS_WIRE_STRUCT(ServerGreeting, 18);
 
 // C: one option ("IHAVEOPT", option, length, then length bytes of data).
 struct OptionHdr {
@@ -168,7 +170,7 @@ struct OptionHdr {
   be32 option;  // Opt
   be32 length;  // of the data that follows
 };
-IBNBD_NBD_WIRE_STRUCT(OptionHdr, 16);
+IBTRS_WIRE_STRUCT(OptionHdr, 16);
 
 // S: one reply to an option (fixed newstyle), then length bytes of data.
 struct OptionReplyHdr {
@@ -177,14 +179,14 @@ struct OptionReplyHdr {
   be32 type;    // Rep
   be32 length;  // of the data that follows
 };
-IBNBD_NBD_WIRE_STRUCT(OptionReplyHdr, 20);
+IBTRS_WIRE_STRUCT(OptionReplyHdr, 20);
 
 // S: the answer to NBD_OPT_EXPORT_NAME (then 124 zero bytes unless NO_ZEROES was agreed).
 struct ExportNameReply {
   be64 size;
   be16 flags;  // transmission flags
 };
-IBNBD_NBD_WIRE_STRUCT(ExportNameReply, 10);
+IBTRS_WIRE_STRUCT(ExportNameReply, 10);
 inline constexpr size_t kExportNameZeroes = 124;
 
 // NBD_REP_INFO payloads.
@@ -193,14 +195,14 @@ struct InfoExport {
   be64 size;
   be16 flags;  // transmission flags
 };
-IBNBD_NBD_WIRE_STRUCT(InfoExport, 12);
+IBTRS_WIRE_STRUCT(InfoExport, 12);
 struct InfoBlockSize {
   be16 type;  // kInfoBlockSize
   be32 minimum;
   be32 preferred;
   be32 maximum;
 };
-IBNBD_NBD_WIRE_STRUCT(InfoBlockSize, 14);
+IBTRS_WIRE_STRUCT(InfoBlockSize, 14);
 
 // C: a transmission request (then `length` bytes of data for NBD_CMD_WRITE).
 struct Request {
@@ -211,7 +213,7 @@ struct Request {
   be64 offset;
   be32 length;
 };
-IBNBD_NBD_WIRE_STRUCT(Request, 28);
+IBTRS_WIRE_STRUCT(Request, 28);
 
 // S: a simple reply (then the data of a successful READ).
 struct SimpleReply {
@@ -219,7 +221,7 @@ struct SimpleReply {
   be32 error;  // Err or 0
   be64 handle;
 };
-IBNBD_NBD_WIRE_STRUCT(SimpleReply, 16);
+IBTRS_WIRE_STRUCT(SimpleReply, 16);
 
 // S: a structured reply chunk header (then `length` bytes of payload).
 struct ChunkHdr {
@@ -229,14 +231,14 @@ struct ChunkHdr {
   be64 handle;
   be32 length;
 };
-IBNBD_NBD_WIRE_STRUCT(ChunkHdr, 20);
+IBTRS_WIRE_STRUCT(ChunkHdr, 20);
 
 // NBD_REPLY_TYPE_OFFSET_DATA: header plus the offset, then the data.
 struct OffsetDataChunk {
   ChunkHdr hdr;
   be64 offset;
 };
-IBNBD_NBD_WIRE_STRUCT(OffsetDataChunk, 28);
+IBTRS_WIRE_STRUCT(OffsetDataChunk, 28);
 
 // NBD_REPLY_TYPE_ERROR: header, error, message length; the message follows.
 struct ErrorChunk {
@@ -244,7 +246,7 @@ struct ErrorChunk {
   be32 error;
   be16 msg_len;
 };
-IBNBD_NBD_WIRE_STRUCT(ErrorChunk, 26);
+IBTRS_WIRE_STRUCT(ErrorChunk, 26);
 
 // NBD_REPLY_TYPE_BLOCK_STATUS with one descriptor (all this server ever sends).
 struct BlockStatusChunk {
@@ -253,6 +255,6 @@ struct BlockStatusChunk {
   be32 length;  // of the extent
   be32 status;  // kStateHole / kStateZero
 };
-IBNBD_NBD_WIRE_STRUCT(BlockStatusChunk, 32);
+IBTRS_WIRE_STRUCT(BlockStatusChunk, 32);
 
 }  // namespace ibnbd::nbd::wire
