@@ -251,6 +251,10 @@ json ClientDaemon::device_map(const json& req) {
     o.transport.reconnect = opts_.reconnect;
     o.transport.connect_timeout = opts_.connect_timeout;
     o.transport.policy = opts_.policy;
+    // NBD exports go through the copy variants: one bounce slot (one transport chunk, 128 KiB
+    // by default) per request in flight, so the default of 8 would cap an NBD client's queue
+    // depth at 8. 64 covers fio / qemu / nbdcopy queue depths for 8 MiB of registered memory.
+    o.bounce_slots = 64;
     auto bs = BlockSession::open(std::move(o));
     if (!bs.ok()) return err(bs.error(), "session " + sname);
     s = &sessions_[sname];

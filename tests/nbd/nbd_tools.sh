@@ -50,10 +50,12 @@ truncate -s 64M "$work/export/a.img"
 truncate -s 8M "$work/export/ro.img"
 "$srv" --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
   --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
+srv_pid=$!
 pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 addr=$(sed -n 's/^listening //p' "$work/srv.ready" | head -1)
 "$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" >"$work/cl.log" 2>&1 &
+cld_pid=$!
 pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
 c() { "$ibnbd" --socket "$work/cl.sock" client "$@"; }
@@ -279,5 +281,21 @@ check "unmap a.img with the export up" c device unmap a.img
 if t nbdinfo "$tcp_uri" >/dev/null 2>&1; then not_ok "nothing listens after unmap" "nbdinfo connected"; else ok "nothing listens after unmap"; fi
 n=$(c -f json device exports | jq length)
 [ "$n" = 0 ] && ok "no exports left" || not_ok "no exports left" "$n"
+
+# Case: the daemons stop on SIGTERM (client first: it closes its devices on the server).
+# Expect: both exit 0, and a sanitizer build reports nothing in their logs.
+for p in "$cld_pid" "$srv_pid"; do
+  kill "$p" 2>/dev/null
+  wait "$p"
+  rc=$?
+  [ "$rc" = 0 ] && ok "daemon $p exits 0 on SIGTERM" || not_ok "daemon $p exits 0 on SIGTERM" "exit $rc"
+done
+for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+pids=()
+if grep -l "Sanitizer" "$work/srv.log" "$work/cl.log" >/dev/null 2>&1; then
+  not_ok "daemon logs are sanitizer-clean" "$(grep -h -A3 "Sanitizer" "$work/srv.log" "$work/cl.log" | head -8)"
+else
+  ok "daemon logs are sanitizer-clean"
+fi
 
 exit $failed
