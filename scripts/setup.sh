@@ -15,6 +15,10 @@ packages=(
   qemu-system-x86 busybox-static kmod cpio xz-utils zstd iproute2
   # benchmark peers and limits
   iperf3 nbdkit fio
+  # NBD clients of the client daemon's NBD export (tests/nbd/nbd_tools.sh): nbdinfo, nbdcopy,
+  # nbdfuse, nbdsh; qemu-img and qemu-nbd; the kernel's nbd-client (VM tests); the ext4 and
+  # loop tools of the nbdfuse + losetup case
+  libnbd-bin qemu-utils nbd-client e2fsprogs mount jq
 )
 
 missing=()

@@ -34,6 +34,9 @@ const char kUsage[] =
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
     "  device io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]\n"
     "         writes a pattern and reads it back through the mapped device (progress on stderr)\n"
+    "  device export <device> [unix PATH] [tcp [HOST:]PORT] [name NAME] [remote]\n"
+    "         serves the mapped device over NBD (tcp: loopback only unless 'remote'; port 0 picks\n"
+    "         one) | unexport <device> | exports\n"
     "  session list | show <session> | reconnect <session> | disconnect <session>\n"
     "  path list [<session>] | add <session> <path> | delete <session> <path>\n"
     "       | reconnect <session> <path> | disconnect <session> <path>\n"
@@ -325,6 +328,19 @@ int run_client(const Cli& c) {
       if (!n || (k != "size" && k != "offset" && k != "bs" && k != "qd")) fail(22, "io: bad '" + k + " " + v + "'");
       req[k] = *n;
     }
+  } else if (c.object == "device" && cmd == "export") {
+    // export <device> [unix PATH] [tcp [HOST:]PORT] [name NAME] [remote]
+    req = json{{"cmd", "nbd_export"}, {"device", c.arg(0, "<device>")}};
+    for (size_t i = 1; i < c.args.size(); ++i) {
+      const std::string& k = c.args[i];
+      if (k == "remote") req["remote"] = true;
+      else if (k == "unix" || k == "tcp" || k == "name") req[k] = c.arg(++i, "a value");
+      else fail(22, "export: unknown word '" + k + "'");
+    }
+  } else if (c.object == "device" && cmd == "unexport") {
+    req = json{{"cmd", "nbd_unexport"}, {"device", c.arg(0, "<device>")}};
+  } else if (c.object == "device" && cmd == "exports") {
+    req = json{{"cmd", "nbd_list"}};
   } else if (c.object == "device" && cmd != "list") {
     req["device"] = c.arg(0, "<device>");
     if (cmd == "unmap" && c.args.size() > 1) req["force"] = c.args[1] == "force";

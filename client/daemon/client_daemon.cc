@@ -6,8 +6,11 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <vector>
+
+#include "ibnbd/nbd_device_export.h"
 
 namespace ibnbd {
 
@@ -166,6 +169,7 @@ json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
 
 ClientDaemon::~ClientDaemon() {
   std::lock_guard l(mu_);
+  exports_.clear();  // each NBD server stops first: its requests end before the unmaps
   for (auto& [n, s] : sessions_) {
     for (auto& d : s.s->devices()) (void)s.s->unmap(d->name(), UnmapMode::force);
     s.io_buf.reset();
@@ -188,6 +192,9 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
     if (cmd == "session_disconnect" || cmd == "session_close") return session_close(req);
     if (cmd == "session_policy") return policy_set(req);
     if (cmd == "path_list") return path_list(req);
+    if (cmd == "nbd_export") return nbd_export(req);
+    if (cmd == "nbd_unexport") return nbd_unexport(req);
+    if (cmd == "nbd_list") return nbd_list(req);
     if (cmd == "path_add" || cmd == "path_delete" || cmd == "path_disconnect" || cmd == "path_reconnect")
       return path_op(req, cmd.substr(5));
     if (cmd == "session_reconnect") {
@@ -244,6 +251,10 @@ json ClientDaemon::device_map(const json& req) {
     o.transport.reconnect = opts_.reconnect;
     o.transport.connect_timeout = opts_.connect_timeout;
     o.transport.policy = opts_.policy;
+    // NBD exports go through the copy variants: one bounce slot (one transport chunk, 128 KiB
+    // by default) per request in flight, so the default of 8 would cap an NBD client's queue
+    // depth at 8. 64 covers fio / qemu / nbdcopy queue depths for 8 MiB of registered memory.
+    o.bounce_slots = 64;
     auto bs = BlockSession::open(std::move(o));
     if (!bs.ok()) return err(bs.error(), "session " + sname);
     s = &sessions_[sname];
@@ -275,7 +286,7 @@ json ClientDaemon::device_list(const json& req, bool one) {
       rows.push_back(json::array({d->name(), n, std::string(to_string(d->access_mode())),
                                   bytes(d->size_bytes()), std::string(to_string(d->state())),
                                   d->device_id(), bytes(st.read_bytes), bytes(st.write_bytes),
-                                  st.inflight, st.errors, st.remaps}));
+                                  st.inflight, st.errors, st.remaps, export_addresses(d->name())}));
     }
   }
   if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
@@ -283,7 +294,7 @@ json ClientDaemon::device_list(const json& req, bool one) {
           {"columns", json::array({col("device"), col("session"), col("access_mode"), col("size", true),
                                    col("state"), col("device_id", true), col("rx_bytes", true),
                                    col("tx_bytes", true), col("inflights", true), col("errors", true),
-                                   col("remaps", true)})},
+                                   col("remaps", true), col("nbd")})},
           {"rows", rows}};
 }
 
@@ -292,6 +303,7 @@ json ClientDaemon::device_unmap(const json& req) {
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   d.reset();
+  stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
   const bool force = req.value("force", false);
   auto st = s->s->unmap(dev, force ? UnmapMode::force : UnmapMode::normal);
   if (!st.ok() && st.error() == std::errc::device_or_resource_busy)
@@ -402,7 +414,10 @@ json ClientDaemon::session_close(const json& req) {
   const std::string n = str_arg(req, "session");
   Sess* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
-  for (auto& d : s->s->devices()) (void)s->s->unmap(d->name(), UnmapMode::force);
+  for (auto& d : s->s->devices()) {
+    stop_export(d->name());
+    (void)s->s->unmap(d->name(), UnmapMode::force);
+  }
   s->io_buf.reset();
   sessions_.erase(n);
   return {{"ok", true}};
@@ -456,6 +471,94 @@ json ClientDaemon::path_op(const json& req, const std::string& op) {
     else st = t.reconnect_path(name);
   }
   return st.ok() ? json{{"ok", true}} : err(st.error(), op + " path " + path);
+}
+
+bool ClientDaemon::stop_export(const std::string& dev) {
+  auto it = exports_.find(dev);
+  if (it == exports_.end()) return false;
+  it->second.server->stop();
+  exports_.erase(it);
+  return true;
+}
+
+std::string ClientDaemon::export_addresses(const std::string& dev) const {
+  auto it = exports_.find(dev);
+  if (it == exports_.end()) return "";
+  std::string out;
+  for (auto& l : it->second.server->listening()) out += (out.empty() ? "" : " ") + l.to_string();
+  return out;
+}
+
+// nbd_export {device, unix?: PATH, tcp?: "HOST:PORT", name?, remote?}: serves a mapped device
+// over NBD. TCP must be a loopback address unless `remote` is true: an NBD export has no
+// authentication, so reaching it from the network is the admin's explicit choice.
+json ClientDaemon::nbd_export(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  auto [s, d] = find_device(dev);
+  if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
+  nbd::NbdServerOptions o;
+  if (req.contains("unix")) o.listen.push_back(nbd::ListenSpec::unix_socket(str_arg(req, "unix")));
+  if (req.contains("tcp")) {
+    const std::string a = str_arg(req, "tcp");
+    auto l = nbd::ListenSpec::parse_tcp(a.empty() ? "127.0.0.1:0" : a);
+    if (!l.ok()) return err(EINVAL, "tcp '" + a + "': HOST:PORT with a numeric address");
+    if (!l->is_local() && !req.value("remote", false))
+      return err(EPERM, "tcp " + l->to_string() + " is not a loopback address; NBD has no " +
+                            "authentication: pass remote to listen there anyway");
+    o.listen.push_back(*l);
+  }
+  if (o.listen.empty()) return err(EINVAL, "nothing to listen on: unix PATH and/or tcp HOST:PORT");
+  if (exports_.count(dev)) return err(EEXIST, "device " + dev + " is already exported (unexport it first)");
+  const std::string name = req.contains("name") ? str_arg(req, "name") : dev;
+  if (name.size() > 4096 || name.find('\0') != std::string::npos) return err(EINVAL, "bad export name");
+  o.exports.emplace_back(name, std::make_shared<nbd::DeviceExport>(d));
+  o.log = [dev](const std::string& m) { std::fprintf(stderr, "ibnbd-client: %s: %s\n", dev.c_str(), m.c_str()); };
+  auto srv = nbd::NbdServer::start(std::move(o));
+  if (!srv.ok()) return err(srv.error(), "nbd export of " + dev);
+  exports_[dev] = NbdExport{name, std::move(*srv)};
+  json rsp = nbd_list(json{{"device", dev}});
+  for (auto& l : exports_[dev].server->listening()) {
+    if (l.kind == nbd::ListenSpec::Kind::unix_socket) rsp["unix"] = l.path;
+    else {
+      rsp["tcp"] = l.to_string().substr(4);
+      rsp["port"] = l.port;
+    }
+  }
+  return rsp;
+}
+
+json ClientDaemon::nbd_unexport(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  if (!stop_export(dev)) return err(ENOENT, "device " + dev + " is not exported");
+  return {{"ok", true}};
+}
+
+// One row per export, with the NBD URIs a client would use (nbdinfo, qemu-img, fio uri=).
+json ClientDaemon::nbd_list(const json& req) {
+  const std::string only = req.contains("device") ? str_arg(req, "device") : "";
+  json rows = json::array();
+  for (auto& [dev, e] : exports_) {
+    if (!only.empty() && dev != only) continue;
+    std::string unix_path, tcp, uris;
+    for (auto& l : e.server->listening()) {
+      if (l.kind == nbd::ListenSpec::Kind::unix_socket) {
+        unix_path = l.path;
+        uris += (uris.empty() ? "" : " ") + ("nbd+unix:///" + e.name + "?socket=" + l.path);
+      } else {
+        tcp = l.to_string().substr(4);
+        uris += (uris.empty() ? "" : " ") + ("nbd://" + tcp + "/" + e.name);
+      }
+    }
+    const auto st = e.server->stats();
+    rows.push_back(json::array({dev, e.name, unix_path, tcp, st.connections, st.requests, st.errors,
+                                bytes(st.read_bytes), bytes(st.write_bytes), uris}));
+  }
+  if (!only.empty() && rows.empty()) return err(ENOENT, "device " + only + " is not exported");
+  return {{"ok", true},
+          {"columns", json::array({col("device"), col("name"), col("unix"), col("tcp"),
+                                   col("connections", true), col("requests", true), col("errors", true),
+                                   col("read_bytes", true), col("write_bytes", true), col("uris")})},
+          {"rows", rows}};
 }
 
 }  // namespace ibnbd

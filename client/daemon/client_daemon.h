@@ -16,6 +16,7 @@
 
 #include "control_socket.h"
 #include "ibnbd/client.h"
+#include "ibnbd/nbd_server.h"
 
 namespace ibnbd {
 
@@ -52,6 +53,12 @@ class ClientDaemon {
   json path_list(const json& req);
   json path_op(const json& req, const std::string& op);
   json policy_set(const json& req);
+  json nbd_export(const json& req);
+  json nbd_unexport(const json& req);
+  json nbd_list(const json& req);
+  // Stops the NBD export of a device (waits for its requests in flight); false if none.
+  bool stop_export(const std::string& dev);
+  std::string export_addresses(const std::string& dev) const;
 
   // The session and device of a mapped device name. ENOENT as an answer when unknown.
   std::pair<Sess*, std::shared_ptr<RemoteDevice>> find_device(const std::string& name);
@@ -60,6 +67,12 @@ class ClientDaemon {
   ClientDaemonOptions opts_;
   std::mutex mu_;  // serializes commands
   std::map<std::string, Sess, std::less<>> sessions_;
+  // NBD exports by device name (nbd_export): one NBD server each, with its own listeners.
+  struct NbdExport {
+    std::string name;  // the NBD export name
+    std::unique_ptr<nbd::NbdServer> server;
+  };
+  std::map<std::string, NbdExport, std::less<>> exports_;
 };
 
 }  // namespace ibnbd

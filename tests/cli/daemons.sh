@@ -9,12 +9,8 @@ set -u -o pipefail
 fabric=${IBTRS_CLI_FABRIC:-tcp}
 
 build=${1:?usage: $0 BUILD_DIR}
-srv=$build/server/ibnbd-server
-cld=$build/client/daemon/ibnbd-client
-ibnbd=$build/client/cli/ibnbd
-for b in "$srv" "$cld" "$ibnbd"; do
-  [ -x "$b" ] || { echo "1..0 # SKIP $b not built"; exit 77; }
-done
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/ibnbd_bins.sh"
+ibnbd_bins "$build"
 command -v jq >/dev/null || { echo "1..0 # SKIP no jq"; exit 77; }
 if [ "$fabric" = rdma ]; then
   [ -n "${IBTRS_RDMA_ADDR_A:-}" ] && [ -n "${IBTRS_RDMA_ADDR_B:-}" ] ||

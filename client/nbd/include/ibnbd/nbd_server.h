@@ -1,0 +1,155 @@
+// libibnbd-nbd: an NBD server (NetworkBlockDevice/nbd doc/proto.md) over an abstract export, so
+// that any NBD client -- nbdinfo, nbdcopy, nbdfuse, qemu, fio's nbd engine, the kernel's nbd
+// client -- can use a volume mapped by the IBNBD client library. The client daemon exports a
+// RemoteDevice through DeviceExport (ibnbd/nbd_device_export.h); unit tests use a RAM export.
+//
+// Protocol subset (client/README.md, "NBD export", says the same for humans)
+//   Handshake: fixed newstyle only (oldstyle is gone since nbd 3.10), NO_ZEROES; options GO,
+//   INFO (NBD_INFO_EXPORT always, NBD_INFO_BLOCK_SIZE always, NBD_INFO_NAME on request),
+//   EXPORT_NAME, LIST, ABORT, STRUCTURED_REPLY, LIST_META_CONTEXT / SET_META_CONTEXT
+//   (base:allocation); every other option gets NBD_REP_ERR_UNSUP (STARTTLS too: NOTLS mode).
+//   Transmission: READ, WRITE, DISC, FLUSH, TRIM, CACHE, WRITE_ZEROES, BLOCK_STATUS; flags FUA,
+//   NO_HOLE, DF, REQ_ONE, FAST_ZERO. Many requests are in flight per connection and replies go
+//   out in completion order. Structured replies when negotiated, simple replies otherwise.
+//
+// Threading
+//   - One event-loop thread per NbdServer does all socket IO and protocol work.
+//   - Export functions are called on that thread. Their completions may run on any thread,
+//     even inside the submitting call; the server hands them back to its loop (a locked list
+//     and an eventfd), so an Export needs no knowledge of the loop.
+//   - start, serve_fd, listening, stats and stop: any thread but an Export completion.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ibtrs/result.h"
+
+namespace ibnbd::nbd {
+
+using ibtrs::Result;
+using ibtrs::Status;
+
+// Completion of an export request: err is 0 or a positive errno.
+using DoneFn = void (*)(void* ctx, int err);
+struct Done {
+  DoneFn fn = nullptr;
+  void* ctx = nullptr;
+};
+
+// What a client is told about an export (NBD_INFO_EXPORT, NBD_INFO_BLOCK_SIZE), read once per
+// connection when it chooses the export.
+struct ExportInfo {
+  uint64_t size = 0;              // bytes, a multiple of min_block
+  uint32_t min_block = 512;       // power of two, 1..64 KiB: requests must be aligned to it
+  uint32_t preferred_block = 4096;// power of two >= min_block
+  uint32_t max_payload = 32u << 20;  // largest READ / WRITE, a multiple of min_block
+  bool read_only = false;
+  bool can_trim = false;          // trim() does something
+  bool can_write_zeroes = false;  // write_zeroes() is supported
+  // write_zeroes() is faster than writing zeroes (NBD_CMD_FLAG_FAST_ZERO is served; without it
+  // such requests fail at once with ENOTSUP, as the spec asks, and the client falls back).
+  bool fast_zero = false;
+  // Only when FLUSH on one connection makes the writes of every connection stable: the spec
+  // ("NBD_FLAG_CAN_MULTI_CONN") asks that flush and FUA effects be visible across connections.
+  bool multi_conn = false;
+  std::string description;        // NBD_INFO_DESCRIPTION when non-empty
+};
+
+// The device behind an export. Submit functions return an errno without running `done`, or
+// 0 and `done` runs exactly once later (on any thread, possibly inside the call). Offsets and
+// lengths are already checked against ExportInfo (aligned, inside the device, length > 0) and
+// buffers stay valid until `done`. Called on the server's loop thread only.
+class Export {
+ public:
+  virtual ~Export() = default;
+  virtual ExportInfo info() const = 0;
+  virtual Status read(uint64_t offset, std::span<std::byte> out, Done done) = 0;
+  // fua: the data is stable when `done` runs (NBD_CMD_FLAG_FUA).
+  virtual Status write(uint64_t offset, std::span<const std::byte> data, bool fua, Done done) = 0;
+  // Makes every write completed before it stable.
+  virtual Status flush(Done done) = 0;
+  virtual Status trim(uint64_t offset, uint64_t len, Done done) = 0;
+  // no_hole: the range must stay allocated (NBD_CMD_FLAG_NO_HOLE).
+  virtual Status write_zeroes(uint64_t offset, uint64_t len, bool no_hole, Done done) = 0;
+};
+
+// Where a server listens: a unix stream socket path, or a numeric TCP address.
+struct ListenSpec {
+  enum class Kind : uint8_t { unix_socket, tcp };
+  Kind kind = Kind::tcp;
+  std::string path;  // unix_socket
+  std::string host;  // tcp: numeric IPv4 or IPv6 (no brackets)
+  uint16_t port = 0; // tcp: 0 picks a free port (listening() tells which)
+
+  static ListenSpec unix_socket(std::string path);
+  // "HOST:PORT", "[V6]:PORT", ":PORT" or "PORT" (host 127.0.0.1), "localhost:PORT". EINVAL.
+  static Result<ListenSpec> parse_tcp(std::string_view s);
+  // A tcp address inside 127.0.0.0/8 or ::1; unix sockets count as local too.
+  bool is_local() const;
+  std::string to_string() const;  // "unix:PATH" or "tcp:HOST:PORT" ("[V6]:PORT")
+};
+
+struct NbdServerOptions {
+  // Exports by name; the first also answers to the empty ("default") name, which most clients
+  // send unless told otherwise (nbd-client, qemu nbd:unix:..., nbd+unix:///?socket=).
+  std::vector<std::pair<std::string, std::shared_ptr<Export>>> exports;
+  std::vector<ListenSpec> listen;  // may be empty: serve_fd() only
+  uint32_t max_connections = 64;   // more are accepted and closed at once
+  uint32_t max_requests = 128;     // per connection in flight (more wait in the socket)
+  uint64_t max_inflight_bytes = 64u << 20;  // per connection, data of requests in flight
+  // A connection that has not reached transmission by then is closed (a stuck or hostile
+  // client must not hold a connection slot forever).
+  std::chrono::milliseconds handshake_timeout{10000};
+  // Diagnostics (connection refused, protocol errors), on the loop thread. Optional.
+  std::function<void(const std::string&)> log;
+};
+
+struct NbdServerStats {
+  uint64_t accepted = 0;         // connections taken (listeners and serve_fd)
+  uint64_t refused = 0;          // over max_connections
+  uint32_t connections = 0;      // open now
+  uint64_t requests = 0;         // transmission requests answered
+  uint64_t errors = 0;           // of those, answered with an error
+  uint64_t protocol_errors = 0;  // connections dropped for breaking the protocol
+  uint64_t read_bytes = 0;       // READ data sent
+  uint64_t write_bytes = 0;      // WRITE data received and written
+};
+
+class NbdServer {
+ public:
+  // Binds every listener (a unix path holding a stale socket is replaced; anything else there is
+  // EEXIST) and starts the loop. Errors: EINVAL (no export, an export name longer than 4096
+  // bytes, bad options), what socket/bind/listen return.
+  static Result<std::unique_ptr<NbdServer>> start(NbdServerOptions options);
+  // stop().
+  ~NbdServer();
+  NbdServer(const NbdServer&) = delete;
+  NbdServer& operator=(const NbdServer&) = delete;
+
+  // Serves an already connected stream socket (takes ownership). ESHUTDOWN after stop().
+  Status serve_fd(int fd);
+  // Closes the listeners (and removes unix socket files), drops every connection, waits for
+  // the export requests in flight to complete, joins the loop. Idempotent.
+  void stop();
+
+  // The listeners as bound (tcp port 0 replaced by the real port).
+  const std::vector<ListenSpec>& listening() const;
+  NbdServerStats stats() const;
+
+  struct Impl;
+
+ private:
+  explicit NbdServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ibnbd::nbd

@@ -1,0 +1,558 @@
+// The NBD server's event loop: listeners, connections, socket IO, and the handoff of export
+// completions from whatever thread they run on back to the loop.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "server_impl.h"
+
+namespace ibnbd::nbd {
+
+namespace {
+
+using ibtrs::errc;
+
+// epoll user data: connection ids count up from 1; listeners have the top bit; 0 is the eventfd.
+constexpr uint64_t kListenerTag = 1ull << 63;
+
+Result<int> listen_unix(const std::string& path) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(sa.sun_path)) return errc(ENAMETOOLONG);
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) return errc(EEXIST);
+    // A socket file: replace it only when nobody answers there (left by a dead process).
+    const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (probe < 0) return errc(errno);
+    const bool live = ::connect(probe, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+    ::close(probe);
+    if (live) return errc(EADDRINUSE);
+    ::unlink(path.c_str());
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errc(errno);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || ::listen(fd, 128) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return errc(e);
+  }
+  return fd;
+}
+
+Result<int> listen_tcp(ListenSpec& l) {
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  const bool v6 = l.host.find(':') != std::string::npos;
+  if (v6) {
+    auto* s6 = reinterpret_cast<sockaddr_in6*>(&ss);
+    s6->sin6_family = AF_INET6;
+    s6->sin6_port = htons(l.port);
+    if (inet_pton(AF_INET6, l.host.c_str(), &s6->sin6_addr) != 1) return errc(EINVAL);
+    len = sizeof(*s6);
+  } else {
+    auto* s4 = reinterpret_cast<sockaddr_in*>(&ss);
+    s4->sin_family = AF_INET;
+    s4->sin_port = htons(l.port);
+    if (inet_pton(AF_INET, l.host.c_str(), &s4->sin_addr) != 1) return errc(EINVAL);
+    len = sizeof(*s4);
+  }
+  const int fd = ::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errc(errno);
+  const int one = 1;
+  (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (v6) (void)::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd, 128) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return errc(e);
+  }
+  len = sizeof(ss);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0)
+    l.port = ntohs(v6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                      : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  return fd;
+}
+
+std::string peer_name(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (ss.ss_family == AF_INET) {
+    auto* s = reinterpret_cast<sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &s->sin_addr, host, sizeof(host));
+    return std::string(host) + ":" + std::to_string(ntohs(s->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    auto* s = reinterpret_cast<sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &s->sin6_addr, host, sizeof(host));
+    return "[" + std::string(host) + "]:" + std::to_string(ntohs(s->sin6_port));
+  }
+  return "unix";
+}
+
+bool valid_info(const ExportInfo& i) {
+  auto pow2 = [](uint32_t v) { return v != 0 && (v & (v - 1)) == 0; };
+  return pow2(i.min_block) && i.min_block <= (64u << 10) && pow2(i.preferred_block) &&
+         i.preferred_block >= i.min_block && i.max_payload >= i.min_block &&
+         i.max_payload % i.min_block == 0 && i.size % i.min_block == 0;
+}
+
+}  // namespace
+
+uint32_t to_nbd_error(int err) {
+  switch (err) {
+    case 0: return 0;
+    case EPERM: case EROFS: case EACCES: return wire::kEperm;
+    case ENOMEM: return wire::kEnomem;
+    case EINVAL: return wire::kEinval;
+    case ENOSPC: case EDQUOT: case EFBIG: return wire::kEnospc;  // spec: "SHOULD map"
+    case EOVERFLOW: return wire::kEoverflow;
+    case EOPNOTSUPP: return wire::kEnotsup;
+    case ESHUTDOWN: return wire::kEshutdown;
+    default: return wire::kEio;  // ENOTCONN, ETIMEDOUT, ENODEV, ...: the device failed the IO
+  }
+}
+
+// ---- NbdServer ----
+
+Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
+  if (options.exports.empty() || options.max_requests == 0 || options.max_connections == 0)
+    return errc(EINVAL);
+  for (auto& [name, e] : options.exports) {
+    if (!e || name.size() > kMaxString || !valid_info(e->info())) return errc(EINVAL);
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->opts = std::move(options);
+  impl->epfd = ::epoll_create1(EPOLL_CLOEXEC);
+  impl->evfd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (impl->epfd < 0 || impl->evfd < 0) return errc(errno);
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = 0;
+  if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, impl->evfd, &ev) != 0) return errc(errno);
+  for (ListenSpec l : impl->opts.listen) {
+    auto fd = l.kind == ListenSpec::Kind::unix_socket ? listen_unix(l.path) : listen_tcp(l);
+    if (!fd.ok()) return fd.error();  // ~Impl closes and unlinks what was bound
+    impl->listen_fds.push_back(*fd);
+    impl->bound.push_back(l);
+    ev.events = EPOLLIN;
+    ev.data.u64 = kListenerTag | (impl->listen_fds.size() - 1);
+    if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, *fd, &ev) != 0) return errc(errno);
+  }
+  Impl* p = impl.get();
+  impl->thread = std::thread([p] { p->run(); });
+  return std::unique_ptr<NbdServer>(new NbdServer(std::move(impl)));
+}
+
+NbdServer::NbdServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NbdServer::~NbdServer() { stop(); }
+
+Status NbdServer::serve_fd(int fd) {
+  {
+    std::lock_guard l(impl_->done_mu);
+    if (!impl_->stopping.load()) {
+      impl_->adopt.push_back(fd);
+      fd = -1;
+    }
+  }
+  if (fd >= 0) {
+    ::close(fd);
+    return errc(ESHUTDOWN);
+  }
+  impl_->wake();
+  return {};
+}
+
+void NbdServer::stop() {
+  std::lock_guard l(impl_->stop_mu);
+  if (impl_->stopped) return;
+  impl_->stopped = true;
+  {
+    std::lock_guard d(impl_->done_mu);
+    impl_->stopping.store(true);
+  }
+  impl_->wake();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+const std::vector<ListenSpec>& NbdServer::listening() const { return impl_->bound; }
+
+NbdServerStats NbdServer::stats() const {
+  const auto& c = impl_->stats;
+  NbdServerStats s;
+  s.accepted = c.accepted.load();
+  s.refused = c.refused.load();
+  s.connections = c.connections.load();
+  s.requests = c.requests.load();
+  s.errors = c.errors.load();
+  s.protocol_errors = c.protocol_errors.load();
+  s.read_bytes = c.read_bytes.load();
+  s.write_bytes = c.write_bytes.load();
+  return s;
+}
+
+// ---- Impl ----
+
+NbdServer::Impl::~Impl() {
+  for (size_t i = 0; i < listen_fds.size(); ++i) {
+    if (listen_fds[i] < 0) continue;
+    ::close(listen_fds[i]);
+    if (bound[i].kind == ListenSpec::Kind::unix_socket) ::unlink(bound[i].path.c_str());
+  }
+  for (int fd : adopt) ::close(fd);
+  if (evfd >= 0) ::close(evfd);
+  if (epfd >= 0) ::close(epfd);
+}
+
+void NbdServer::Impl::log(const std::string& m) const {
+  if (opts.log) opts.log(m);
+}
+
+void NbdServer::Impl::wake() {
+  const uint64_t one = 1;
+  ssize_t n = ::write(evfd, &one, sizeof(one));
+  (void)n;  // EAGAIN: the counter is already non-zero, the loop will wake anyway
+}
+
+// Runs on any thread, possibly inside the export call that submitted the slot.
+void NbdServer::Impl::on_done(void* ctx, int err) {
+  auto* s = static_cast<Slot*>(ctx);
+  Impl* self = s->conn->srv;
+  s->err = err;
+  bool signal = false;
+  {
+    std::lock_guard l(self->done_mu);
+    s->done_next = nullptr;
+    if (self->done_tail) self->done_tail->done_next = s;
+    else self->done_head = s;
+    self->done_tail = s;
+    if (!self->signalled) signal = self->signalled = true;
+  }
+  if (signal) self->wake();
+}
+
+void NbdServer::Impl::run() {
+  epoll_event evs[64];
+  bool stop_done = false;
+  std::vector<uint64_t> ids;
+  for (;;) {
+    if (stop_done && conns.empty()) break;
+    const int n = ::epoll_wait(epfd, evs, 64, conns.empty() ? -1 : 500);
+    if (n < 0 && errno != EINTR) break;
+    for (int i = 0; i < std::max(n, 0); ++i) {
+      const uint64_t tag = evs[i].data.u64;
+      if (tag == 0) {
+        uint64_t v;
+        ssize_t r = ::read(evfd, &v, sizeof(v));
+        (void)r;
+        std::vector<int> fds;
+        {
+          std::lock_guard l(done_mu);
+          fds.swap(adopt);
+        }
+        for (int fd : fds) add_conn(fd, peer_name(fd));
+        drain_completions();
+      } else if (tag & kListenerTag) {
+        const int lfd = listen_fds[tag & ~kListenerTag];
+        for (;;) {
+          const int fd = ::accept4(lfd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+          if (fd < 0) break;  // EAGAIN, or a transient error (EMFILE, ECONNABORTED)
+          add_conn(fd, peer_name(fd));
+        }
+      } else if (auto it = conns.find(tag); it != conns.end()) {
+        on_event(*it->second, evs[i].events);
+      }
+    }
+    if (stopping.load() && !stop_done) {
+      // Stop: no new connections; every connection stops reading and is freed once its
+      // requests in flight are done (spec "Terminating the transmission phase": a server
+      // shutting down SHOULD wait for inflight requests first).
+      stop_done = true;
+      for (size_t i = 0; i < listen_fds.size(); ++i) {
+        ::epoll_ctl(epfd, EPOLL_CTL_DEL, listen_fds[i], nullptr);
+        ::close(listen_fds[i]);
+        listen_fds[i] = -1;
+        if (bound[i].kind == ListenSpec::Kind::unix_socket) ::unlink(bound[i].path.c_str());
+      }
+      ids.clear();
+      for (auto& [id, c] : conns) ids.push_back(id);
+      for (uint64_t id : ids) {
+        Conn& c = *conns[id];
+        c.rx_closed = true;
+        ::shutdown(c.fd, SHUT_RD);
+        if (c.rx_slot) {  // a WRITE whose payload will never arrive
+          release(c, *c.rx_slot);
+          c.rx_slot = nullptr;
+        }
+        update(c);
+      }
+    }
+    // Handshake deadlines.
+    const auto now = Clock::now();
+    ids.clear();
+    for (auto& [id, c] : conns)
+      if (c->phase != Conn::Phase::transmission && !c->rx_closed && now >= c->deadline) ids.push_back(id);
+    for (uint64_t id : ids) {
+      Conn& c = *conns[id];
+      fail(c, "handshake timeout", false);
+      update(c);
+    }
+  }
+}
+
+void NbdServer::Impl::add_conn(int fd, std::string peer) {
+  if (stopping.load() || conns.size() >= opts.max_connections) {
+    stats.refused.fetch_add(1, std::memory_order_relaxed);
+    log("nbd: refusing a connection from " + peer + (stopping.load() ? " (stopping)" : " (too many connections)"));
+    ::close(fd);
+    return;
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+  const int one = 1;
+  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // fails on unix: fine
+  auto c = std::make_unique<Conn>();
+  c->srv = this;
+  c->id = next_id++;
+  c->fd = fd;
+  c->peer = std::move(peer);
+  c->in.resize(kInBufSize);
+  c->deadline = Clock::now() + opts.handshake_timeout;
+  Conn& ref = *c;
+  conns.emplace(c->id, std::move(c));
+  stats.accepted.fetch_add(1, std::memory_order_relaxed);
+  stats.connections.fetch_add(1, std::memory_order_relaxed);
+  epoll_event ev{};
+  ev.events = 0;
+  ev.data.u64 = ref.id;
+  if (::epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    fail(ref, std::string("epoll: ") + std::strerror(errno), false);
+  } else {
+    ref.registered = true;
+    greet(ref);
+    flush_out(ref);
+  }
+  update(ref);
+}
+
+void NbdServer::Impl::on_event(Conn& c, uint32_t ev) {
+  if (ev & EPOLLIN) on_readable(c);
+  if ((ev & EPOLLOUT) && !c.tx_dead) flush_out(c);
+  if ((ev & (EPOLLERR | EPOLLHUP)) && !c.tx_dead) {
+    // The peer is gone both ways: nothing more can be read or sent.
+    c.rx_closed = c.tx_dead = true;
+    if (c.rx_slot) {
+      release(c, *c.rx_slot);
+      c.rx_slot = nullptr;
+    }
+  }
+  pump(c);
+  update(c);
+}
+
+// Parses what is buffered, and sends what that produced, until neither makes progress (a reply
+// sent frees a slot, which lets a waiting request header be parsed).
+void NbdServer::Impl::pump(Conn& c) {
+  for (int round = 0; round < 16; ++round) {
+    c.resumed = false;
+    parse(c);
+    flush_out(c);
+    if (!c.resumed) break;
+  }
+}
+
+void NbdServer::Impl::parse(Conn& c) {
+  while (!c.rx_closed) {
+    if (c.phase == Conn::Phase::transmission) {
+      if (c.rx_slot) {
+        receive_payload(c);
+        if (c.rx_slot) return;
+        continue;
+      }
+      if (!parse_request(c)) return;
+    } else if (!parse_handshake(c)) {
+      return;
+    }
+  }
+}
+
+void NbdServer::Impl::on_readable(Conn& c) {
+  // A bounded number of reads per wakeup keeps one busy client from starving the others.
+  for (int round = 0; round < 16 && !c.rx_closed; ++round) {
+    parse(c);
+    flush_out(c);
+    if (c.rx_closed || c.paused) return;
+    ssize_t n;
+    if (c.rx_slot && c.in_beg == c.in_end) {
+      // A WRITE payload goes straight into its slot, without the input buffer.
+      std::byte* dst = c.rx_slot->buf.data() + c.rx_got;
+      n = ::recv(c.fd, dst, c.rx_slot->length - c.rx_got, 0);
+      if (n > 0) {
+        c.rx_got += static_cast<size_t>(n);
+        continue;
+      }
+    } else {
+      if (c.in_beg == c.in_end) c.in_beg = c.in_end = 0;
+      if (c.in_end == c.in.size() && c.in_beg > 0) {  // compact: the partial message to the front
+        std::memmove(c.in.data(), c.in.data() + c.in_beg, c.in_end - c.in_beg);
+        c.in_end -= c.in_beg;
+        c.in_beg = 0;
+      }
+      if (c.in_end == c.in.size()) return;  // cannot happen: one message fits the buffer
+      n = ::recv(c.fd, c.in.data() + c.in_end, c.in.size() - c.in_end, 0);
+      if (n > 0) {
+        c.in_end += static_cast<size_t>(n);
+        continue;
+      }
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+    // EOF or a socket error: the client went away (a hard disconnect, or after NBD_CMD_DISC).
+    // Requests in flight still complete; their replies go out if the socket still takes them.
+    if (c.phase != Conn::Phase::transmission || c.rx_slot || c.in_beg != c.in_end) {
+      if (c.phase != Conn::Phase::transmission)
+        log("nbd: " + c.peer + " left during the handshake");
+      else if (c.rx_slot || c.in_beg != c.in_end)
+        log("nbd: " + c.peer + " closed in the middle of a request");
+    }
+    c.rx_closed = true;
+    if (n < 0) c.tx_dead = true;
+    if (c.rx_slot) {
+      release(c, *c.rx_slot);
+      c.rx_slot = nullptr;
+    }
+    return;
+  }
+}
+
+void NbdServer::Impl::flush_out(Conn& c) {
+  while (!c.tx_dead) {
+    iovec iov[64];
+    int n = 0;
+    size_t hs_left = c.hs_out.size() - c.hs_sent;
+    if (hs_left > 0) iov[n++] = {c.hs_out.data() + c.hs_sent, hs_left};
+    for (Slot* s = c.out_head; s != nullptr && n < 63; s = s->next) {
+      size_t off = s->sent;
+      if (off < s->hdr_len) {
+        iov[n++] = {s->hdr + off, s->hdr_len - off};
+        off = s->hdr_len;
+      }
+      if (s->data_len > 0) iov[n++] = {s->buf.data() + (off - s->hdr_len), s->data_len - (off - s->hdr_len)};
+    }
+    if (n == 0) {
+      if (!c.hs_out.empty()) {
+        c.hs_out.clear();
+        c.hs_sent = 0;
+      }
+      return;
+    }
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = static_cast<size_t>(n);
+    ssize_t w = ::sendmsg(c.fd, &m, MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
+      c.tx_dead = c.rx_closed = true;  // EPIPE, ECONNRESET: the client is gone
+      if (c.rx_slot) {
+        release(c, *c.rx_slot);
+        c.rx_slot = nullptr;
+      }
+      return;
+    }
+    size_t left = static_cast<size_t>(w);
+    const size_t hs = std::min(left, hs_left);
+    c.hs_sent += hs;
+    left -= hs;
+    while (left > 0 && c.out_head != nullptr) {
+      Slot* s = c.out_head;
+      const size_t step = std::min(left, s->hdr_len + s->data_len - s->sent);
+      s->sent += step;
+      left -= step;
+      if (s->sent == s->hdr_len + s->data_len) {
+        c.out_head = s->next;
+        if (c.out_head == nullptr) c.out_tail = nullptr;
+        release(c, *s);
+      }
+    }
+  }
+}
+
+void NbdServer::Impl::fail(Conn& c, const std::string& why, bool protocol_error) {
+  if (protocol_error) stats.protocol_errors.fetch_add(1, std::memory_order_relaxed);
+  log("nbd: dropping " + c.peer + ": " + why);
+  c.rx_closed = c.tx_dead = true;
+  ::shutdown(c.fd, SHUT_RDWR);
+  if (c.rx_slot) {
+    release(c, *c.rx_slot);
+    c.rx_slot = nullptr;
+  }
+}
+
+void NbdServer::Impl::update(Conn& c) {
+  const bool out_pending = c.hs_sent < c.hs_out.size() || c.out_head != nullptr;
+  if (c.rx_closed && c.inflight == 0 && (c.tx_dead || !out_pending || stopping.load())) {
+    if (c.registered) ::epoll_ctl(epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+    ::close(c.fd);
+    stats.connections.fetch_sub(1, std::memory_order_relaxed);
+    conns.erase(c.id);  // frees c
+    return;
+  }
+  if (!c.registered) return;
+  uint32_t want = 0;
+  if (c.tx_dead) {
+    // Only waiting for completions (they come through the eventfd): a socket that reports
+    // only HUP/ERR from now on must not wake the loop, so it leaves the epoll set.
+    ::epoll_ctl(epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+    c.registered = false;
+    return;
+  }
+  if (!c.rx_closed && !c.paused) want |= EPOLLIN;
+  if (out_pending) want |= EPOLLOUT;
+  if (want == c.events) return;
+  epoll_event ev{};
+  ev.events = want;
+  ev.data.u64 = c.id;
+  ::epoll_ctl(epfd, EPOLL_CTL_MOD, c.fd, &ev);
+  c.events = want;
+}
+
+void NbdServer::Impl::drain_completions() {
+  Slot* s;
+  {
+    std::lock_guard l(done_mu);
+    s = done_head;
+    done_head = done_tail = nullptr;
+    signalled = false;
+  }
+  touched.clear();
+  while (s != nullptr) {
+    Slot* next = s->done_next;
+    Conn& c = *s->conn;
+    complete(c, *s);
+    if (touched.empty() || touched.back() != c.id) touched.push_back(c.id);
+    s = next;
+  }
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (uint64_t id : touched) {
+    auto it = conns.find(id);
+    if (it == conns.end()) continue;
+    pump(*it->second);
+    update(*it->second);
+  }
+}
+
+}  // namespace ibnbd::nbd

@@ -1,0 +1,297 @@
+// The transmission phase (spec "Transmission", "Request types"): request headers are parsed as
+// they arrive, checked, and handed to the export; many are in flight per connection and each
+// is answered when its export request completes, so replies go out of order ("Replies need not
+// be sent in the same order as requests").
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "server_impl.h"
+
+namespace ibnbd::nbd {
+
+namespace {
+
+using namespace wire;
+
+void chunk_hdr(ChunkHdr& h, uint16_t flags, uint16_t type, uint64_t handle, uint32_t len) {
+  h.magic.set(kStructuredReplyMagic);
+  h.flags.set(flags);
+  h.type.set(type);
+  h.handle.set(handle);
+  h.length.set(len);
+}
+
+}  // namespace
+
+Slot& NbdServer::Impl::take_slot(Conn& c, uint64_t data_bytes) {
+  Slot* s = c.free_slots;
+  if (s != nullptr) {
+    c.free_slots = s->next;
+  } else {
+    // Slots are made on demand, up to max_requests, and then reused.
+    c.slots.push_back(std::make_unique<Slot>());
+    s = c.slots.back().get();
+    s->conn = &c;
+  }
+  s->next = nullptr;
+  s->err = 0;
+  s->flush_after = false;
+  s->data_bytes = data_bytes;
+  s->hdr_len = s->data_len = s->sent = 0;
+  ++c.inflight;
+  c.inflight_bytes += data_bytes;
+  return *s;
+}
+
+void NbdServer::Impl::release(Conn& c, Slot& s) {
+  --c.inflight;
+  c.inflight_bytes -= s.data_bytes;
+  s.data_bytes = 0;
+  if (s.buf.size() > kKeepBuffer) std::vector<std::byte>().swap(s.buf);
+  s.next = c.free_slots;
+  c.free_slots = &s;
+  if (c.paused) {
+    c.paused = false;
+    c.resumed = true;
+  }
+}
+
+bool NbdServer::Impl::parse_request(Conn& c) {
+  if (c.paused || c.in_end - c.in_beg < sizeof(Request)) return false;
+  Request r;
+  std::memcpy(&r, c.in.data() + c.in_beg, sizeof(r));
+  if (r.magic.get() != kRequestMagic) {
+    // Without a valid header we cannot find the next one: the only way out is a hard
+    // disconnect ("Either side MAY initiate a hard disconnect if it detects a violation").
+    fail(c, "bad request magic", true);
+    return false;
+  }
+  const uint16_t type = r.type.get();
+  const uint32_t length = r.length.get();
+  if (type == kCmdDisc) {
+    // "The server MUST handle all outstanding requests ... and then close"; nothing may follow.
+    c.in_beg += sizeof(r);
+    c.rx_closed = true;
+    return false;
+  }
+  const bool data_cmd = type == kCmdRead || type == kCmdWrite;
+  const bool oversized = data_cmd && length > c.info.max_payload;
+  const uint64_t data = data_cmd && !oversized ? length : 0;
+  // Admission: a slot and room in the byte budget, or the header waits in the buffer (and the
+  // socket stops being read) until a reply frees them. One request is always admitted.
+  if ((c.free_slots == nullptr && c.slots.size() >= opts.max_requests) ||
+      (c.inflight > 0 && c.inflight_bytes + data > opts.max_inflight_bytes)) {
+    c.paused = true;
+    return false;
+  }
+  c.in_beg += sizeof(r);
+  Slot& s = take_slot(c, data);
+  s.handle = r.handle.get();
+  s.offset = r.offset.get();
+  s.length = length;
+  s.type = type;
+  s.flags = r.flags.get();
+  if (oversized) {
+    reply(c, s, EINVAL);
+    if (type == kCmdWrite) {
+      // The payload of an oversized WRITE follows the header; rather than read and throw away
+      // up to 4 GiB, stop reading after the error reply (the spec lets the server disconnect a
+      // client that exceeds the advertised maximum payload).
+      stats.protocol_errors.fetch_add(1, std::memory_order_relaxed);
+      log("nbd: " + c.peer + ": WRITE of " + std::to_string(length) + " bytes is over the maximum payload; closing");
+      c.rx_closed = true;
+      ::shutdown(c.fd, SHUT_RD);
+      return false;
+    }
+    return true;
+  }
+  if (data_cmd && s.buf.size() < length) s.buf.resize(length);
+  if (type == kCmdWrite) {
+    c.rx_slot = &s;
+    c.rx_got = 0;
+    receive_payload(c);
+    return true;
+  }
+  start_request(c, s);
+  return true;
+}
+
+void NbdServer::Impl::receive_payload(Conn& c) {
+  Slot& s = *c.rx_slot;
+  const size_t n = std::min(c.in_end - c.in_beg, size_t{s.length} - c.rx_got);
+  if (n > 0) {
+    std::memcpy(s.buf.data() + c.rx_got, c.in.data() + c.in_beg, n);
+    c.in_beg += n;
+    c.rx_got += n;
+  }
+  if (c.rx_got < s.length) return;
+  c.rx_slot = nullptr;
+  start_request(c, s);
+}
+
+// Checks a request against the spec and the export, then submits it (or answers at once).
+void NbdServer::Impl::start_request(Conn& c, Slot& s) {
+  const ExportInfo& i = c.info;
+  uint16_t allowed = kCmdFlagFua;  // "valid for all commands" once SEND_FUA is advertised
+  switch (s.type) {
+    case kCmdRead:
+      if (c.structured) allowed |= kCmdFlagDf;
+      break;
+    case kCmdWriteZeroes:
+      allowed |= kCmdFlagNoHole | kCmdFlagFastZero;
+      break;
+    case kCmdBlockStatus:
+      allowed |= kCmdFlagReqOne;
+      break;
+    case kCmdWrite:
+    case kCmdFlush:
+    case kCmdTrim:
+    case kCmdCache:
+      break;
+    default:
+      return reply(c, s, EINVAL);  // "SHOULD return EINVAL if it receives an unknown command"
+  }
+  // "SHOULD return EINVAL if it receives a request with a flag not explicitly documented as
+  // applicable to the given request."
+  if (s.flags & ~allowed) return reply(c, s, EINVAL);
+  if (s.type == kCmdFlush) return submit(c, s);  // offset and length are reserved: not checked
+
+  const bool writes = s.type == kCmdWrite || s.type == kCmdTrim || s.type == kCmdWriteZeroes;
+  // "SHOULD return EPERM if it receives a write or trim request on a read-only export."
+  if (writes && i.read_only) return reply(c, s, EPERM);
+  if ((s.type == kCmdTrim && !i.can_trim) || (s.type == kCmdWriteZeroes && !i.can_write_zeroes))
+    return reply(c, s, EINVAL);  // not advertised
+  // "A client MUST NOT use NBD_CMD_BLOCK_STATUS unless it selected a nonzero number of metadata
+  // contexts during negotiation. Servers SHOULD reply to clients doing so anyway with EINVAL."
+  if (s.type == kCmdBlockStatus && !c.meta_base_allocation) return reply(c, s, EINVAL);
+  if (s.offset > i.size || s.length > i.size - s.offset) {
+    // "SHOULD return ENOSPC if it receives a write request including one or more sectors
+    // beyond the size of the device"; EINVAL for the others ("SHOULD return EINVAL if it
+    // receives a NBD_CMD_BLOCK_STATUS request including one or more sectors beyond the size").
+    return reply(c, s, s.type == kCmdWrite || s.type == kCmdWriteZeroes ? ENOSPC : EINVAL);
+  }
+  if (s.type != kCmdBlockStatus && (s.offset % i.min_block != 0 || s.length % i.min_block != 0))
+    return reply(c, s, EINVAL);  // below the advertised minimum block size
+  if (s.length == 0) {
+    // Nothing to do; BLOCK_STATUS must describe at least one byte.
+    return reply(c, s, s.type == kCmdBlockStatus ? EINVAL : 0);
+  }
+  if (s.type == kCmdWriteZeroes && (s.flags & kCmdFlagFastZero) && !i.fast_zero)
+    return reply(c, s, EOPNOTSUPP);  // "MUST fail quickly with NBD_ENOTSUP"
+  if (s.type == kCmdCache) return reply(c, s, 0);  // no cache on this side: nothing to load
+  if (s.type == kCmdBlockStatus) return reply(c, s, 0);
+  submit(c, s);
+}
+
+void NbdServer::Impl::submit(Conn& c, Slot& s) {
+  const Done d{&Impl::on_done, &s};
+  const bool fua = s.flags & kCmdFlagFua;
+  Status st;
+  switch (s.type) {
+    case kCmdRead:
+      st = c.exp->read(s.offset, std::span(s.buf.data(), s.length), d);
+      break;
+    case kCmdWrite:
+      st = c.exp->write(s.offset, std::span<const std::byte>(s.buf.data(), s.length), fua, d);
+      break;
+    case kCmdFlush:
+      st = c.exp->flush(d);
+      break;
+    case kCmdTrim:
+      s.flush_after = fua;
+      st = c.exp->trim(s.offset, s.length, d);
+      break;
+    case kCmdWriteZeroes:
+      s.flush_after = fua;
+      st = c.exp->write_zeroes(s.offset, s.length, s.flags & kCmdFlagNoHole, d);
+      break;
+    default:
+      st = ibtrs::errc(EINVAL);
+  }
+  if (!st.ok()) {
+    s.flush_after = false;
+    reply(c, s, st.error().value());
+  }
+}
+
+// On the loop, after the handoff from the export's thread.
+void NbdServer::Impl::complete(Conn& c, Slot& s) {
+  if (c.tx_dead) return release(c, s);  // nobody to answer
+  if (s.flush_after && s.err == 0) {
+    // FUA on TRIM / WRITE_ZEROES: the export has no FUA for them, so a FLUSH after the
+    // operation makes it stable before the reply (spec: "MUST NOT send its reply ... until all
+    // write operations ... have been completed and persisted").
+    s.flush_after = false;
+    const Status st = c.exp->flush(Done{&Impl::on_done, &s});
+    if (!st.ok()) reply(c, s, st.error().value());
+    return;
+  }
+  if (s.type == kCmdWrite && s.err == 0)
+    stats.write_bytes.fetch_add(s.length, std::memory_order_relaxed);
+  reply(c, s, s.err);
+}
+
+// Builds the reply in the slot and queues it. Structured replies carry READ data and every
+// error (the spec: servers "SHOULD prefer sending errors via a structured reply"); other
+// successes use the simple reply, which the spec allows once structured replies are on.
+void NbdServer::Impl::reply(Conn& c, Slot& s, int err) {
+  stats.requests.fetch_add(1, std::memory_order_relaxed);
+  if (err != 0) stats.errors.fetch_add(1, std::memory_order_relaxed);
+  const uint32_t nerr = to_nbd_error(err);
+  s.sent = 0;
+  s.data_len = 0;
+  if (c.structured && (s.type == kCmdRead || s.type == kCmdBlockStatus || nerr != 0)) {
+    if (nerr != 0) {
+      ErrorChunk e;
+      const char* msg = std::strerror(err);
+      const size_t ml = std::min(std::strlen(msg), sizeof(s.hdr) - sizeof(e));
+      chunk_hdr(e.hdr, kReplyFlagDone, kReplyError, s.handle, static_cast<uint32_t>(6 + ml));
+      e.error.set(nerr);
+      e.msg_len.set(static_cast<uint16_t>(ml));
+      std::memcpy(s.hdr, &e, sizeof(e));
+      std::memcpy(s.hdr + sizeof(e), msg, ml);
+      s.hdr_len = sizeof(e) + ml;
+    } else if (s.type == kCmdRead && s.length == 0) {
+      ChunkHdr h;  // OFFSET_DATA must carry at least one byte
+      chunk_hdr(h, kReplyFlagDone, kReplyNone, s.handle, 0);
+      std::memcpy(s.hdr, &h, sizeof(h));
+      s.hdr_len = sizeof(h);
+    } else if (s.type == kCmdRead) {
+      // One content chunk for the whole read: DF is honoured by construction, and the data
+      // cannot fail after the header is out (it is in memory), so the chunk is also the last.
+      OffsetDataChunk d;
+      chunk_hdr(d.hdr, kReplyFlagDone, kReplyOffsetData, s.handle, 8 + s.length);
+      d.offset.set(s.offset);
+      std::memcpy(s.hdr, &d, sizeof(d));
+      s.hdr_len = sizeof(d);
+      s.data_len = s.length;
+    } else {
+      // base:allocation: the whole range is data. The server does not tell us where its holes
+      // are, and status 0 is always a safe answer ("a server MAY always safely report a status
+      // of 0 for any block").
+      BlockStatusChunk b;
+      chunk_hdr(b.hdr, kReplyFlagDone, kReplyBlockStatus, s.handle, 12);
+      b.context_id.set(kBaseAllocationId);
+      b.length.set(s.length);
+      b.status.set(0);
+      std::memcpy(s.hdr, &b, sizeof(b));
+      s.hdr_len = sizeof(b);
+    }
+  } else {
+    SimpleReply r;
+    r.magic.set(kSimpleReplyMagic);
+    r.error.set(nerr);
+    r.handle.set(s.handle);
+    std::memcpy(s.hdr, &r, sizeof(r));
+    s.hdr_len = sizeof(r);
+    if (s.type == kCmdRead && nerr == 0) s.data_len = s.length;
+  }
+  if (s.type == kCmdRead && nerr == 0) stats.read_bytes.fetch_add(s.length, std::memory_order_relaxed);
+  s.next = nullptr;
+  if (c.out_tail) c.out_tail->next = &s;
+  else c.out_head = &s;
+  c.out_tail = &s;
+}
+
+}  // namespace ibnbd::nbd

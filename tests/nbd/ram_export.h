@@ -1,0 +1,165 @@
+// A RAM export for the NBD server's tests: the data in memory, completions inline or from a
+// worker thread (held and released in any order, to force out-of-order replies), an error
+// injector, and counters of what the server asked for.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "ibnbd/nbd_server.h"
+
+namespace ibnbd::nbd::test {
+
+class RamExport final : public Export {
+ public:
+  // async: completions run on a worker thread (as the client library's run on transport
+  // threads); otherwise inside the submitting call.
+  RamExport(uint64_t size, bool async) : data_(size), async_(async) {
+    info_.size = size;
+    info_.can_trim = info_.can_write_zeroes = info_.fast_zero = true;
+    info_.multi_conn = true;
+    info_.description = "ram";
+    if (async_) worker_ = std::thread([this] { work(); });
+  }
+  ~RamExport() override {
+    {
+      std::lock_guard l(mu_);
+      held_ = false;
+      quit_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  ExportInfo info() const override {
+    std::lock_guard l(mu_);
+    return info_;
+  }
+  void set_info(const ExportInfo& i) {
+    std::scoped_lock l(mu_, data_mu_);
+    info_ = i;
+    data_.resize(i.size);
+  }
+
+  Status read(uint64_t off, std::span<std::byte> out, Done d) override {
+    if (int e = take_fail()) return ibtrs::errc(e);
+    return run([=, this] {
+      std::memcpy(out.data(), data_.data() + off, out.size());
+      return 0;
+    }, d);
+  }
+  Status write(uint64_t off, std::span<const std::byte> in, bool fua, Done d) override {
+    if (int e = take_fail()) return ibtrs::errc(e);
+    if (fua) ++fua_writes;
+    return run([=, this] {
+      std::memcpy(data_.data() + off, in.data(), in.size());
+      return 0;
+    }, d);
+  }
+  Status flush(Done d) override {
+    ++flushes;
+    return run([] { return 0; }, d);
+  }
+  Status trim(uint64_t off, uint64_t len, Done d) override {
+    ++trims;
+    return run([=, this] {
+      std::fill_n(data_.data() + off, len, std::byte{0});
+      return 0;
+    }, d);
+  }
+  Status write_zeroes(uint64_t off, uint64_t len, bool no_hole, Done d) override {
+    ++zeroes;
+    if (no_hole) ++no_hole_zeroes;
+    return run([=, this] {
+      std::fill_n(data_.data() + off, len, std::byte{0});
+      return 0;
+    }, d);
+  }
+
+  // The next submitted op returns `e` (0: off); async_error: the next op completes with it.
+  void fail_next(int e) { fail_.store(e); }
+  void fail_next_completion(int e) { fail_done_.store(e); }
+  // Hold async completions until release() (reverse: newest first).
+  void hold() {
+    std::lock_guard l(mu_);
+    held_ = true;
+  }
+  void release(bool reverse) {
+    {
+      std::lock_guard l(mu_);
+      held_ = false;
+      if (reverse) std::reverse(queue_.begin(), queue_.end());
+    }
+    cv_.notify_all();
+  }
+  size_t queued() const {
+    std::lock_guard l(mu_);
+    return queue_.size();
+  }
+  // The data as it is now (under the lock the ops take, so TSan sees the order).
+  std::vector<std::byte> snapshot() const {
+    std::lock_guard l(data_mu_);
+    return data_;
+  }
+  void fill(std::byte b) {
+    std::lock_guard l(data_mu_);
+    std::fill(data_.begin(), data_.end(), b);
+  }
+
+  std::atomic<int> flushes{0}, trims{0}, zeroes{0}, no_hole_zeroes{0}, fua_writes{0};
+
+ private:
+  int take_fail() { return fail_.exchange(0); }
+  Status run(std::function<int()> op, Done d) {
+    if (!async_) {
+      int e = locked(op);
+      if (int f = fail_done_.exchange(0)) e = f;
+      d.fn(d.ctx, e);
+      return {};
+    }
+    {
+      std::lock_guard l(mu_);
+      queue_.push_back({std::move(op), d});
+    }
+    cv_.notify_all();
+    return {};
+  }
+  int locked(const std::function<int()>& op) {
+    std::lock_guard l(data_mu_);
+    return op();
+  }
+  void work() {
+    std::unique_lock l(mu_);
+    for (;;) {
+      cv_.wait(l, [&] { return quit_ || (!held_ && !queue_.empty()); });
+      if (queue_.empty() && quit_) return;
+      auto [op, d] = std::move(queue_.front());
+      queue_.pop_front();
+      l.unlock();
+      int e = locked(op);
+      if (int f = fail_done_.exchange(0)) e = f;
+      d.fn(d.ctx, e);
+      l.lock();
+    }
+  }
+
+  mutable std::mutex mu_;
+  mutable std::mutex data_mu_;
+  std::condition_variable cv_;
+  ExportInfo info_;
+  std::vector<std::byte> data_;
+  bool async_;
+  bool held_ = false, quit_ = false;
+  std::deque<std::pair<std::function<int()>, Done>> queue_;
+  std::atomic<int> fail_{0}, fail_done_{0};
+  std::thread worker_;
+};
+
+}  // namespace ibnbd::nbd::test
