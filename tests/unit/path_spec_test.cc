@@ -1,4 +1,6 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <set>
 
@@ -62,6 +64,29 @@ TEST(Uuid16, RandomVersion4AndFormatted) {
     EXPECT_TRUE(seen.insert(s).second);
   }
   EXPECT_TRUE(Uuid16{}.is_nil());
+}
+
+// Case: a process draws a uuid, then forks (as fio forks its jobs after a probe). Expect: parent
+// and child draw different uuids next — no generator state is inherited.
+TEST(Uuid16, ForkedProcessesDrawDifferentUuids) {
+  (void)Uuid16::random();
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    Uuid16 u = Uuid16::random();
+    ssize_t w = ::write(fds[1], u.bytes, sizeof(u.bytes));
+    ::_exit(w == static_cast<ssize_t>(sizeof(u.bytes)) ? 0 : 1);
+  }
+  Uuid16 mine = Uuid16::random();
+  Uuid16 child;
+  ASSERT_EQ(::read(fds[0], child.bytes, sizeof(child.bytes)), static_cast<ssize_t>(sizeof(child.bytes)));
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ::close(fds[0]);
+  ::close(fds[1]);
+  EXPECT_NE(mine.to_string(), child.to_string());
 }
 
 }  // namespace

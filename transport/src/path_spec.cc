@@ -1,5 +1,8 @@
 #include "ibtrs/path_spec.h"
 
+#include <sys/random.h>
+
+#include <cerrno>
 #include <cstring>
 #include <random>
 
@@ -82,11 +85,22 @@ std::string PathSpec::name() const {
 }
 
 Uuid16 Uuid16::random() {
-  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  // Straight from the kernel's pool: a generator state kept in the process would be inherited
+  // by fork() (fio forks its jobs), and two children would open sessions with one uuid.
   Uuid16 u;
-  uint64_t a = rng(), b = rng();
-  std::memcpy(u.bytes, &a, 8);
-  std::memcpy(u.bytes + 8, &b, 8);
+  size_t got = 0;
+  while (got < sizeof(u.bytes)) {
+    ssize_t n = ::getrandom(u.bytes + got, sizeof(u.bytes) - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR) {
+      // No getrandom (kernels < 3.17): a fresh std::random_device per call, never a state
+      // that outlives the call.
+      std::random_device rd;
+      for (auto& b : u.bytes) b = static_cast<uint8_t>(rd());
+      got = sizeof(u.bytes);
+    }
+  }
   u.bytes[6] = static_cast<uint8_t>((u.bytes[6] & 0x0f) | 0x40);  // version 4
   u.bytes[8] = static_cast<uint8_t>((u.bytes[8] & 0x3f) | 0x80);  // RFC 4122 variant
   return u;
