@@ -85,13 +85,14 @@ class Hostile : public ::testing::Test {
   }
 
   // A whole path (service + one IO connection) through INFO_RSP; returns the chunk descriptors.
-  bool establish(std::vector<Con>& cons, std::vector<ChunkDesc>& chunks) {
+  bool establish(std::vector<Con>& cons, std::vector<ChunkDesc>& chunks,
+                 const std::string& sessname = "hostile") {
     for (uint16_t cid = 0; cid < 2; ++cid) {
       auto c = connect(make_con_req(cid, 2, 0, cid == 0, to_uuid(sess_), to_uuid(path_)));
       if (!c.ok()) return false;
       cons.push_back(std::move(*c));
     }
-    auto info = make_info_req("hostile", "evil@server");
+    auto info = make_info_req(sessname, "evil@server");
     std::memcpy(buf_, &*info, sizeof(*info));
     fabric::Sge s = mr_->sge(0, sizeof(*info));
     fabric::SendWr w{};
@@ -102,7 +103,8 @@ class Hostile : public ::testing::Test {
     for (int i = 0; i < 200; ++i) {
       size_t n = cons[0].cq->wait(wc, 50ms);
       for (size_t k = 0; k < n; ++k) {
-        if (wc[k].status == fabric::WcStatus::success && wc[k].opcode == Opcode::recv) {
+        if (wc[k].status != fabric::WcStatus::success) return false;  // the server closed us
+        if (wc[k].opcode == Opcode::recv) {
           std::string why;
           auto d = parse_info_rsp(std::span(reinterpret_cast<const std::byte*>(buf_ + 8192), wc[k].byte_len),
                                   48, 128 * 1024, &why);
@@ -256,6 +258,19 @@ TEST_F(Hostile, AReadLongerThanTheChunkClosesThePath) {
   send_io(cons[1], chunks[2], sizeof(h) + sizeof(d), *encode_io_req_imm(*layout, 2, 0));
   EXPECT_TRUE(closed_by_server(cons));
   EXPECT_EQ(vol_.requests_.load(), 0u);
+  honest_client_works();
+}
+
+// Case: a second client uses the session uuid of a live session under another session name
+// (a uuid drawn twice, or a lie). Expect: its path is refused; the first session keeps working.
+TEST_F(Hostile, ASessionUuidReusedUnderAnotherNameIsRefused) {
+  std::vector<Con> first, second;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(first, chunks));
+  path_ = Uuid16::random();
+  EXPECT_FALSE(establish(second, chunks, "someone-else")) << "no INFO_RSP for the impostor";
+  EXPECT_TRUE(closed_by_server(second));
+  for (auto& c : first) EXPECT_EQ(c.conn->state(), fabric::ConnState::connected);
   honest_client_works();
 }
 

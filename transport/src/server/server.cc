@@ -810,8 +810,19 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   }
   {
     std::lock_guard lock(s->mu);
-    if (s->name_.empty()) s->name_ = info->sessname;
-    p->name = info->pathname;
+    if (!s->name_.empty() && s->name_ != info->sessname) {
+      // Two clients drew one session uuid (or one lies): joining them would cross their IO.
+      IBTRS_LOG(warn, "session %s: path %s names session '%s': refused", s->name_.c_str(),
+                info->pathname.c_str(), info->sessname.c_str());
+      why = "session uuid already used by another session name";
+    } else {
+      if (s->name_.empty()) s->name_ = info->sessname;
+      p->name = info->pathname;
+    }
+  }
+  if (!why.empty()) {
+    close_path(p, why.c_str());
+    return;
   }
   Con* svc = p->cons[0].get();
   const size_t off = size_t{kSvcRecvs} * kSvcSlot;
