@@ -29,6 +29,7 @@
 #include <new>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "ibnbd/client.h"
@@ -256,19 +257,39 @@ int eng_setup(thread_data* td) noexcept {
       td_verror(td, err, "ibnbd options");
       return 1;
     }
-    auto s = ibnbd::BlockSession::open(std::move(cfg.session));
-    if (!s) {
-      log_err("ibnbd: probe session: %s\n", s.error().message().c_str());
-      td_verror(td, s.error().value(), "ibnbd session open");
+    // On a thread of its own: the transport draws session and path UUIDs from a thread_local
+    // generator seeded on first use. Seeded here, in fio's parent, it would be copied into every
+    // job fio forks afterwards, and those jobs would open sessions with the same UUID, which the
+    // server then takes for one session (mixed-up responses, seen as EBADMSG and bad verify).
+    uint64_t size = 0;
+    int err = 0;
+    std::string what;
+    std::thread probe([&]() noexcept {
+      try {
+        auto s = ibnbd::BlockSession::open(std::move(cfg.session));
+        if (!s) {
+          err = s.error().value();
+          what = "probe session: " + s.error().message();
+          return;
+        }
+        auto dev = (*s)->map(cfg.device, ibnbd::AccessMode::ro);
+        if (!dev) {
+          err = dev.error().value();
+          what = "map " + cfg.device + ": " + dev.error().message();
+          return;
+        }
+        size = (*dev)->size_bytes();
+      } catch (...) {
+        err = EIO;
+        what = "probe: exception";
+      }
+    });
+    probe.join();
+    if (err != 0) {
+      log_err("ibnbd: %s\n", what.c_str());
+      td_verror(td, err, "ibnbd probe");
       return 1;
     }
-    auto dev = (*s)->map(cfg.device, ibnbd::AccessMode::ro);
-    if (!dev) {
-      log_err("ibnbd: map %s: %s\n", cfg.device.c_str(), dev.error().message().c_str());
-      td_verror(td, dev.error().value(), "ibnbd map");
-      return 1;
-    }
-    const uint64_t size = (*dev)->size_bytes();
     for (unsigned i = 0; i < td->files_index; i++) {
       td->files[i]->real_file_size = size;
       fio_file_set_size_known(td->files[i]);
@@ -418,8 +439,7 @@ fio_q_status eng_queue(thread_data* td, io_u* u) noexcept {
   return FIO_Q_QUEUED;
 }
 
-int eng_getevents(thread_data* td, unsigned int min, unsigned int max, const timespec* t) noexcept {
-  auto* e = engine_of(td);
+int getevents(Engine* e, unsigned int min, unsigned int max, const timespec* t) {
   std::unique_lock lk(e->mu);
   auto enough = [&] { return e->done.size() >= min; };
   if (!enough()) {
@@ -439,6 +459,16 @@ int eng_getevents(thread_data* td, unsigned int min, unsigned int max, const tim
   e->events.assign(e->done.begin(), e->done.begin() + static_cast<std::ptrdiff_t>(n));
   e->done.erase(e->done.begin(), e->done.begin() + static_cast<std::ptrdiff_t>(n));
   return static_cast<int>(n);
+}
+
+int eng_getevents(thread_data* td, unsigned int min, unsigned int max, const timespec* t) noexcept {
+  try {
+    return getevents(engine_of(td), min, max, t);
+  } catch (...) {
+    // std::mutex and std::condition_variable may throw system_error; fio takes a negative
+    // errno as a failed wait.
+    return -caught(td, "ibnbd getevents");
+  }
 }
 
 io_u* eng_event(thread_data* td, int i) noexcept { return engine_of(td)->events[static_cast<size_t>(i)]; }
