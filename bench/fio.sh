@@ -33,8 +33,9 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DIBNBD_FIO_ENGINE=ON >/dev/null
 fi
 ninja -C "$build" -j "$(nproc)" ibnbd-server ibnbd_fio >/dev/null
+build=$(cd "$build" && pwd)  # the runs below happen in the tmpfs directory
 srv="$build/server/ibnbd-server"
-engine=$(cd "$build/client/fio" && pwd)/libibnbd-fio.so
+engine="$build/client/fio/libibnbd-fio.so"
 
 # Everything on tmpfs: the backing file is the same for every target, so the rows differ only
 # by the path to it.
