@@ -1,0 +1,511 @@
+// fio external ioengine over libibnbd-client: `ioengine=external:/path/libibnbd-fio.so` sends
+// fio's IO straight through a BlockSession (no kernel block device, no NBD hop), so fio measures
+// the client library, the transport and the server alone.
+//
+// Life of a job (fio calls, in this order, on the job's thread or process):
+//   setup      may run in fio's parent process before it forks the job (create_serialize), so
+//              it only opens a short-lived probe session to learn the device size, and closes
+//              it: transport threads do not survive fork().
+//   init       opens the job's own BlockSession (one per job: the server tells sessions apart by
+//              name, so the name gets the job number) and maps the device.
+//   iomem_alloc  fio's IO buffers come from BlockSession::alloc_buffer, so read() and write()
+//              go out zero copy; when registration fails the buffers are plain memory and every
+//              IO goes through read_copy / write_copy instead.
+//   queue      submits asynchronously and returns FIO_Q_QUEUED; completions run on transport
+//              threads and land in a mutex-guarded list; getevents waits for them on a condvar.
+//   cleanup    destroys the session (it fails whatever still waits with ESHUTDOWN first).
+//
+// fio is C: no exception may unwind into it. Every entry point catches at the boundary and turns
+// what it caught into an errno for fio (td_verror) or into io_u->error.
+#include <atomic>  // before fio's headers: arch/arch.h includes it for C++, not inside extern "C"
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "ibnbd/client.h"
+
+extern "C" {
+#include "fio.h"
+#include "optgroup.h"
+}
+
+namespace {
+
+// ---- options --------------------------------------------------------------------------------
+
+// fio stores engine options at td->eo; it writes the thread_data pointer into the first member.
+struct EngineOptions {
+  void* pad;
+  char* paths;
+  char* device;
+  char* session;
+  char* mode;
+  char* policy;
+  unsigned int io_threads;
+};
+
+// Non-const because fio's ioengine_ops::options is a plain pointer; fio only reads it.
+fio_option g_options[] = {
+    {
+        .name = "ibnbd_paths",
+        .lname = "IBNBD paths",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, paths),
+        .help = "Server paths, comma or space separated (tcp:127.0.0.1:1234,tcp:127.0.0.1:1235)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_device",
+        .lname = "IBNBD device",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, device),
+        .help = "Remote device name (as the server resolves it)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_session",
+        .lname = "IBNBD session",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, session),
+        .help = "Session name prefix; each job appends -<job number> (default fio-<pid>)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_mode",
+        .lname = "IBNBD access mode",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, mode),
+        .help = "Access mode: ro, rw or migration (default: rw when the job writes or trims, else ro)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_policy",
+        .lname = "IBNBD multipath policy",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, policy),
+        .help = "Multipath policy: round-robin, min-inflight (default) or min-latency",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_io_threads",
+        .lname = "IBNBD IO threads",
+        .type = FIO_OPT_INT,
+        .off1 = offsetof(EngineOptions, io_threads),
+        .help = "Transport IO connections per path (0: the library's default)",
+        .def = "0",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {},  // the end of the table
+};
+
+std::vector<std::string> split_paths(std::string_view text) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t j = text.find_first_of(", \t", i);
+    if (j == std::string_view::npos) j = text.size();
+    if (j > i) out.emplace_back(text.substr(i, j - i));
+    i = j + 1;
+  }
+  return out;
+}
+
+// What the options say, checked once; errors carry the text fio prints.
+struct Config {
+  ibnbd::BlockSessionOptions session;
+  std::string device;
+  ibnbd::AccessMode mode = ibnbd::AccessMode::ro;
+};
+
+int make_config(thread_data* td, const std::string& name, Config& out) {
+  const auto* o = static_cast<const EngineOptions*>(td->eo);
+  if (o->paths == nullptr || o->device == nullptr) {
+    log_err("ibnbd: ibnbd_paths and ibnbd_device are required\n");
+    return EINVAL;
+  }
+  for (const auto& p : split_paths(o->paths)) {
+    auto spec = ibtrs::PathSpec::parse(p);
+    if (!spec) {
+      log_err("ibnbd: bad path '%s': %s\n", p.c_str(), spec.error().message().c_str());
+      return EINVAL;
+    }
+    out.session.transport.paths.push_back(*spec);
+  }
+  if (out.session.transport.paths.empty()) {
+    log_err("ibnbd: ibnbd_paths names no path\n");
+    return EINVAL;
+  }
+  if (o->policy != nullptr) {
+    auto pol = ibtrs::parse_mp_policy(o->policy);
+    if (!pol) {
+      log_err("ibnbd: bad ibnbd_policy '%s'\n", o->policy);
+      return EINVAL;
+    }
+    out.session.transport.policy = *pol;
+  }
+  // A job that writes or trims needs rw; a read-only job maps ro so that it can run next to a
+  // writer (the server allows one rw open per device).
+  out.mode = (td_write(td) || td_trim(td)) ? ibnbd::AccessMode::rw : ibnbd::AccessMode::ro;
+  if (o->mode != nullptr) {
+    auto m = ibnbd::parse_access_mode(o->mode);
+    if (!m) {
+      log_err("ibnbd: bad ibnbd_mode '%s' (ro, rw, migration)\n", o->mode);
+      return EINVAL;
+    }
+    out.mode = *m;
+  }
+  out.session.transport.session_name = name;
+  out.session.transport.io_threads = o->io_threads;
+  out.device = o->device;
+  return 0;
+}
+
+// ---- per-job state --------------------------------------------------------------------------
+
+struct Engine {
+  std::string base_name;  // session name prefix, fixed in setup (before any fork)
+  std::unique_ptr<ibnbd::BlockSession> session;
+  std::shared_ptr<ibnbd::RemoteDevice> dev;
+  std::unique_ptr<ibtrs::RegisteredMemory> buffers;  // fio's IO buffers when registered
+  std::unique_ptr<std::byte[]> plain_buffers;        // the fallback: every IO copies
+  bool reported_copy = false;
+
+  // Completions: filled by transport threads, drained by getevents on the job's thread.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<io_u*> done;      // completed, not yet handed to fio
+  std::vector<io_u*> events;    // handed to fio by the last getevents, read by ->event
+  bool waiting = false;         // getevents sleeps: completions must notify
+};
+
+Engine* engine_of(thread_data* td) { return static_cast<Engine*>(td->io_ops_data); }
+
+// Runs on a transport thread (or the session's control thread): must not block for long. The
+// mutex is held for a push_back only.
+void on_done(void* ctx, int err) {
+  auto* u = static_cast<io_u*>(ctx);
+  auto* e = static_cast<Engine*>(u->engine_data);
+  u->error = static_cast<unsigned>(err);
+  if (err == 0) u->resid = 0;
+  bool wake;
+  {
+    std::lock_guard lk(e->mu);
+    e->done.push_back(u);
+    wake = e->waiting;
+  }
+  if (wake) e->cv.notify_one();
+}
+
+std::string job_session_name(const Engine& e, thread_data* td) {
+  return e.base_name + "-" + std::to_string(td->thread_number);
+}
+
+// Turns an exception caught at a boundary into an errno for fio.
+int caught(thread_data* td, const char* where) {
+  try {
+    throw;
+  } catch (const std::bad_alloc&) {
+    td_verror(td, ENOMEM, where);
+    return ENOMEM;
+  } catch (const std::exception& ex) {
+    log_err("ibnbd: %s: %s\n", where, ex.what());
+  } catch (...) {
+    log_err("ibnbd: %s: unknown exception\n", where);
+  }
+  td_verror(td, EIO, where);
+  return EIO;
+}
+
+// ---- fio entry points -----------------------------------------------------------------------
+
+int eng_setup(thread_data* td) noexcept {
+  try {
+    auto* e = engine_of(td);
+    if (e == nullptr) {
+      e = new Engine;
+      td->io_ops_data = e;
+      const auto* o = static_cast<const EngineOptions*>(td->eo);
+      e->base_name = o->session != nullptr ? std::string(o->session)
+                                           : "fio-" + std::to_string(static_cast<long>(getpid()));
+    }
+    // fio's file stands for the remote device; its name is only a label.
+    if (td->files_index == 0) {
+      const auto* o = static_cast<const EngineOptions*>(td->eo);
+      add_file(td, o->device != nullptr ? o->device : "ibnbd", 0, 0);
+      if (td->o.nr_files == 0) td->o.nr_files = 1;
+      td->o.open_files++;
+    }
+    // The probe: map read-only (allowed next to any writer) and take the size.
+    Config cfg;
+    if (int err = make_config(td, job_session_name(*e, td) + "-probe", cfg); err != 0) {
+      td_verror(td, err, "ibnbd options");
+      return 1;
+    }
+    // On a thread of its own: the transport draws session and path UUIDs from a thread_local
+    // generator seeded on first use. Seeded here, in fio's parent, it would be copied into every
+    // job fio forks afterwards, and those jobs would open sessions with the same UUID, which the
+    // server then takes for one session (mixed-up responses, seen as EBADMSG and bad verify).
+    uint64_t size = 0;
+    int err = 0;
+    std::string what;
+    std::thread probe([&]() noexcept {
+      try {
+        auto s = ibnbd::BlockSession::open(std::move(cfg.session));
+        if (!s) {
+          err = s.error().value();
+          what = "probe session: " + s.error().message();
+          return;
+        }
+        auto dev = (*s)->map(cfg.device, ibnbd::AccessMode::ro);
+        if (!dev) {
+          err = dev.error().value();
+          what = "map " + cfg.device + ": " + dev.error().message();
+          return;
+        }
+        size = (*dev)->size_bytes();
+      } catch (...) {
+        err = EIO;
+        what = "probe: exception";
+      }
+    });
+    probe.join();
+    if (err != 0) {
+      log_err("ibnbd: %s\n", what.c_str());
+      td_verror(td, err, "ibnbd probe");
+      return 1;
+    }
+    for (unsigned i = 0; i < td->files_index; i++) {
+      td->files[i]->real_file_size = size;
+      fio_file_set_size_known(td->files[i]);
+    }
+    return 0;
+  } catch (...) {
+    caught(td, "ibnbd setup");
+    return 1;
+  }
+}
+
+int eng_init(thread_data* td) noexcept {
+  try {
+    auto* e = engine_of(td);
+    if (e == nullptr) {
+      log_err("ibnbd: init without setup\n");
+      td_verror(td, EINVAL, "ibnbd init");
+      return 1;
+    }
+    Config cfg;
+    if (int err = make_config(td, job_session_name(*e, td), cfg); err != 0) {
+      td_verror(td, err, "ibnbd options");
+      return 1;
+    }
+    auto s = ibnbd::BlockSession::open(std::move(cfg.session));
+    if (!s) {
+      log_err("ibnbd: session open: %s\n", s.error().message().c_str());
+      td_verror(td, s.error().value(), "ibnbd session open");
+      return 1;
+    }
+    e->session = std::move(*s);
+    auto dev = e->session->map(cfg.device, cfg.mode);
+    if (!dev) {
+      log_err("ibnbd: map %s (%s): %s\n", cfg.device.c_str(),
+              std::string(ibnbd::to_string(cfg.mode)).c_str(), dev.error().message().c_str());
+      td_verror(td, dev.error().value(), "ibnbd map");
+      return 1;
+    }
+    e->dev = std::move(*dev);
+    // At most iodepth requests are out at once: reserve so that a completion never allocates.
+    e->done.reserve(td->o.iodepth);
+    e->events.reserve(td->o.iodepth);
+    return 0;
+  } catch (...) {
+    caught(td, "ibnbd init");
+    return 1;
+  }
+}
+
+void eng_cleanup(thread_data* td) noexcept {
+  auto* e = engine_of(td);
+  if (e == nullptr) return;
+  try {
+    // The device and the registration before the session: it must outlive both.
+    e->dev.reset();
+    e->buffers.reset();
+    e->session.reset();
+  } catch (...) {
+    caught(td, "ibnbd cleanup");
+  }
+  delete e;
+  td->io_ops_data = nullptr;
+}
+
+int eng_iomem_alloc(thread_data* td, size_t size) noexcept {
+  try {
+    auto* e = engine_of(td);
+    if (e == nullptr || !e->session) return 1;
+    auto mem = e->session->alloc_buffer(size);
+    if (mem) {
+      e->buffers = std::move(*mem);
+      td->orig_buffer = reinterpret_cast<char*>(e->buffers->data());
+      return 0;
+    }
+    log_info("ibnbd: registering %zu bytes of IO buffers failed (%s): IO copies\n", size,
+             mem.error().message().c_str());
+    e->plain_buffers.reset(new (std::nothrow) std::byte[size]);
+    if (!e->plain_buffers) return 1;
+    td->orig_buffer = reinterpret_cast<char*>(e->plain_buffers.get());
+    return 0;
+  } catch (...) {
+    caught(td, "ibnbd iomem_alloc");
+    return 1;
+  }
+}
+
+void eng_iomem_free(thread_data* td) noexcept {
+  auto* e = engine_of(td);
+  if (e == nullptr) return;
+  e->buffers.reset();
+  e->plain_buffers.reset();
+}
+
+// The registration covering [p, p + len), or nullptr (then the copying variants are used).
+const ibtrs::RegisteredMemory* registration_of(const Engine& e, const void* p, size_t len) {
+  if (!e.buffers) return nullptr;
+  const auto* b = e.buffers->data();
+  const auto* q = static_cast<const std::byte*>(p);
+  return (q >= b && q + len <= b + e.buffers->size()) ? e.buffers.get() : nullptr;
+}
+
+fio_q_status eng_queue(thread_data* td, io_u* u) noexcept {
+  fio_ro_check(td, u);
+  auto* e = engine_of(td);
+  u->engine_data = e;
+  const ibnbd::IoDone done{on_done, u};
+  const uint64_t off = u->offset;
+  const auto len = static_cast<size_t>(u->xfer_buflen);
+  ibtrs::Status st;
+  try {
+    switch (u->ddir) {
+      case DDIR_READ:
+      case DDIR_WRITE: {
+        const auto* mem = registration_of(*e, u->xfer_buf, len);
+        auto* p = static_cast<std::byte*>(u->xfer_buf);
+        if (mem != nullptr) {
+          const ibtrs::IoSeg seg{u->xfer_buf, static_cast<uint32_t>(len), mem};
+          st = u->ddir == DDIR_READ ? e->dev->read(off, {&seg, 1}, done)
+                                    : e->dev->write(off, {&seg, 1}, 0, done);
+        } else {
+          st = u->ddir == DDIR_READ ? e->dev->read_copy(off, {p, len}, done)
+                                    : e->dev->write_copy(off, {p, len}, 0, done);
+        }
+        break;
+      }
+      case DDIR_SYNC:
+      case DDIR_DATASYNC:
+        st = e->dev->flush(done);
+        break;
+      case DDIR_TRIM:
+        st = e->dev->discard(off, len, done);
+        break;
+      default:
+        st = ibtrs::errc(EINVAL);
+        break;
+    }
+  } catch (const std::bad_alloc&) {
+    st = ibtrs::errc(ENOMEM);
+  } catch (...) {
+    st = ibtrs::errc(EIO);
+  }
+  if (!st) {
+    // Refused before anything was sent: the callback will not run.
+    u->error = static_cast<unsigned>(st.error().value());
+    return FIO_Q_COMPLETED;
+  }
+  return FIO_Q_QUEUED;
+}
+
+int getevents(Engine* e, unsigned int min, unsigned int max, const timespec* t) {
+  std::unique_lock lk(e->mu);
+  auto enough = [&] { return e->done.size() >= min; };
+  if (!enough()) {
+    e->waiting = true;
+    if (t != nullptr) {
+      const auto d = std::chrono::seconds(t->tv_sec) + std::chrono::nanoseconds(t->tv_nsec);
+      e->cv.wait_for(lk, d, enough);
+    } else {
+      e->cv.wait(lk, enough);
+    }
+    e->waiting = false;
+  }
+  // Hand over at most `max`, oldest first; the rest stays for the next call. Both vectors hold at
+  // most iodepth entries (reserved in init), so nothing here allocates.
+  e->events.clear();
+  const size_t n = std::min<size_t>(max, e->done.size());
+  e->events.assign(e->done.begin(), e->done.begin() + static_cast<std::ptrdiff_t>(n));
+  e->done.erase(e->done.begin(), e->done.begin() + static_cast<std::ptrdiff_t>(n));
+  return static_cast<int>(n);
+}
+
+int eng_getevents(thread_data* td, unsigned int min, unsigned int max, const timespec* t) noexcept {
+  try {
+    return getevents(engine_of(td), min, max, t);
+  } catch (...) {
+    // std::mutex and std::condition_variable may throw system_error; fio takes a negative
+    // errno as a failed wait.
+    return -caught(td, "ibnbd getevents");
+  }
+}
+
+io_u* eng_event(thread_data* td, int i) noexcept { return engine_of(td)->events[static_cast<size_t>(i)]; }
+
+// The device is opened by init; fio's per-file hooks have nothing left to do (fio calls
+// open_file without checking for NULL).
+int eng_open_file(thread_data*, fio_file*) noexcept { return 0; }
+int eng_close_file(thread_data*, fio_file*) noexcept { return 0; }
+
+ioengine_ops make_ops() {
+  ioengine_ops ops{};
+  ops.name = "ibnbd";
+  ops.version = FIO_IOOPS_VERSION;
+  // DISKLESSIO: the "file" is a remote device, not a path; NOEXTEND: its size is the device's;
+  // NODISKUTIL: no local disk to sample.
+  ops.flags = FIO_DISKLESSIO | FIO_NOEXTEND | FIO_NODISKUTIL;
+  ops.setup = eng_setup;
+  ops.init = eng_init;
+  ops.queue = eng_queue;
+  ops.getevents = eng_getevents;
+  ops.event = eng_event;
+  ops.cleanup = eng_cleanup;
+  ops.open_file = eng_open_file;
+  ops.close_file = eng_close_file;
+  ops.iomem_alloc = eng_iomem_alloc;
+  ops.iomem_free = eng_iomem_free;
+  ops.option_struct_size = sizeof(EngineOptions);
+  ops.options = g_options;
+  return ops;
+}
+
+ioengine_ops g_ops = make_ops();
+
+}  // namespace
+
+// fio looks this up by name (C++ engines cannot easily export a C ops struct under the engine's
+// file name); the only symbol the .so exports.
+extern "C" __attribute__((visibility("default"))) void get_ioengine(ioengine_ops** ops) {
+  *ops = &g_ops;
+}

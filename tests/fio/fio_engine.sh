@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# fio through the external ioengine (client/fio, libibnbd-fio.so) against ibnbd-server: a 64 MiB
+# file on tmpfs served over two loopback tcp listeners, one session per job with both paths.
+# Cases: random writes with crc32c verify, a read-only verify pass over what they wrote, a
+# trim job (trims then reads back zeroes through verify=pattern), and a read-only job refused a
+# write by the access mode. Each case checks fio's exit status and its JSON (no job error, IO
+# done). TAP-like output; exit 1 when anything failed, 77 only when the engine (or a daemon, or
+# fio/jq) is not built or installed.
+#
+#   bash tests/fio/fio_engine.sh BUILD_DIR        (ctest: fio_engine)
+set -u -o pipefail
+
+build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
+engine=$build/client/fio/libibnbd-fio.so
+[ -f "$engine" ] || {
+  echo "1..0 # SKIP $engine not built (IBNBD_FIO_ENGINE; scripts/fio-headers.sh gives the fio headers)"
+  exit 77
+}
+srv=$build/server/ibnbd-server
+[ -x "$srv" ] || { echo "1..0 # SKIP $srv not built"; exit 77; }
+for t in fio jq; do
+  command -v "$t" >/dev/null || { echo "1..0 # SKIP $t is missing (scripts/setup.sh installs it)"; exit 77; }
+done
+
+# The backing file on tmpfs: the test measures the engine and the stack, not a disk.
+work=$(mktemp -d /dev/shm/ibnbd-fio-test.XXXXXX)
+cd "$work" || exit 1  # fio writes its verify state files into the current directory
+srv_pid=""
+failed=0
+cleanup() {
+  [ -n "$srv_pid" ] && { kill "$srv_pid" 2>/dev/null; wait "$srv_pid" 2>/dev/null; }
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ok() { echo "ok - $1"; }
+not_ok() { echo "not ok - $1: $2"; failed=1; }
+wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
+
+mkdir -p export
+truncate -s 64M export/vol.img
+"$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+  --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
+srv_pid=$!
+wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
+mapfile -t addrs < <(sed -n 's/^listening //p' "$work/srv.ready")
+[ "${#addrs[@]}" = 2 ] || { echo "not ok - server listens on ${#addrs[@]} addresses, want 2"; exit 1; }
+paths="${addrs[0]},${addrs[1]}"
+
+# run_fio NAME EXPECT_RC [fio args...]: runs fio with the engine and JSON output into NAME.json.
+# Every run is bounded: a hung engine must fail the test, not stall it.
+run_fio() {
+  local name=$1 want=$2
+  shift 2
+  local rc=0
+  timeout -k 5 120 fio --output-format=json --output="$work/$name.json" --name="$name" \
+    --ioengine="external:$engine" --ibnbd_paths="$paths" --ibnbd_device=vol.img \
+    --ibnbd_session="fio-test-$name" "$@" >"$work/$name.out" 2>&1 || rc=$?
+  if [ "$rc" != "$want" ]; then
+    not_ok "$name: fio exit" "exit $rc, want $want: $(tail -5 "$work/$name.out")"
+    return 1
+  fi
+  return 0
+}
+# json_check NAME JQ_EXPR WHAT: the expression over NAME.json must be true.
+json_check() {
+  local name=$1 expr=$2 what=$3
+  if jq -e "$expr" "$work/$name.json" >/dev/null 2>&1; then ok "$name: $what"; else
+    not_ok "$name: $what" "$(jq -c '.jobs[] | {error, read: .read.io_bytes, write: .write.io_bytes, trim: .trim.io_bytes}' \
+      "$work/$name.json" 2>/dev/null || tail -5 "$work/$name.out")"
+  fi
+}
+
+# Case: 4 KiB random writes at QD16 over both paths, each block with a crc32c header, verified
+# by reading back after the write phase. Expect: exit 0, no job error, the whole device written
+# and read back.
+if run_fio randwrite-verify 0 --rw=randwrite --bs=4k --iodepth=16 --size=64M \
+  --verify=crc32c --verify_fatal=1 --do_verify=1; then
+  json_check randwrite-verify '.jobs[0].error == 0 and .jobs[0].write.io_bytes == 67108864 and .jobs[0].read.io_bytes == 67108864' \
+    "64 MiB written and verified, no error"
+fi
+
+# Case: a separate read-only pass verifies the headers the first job left (fio checks crc32c and
+# offset of every block a read job reads when verify is set), in sequential reads by two jobs of
+# one half each: two more sessions, both ro. Expect: exit 0, no error, 2 x 32 MiB read.
+if run_fio readonly-verify 0 --rw=read --bs=4k --iodepth=8 --numjobs=2 --offset_increment=32M \
+  --size=32M --ibnbd_mode=ro --verify=crc32c --verify_fatal=1; then
+  json_check readonly-verify '[.jobs[] | .error == 0 and .read.io_bytes == 33554432] | all' \
+    "both jobs verified 32 MiB, no error"
+fi
+
+# Case: trims of the whole device in random 64 KiB ranges, then a read-back verified against a
+# zero pattern: the server punches holes in the tmpfs file, which read as zeroes. Expect: exit 0,
+# no error, 64 MiB trimmed and every byte zero.
+if run_fio trim 0 --rw=randtrim --bs=64k --iodepth=8 --size=64M; then
+  json_check trim '.jobs[0].error == 0 and .jobs[0].trim.io_bytes == 67108864' "64 MiB trimmed, no error"
+fi
+if run_fio after-trim 0 --rw=read --bs=1m --iodepth=4 --size=64M --ibnbd_mode=ro \
+  --verify=pattern --verify_pattern=0 --verify_fatal=1; then
+  json_check after-trim '.jobs[0].error == 0' "trimmed device reads back as zeroes"
+fi
+
+# Case: a flush every 8 writes (fio's fsync=8 is DDIR_SYNC, the engine's FLUSH). Expect: exit 0,
+# no error, fio counts the syncs.
+if run_fio flush 0 --rw=randwrite --bs=4k --iodepth=4 --size=4M --fsync=8; then
+  json_check flush '.jobs[0].error == 0 and .jobs[0].sync.total_ios > 0' "flushes completed, no error"
+fi
+
+# Case: a write job that asks for ro. Expect: fio fails the job (exit 1) with EPERM from the
+# library, and nothing hangs.
+if run_fio ro-write 1 --rw=write --bs=4k --iodepth=2 --size=1M --ibnbd_mode=ro; then
+  json_check ro-write '.jobs[0].error == 1' "a write in ro mode fails with EPERM"
+fi
+
+# Case: a device the server does not have. Expect: fio exits 1 (the engine's setup fails), no hang.
+run_fio missing-device 1 --rw=read --bs=4k --size=1M --ibnbd_device=nope.img && ok "a missing device fails the job"
+
+exit $failed
