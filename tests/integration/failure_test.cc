@@ -17,22 +17,6 @@ using ibtrs::IoSeg;
 
 class Failures : public Rig {
  protected:
-  // The file (tmpfs unless said otherwise), the server on two endpoints, a session of two
-  // paths and the device mapped rw.
-  std::shared_ptr<RemoteDevice> bring_up(const std::string& tag, Store store = Store::buffered,
-                                         BlockSessionOptions* opts = nullptr) {
-    ExportFile& f = make_file(store);
-    if (!f.ok()) {
-      skip_ = f.why();
-      return nullptr;
-    }
-    make_endpoints(tag);
-    start_server();
-    if (server_ == nullptr) return nullptr;
-    if (open_session(opts != nullptr ? *opts : session_options()) == nullptr) return nullptr;
-    return map_rw();
-  }
-
   uint64_t failovered() {
     uint64_t n = 0;
     for (auto& p : session().transport().paths()) n += p.stats.failovered;
@@ -44,8 +28,6 @@ class Failures : public Rig {
     EXPECT_EQ(verify_device(d, session(), m), "");
     EXPECT_EQ(verify_file(file(), m), "");
   }
-
-  std::string skip_;
 };
 
 // Case: a random verified load with 16 requests in flight over two paths; the 300th
@@ -55,7 +37,7 @@ class Failures : public Rig {
 // remap); the broken path reconnects by itself; the device and the file equal the model.
 TEST_F(Failures, OnePathCutByAFaultMidLoad) {
   if (g_kind != ibtrs::FabricKind::loopback) GTEST_SKIP() << "fault injection needs loopback";
-  auto d = bring_up("cut");
+  auto d = bring_up("cut", Store::buffered);
   if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
   Model m(d->size_bytes(), d->geometry().logical_block_size);
@@ -90,7 +72,7 @@ TEST_F(Failures, OnePathCutByAFaultMidLoad) {
 // stays connected; the path carries IO again after its reconnect; the device and the file
 // equal the model.
 TEST_F(Failures, OnePathDisconnectedMidLoadAndBack) {
-  auto d = bring_up("disc");
+  auto d = bring_up("disc", Store::buffered);
   if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
   Model m(d->size_bytes(), d->geometry().logical_block_size);
@@ -133,15 +115,10 @@ TEST_F(Failures, OnePathDisconnectedMidLoadAndBack) {
 // event), and
 // every read matches the model; the device and the file equal the model.
 TEST_F(Failures, AllPathsDownAndBackWithIoInFlight) {
-  ExportFile& f = make_file(Store::buffered);
-  if (!f.ok()) GTEST_SKIP() << f.why();
-  make_endpoints("down");
-  start_server();
-  ASSERT_NE(server_, nullptr);
-  auto so = session_options();
-  so.transport.reconnect.delay = 300ms;  // room for requests submitted while down
-  ASSERT_NE(open_session(so), nullptr);
-  auto d = map_rw();
+  auto d = bring_up("down", Store::buffered, [](BlockSessionOptions& o) {
+    o.transport.reconnect.delay = 300ms;  // room for requests submitted while down
+  });
+  if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
   Model m(d->size_bytes(), d->geometry().logical_block_size);
   int went_down = 0;

@@ -22,7 +22,7 @@ class RawPeer {
     co.session_name = name;
     co.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
     co.io_threads = 1;
-    co.heartbeat = ibtrs::HeartbeatConfig{200ms, 5};
+    co.heartbeat = ibtrs::HeartbeatConfig{500ms, 6};
     auto s = ibtrs::ClientSession::open(co);
     EXPECT_TRUE(s.ok()) << s.error().message();
     if (!s.ok()) return nullptr;
@@ -241,13 +241,8 @@ class Hostile : public Rig {};
 // honest load completes every request with 0 and every read matches the model, with no remap;
 // the device and the file equal the model at the end.
 TEST_F(Hostile, GarbageIsAnsweredWhileAnHonestClientKeepsVerifying) {
-  ExportFile& f = make_file(Store::direct);
-  if (!f.ok()) GTEST_SKIP() << f.why();
-  make_endpoints("hostile");
-  start_server();
-  ASSERT_NE(server_, nullptr);
-  ASSERT_NE(open_session(session_options()), nullptr);
-  auto d = map_rw();
+  auto d = bring_up("hostile", Store::direct);
+  if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
 
   auto peer = RawPeer::open(addrs()[1], "hostile");

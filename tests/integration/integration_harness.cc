@@ -610,7 +610,7 @@ BlockServerOptions Rig::server_options() const {
   o.transport.queue_depth = kQueueDepth;
   o.transport.chunk_size = kChunk;
   o.transport.io_threads = 2;
-  o.transport.heartbeat = ibtrs::HeartbeatConfig{200ms, 5};
+  o.transport.heartbeat = ibtrs::HeartbeatConfig{500ms, 6};
   o.dev_search_path = file_->root();
   return o;
 }
@@ -627,7 +627,7 @@ BlockSessionOptions Rig::session_options(const std::string& name) const {
   for (auto& a : eps_->addrs()) o.transport.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
   o.transport.io_threads = 2;
   o.transport.policy = ibtrs::MpPolicy::round_robin;
-  o.transport.heartbeat = ibtrs::HeartbeatConfig{200ms, 5};
+  o.transport.heartbeat = ibtrs::HeartbeatConfig{500ms, 6};
   o.transport.reconnect = ibtrs::ReconnectConfig{50ms, 50ms, 500ms, 10ms, -1};
   o.transport.connect_timeout = 3s;
   o.transport.pending_timeout = 15s;
@@ -654,6 +654,22 @@ std::shared_ptr<RemoteDevice> Rig::map_rw() {
   auto d = sess_->map(file_->name(), AccessMode::rw);
   EXPECT_TRUE(d.ok()) << "map: " << d.error().message();
   return d.ok() ? *d : nullptr;
+}
+
+std::shared_ptr<RemoteDevice> Rig::bring_up(const std::string& tag, Store store,
+                                             const std::function<void(BlockSessionOptions&)>& tune) {
+  ExportFile& f = make_file(store);
+  if (!f.ok()) {
+    skip_ = f.why();
+    return nullptr;
+  }
+  make_endpoints(tag);
+  start_server();
+  if (server_ == nullptr) return nullptr;
+  BlockSessionOptions o = session_options();
+  if (tune) tune(o);
+  if (open_session(std::move(o)) == nullptr) return nullptr;
+  return map_rw();
 }
 
 std::vector<std::string> Rig::server_paths(const std::string& name) {

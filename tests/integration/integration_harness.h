@@ -242,6 +242,13 @@ class Rig : public ::testing::Test {
   BlockSession& session() { return *sess_; }
   std::shared_ptr<RemoteDevice> map_rw();
 
+  // The whole stack of a scenario: the file in `store`, the server on two endpoints, a session
+  // (session_options(), changed by `tune` if given) and the device mapped rw. nullptr with skip_
+  // saying why when the store is not usable here; nullptr and a test failure when something
+  // else failed.
+  std::shared_ptr<RemoteDevice> bring_up(const std::string& tag, Store store,
+                                         const std::function<void(BlockSessionOptions&)>& tune = {});
+
   // The server's path names of session `name`.
   std::vector<std::string> server_paths(const std::string& name = "integ");
   // Number of device events of `kind` seen so far.
@@ -253,6 +260,7 @@ class Rig : public ::testing::Test {
   std::unique_ptr<BlockSession> sess_;
   std::mutex ev_mu_;
   std::vector<DeviceEvent> events_;
+  std::string skip_;
 };
 
 }  // namespace ibnbd::itest

@@ -13,28 +13,18 @@ using ibtrs::IoSeg;
 
 class Integrity : public Rig, public ::testing::WithParamInterface<Store> {
  protected:
-  // The file, the server on two endpoints, a session of two paths and the device mapped rw.
-  // Skips when the store is not usable here.
+  // Rig::bring_up, and the store is what it says: O_DIRECT on /var/tmp, buffered on tmpfs.
   std::shared_ptr<RemoteDevice> bring_up(const std::string& tag) {
-    ExportFile& f = make_file(GetParam());
-    if (!f.ok()) {
-      skip_ = f.why();
-      return nullptr;
-    }
-    make_endpoints(tag);
-    start_server();
-    if (server_ == nullptr) return nullptr;
-    if (open_session(session_options()) == nullptr) return nullptr;
-    auto d = map_rw();
+    auto d = Rig::bring_up(tag, GetParam());
     if (d == nullptr) return nullptr;
     auto devs = server().devices();
     EXPECT_EQ(devs.size(), 1u);
     if (!devs.empty() && devs[0].direct != (GetParam() == Store::direct)) {
       // The parameter would not test what it names.
       if (GetParam() == Store::direct) {
-        skip_ = "the filesystem of " + f.root() + " has no O_DIRECT";
+        skip_ = "the filesystem of " + file().root() + " has no O_DIRECT";
       } else {
-        ADD_FAILURE() << "tmpfs has no O_DIRECT, yet the server opened " << f.path() << " direct";
+        ADD_FAILURE() << "tmpfs has no O_DIRECT, yet the server opened " << file().path() << " direct";
       }
     }
     return d;
@@ -46,8 +36,6 @@ class Integrity : public Rig, public ::testing::WithParamInterface<Store> {
     for (auto& p : session().transport().paths()) out.emplace_back(p.stats.read_cnt, p.stats.write_cnt);
     return out;
   }
-
-  std::string skip_;
 };
 
 // Case: a seeded random mix of 3000 requests with up to 24 in flight on non-overlapping ranges:
