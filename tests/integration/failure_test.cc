@@ -157,7 +157,9 @@ class Restart : public Failures, public ::testing::WithParamInterface<Store> {};
 // through write_copy; up to 24 in flight. After 40 completions the BlockServer is destroyed with
 // writes in flight, and a new one is started on the same addresses (tcp: the same ports, held by
 // the test meanwhile; loopback: the same names and ports) exporting the same file; writes keep
-// being submitted meanwhile. The client reconnects and remaps on its own.
+// being submitted meanwhile. On loopback the old server's answers are held in the fabric for a
+// second before it goes, so they are lost with its connections. The client reconnects and remaps
+// on its own.
 // Expect:
 //  - every write completes exactly once (within the stall bound), with 0 or with one of
 //    ENOTCONN / ETIMEDOUT / ECONNABORTED / EIO: client.h promises nothing else for a request
@@ -171,9 +173,16 @@ class Restart : public Failures, public ::testing::WithParamInterface<Store> {};
 //    subset of its parts (client.h), so per block nothing else is possible;
 //  - every block no write touched still holds the old bytes (nothing went astray, e.g. with an
 //    old device id);
-//  - the session is connected again with the device remapped.
+//  - the session is connected again with the device remapped; on loopback, writes were re-sent
+//    to the new server, which answered ENODEV, and retried after the remap.
 TEST_P(Restart, ServerRestartWithWritesInFlight) {
-  auto d = bring_up("restart", GetParam());
+  // Short waits, so that the scenario stays bounded even if the remap never came: IO would then
+  // fail with ETIMEDOUT / ENOTCONN after 5 s, which the checks below allow.
+  auto d = bring_up("restart", GetParam(), [](BlockSessionOptions& o) {
+    o.remap_timeout = 5s;
+    o.transport.pending_timeout = 5s;
+    o.control_timeout = 3s;
+  });
   if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
   const uint32_t block = d->geometry().logical_block_size;
@@ -261,8 +270,20 @@ TEST_P(Restart, ServerRestartWithWritesInFlight) {
     if (completed >= 40 && !restarter.joinable()) {
       inflight_at_restart = inflight;
       restarting.store(true);
-      restarter = std::thread([this, &restarting] {
-        server_.reset();  // graceful: answers (to nobody) what it has, syncs and closes the file
+      // Loopback: the old server's answers stay in the fabric for a second, so that they are
+      // lost with its connections and the client re-sends those writes to the new server.
+      const uint64_t hold = g_kind != ibtrs::FabricKind::loopback
+                                ? 0
+                                : lb::faults().add(lb::FaultRule{.action = lb::FaultAction::delay,
+                                                                 .opcode = ibtrs::fabric::Opcode::write_with_imm,
+                                                                 .endpoint = "",
+                                                                 .direction = lb::Direction::to_client,
+                                                                 .skip = 0,
+                                                                 .count = 0,
+                                                                 .delay = 1s});
+      restarter = std::thread([this, &restarting, hold] {
+        server_.reset();  // graceful: serves what it has (answers to nobody), syncs, closes the file
+        if (hold != 0) lb::faults().remove(hold);
         auto s = BlockServer::start(server_options());
         EXPECT_TRUE(s.ok()) << "restart on the same addresses: " << s.error().message();
         if (s.ok()) server_ = std::move(*s);
@@ -290,6 +311,10 @@ TEST_P(Restart, ServerRestartWithWritesInFlight) {
   EXPECT_TRUE(wait_until([&] { return session().state() == SessionState::connected; }));
   EXPECT_GE(d->stats().remaps, 1u);
   EXPECT_EQ(d->state(), DeviceState::open);
+  if (g_kind == ibtrs::FabricKind::loopback) {
+    EXPECT_GT(d->stats().enodev_retries, 0u)
+        << "writes the old server never answered reached the new one, which did not know the id";
+  }
 
   const std::set<int> clean = {ENOTCONN, ETIMEDOUT, ECONNABORTED, EIO};
   const std::vector<std::byte> file_bytes = file().pread(0, static_cast<size_t>(d->size_bytes()));
