@@ -168,9 +168,10 @@ class Restart : public Failures, public ::testing::WithParamInterface<Store> {};
 //    the device: the server carried it out (it may have done so twice, old and new server, with
 //    the same bytes);
 //  - every block of a write that failed holds either the file's old bytes or the write's
-//    bytes, whole: each part is one pwrite of the server, which the old server finished before
-//    its destructor returned or never started, and a failed split write may have landed any
-//    subset of its parts (client.h), so per block nothing else is possible;
+//    bytes, whole: a server writes a part in full or not at all (the old one's destructor waits
+//    for the IO it started, and a short write is resubmitted for the rest; nothing crashes), and
+//    a failed split write may have landed any subset of its parts (client.h), so per block
+//    nothing else is possible;
 //  - every block no write touched still holds the old bytes (nothing went astray, e.g. with an
 //    old device id);
 //  - the session is connected again with the device remapped; on loopback, writes were re-sent

@@ -144,12 +144,6 @@ Model::Model(uint64_t size, uint32_t block)
   fill_pattern(bytes_.data(), bytes_.size(), 0, 0);
 }
 
-void Model::write(uint64_t off, const std::byte* p, size_t len) {
-  std::memcpy(bytes_.data() + off, p, len);
-  std::fill(known_.begin() + static_cast<ptrdiff_t>(off / block_),
-            known_.begin() + static_cast<ptrdiff_t>((off + len) / block_), true);
-}
-
 void Model::write_pattern(uint64_t off, size_t len, uint64_t version) {
   fill_pattern(bytes_.data() + off, len, off, version);
   std::fill(known_.begin() + static_cast<ptrdiff_t>(off / block_),

@@ -106,13 +106,11 @@ class Model {
   Model(uint64_t size, uint32_t block);
   uint64_t size() const { return bytes_.size(); }
   uint32_t block() const { return block_; }
-  void write(uint64_t off, const std::byte* p, size_t len);
   void write_pattern(uint64_t off, size_t len, uint64_t version);
   void zero(uint64_t off, size_t len);
   void forget(uint64_t off, size_t len);
   // "" when `got` (the device's bytes at `off`) matches every known block, else what differs.
   std::string check(uint64_t off, const std::byte* got, size_t len) const;
-  const std::byte* data() const { return bytes_.data(); }
 
  private:
   std::vector<std::byte> bytes_;
