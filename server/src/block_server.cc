@@ -244,7 +244,10 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   void submit_io(Sess& s, ServerRequest& r, const proto::Carrier& carrier) {
     auto io = proto::decode_io(r.usr(), carrier);
     if (!io.ok()) return r.complete(io.error().value());
-    if (s.version.load(std::memory_order_relaxed) == 0) return r.complete(EPROTO);
+    // No version check: before SESS_INFO no device is open, so such IO gets ENODEV below like
+    // any unknown id. It is what a restarted server (or one that dropped the session's last
+    // path) receives first -- the client's transport re-sends its requests in flight before the
+    // client's SESS_INFO -- and ENODEV is the answer the client remaps and retries on.
     if (io->device_id >= opts.max_devices_per_session || r.chunk_id() >= s.nctx)
       return r.complete(ENODEV);
     Slot& slot = s.slots[io->device_id];

@@ -231,6 +231,25 @@ TEST_F(BlockServerTest, BadOpensAreRefused) {
   EXPECT_EQ(p.open_dev("inside-link", AccessMode::ro, &rsp), 0) << "a relative link inside is fine";
 }
 
+// Case: IO in a session that has not sent SESS_INFO yet -- what a restarted server (or one that
+// dropped every path of a session) receives first: the client's transport re-sends the
+// requests that were in flight as soon as a path is back, before the client's SESS_INFO.
+// Expect: ENODEV, as for any id this session never opened (no device can be open before
+// SESS_INFO): the answer the client library remaps and retries on (client.h). EPROTO would fail
+// the request for good. After SESS_INFO and OPEN the same request succeeds.
+TEST_F(BlockServerTest, IoBeforeSessInfoIsAnUnknownDevice) {
+  start();
+  Peer& p = peer("early", false);
+  EXPECT_EQ(p.io(0, IoOp::read, 0, 4096), ENODEV);
+  fill(p, 0, 4096, 5);
+  EXPECT_EQ(p.io(0, IoOp::write, 0, 4096), ENODEV);
+  EXPECT_EQ(p.io(3, IoOp::flush, 0, 0), ENODEV);
+  ASSERT_EQ(p.sess_info(), 0);
+  proto::OpenRsp rsp;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::rw, &rsp), 0);
+  EXPECT_EQ(p.io(rsp.device_id, IoOp::write, 0, 4096), 0);
+}
+
 // Case: several sessions open one device in different modes. Expect: ro always; a second rw is
 // EBUSY; migration while fewer than two write; ro holders may not write (EPERM); a re-open by
 // the same session returns the same id; listings name the holders.
