@@ -38,6 +38,7 @@ const char kUsage[] =
     "         serves the mapped device over NBD (tcp: loopback only unless 'remote'; port 0 picks\n"
     "         one) | unexport <device> | exports\n"
     "  session list | show <session> | reconnect <session> | disconnect <session>\n"
+    "  session recover [<session>]   reconnect paths that are down, re-open closed devices\n"
     "  path list [<session>] | add <session> <path> | delete <session> <path>\n"
     "       | reconnect <session> <path> | disconnect <session> <path>\n"
     "server:\n"
@@ -344,6 +345,8 @@ int run_client(const Cli& c) {
   } else if (c.object == "device" && cmd != "list") {
     req["device"] = c.arg(0, "<device>");
     if (cmd == "unmap" && c.args.size() > 1) req["force"] = c.args[1] == "force";
+  } else if (cmd == "recover") {
+    if (!c.args.empty()) req["session"] = c.args[0];
   } else if (c.object == "session" && cmd != "list") {
     req["session"] = c.arg(0, "<session>");
   } else if (c.object == "path" && cmd == "list") {

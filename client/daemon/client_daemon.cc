@@ -197,6 +197,28 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
     if (cmd == "nbd_list") return nbd_list(req);
     if (cmd == "path_add" || cmd == "path_delete" || cmd == "path_disconnect" || cmd == "path_reconnect")
       return path_op(req, cmd.substr(5));
+    if (cmd == "session_recover" || cmd == "device_recover" || cmd == "path_recover") {
+      // The rnbd tool's recover: reconnect every path that is not up and re-open every device
+      // a failed remap left closed, in one session or in all.
+      const std::string only = req.contains("session") ? str_arg(req, "session") : "";
+      if (!only.empty() && find_session(only) == nullptr) return err(ENOENT, "no session " + only);
+      json done = json::array();
+      for (auto& [n, s] : sessions_) {
+        if (!only.empty() && n != only) continue;
+        for (auto& p : s.s->transport().paths()) {
+          if (p.state == ibtrs::ClientPathState::connected) continue;
+          auto st = s.s->transport().reconnect_path(p.name);
+          done.push_back({{"path", p.name}, {"ok", st.ok()}});
+        }
+        for (auto& d : s.s->devices()) {
+          if (d->state() != DeviceState::closed) continue;
+          auto st = s.s->remap(d->name());
+          done.push_back({{"device", d->name()}, {"ok", st.ok()}});
+        }
+      }
+      return {{"ok", true}, {"recovered", done},
+              {"message", std::to_string(done.size()) + " path(s) or device(s) recovered"}};
+    }
     if (cmd == "session_reconnect") {
       Sess* s = find_session(str_arg(req, "session"));
       if (s == nullptr) return err(ENOENT, "no session " + str_arg(req, "session"));

@@ -103,6 +103,12 @@ expect "path reconnect" 0 c path reconnect t1 "$p0"
 uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
 [ "$uu" = UU ] && ok "both paths up again" || not_ok "both paths up again" "path_uu $uu"
 
+# Case: a path is down and the admin asks to recover. Expect: every path up again.
+expect "path disconnect again" 0 c path disconnect t1 "$p0"
+expect "session recover" 0 c session recover t1
+uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
+[ "$uu" = UU ] && ok "recover brought the path back" || not_ok "recover brought the path back" "path_uu $uu"
+
 # Case: the server side sees the session and the device; the admin force-closes it.
 # Expect: client IO fails, a remap brings it back, IO works again.
 sn=$(s -f json session list | jq -r '.[0].sessname')
