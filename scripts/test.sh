@@ -55,7 +55,9 @@ stage host host_tests build
 stage vm ctest --test-dir build -L '^vm$' --output-on-failure --timeout 900
 stage asan bash -c "$(declare -f configure_build host_tests); jobs=$jobs; configure_build build-asan -DIBTRS_SANITIZE=address -DIBTRS_RDMA=ON && host_tests build-asan '^(rdma|vm|netns)\$'"
 stage tsan bash -c "$(declare -f configure_build host_tests); jobs=$jobs; configure_build build-tsan -DIBTRS_SANITIZE=thread -DIBTRS_RDMA=ON && host_tests build-tsan '^(rdma|vm|netns)\$'"
-stage fuzz bash -c "$(declare -f configure_build); jobs=$jobs; CXX=clang++ configure_build build-fuzz -DIBTRS_FUZZ=ON -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON && ctest --test-dir build-fuzz -L fuzz --output-on-failure"
+# The fuzz stage builds only what it runs: clang 14 (bookworm) lacks C++20 pieces some tests
+# use (structured bindings captured by lambdas), and every other stage builds all with g++.
+stage fuzz bash -c "CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DIBTRS_WERROR=ON -DIBTRS_FUZZ=ON -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON >build-fuzz.configure.log 2>&1 && ninja -C build-fuzz -j $jobs fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto && ctest --test-dir build-fuzz -L fuzz --output-on-failure"
 
 echo
 if [ "$failed" -ne 0 ]; then
