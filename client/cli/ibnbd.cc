@@ -19,9 +19,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ibnbd/types.h"
 #include "output.h"
 
 namespace {
+
+using ibnbd::parse_size;
 
 using nlohmann::json;
 using namespace ibnbd::cli;
@@ -55,21 +58,6 @@ const char kUsage[] =
 [[noreturn]] void fail(int code, const std::string& msg) {
   std::fprintf(stderr, "ibnbd: %s\n", msg.c_str());
   std::exit(code);
-}
-
-std::optional<uint64_t> parse_size(const std::string& s) {
-  uint64_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p == s.data()) return std::nullopt;
-  std::string unit(p, s.data() + s.size());
-  int shift = 0;
-  if (unit.empty() || unit == "B") shift = 0;
-  else if (unit == "K" || unit == "k") shift = 10;
-  else if (unit == "M") shift = 20;
-  else if (unit == "G") shift = 30;
-  else if (unit == "T") shift = 40;
-  else return std::nullopt;
-  return v << shift;
 }
 
 bool progress_shown = false;

@@ -24,6 +24,8 @@
 
 namespace {
 
+using ibnbd::parse_size;
+
 using nlohmann::json;
 
 const char kUsage[] =
@@ -42,21 +44,6 @@ const char kUsage[] =
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "ibnbd-server: %s\n", msg.c_str());
   std::exit(2);
-}
-
-std::optional<uint64_t> parse_size(std::string_view s) {
-  uint64_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p == s.data()) return std::nullopt;
-  std::string_view unit(p, static_cast<size_t>(s.data() + s.size() - p));
-  int shift = 0;
-  if (unit == "" || unit == "B") shift = 0;
-  else if (unit == "K" || unit == "KiB" || unit == "k") shift = 10;
-  else if (unit == "M" || unit == "MiB") shift = 20;
-  else if (unit == "G" || unit == "GiB") shift = 30;
-  else return std::nullopt;
-  if (shift && v > (UINT64_MAX >> shift)) return std::nullopt;
-  return v << shift;
 }
 
 struct Config {

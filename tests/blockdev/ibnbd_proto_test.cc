@@ -580,3 +580,22 @@ TEST(IbnbdText, AccessModes) {
 
 }  // namespace
 }  // namespace ibnbd::proto
+
+namespace ibnbd {
+namespace {
+// Case: sizes as admins type them (CLI, daemon config). Expect: binary units, nothing for
+// unknown units or overflow.
+TEST(ParseSize, BinaryUnitsAndRefusals) {
+  EXPECT_EQ(parse_size("4096"), 4096u);
+  EXPECT_EQ(parse_size("4K"), 4096u);
+  EXPECT_EQ(parse_size("128KiB"), 131072u);
+  EXPECT_EQ(parse_size("2M"), 2u << 20);
+  EXPECT_EQ(parse_size("1G"), 1u << 30);
+  EXPECT_EQ(parse_size("3T"), uint64_t{3} << 40);
+  EXPECT_FALSE(parse_size("").has_value());
+  EXPECT_FALSE(parse_size("12X").has_value());
+  EXPECT_FALSE(parse_size("M").has_value());
+  EXPECT_FALSE(parse_size("99999999999999T").has_value()) << "overflows 64 bits";
+}
+}  // namespace
+}  // namespace ibnbd
