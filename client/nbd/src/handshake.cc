@@ -221,12 +221,11 @@ void NbdServer::Impl::handle_info(Conn& c, uint32_t opt, const std::byte* data, 
   if (size_t{4} + name_len + 2 + size_t{2} * nreq != len)
     return option_error(c, opt, kRepErrInvalid, "bad number of information requests");
   if (!valid_string(name)) return option_error(c, opt, kRepErrInvalid, "bad export name");
-  bool want_name = false, want_block_size = false, want_description = false;
+  bool want_name = false, want_description = false;  // block sizes are always sent
   for (uint16_t i = 0; i < nreq; ++i) {
     // "The server MUST ignore any information requests it does not understand."
     switch (rd16(data + 4 + name_len + 2 + 2 * size_t{i})) {
       case kInfoName: want_name = true; break;
-      case kInfoBlockSize: want_block_size = true; break;
       case kInfoDescription: want_description = true; break;
       default: break;
     }
@@ -234,14 +233,11 @@ void NbdServer::Impl::handle_info(Conn& c, uint32_t opt, const std::byte* data, 
   auto [n, e] = find_export(name);
   if (e == nullptr) return option_error(c, opt, kRepErrUnknown, "no such export");
   const ExportInfo info = e->info();
-  // Requests must be aligned to min_block: we cannot read-modify-write smaller ones. A client
-  // that does not ask for block sizes is expected to use 512-byte alignment (the spec's advice
-  // for maximum interoperability), so only a larger minimum needs the client to have asked
-  // ("the server MAY ... reply NBD_REP_ERR_BLOCK_SIZE_REQD").
-  if (opt == kOptGo && !want_block_size && info.min_block > 512)
-    return option_error(c, opt, kRepErrBlockSizeReqd,
-                        "this export needs " + std::to_string(info.min_block) +
-                            "-byte alignment: request NBD_INFO_BLOCK_SIZE");
+  // Requests must be aligned to min_block: there is no read-modify-write, a misaligned request
+  // fails with EINVAL (nothing is written). A GO that did not ask for block sizes is still
+  // accepted (the spec lets the server refuse it with NBD_REP_ERR_BLOCK_SIZE_REQD): the kernel's
+  // nbd-client never asks, aligns to its -b block size, and could not use a 4 KiB volume at all
+  // otherwise. NBD_OPT_EXPORT_NAME clients are served the same way.
   if (want_name) {
     std::string p(2, '\0');
     be16 t;
