@@ -1,0 +1,17 @@
+# client/migrate: migration images on IBNBD volumes (docs/migration-image.md) — the on-volume
+# format, the image store / writer / reader, and the Volume over a mapped device.
+add_library(ibnbd_migrate STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/src/crc32c.cc
+  ${CMAKE_CURRENT_LIST_DIR}/src/image_format.cc
+  ${CMAKE_CURRENT_LIST_DIR}/src/image_store.cc
+  ${CMAKE_CURRENT_LIST_DIR}/src/qemu_stream.cc
+  ${CMAKE_CURRENT_LIST_DIR}/src/device_volume.cc
+)
+target_include_directories(ibnbd_migrate PUBLIC ${CMAKE_CURRENT_LIST_DIR}/include
+  PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src)
+target_link_libraries(ibnbd_migrate PUBLIC ibnbd_client Threads::Threads
+  PRIVATE ibtrs_internal ibtrs_build_flags)
+# The on-volume structs, for the project's own tests.
+add_library(ibnbd_migrate_internal INTERFACE)
+target_include_directories(ibnbd_migrate_internal INTERFACE ${CMAKE_CURRENT_LIST_DIR}/src)
+target_link_libraries(ibnbd_migrate_internal INTERFACE ibnbd_migrate ibtrs_internal)
