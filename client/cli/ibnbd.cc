@@ -48,6 +48,8 @@ const char kUsage[] =
     "  session list | show <session>\n"
     "  device list | show <device> | force-close <device> <session>\n"
     "  path list [<session>] | disconnect <session> <path>\n"
+    "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
+    "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
     "\n"
     "options:\n"
     "  --format table|json|csv   (-f)    --units B|K|M|G|T|P|E|auto   (-u)\n"
@@ -352,7 +354,27 @@ int run_client(const Cli& c) {
 
 }  // namespace
 
+// `ibnbd migrate ...` is the migration agent, a program of its own (it holds an IBNBD session
+// itself instead of talking to a daemon): next to this binary in an install, in the build tree's
+// client/migrate/, else on PATH.
+[[noreturn]] void exec_migrate(char** argv) {
+  std::string self(4096, '\0');
+  const ssize_t n = ::readlink("/proc/self/exe", self.data(), self.size() - 1);
+  if (n > 0) {
+    self.resize(static_cast<size_t>(n));
+    const std::string dir = self.substr(0, self.rfind('/'));
+    for (const std::string& p : {dir + "/ibnbd-migrate", dir + "/../migrate/ibnbd-migrate"})
+      if (::access(p.c_str(), X_OK) == 0) ::execv(p.c_str(), argv);
+  }
+  ::execvp("ibnbd-migrate", argv);
+  fail(2, std::string("cannot run ibnbd-migrate: ") + std::strerror(errno));
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string_view(argv[1]) == "migrate") {
+    argv[1] = const_cast<char*>("ibnbd-migrate");
+    exec_migrate(argv + 1);
+  }
   Cli c;
   std::vector<std::string> words;
   for (int i = 1; i < argc; ++i) {

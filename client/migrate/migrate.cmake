@@ -15,3 +15,8 @@ target_link_libraries(ibnbd_migrate PUBLIC ibnbd_client Threads::Threads
 add_library(ibnbd_migrate_internal INTERFACE)
 target_include_directories(ibnbd_migrate_internal INTERFACE ${CMAKE_CURRENT_LIST_DIR}/src)
 target_link_libraries(ibnbd_migrate_internal INTERFACE ibnbd_migrate ibtrs_internal)
+
+# The migration agent (QEMU's exec: / unix: peer; `ibnbd migrate ...` runs it).
+add_executable(ibnbd-migrate ${CMAKE_CURRENT_LIST_DIR}/agent/main.cc)
+target_link_libraries(ibnbd-migrate PRIVATE ibnbd_migrate ibtrs_build_flags)
+set_target_properties(ibnbd-migrate PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/migrate)

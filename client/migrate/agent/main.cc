@@ -1,0 +1,497 @@
+// ibnbd-migrate: the migration agent. Saves QEMU migration streams onto a remote volume as
+// images (docs/migration-image.md) and plays them back, over its own IBNBD session with every
+// path given (failover included). QEMU 7.2 uses it unchanged:
+//
+//   save:    migrate "exec:ibnbd-migrate save VOL from PATH... image NAME"        (stdin)
+//            ibnbd-migrate save VOL from PATH... image NAME unix SOCK [channels N] &
+//            migrate unix:SOCK                                   (listens; multifd: 1 + N)
+//   restore: qemu ... -incoming "exec:ibnbd-migrate restore VOL from PATH... image NAME"
+//            ibnbd-migrate restore VOL from PATH... image NAME unix SOCK
+//                                 (connects to QEMU's migrate-incoming unix:SOCK, main first)
+//   list | verify | delete: ibnbd-migrate list VOL from PATH...   (no QEMU)
+//
+// The volume is mapped `migration` for save and delete (a second writer beside the VM host
+// that holds it rw) and `ro` otherwise. Progress goes to stderr. Exit status: 0, or the errno
+// of the failure (1 for usage errors).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ibnbd/client.h"
+#include "ibnbd/migrate_image.h"
+#include "ibnbd/migrate_volume.h"
+#include "ibnbd/types.h"
+#include "ibtrs/path_spec.h"
+
+namespace {
+
+using namespace ibnbd;
+using namespace ibnbd::migrate;
+
+const char kUsage[] =
+    "usage: ibnbd-migrate save    VOLUME from PATH... image NAME [unix SOCKET [channels N]]\n"
+    "                             [max SIZE] [session NAME]\n"
+    "       ibnbd-migrate restore VOLUME from PATH... image NAME [unix SOCKET] [session NAME]\n"
+    "       ibnbd-migrate list    VOLUME from PATH... [session NAME]\n"
+    "       ibnbd-migrate verify  VOLUME from PATH... image NAME [session NAME]\n"
+    "       ibnbd-migrate delete  VOLUME from PATH... image NAME [session NAME]\n"
+    "  save reads the stream from stdin (QEMU exec:), or listens on SOCKET for QEMU's\n"
+    "  `migrate unix:SOCKET` (1 + N multifd channels); restore writes it to stdout (QEMU\n"
+    "  -incoming exec:) or connects to SOCKET (QEMU's `migrate-incoming unix:SOCKET`).\n"
+    "  PATH: [src@]dst as for `ibnbd client device map`, e.g. tcp:10.0.0.2 or rdma:10.0.0.2.\n";
+
+struct Args {
+  std::string cmd, volume, image, unix_path, session;
+  std::vector<ibtrs::PathSpec> paths;
+  uint32_t channels = 0;
+  uint64_t max_bytes = 0;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  std::fprintf(stderr, "ibnbd-migrate: %s\n%s", why.c_str(), kUsage);
+  std::exit(1);
+}
+
+Args parse(int argc, char** argv) {
+  if (argc < 2) usage("no command");
+  Args a;
+  a.cmd = argv[1];
+  if (a.cmd == "-h" || a.cmd == "--help") {
+    std::fputs(kUsage, stdout);
+    std::exit(0);
+  }
+  if (a.cmd != "save" && a.cmd != "restore" && a.cmd != "list" && a.cmd != "verify" && a.cmd != "delete")
+    usage("unknown command '" + a.cmd + "'");
+  if (argc < 3) usage("no volume");
+  a.volume = argv[2];
+  static const char* const kWords[] = {"from", "image", "unix", "channels", "max", "session"};
+  auto is_word = [](const std::string& w) {
+    return std::any_of(std::begin(kWords), std::end(kWords), [&](const char* k) { return w == k; });
+  };
+  for (int i = 3; i < argc;) {
+    const std::string w = argv[i++];
+    if (!is_word(w)) usage("unexpected '" + w + "'");
+    if (i >= argc) usage(w + " needs a value");
+    if (w == "from") {
+      for (; i < argc && !is_word(argv[i]); ++i) {
+        auto p = ibtrs::PathSpec::parse(argv[i]);
+        if (!p) usage(std::string("path '") + argv[i] + "': " + p.error().message());
+        a.paths.push_back(*p);
+      }
+    } else if (w == "image") {
+      a.image = argv[i++];
+    } else if (w == "unix") {
+      a.unix_path = argv[i++];
+    } else if (w == "session") {
+      a.session = argv[i++];
+    } else if (w == "channels") {
+      const std::string_view v(argv[i++]);
+      auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), a.channels);
+      if (ec != std::errc() || p != v.data() + v.size() || a.channels > kMaxStreams - 1)
+        usage("channels: 0.." + std::to_string(kMaxStreams - 1));
+    } else if (w == "max") {
+      auto s = parse_size(argv[i++]);
+      if (!s) usage("max: a size such as 4G");
+      a.max_bytes = *s;
+    }
+  }
+  if (a.paths.empty()) usage("from: at least one path");
+  if (a.cmd != "list" && a.image.empty()) usage("image NAME is needed");
+  if (a.channels > 0 && (a.cmd != "save" || a.unix_path.empty()))
+    usage("channels: only for save over a unix socket (restore finds them in the image)");
+  return a;
+}
+
+int fail(const std::string& what, std::error_code e, const std::string& detail = "") {
+  std::fprintf(stderr, "ibnbd-migrate: %s: %s%s%s\n", what.c_str(), e.message().c_str(),
+               detail.empty() ? "" : ": ", detail.c_str());
+  return e.value() > 0 && e.value() < 256 ? e.value() : 1;
+}
+
+std::string human(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f %s", bytes, units[u]);
+  return b;
+}
+
+// "saved 1.2 GiB at 850.0 MiB/s" or, with a known total, "... of 2.0 GiB, ETA 1 s".
+void report(const char* verb, const Progress& p, bool final) {
+  const double s = std::chrono::duration<double>(p.elapsed).count();
+  const double rate = s > 0 ? static_cast<double>(p.bytes) / s : 0;
+  std::string line = std::string(verb) + " " + human(static_cast<double>(p.bytes));
+  if (p.total) line += " of " + human(static_cast<double>(p.total));
+  line += " at " + human(rate) + "/s";
+  if (p.total && !final && rate > 0)
+    line += ", ETA " + std::to_string(static_cast<uint64_t>(static_cast<double>(p.total - p.bytes) / rate)) + " s";
+  if (final) {
+    char t[32];
+    std::snprintf(t, sizeof t, " in %.2f s", s);
+    line += t;
+  }
+  std::fprintf(stderr, "ibnbd-migrate: %s\n", line.c_str());
+}
+
+// A progress line per second from a thread beside the copy.
+class Ticker {
+ public:
+  Ticker(const char* verb, std::function<Progress()> get) : verb_(verb), get_(std::move(get)) {
+    t_ = std::thread([this] {
+      auto next = std::chrono::steady_clock::now();
+      while (!stop_.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (std::chrono::steady_clock::now() - next < std::chrono::seconds(1)) continue;
+        next = std::chrono::steady_clock::now();
+        report(verb_, get_(), false);
+      }
+    });
+  }
+  ~Ticker() {
+    stop_ = true;
+    t_.join();
+  }
+
+ private:
+  const char* verb_;
+  std::function<Progress()> get_;
+  std::atomic<bool> stop_{false};
+  std::thread t_;
+};
+
+Result<int> unix_listen(const std::string& path) {
+  sockaddr_un sa{};
+  if (path.size() >= sizeof sa.sun_path) return ibtrs::errc(ENAMETOOLONG);
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ibtrs::errc(errno);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());  // stale
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(fd, kMaxStreams) != 0) {
+    int e = errno;
+    ::close(fd);
+    return ibtrs::errc(e);
+  }
+  return fd;
+}
+
+Result<int> unix_connect(const std::string& path) {
+  sockaddr_un sa{};
+  if (path.size() >= sizeof sa.sun_path) return ibtrs::errc(ENAMETOOLONG);
+  sa.sun_family = AF_UNIX;
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ibtrs::errc(errno);
+  // QEMU may still be starting: retry for a while (bounded).
+  for (int i = 0; i < 100; ++i) {
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) return fd;
+    if (errno != ENOENT && errno != ECONNREFUSED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  int e = errno;
+  ::close(fd);
+  return ibtrs::errc(e);
+}
+
+// Reads one connection (or stdin) into `stream` of the image until EOF.
+Status pump_in(ImageWriter& w, uint32_t stream, int fd) {
+  for (;;) {
+    auto span = w.buffer(stream);
+    if (!span) return span.error();
+    ssize_t n = ::read(fd, span->data(), span->size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ibtrs::errc(errno);
+    if (n == 0) return {};
+    IBTRS_TRY(w.produced(stream, static_cast<size_t>(n)));
+  }
+}
+
+Status write_all(int fd, const std::byte* p, size_t n) {
+  while (n > 0) {
+    ssize_t k = ::write(fd, p, n);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) return ibtrs::errc(errno);
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return {};
+}
+
+// Which stream a save connection carries: the main stream starts with "QEVM"; a multifd channel
+// with its init packet (be32 magic 0x11223344, be32 version, 16-byte uuid, u8 channel id).
+Result<uint32_t> classify(int fd, std::vector<std::byte>& head) {
+  head.resize(25);
+  size_t got = 0;
+  while (got < 4) {
+    ssize_t n = ::recv(fd, head.data() + got, head.size() - got, 0);
+    if (n <= 0) return ibtrs::errc(n == 0 ? EPROTO : errno);
+    got += static_cast<size_t>(n);
+  }
+  auto be32 = [&](size_t at) {
+    uint32_t v = 0;
+    for (size_t i = 0; i < 4; ++i) v = (v << 8) | std::to_integer<uint32_t>(head[at + i]);
+    return v;
+  };
+  if (be32(0) == 0x5145564D) {
+    head.resize(got);
+    return 0u;
+  }
+  if (be32(0) != 0x11223344) return ibtrs::errc(EPROTO);
+  while (got < 25) {
+    ssize_t n = ::recv(fd, head.data() + got, head.size() - got, 0);
+    if (n <= 0) return ibtrs::errc(n == 0 ? EPROTO : errno);
+    got += static_cast<size_t>(n);
+  }
+  head.resize(got);
+  return 1u + std::to_integer<uint32_t>(head[24]);
+}
+
+int do_save(const Args& a, ImageStore& store) {
+  CreateOptions o;
+  o.name = a.image;
+  o.streams = 1 + a.channels;
+  o.max_bytes = a.max_bytes;
+  o.ring_chunks = std::max<uint32_t>(32, 4 * o.streams);
+  int listen_fd = -1;
+  if (!a.unix_path.empty()) {
+    auto l = unix_listen(a.unix_path);
+    if (!l) return fail("listen on " + a.unix_path, l.error());
+    listen_fd = *l;
+    std::fprintf(stderr, "ibnbd-migrate: waiting for QEMU on %s (%u stream%s)\n", a.unix_path.c_str(),
+                 o.streams, o.streams > 1 ? "s" : "");
+  }
+  auto w = store.create(o);
+  if (!w) return fail("image " + a.image, w.error(), store.last_error());
+  ImageWriter& writer = **w;
+  Status result;
+  {
+    Ticker tick("saved", [&] { return writer.progress(); });
+    if (listen_fd < 0) {
+      result = pump_in(writer, 0, STDIN_FILENO);
+    } else {
+      // Accept 1 + channels connections; each one's stream is found from its first bytes.
+      std::vector<std::thread> pumps;
+      std::vector<Status> results(o.streams);
+      std::vector<bool> taken(o.streams, false);
+      for (uint32_t i = 0; i < o.streams && result; ++i) {
+        int c = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+        if (c < 0) {
+          result = ibtrs::errc(errno);
+          break;
+        }
+        std::vector<std::byte> head;
+        auto s = classify(c, head);
+        if (!s || *s >= o.streams || taken[*s]) {
+          ::close(c);
+          result = ibtrs::errc(EPROTO);
+          std::fprintf(stderr, "ibnbd-migrate: connection %u is not a migration stream this save expects\n", i);
+          break;
+        }
+        taken[*s] = true;
+        pumps.emplace_back([&, c, s = *s, head = std::move(head)] {
+          Status r;
+          for (size_t at = 0; at < head.size() && r;) {
+            auto span = writer.buffer(s);
+            if (!span) {
+              r = span.error();
+              break;
+            }
+            const size_t n = std::min(span->size(), head.size() - at);
+            std::memcpy(span->data(), head.data() + at, n);
+            r = writer.produced(s, n);
+            at += n;
+          }
+          if (r) r = pump_in(writer, s, c);
+          ::close(c);
+          results[s] = r;
+        });
+      }
+      for (auto& t : pumps) t.join();
+      for (auto& r : results)
+        if (result && !r) result = r;
+      ::close(listen_fd);
+      ::unlink(a.unix_path.c_str());
+    }
+  }
+  if (!result) return fail("save " + a.image + " (the image stays PARTIAL)", result.error(), writer.last_error());
+  if (auto c = writer.commit(); !c) return fail("commit " + a.image, c.error(), writer.last_error());
+  report("saved", writer.progress(), true);
+  return 0;
+}
+
+// Plays `stream` of the image into fd; stops at the first bad chunk (the connection is then
+// closed early, and QEMU fails the load).
+Status pump_out(ImageReader& r, uint32_t stream, int fd, std::atomic<uint64_t>& done) {
+  auto sr = r.stream(stream);
+  if (!sr) return sr.error();
+  for (;;) {
+    auto p = (*sr)->next();
+    if (!p) {
+      std::fprintf(stderr, "ibnbd-migrate: %s\n", (*sr)->last_error().c_str());
+      return p.error();
+    }
+    if (p->empty()) return {};
+    IBTRS_TRY(write_all(fd, p->data(), p->size()));
+    done += p->size();
+  }
+}
+
+// Makes QEMU give up at once: over a socket, connect and close ("not a migration stream"); on
+// exec's stdout, bytes that are not a stream (an empty stream would leave QEMU waiting).
+void refuse(const Args& a) {
+  if (!a.unix_path.empty()) {
+    if (auto c = unix_connect(a.unix_path)) ::close(*c);
+  } else {
+    static const char kNot[] = "IBNBD: image refused\n";
+    (void)write_all(STDOUT_FILENO, reinterpret_cast<const std::byte*>(kNot), sizeof kNot - 1);
+  }
+}
+
+int do_restore(const Args& a, ImageStore& store) {
+  auto r = store.open_image(a.image);
+  if (!r) {
+    refuse(a);
+    return fail("image " + a.image + " refused", r.error(), store.last_error());
+  }
+  ImageReader& reader = **r;
+  const auto& info = reader.info();
+  const auto n = static_cast<uint32_t>(info.streams.size());
+  std::atomic<uint64_t> done{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  auto progress = [&] {
+    return Progress{done.load(), info.total_bytes(), std::chrono::steady_clock::now() - t0};
+  };
+  Status result;
+  {
+    Ticker tick("restored", progress);
+    if (a.unix_path.empty()) {
+      if (n != 1) {
+        refuse(a);
+        return fail("image " + a.image, ibtrs::errc(EINVAL), "it holds multifd channels: restore it over a unix socket");
+      }
+      result = pump_out(reader, 0, STDOUT_FILENO, done);
+    } else {
+      // Main first: QEMU takes the first connection as the main channel; the multifd channels
+      // then connect in their order, each fed by its own thread.
+      std::vector<int> fds;
+      for (uint32_t s = 0; s < n && result; ++s) {
+        auto c = unix_connect(a.unix_path);
+        if (!c) result = c.error();
+        else fds.push_back(*c);
+      }
+      std::vector<Status> results(fds.size());
+      std::vector<std::thread> pumps;
+      for (uint32_t s = 0; s < fds.size(); ++s)
+        pumps.emplace_back([&, s] {
+          results[s] = pump_out(reader, s, fds[s], done);
+          ::shutdown(fds[s], SHUT_WR);
+        });
+      for (auto& t : pumps) t.join();
+      for (int fd : fds) ::close(fd);
+      for (auto& x : results)
+        if (result && !x) result = x;
+    }
+  }
+  if (!result) return fail("restore " + a.image, result.error());
+  report("restored", progress(), true);
+  return 0;
+}
+
+std::string uuid_string(const std::array<uint8_t, 16>& u) {
+  char b[37];
+  std::snprintf(b, sizeof b, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+  return b;
+}
+
+std::string time_string(std::chrono::system_clock::time_point t) {
+  if (t.time_since_epoch().count() == 0) return "-";
+  const std::time_t tt = std::chrono::system_clock::to_time_t(t);
+  std::tm tm{};
+  ::gmtime_r(&tt, &tm);
+  char b[32];
+  std::strftime(b, sizeof b, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return b;
+}
+
+int do_list(ImageStore& store) {
+  auto l = store.list();
+  if (!l) return fail("list", l.error(), store.last_error());
+  std::printf("%-20s %-9s %10s %7s %6s %-20s %-36s %-20s %s\n", "image", "state", "bytes", "streams",
+              "zero", "machine", "vm_uuid", "committed", "problem");
+  for (const auto& i : *l)
+    std::printf("%-20s %-9s %10" PRIu64 " %7zu %6" PRIu64 " %-20s %-36s %-20s %s\n", i.name.c_str(),
+                std::string(to_string(i.state)).c_str(), i.total_bytes(), i.streams.size(), i.zero_chunks,
+                i.machine_type.empty() ? "-" : i.machine_type.c_str(), uuid_string(i.vm_uuid).c_str(),
+                time_string(i.committed).c_str(), i.problem.c_str());
+  return 0;
+}
+
+int do_verify(const Args& a, ImageStore& store) {
+  auto r = store.open_image(a.image);
+  if (!r) return fail("image " + a.image, r.error(), store.last_error());
+  Progress last;
+  auto v = (*r)->verify([&](const Progress& p) { last = p; });
+  if (!v) return fail("verify " + a.image, v.error(), (*r)->last_error());
+  report("verified", last, true);
+  std::printf("%s: ok (%" PRIu64 " bytes in %zu stream%s)\n", a.image.c_str(), (*r)->info().total_bytes(),
+              (*r)->info().streams.size(), (*r)->info().streams.size() > 1 ? "s" : "");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  ::signal(SIGPIPE, SIG_IGN);  // a closed QEMU socket is an error return, not a death
+  BlockSessionOptions o;
+  o.transport.session_name = a.session.empty() ? "migrate-" + std::to_string(::getpid()) : a.session;
+  o.transport.paths = a.paths;
+  o.bounce_slots = 0;  // chunks move from the image's registered rings
+  auto s = BlockSession::open(std::move(o));
+  if (!s) return fail("session", s.error());
+  const bool writes = a.cmd == "save" || a.cmd == "delete";
+  auto dev = (*s)->map(a.volume, writes ? AccessMode::migration : AccessMode::ro);
+  if (!dev) {
+    if (a.cmd == "restore") refuse(a);
+    return fail("map " + a.volume, dev.error());
+  }
+  auto vol = device_volume(**s, *dev);
+  if (!vol) return fail("volume", vol.error());
+  auto store = ImageStore::open(**vol);
+  if (!store) {
+    if (a.cmd == "restore") refuse(a);
+    return fail("images on " + a.volume, store.error());
+  }
+  int rc = 0;
+  if (a.cmd == "save") rc = do_save(a, **store);
+  else if (a.cmd == "restore") rc = do_restore(a, **store);
+  else if (a.cmd == "list") rc = do_list(**store);
+  else if (a.cmd == "verify") rc = do_verify(a, **store);
+  else if (auto d = (*store)->remove(a.image); !d) rc = fail("delete " + a.image, d.error(), (*store)->last_error());
+  store->reset();
+  vol->reset();
+  (void)(*s)->unmap(a.volume);
+  return rc;
+}
