@@ -1,5 +1,6 @@
 #include "client_daemon.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -327,8 +328,14 @@ json ClientDaemon::device_map(const json& req) {
   return device_list(json{{"device", dev}}, true);
 }
 
-ublk::UblkOptions ClientDaemon::ublk_options(uint16_t queue_depth) const {
+ublk::UblkOptions ClientDaemon::ublk_options(const RemoteDevice& d, uint16_t queue_depth) const {
   ublk::UblkOptions o;
+  // A block request as large as one transport request of the device (one chunk, 128 KiB by
+  // default), so each is one RDMA transfer straight from its tag's buffer: larger ones are
+  // split by the block layer, not by the library, and the registered memory stays small
+  // (queues x depth x this: 2 x 128 x 128 KiB = 32 MiB). Page multiple (the driver's unit),
+  // at least a page, at most o.max_io_bytes.
+  o.max_io_bytes = std::clamp(d.max_part_bytes() / 4096 * 4096, 4096u, o.max_io_bytes);
   // One queue per IO thread of the session (the transport's default when not set); the driver
   // clamps it to the CPUs.
   const uint32_t threads =
@@ -342,7 +349,7 @@ ublk::UblkOptions ClientDaemon::ublk_options(uint16_t queue_depth) const {
 
 json ClientDaemon::ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                               uint16_t queue_depth) {
-  auto u = ublk::UblkDevice::create(d, *s.s, ublk_options(queue_depth));
+  auto u = ublk::UblkDevice::create(d, *s.s, ublk_options(*d, queue_depth));
   if (!u.ok()) {
     if (u.error() == std::errc::no_such_device && ::access(opts_.ublk_control.c_str(), F_OK) != 0)
       return err(ENODEV, "ublk: ublk_drv not loaded (no " + opts_.ublk_control + "; modprobe ublk_drv)");
@@ -417,7 +424,7 @@ json ClientDaemon::recover_ublk() {
       fail("map " + r.device + ": " + d.error().message(), false);
       continue;
     }
-    auto u = ublk::UblkDevice::recover(r.ublk_id, *d, *(*s)->s, ublk_options(opts_.ublk_queue_depth));
+    auto u = ublk::UblkDevice::recover(r.ublk_id, *d, *(*s)->s, ublk_options(**d, opts_.ublk_queue_depth));
     if (!u.ok()) {
       (void)(*s)->s->unmap(r.device, UnmapMode::force);
       if ((*s)->s->devices().empty()) sessions_.erase(r.session);
@@ -463,10 +470,18 @@ json ClientDaemon::device_unmap(const json& req) {
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   d.reset();
+  const bool force = req.value("force", false);
+  if (auto it = ublk_.find(dev); it != ublk_.end() && !force) {
+    // As rnbd refuses to unmap an opened device: a mounted filesystem (or any exclusive opener)
+    // would lose its disk. O_EXCL on a block device fails with EBUSY while one holds it.
+    const std::string bdev = it->second.dev->block_path();
+    const int fd = ::open(bdev.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC);
+    if (fd < 0 && errno == EBUSY) return err(EBUSY, bdev + " is in use (mounted?); unmap " + dev + " force");
+    if (fd >= 0) ::close(fd);
+  }
   stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
   // So does /dev/ublkbN: STOP_DEV waits for its IO, which still needs the mapping.
   const Status ublk_st = ublk_stop(dev);
-  const bool force = req.value("force", false);
   auto st = s->s->unmap(dev, force ? UnmapMode::force : UnmapMode::normal);
   if (!st.ok() && st.error() == std::errc::device_or_resource_busy)
     return err(EBUSY, "device " + dev + " has IO outstanding (unmap " + dev + " force)");

@@ -88,7 +88,7 @@ class ClientDaemon {
                             uint16_t queue_depth);
   // Stops and deletes the device's ublk device and its record, if it has one.
   Status ublk_stop(const std::string& dev);
-  ublk::UblkOptions ublk_options(uint16_t queue_depth) const;
+  ublk::UblkOptions ublk_options(const RemoteDevice& d, uint16_t queue_depth) const;
 
   ClientDaemonOptions opts_;
   std::mutex mu_;  // serializes commands

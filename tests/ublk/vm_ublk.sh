@@ -117,7 +117,14 @@ timeout 300 fio "${fio_args[@]}" --rate=,4m >"$work/fio1" 2>&1 &
 fio_pid=$!
 sleep 2
 kill -0 "$fio_pid" 2>/dev/null || fatal "kill -9 mid-IO" "fio ended before the kill: $(tail -3 "$work/fio1")"
+# Kill while the device has requests in flight (rate-limited fio idles between bursts).
+for _ in $(seq 200); do
+  read -r inflight_r inflight_w <"/sys/block/${dev#/dev/}/inflight"
+  [ $((inflight_r + inflight_w)) -gt 0 ] && break
+  sleep 0.01
+done
 kill -9 "$cl_pid"
+echo "# killed with $inflight_r reads + $inflight_w writes in flight on $dev"
 wait "$cl_pid" 2>/dev/null
 t_kill=$SECONDS
 kill -0 "$fio_pid" 2>/dev/null && ok "kill -9 of ibnbd-client while fio writes" ||
@@ -136,6 +143,11 @@ errs=$(c -f json device show vol.img | jq -r '.[0].errors')
 [ "$errs" = 0 ] && ok "no IO errors on the mapping" || not_ok "mapping errors" "$errs"
 dmesg | grep -iE "I/O error|EXT4-fs error|Buffer I/O" >"$work/out" && not_ok "kernel log" "$(head -3 "$work/out")" ||
   ok "no I/O or ext4 errors in the kernel log"
+
+# Case: unmap while mounted. Expect: EBUSY, the filesystem keeps its disk.
+c device unmap vol.img >"$work/out" 2>&1
+rc=$?
+[ "$rc" = 16 ] && [ -b "$dev" ] && ok "unmap of a mounted device is EBUSY" || not_ok "unmap while mounted" "exit $rc: $(cat "$work/out")"
 
 # Case: unmount and check. Expect: e2fsck finds nothing; the data is still there after a remount.
 timeout 60 umount "$work/mnt" || fatal umount "failed"
