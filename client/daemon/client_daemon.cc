@@ -371,6 +371,10 @@ json ClientDaemon::ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, c
 Status ClientDaemon::ublk_stop(const std::string& dev) {
   auto it = ublk_.find(dev);
   if (it == ublk_.end()) return {};
+  const auto us = it->second.dev->stats();
+  std::fprintf(stderr, "ibnbd-client: %s: stopping %s (%llu requests, %llu errors, %llu wakeups)\n", dev.c_str(),
+               it->second.dev->block_path().c_str(), static_cast<unsigned long long>(us.requests),
+               static_cast<unsigned long long>(us.errors), static_cast<unsigned long long>(us.wakeups));
   Status st = it->second.dev->stop();
   if (!st.ok())
     std::fprintf(stderr, "ibnbd-client: ublk %s of %s: stop: %s\n", it->second.dev->block_path().c_str(),

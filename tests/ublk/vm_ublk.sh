@@ -26,7 +26,7 @@ skip() { echo "1..0 # SKIP $*"; exit 77; }
 [ "${IBTRS_VM:-}" = 1 ] && [ -n "${IBTRS_RDMA_ADDR_A:-}" ] && [ -n "${IBTRS_RDMA_ADDR_B:-}" ] ||
   skip "not inside the VM rig: run it through tests/vm/run-in-vm.sh"
 [ -e /dev/ublk-control ] || skip "no /dev/ublk-control (ublk_drv)"
-for t in jq fio mkfs.ext4 e2fsck mount umount timeout sha256sum; do
+for t in jq fio mkfs.ext4 e2fsck mount umount timeout sha256sum blkdiscard blockdev cmp; do
   command -v "$t" >/dev/null || skip "no $t"
 done
 A=$IBTRS_RDMA_ADDR_A B=$IBTRS_RDMA_ADDR_B
@@ -53,7 +53,8 @@ fatal() {
   echo "# dmesg:"; dmesg 2>/dev/null | tail -n 20 | sed 's/^/#   /'
   exit 1
 }
-wait_file() { for _ in $(seq 300); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
+# wait_file FILE [SECONDS]: the ready files of the daemons.
+wait_file() { for _ in $(seq $((${2:-30} * 10))); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
 
 cleanup() {
   [ -n "$fio_pid" ] && kill -9 "$fio_pid" 2>/dev/null
@@ -72,7 +73,8 @@ start_client() {
   "$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --state-dir "$work/state" \
     --hb-interval-ms 300 --reconnect-delay-ms 300 >>"$work/cl.log" 2>&1 &
   cl_pid=$!
-  wait_file "$work/cl.ready"
+  # A restart recovers first (map retries EBUSY up to 30 s, the kernel's quiesce up to 20 s).
+  wait_file "$work/cl.ready" 90
 }
 
 truncate -s 128M "$work/export/vol.img"
@@ -91,6 +93,26 @@ dev=$(c -f json device show vol.img | jq -r '.[0].ublk')
 sz=$(blockdev --getsize64 "$dev")
 [ "$sz" = $((128 << 20)) ] && ok "map --ublk: $dev, 128 MiB" || not_ok "ublk size" "$sz"
 [ -n "$(ls "$work/state"/ublk-*.json 2>/dev/null)" ] && ok "record written" || not_ok "record written" "none in $work/state"
+
+# Case: the raw device. Expect: O_DIRECT data reaches the server's file and reads back; the
+# limits the server gave are the block device's; write-zeroes and discard work when advertised.
+q=/sys/block/${dev#/dev/}/queue
+echo "# write_cache '$(cat $q/write_cache)', fua $(cat $q/fua 2>/dev/null), discard_max_bytes $(cat $q/discard_max_bytes)," \
+  "write_zeroes_max_bytes $(cat $q/write_zeroes_max_bytes), max_sectors_kb $(cat $q/max_sectors_kb), nr queues $(ls /sys/block/${dev#/dev/}/mq | wc -l)"
+head -c $((8 << 20)) /dev/urandom >"$work/pat"
+if timeout 60 dd if="$work/pat" of="$dev" bs=1M oflag=direct,sync status=none &&
+   cmp <(timeout 60 dd if="$dev" bs=1M count=8 iflag=direct status=none) "$work/pat" &&
+   cmp <(head -c $((8 << 20)) "$work/export/vol.img") "$work/pat"; then
+  ok "O_DIRECT writes reach the server's file and read back"
+else not_ok "raw data" "mismatch"; fi
+if [ "$(cat $q/write_zeroes_max_bytes)" != 0 ]; then
+  timeout 60 blkdiscard -z -o 0 -l $((4 << 20)) "$dev" &&
+    cmp -n $((4 << 20)) <(timeout 60 dd if="$dev" bs=1M count=4 iflag=direct status=none) /dev/zero &&
+    ok "write-zeroes (blkdiscard -z)" || not_ok "write-zeroes" "failed or not zero"
+fi
+if [ "$(cat $q/discard_max_bytes)" != 0 ]; then
+  timeout 60 blkdiscard -o $((4 << 20)) -l $((4 << 20)) "$dev" && ok "discard (blkdiscard)" || not_ok discard "failed"
+fi
 
 # Case: a filesystem on it. Expect: mkfs, mount and files as on any disk.
 timeout 120 mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$dev" >"$work/out" 2>&1 ||
