@@ -34,6 +34,9 @@ const char kUsage[] =
     "\n"
     "client (default):\n"
     "  device map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]\n"
+    "         [--ublk [--ublk-queue-depth N]]\n"
+    "         --ublk: also serve it as the block device /dev/ublkbN (ublk_drv); it survives a\n"
+    "         crash of ibnbd-client (a restarted daemon takes it back) and goes with unmap\n"
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
     "  device io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]\n"
     "         writes a pattern and reads it back through the mapped device (progress on stderr)\n"
@@ -294,6 +297,7 @@ int run_client(const Cli& c) {
   const std::string& cmd = c.command;
   if (c.object == "device" && cmd == "map") {
     // map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]
+    //     [--ublk [--ublk-queue-depth N]]
     req["device"] = c.arg(0, "<device>");
     if (c.arg(1, "'from'") != "from") fail(22, "map <device> from <server> ...");
     json paths = json::array();
@@ -301,6 +305,12 @@ int run_client(const Cli& c) {
       const std::string& a = c.args[i];
       if (a == "ro" || a == "rw" || a == "migration") req["access_mode"] = a;
       else if (a == "session") req["session"] = c.arg(++i, "<session name>");
+      else if (a == "--ublk" || a == "ublk") req["ublk"] = true;
+      else if (a == "--ublk-queue-depth") {
+        auto n = parse_size(c.arg(++i, "a queue depth"));
+        if (!n || *n == 0 || *n > 4096) fail(22, "--ublk-queue-depth: 1..4096");
+        req["ublk_queue_depth"] = *n;
+      } else if (a.rfind("--", 0) == 0) fail(22, "map: unknown option " + a);
       else paths.push_back(a);
     }
     if (paths.empty()) fail(22, "map: at least one <server> path");

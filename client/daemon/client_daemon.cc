@@ -1,5 +1,6 @@
 #include "client_daemon.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "ibnbd/nbd_device_export.h"
@@ -169,6 +171,9 @@ json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
 
 ClientDaemon::~ClientDaemon() {
   std::lock_guard l(mu_);
+  // ublk devices go first, cleanly (STOP_DEV drains their IO through the mappings), and their
+  // records with them: a daemon told to stop leaves nothing to recover.
+  while (!ublk_.empty()) (void)ublk_stop(ublk_.begin()->first);
   exports_.clear();  // each NBD server stops first: its requests end before the unmaps
   for (auto& [n, s] : sessions_) {
     for (auto& d : s.s->devices()) (void)s.s->unmap(d->name(), UnmapMode::force);
@@ -245,24 +250,8 @@ std::pair<ClientDaemon::Sess*, std::shared_ptr<RemoteDevice>> ClientDaemon::find
   return {nullptr, nullptr};
 }
 
-json ClientDaemon::device_map(const json& req) {
-  const std::string dev = str_arg(req, "device");
-  AccessMode mode = AccessMode::rw;
-  if (req.contains("access_mode")) {
-    auto m = parse_access_mode(req["access_mode"].get<std::string>());
-    if (!m) return err(EINVAL, "access_mode: ro, rw or migration");
-    mode = *m;
-  }
-  std::vector<ibtrs::PathSpec> paths;
-  for (auto& p : req.at("paths")) {
-    auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
-    if (!spec.ok()) return err(EINVAL, "path '" + p.get<std::string>() + "': " + spec.error().message());
-    paths.push_back(*spec);
-  }
-  if (paths.empty()) return err(EINVAL, "at least one path");
-  const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
-  if (auto [s, d] = find_device(dev); d && s->s->name() != sname)
-    return err(EEXIST, "device " + dev + " is mapped through session " + s->s->name());
+Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
+                                                       const std::vector<ibtrs::PathSpec>& paths) {
   Sess* s = find_session(sname);
   if (s == nullptr) {
     BlockSessionOptions o;
@@ -278,7 +267,7 @@ json ClientDaemon::device_map(const json& req) {
     // depth at 8. 64 covers fio / qemu / nbdcopy queue depths for 8 MiB of registered memory.
     o.bounce_slots = 64;
     auto bs = BlockSession::open(std::move(o));
-    if (!bs.ok()) return err(bs.error(), "session " + sname);
+    if (!bs.ok()) return bs.error();
     s = &sessions_[sname];
     s->s = std::move(*bs);
   } else {
@@ -289,13 +278,172 @@ json ClientDaemon::device_map(const json& req) {
         (void)s->s->transport().add_path(p);
     }
   }
-  auto d = s->s->map(dev, mode);
+  return s;
+}
+
+json ClientDaemon::device_map(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  AccessMode mode = AccessMode::rw;
+  if (req.contains("access_mode")) {
+    auto m = parse_access_mode(req["access_mode"].get<std::string>());
+    if (!m) return err(EINVAL, "access_mode: ro, rw or migration");
+    mode = *m;
+  }
+  std::vector<ibtrs::PathSpec> paths;
+  std::vector<std::string> path_strs;
+  for (auto& p : req.at("paths")) {
+    auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
+    if (!spec.ok()) return err(EINVAL, "path '" + p.get<std::string>() + "': " + spec.error().message());
+    paths.push_back(*spec);
+    path_strs.push_back(p.get<std::string>());
+  }
+  if (paths.empty()) return err(EINVAL, "at least one path");
+  const bool want_ublk = req.value("ublk", false);
+  const uint32_t depth = req.value("ublk_queue_depth", uint32_t{opts_.ublk_queue_depth});
+  if (want_ublk && (depth == 0 || depth > ublk::uapi::kMaxQueueDepth))
+    return err(EINVAL, "ublk_queue_depth: 1.." + std::to_string(ublk::uapi::kMaxQueueDepth));
+  if (want_ublk && ublk_.count(dev)) return err(EEXIST, "device " + dev + " already has " + ublk_[dev].dev->block_path());
+  const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
+  auto [old_s, old_d] = find_device(dev);
+  if (old_d && old_s->s->name() != sname)
+    return err(EEXIST, "device " + dev + " is mapped through session " + old_s->s->name());
+  auto s = open_session(sname, paths);
+  if (!s.ok()) return err(s.error(), "session " + sname);
+  auto d = (*s)->s->map(dev, mode);
   if (!d.ok()) {
-    if (s->s->devices().empty()) sessions_.erase(sname);
+    if ((*s)->s->devices().empty()) sessions_.erase(sname);
     return err(d.error(), "map " + dev);
   }
-  json rsp = device_list(json{{"device", dev}}, true);
-  return rsp;
+  if (want_ublk) {
+    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode}, static_cast<uint16_t>(depth));
+    if (!e.is_null()) {
+      // Roll back what this command did: a device that was mapped before stays mapped.
+      if (!old_d) {
+        (void)(*s)->s->unmap(dev, UnmapMode::force);
+        if ((*s)->s->devices().empty()) sessions_.erase(sname);
+      }
+      return e;
+    }
+  }
+  return device_list(json{{"device", dev}}, true);
+}
+
+ublk::UblkOptions ClientDaemon::ublk_options(const RemoteDevice& d, uint16_t queue_depth) const {
+  ublk::UblkOptions o;
+  // A block request as large as one transport request of the device (one chunk, 128 KiB by
+  // default), so each is one RDMA transfer straight from its tag's buffer: larger ones are
+  // split by the block layer, not by the library, and the registered memory stays small
+  // (queues x depth x this: 2 x 128 x 128 KiB = 32 MiB). Page multiple (the driver's unit),
+  // at least a page, at most o.max_io_bytes.
+  o.max_io_bytes = std::clamp(d.max_part_bytes() / 4096 * 4096, 4096u, o.max_io_bytes);
+  // One queue per IO thread of the session (the transport's default when not set); the driver
+  // clamps it to the CPUs.
+  const uint32_t threads =
+      opts_.io_threads != 0 ? opts_.io_threads : std::clamp(std::thread::hardware_concurrency(), 1u, 8u);
+  o.nr_queues = static_cast<uint16_t>(threads);
+  o.queue_depth = queue_depth;
+  o.control_path = opts_.ublk_control;
+  o.log = [](const std::string& m) { std::fprintf(stderr, "ibnbd-client: %s\n", m.c_str()); };
+  return o;
+}
+
+json ClientDaemon::ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
+                              uint16_t queue_depth) {
+  auto u = ublk::UblkDevice::create(d, *s.s, ublk_options(*d, queue_depth));
+  if (!u.ok()) {
+    if (u.error() == std::errc::no_such_device && ::access(opts_.ublk_control.c_str(), F_OK) != 0)
+      return err(ENODEV, "ublk: ublk_drv not loaded (no " + opts_.ublk_control + "; modprobe ublk_drv)");
+    return err(u.error(), "ublk device for " + d->name());
+  }
+  UblkRecord r = rec;
+  r.ublk_id = (*u)->dev_id();
+  if (auto st = state_.save(r); !st.ok()) {
+    // Without its record the device could not be recovered after a crash: refuse it now.
+    (void)(*u)->stop();
+    return err(st.error(), "ublk: record in " + state_.dir());
+  }
+  std::fprintf(stderr, "ibnbd-client: %s served as %s (%u queues x %u)\n", d->name().c_str(),
+               (*u)->block_path().c_str(), (*u)->nr_queues(), (*u)->queue_depth());
+  ublk_[d->name()] = Ublk{std::move(*u), r};
+  return nullptr;
+}
+
+Status ClientDaemon::ublk_stop(const std::string& dev) {
+  auto it = ublk_.find(dev);
+  if (it == ublk_.end()) return {};
+  const auto us = it->second.dev->stats();
+  std::fprintf(stderr, "ibnbd-client: %s: stopping %s (%llu requests, %llu errors, %llu wakeups)\n", dev.c_str(),
+               it->second.dev->block_path().c_str(), static_cast<unsigned long long>(us.requests),
+               static_cast<unsigned long long>(us.errors), static_cast<unsigned long long>(us.wakeups));
+  Status st = it->second.dev->stop();
+  if (!st.ok())
+    std::fprintf(stderr, "ibnbd-client: ublk %s of %s: stop: %s\n", it->second.dev->block_path().c_str(),
+                 dev.c_str(), st.error().message().c_str());
+  // The device is not served any more either way; a record would only make a restarted daemon
+  // try to recover a device that is stopped.
+  (void)state_.remove(it->second.rec.ublk_id);
+  ublk_.erase(it);
+  return st;
+}
+
+json ClientDaemon::recover_ublk() {
+  std::lock_guard l(mu_);
+  json out = json::array();
+  auto loaded = state_.load();
+  for (auto& b : loaded.bad) {
+    std::fprintf(stderr, "ibnbd-client: %s/%s: ignored\n", state_.dir().c_str(), b.c_str());
+    out.push_back({{"record", b}, {"ok", false}});
+  }
+  for (const auto& r : loaded.records) {
+    json row{{"device", r.device}, {"ublk_id", r.ublk_id}};
+    auto fail = [&](const std::string& why, bool drop) {
+      std::fprintf(stderr, "ibnbd-client: recovery of /dev/ublkb%u (%s): %s%s\n", r.ublk_id, r.device.c_str(),
+                   why.c_str(), drop ? "; record dropped" : "; record kept for the next start");
+      if (drop) (void)state_.remove(r.ublk_id);
+      row["ok"] = false;
+      row["error"] = why;
+      out.push_back(row);
+    };
+    std::vector<ibtrs::PathSpec> paths;
+    for (auto& p : r.paths)
+      if (auto spec = ibtrs::PathSpec::parse(p); spec.ok()) paths.push_back(*spec);
+    if (paths.empty()) {
+      fail("no valid path in the record", true);
+      continue;
+    }
+    auto s = open_session(r.session, paths);
+    if (!s.ok()) {
+      fail("session " + r.session + ": " + s.error().message(), false);
+      continue;
+    }
+    // The server may still hold the dead daemon's session, and the device with it (EBUSY for
+    // a second writer), until it notices the connections are gone.
+    Result<std::shared_ptr<RemoteDevice>> d = errc(EBUSY);
+    const auto deadline = Clock::now() + std::chrono::seconds(30);
+    while (!(d = (*s)->s->map(r.device, r.access_mode)).ok() && d.error() == std::errc::device_or_resource_busy &&
+           Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    if (!d.ok()) {
+      if ((*s)->s->devices().empty()) sessions_.erase(r.session);
+      fail("map " + r.device + ": " + d.error().message(), false);
+      continue;
+    }
+    auto u = ublk::UblkDevice::recover(r.ublk_id, *d, *(*s)->s, ublk_options(**d, opts_.ublk_queue_depth));
+    if (!u.ok()) {
+      (void)(*s)->s->unmap(r.device, UnmapMode::force);
+      if ((*s)->s->devices().empty()) sessions_.erase(r.session);
+      // ENOENT: the kernel has no such device (any more): nothing to recover, ever.
+      fail("ublk: " + u.error().message(), u.error() == std::errc::no_such_file_or_directory ||
+                                               u.error() == std::errc::invalid_argument);
+      continue;
+    }
+    std::fprintf(stderr, "ibnbd-client: %s recovered as %s\n", r.device.c_str(), (*u)->block_path().c_str());
+    row["ok"] = true;
+    row["ublk"] = (*u)->block_path();
+    ublk_[r.device] = Ublk{std::move(*u), r};
+    out.push_back(row);
+  }
+  return out;
 }
 
 json ClientDaemon::device_list(const json& req, bool one) {
@@ -308,7 +456,8 @@ json ClientDaemon::device_list(const json& req, bool one) {
       rows.push_back(json::array({d->name(), n, std::string(to_string(d->access_mode())),
                                   bytes(d->size_bytes()), std::string(to_string(d->state())),
                                   d->device_id(), bytes(st.read_bytes), bytes(st.write_bytes),
-                                  st.inflight, st.errors, st.remaps, export_addresses(d->name())}));
+                                  st.inflight, st.errors, st.remaps, export_addresses(d->name()),
+                                  ublk_path(d->name())}));
     }
   }
   if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
@@ -316,7 +465,7 @@ json ClientDaemon::device_list(const json& req, bool one) {
           {"columns", json::array({col("device"), col("session"), col("access_mode"), col("size", true),
                                    col("state"), col("device_id", true), col("rx_bytes", true),
                                    col("tx_bytes", true), col("inflights", true), col("errors", true),
-                                   col("remaps", true), col("nbd")})},
+                                   col("remaps", true), col("nbd"), col("ublk")})},
           {"rows", rows}};
 }
 
@@ -325,8 +474,18 @@ json ClientDaemon::device_unmap(const json& req) {
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   d.reset();
-  stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
   const bool force = req.value("force", false);
+  if (auto it = ublk_.find(dev); it != ublk_.end() && !force) {
+    // As rnbd refuses to unmap an opened device: a mounted filesystem (or any exclusive opener)
+    // would lose its disk. O_EXCL on a block device fails with EBUSY while one holds it.
+    const std::string bdev = it->second.dev->block_path();
+    const int fd = ::open(bdev.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC);
+    if (fd < 0 && errno == EBUSY) return err(EBUSY, bdev + " is in use (mounted?); unmap " + dev + " force");
+    if (fd >= 0) ::close(fd);
+  }
+  stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
+  // So does /dev/ublkbN: STOP_DEV waits for its IO, which still needs the mapping.
+  const Status ublk_st = ublk_stop(dev);
   auto st = s->s->unmap(dev, force ? UnmapMode::force : UnmapMode::normal);
   if (!st.ok() && st.error() == std::errc::device_or_resource_busy)
     return err(EBUSY, "device " + dev + " has IO outstanding (unmap " + dev + " force)");
@@ -337,6 +496,7 @@ json ClientDaemon::device_unmap(const json& req) {
     sessions_.erase(n);
   }
   if (!st.ok()) return err(st.error(), "close " + dev + " on the server (unmapped here)");
+  if (!ublk_st.ok()) return err(ublk_st.error(), "ublk device of " + dev + " (unmapped anyway)");
   return {{"ok", true}};
 }
 
@@ -438,6 +598,7 @@ json ClientDaemon::session_close(const json& req) {
   if (s == nullptr) return err(ENOENT, "no session " + n);
   for (auto& d : s->s->devices()) {
     stop_export(d->name());
+    (void)ublk_stop(d->name());
     (void)s->s->unmap(d->name(), UnmapMode::force);
   }
   s->io_buf.reset();
@@ -501,6 +662,11 @@ bool ClientDaemon::stop_export(const std::string& dev) {
   it->second.server->stop();
   exports_.erase(it);
   return true;
+}
+
+std::string ClientDaemon::ublk_path(const std::string& dev) const {
+  auto it = ublk_.find(dev);
+  return it == ublk_.end() ? "" : it->second.dev->block_path();
 }
 
 std::string ClientDaemon::export_addresses(const std::string& dev) const {

@@ -3,8 +3,11 @@
 // (`ibnbd client ...`) as a JSON request -> JSON answer. The control socket, and later the sysfs
 // tree, are thin layers over this.
 //
-// Threading: handle() from any thread; commands are serialized (one at a time). Session events
-// arrive on transport threads and only log.
+// A device mapped with `ublk` is also served as /dev/ublkbN (client/ublk); its record is kept in
+// the state directory so that a daemon restarted after a crash takes it back (recover_ublk).
+//
+// Threading: handle() and recover_ublk() from any thread; commands are serialized (one at a
+// time). Session events arrive on transport threads and only log.
 #pragma once
 
 #include <map>
@@ -17,6 +20,8 @@
 #include "control_socket.h"
 #include "ibnbd/client.h"
 #include "ibnbd/nbd_server.h"
+#include "ibnbd/ublk.h"
+#include "ublk_state.h"
 
 namespace ibnbd {
 
@@ -26,12 +31,24 @@ struct ClientDaemonOptions {
   ibtrs::ReconnectConfig reconnect;
   std::chrono::milliseconds connect_timeout{30000};
   ibtrs::MpPolicy policy = ibtrs::MpPolicy::min_inflight;
+  // Records of ublk devices (see ublk_state.h).
+  std::string state_dir = "/run/ibnbd-client";
+  uint16_t ublk_queue_depth = 128;  // default of device_map's ublk_queue_depth
+  std::string ublk_control = "/dev/ublk-control";
 };
 
 class ClientDaemon {
  public:
   explicit ClientDaemon(ClientDaemonOptions o) : opts_(std::move(o)) {}
-  ~ClientDaemon();  // unmaps everything and closes the sessions
+  // Stops and deletes its ublk devices (and their records), unmaps everything, closes the
+  // sessions. Only a crash leaves ublk devices behind, for recover_ublk().
+  ~ClientDaemon();
+
+  // At start, before commands: for each record in the state directory, opens its session, maps
+  // its device and takes the ublk device back (UblkDevice::recover). A record whose ublk device
+  // no longer exists is dropped; one that fails otherwise (server unreachable, ...) is kept, with
+  // the kernel device left quiesced, for the next start. Answers what happened per record.
+  nlohmann::json recover_ublk();
 
   // One admin command (see client/README.md, "Control socket"). Never throws.
   nlohmann::json handle(const nlohmann::json& req, const ControlSocket::Emit& emit);
@@ -59,10 +76,19 @@ class ClientDaemon {
   // Stops the NBD export of a device (waits for its requests in flight); false if none.
   bool stop_export(const std::string& dev);
   std::string export_addresses(const std::string& dev) const;
+  std::string ublk_path(const std::string& dev) const;  // "" without one
 
   // The session and device of a mapped device name. ENOENT as an answer when unknown.
   std::pair<Sess*, std::shared_ptr<RemoteDevice>> find_device(const std::string& name);
   Sess* find_session(const std::string& name);
+  // The session `name`, opened over `paths` when there is none (paths it lacks are added).
+  Result<Sess*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths);
+  // Serves a mapped device as /dev/ublkbN and records it. The answer is an error or null.
+  nlohmann::json ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
+                            uint16_t queue_depth);
+  // Stops and deletes the device's ublk device and its record, if it has one.
+  Status ublk_stop(const std::string& dev);
+  ublk::UblkOptions ublk_options(const RemoteDevice& d, uint16_t queue_depth) const;
 
   ClientDaemonOptions opts_;
   std::mutex mu_;  // serializes commands
@@ -73,6 +99,13 @@ class ClientDaemon {
     std::unique_ptr<nbd::NbdServer> server;
   };
   std::map<std::string, NbdExport, std::less<>> exports_;
+  // ublk devices by device name, and the directory of their records.
+  struct Ublk {
+    std::unique_ptr<ublk::UblkDevice> dev;
+    UblkRecord rec;
+  };
+  std::map<std::string, Ublk, std::less<>> ublk_;
+  UblkStateDir state_{opts_.state_dir};
 };
 
 }  // namespace ibnbd

@@ -1,9 +1,12 @@
 // ibnbd-client: holds IBNBD sessions and mapped remote devices, controlled by the `ibnbd` CLI
-// over a unix socket. Runs until SIGTERM/SIGINT, then unmaps everything.
+// over a unix socket. Runs until SIGTERM/SIGINT, then deletes its ublk devices and unmaps
+// everything. At start it first takes back the ublk devices a crashed predecessor recorded in
+// --state-dir (ClientDaemon::recover_ublk), then serves commands.
 //
 //   ibnbd-client [--control-socket PATH] [--io-threads N] [--policy P]
 //                [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]
 //                [--connect-timeout-ms N] [--ready-file PATH]
+//                [--state-dir DIR] [--ublk-queue-depth N]
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,8 +25,13 @@ const char kUsage[] =
     "                    [--policy round-robin|min-inflight|min-latency]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
+    "                    [--state-dir DIR] [--ublk-queue-depth N]\n"
     "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too).\n"
-    "  --ready-file: written once the control socket accepts commands.\n";
+    "  --ready-file: written once the control socket accepts commands (after the ublk\n"
+    "    devices of a crashed predecessor were taken back).\n"
+    "  --state-dir: records of ublk devices, for recovery after a crash (default\n"
+    "    /run/ibnbd-client).\n"
+    "  --ublk-queue-depth: tags per ublk queue unless device map says (default 128).\n";
 
 [[noreturn]] void die(const std::string& m) {
   std::fprintf(stderr, "ibnbd-client: %s\n%s", m.c_str(), kUsage);
@@ -55,6 +63,8 @@ int main(int argc, char** argv) {
     const char* v = argv[++i];
     if (a == "--control-socket") socket_path = v;
     else if (a == "--ready-file") ready_file = v;
+    else if (a == "--state-dir") o.state_dir = v;
+    else if (a == "--ublk-queue-depth") o.ublk_queue_depth = static_cast<uint16_t>(number(a.c_str(), v, 1, 4096));
     else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
     else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
     else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));
@@ -76,6 +86,7 @@ int main(int argc, char** argv) {
   ::signal(SIGPIPE, SIG_IGN);
 
   ibnbd::ClientDaemon daemon(o);
+  for (auto& r : daemon.recover_ublk()) std::fprintf(stderr, "ibnbd-client: recovery: %s\n", r.dump().c_str());
   auto ctl = ibnbd::ControlSocket::start(socket_path, [&](const nlohmann::json& req, const auto& emit) {
     return daemon.handle(req, emit);
   });

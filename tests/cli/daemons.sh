@@ -55,7 +55,7 @@ pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
 "$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 200 \
-  --reconnect-delay-ms 200 >"$work/cl.log" 2>&1 &
+  --reconnect-delay-ms 200 --state-dir "$work/state" >"$work/cl.log" 2>&1 &
 pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
 
@@ -74,6 +74,15 @@ expect "map of a missing file is ENOENT" 2 c device map nope.img from "${addrs[0
 expect "map through an escaping symlink is EXDEV" 18 c device map escape from "${addrs[0]}" session t1
 expect "map with '..' is EINVAL" 22 c device map ../a.img from "${addrs[0]}" session t1
 expect "the same device in another session of this client is EEXIST" 17 c device map a.img from "${addrs[0]}" ro session t3
+
+# Case: map --ublk on a machine without ublk_drv (the host; the VM has it: tests/ublk).
+# Expect: ENODEV naming the module, the map rolled back (nothing mapped), no record.
+if [ ! -e /dev/ublk-control ]; then
+  expect "map --ublk without ublk_drv is ENODEV" 19 c device map sub/b.img from "${addrs[0]}" session t1 --ublk
+  grep -q "ublk_drv not loaded" "$work/err" && ok "the error names ublk_drv" || not_ok "the error names ublk_drv" "$(cat "$work/err")"
+  expect "... and the map was rolled back" 2 c device show sub/b.img
+  [ -z "$(ls "$work/state" 2>/dev/null)" ] && ok "no ublk record" || not_ok "no ublk record" "$(ls "$work/state")"
+fi
 
 # Case: a second client host (another ibnbd-client) wants the device. Expect: rw refused by the
 # server's access rules (EBUSY), ro granted and readable, then unmapped.

@@ -1,0 +1,510 @@
+// UblkDevice: the served ublk device and its queues (the design is at the top of ibnbd/ublk.h).
+//
+// A queue's life, on its own thread:
+//   setup   ring; FETCH_REQ for every tag and a read of the queue's eventfd, one submit; ready.
+//   serve   a tag's CQE (res 0) means a request in its descriptor: decode it, hand it to the
+//           RemoteDevice with the tag as context. The completion (a transport thread) writes the
+//           result into the tag and pushes it on the queue's Inbox; the first push onto an empty
+//           inbox writes the eventfd. The eventfd read's CQE makes the thread take the whole
+//           inbox and queue one COMMIT_AND_FETCH_REQ per tag; the next io_uring_enter submits
+//           them all and waits.
+//   end     a tag's CQE with -ENODEV (UBLK_IO_RES_ABORT) means the device is going away: the
+//           tag is done. The thread ends when stop is asked (after STOP_DEV) or every tag is
+//           done, and in both cases only once no request of it is with the RemoteDevice (the
+//           completions point into the queue). Leaving the ring cancels fetches still pending.
+#include <fcntl.h>
+#include <liburing.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include "desc.h"
+#include "ibnbd/ublk.h"
+#include "ibnbd/unique_fd.h"
+#include "inbox.h"
+
+#ifndef PR_SET_IO_FLUSHER
+#define PR_SET_IO_FLUSHER 57  // Linux 5.6; older glibc headers lack it
+#endif
+
+namespace ibnbd::ublk {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kEventfdUserData = ~uint64_t{0};  // user_data of the eventfd read
+constexpr long kPageSize = 4096;
+
+uint64_t page_round(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
+
+uint32_t round_up_pow2(uint32_t v) {
+  uint32_t p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+void sleep_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+}  // namespace
+
+struct Queue;
+
+// One tag of a queue: its buffer segment and, while its request is with the RemoteDevice, the
+// result to commit. Only the queue thread touches it, except `result` and `next`, which the
+// completing thread writes before Inbox::push (release) and the queue thread reads after
+// take_all (acquire).
+struct Tag {
+  Tag* next = nullptr;
+  Queue* q = nullptr;
+  uint16_t tag = 0;
+  int32_t result = 0;
+  int32_t ok_result = 0;  // what success commits (bytes or 0), set at submit
+  ibtrs::IoSeg seg{};     // the tag's buffer (len set per request)
+};
+
+struct Queue {
+  const UblkOptions* opts = nullptr;
+  std::shared_ptr<RemoteDevice> dev;
+  uint16_t q_id = 0;
+  uint16_t depth = 0;
+  uint32_t buf_bytes = 0;
+  int cdev_fd = -1;
+  const uapi::ublksrv_io_desc* descs = nullptr;  // the kernel's, read-only
+  size_t descs_len = 0;
+  std::unique_ptr<ibtrs::RegisteredMemory> buf;
+  std::vector<Tag> tags;
+  Inbox<Tag, &Tag::next> inbox;
+  UniqueFd efd;
+  std::thread thread;
+  // Set once by the thread when its fetches are queued (or it failed). A member, not a local of
+  // the starter: the promise must outlive set_value's return on the queue thread.
+  std::promise<std::error_code> ready;
+  std::atomic<bool> stop{false};
+
+  // Queue thread only.
+  io_uring ring{};
+  uint64_t efd_value = 0;      // the eventfd read's buffer
+  uint32_t remote = 0;         // requests with the RemoteDevice
+  uint32_t kernel_tags = 0;    // tags whose FETCH / COMMIT_AND_FETCH the driver holds
+  uint32_t pending_sqes = 0;   // prepared, not yet submitted
+
+  std::atomic<uint64_t> requests{0}, errors{0}, wakeups{0};
+
+  ~Queue() {
+    if (descs != nullptr) ::munmap(const_cast<uapi::ublksrv_io_desc*>(descs), descs_len);
+  }
+
+  void log(const std::string& m) const {
+    if (opts->log) opts->log("ublk queue " + std::to_string(q_id) + ": " + m);
+  }
+
+  // Any thread: makes the queue thread look at its inbox and its stop flag.
+  void wake() {
+    const uint64_t one = 1;
+    // Cannot fail short of a closed fd: the counter would need 2^64 - 1 unread wakeups.
+    if (::write(efd.get(), &one, sizeof(one)) < 0) return;
+  }
+
+  static void on_done(void* ctx, int err) {
+    auto* t = static_cast<Tag*>(ctx);
+    t->result = err != 0 ? -err : t->ok_result;
+    Queue* q = t->q;  // read before the push: after it the tag belongs to the queue thread
+    if (q->inbox.push(t)) q->wake();
+  }
+
+  io_uring_sqe* get_sqe() {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+    if (sqe == nullptr) {  // cannot happen (SQ >= depth + 1 entries), but never crash on it
+      io_uring_submit(&ring);
+      pending_sqes = 0;
+      sqe = io_uring_get_sqe(&ring);
+    }
+    if (sqe != nullptr) ++pending_sqes;
+    return sqe;
+  }
+
+  // FETCH_REQ (first) or COMMIT_AND_FETCH_REQ with `result` for tag t.
+  bool queue_cmd(Tag& t, uint32_t cmd_op, int32_t result) {
+    io_uring_sqe* sqe = get_sqe();
+    if (sqe == nullptr) return false;
+    std::memset(static_cast<void*>(sqe), 0, sizeof(*sqe));
+    sqe->opcode = IORING_OP_URING_CMD;
+    sqe->fd = cdev_fd;
+    sqe->cmd_op = cmd_op;
+    sqe->user_data = t.tag;
+    uapi::ublksrv_io_cmd c{};
+    c.q_id = q_id;
+    c.tag = t.tag;
+    c.result = result;
+    c.addr = reinterpret_cast<uintptr_t>(t.seg.addr);
+    static_assert(sizeof(c) == 16, "an IO command fits the 16 cmd bytes of a 64-byte SQE");
+    std::memcpy(sqe->cmd, &c, sizeof(c));
+    ++kernel_tags;
+    return true;
+  }
+
+  void commit(Tag& t, int32_t result) {
+    if (result < 0) errors.fetch_add(1, std::memory_order_relaxed);
+    if (!queue_cmd(t, uapi::kUIoCommitAndFetchReq, result)) log("no SQE for a commit (tag lost)");
+  }
+
+  bool arm_eventfd() {
+    io_uring_sqe* sqe = get_sqe();
+    if (sqe == nullptr) return false;
+    io_uring_prep_read(sqe, efd.get(), &efd_value, sizeof(efd_value), 0);
+    sqe->user_data = kEventfdUserData;
+    return true;
+  }
+
+  // A request arrived in tag t's descriptor.
+  void start(Tag& t) {
+    requests.fetch_add(1, std::memory_order_relaxed);
+    uapi::ublksrv_io_desc d;
+    std::memcpy(&d, &descs[t.tag], sizeof(d));
+    auto r = decode_desc(d, buf_bytes);
+    if (!r.ok()) {
+      const int e = r.error().value();
+      log("refused request op_flags " + std::to_string(d.op_flags) + " sectors " +
+          std::to_string(d.nr_sectors) + ": " + r.error().message());
+      commit(t, e == EOPNOTSUPP ? -EOPNOTSUPP : -EIO);
+      return;
+    }
+    t.ok_result = success_result(*r);
+    t.seg.len = static_cast<uint32_t>(r->op == IoOp::read || r->op == IoOp::write ? r->len : 0);
+    const IoDone done{&Queue::on_done, &t};
+    Status st;
+    switch (r->op) {
+      case IoOp::read: st = dev->read(r->offset, std::span(&t.seg, 1), done); break;
+      case IoOp::write: st = dev->write(r->offset, std::span(&t.seg, 1), r->flags, done); break;
+      case IoOp::flush: st = dev->flush(done); break;
+      case IoOp::discard: st = dev->discard(r->offset, r->len, done); break;
+      case IoOp::write_zeroes:
+        st = dev->write_zeroes(r->offset, r->len, (r->flags & kIoNoUnmap) != 0, done);
+        break;
+      default: st = errc(EOPNOTSUPP); break;
+    }
+    if (!st.ok()) {
+      commit(t, -st.error().value());
+      return;
+    }
+    ++remote;
+  }
+
+  void handle(const io_uring_cqe* cqe) {
+    if (cqe->user_data == kEventfdUserData) {
+      // The inbox is taken at the top of the loop; re-arm for the next push onto an empty one.
+      wakeups.fetch_add(1, std::memory_order_relaxed);
+      if (cqe->res < 0 && cqe->res != -EINTR && cqe->res != -EAGAIN)
+        log("eventfd read: " + std::string(std::strerror(-cqe->res)));
+      if (!arm_eventfd()) log("no SQE for the eventfd");
+      return;
+    }
+    if (cqe->user_data >= tags.size()) return;  // not ours: ignore
+    Tag& t = tags[cqe->user_data];
+    --kernel_tags;
+    if (cqe->res == uapi::kIoResOk) {
+      start(t);
+    } else if (cqe->res != uapi::kIoResAbort) {
+      // EINVAL & co: the driver refused the command (a bug of ours or a device being torn
+      // down in a way we did not expect). The tag is out of service; say so.
+      log("tag " + std::to_string(t.tag) + ": command failed: " + std::strerror(-cqe->res));
+    }
+  }
+
+  void drain_inbox() {
+    for (Tag* t = inbox.take_all(); t != nullptr;) {
+      Tag* next = t->next;
+      --remote;
+      commit(*t, t->result);
+      t = next;
+    }
+  }
+
+  // Waits for the requests still with the RemoteDevice without the ring (it failed): they
+  // point into this queue.
+  void wait_remote_without_ring() {
+    while (remote > 0) {
+      uint64_t v;
+      if (::read(efd.get(), &v, sizeof(v)) < 0 && errno != EINTR) sleep_ms(1);
+      for (Tag* t = inbox.take_all(); t != nullptr; t = t->next) --remote;
+    }
+  }
+
+  void run() {
+    char name[16];
+    std::snprintf(name, sizeof(name), "ublk-q%u", static_cast<unsigned>(q_id));
+    pthread_setname_np(pthread_self(), name);
+    // The kernel may need this thread to make progress for memory reclaim to go on (writeback to
+    // this very device): PR_SET_IO_FLUSHER keeps its allocations from recursing into IO. Needs
+    // CAP_SYS_RESOURCE; without it we serve anyway.
+    (void)::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0);
+
+    // SQ: one SQE per tag at most (a FETCH or a COMMIT) plus the eventfd read.
+    const uint32_t entries = round_up_pow2(uint32_t{depth} + 1);
+    io_uring_params p{};
+    p.flags = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER;
+    int r = io_uring_queue_init_params(entries, &ring, &p);
+    if (r == -EINVAL) {  // a kernel without those flags
+      p = io_uring_params{};
+      r = io_uring_queue_init_params(entries, &ring, &p);
+    }
+    if (r < 0) {
+      ready.set_value(errc(-r));
+      return;
+    }
+    bool ok = arm_eventfd();
+    for (auto& t : tags) ok = ok && queue_cmd(t, uapi::kUIoFetchReq, 0);
+    r = io_uring_submit(&ring);
+    if (!ok || r < 0 || static_cast<uint32_t>(r) != pending_sqes) {
+      io_uring_queue_exit(&ring);
+      ready.set_value(errc(r < 0 ? -r : EIO));
+      return;
+    }
+    pending_sqes = 0;
+    ready.set_value({});
+
+    for (;;) {
+      drain_inbox();
+      if (remote == 0 && (stop.load(std::memory_order_acquire) || kernel_tags == 0)) break;
+      r = io_uring_submit_and_wait(&ring, 1);
+      if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+        log("io_uring_submit_and_wait: " + std::string(std::strerror(-r)) + "; the queue stops");
+        wait_remote_without_ring();
+        break;
+      }
+      if (r >= 0) pending_sqes = 0;
+      unsigned head;
+      unsigned n = 0;
+      io_uring_cqe* cqe;
+      io_uring_for_each_cqe(&ring, head, cqe) {
+        ++n;
+        handle(cqe);
+      }
+      io_uring_cq_advance(&ring, n);
+    }
+    if (kernel_tags == 0 && !stop.load()) log("every tag aborted: the device is gone");
+    // Fetches still pending are cancelled by the ring's end (the device is stopped, or the
+    // driver quiesces it as for a dead daemon).
+    io_uring_queue_exit(&ring);
+  }
+};
+
+struct UblkDevice::Impl {
+  UblkOptions opts;
+  std::unique_ptr<UblkControl> ctl;
+  std::shared_ptr<RemoteDevice> dev;
+  uapi::ublksrv_ctrl_dev_info info{};
+  UniqueFd cdev;
+  std::vector<std::unique_ptr<Queue>> queues;
+  bool owned = false;    // ours to DEL_DEV (added, or recovered)
+  bool started = false;  // START_DEV / END_USER_RECOVERY done: STOP_DEV first
+  bool stopped = false;
+  bool recovered = false;
+
+  ~Impl() { (void)stop(); }
+
+  std::string path(const char* kind) const {
+    return opts.dev_dir + "/ublk" + kind + std::to_string(info.dev_id);
+  }
+
+  // Opens /dev/ublkcN: devtmpfs creates it when ADD_DEV registers the char device (udev may
+  // still be changing its mode); a dead daemon's descriptor may still be closing (EBUSY).
+  Status open_cdev() {
+    const auto deadline = Clock::now() + opts.wait_timeout;
+    for (;;) {
+      int fd = ::open(path("c").c_str(), O_RDWR | O_CLOEXEC);
+      if (fd >= 0) {
+        cdev.reset(fd);
+        return {};
+      }
+      const int e = errno;
+      if (e != ENOENT && e != EBUSY && e != EACCES) return errc(e);
+      if (Clock::now() > deadline) return errc(ETIMEDOUT);
+      sleep_ms(10);
+    }
+  }
+
+  // Maps the descriptors, registers the buffers and starts every queue thread; returns once
+  // each has queued FETCH_REQ on all its tags (what START_DEV / END_USER_RECOVERY wait for).
+  Status start_queues(BlockSession& session) {
+    IBTRS_TRY(open_cdev());
+    const uint32_t buf_bytes = info.max_io_buf_bytes;
+    for (uint16_t q = 0; q < info.nr_hw_queues; ++q) {
+      auto queue = std::make_unique<Queue>();
+      queue->opts = &opts;
+      queue->dev = dev;
+      queue->q_id = q;
+      queue->depth = info.queue_depth;
+      queue->buf_bytes = buf_bytes;
+      queue->cdev_fd = cdev.get();
+      queue->descs_len = page_round(uint64_t{info.queue_depth} * sizeof(uapi::ublksrv_io_desc));
+      void* m = ::mmap(nullptr, queue->descs_len, PROT_READ, MAP_SHARED | MAP_POPULATE, cdev.get(),
+                       static_cast<off_t>(uapi::kCmdBufOffset + q * uapi::kDescQueueStride));
+      if (m == MAP_FAILED) return errc(errno);
+      queue->descs = static_cast<const uapi::ublksrv_io_desc*>(m);
+      // One registration per queue for all its tags (not one per tag: registrations are
+      // scarce on an HCA and each costs a round of every path).
+      auto b = session.alloc_buffer(size_t{buf_bytes} * info.queue_depth);
+      if (!b.ok()) return b.error();
+      queue->buf = std::move(*b);
+      queue->tags.resize(info.queue_depth);
+      for (uint16_t i = 0; i < info.queue_depth; ++i) {
+        Tag& t = queue->tags[i];
+        t.q = queue.get();
+        t.tag = i;
+        t.seg = ibtrs::IoSeg{queue->buf->data() + size_t{i} * buf_bytes, 0, queue->buf.get()};
+      }
+      queue->efd.reset(::eventfd(0, EFD_CLOEXEC));
+      if (!queue->efd) return errc(errno);
+      auto fut = queue->ready.get_future();
+      Queue* qp = queue.get();
+      queue->thread = std::thread([qp] { qp->run(); });
+      queues.push_back(std::move(queue));
+      if (auto ec = fut.get()) return ec;
+    }
+    return {};
+  }
+
+  void stop_queues() {
+    for (auto& q : queues) {
+      q->stop.store(true, std::memory_order_release);
+      q->wake();
+    }
+    for (auto& q : queues)
+      if (q->thread.joinable()) q->thread.join();
+    queues.clear();  // descriptors unmapped, buffers deregistered
+    cdev.reset();
+  }
+
+  Status stop() {
+    if (stopped) return {};
+    stopped = true;
+    Status first;
+    if (started && ctl) {
+      // The gendisk goes; its IO in flight is still served by the queues meanwhile.
+      if (auto st = ctl->stop_dev(info.dev_id); !st.ok()) first = st;
+    }
+    stop_queues();
+    if (owned && ctl) {
+      if (auto st = ctl->del_dev(info.dev_id); !st.ok() && first.ok()) first = st;
+    }
+    return first;
+  }
+};
+
+UblkDevice::UblkDevice(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+UblkDevice::~UblkDevice() = default;
+
+Status UblkDevice::stop() { return impl_->stop(); }
+uint32_t UblkDevice::dev_id() const { return impl_->info.dev_id; }
+std::string UblkDevice::block_path() const { return impl_->path("b"); }
+std::string UblkDevice::char_path() const { return impl_->path("c"); }
+uint16_t UblkDevice::nr_queues() const { return impl_->info.nr_hw_queues; }
+uint16_t UblkDevice::queue_depth() const { return impl_->info.queue_depth; }
+bool UblkDevice::recovered() const { return impl_->recovered; }
+
+UblkStats UblkDevice::stats() const {
+  UblkStats s;
+  for (auto& q : impl_->queues) {
+    s.requests += q->requests.load(std::memory_order_relaxed);
+    s.errors += q->errors.load(std::memory_order_relaxed);
+    s.wakeups += q->wakeups.load(std::memory_order_relaxed);
+  }
+  return s;
+}
+
+namespace {
+
+// The driver supports what recovery needs (6.0 has USER_RECOVERY, 6.1 REISSUE).
+Status check_features(UblkControl& ctl) {
+  auto f = ctl.get_features();
+  if (!f.ok()) return errc(EOPNOTSUPP);  // GET_FEATURES itself is 6.5+
+  const uint64_t need = uapi::kFUserRecovery | uapi::kFUserRecoveryReissue;
+  if ((*f & need) != need) return errc(EOPNOTSUPP);
+  return {};
+}
+
+}  // namespace
+
+Result<std::unique_ptr<UblkDevice>> UblkDevice::create(std::shared_ptr<RemoteDevice> dev,
+                                                       BlockSession& session, const UblkOptions& o) {
+  if (!dev || o.nr_queues == 0 || o.queue_depth == 0 || o.queue_depth > uapi::kMaxQueueDepth ||
+      o.max_io_bytes == 0 || o.max_io_bytes % kPageSize != 0 || o.max_io_bytes > uapi::kMaxIoBufBytes)
+    return errc(EINVAL);
+  const bool ro = dev->access_mode() == AccessMode::ro;
+  auto params = make_params(dev->geometry(), ro, o.max_io_bytes);
+  if (!params.ok()) return params.error();
+
+  auto impl = std::make_unique<Impl>();
+  impl->opts = o;
+  impl->dev = dev;
+  IBTRS_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
+  IBTRS_TRY(check_features(*impl->ctl));
+
+  uapi::ublksrv_ctrl_dev_info want{};
+  want.nr_hw_queues = o.nr_queues;
+  want.queue_depth = o.queue_depth;
+  want.max_io_buf_bytes = o.max_io_bytes;
+  want.dev_id = ~0u;  // the driver picks the number
+  want.flags = uapi::kFUserRecovery | uapi::kFUserRecoveryReissue | uapi::kFCmdIoctlEncode;
+  IBTRS_ASSIGN_OR_RETURN(impl->info, impl->ctl->add_dev(want));
+  impl->owned = true;  // from here on, failure paths DEL_DEV
+  // The driver may have lowered the buffer size (page rounding, its own cap): requests follow.
+  if (impl->info.max_io_buf_bytes < dev->geometry().logical_block_size || impl->info.queue_depth == 0 ||
+      impl->info.nr_hw_queues == 0)
+    return errc(EINVAL);
+  params->basic.max_sectors = std::min(params->basic.max_sectors, impl->info.max_io_buf_bytes / kSectorSize);
+  IBTRS_TRY(impl->ctl->set_params(impl->info.dev_id, *params));
+  IBTRS_TRY(impl->start_queues(session));
+  IBTRS_TRY(impl->ctl->start_dev(impl->info.dev_id, ::getpid()));
+  impl->started = true;
+  return std::unique_ptr<UblkDevice>(new UblkDevice(std::move(impl)));
+}
+
+Result<std::unique_ptr<UblkDevice>> UblkDevice::recover(uint32_t dev_id, std::shared_ptr<RemoteDevice> dev,
+                                                        BlockSession& session, const UblkOptions& o) {
+  if (!dev) return errc(EINVAL);
+  auto impl = std::make_unique<Impl>();
+  impl->opts = o;
+  impl->dev = dev;
+  IBTRS_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
+  const auto deadline = Clock::now() + o.wait_timeout;
+  // The dead daemon's rings and /dev/ublkcN are released asynchronously: the device is LIVE
+  // until the driver notices, then QUIESCED, and START_USER_RECOVERY says EBUSY until the
+  // character device is closed too.
+  for (;;) {
+    auto info = impl->ctl->get_dev_info(dev_id);
+    if (!info.ok()) return info.error() == std::errc::no_such_device ? errc(ENOENT) : info.error();
+    impl->info = *info;
+    if ((info->flags & uapi::kFUserRecovery) == 0 || info->state == uapi::kStateDead) return errc(EINVAL);
+    if (info->state == uapi::kStateQuiesced) {
+      auto st = impl->ctl->start_user_recovery(dev_id);
+      if (st.ok()) break;
+      if (st.error() != std::errc::device_or_resource_busy) return st.error();
+    }
+    if (Clock::now() > deadline) return errc(ETIMEDOUT);
+    sleep_ms(50);
+  }
+  if (impl->info.queue_depth == 0 || impl->info.nr_hw_queues == 0 ||
+      impl->info.max_io_buf_bytes < dev->geometry().logical_block_size)
+    return errc(EINVAL);
+  IBTRS_TRY(impl->start_queues(session));
+  IBTRS_TRY(impl->ctl->end_user_recovery(dev_id, ::getpid()));
+  impl->owned = true;
+  impl->started = true;
+  impl->recovered = true;
+  return std::unique_ptr<UblkDevice>(new UblkDevice(std::move(impl)));
+}
+
+}  // namespace ibnbd::ublk
