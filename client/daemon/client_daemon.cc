@@ -192,6 +192,9 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
     if (cmd == "session_disconnect" || cmd == "session_close") return session_close(req);
     if (cmd == "session_policy") return policy_set(req);
     if (cmd == "path_list") return path_list(req);
+    if (cmd == "path_stats") return path_stats(req);
+    if (cmd == "path_reset_stats") return path_reset_stats(req);
+    if (cmd == "session_max_reconnect_attempts") return max_reconnect_attempts(req);
     if (cmd == "nbd_export") return nbd_export(req);
     if (cmd == "nbd_unexport") return nbd_unexport(req);
     if (cmd == "nbd_list") return nbd_list(req);
@@ -263,6 +266,9 @@ json ClientDaemon::device_map(const json& req) {
   const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
   if (auto [s, d] = find_device(dev); d && s->s->name() != sname)
     return err(EEXIST, "device " + dev + " is mapped through session " + s->s->name());
+  // exclusive (the kernel's map_device): mapping a mapped device again is EEXIST, not a no-op.
+  if (auto [s, d] = find_device(dev); d && req.value("exclusive", false))
+    return err(EEXIST, "device " + dev + " is already mapped");
   Sess* s = find_session(sname);
   if (s == nullptr) {
     BlockSessionOptions o;
