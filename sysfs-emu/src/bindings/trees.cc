@@ -48,9 +48,16 @@ ReadFn text(std::string s) {
 // An action file: write-only in effect, reading shows how to use it (as the kernel's do).
 NodePtr action(std::string usage, WriteFn w) { return Node::attr(0644, text(std::move(usage)), std::move(w)); }
 
-// ---- ibtrs-client/<session>/paths/<path>/ ----
+// The escaped names of a JSON array's objects (`key` of each).
+std::vector<std::string> names(const json& arr, const char* key) {
+  std::vector<std::string> out;
+  for (auto& e : arr) out.push_back(escape_name(e.at(key).get<std::string>()));
+  return out;
+}
 
-Result<json> client_path(const Backend& b, const std::string& sess, const std::string& path) {
+// ---- paths (both sides answer path_stats alike) ----
+
+Result<json> path_info(const Backend& b, const std::string& sess, const std::string& path) {
   IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
   const json& ps = r.at("paths");
   if (ps.empty()) return errc(ENOENT);
@@ -64,6 +71,29 @@ std::string hca_port(const json& p) {
   return line(str(p.at("hca_port")));
 }
 
+Result<std::vector<std::string>> path_names(const Backend& b, const std::string& sess) {
+  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
+  return names(r.at("paths"), "name");
+}
+
+using PathInfo = std::function<Result<json>()>;
+
+// A read-only file showing f(the path's answer).
+NodePtr path_field(const PathInfo& info, std::function<std::string(const json&)> f) {
+  return Node::read_only([info, f = std::move(f)]() -> Result<std::string> {
+    IBTRS_ASSIGN_OR_RETURN(json p, info());
+    return f(p);
+  });
+}
+
+// hca_name, hca_port, src_addr, dst_addr: the same files on both sides.
+void add_address_files(Node& d, const PathInfo& info) {
+  d.add("hca_name", path_field(info, [](const json& p) { return line(str(p.at("hca_name"))); }));
+  d.add("hca_port", path_field(info, hca_port));
+  d.add("src_addr", path_field(info, [](const json& p) { return line(str(p.at("src_host"))); }));
+  d.add("dst_addr", path_field(info, [](const json& p) { return line(str(p.at("dst_host"))); }));
+}
+
 using Formatter = std::string (*)(const PathStatsSnapshot&);
 struct StatFile {
   const char* name;
@@ -71,7 +101,7 @@ struct StatFile {
 };
 
 // stats/: each file prints its counters and resets them when written (reset_all: every group).
-NodePtr stats_dir(const std::function<Result<json>()>& path_info,
+NodePtr stats_dir(const PathInfo& info,
                   const std::function<Status(const char* group)>& reset, std::initializer_list<StatFile> files) {
   auto d = Node::dir();
   d->add("reset_all", Node::attr(0644, text("Usage: echo 1 > reset_all (0 too) resets all the statistics\n"),
@@ -84,8 +114,8 @@ NodePtr stats_dir(const std::function<Result<json>()>& path_info,
     const Formatter fmt = f.format;
     d->add(group, Node::attr(
                       0644,
-                      [path_info, fmt]() -> Result<std::string> {
-                        IBTRS_ASSIGN_OR_RETURN(json p, path_info());
+                      [info, fmt]() -> Result<std::string> {
+                        IBTRS_ASSIGN_OR_RETURN(json p, info());
                         return fmt(ibnbd::stats_from_json(p.at("stats")));
                       },
                       [reset, group](std::string_view t) -> Status {
@@ -97,13 +127,7 @@ NodePtr stats_dir(const std::function<Result<json>()>& path_info,
 }
 
 NodePtr client_path_dir(const Backend& b, const std::string& sess, const std::string& path) {
-  auto info = [b, sess, path] { return client_path(b, sess, path); };
-  auto field = [info](std::function<std::string(const json&)> f) {
-    return Node::read_only([info, f]() -> Result<std::string> {
-      IBTRS_ASSIGN_OR_RETURN(json p, info());
-      return f(p);
-    });
-  };
+  PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
   auto path_cmd = [b, sess, path](const char* cmd) {
     return [b, sess, path, cmd](std::string_view t) -> Status {
       IBTRS_TRY(parse_one(t));
@@ -112,17 +136,14 @@ NodePtr client_path_dir(const Backend& b, const std::string& sess, const std::st
   };
   auto d = Node::dir();
   // The seed's two states: connected, or disconnected for every other state of the path.
-  d->add("state", field([](const json& p) {
+  d->add("state", path_field(info, [](const json& p) {
     return std::string(p.at("state") == "connected" ? "connected\n" : "disconnected\n");
   }));
   d->add("reconnect", action("Usage: echo 1 > reconnect\n", path_cmd("path_reconnect")));
   d->add("disconnect", action("Usage: echo 1 > disconnect\n", path_cmd("path_disconnect")));
   d->add("remove_path", action("Usage: echo 1 > remove_path\n", path_cmd("path_delete")));
-  d->add("hca_name", field([](const json& p) { return line(str(p.at("hca_name"))); }));
-  d->add("hca_port", field(hca_port));
-  d->add("src_addr", field([](const json& p) { return line(str(p.at("src_host"))); }));
-  d->add("dst_addr", field([](const json& p) { return line(str(p.at("dst_host"))); }));
-  d->add("cur_latency", field([](const json& p) { return str(p.at("cur_latency_ns")) + " ns\n"; }));
+  add_address_files(*d, info);
+  d->add("cur_latency", path_field(info, [](const json& p) { return str(p.at("cur_latency_ns")) + " ns\n"; }));
   auto reset = [b, sess, path](const char* group) {
     return act(b, {{"cmd", "path_reset_stats"}, {"session", sess}, {"path", path}, {"stats", group}});
   };
@@ -137,13 +158,6 @@ NodePtr client_path_dir(const Backend& b, const std::string& sess, const std::st
 }
 
 // ---- ibtrs-client/<session>/ ----
-
-Result<std::vector<std::string>> path_names(const Backend& b, const std::string& sess) {
-  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
-  std::vector<std::string> out;
-  for (auto& p : r.at("paths")) out.push_back(escape_name(p.at("name").get<std::string>()));
-  return out;
-}
 
 NodePtr client_session_dir(const Backend& b, const std::string& sess) {
   auto d = Node::dir();
@@ -247,30 +261,14 @@ NodePtr ibnbd_client_dir(const Backend& b) {
 
 // ---- server side ----
 
-Result<json> server_path(const Backend& b, const std::string& sess, const std::string& path) {
-  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
-  const json& ps = r.at("paths");
-  if (ps.empty()) return errc(ENOENT);
-  return ps[0];
-}
-
 NodePtr server_path_dir(const Backend& b, const std::string& sess, const std::string& path) {
-  auto info = [b, sess, path] { return server_path(b, sess, path); };
-  auto field = [info](std::function<std::string(const json&)> f) {
-    return Node::read_only([info, f]() -> Result<std::string> {
-      IBTRS_ASSIGN_OR_RETURN(json p, info());
-      return f(p);
-    });
-  };
+  PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
   auto d = Node::dir();
   d->add("disconnect", action("Usage: echo 1 > disconnect\n", [b, sess, path](std::string_view t) -> Status {
            IBTRS_TRY(parse_one(t));
            return act(b, {{"cmd", "disconnect_path"}, {"session", sess}, {"path", path}});
          }));
-  d->add("hca_name", field([](const json& p) { return line(str(p.at("hca_name"))); }));
-  d->add("hca_port", field(hca_port));
-  d->add("src_addr", field([](const json& p) { return line(str(p.at("src_host"))); }));
-  d->add("dst_addr", field([](const json& p) { return line(str(p.at("dst_host"))); }));
+  add_address_files(*d, info);
   auto reset = [b, sess, path](const char* group) {
     return act(b, {{"cmd", "reset_stats"}, {"session", sess}, {"path", path}, {"stats", group}});
   };
@@ -281,22 +279,15 @@ NodePtr server_path_dir(const Backend& b, const std::string& sess, const std::st
 NodePtr ibtrs_server_dir(const Backend& b) {
   auto sessions = [b]() -> Result<std::vector<std::string>> {
     IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
-    std::vector<std::string> out;
-    for (auto& s : r.at("sessions")) out.push_back(escape_name(s.at("name").get<std::string>()));
-    return out;
+    return names(r.at("sessions"), "name");
   };
   return Node::dynamic_dir(sessions, [b](const std::string& n) -> Result<NodePtr> {
     const std::string sess = unescape_name(n);
-    auto paths = [b, sess]() -> Result<std::vector<std::string>> {
-      IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
-      std::vector<std::string> out;
-      for (auto& p : r.at("paths")) out.push_back(escape_name(p.at("name").get<std::string>()));
-      return out;
-    };
     auto d = Node::dir();
-    d->add("paths", Node::dynamic_dir(paths, [b, sess](const std::string& p) -> Result<NodePtr> {
-             return server_path_dir(b, sess, unescape_name(p));
-           }));
+    d->add("paths", Node::dynamic_dir([b, sess] { return path_names(b, sess); },
+                                      [b, sess](const std::string& p) -> Result<NodePtr> {
+                                        return server_path_dir(b, sess, unescape_name(p));
+                                      }));
     return NodePtr(d);
   });
 }
@@ -341,17 +332,13 @@ NodePtr server_holder_dir(const Backend& b, const std::string& dev, const std::s
 NodePtr ibnbd_server_dir(const Backend& b) {
   auto devices = [b]() -> Result<std::vector<std::string>> {
     IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
-    std::vector<std::string> out;
-    for (auto& d : r.at("devices")) out.push_back(escape_name(d.at("name").get<std::string>()));
-    return out;
+    return names(r.at("devices"), "name");
   };
   auto dev_dir = [b](const std::string& n) -> Result<NodePtr> {
     const std::string dev = unescape_name(n);
     auto holders = [b, dev]() -> Result<std::vector<std::string>> {
       IBTRS_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
-      std::vector<std::string> out;
-      for (auto& h : hs) out.push_back(escape_name(h.at("session").get<std::string>()));
-      return out;
+      return names(hs, "session");
     };
     auto d = Node::dir();
     d->add("sessions", Node::dynamic_dir(holders, [b, dev](const std::string& s) -> Result<NodePtr> {
