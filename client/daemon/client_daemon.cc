@@ -197,6 +197,9 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
     if (cmd == "session_disconnect" || cmd == "session_close") return session_close(req);
     if (cmd == "session_policy") return policy_set(req);
     if (cmd == "path_list") return path_list(req);
+    if (cmd == "path_stats") return path_stats(req);
+    if (cmd == "path_reset_stats") return path_reset_stats(req);
+    if (cmd == "session_max_reconnect_attempts") return max_reconnect_attempts(req);
     if (cmd == "nbd_export") return nbd_export(req);
     if (cmd == "nbd_unexport") return nbd_unexport(req);
     if (cmd == "nbd_list") return nbd_list(req);
@@ -307,6 +310,8 @@ json ClientDaemon::device_map(const json& req) {
   auto [old_s, old_d] = find_device(dev);
   if (old_d && old_s->s->name() != sname)
     return err(EEXIST, "device " + dev + " is mapped through session " + old_s->s->name());
+  // exclusive (the kernel's map_device): mapping a mapped device again is EEXIST, not a no-op.
+  if (old_d && req.value("exclusive", false)) return err(EEXIST, "device " + dev + " is already mapped");
   auto s = open_session(sname, paths);
   if (!s.ok()) return err(s.error(), "session " + sname);
   auto d = (*s)->s->map(dev, mode);

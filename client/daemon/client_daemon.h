@@ -70,6 +70,10 @@ class ClientDaemon {
   json path_list(const json& req);
   json path_op(const json& req, const std::string& op);
   json policy_set(const json& req);
+  // client_daemon_paths.cc: per-path statistics and session settings (the sysfs files' commands).
+  json path_stats(const json& req);
+  json path_reset_stats(const json& req);
+  json max_reconnect_attempts(const json& req);
   json nbd_export(const json& req);
   json nbd_unexport(const json& req);
   json nbd_list(const json& req);

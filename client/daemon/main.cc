@@ -6,7 +6,7 @@
 //   ibnbd-client [--control-socket PATH] [--io-threads N] [--policy P]
 //                [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]
 //                [--connect-timeout-ms N] [--ready-file PATH]
-//                [--state-dir DIR] [--ublk-queue-depth N]
+//                [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]
 #include <signal.h>
 #include <unistd.h>
 
@@ -17,6 +17,8 @@
 #include <string>
 
 #include "client_daemon.h"
+#include "sysfs/mount.h"
+#include "sysfs/trees.h"
 
 namespace {
 
@@ -25,13 +27,16 @@ const char kUsage[] =
     "                    [--policy round-robin|min-inflight|min-latency]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
-    "                    [--state-dir DIR] [--ublk-queue-depth N]\n"
+    "                    [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]\n"
     "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too).\n"
     "  --ready-file: written once the control socket accepts commands (after the ublk\n"
     "    devices of a crashed predecessor were taken back).\n"
     "  --state-dir: records of ublk devices, for recovery after a crash (default\n"
     "    /run/ibnbd-client).\n"
-    "  --ublk-queue-depth: tags per ublk queue unless device map says (default 128).\n";
+    "  --ublk-queue-depth: tags per ublk queue unless device map says (default 128).\n"
+    "  --sysfs-dir: serves the kernel's control files (DIR/ibtrs-client/<session>/add_path,\n"
+    "         mp_policy, paths/<src@dst>/..., DIR/ibnbd-client/ctl/map_device, ...) through FUSE,\n"
+    "         e.g. /run/ibnbd-client/sysfs; off by default (sysfs-emu/README.md).\n";
 
 [[noreturn]] void die(const std::string& m) {
   std::fprintf(stderr, "ibnbd-client: %s\n%s", m.c_str(), kUsage);
@@ -53,6 +58,7 @@ int main(int argc, char** argv) {
   ibnbd::ClientDaemonOptions o;
   std::string socket_path = "/run/ibnbd-client.sock";
   std::string ready_file;
+  std::string sysfs_dir;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") {
@@ -65,6 +71,7 @@ int main(int argc, char** argv) {
     else if (a == "--ready-file") ready_file = v;
     else if (a == "--state-dir") o.state_dir = v;
     else if (a == "--ublk-queue-depth") o.ublk_queue_depth = static_cast<uint16_t>(number(a.c_str(), v, 1, 4096));
+    else if (a == "--sysfs-dir") sysfs_dir = v;
     else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
     else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
     else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));
@@ -95,11 +102,25 @@ int main(int argc, char** argv) {
                  ctl.error().message().c_str());
     return 1;
   }
+  // Declared after the daemon: unmounted before it goes (the files call into it).
+  std::unique_ptr<sysfs::Mount> sysfs_mount;
+  if (!sysfs_dir.empty()) {
+    auto m = sysfs::mount_for_daemon(sysfs::client_tree([&daemon](const nlohmann::json& req) {
+                                       return daemon.handle(req, [](const nlohmann::json&) { return true; });
+                                     }),
+                                     sysfs_dir, "ibnbd-client");
+    if (!m) {
+      std::fprintf(stderr, "ibnbd-client: sysfs tree at %s: %s\n", sysfs_dir.c_str(), m.error().message().c_str());
+      return 1;
+    }
+    sysfs_mount = std::move(*m);
+  }
   std::fprintf(stderr, "ibnbd-client: ready on %s\n", socket_path.c_str());
   if (!ready_file.empty()) std::ofstream(ready_file) << "ready " << socket_path << "\n";
   int sig = 0;
   sigwait(&set, &sig);
   std::fprintf(stderr, "ibnbd-client: %s: unmapping\n", strsignal(sig));
+  sysfs_mount.reset();
   ctl->reset();
   if (!ready_file.empty()) ::unlink(ready_file.c_str());
   return 0;

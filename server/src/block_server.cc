@@ -519,10 +519,11 @@ Status BlockServer::disconnect_path(std::string_view session, std::string_view p
   return found.ok() ? st : found;
 }
 
-Status BlockServer::reset_path_stats(std::string_view session, std::string_view path) {
+Status BlockServer::reset_path_stats(std::string_view session, std::string_view path,
+                                     ibtrs::StatsGroup group) {
   Status st = errc(ENOENT);
   auto found = impl_->transport->with_session(session, [&](ibtrs::ServerSession& ts) {
-    st = ts.reset_stats(path);
+    st = ts.reset_stats(path, group);
   });
   return found.ok() ? st : found;
 }

@@ -20,6 +20,9 @@
 #include <nlohmann/json.hpp>
 
 #include "control_socket.h"
+#include "server_commands.h"
+#include "sysfs/mount.h"
+#include "sysfs/trees.h"
 #include "ibnbd/server.h"
 
 namespace {
@@ -33,13 +36,16 @@ const char kUsage[] =
     "                    [--queue-depth N] [--chunk-size SIZE] [--io-threads N]\n"
     "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--busy-poll]\n"
-    "                    [--control-socket PATH] [--ready-file PATH]\n"
+    "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
     "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
     "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 512, \"read_only\": false}.\n"
     "  --control-socket: default /run/ibnbd-server.sock. --ready-file: written with one\n"
-    "         `listening ADDR` line per address once the server accepts connections.\n";
+    "         `listening ADDR` line per address once the server accepts connections.\n"
+    "  --sysfs-dir DIR: serves the kernel's control files (DIR/ibtrs-server/<session>/paths/...,\n"
+    "         DIR/ibnbd-server/ctl/devices/...) through FUSE, e.g. /run/ibnbd-server/sysfs;\n"
+    "         off by default (sysfs-emu/README.md).\n";
 
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "ibnbd-server: %s\n", msg.c_str());
@@ -50,6 +56,7 @@ struct Config {
   ibnbd::BlockServerOptions o;
   std::string control_socket = "/run/ibnbd-server.sock";
   std::string ready_file;
+  std::string sysfs_dir;
 };
 
 // One setting by name, from the command line (text) or the config file (JSON).
@@ -108,6 +115,8 @@ void apply(Config& c, const std::string& key, const json& v) {
     c.control_socket = text();
   } else if (key == "ready_file") {
     c.ready_file = text();
+  } else if (key == "sysfs_dir") {
+    c.sysfs_dir = text();
   } else {
     die("unknown setting '" + key + "'");
   }
@@ -160,74 +169,6 @@ Config parse(int argc, char** argv) {
   return c;
 }
 
-json stats_json(const ibnbd::BlockStats& s) {
-  return {{"read_ops", s.read_ops}, {"read_bytes", s.read_bytes}, {"write_ops", s.write_ops},
-          {"write_bytes", s.write_bytes}, {"flush_ops", s.flush_ops}, {"discard_ops", s.discard_ops},
-          {"write_zeroes_ops", s.write_zeroes_ops}, {"errors", s.errors}, {"inflight", s.inflight}};
-}
-
-json path_json(const ibtrs::ServerPathInfo& p) {
-  return {{"name", p.name},
-          {"src_addr", p.peer.to_string()},
-          {"dst_addr", p.local.to_string()},
-          {"state", std::string(ibtrs::to_string(p.state))},
-          {"hca_name", p.hca_name},
-          {"hca_port", p.hca_port},
-          {"read_cnt", p.stats.read_cnt},
-          {"read_bytes", p.stats.read_bytes},
-          {"write_cnt", p.stats.write_cnt},
-          {"write_bytes", p.stats.write_bytes},
-          {"inflight", p.stats.inflight}};
-}
-
-json handle(ibnbd::BlockServer& srv, const json& req) {
-  const std::string cmd = req["cmd"].get<std::string>();
-  auto status = [](ibtrs::Status st, const std::string& what) {
-    if (st.ok()) return json{{"ok", true}};
-    return ibnbd::ControlSocket::error(st.error().value(), what + ": " + st.error().message());
-  };
-  auto arg = [&](const char* k) -> std::string {
-    if (!req.contains(k) || !req[k].is_string()) throw std::invalid_argument(std::string("missing \"") + k + "\"");
-    return req[k].get<std::string>();
-  };
-  if (cmd == "sessions") {
-    json out = json::array();
-    for (auto& s : srv.sessions()) {
-      json paths = json::array();
-      for (auto& p : s.paths) paths.push_back(path_json(p));
-      json devs = json::array();
-      for (auto& d : s.devices)
-        devs.push_back({{"device_id", d.device_id}, {"device", d.device},
-                        {"access_mode", std::string(ibnbd::to_string(d.mode))}, {"force_closed", d.force_closed}});
-      out.push_back({{"name", s.name}, {"version", s.version}, {"paths", paths}, {"devices", devs},
-                     {"stats", stats_json(s.stats)}});
-    }
-    return {{"ok", true}, {"sessions", out}};
-  }
-  if (cmd == "devices") {
-    json out = json::array();
-    for (auto& d : srv.devices()) {
-      json holders = json::array();
-      for (auto& h : d.holders)
-        holders.push_back({{"session", h.session}, {"device_id", h.device_id},
-                           {"access_mode", std::string(ibnbd::to_string(h.mode))}});
-      out.push_back({{"name", d.name}, {"kind", d.kind}, {"size", d.size}, {"direct", d.direct},
-                     {"read_only", d.read_only}, {"sessions", holders}, {"stats", stats_json(d.stats)}});
-    }
-    return {{"ok", true}, {"devices", out}};
-  }
-  if (cmd == "force_close")
-    return status(srv.force_close(arg("device"), arg("session")),
-                  "session '" + arg("session") + "' holding device '" + arg("device") + "'");
-  if (cmd == "disconnect_path")
-    return status(srv.disconnect_path(arg("session"), arg("path")),
-                  "path '" + arg("path") + "' of session '" + arg("session") + "'");
-  if (cmd == "reset_stats")
-    return status(srv.reset_path_stats(arg("session"), req.value("path", "")),
-                  "session '" + arg("session") + "'");
-  return ibnbd::ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -247,16 +188,23 @@ int main(int argc, char** argv) {
   }
   ibnbd::BlockServer& s = **srv;
   auto ctl = ibnbd::ControlSocket::start(c.control_socket, [&s](const json& req, const auto&) {
-    try {
-      return handle(s, req);
-    } catch (const std::exception& e) {
-      return ibnbd::ControlSocket::error(EINVAL, e.what());
-    }
+    return ibnbd::server_command(s, req);
   });
   if (!ctl) {
     std::fprintf(stderr, "ibnbd-server: control socket %s: %s\n", c.control_socket.c_str(),
                  ctl.error().message().c_str());
     return 1;
+  }
+  std::unique_ptr<sysfs::Mount> sysfs_mount;
+  if (!c.sysfs_dir.empty()) {
+    auto m = sysfs::mount_for_daemon(
+        sysfs::server_tree([&s](const json& req) { return ibnbd::server_command(s, req); }), c.sysfs_dir,
+        "ibnbd-server");
+    if (!m) {
+      std::fprintf(stderr, "ibnbd-server: sysfs tree at %s: %s\n", c.sysfs_dir.c_str(), m.error().message().c_str());
+      return 1;
+    }
+    sysfs_mount = std::move(*m);
   }
   std::string lines;
   for (auto& a : s.addresses()) lines += "listening " + a.to_string() + "\n";
@@ -270,6 +218,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&set, &sig);
   std::fprintf(stderr, "ibnbd-server: %s: closing sessions\n", strsignal(sig));
+  sysfs_mount.reset();  // the files call into the server: they go first
   ctl->reset();
   srv->reset();
   if (!c.ready_file.empty()) ::unlink(c.ready_file.c_str());

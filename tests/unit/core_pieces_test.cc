@@ -205,6 +205,54 @@ TEST(Stats, ResetStartsCountersAgainButKeepsInflight) {
   EXPECT_EQ(s.snapshot().write_cnt, 1u);
 }
 
+// Case: a write to one stats file (kernel: echo 0 > stats/rdma). Expect: that file's counters
+// start again, the other files keep theirs; reset_all clears every group.
+TEST(Stats, ResetOfOneGroupLeavesTheOthers) {
+  PathStats s(2);
+  s.on_submit(0, true, 4096, 2);
+  s.on_complete(0, true, 2'000'000, 1);
+  s.on_poll(0, 3);
+  s.on_reconnect(true);
+  s.reset(StatsGroup::rdma);
+  auto a = s.snapshot();
+  EXPECT_EQ(a.write_cnt, 0u);
+  EXPECT_EQ(a.write_bytes, 0u);
+  EXPECT_EQ(a.lat_max_write_ns, 2'000'000u) << "rdma_lat is another file";
+  EXPECT_EQ(a.polls, 1u);
+  EXPECT_EQ(a.reconnects_ok, 1u);
+  EXPECT_EQ(a.sg_entries[2], 1u);
+  EXPECT_EQ(a.thread_migrations, 1u);
+  s.reset(StatsGroup::rdma_lat);
+  s.reset(StatsGroup::wc_completion);
+  a = s.snapshot();
+  EXPECT_EQ(a.lat_write[latency_bucket(2'000'000)], 0u);
+  EXPECT_EQ(a.lat_max_write_ns, 0u);
+  EXPECT_EQ(a.polls, 0u);
+  EXPECT_EQ(a.poll_max, 0u);
+  EXPECT_EQ(a.reconnects_ok, 1u);
+  s.reset(StatsGroup::reconnects);
+  s.reset(StatsGroup::sg_entries);
+  s.reset(StatsGroup::cpu_migration);
+  a = s.snapshot();
+  EXPECT_EQ(a.reconnects_ok, 0u);
+  EXPECT_EQ(a.sg_entries[2], 0u);
+  EXPECT_EQ(a.thread_migrations, 0u);
+  EXPECT_EQ(a.migrated_to[0], 0u);
+  s.on_submit(0, false, 512, 1);
+  s.reset(StatsGroup::all);
+  EXPECT_EQ(s.snapshot().read_cnt, 0u);
+  EXPECT_EQ(s.snapshot().inflight, 1) << "inflight is a gauge";
+}
+
+TEST(Stats, GroupNamesAreTheKernelFiles) {
+  EXPECT_EQ(*parse_stats_group("rdma_lat\n"), StatsGroup::rdma_lat);
+  EXPECT_EQ(*parse_stats_group("reset_all"), StatsGroup::all);
+  EXPECT_EQ(parse_stats_group("rdma2").error(), std::errc::invalid_argument);
+  for (auto g : {StatsGroup::all, StatsGroup::rdma, StatsGroup::rdma_lat, StatsGroup::wc_completion,
+                 StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects})
+    EXPECT_EQ(*parse_stats_group(to_string(g)), g);
+}
+
 // Case: 4 IO threads each submit and complete 100000 requests on their own shard while another
 // thread snapshots and resets. Expect: final totals since the last reset are consistent and
 // inflight returns to 0 (run under TSan in CI).

@@ -56,6 +56,28 @@ Result<int32_t> parse_max_reconnect_attempts(std::string_view t) {
   return v;
 }
 
+Result<StatsGroup> parse_stats_group(std::string_view t) {
+  t = trim(t);
+  for (auto g : {StatsGroup::all, StatsGroup::rdma, StatsGroup::rdma_lat, StatsGroup::wc_completion,
+                 StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects})
+    if (t == to_string(g)) return g;
+  if (t == "reset_all") return StatsGroup::all;
+  return errc(EINVAL);
+}
+
+std::string_view to_string(StatsGroup g) {
+  switch (g) {
+    case StatsGroup::all: return "all";
+    case StatsGroup::rdma: return "rdma";
+    case StatsGroup::rdma_lat: return "rdma_lat";
+    case StatsGroup::wc_completion: return "wc_completion";
+    case StatsGroup::sg_entries: return "sg_entries";
+    case StatsGroup::cpu_migration: return "cpu_migration";
+    case StatsGroup::reconnects: return "reconnects";
+  }
+  return "?";
+}
+
 PathStatsSnapshot& PathStatsSnapshot::operator+=(const PathStatsSnapshot& o) {
   read_cnt += o.read_cnt;
   read_bytes += o.read_bytes;

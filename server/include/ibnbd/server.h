@@ -94,7 +94,9 @@ class BlockServer {
   Status force_close(std::string_view device, std::string_view session);
   // Passes through to the transport session (ENOENT for an unknown session or path).
   Status disconnect_path(std::string_view session, std::string_view path);
-  Status reset_path_stats(std::string_view session, std::string_view path);
+  // `path` empty: every path of the session. `group`: the counters of one stats file, or all.
+  Status reset_path_stats(std::string_view session, std::string_view path,
+                          ibtrs::StatsGroup group = ibtrs::StatsGroup::all);
 
   struct Impl;
 

@@ -52,8 +52,8 @@ class ServerSession {
   virtual const Uuid16& uuid() const = 0;
   virtual std::vector<ServerPathInfo> paths() const = 0;
   virtual PathStatsSnapshot stats() const = 0;
-  // Resets the counters of one path (ENOENT) or, with an empty name, of all.
-  virtual Status reset_stats(std::string_view path = {}) = 0;
+  // Resets the counters of `group` of one path (ENOENT) or, with an empty name, of all paths.
+  virtual Status reset_stats(std::string_view path = {}, StatsGroup group = StatsGroup::all) = 0;
   // Disconnects one path (ENOENT); the client will reconnect it.
   virtual Status disconnect_path(std::string_view path) = 0;
 

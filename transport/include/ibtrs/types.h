@@ -76,6 +76,22 @@ inline constexpr size_t kLatBuckets = 27;
 // sg-list length buckets: 0..kSgBuckets-2 entries, then "kSgBuckets-1 or more".
 inline constexpr size_t kSgBuckets = 17;
 
+// The counters a reset may target, one per file of the kernel's stats/ directory (writing to a
+// file resets its counters; reset_all resets every group).
+enum class StatsGroup : uint8_t {
+  all,            // reset_all
+  rdma,           // read/write counts and bytes, failovered (inflight is a gauge: never reset)
+  rdma_lat,       // latency histograms and maxima
+  wc_completion,  // polls, polled completions, most completions in one poll
+  sg_entries,
+  cpu_migration,  // thread_migrations, migrated_from, migrated_to
+  reconnects,     // reconnects_ok, reconnects_failed
+};
+// "all" | "rdma" | "rdma_lat" | "wc_completion" | "sg_entries" | "cpu_migration" | "reconnects"
+// (the kernel's file names; "reset_all" for all). EINVAL otherwise.
+Result<StatsGroup> parse_stats_group(std::string_view text);
+std::string_view to_string(StatsGroup g);
+
 struct PathStatsSnapshot {
   uint64_t read_cnt = 0;
   uint64_t read_bytes = 0;

@@ -1190,12 +1190,12 @@ PathStatsSnapshot ClientSession::stats() const {
   return total;
 }
 
-Status ClientSession::reset_stats(std::string_view path) {
+Status ClientSession::reset_stats(std::string_view path, StatsGroup group) {
   bool found = path.empty();
   for (auto& slot : impl_->paths) {
     client::Path* p = slot.load(std::memory_order_acquire);
     if (p == nullptr || (!path.empty() && p->name != path)) continue;
-    p->stats.reset();
+    p->stats.reset(group);
     found = true;
   }
   return found ? Status{} : Status{errc(ENOENT)};

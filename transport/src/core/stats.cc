@@ -147,15 +147,45 @@ PathStatsSnapshot PathStats::snapshot() const {
   return r;
 }
 
-void PathStats::reset() {
+void PathStats::reset(StatsGroup group) {
   std::lock_guard lock(baseline_mu_);
-  baseline_ = raw();
+  const PathStatsSnapshot now = raw();
+  PathStatsSnapshot& b = baseline_;
+  const bool all = group == StatsGroup::all;
+  // Only the group's fields of the baseline move, so the other files keep counting.
+  if (all || group == StatsGroup::rdma) {
+    b.read_cnt = now.read_cnt;
+    b.read_bytes = now.read_bytes;
+    b.write_cnt = now.write_cnt;
+    b.write_bytes = now.write_bytes;
+    b.failovered = now.failovered;
+  }
+  if (all || group == StatsGroup::reconnects) {
+    b.reconnects_ok = now.reconnects_ok;
+    b.reconnects_failed = now.reconnects_failed;
+  }
+  if (all || group == StatsGroup::rdma_lat) {
+    b.lat_read = now.lat_read;
+    b.lat_write = now.lat_write;
+  }
+  if (all || group == StatsGroup::wc_completion) {
+    b.polls = now.polls;
+    b.polled_completions = now.polled_completions;
+  }
+  if (all || group == StatsGroup::sg_entries) b.sg_entries = now.sg_entries;
+  if (all || group == StatsGroup::cpu_migration) {
+    b.thread_migrations = now.thread_migrations;
+    b.migrated_from = now.migrated_from;
+    b.migrated_to = now.migrated_to;
+  }
   // Maxima cannot be subtracted; zeroing them races only with a writer raising one, which then
   // stores a value seen after the reset began: harmless.
   for (auto& s : shards_) {
-    s->lat_max_read.store(0, std::memory_order_relaxed);
-    s->lat_max_write.store(0, std::memory_order_relaxed);
-    s->poll_max.store(0, std::memory_order_relaxed);
+    if (all || group == StatsGroup::rdma_lat) {
+      s->lat_max_read.store(0, std::memory_order_relaxed);
+      s->lat_max_write.store(0, std::memory_order_relaxed);
+    }
+    if (all || group == StatsGroup::wc_completion) s->poll_max.store(0, std::memory_order_relaxed);
   }
 }
 

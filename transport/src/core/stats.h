@@ -24,6 +24,7 @@ namespace ibtrs::core {
 using ibtrs::kLatBuckets;
 using ibtrs::kSgBuckets;
 using ibtrs::PathStatsSnapshot;
+using ibtrs::StatsGroup;
 
 size_t latency_bucket(uint64_t ns);
 
@@ -46,8 +47,8 @@ class PathStats {
   void on_reconnect(bool ok);
 
   PathStatsSnapshot snapshot() const;
-  // Counters start again from zero (inflight excepted). Any thread.
-  void reset();
+  // The counters of `group` start again from zero (inflight excepted). Any thread.
+  void reset(StatsGroup group = StatsGroup::all);
 
  private:
   struct alignas(64) Shard {

@@ -179,7 +179,7 @@ struct Session final : ServerSession {
   const Uuid16& uuid() const override { return uuid_; }
   std::vector<ServerPathInfo> paths() const override;
   PathStatsSnapshot stats() const override;
-  Status reset_stats(std::string_view path) override;
+  Status reset_stats(std::string_view path, StatsGroup group) override;
   Status disconnect_path(std::string_view path) override;
 
   std::span<std::byte> chunk(uint32_t id) const {
@@ -257,12 +257,12 @@ PathStatsSnapshot Session::stats() const {
   return t;
 }
 
-Status Session::reset_stats(std::string_view path) {
+Status Session::reset_stats(std::string_view path, StatsGroup group) {
   std::lock_guard lock(mu);
   bool found = path.empty();
   for (Path* p : live) {
     if (!path.empty() && p->name != path) continue;
-    p->stats.reset();
+    p->stats.reset(group);
     found = true;
   }
   return found ? Status{} : Status{errc(ENOENT)};

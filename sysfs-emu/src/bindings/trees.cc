@@ -1,0 +1,376 @@
+// The four trees: each file is a read that formats a daemon answer or a write that sends one
+// command. Names of sessions, paths and devices are escaped as directory entries (parse.h).
+#include "sysfs/trees.h"
+
+#include <cinttypes>
+#include <cstdio>
+
+#include "control_stats.h"
+#include "sysfs/format.h"
+#include "sysfs/parse.h"
+
+namespace sysfs {
+
+namespace {
+
+using nlohmann::json;
+using ibtrs::errc;
+
+// ---- talking to the daemon ----
+
+Result<json> call(const Backend& b, const json& req) {
+  json r = b(req);
+  if (r.is_object() && r.value("ok", false)) return r;
+  int e = r.is_object() ? r.value("errno", EIO) : EIO;
+  return errc(e > 0 ? e : EIO);
+}
+
+Status act(const Backend& b, const json& req) {
+  auto r = call(b, req);
+  return r ? Status{} : Status{r.error()};
+}
+
+// The cell `col` of a listing answer ({"columns": [{"name"}...], "rows": [[...]]}).
+const json& cell(const json& rsp, const json& row, const char* col) {
+  const json& cols = rsp.at("columns");
+  for (size_t i = 0; i < cols.size(); ++i)
+    if (cols[i].at("name") == col) return row.at(i);
+  throw std::out_of_range(col);
+}
+
+std::string line(std::string s) { return s + "\n"; }
+std::string str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+ReadFn text(std::string s) {
+  return [s = std::move(s)]() -> Result<std::string> { return s; };
+}
+
+// An action file: write-only in effect, reading shows how to use it (as the kernel's do).
+NodePtr action(std::string usage, WriteFn w) { return Node::attr(0644, text(std::move(usage)), std::move(w)); }
+
+// The escaped names of a JSON array's objects (`key` of each).
+std::vector<std::string> names(const json& arr, const char* key) {
+  std::vector<std::string> out;
+  for (auto& e : arr) out.push_back(escape_name(e.at(key).get<std::string>()));
+  return out;
+}
+
+// ---- paths (both sides answer path_stats alike) ----
+
+Result<json> path_info(const Backend& b, const std::string& sess, const std::string& path) {
+  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
+  const json& ps = r.at("paths");
+  if (ps.empty()) return errc(ENOENT);
+  return ps[0];
+}
+
+// hca_port: an HCA's port; for the software fabric (no HCA, hca_name "tcp") the TCP port the
+// path goes to.
+std::string hca_port(const json& p) {
+  if (p.value("fabric", "") == "tcp") return line(str(p.at("dst_port")));
+  return line(str(p.at("hca_port")));
+}
+
+Result<std::vector<std::string>> path_names(const Backend& b, const std::string& sess) {
+  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
+  return names(r.at("paths"), "name");
+}
+
+using PathInfo = std::function<Result<json>()>;
+
+// A read-only file showing f(the path's answer).
+NodePtr path_field(const PathInfo& info, std::function<std::string(const json&)> f) {
+  return Node::read_only([info, f = std::move(f)]() -> Result<std::string> {
+    IBTRS_ASSIGN_OR_RETURN(json p, info());
+    return f(p);
+  });
+}
+
+// hca_name, hca_port, src_addr, dst_addr: the same files on both sides.
+void add_address_files(Node& d, const PathInfo& info) {
+  d.add("hca_name", path_field(info, [](const json& p) { return line(str(p.at("hca_name"))); }));
+  d.add("hca_port", path_field(info, hca_port));
+  d.add("src_addr", path_field(info, [](const json& p) { return line(str(p.at("src_host"))); }));
+  d.add("dst_addr", path_field(info, [](const json& p) { return line(str(p.at("dst_host"))); }));
+}
+
+using Formatter = std::string (*)(const PathStatsSnapshot&);
+struct StatFile {
+  const char* name;
+  Formatter format;
+};
+
+// stats/: each file prints its counters and resets them when written (reset_all: every group).
+NodePtr stats_dir(const PathInfo& info,
+                  const std::function<Status(const char* group)>& reset, std::initializer_list<StatFile> files) {
+  auto d = Node::dir();
+  d->add("reset_all", Node::attr(0644, text("Usage: echo 1 > reset_all (0 too) resets all the statistics\n"),
+                                 [reset](std::string_view t) -> Status {
+                                   IBTRS_TRY(parse_reset(t));
+                                   return reset("all");
+                                 }));
+  for (const StatFile& f : files) {
+    const std::string group = f.name;
+    const Formatter fmt = f.format;
+    d->add(group, Node::attr(
+                      0644,
+                      [info, fmt]() -> Result<std::string> {
+                        IBTRS_ASSIGN_OR_RETURN(json p, info());
+                        return fmt(ibnbd::stats_from_json(p.at("stats")));
+                      },
+                      [reset, group](std::string_view t) -> Status {
+                        IBTRS_TRY(parse_reset(t));
+                        return reset(group.c_str());
+                      }));
+  }
+  return d;
+}
+
+NodePtr client_path_dir(const Backend& b, const std::string& sess, const std::string& path) {
+  PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
+  auto path_cmd = [b, sess, path](const char* cmd) {
+    return [b, sess, path, cmd](std::string_view t) -> Status {
+      IBTRS_TRY(parse_one(t));
+      return act(b, {{"cmd", cmd}, {"session", sess}, {"path", path}});
+    };
+  };
+  auto d = Node::dir();
+  // The seed's two states: connected, or disconnected for every other state of the path.
+  d->add("state", path_field(info, [](const json& p) {
+    return std::string(p.at("state") == "connected" ? "connected\n" : "disconnected\n");
+  }));
+  d->add("reconnect", action("Usage: echo 1 > reconnect\n", path_cmd("path_reconnect")));
+  d->add("disconnect", action("Usage: echo 1 > disconnect\n", path_cmd("path_disconnect")));
+  d->add("remove_path", action("Usage: echo 1 > remove_path\n", path_cmd("path_delete")));
+  add_address_files(*d, info);
+  d->add("cur_latency", path_field(info, [](const json& p) { return str(p.at("cur_latency_ns")) + " ns\n"; }));
+  auto reset = [b, sess, path](const char* group) {
+    return act(b, {{"cmd", "path_reset_stats"}, {"session", sess}, {"path", path}, {"stats", group}});
+  };
+  d->add("stats", stats_dir(info, reset,
+                            {{"rdma", format_client_rdma},
+                             {"rdma_lat", format_rdma_lat},
+                             {"wc_completion", format_client_wc_completion},
+                             {"sg_entries", format_sg_entries},
+                             {"cpu_migration", format_cpu_migration},
+                             {"reconnects", format_reconnects}}));
+  return d;
+}
+
+// ---- ibtrs-client/<session>/ ----
+
+NodePtr client_session_dir(const Backend& b, const std::string& sess) {
+  auto d = Node::dir();
+  d->add("add_path",
+         action("Usage: echo [<source addr>@]<destination addr> > add_path\n\n"
+                "*addr ::= [ ip:<ipv4|ipv6> | gid:<gid> | tcp:<host>[:<port>] | rdma:<host>[:<port>] ]\n",
+                [b, sess](std::string_view t) -> Status {
+                  IBTRS_ASSIGN_OR_RETURN(std::string path, parse_path(t));
+                  return act(b, {{"cmd", "path_add"}, {"session", sess}, {"path", path}});
+                }));
+  d->add("max_reconnect_attempts",
+         Node::attr(
+             0644,
+             [b, sess]() -> Result<std::string> {
+               IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}}));
+               return line(str(r.at("max_reconnect_attempts")));
+             },
+             [b, sess](std::string_view t) -> Status {
+               IBTRS_ASSIGN_OR_RETURN(int32_t v, ibtrs::parse_max_reconnect_attempts(t));
+               return act(b, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}, {"value", v}});
+             }));
+  // mp_policy is the seed's name; mpath_policy the kernel's file: one node under both names.
+  auto policy = Node::attr(
+      0644,
+      [b, sess]() -> Result<std::string> {
+        IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_show"}, {"session", sess}}));
+        auto p = ibtrs::parse_mp_policy(str(cell(r, r.at("rows").at(0), "mp")));
+        if (!p) return errc(EIO);
+        return format_policy(*p);
+      },
+      [b, sess](std::string_view t) -> Status {
+        IBTRS_ASSIGN_OR_RETURN(ibtrs::MpPolicy p, ibtrs::parse_mp_policy(t));
+        return act(b, {{"cmd", "session_policy"}, {"session", sess}, {"policy", std::string(ibtrs::to_string(p))}});
+      });
+  d->add("mp_policy", policy);
+  d->add("mpath_policy", policy);
+  d->add("paths", Node::dynamic_dir([b, sess] { return path_names(b, sess); },
+                                    [b, sess](const std::string& n) -> Result<NodePtr> {
+                                      return client_path_dir(b, sess, unescape_name(n));
+                                    }));
+  return d;
+}
+
+Result<std::vector<std::string>> listing_names(const Backend& b, const char* cmd, const char* col) {
+  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", cmd}}));
+  std::vector<std::string> out;
+  for (auto& row : r.at("rows")) out.push_back(escape_name(str(cell(r, row, col))));
+  return out;
+}
+
+// ---- ibnbd-client/ctl/ ----
+
+NodePtr client_device_dir(const Backend& b, const std::string& dev) {
+  auto field = [b, dev](const char* col) {
+    return Node::read_only([b, dev, col]() -> Result<std::string> {
+      IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
+      return line(str(cell(r, r.at("rows").at(0), col)));
+    });
+  };
+  auto d = Node::dir();
+  d->add("unmap_device", action("Usage: echo <normal|force> > unmap_device\n", [b, dev](std::string_view t) -> Status {
+           IBTRS_ASSIGN_OR_RETURN(bool force, parse_unmap_mode(t));
+           return act(b, {{"cmd", "device_unmap"}, {"device", dev}, {"force", force}});
+         }));
+  d->add("remap_device", action("Usage: echo 1 > remap_device\n", [b, dev](std::string_view t) -> Status {
+           IBTRS_TRY(parse_one(t));
+           return act(b, {{"cmd", "device_remap"}, {"device", dev}});
+         }));
+  // The kernel sets the gendisk's capacity to the written sectors; here the device has no local
+  // capacity of its own: the number is checked and the size is taken anew from the server.
+  d->add("resize", action("Usage: echo <SECTORS> > resize\n", [b, dev](std::string_view t) -> Status {
+           IBTRS_TRY(parse_sectors(t));
+           return act(b, {{"cmd", "device_resize"}, {"device", dev}});
+         }));
+  d->add("state", field("state"));
+  d->add("session", field("session"));
+  d->add("access_mode", field("access_mode"));
+  d->add("mapping_path", Node::read_only(text(line(dev))));
+  return d;
+}
+
+NodePtr ibnbd_client_dir(const Backend& b) {
+  auto ctl = Node::dir();
+  ctl->add("map_device",
+           action("Usage: echo \"sessname=<name> path=<[srcaddr@]dstaddr> [path=<[srcaddr@]dstaddr>] "
+                  "device_path=<name on the server> [dest_port=<port>] [access_mode=<ro|rw|migration>] "
+                  "[nr_poll_queues=<n>]\" > map_device\n\n"
+                  "addr ::= [ ip:<ipv4|ipv6> | gid:<gid> | tcp:<host>[:<port>] | rdma:<host>[:<port>] ]\n",
+                  [b](std::string_view t) -> Status {
+                    IBTRS_ASSIGN_OR_RETURN(MapDeviceOptions o, parse_map_device(t));
+                    return act(b, map_device_request(o));
+                  }));
+  ctl->add("devices", Node::dynamic_dir([b] { return listing_names(b, "device_list", "device"); },
+                                        [b](const std::string& n) -> Result<NodePtr> {
+                                          return client_device_dir(b, unescape_name(n));
+                                        }));
+  auto d = Node::dir();
+  d->add("ctl", ctl);
+  return d;
+}
+
+// ---- server side ----
+
+NodePtr server_path_dir(const Backend& b, const std::string& sess, const std::string& path) {
+  PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
+  auto d = Node::dir();
+  d->add("disconnect", action("Usage: echo 1 > disconnect\n", [b, sess, path](std::string_view t) -> Status {
+           IBTRS_TRY(parse_one(t));
+           return act(b, {{"cmd", "disconnect_path"}, {"session", sess}, {"path", path}});
+         }));
+  add_address_files(*d, info);
+  auto reset = [b, sess, path](const char* group) {
+    return act(b, {{"cmd", "reset_stats"}, {"session", sess}, {"path", path}, {"stats", group}});
+  };
+  d->add("stats", stats_dir(info, reset, {{"rdma", format_server_rdma}, {"wc_completion", format_server_wc_completion}}));
+  return d;
+}
+
+NodePtr ibtrs_server_dir(const Backend& b) {
+  auto sessions = [b]() -> Result<std::vector<std::string>> {
+    IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
+    return names(r.at("sessions"), "name");
+  };
+  return Node::dynamic_dir(sessions, [b](const std::string& n) -> Result<NodePtr> {
+    const std::string sess = unescape_name(n);
+    auto d = Node::dir();
+    d->add("paths", Node::dynamic_dir([b, sess] { return path_names(b, sess); },
+                                      [b, sess](const std::string& p) -> Result<NodePtr> {
+                                        return server_path_dir(b, sess, unescape_name(p));
+                                      }));
+    return NodePtr(d);
+  });
+}
+
+// The holders of one exported device, from the `devices` answer.
+Result<json> device_holders(const Backend& b, const std::string& dev) {
+  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
+  for (auto& d : r.at("devices"))
+    if (d.at("name") == dev) return d.at("sessions");
+  return errc(ENOENT);
+}
+
+Result<json> device_holder(const Backend& b, const std::string& dev, const std::string& sess) {
+  IBTRS_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
+  for (auto& h : hs)
+    if (h.at("session") == sess) return h;
+  return errc(ENOENT);
+}
+
+NodePtr server_holder_dir(const Backend& b, const std::string& dev, const std::string& sess) {
+  auto mode = [b, dev, sess]() -> Result<std::string> {
+    IBTRS_ASSIGN_OR_RETURN(json h, device_holder(b, dev, sess));
+    return str(h.at("access_mode"));
+  };
+  auto d = Node::dir();
+  d->add("read_only", Node::read_only([mode]() -> Result<std::string> {
+           IBTRS_ASSIGN_OR_RETURN(std::string m, mode());
+           return std::string(m == "ro" ? "1\n" : "0\n");
+         }));
+  d->add("access_mode", Node::read_only([mode]() -> Result<std::string> {
+           IBTRS_ASSIGN_OR_RETURN(std::string m, mode());
+           return line(m);
+         }));
+  d->add("mapping_path", Node::read_only(text(line(dev))));
+  d->add("force_close", action("Usage: echo 1 > force_close\n", [b, dev, sess](std::string_view t) -> Status {
+           IBTRS_TRY(parse_one(t));
+           return act(b, {{"cmd", "force_close"}, {"device", dev}, {"session", sess}});
+         }));
+  return d;
+}
+
+NodePtr ibnbd_server_dir(const Backend& b) {
+  auto devices = [b]() -> Result<std::vector<std::string>> {
+    IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
+    return names(r.at("devices"), "name");
+  };
+  auto dev_dir = [b](const std::string& n) -> Result<NodePtr> {
+    const std::string dev = unescape_name(n);
+    auto holders = [b, dev]() -> Result<std::vector<std::string>> {
+      IBTRS_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
+      return names(hs, "session");
+    };
+    auto d = Node::dir();
+    d->add("sessions", Node::dynamic_dir(holders, [b, dev](const std::string& s) -> Result<NodePtr> {
+             return server_holder_dir(b, dev, unescape_name(s));
+           }));
+    return NodePtr(d);
+  };
+  auto ctl = Node::dir();
+  ctl->add("devices", Node::dynamic_dir(devices, dev_dir));
+  auto d = Node::dir();
+  d->add("ctl", ctl);
+  return d;
+}
+
+}  // namespace
+
+NodePtr client_tree(Backend backend) {
+  const Backend& b = backend;
+  auto root = Node::dir();
+  root->add("ibtrs-client", Node::dynamic_dir([b] { return listing_names(b, "session_list", "sessname"); },
+                                              [b](const std::string& n) -> Result<NodePtr> {
+                                                return client_session_dir(b, unescape_name(n));
+                                              }));
+  root->add("ibnbd-client", ibnbd_client_dir(b));
+  return root;
+}
+
+NodePtr server_tree(Backend backend) {
+  auto root = Node::dir();
+  root->add("ibtrs-server", ibtrs_server_dir(backend));
+  root->add("ibnbd-server", ibnbd_server_dir(backend));
+  return root;
+}
+
+}  // namespace sysfs

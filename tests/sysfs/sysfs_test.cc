@@ -1,0 +1,306 @@
+// sysfs-emu without FUSE: the node tree, the kernel's syntaxes (map_device, paths, policies,
+// resets), the stats formats, and the trees over a fake daemon that records the commands.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+
+#include "control_stats.h"
+#include "sysfs/format.h"
+#include "sysfs/node.h"
+#include "sysfs/parse.h"
+#include "sysfs/trees.h"
+
+namespace sysfs {
+namespace {
+
+using nlohmann::json;
+
+// ---- node tree ----
+
+TEST(Node, StaticAndDynamicDirectoriesResolve) {
+  std::vector<std::string> live{"a", "b"};
+  auto root = Node::dir();
+  root->add("file", Node::read_only([]() -> Result<std::string> { return std::string("x\n"); }));
+  root->add("dyn", Node::dynamic_dir([&] { return Result<std::vector<std::string>>(live); },
+                                     [](const std::string& n) -> Result<NodePtr> {
+                                       auto d = Node::dir();
+                                       d->add("name", Node::read_only([n]() -> Result<std::string> { return n; }));
+                                       return NodePtr(d);
+                                     }));
+  NodePtr r = root;
+  EXPECT_EQ(*(*resolve(r, "/file"))->read(), "x\n");
+  EXPECT_EQ(*(*resolve(r, "dyn/b/name"))->read(), "b");
+  EXPECT_EQ(*(*resolve(r, "/"))->list(), (std::vector<std::string>{"dyn", "file"}));
+  // Case: an entry goes away. Expect: lookups of it fail at once (no stale node).
+  live = {"a"};
+  EXPECT_EQ(resolve(r, "/dyn/b/name").error(), std::errc::no_such_file_or_directory);
+  EXPECT_EQ(resolve(r, "/file/x").error(), std::errc::not_a_directory);
+  EXPECT_EQ(resolve(r, "/dyn/..").error(), std::errc::no_such_file_or_directory);
+}
+
+TEST(Node, MissingCallbacksAreEaccesAndDirsEisdir) {
+  auto w = Node::attr(0200, nullptr, [](std::string_view) -> Status { return errc(EBUSY); });
+  EXPECT_EQ(w->read().error(), std::errc::permission_denied);
+  EXPECT_EQ(w->write("1").error(), std::errc::device_or_resource_busy) << "the callback's errno passes through";
+  auto r = Node::read_only([]() -> Result<std::string> { return std::string(); });
+  EXPECT_EQ(r->write("1").error(), std::errc::permission_denied);
+  EXPECT_EQ(Node::dir()->read().error(), std::errc::is_a_directory);
+}
+
+// ---- parsers ----
+
+TEST(Parse, MapDeviceTakesTheKernelSyntax) {
+  auto o = parse_map_device("sessname=s1 path=ip:10.0.0.1 path=tcp:127.0.0.1:4000@tcp:127.0.0.1:5000 "
+                            "device_path=vol/a.img access_mode=ro nr_poll_queues=-1\n");
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->sessname, "s1");
+  EXPECT_EQ(o->paths, (std::vector<std::string>{"ip:10.0.0.1", "tcp:127.0.0.1:4000@tcp:127.0.0.1:5000"}));
+  EXPECT_EQ(o->device_path, "vol/a.img");
+  EXPECT_EQ(o->access_mode, "ro");
+  json req = map_device_request(*o);
+  EXPECT_EQ(req["cmd"], "device_map");
+  EXPECT_EQ(req["exclusive"], true);
+  EXPECT_EQ(req["session"], "s1");
+  // dest_port applies to the kernel's address forms, in any order of the options.
+  auto p = parse_map_device("path=ip:10.0.0.1,ip:10.0.0.2 dest_port=4321 sessname=s device_path=d");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->paths[0], "tcp:10.0.0.1:0@tcp:10.0.0.2:4321");
+  EXPECT_EQ(parse_map_device("sessname=s path=tcp:127.0.0.1:9 device_path=d")->access_mode, "rw");
+}
+
+TEST(Parse, MapDeviceRefusesWhatTheKernelRefuses) {
+  for (const char* bad : {"", "bogus", "sessname=s device_path=d", "path=ip:1.2.3.4 device_path=d",
+                          "sessname=s path=ip:1.2.3.4", "sessname=s path=ip:1.2.3.4 device_path=d colour=red",
+                          "sessname=s path=ip:1.2.3.4 device_path=d access_mode=rx",
+                          "sessname=s path=nowhere device_path=d", "sessname= path=ip:1.2.3.4 device_path=d",
+                          "sessname=s sessname=t path=ip:1.2.3.4 device_path=d",
+                          "sessname=a/b path=ip:1.2.3.4 device_path=d",
+                          "sessname=s path=ip:1.2.3.4 device_path=d dest_port=70000",
+                          "sessname=s path=ip:1.2.3.4 device_path=d nr_poll_queues=-2"}) {
+    EXPECT_EQ(parse_map_device(bad).error(), std::errc::invalid_argument) << bad;
+  }
+  std::string seven = "sessname=s device_path=d";
+  for (int i = 0; i < 7; ++i) seven += " path=ip:10.0.0." + std::to_string(i + 1);
+  EXPECT_EQ(parse_map_device(seven).error(), std::errc::invalid_argument) << "at most 6 paths";
+}
+
+TEST(Parse, PathsAndActionWrites) {
+  EXPECT_EQ(*parse_path("ip:10.0.0.1\n"), "ip:10.0.0.1");
+  EXPECT_EQ(*parse_path("ip:10.0.0.1,ip:10.0.0.2"), "ip:10.0.0.1,ip:10.0.0.2");
+  EXPECT_EQ(*parse_path("tcp:127.0.0.1:1234"), "tcp:127.0.0.1:1234");
+  EXPECT_TRUE(parse_path("gid:fe80::1").ok());
+  for (const char* bad : {"", "\n", "ip:1.2.3.4 ip:5.6.7.8", "ip:nowhere", "tcp:127.0.0.1@rdma:127.0.0.1"})
+    EXPECT_FALSE(parse_path(bad).ok()) << bad;
+  EXPECT_TRUE(parse_one("1\n").ok());
+  EXPECT_FALSE(parse_one("0").ok());
+  EXPECT_FALSE(parse_one("11").ok());
+  EXPECT_TRUE(parse_reset("0\n").ok());
+  EXPECT_TRUE(parse_reset(" 1 ").ok());
+  EXPECT_FALSE(parse_reset("2").ok());
+  EXPECT_EQ(*parse_unmap_mode("force\n"), true);
+  EXPECT_EQ(*parse_unmap_mode("normal"), false);
+  EXPECT_FALSE(parse_unmap_mode("now").ok());
+  EXPECT_EQ(*parse_sectors("131072\n"), 131072u);
+  EXPECT_FALSE(parse_sectors("0").ok());
+  EXPECT_FALSE(parse_sectors("12k").ok());
+  EXPECT_EQ(escape_name("sub/b.img"), "sub!b.img");
+  EXPECT_EQ(unescape_name(escape_name("/srv/x/y")), "/srv/x/y");
+}
+
+TEST(Parse, PoliciesInEveryKernelSpelling) {
+  for (auto [text, want] : std::vector<std::pair<const char*, ibtrs::MpPolicy>>{
+           {"round-robin\n", ibtrs::MpPolicy::round_robin}, {"rr", ibtrs::MpPolicy::round_robin},
+           {"0", ibtrs::MpPolicy::round_robin}, {"min-inflight", ibtrs::MpPolicy::min_inflight},
+           {"1\n", ibtrs::MpPolicy::min_inflight}, {"min-latency", ibtrs::MpPolicy::min_latency},
+           {"ml", ibtrs::MpPolicy::min_latency}}) {
+    EXPECT_EQ(*ibtrs::parse_mp_policy(text), want) << text;
+  }
+  EXPECT_FALSE(ibtrs::parse_mp_policy("3").ok());
+  EXPECT_EQ(format_policy(ibtrs::MpPolicy::min_inflight), "min-inflight (MI: 1)\n");
+  EXPECT_EQ(format_policy(ibtrs::MpPolicy::round_robin), "round-robin (RR: 0)\n");
+}
+
+// ---- formats ----
+
+TEST(Format, StatsFilesInTheKernelFormats) {
+  PathStatsSnapshot s;
+  s.read_cnt = 1;
+  s.read_bytes = 4096;
+  s.write_cnt = 2;
+  s.write_bytes = 8192;
+  s.inflight = 3;
+  s.failovered = 4;
+  s.reconnects_ok = 5;
+  s.reconnects_failed = 6;
+  s.polls = 4;
+  s.polled_completions = 10;
+  s.poll_max = 7;
+  s.lat_read[0] = 1;   // < 2 us
+  s.lat_read[9] = 2;   // [512, 1024) us: still the 1 ms row (1.024 ms)
+  s.lat_write[10] = 3; // [1024, 2048) us: the 2 ms row
+  s.lat_write[26] = 1; // >= 67 s
+  s.lat_max_read_ns = 900'000;
+  s.lat_max_write_ns = 70'000'000'000;
+  s.sg_entries[1] = 9;
+  s.sg_entries[16] = 1;
+  s.migrated_from = {1, 0};
+  s.migrated_to = {0, 1};
+  EXPECT_EQ(format_client_rdma(s), "1 4096 2 8192 3 4\n");
+  EXPECT_EQ(format_server_rdma(s), "1 4096 2 8192 3\n");
+  EXPECT_EQ(format_client_wc_completion(s), "7 2\n");
+  EXPECT_EQ(format_server_wc_completion(s), "7 10 4\n");
+  EXPECT_EQ(format_reconnects(s), "5 6\n");
+  const std::string lat = format_rdma_lat(s);
+  EXPECT_NE(lat.find("1 ms: 3 0\n2 ms: 0 3\n4 ms: 0 0\n"), std::string::npos) << lat;
+  EXPECT_NE(lat.find("65536 ms: 0 0\n>= 65536 ms: 0 1\nmaximum ms: 0 70000\n"), std::string::npos) << lat;
+  EXPECT_EQ(std::count(lat.begin(), lat.end(), '\n'), 19);
+  const std::string sg = format_sg_entries(s);
+  EXPECT_EQ(sg.rfind("n\\thread: count\n0: 0\n1: 9\n", 0), 0u) << sg;
+  EXPECT_NE(sg.find("16+: 1\ntotal: 10\n"), std::string::npos) << sg;
+  EXPECT_EQ(format_cpu_migration(s), "     CPU0 CPU1\nfrom:    1    0\nto  :    0    1\n");
+}
+
+// ---- the trees over a fake daemon ----
+
+// Answers the commands the trees send with canned state and records them.
+struct FakeDaemon {
+  std::mutex mu;
+  std::vector<json> seen;
+  std::string policy = "min-inflight";
+  bool has_path2 = true;
+
+  json operator()(const json& req) {
+    std::lock_guard l(mu);
+    seen.push_back(req);
+    const std::string cmd = req.at("cmd");
+    auto listing = [](json cols, json rows) {
+      json c = json::array();
+      for (auto& n : cols) c.push_back({{"name", n}});
+      return json{{"ok", true}, {"columns", c}, {"rows", rows}};
+    };
+    if (cmd == "session_list" || cmd == "session_show")
+      return listing({"sessname", "mp"}, json::array({json::array({"s1", policy})}));
+    if (cmd == "device_list" || cmd == "device_show")
+      return listing({"device", "session", "access_mode", "state"},
+                     json::array({json::array({"sub/b.img", "s1", "ro", "open"})}));
+    if (cmd == "path_stats") {
+      ibtrs::PathStatsSnapshot st;
+      st.write_cnt = 3;
+      json p1{{"name", "ip:0.0.0.0@ip:10.0.0.1"}, {"state", "reconnecting"}, {"fabric", "rdma"},
+              {"hca_name", "rxe0"}, {"hca_port", 1}, {"src_host", "ip:0.0.0.0"}, {"dst_host", "ip:10.0.0.1"},
+              {"dst_port", 1234}, {"cur_latency_ns", 1500}, {"stats", ibnbd::stats_to_json(st)}};
+      json p2 = p1;
+      p2["name"] = "tcp:0.0.0.0@tcp:127.0.0.1:4000";
+      p2["fabric"] = "tcp";
+      p2["hca_name"] = "tcp";
+      p2["dst_port"] = 4000;
+      p2["state"] = "connected";
+      json all = json::array({p1});
+      if (has_path2) all.push_back(p2);
+      if (req.contains("path")) {
+        for (auto& p : all)
+          if (p["name"] == req["path"]) return {{"ok", true}, {"paths", json::array({p})}};
+        return {{"ok", false}, {"errno", ENOENT}};
+      }
+      return {{"ok", true}, {"paths", all}};
+    }
+    if (cmd == "session_policy") {
+      policy = req.at("policy");
+      return {{"ok", true}};
+    }
+    if (cmd == "path_add") return {{"ok", false}, {"errno", EEXIST}, {"error", "exists"}};
+    return {{"ok", true}};
+  }
+};
+
+std::string read_at(const NodePtr& root, const char* path) {
+  auto n = resolve(root, path);
+  if (!n) return "ENOENT";
+  auto r = (*n)->read();
+  return r ? *r : "E" + std::to_string(r.error().value());
+}
+int write_at(const NodePtr& root, const char* path, std::string_view data) {
+  auto n = resolve(root, path);
+  if (!n) return n.error().value();
+  return (*n)->write(data).error().value();
+}
+
+TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
+  auto fake = std::make_shared<FakeDaemon>();
+  NodePtr root = client_tree([fake](const json& r) { return (*fake)(r); });
+  EXPECT_EQ(*(*resolve(root, "/ibtrs-client"))->list(), std::vector<std::string>{"s1"});
+  EXPECT_EQ(read_at(root, "/ibtrs-client/s1/mp_policy"), "min-inflight (MI: 1)\n");
+  EXPECT_EQ(write_at(root, "/ibtrs-client/s1/mpath_policy", "rr\n"), 0);
+  EXPECT_EQ(fake->seen.back()["policy"], "round-robin");
+  EXPECT_EQ(read_at(root, "/ibtrs-client/s1/mp_policy"), "round-robin (RR: 0)\n");
+  // Lookups ask the daemon for its sessions; the writes themselves must send nothing.
+  NodePtr policy = *resolve(root, "/ibtrs-client/s1/mp_policy");
+  NodePtr add = *resolve(root, "/ibtrs-client/s1/add_path");
+  const size_t before = fake->seen.size();
+  EXPECT_EQ(policy->write("fastest").error().value(), EINVAL);
+  EXPECT_EQ(add->write("ip:nowhere").error().value(), EINVAL);
+  EXPECT_EQ(fake->seen.size(), before) << "malformed writes never reach the daemon";
+  EXPECT_EQ(write_at(root, "/ibtrs-client/s1/add_path", "ip:10.0.0.9\n"), EEXIST) << "the daemon's errno";
+  EXPECT_EQ(fake->seen.back()["path"], "ip:10.0.0.9");
+
+  const char* rdma_path = "/ibtrs-client/s1/paths/ip:0.0.0.0@ip:10.0.0.1";
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/state").c_str()), "disconnected\n");
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/hca_port").c_str()), "1\n");
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/cur_latency").c_str()), "1500 ns\n");
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/stats/rdma").c_str()), "0 0 3 0 0 0\n");
+  const char* tcp_path = "/ibtrs-client/s1/paths/tcp:0.0.0.0@tcp:127.0.0.1:4000";
+  EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/hca_name").c_str()), "tcp\n");
+  EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/hca_port").c_str()), "4000\n") << "tcp: the port";
+  EXPECT_EQ(write_at(root, (std::string(tcp_path) + "/stats/rdma_lat").c_str(), "0\n"), 0);
+  EXPECT_EQ(fake->seen.back()["cmd"], "path_reset_stats");
+  EXPECT_EQ(fake->seen.back()["stats"], "rdma_lat");
+  EXPECT_EQ(write_at(root, (std::string(tcp_path) + "/remove_path").c_str(), "1"), 0);
+  EXPECT_EQ(fake->seen.back()["cmd"], "path_delete");
+  EXPECT_EQ(fake->seen.back()["path"], "tcp:0.0.0.0@tcp:127.0.0.1:4000");
+  // Case: the path goes. Expect: its directory with it.
+  fake->has_path2 = false;
+  EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/state").c_str()), "ENOENT");
+
+  EXPECT_EQ(*(*resolve(root, "/ibnbd-client/ctl/devices"))->list(), std::vector<std::string>{"sub!b.img"});
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/mapping_path"), "sub/b.img\n");
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/access_mode"), "ro\n");
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/devices/sub!b.img/unmap_device", "force\n"), 0);
+  EXPECT_EQ(fake->seen.back()["force"], true);
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=x"), 0);
+  EXPECT_EQ(fake->seen.back()["cmd"], "device_map");
+  EXPECT_EQ(fake->seen.back()["device"], "x");
+}
+
+TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {
+  std::vector<json> seen;
+  NodePtr root = server_tree([&](const json& req) -> json {
+    seen.push_back(req);
+    const std::string cmd = req.at("cmd");
+    if (cmd == "sessions") return {{"ok", true}, {"sessions", json::array({{{"name", "s1"}}})}};
+    if (cmd == "devices")
+      return {{"ok", true},
+              {"devices", json::array({{{"name", "/srv/a.img"},
+                                        {"sessions", json::array({{{"session", "s1"}, {"access_mode", "ro"}}})}}})}};
+    if (cmd == "path_stats")
+      return {{"ok", true},
+              {"paths", json::array({{{"name", "ip:1.1.1.1@ip:2.2.2.2"}, {"fabric", "rdma"}, {"hca_name", "rxe0"},
+                                      {"hca_port", 1}, {"src_host", "ip:1.1.1.1"}, {"dst_host", "ip:2.2.2.2"},
+                                      {"dst_port", 1234}, {"stats", ibnbd::stats_to_json({})}}})}};
+    return {{"ok", true}};
+  });
+  EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/rdma"), "0 0 0 0 0\n");
+  EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/wc_completion"), "0 0 0\n");
+  EXPECT_EQ(write_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/disconnect", "1\n"), 0);
+  EXPECT_EQ(seen.back()["cmd"], "disconnect_path");
+  const char* h = "/ibnbd-server/ctl/devices/!srv!a.img/sessions/s1";
+  EXPECT_EQ(read_at(root, (std::string(h) + "/read_only").c_str()), "1\n");
+  EXPECT_EQ(read_at(root, (std::string(h) + "/mapping_path").c_str()), "/srv/a.img\n");
+  EXPECT_EQ(write_at(root, (std::string(h) + "/force_close").c_str(), "0"), EINVAL);
+  EXPECT_EQ(write_at(root, (std::string(h) + "/force_close").c_str(), "1"), 0);
+  EXPECT_EQ(seen.back()["cmd"], "force_close");
+  EXPECT_EQ(seen.back()["device"], "/srv/a.img");
+}
+
+}  // namespace
+}  // namespace sysfs
