@@ -335,10 +335,10 @@ json ClientDaemon::device_map(const json& req) {
 
 ublk::UblkOptions ClientDaemon::ublk_options(const RemoteDevice& d, uint16_t queue_depth) const {
   ublk::UblkOptions o;
-  // A block request as large as one transport request of the device (one chunk, 128 KiB by
-  // default), so each is one RDMA transfer straight from its tag's buffer: larger ones are
-  // split by the block layer, not by the library, and the registered memory stays small
-  // (queues x depth x this: 2 x 128 x 128 KiB = 32 MiB). Page multiple (the driver's unit),
+  // A block request as large as one transport request of the device (124 KiB against a
+  // server with default settings), so each is one RDMA transfer straight from its tag's buffer: larger ones
+  // are split by the block layer, not by the library, and the registered memory stays small
+  // (queues x depth x this: 2 x 128 x 124 KiB = 31 MiB). Page multiple (the driver's unit),
   // at least a page, at most o.max_io_bytes.
   o.max_io_bytes = std::clamp(d.max_part_bytes() / 4096 * 4096, 4096u, o.max_io_bytes);
   // One queue per IO thread of the session (the transport's default when not set); the driver

@@ -10,8 +10,8 @@
 #   kill -9 of ibnbd-client in the middle of a rate-limited fio write run, restart with the same
 #   --state-dir: the daemon takes the device back (USER_RECOVERY), fio finishes with no error and
 #   its verify passes; the files written before are intact; unmount, e2fsck -fn clean; remount
-#   and fio --verify_only again; unmount, unmap: /dev/ublkb* is gone and the record too; SIGTERM
-#   stops the daemon.
+#   and fio --verify_only again; unmount, unmap: /dev/ublkb* is gone and the record too; a
+#   restart with a stale record and a damaged one; SIGTERM deletes the daemon's devices.
 # TAP-like output ("ok - NAME" / "not ok - NAME: why"). Exit: 0 all ok, 1 a step failed, 77
 # skipped (not in the VM rig, no /dev/ublk-control, a tool missing).
 set -u -o pipefail
@@ -187,8 +187,25 @@ left=$(ls /dev/ublkb* /dev/ublkc* 2>/dev/null)
 [ -z "$left" ] && ok "no /dev/ublkb* left" || not_ok "ublk devices left" "$left"
 [ -z "$(ls "$work/state"/ublk-*.json 2>/dev/null)" ] && ok "record removed" || not_ok "record removed" "$(ls "$work/state")"
 
-# Case: --ublk where the mapping works but ublk cannot: a second map of the same device with
-# --ublk on a mapping that has one is EEXIST; SIGTERM deletes the devices the daemon serves.
+# Case: a restart finds a record of a ublk device that does not exist (any more) and a damaged
+# file. Expect: the record is dropped and its volume not left mapped, the damaged file reported
+# and kept, the daemon serves.
+kill -9 "$cl_pid"
+wait "$cl_pid" 2>/dev/null
+jq -n --arg a "$addr" '{version: 1, ublk_id: 77, session: "u1", paths: [$a], device: "vol.img", access_mode: "rw"}' \
+  >"$work/state/ublk-77.json"
+echo '{"version": 1, "ublk_id"' >"$work/state/ublk-78.json"
+start_client || fatal "restart with stale records" "$(tail -5 "$work/cl.log")"
+grep -q "ublkb77 (vol.img): .*record dropped" "$work/cl.log" && [ ! -e "$work/state/ublk-77.json" ] &&
+  ok "a record of a missing ublk device is dropped" || not_ok "stale record" "$(grep ublkb77 "$work/cl.log")"
+grep -q "ublk-78.json: not a valid record" "$work/cl.log" && ok "a damaged record is reported" ||
+  not_ok "damaged record" "$(tail -3 "$work/cl.log")"
+n=$(c -f json device list | jq length)
+[ "$n" = 0 ] && ok "nothing left mapped by the failed recovery" || not_ok "failed recovery left a mapping" "$n"
+rm -f "$work/state/ublk-78.json"
+
+# Case: --ublk again on a mapping that has a ublk device. Expect: EEXIST. Then SIGTERM.
+# Expect: the daemon deletes the devices it serves, and their records.
 c device map vol.img from "$addr" rw session u1 --ublk >"$work/out" 2>&1 || not_ok "map again" "$(cat "$work/out")"
 c device map vol.img from "$addr" rw session u1 --ublk >"$work/out" 2>&1
 rc=$?
@@ -201,5 +218,6 @@ for _ in $(seq 50); do [ -e "$dev3" ] || break; sleep 0.1; done
 [ ! -e "$dev3" ] && [ -z "$(ls "$work/state"/ublk-*.json 2>/dev/null)" ] &&
   ok "SIGTERM deleted $dev3 and its record" || not_ok "SIGTERM" "$dev3 still there or a record left"
 
+grep -E "stopping|recovered as" "$work/cl.log" | sed 's/^/# /'
 echo "# $((SECONDS - t0)) s"
 exit $failed
