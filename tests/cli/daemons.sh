@@ -10,6 +10,7 @@ fabric=${IBTRS_CLI_FABRIC:-tcp}
 
 build=${1:?usage: $0 BUILD_DIR}
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/ibnbd_bins.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/tap.sh"
 ibnbd_bins "$build"
 command -v jq >/dev/null || { echo "1..0 # SKIP no jq"; exit 77; }
 if [ "$fabric" = rdma ]; then
@@ -24,7 +25,6 @@ fi
 
 work=$(mktemp -d /var/tmp/ibnbd-cli-test.XXXXXX)
 pids=()
-failed=0
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
@@ -32,8 +32,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ok() { echo "ok - $1"; }
-not_ok() { echo "not ok - $1: $2"; failed=1; }
 # expect NAME WANT_RC CMD...: runs CMD, checks its exit status.
 expect() {
   local name=$1 want=$2 rc
@@ -42,7 +40,6 @@ expect() {
   rc=$?
   if [ "$rc" = "$want" ]; then ok "$name"; else not_ok "$name" "exit $rc, want $want: $(tail -2 "$work/err")"; fi
 }
-wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
 
 mkdir -p "$work/export/sub"
 truncate -s 64M "$work/export/a.img"

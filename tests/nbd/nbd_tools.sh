@@ -11,6 +11,7 @@ set -u -o pipefail
 
 build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/ibnbd_bins.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/tap.sh"
 ibnbd_bins "$build"
 for t in nbdinfo nbdcopy nbdfuse qemu-img fio jq python3 sha256sum cmp mkfs.ext4 fsck.ext4 losetup fusermount3; do
   command -v "$t" >/dev/null || { echo "1..0 # SKIP $t is missing (scripts/setup.sh installs it)"; exit 77; }
@@ -20,7 +21,6 @@ work=$(mktemp -d /var/tmp/ibnbd-nbd-test.XXXXXX)
 cd "$work" || exit 1  # fio and friends write their state files into the current directory
 pids=()
 loopdev=""
-failed=0
 cleanup() {
   mountpoint -q "$work/mnt" 2>/dev/null && umount "$work/mnt"
   [ -n "$loopdev" ] && losetup -d "$loopdev" 2>/dev/null
@@ -34,14 +34,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ok() { echo "ok - $1"; }
-not_ok() { echo "not ok - $1: $2"; failed=1; }
-check() {  # check NAME CMD...: ok when CMD succeeds
-  local name=$1
-  shift
-  if "$@" >"$work/out" 2>"$work/err"; then ok "$name"; else not_ok "$name" "exit $?: $(tail -3 "$work/err")"; fi
-}
-wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
 # Every client command is bounded: a hung NBD client must fail the test, not stall it.
 t() { timeout 30 "$@"; }
 
@@ -62,8 +54,8 @@ c() { "$ibnbd" --socket "$work/cl.sock" client "$@"; }
 
 # Case: map and export over a unix socket and loopback tcp (port 0). Expect: the daemon answers
 # with the real port; device list shows both addresses.
-check "map a.img" c device map a.img from "$addr" rw
-check "export over unix and tcp" c -f json device export a.img unix "$work/a.sock" tcp 127.0.0.1:0
+check_cmd "map a.img" c device map a.img from "$addr" rw
+check_cmd "export over unix and tcp" c -f json device export a.img unix "$work/a.sock" tcp 127.0.0.1:0
 port=$(c -f json device exports | jq -r '.[0].tcp' | sed 's/.*://')
 sock=$work/a.sock
 unix_uri="nbd+unix:///a.img?socket=$sock"
@@ -106,7 +98,7 @@ fi
 # Case: nbdcopy of random data into the export (unix) and back out (tcp), with multi-conn.
 # Expect: the same sha256.
 head -c 48M /dev/urandom >"$work/in.bin"
-check "nbdcopy into the export" t nbdcopy --connections=4 "$work/in.bin" "$unix_uri"
+check_cmd "nbdcopy into the export" t nbdcopy --connections=4 "$work/in.bin" "$unix_uri"
 if t nbdcopy --connections=4 "$tcp_uri" "$work/out.bin" 2>"$work/err"; then
   [ "$(head -c 48M "$work/out.bin" | sha256sum)" = "$(sha256sum <"$work/in.bin")" ] &&
     ok "nbdcopy out of the export: same sha256" || not_ok "nbdcopy out of the export" "sha256 differs"
@@ -118,9 +110,9 @@ fi
 # zeroes, so qemu zeroes through WRITE_ZEROES. Expect: cmp finds no difference.
 head -c 32M /dev/urandom >"$work/img.raw"
 truncate -s 64M "$work/img.raw"
-check "qemu-img convert into the export (nbd:unix:)" t qemu-img convert -n -f raw -O raw "$work/img.raw" "nbd:unix:$sock:exportname=a.img"
-check "qemu-img convert out of the export (nbd://)" t qemu-img convert -f raw -O raw "$tcp_uri" "$work/back.raw"
-check "qemu-img: cmp" cmp "$work/img.raw" "$work/back.raw"
+check_cmd "qemu-img convert into the export (nbd:unix:)" t qemu-img convert -n -f raw -O raw "$work/img.raw" "nbd:unix:$sock:exportname=a.img"
+check_cmd "qemu-img convert out of the export (nbd://)" t qemu-img convert -f raw -O raw "$tcp_uri" "$work/back.raw"
+check_cmd "qemu-img: cmp" cmp "$work/img.raw" "$work/back.raw"
 
 # Case: nbdfuse exposes the export as a file; losetup makes it a real /dev/loopN; ext4 on it,
 # files written, unmounted, fsck. Expect: files read back the same after a remount, fsck clean.
@@ -132,14 +124,14 @@ else
   for _ in $(seq 100); do [ -s "$work/fuse.pid" ] && break; sleep 0.1; done
   if loopdev=$(losetup -f --show "$work/fuse/disk" 2>"$work/err"); then
     ok "losetup on the nbdfuse file ($loopdev)"
-    check "mkfs.ext4 on $loopdev" mkfs.ext4 -q -F "$loopdev"
-    check "mount" mount "$loopdev" "$work/mnt"
+    check_cmd "mkfs.ext4 on $loopdev" mkfs.ext4 -q -F "$loopdev"
+    check_cmd "mount" mount "$loopdev" "$work/mnt"
     for i in 1 2 3; do head -c $((i * 3))M /dev/urandom >"$work/f$i"; cp "$work/f$i" "$work/mnt/f$i"; done
-    check "umount" umount "$work/mnt"
-    check "fsck clean" fsck.ext4 -fn "$loopdev"
-    check "mount again" mount -o ro "$loopdev" "$work/mnt"
+    check_cmd "umount" umount "$work/mnt"
+    check_cmd "fsck clean" fsck.ext4 -fn "$loopdev"
+    check_cmd "mount again" mount -o ro "$loopdev" "$work/mnt"
     same_files() { for i in 1 2 3; do cmp "$work/f$i" "$work/mnt/f$i" || return 1; done; }
-    check "files read back the same" same_files
+    check_cmd "files read back the same" same_files
     umount "$work/mnt"
     losetup -d "$loopdev" && loopdev=""
   else
@@ -151,7 +143,7 @@ fi
 # Case: fio's nbd engine (one connection per job) over both sockets, random writes verified
 # with crc32c. Expect: no error.
 for uri in "$unix_uri" "$tcp_uri"; do
-  check "fio ioengine=nbd ${uri%%:*}, verify=crc32c" t fio --name=v --ioengine=nbd --uri="$uri" \
+  check_cmd "fio ioengine=nbd ${uri%%:*}, verify=crc32c" t fio --name=v --ioengine=nbd --uri="$uri" \
     --rw=randwrite --bs=4k --size=16M --offset=16M --iodepth=16 --verify=crc32c --do_verify=1 \
     --verify_fatal=1 --verify_state_save=0 --output="$work/fio.out"
 done
@@ -256,13 +248,13 @@ cat "$work/py.out"
 grep -q "^not ok" "$work/py.out" && failed=1
 grep -q "^ok" "$work/py.out" || not_ok "python hostile client" "$(tail -3 "$work/py.out")"
 if wait $bg; then ok "fio beside the hostile clients: verified"; else not_ok "fio beside the hostile clients" "$(grep -E 'err|verify' "$work/bg.out" | head -3)"; fi
-check "nbdinfo after the hostile clients" t nbdinfo "$unix_uri"
+check_cmd "nbdinfo after the hostile clients" t nbdinfo "$unix_uri"
 errs=$(c -f json device exports | jq '.[0].errors')
 [ "${errs:-0}" -ge 5 ] && ok "the export counted the refused requests ($errs)" || not_ok "refused requests counted" "errors=$errs"
 
 # Case: a read-only mapping. Expect: NBD says read-only and refuses writes.
-check "map ro.img ro" c device map ro.img from "$addr" ro
-check "export ro.img" c device export ro.img unix "$work/ro.sock"
+check_cmd "map ro.img ro" c device map ro.img from "$addr" ro
+check_cmd "export ro.img" c device export ro.img unix "$work/ro.sock"
 t nbdinfo --json "nbd+unix:///?socket=$work/ro.sock" | jq -e '.exports[0].is_read_only == true' >/dev/null &&
   ok "read-only export" || not_ok "read-only export" "not flagged read-only"
 if t nbdcopy "$work/in.bin" "nbd+unix:///?socket=$work/ro.sock" >/dev/null 2>&1; then
@@ -273,10 +265,10 @@ fi
 
 # Case: unexport, then export again, then unmap with the export up. Expect: the socket goes
 # away with the export; unmap stops the export first.
-check "unexport ro.img" c device unexport ro.img
+check_cmd "unexport ro.img" c device unexport ro.img
 [ ! -e "$work/ro.sock" ] && ok "unexport removes the socket" || not_ok "unexport removes the socket" "still there"
 expect_fail "unexport of a device not exported is ENOENT" 2 c device unexport ro.img
-check "unmap a.img with the export up" c device unmap a.img
+check_cmd "unmap a.img with the export up" c device unmap a.img
 [ ! -e "$sock" ] && ok "unmap stopped the export" || not_ok "unmap stopped the export" "socket still there"
 if t nbdinfo "$tcp_uri" >/dev/null 2>&1; then not_ok "nothing listens after unmap" "nbdinfo connected"; else ok "nothing listens after unmap"; fi
 n=$(c -f json device exports | jq length)

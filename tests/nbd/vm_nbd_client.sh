@@ -15,6 +15,7 @@ fabric=${IBTRS_NBD_FABRIC:-rdma}
 
 build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/ibnbd_bins.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/tap.sh"
 ibnbd_bins "$build"
 for t in nbd-client jq fio mkfs.ext4 e2fsck sha256sum mountpoint; do
   command -v "$t" >/dev/null || { echo "1..0 # SKIP $t is missing (scripts/setup.sh installs it)"; exit 77; }
@@ -30,7 +31,6 @@ esac
 work=$(mktemp -d /var/tmp/ibnbd-vm-nbd.XXXXXX)
 cd "$work" || exit 1  # fio's state files
 pids=()
-failed=0
 cleanup() {
   mountpoint -q "$work/mnt" && umount "$work/mnt"
   timeout 20 nbd-client -d /dev/nbd0 >/dev/null 2>&1
@@ -44,18 +44,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ok() { echo "ok - $1"; }
-not_ok() { echo "not ok - $1: $2"; failed=1; }
-check() {  # check NAME CMD...: ok when CMD succeeds (stdout/stderr kept in $work/out, err)
-  local name=$1
-  shift
-  if "$@" >"$work/out" 2>"$work/err"; then ok "$name"; else not_ok "$name" "exit $?: $(tail -3 "$work/err")"; fi
-}
-must() {  # must NAME CMD...: like check, but nothing after it makes sense when it fails
-  check "$@"
+must() {  # must NAME CMD...: like check_cmd, but nothing after it makes sense when it fails
+  check_cmd "$@"
   [ "$failed" = 0 ] || { echo "# stopping: \"$1\" failed"; exit 1; }
 }
-wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
 # Every command that touches the block device is bounded: a hang fails the test, not the VM's
 # timeout (TCG is slow: generous, still finite).
 t() { timeout 120 "$@"; }
@@ -103,18 +95,18 @@ fio_pid=$!
 sleep 1
 kill -0 "$fio_pid" 2>/dev/null && ok "fio is running when the path goes down" ||
   not_ok "fio is running when the path goes down" "it finished within a second: the case tests nothing"
-check "path disconnect during fio" c path disconnect s1 "$p0"
+check_cmd "path disconnect during fio" c path disconnect s1 "$p0"
 sleep 1
-check "path reconnect during fio" c path reconnect s1 "$p0"
+check_cmd "path reconnect during fio" c path reconnect s1 "$p0"
 if wait "$fio_pid"; then ok "fio verify in ext4 across a path failure"; else not_ok "fio verify in ext4" "$(tail -5 "$work/fio1.out")"; fi
-check "sync" t sync
-check "umount" t umount "$work/mnt"
-check "e2fsck clean" t e2fsck -fn /dev/nbd0
-check "mount again" t mount -t ext4 /dev/nbd0 "$work/mnt"
+check_cmd "sync" t sync
+check_cmd "umount" t umount "$work/mnt"
+check_cmd "e2fsck clean" t e2fsck -fn /dev/nbd0
+check_cmd "mount again" t mount -t ext4 /dev/nbd0 "$work/mnt"
 (cd "$work/mnt" && sha256sum -c --quiet "$work/sums") >"$work/out" 2>&1 &&
   ok "files unchanged after remount" || not_ok "files unchanged after remount" "$(head -3 "$work/out")"
-check "umount again" t umount "$work/mnt"
-check "nbd-client -d /dev/nbd0" t nbd-client -d /dev/nbd0
+check_cmd "umount again" t umount "$work/mnt"
+check_cmd "nbd-client -d /dev/nbd0" t nbd-client -d /dev/nbd0
 
 # Case: the kernel client over loopback tcp with two connections (multi-conn), fio verify on
 # the raw device with fsyncs (FLUSH), then a discard (TRIM). Expect: verify passes, no error.
@@ -123,13 +115,13 @@ t fio --name=rawverify --filename=/dev/nbd1 --size=32M --offset=64M --bs=64k --r
   --ioengine=libaio --iodepth=16 --direct=1 --numjobs=1 --fsync=32 --verify=crc32c \
   --verify_fatal=1 --do_verify=1 --output="$work/fio2.out" >/dev/null 2>&1 &&
   ok "fio verify on /dev/nbd1 (2 connections)" || not_ok "fio verify on /dev/nbd1" "$(tail -5 "$work/fio2.out")"
-check "blkdiscard through NBD TRIM" t blkdiscard -o $((64 << 20)) -l $((32 << 20)) /dev/nbd1
-check "nbd-client -d /dev/nbd1" t nbd-client -d /dev/nbd1
+check_cmd "blkdiscard through NBD TRIM" t blkdiscard -o $((64 << 20)) -l $((32 << 20)) /dev/nbd1
+check_cmd "nbd-client -d /dev/nbd1" t nbd-client -d /dev/nbd1
 
 # Case: the IBNBD side saw the IO of both kernel clients. Expect: bytes both ways, no error.
 stats=$(c -f json device show vol.img | jq -r '.[0] | "\(.rx_bytes > 0) \(.tx_bytes > 0) \(.errors)"')
 [ "$stats" = "true true 0" ] && ok "device stats: reads and writes, no error" || not_ok "device stats" "$(c device show vol.img)"
-check "unexport" c device unexport vol.img
-check "unmap" c device unmap vol.img
+check_cmd "unexport" c device unexport vol.img
+check_cmd "unmap" c device unmap vol.img
 
 exit $failed

@@ -16,6 +16,7 @@ flap_seconds=${IBTRS_SYSFS_FLAP_SECONDS:-10}
 
 build=${1:?usage: $0 BUILD_DIR}
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/ibnbd_bins.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/../lib/tap.sh"
 ibnbd_bins "$build"
 command -v jq >/dev/null || { echo "1..0 # SKIP no jq"; exit 77; }
 [ -r /dev/fuse ] && [ -w /dev/fuse ] || { echo "1..0 # SKIP no usable /dev/fuse (modprobe fuse?)"; exit 77; }
@@ -32,7 +33,6 @@ fi
 
 work=$(mktemp -d /var/tmp/ibnbd-sysfs-test.XXXXXX)
 pids=()
-failed=0
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
@@ -41,10 +41,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ok() { echo "ok - $1"; }
-not_ok() { echo "not ok - $1: $2"; failed=1; }
 check() { if [ "$2" = "$3" ]; then ok "$1"; else not_ok "$1" "got '$2', want '$3'"; fi; }
-wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
 # wr FILE TEXT: echo TEXT > FILE (bounded); prints "ok" or the error text the shell shows.
 wr() {
   local out rc

@@ -20,6 +20,7 @@ build=${1:?usage: $0 BUILD_DIR [rdma|tcp]}
 fabric=${2:-${IBNBD_UBLK_FABRIC:-rdma}}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 . "$here/../lib/ibnbd_bins.sh"
+. "$here/../lib/tap.sh"
 ibnbd_bins "$build"
 
 skip() { echo "1..0 # SKIP $*"; exit 77; }
@@ -39,12 +40,11 @@ echo "# fabric $fabric"
 
 work=$(mktemp -d /tmp/ibnbd-ublk.XXXXXX)  # the VM's overlay: RAM
 mkdir -p "$work/export" "$work/mnt"
-failed=0
 srv_pid="" cl_pid="" fio_pid=""
 t0=$SECONDS
 
+# With the time since the start: TCG runs are slow, the log shows where.
 ok() { echo "ok - $1 ($((SECONDS - t0)) s)"; }
-not_ok() { echo "not ok - $1: $2"; failed=1; }
 # A step that everything after it needs.
 fatal() {
   not_ok "$1" "$2"
