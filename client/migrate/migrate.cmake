@@ -18,5 +18,5 @@ target_link_libraries(ibnbd_migrate_internal INTERFACE ibnbd_migrate ibtrs_inter
 
 # The migration agent (QEMU's exec: / unix: peer; `ibnbd migrate ...` runs it).
 add_executable(ibnbd-migrate ${CMAKE_CURRENT_LIST_DIR}/agent/main.cc)
-target_link_libraries(ibnbd-migrate PRIVATE ibnbd_migrate ibtrs_build_flags)
+target_link_libraries(ibnbd-migrate PRIVATE ibnbd_migrate ibnbd_cli_output ibtrs_internal ibtrs_build_flags)
 set_target_properties(ibnbd-migrate PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR}/migrate)

@@ -265,7 +265,7 @@ def run(env):
     # Case: the list shows both, with the machine type read from the stream; verify passes.
     out = subprocess.run([env.agent, "list", "images.img", "from", env.paths[0]], capture_output=True, text=True)
     check("list shows committed images with the machine type",
-          out.returncode == 0 and sum(" committed " in l for l in out.stdout.splitlines()) == 2
+          out.returncode == 0 and sum(l.split()[1:2] == ["committed"] for l in out.stdout.splitlines()[1:]) == 2
           and "pc-i440fx" in out.stdout, out.stdout)
     out = subprocess.run(env.migrate_args("verify", "ux"), capture_output=True, text=True)
     check("verify passes", out.returncode == 0, out.stderr)

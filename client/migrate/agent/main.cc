@@ -17,8 +17,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -37,7 +35,9 @@
 #include "ibnbd/migrate_image.h"
 #include "ibnbd/migrate_volume.h"
 #include "ibnbd/types.h"
+#include "common/unix_socket.h"
 #include "ibtrs/path_spec.h"
+#include "output.h"
 
 namespace {
 
@@ -124,25 +124,15 @@ int fail(const std::string& what, std::error_code e, const std::string& detail =
   return e.value() > 0 && e.value() < 256 ? e.value() : 1;
 }
 
-std::string human(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  char b[32];
-  std::snprintf(b, sizeof b, "%.1f %s", bytes, units[u]);
-  return b;
-}
-
-// "saved 1.2 GiB at 850.0 MiB/s" or, with a known total, "... of 2.0 GiB, ETA 1 s".
+// "saved 1.2G at 850.0M/s" or, with a known total, "... of 2.0G, ETA 1 s" (the CLI's units).
 void report(const char* verb, const Progress& p, bool final) {
   const double s = std::chrono::duration<double>(p.elapsed).count();
   const double rate = s > 0 ? static_cast<double>(p.bytes) / s : 0;
-  std::string line = std::string(verb) + " " + human(static_cast<double>(p.bytes));
-  if (p.total) line += " of " + human(static_cast<double>(p.total));
-  line += " at " + human(rate) + "/s";
+  using cli::format_bytes;
+  using cli::Unit;
+  std::string line = std::string(verb) + " " + format_bytes(p.bytes, Unit::automatic);
+  if (p.total) line += " of " + format_bytes(p.total, Unit::automatic);
+  line += " at " + format_bytes(static_cast<uint64_t>(rate), Unit::automatic) + "/s";
   if (p.total && !final && rate > 0)
     line += ", ETA " + std::to_string(static_cast<uint64_t>(static_cast<double>(p.total - p.bytes) / rate)) + " s";
   if (final) {
@@ -179,39 +169,28 @@ class Ticker {
   std::thread t_;
 };
 
-Result<int> unix_listen(const std::string& path) {
-  sockaddr_un sa{};
-  if (path.size() >= sizeof sa.sun_path) return ibtrs::errc(ENAMETOOLONG);
-  sa.sun_family = AF_UNIX;
-  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ibtrs::errc(errno);
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());  // stale
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0 || ::listen(fd, kMaxStreams) != 0) {
-    int e = errno;
-    ::close(fd);
-    return ibtrs::errc(e);
-  }
-  return fd;
-}
-
-Result<int> unix_connect(const std::string& path) {
-  sockaddr_un sa{};
-  if (path.size() >= sizeof sa.sun_path) return ibtrs::errc(ENAMETOOLONG);
-  sa.sun_family = AF_UNIX;
-  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ibtrs::errc(errno);
-  // QEMU may still be starting: retry for a while (bounded).
+// QEMU's migrate-incoming may still be setting up its socket: retry for a while (bounded).
+Result<int> connect_retrying(const std::string& path) {
+  Result<int> c = ibtrs::errc(ENOENT);
   for (int i = 0; i < 100; ++i) {
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) return fd;
-    if (errno != ENOENT && errno != ECONNREFUSED) break;
+    c = ibtrs::unix_connect(path);
+    if (c || (c.error().value() != ENOENT && c.error().value() != ECONNREFUSED)) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  int e = errno;
-  ::close(fd);
-  return ibtrs::errc(e);
+  return c;
+}
+
+// Copies bytes already read (a connection's first bytes, read to tell its stream) into `stream`.
+Status produce(ImageWriter& w, uint32_t stream, std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    auto span = w.buffer(stream);
+    if (!span) return span.error();
+    const size_t n = std::min(span->size(), bytes.size());
+    std::memcpy(span->data(), bytes.data(), n);
+    IBTRS_TRY(w.produced(stream, n));
+    bytes = bytes.subspan(n);
+  }
+  return {};
 }
 
 // Reads one connection (or stdin) into `stream` of the image until EOF.
@@ -275,7 +254,7 @@ int do_save(const Args& a, ImageStore& store) {
   o.ring_chunks = std::max<uint32_t>(32, 4 * o.streams);
   int listen_fd = -1;
   if (!a.unix_path.empty()) {
-    auto l = unix_listen(a.unix_path);
+    auto l = ibtrs::unix_listen(a.unix_path, kMaxStreams, false);
     if (!l) return fail("listen on " + a.unix_path, l.error());
     listen_fd = *l;
     std::fprintf(stderr, "ibnbd-migrate: waiting for QEMU on %s (%u stream%s)\n", a.unix_path.c_str(),
@@ -310,18 +289,7 @@ int do_save(const Args& a, ImageStore& store) {
         }
         taken[*s] = true;
         pumps.emplace_back([&, c, s = *s, head = std::move(head)] {
-          Status r;
-          for (size_t at = 0; at < head.size() && r;) {
-            auto span = writer.buffer(s);
-            if (!span) {
-              r = span.error();
-              break;
-            }
-            const size_t n = std::min(span->size(), head.size() - at);
-            std::memcpy(span->data(), head.data() + at, n);
-            r = writer.produced(s, n);
-            at += n;
-          }
+          Status r = produce(writer, s, head);
           if (r) r = pump_in(writer, s, c);
           ::close(c);
           results[s] = r;
@@ -361,7 +329,7 @@ Status pump_out(ImageReader& r, uint32_t stream, int fd, std::atomic<uint64_t>& 
 // exec's stdout, bytes that are not a stream (an empty stream would leave QEMU waiting).
 void refuse(const Args& a) {
   if (!a.unix_path.empty()) {
-    if (auto c = unix_connect(a.unix_path)) ::close(*c);
+    if (auto c = connect_retrying(a.unix_path)) ::close(*c);
   } else {
     static const char kNot[] = "IBNBD: image refused\n";
     (void)write_all(STDOUT_FILENO, reinterpret_cast<const std::byte*>(kNot), sizeof kNot - 1);
@@ -396,7 +364,7 @@ int do_restore(const Args& a, ImageStore& store) {
       // then connect in their order, each fed by its own thread.
       std::vector<int> fds;
       for (uint32_t s = 0; s < n && result; ++s) {
-        auto c = unix_connect(a.unix_path);
+        auto c = connect_retrying(a.unix_path);
         if (!c) result = c.error();
         else fds.push_back(*c);
       }

@@ -343,7 +343,7 @@ struct ImageWriter::Impl {
   bool committed = false;
   std::string last_error;
 
-  // Each write in flight carries its ring slot back to the completion.
+  // Each write in flight carries its ring slot back to the completion (one per slot, fixed).
   struct WriteCtx {
     Impl* w;
     uint32_t ring_slot;
@@ -417,7 +417,6 @@ struct ImageWriter::Impl {
     // The tail of a short last piece goes out as zeroes (whole blocks on the volume).
     const uint64_t wlen = round_up(len, vol.block_size());
     std::memset(p + len, 0, wlen - len);
-    ctxs[rs] = {this, rs};
     auto r = vol.write(*ring, size_t{rs} * cs(), slot.start + kExtentAlign + k * cs(), wlen, false,
                        {&on_write, &ctxs[rs]});
     if (!r) {
@@ -597,7 +596,8 @@ Result<std::unique_ptr<ImageWriter>> ImageStore::create(const CreateOptions& o) 
   w.created_ns = now_ns();
   w.streams.resize(o.streams);
   IBTRS_ASSIGN_OR_RETURN(w.ring, m.vol.alloc(size_t{o.ring_chunks} * o.chunk_size));
-  w.ctxs.resize(o.ring_chunks);
+  w.ctxs.reserve(o.ring_chunks);
+  for (uint32_t i = 0; i < o.ring_chunks; ++i) w.ctxs.push_back({&w, i});
   for (uint32_t i = o.ring_chunks; i-- > 0;) w.free_slots.push_back(i);
 
   m.dir.slots[slot_index] = w.slot;

@@ -7,14 +7,13 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
+#include "common/unix_socket.h"
 #include "server_impl.h"
 
 namespace ibnbd::nbd {
@@ -25,32 +24,6 @@ using ibtrs::errc;
 
 // epoll user data: connection ids count up from 1; listeners have the top bit; 0 is the eventfd.
 constexpr uint64_t kListenerTag = 1ull << 63;
-
-Result<int> listen_unix(const std::string& path) {
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof(sa.sun_path)) return errc(ENAMETOOLONG);
-  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) return errc(EEXIST);
-    // A socket file: replace it only when nobody answers there (left by a dead process).
-    const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (probe < 0) return errc(errno);
-    const bool live = ::connect(probe, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
-    ::close(probe);
-    if (live) return errc(EADDRINUSE);
-    ::unlink(path.c_str());
-  }
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errc(errno);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 || ::listen(fd, 128) != 0) {
-    const int e = errno;
-    ::close(fd);
-    return errc(e);
-  }
-  return fd;
-}
 
 Result<int> listen_tcp(ListenSpec& l) {
   sockaddr_storage ss{};
@@ -145,7 +118,7 @@ Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
   ev.data.u64 = 0;
   if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, impl->evfd, &ev) != 0) return errc(errno);
   for (ListenSpec l : impl->opts.listen) {
-    auto fd = l.kind == ListenSpec::Kind::unix_socket ? listen_unix(l.path) : listen_tcp(l);
+    auto fd = l.kind == ListenSpec::Kind::unix_socket ? ibtrs::unix_listen(l.path, 128, true) : listen_tcp(l);
     if (!fd.ok()) return fd.error();  // ~Impl closes and unlinks what was bound
     impl->listen_fds.push_back(*fd);
     impl->bound.push_back(l);

@@ -1,0 +1,64 @@
+#include "common/unix_socket.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace ibtrs {
+namespace {
+
+Result<sockaddr_un> address(const std::string& path) {
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(sa.sun_path)) return errc(ENAMETOOLONG);
+  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
+  return sa;
+}
+
+// Connects `fd` to `sa`; errno on failure.
+int connect_to(int fd, const sockaddr_un& sa) {
+  return ::connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof(sa)) == 0 ? 0 : errno;
+}
+
+}  // namespace
+
+Result<int> unix_listen(const std::string& path, int backlog, bool nonblock) {
+  auto sa = address(path);
+  if (!sa) return sa.error();
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) return errc(EEXIST);
+    const int probe = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (probe < 0) return errc(errno);
+    const bool live = connect_to(probe, *sa) == 0;
+    ::close(probe);
+    if (live) return errc(EADDRINUSE);
+    ::unlink(path.c_str());
+  }
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
+  if (fd < 0) return errc(errno);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&*sa), sizeof(*sa)) != 0 || ::listen(fd, backlog) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return errc(e);
+  }
+  return fd;
+}
+
+Result<int> unix_connect(const std::string& path) {
+  auto sa = address(path);
+  if (!sa) return sa.error();
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return errc(errno);
+  if (const int e = connect_to(fd, *sa); e != 0) {
+    ::close(fd);
+    return errc(e);
+  }
+  return fd;
+}
+
+}  // namespace ibtrs
