@@ -247,6 +247,13 @@ class BlockSession {
   Result<std::unique_ptr<ibtrs::RegisteredMemory>> alloc_buffer(size_t size);
   Result<std::unique_ptr<ibtrs::RegisteredMemory>> register_memory(void* addr, size_t size);
 
+  // A submission batch of the calling thread (ibtrs::ClientSession::begin_batch has the
+  // rules): the parts of the requests this thread submits to the devices of this session until
+  // end_batch() may go to the wire together then (one system call per connection on tcp).
+  // Never from a completion callback; nothing in between may block or wait for a completion.
+  void begin_batch();
+  void end_batch();
+
   SessionState state() const;
   uint8_t proto_version() const;  // negotiated by SESS_INFO
   const std::string& name() const;

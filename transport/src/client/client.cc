@@ -60,6 +60,28 @@ std::atomic<uint32_t> g_thread_seq{0};
 thread_local uint32_t tl_seq = g_thread_seq.fetch_add(1, std::memory_order_relaxed);
 thread_local size_t tl_cursor = 0;
 
+// The calling thread's open submission batch (ClientSession::begin_batch): the connections it
+// posted to with the doorbell held. Each holds one more entry of its gate, so it cannot be torn
+// down before end_batch() rings it. A foreign thread posts to one connection per path, so the
+// list is short; past it, posts ring at once.
+struct Plug {
+  const Session* s = nullptr;
+  uint32_t depth = 0;
+  uint32_t n = 0;
+  Con* cons[ClientSession::kMaxPaths];
+};
+thread_local Plug tl_plug;
+
+// Whether a post to `c` (whose gate the caller is inside) may wait for end_batch().
+bool plug_con(const Session& s, Con* c) {
+  Plug& pl = tl_plug;
+  if (pl.s != &s) return false;
+  if (std::find(pl.cons, pl.cons + pl.n, c) != pl.cons + pl.n) return true;
+  if (pl.n == ClientSession::kMaxPaths || !c->gate.enter()) return false;
+  pl.cons[pl.n++] = c;
+  return true;
+}
+
 ThreadSlot thread_slot(const Session& s) {
   if (tl_session == &s) return {tl_poller, tl_poller};
   return {tl_seq % s.nio, s.nio};
@@ -420,7 +442,8 @@ bool Session::post(uint32_t p, Path* skip) {
     const uint32_t bytes = q.data_len;
     const uint32_t nseg = q.nseg;
     q.con.store(c, std::memory_order_release);
-    auto st = c->conn->post_send(std::span(&wr, 1));
+    auto st = plug_con(*this, c) ? c->conn->post_send_deferred(std::span(&wr, 1))
+                                 : c->conn->post_send(std::span(&wr, 1));
     c->gate.exit();
     if (st.ok()) {
       // Counted after the post: a completion racing ahead only makes inflight briefly negative.
@@ -1015,6 +1038,24 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
 }
 
 Status ClientSession::request(const IoRequest& req, PermitWait wait) { return impl_->submit(req, wait); }
+
+void ClientSession::begin_batch() {
+  client::Plug& pl = client::tl_plug;
+  if (pl.depth > 0 && pl.s != impl_.get()) return;  // another session's batch is open
+  pl.s = impl_.get();
+  ++pl.depth;
+}
+
+void ClientSession::end_batch() {
+  client::Plug& pl = client::tl_plug;
+  if (pl.s != impl_.get() || pl.depth == 0 || --pl.depth > 0) return;
+  for (uint32_t i = 0; i < pl.n; ++i) {
+    pl.cons[i]->conn->ring();
+    pl.cons[i]->gate.exit();
+  }
+  pl.n = 0;
+  pl.s = nullptr;
+}
 
 Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* addr, size_t size) {
   if (addr == nullptr || size == 0) return errc(EINVAL);
