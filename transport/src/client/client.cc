@@ -59,6 +59,9 @@ thread_local uint32_t tl_poller = 0;
 std::atomic<uint32_t> g_thread_seq{0};
 thread_local uint32_t tl_seq = g_thread_seq.fetch_add(1, std::memory_order_relaxed);
 thread_local size_t tl_cursor = 0;
+thread_local uint32_t tl_spread = 0;
+// Data size from which a user thread's requests are spread over the IO connections.
+constexpr uint64_t kSpreadBytes = 64 * 1024;
 
 // The calling thread's open submission batch (ClientSession::begin_batch): the connections it
 // posted to with the doorbell held. Each holds one more entry of its gate, so it cannot be torn
@@ -340,6 +343,11 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   q.start_ns = now_ns();
   q.submit_shard = ts.shard;
   q.ci = ts.ci;
+  // A large request from a user thread goes to the next IO connection in turn: on one
+  // connection every copy of a stream of them (the server's read and send, our receive) is
+  // serialized on one IO thread of each side. Small ones stay on the thread's connection, where
+  // a submission batch shares one sendmsg.
+  if (tl_session != this && total >= kSpreadBytes && nio > 1) q.ci = tl_spread++ % nio;
   if (!r.usr.empty()) std::memcpy(iu + size_t{p} * geo.max_hdr_size, r.usr.data(), r.usr.size());
   if (post(p, nullptr)) return {};
   if (any_path_may_return()) {
