@@ -199,6 +199,11 @@ class RemoteDevice {
   Status write_copy(uint64_t offset, std::span<const std::byte> data, uint32_t flags, IoDone done,
                     uint16_t prio = 0);
 
+  // The submission batch of this device's session (BlockSession::begin_batch, same rules), for
+  // callers that hold only the device.
+  void begin_batch();
+  void end_batch();
+
   struct Impl;
   Impl* impl() const { return impl_.get(); }
 
