@@ -12,9 +12,11 @@
 #                   open), fio's nbd engine over a unix socket / loopback tcp
 #   ibnbd-1p / -2p  ibnbd-server, fio through our external ioengine (libibnbd-fio.so) over one
 #                   loopback tcp path / two; library defaults (io_threads min(cores, 8) per
-#                   path, min-inflight), getevents sleeps at once (ibnbd_poll_us=0)
-#   ibnbd-nbd       two hops: ibnbd-server <- ibnbd-client daemon (device map in migration
-#                   mode, one path, then device export on a unix socket) <- fio's nbd engine
+#                   path, min-inflight), getevents sleeps at once (ibnbd_poll_us=0); mapped
+#                   in migration mode (rnbd's rule: one writer plus one migration opener)
+#                   because the daemon below holds the device rw the whole run
+#   ibnbd-nbd       two hops: ibnbd-server <- ibnbd-client daemon (device map rw, one path,
+#                   then device export on a unix socket) <- fio's nbd engine
 # Workloads: 4 KiB randread / randwrite at QD1 and QD32, 1 MiB sequential read / write at QD8;
 # one job each. Every row runs with --iodepth_batch_submit=QD --iodepth_batch_complete_max=QD
 # (fio hands an engine that has a commit hook everything it queued since it last waited; the nbd
@@ -135,9 +137,7 @@ wait_port "$qemu_port" "$qemu_tcp_pid" || started qemu-nbd "$tmp/qemu-tcp.log"
 pids+=($!)
 cld_pid=$!
 wait_file "$tmp/cl.ready" "$cld_pid" || started ibnbd-client "$tmp/cl.log"
-# migration, not rw: the server lets one rw opener per device, and the engine rows map it rw
-# (rnbd's migration mode writes beside one rw opener; only one target runs at a time).
-"$cli" --socket "$tmp/cl.sock" client device map vol.img from "${addrs[0]}" migration >/dev/null
+"$cli" --socket "$tmp/cl.sock" client device map vol.img from "${addrs[0]}" rw >/dev/null
 "$cli" --socket "$tmp/cl.sock" client device export vol.img unix "$tmp/ibnbd-nbd.sock" >/dev/null
 
 run_no=0
@@ -149,8 +149,8 @@ target_args() {
     nbdkit-tcp) echo "--ioengine=nbd --uri=nbd://127.0.0.1:$nbdkit_port/" ;;
     qemu-nbd-unix) echo "--ioengine=nbd --uri=nbd+unix:///?socket=$tmp/qemu.sock" ;;
     qemu-nbd-tcp) echo "--ioengine=nbd --uri=nbd://127.0.0.1:$qemu_port/" ;;
-    ibnbd-1p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_session=bench-$$-$run_no" ;;
-    ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-1p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-nbd) echo "--ioengine=nbd --uri=nbd+unix:///vol.img?socket=$tmp/ibnbd-nbd.sock" ;;
   esac
 }
