@@ -29,7 +29,7 @@
 # workload (most IOPS; lowest mean latency), the peers being nbdkit and qemu-nbd.
 # A benchmark, not a test: it asserts nothing.
 #
-#   bash bench/fio.sh [--seconds N]        (default 5 s per run; 60 runs, about 5 minutes)
+#   bash bench/fio.sh [--seconds N]        (default 5 s per run; 54 runs, about 5 minutes)
 #
 # The build directory comes from $IBTRS_BUILD (default build); the binaries are built there if
 # needed (the engine needs the fio headers: scripts/fio-headers.sh). Only loopback addresses and
