@@ -1,17 +1,39 @@
 #!/usr/bin/env bash
-# fio benchmark of the fio external ioengine (client/fio) against its peers, one run, one table:
-#   file     fio io_uring on the tmpfs backing file itself: the limit (no network, no server)
-#   nbdkit   nbdkit's file plugin on the same file over a unix socket, fio's nbd engine: the peer
-#   ibnbd-1p / ibnbd-2p  ibnbd-server on the same file, fio through libibnbd-fio.so over one
-#            loopback tcp path / two (the server's two listeners)
+# fio benchmark of our stack against its peers, one run, one table. Every target serves the
+# same 1 GiB file on tmpfs (buffered: tmpfs has no real O_DIRECT), so rows differ only by the
+# path to it:
+#   file            fio io_uring on the file itself: the limit (no network, no server)
+#   nbdkit-unix/-tcp  nbdkit's file plugin (defaults: buffered pread/pwrite on its threads),
+#                   fio's nbd engine over a unix socket / loopback tcp
+#   qemu-nbd-unix/-tcp  qemu-nbd -f raw --cache=writeback --aio=threads (buffered like the
+#                   others; --aio=io_uring on tmpfs goes through io_uring's worker threads and
+#                   measured no better; --cache=none would be O_DIRECT, which tmpfs only
+#                   pretends), --shared=8, image locking off (another server has the file
+#                   open), fio's nbd engine over a unix socket / loopback tcp
+#   ibnbd-1p / -2p  ibnbd-server, fio through our external ioengine (libibnbd-fio.so) over one
+#                   loopback tcp path / two; library defaults (io_threads min(cores, 8) per
+#                   path, min-inflight), getevents sleeps at once (ibnbd_poll_us=0); mapped
+#                   in migration mode (rnbd's rule: one writer plus one migration opener)
+#                   because the daemon below holds the device rw the whole run
+#   ibnbd-1p-poll   ibnbd-1p with ibnbd_poll_us=200: getevents spins up to 200 us before it
+#                   sleeps (the CPU column shows what that costs)
+#   ibnbd-nbd       two hops: ibnbd-server <- ibnbd-client daemon (device map rw, one path,
+#                   then device export on a unix socket) <- fio's nbd engine
 # Workloads: 4 KiB randread / randwrite at QD1 and QD32, 1 MiB sequential read / write at QD8;
-# one job each. A benchmark, not a test: it asserts nothing.
+# one job each. Every row runs with --iodepth_batch_submit=QD --iodepth_batch_complete_max=QD
+# (fio hands an engine that has a commit hook everything it queued since it last waited; the nbd
+# engine sends each request as it is queued either way).
+# Columns: fio's IOPS and MiB/s, total latency (mean), completion latency (p99); CPU per IO: the
+# fio job process (usr + sys, with the engine's transport threads) plus the serving processes
+# (/proc/PID/stat, 10 ms ticks), divided by the IOs. Ratios: against the best peer of the
+# workload (most IOPS; lowest mean latency), the peers being nbdkit and qemu-nbd.
+# A benchmark, not a test: it asserts nothing.
 #
-#   bash bench/fio.sh [--seconds N]        (default 5 s per run; 24 runs)
+#   bash bench/fio.sh [--seconds N]        (default 5 s per run; 54 runs, about 5 minutes)
 #
-# The build directory comes from $IBTRS_BUILD (default build); the server and the engine are
-# built there if needed (the engine needs the fio headers: scripts/fio-headers.sh). Only
-# loopback addresses and a unix socket are used.
+# The build directory comes from $IBTRS_BUILD (default build); the binaries are built there if
+# needed (the engine needs the fio headers: scripts/fio-headers.sh). Only loopback addresses and
+# unix sockets are used.
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,26 +46,29 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$seconds" in '' | *[!0-9]* | 0) echo "--seconds takes a whole number above 0" >&2; exit 2 ;; esac
-for t in fio nbdkit jq; do
+for t in fio nbdkit qemu-nbd jq python3; do
   command -v "$t" >/dev/null || { echo "$t is missing (scripts/setup.sh installs it)" >&2; exit 1; }
 done
 
 build=${IBTRS_BUILD:-build}
 if [ ! -f "$build/build.ninja" ]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DIBNBD_FIO_ENGINE=ON >/dev/null
+  cmake -S . -B "$build" -G Ninja -DIBNBD_FIO_ENGINE=ON >/dev/null
 fi
-ninja -C "$build" -j "$(nproc)" ibnbd-server ibnbd_fio >/dev/null
+ninja -C "$build" -j "$(nproc)" ibnbd-server ibnbd-client ibnbd ibnbd_fio >/dev/null
 build=$(cd "$build" && pwd)  # the runs below happen in the tmpfs directory
 srv="$build/server/ibnbd-server"
+cld="$build/client/daemon/ibnbd-client"
+cli="$build/client/cli/ibnbd"
 engine="$build/client/fio/libibnbd-fio.so"
 
-# Everything on tmpfs: the backing file is the same for every target, so the rows differ only
-# by the path to it.
 tmp=$(mktemp -d /dev/shm/ibnbd-fio-bench.XXXXXX)
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  # Newest first: the client daemon closes its device while the server still answers.
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill "${pids[i]}" 2>/dev/null || true
+    wait "${pids[i]}" 2>/dev/null || true
+  done
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -58,83 +83,206 @@ wait_file() {  # wait_file FILE PID: until FILE exists, while PID lives (10 s at
   done
   return 1
 }
+wait_port() {  # wait_port PORT PID: until 127.0.0.1:PORT accepts, while PID lives
+  for _ in $(seq 200); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.05
+  done
+  return 1
+}
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+started() {  # started NAME LOG: the last background process failed to come up
+  echo "$1 did not start:" >&2
+  cat "$2" >&2
+  exit 1
+}
 
 # 1 GiB, written once so that reads find pages (tmpfs holes would read for free).
 mkdir -p "$tmp/export"
-dd if=/dev/urandom of="$tmp/export/vol.img" bs=1M count=1024 status=none
+img="$tmp/export/vol.img"
+dd if=/dev/urandom of="$img" bs=1M count=1024 status=none
 
 "$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$tmp/export" \
   --control-socket "$tmp/srv.sock" --ready-file "$tmp/srv.ready" >"$tmp/srv.log" 2>&1 &
 pids+=($!)
-wait_file "$tmp/srv.ready" "${pids[-1]}" || { echo "ibnbd-server did not start:" >&2; cat "$tmp/srv.log" >&2; exit 1; }
+srv_pid=$!
+wait_file "$tmp/srv.ready" "$srv_pid" || started ibnbd-server "$tmp/srv.log"
 mapfile -t addrs < <(sed -n 's/^listening //p' "$tmp/srv.ready")
 
-nbdkit --foreground --exit-with-parent --unix "$tmp/nbd.sock" file "$tmp/export/vol.img" \
-  >"$tmp/nbdkit.log" 2>&1 &
+nbdkit --foreground --exit-with-parent --unix "$tmp/nbdkit.sock" file "$img" >"$tmp/nbdkit-unix.log" 2>&1 &
 pids+=($!)
-wait_file "$tmp/nbd.sock" "${pids[-1]}" || { echo "nbdkit did not start:" >&2; cat "$tmp/nbdkit.log" >&2; exit 1; }
+nbdkit_unix_pid=$!
+wait_file "$tmp/nbdkit.sock" "$nbdkit_unix_pid" || started nbdkit "$tmp/nbdkit-unix.log"
+nbdkit_port=$(free_port)
+nbdkit --foreground --exit-with-parent --ipaddr 127.0.0.1 --port "$nbdkit_port" file "$img" \
+  >"$tmp/nbdkit-tcp.log" 2>&1 &
+pids+=($!)
+nbdkit_tcp_pid=$!
+wait_port "$nbdkit_port" "$nbdkit_tcp_pid" || started nbdkit "$tmp/nbdkit-tcp.log"
+
+qemu_opts="driver=raw,file.driver=file,file.filename=$img,file.locking=off,file.aio=threads,cache.direct=off"
+qemu-nbd --persistent --shared=8 --image-opts "$qemu_opts" --socket "$tmp/qemu.sock" \
+  >"$tmp/qemu-unix.log" 2>&1 &
+pids+=($!)
+qemu_unix_pid=$!
+wait_file "$tmp/qemu.sock" "$qemu_unix_pid" || started qemu-nbd "$tmp/qemu-unix.log"
+qemu_port=$(free_port)
+qemu-nbd --persistent --shared=8 --image-opts "$qemu_opts" --bind 127.0.0.1 --port "$qemu_port" \
+  >"$tmp/qemu-tcp.log" 2>&1 &
+pids+=($!)
+qemu_tcp_pid=$!
+wait_port "$qemu_port" "$qemu_tcp_pid" || started qemu-nbd "$tmp/qemu-tcp.log"
+
+# Our NBD export: the client daemon maps the volume over one path and exports it.
+"$cld" --control-socket "$tmp/cl.sock" --ready-file "$tmp/cl.ready" >"$tmp/cl.log" 2>&1 &
+pids+=($!)
+cld_pid=$!
+wait_file "$tmp/cl.ready" "$cld_pid" || started ibnbd-client "$tmp/cl.log"
+"$cli" --socket "$tmp/cl.sock" client device map vol.img from "${addrs[0]}" rw >/dev/null
+"$cli" --socket "$tmp/cl.sock" client device export vol.img unix "$tmp/ibnbd-nbd.sock" >/dev/null
 
 run_no=0
 # target_args TARGET: the fio options that pick the target.
 target_args() {
   case "$1" in
-    file) echo "--ioengine=io_uring --filename=$tmp/export/vol.img" ;;
-    nbdkit) echo "--ioengine=nbd --uri=nbd+unix:///?socket=$tmp/nbd.sock" ;;
-    ibnbd-1p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_session=bench-$$-$run_no" ;;
-    ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_session=bench-$$-$run_no" ;;
+    file) echo "--ioengine=io_uring --filename=$img" ;;
+    nbdkit-unix) echo "--ioengine=nbd --uri=nbd+unix:///?socket=$tmp/nbdkit.sock" ;;
+    nbdkit-tcp) echo "--ioengine=nbd --uri=nbd://127.0.0.1:$nbdkit_port/" ;;
+    qemu-nbd-unix) echo "--ioengine=nbd --uri=nbd+unix:///?socket=$tmp/qemu.sock" ;;
+    qemu-nbd-tcp) echo "--ioengine=nbd --uri=nbd://127.0.0.1:$qemu_port/" ;;
+    ibnbd-1p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-1p-poll) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll_us=200 --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-nbd) echo "--ioengine=nbd --uri=nbd+unix:///vol.img?socket=$tmp/ibnbd-nbd.sock" ;;
   esac
 }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+# serving_pids TARGET: the processes whose CPU time counts for the target besides fio.
+serving_pids() {
+  case "$1" in
+    file) ;;
+    nbdkit-unix) echo "$nbdkit_unix_pid" ;;
+    nbdkit-tcp) echo "$nbdkit_tcp_pid" ;;
+    qemu-nbd-unix) echo "$qemu_unix_pid" ;;
+    qemu-nbd-tcp) echo "$qemu_tcp_pid" ;;
+    ibnbd-1p | ibnbd-1p-poll | ibnbd-2p) echo "$srv_pid" ;;
+    ibnbd-nbd) echo "$srv_pid $cld_pid" ;;
+  esac
+}
+ticks() {  # ticks PID...: utime + stime of the processes (all their threads), clock ticks
+  local sum=0 p
+  for p in "$@"; do
+    # Fields after the command name (which may hold spaces): utime and stime are 12 and 13.
+    sum=$((sum + $(sed 's/.*) //' "/proc/$p/stat" | awk '{print $12 + $13}')))
+  done
+  echo "$sum"
+}
+hz=$(getconf CLK_TCK)
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "" }'; }
 
-declare -A peer_iops peer_lat
-# run WORKLOAD TARGET RW BS QD: one fio run, prints its table row.
+peers="nbdkit-unix nbdkit-tcp qemu-nbd-unix qemu-nbd-tcp"
+declare -A iops_of lat_of
+rows=()
+# run WORKLOAD TARGET RW BS QD: one fio run; keeps its row (ratios are added once the
+# workload's peers are known).
 run() {
   local workload=$1 target=$2 rw=$3 bs=$4 qd=$5
   run_no=$((run_no + 1))
   local out="$tmp/run-$run_no.json" rc=0
-  # shellcheck disable=SC2046  # target_args is a list of options
+  local spids
+  read -r -a spids <<<"$(serving_pids "$target")"
+  local t0
+  t0=$(ticks "${spids[@]}")
+  # shellcheck disable=SC2046
   timeout -k 5 $((seconds + 60)) fio --name="r$run_no" $(target_args "$target") \
-    --rw="$rw" --bs="$bs" --iodepth="$qd" --size=1G \
-    --time_based --runtime="$seconds" --output-format=json --output="$out" >"$tmp/run-$run_no.log" 2>&1 || rc=$?
+    --rw="$rw" --bs="$bs" --iodepth="$qd" --iodepth_batch_submit="$qd" \
+    --iodepth_batch_complete_max="$qd" --size=1G --time_based --runtime="$seconds" \
+    --output-format=json --output="$out" >"$tmp/run-$run_no.log" 2>&1 || rc=$?
+  local t1
+  t1=$(ticks "${spids[@]}")
   if [ "$rc" != 0 ] || ! jq -e '.jobs[0]' "$out" >/dev/null 2>&1; then
-    echo "| $workload | $target | failed (exit $rc) | | | | | |"
+    rows+=("$workload|$target|failed (exit $rc)")
     tail -3 "$tmp/run-$run_no.log" >&2
     return 0
   fi
   local side=read
-  case "$rw" in *write*) side=write ;; esac
-  local iops mibs mean p99 err
-  read -r iops mibs mean p99 err < <(jq -r --arg s "$side" '.jobs[0] as $j | $j[$s] |
-    "\(.iops) \(.bw_bytes / 1048576) \(.lat_ns.mean / 1000) \((.clat_ns.percentile["99.000000"] // 0) / 1000) \($j.error)"' "$out")
-  local r_iops="" r_lat=""
-  if [ "$target" = nbdkit ]; then
-    peer_iops[$workload]=$iops
-    peer_lat[$workload]=$mean
-  elif [ -n "${peer_iops[$workload]:-}" ]; then
-    r_iops=$(ratio "$iops" "${peer_iops[$workload]}")
-    r_lat=$(ratio "$mean" "${peer_lat[$workload]}")
-  fi
-  [ "$err" = 0 ] || r_iops="$r_iops (fio error $err)"
-  printf '| %s | %s | %.0f | %.1f | %.1f | %.1f | %s | %s |\n' "$workload" "$target" "$iops" "$mibs" "$mean" "$p99" \
-    "$r_iops" "$r_lat"
+  case "$rw" in *write*) side="write" ;; esac
+  local line
+  line=$(jq -r --arg s "$side" --argjson srv_s "$(awk -v t=$((t1 - t0)) -v hz="$hz" 'BEGIN { print t / hz }')" \
+    '.jobs[0] as $j | $j[$s] as $d | ($d.total_ios) as $n |
+     (($j.usr_cpu + $j.sys_cpu) / 100 * $j.job_runtime / 1000) as $fio_s |
+     "\($d.iops) \($d.bw_bytes / 1048576) \($d.lat_ns.mean / 1000) \(($d.clat_ns.percentile["99.000000"] // 0) / 1000) \(if $n > 0 then ($fio_s + $srv_s) * 1e6 / $n else 0 end) \($j.error)"' "$out")
+  local iops mibs mean p99 cpu err
+  read -r iops mibs mean p99 cpu err <<<"$line"
+  iops_of[$workload/$target]=$iops
+  lat_of[$workload/$target]=$mean
+  rows+=("$workload|$target|$(printf '%.0f|%.1f|%.1f|%.1f|%.1f' "$iops" "$mibs" "$mean" "$p99" "$cpu")|$err")
 }
 
-echo "# fio benchmark ($(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), load average before: $(cut -d' ' -f1-3 /proc/loadavg))"
-echo
-echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, a 1 GiB file on tmpfs. file: io_uring on"
-echo "the file; nbdkit: file plugin, unix socket, fio's nbd engine; ibnbd-Np: ibnbd-server (tcp,"
-echo "loopback, N paths) through the fio external ioengine. Latency: fio's total latency (mean)"
-echo "and completion latency (p99). Ratios: IOPS / nbdkit IOPS, mean latency / nbdkit mean latency."
-echo
-echo "| workload | target | IOPS | MiB/s | mean us | p99 us | IOPS vs nbdkit | latency vs nbdkit |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
-for row in "4k randread qd1:randread:4k:1" "4k randread qd32:randread:4k:32" \
-  "4k randwrite qd1:randwrite:4k:1" "4k randwrite qd32:randwrite:4k:32" \
-  "1m read qd8:read:1m:8" "1m write qd8:write:1m:8"; do
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+start=$(date +%s)
+workloads=("4k randread qd1:randread:4k:1" "4k randread qd32:randread:4k:32"
+  "4k randwrite qd1:randwrite:4k:1" "4k randwrite qd32:randwrite:4k:32"
+  "1m read qd8:read:1m:8" "1m write qd8:write:1m:8")
+for row in "${workloads[@]}"; do
   IFS=: read -r workload rw bs qd <<<"$row"
-  for target in nbdkit file ibnbd-1p ibnbd-2p; do
+  for target in $peers file ibnbd-1p ibnbd-1p-poll ibnbd-2p ibnbd-nbd; do
     run "$workload" "$target" "$rw" "$bs" "$qd"
   done
 done
+
+# best_peer WORKLOAD KIND: the peer with the most IOPS (iops) or the lowest mean latency (lat).
+best_peer() {
+  local best="" p
+  for p in $peers; do
+    local v=${iops_of[$1/$p]:-}
+    [ -n "$v" ] || continue
+    if [ "$2" = iops ]; then
+      if [ -z "$best" ] || awk -v a="$v" -v b="${iops_of[$1/$best]}" 'BEGIN { exit !(a > b) }'; then best=$p; fi
+    else
+      if [ -z "$best" ] || awk -v a="${lat_of[$1/$p]}" -v b="${lat_of[$1/$best]}" 'BEGIN { exit !(a < b) }'; then best=$p; fi
+    fi
+  done
+  echo "$best"
+}
+
+echo "# fio benchmark ($(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), load average before: $load_before)"
 echo
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, a 1 GiB file on tmpfs; targets and"
+echo "options: the header of bench/fio.sh. Ratios against the workload's best peer (nbdkit, qemu-nbd):"
+echo "IOPS / its IOPS, mean latency / its mean latency."
+echo
+echo "| workload | target | IOPS | MiB/s | mean us | p99 us | CPU us/IO | IOPS vs best peer | mean lat vs best peer |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+for r in "${rows[@]}"; do
+  IFS='|' read -r workload target iops mibs mean p99 cpu err <<<"$r"
+  if [ -z "$mibs" ]; then
+    echo "| $workload | $target | $iops | | | | | | |"
+    continue
+  fi
+  bi=$(best_peer "$workload" iops)
+  bl=$(best_peer "$workload" lat)
+  ri=$(ratio "${iops_of[$workload/$target]}" "${iops_of[$workload/$bi]:-}")
+  rl=$(ratio "${lat_of[$workload/$target]}" "${lat_of[$workload/$bl]:-}")
+  [ "$err" = 0 ] || ri="$ri (fio error $err)"
+  echo "| $workload | $target | $iops | $mibs | $mean | $p99 | $cpu | $ri | $rl |"
+done
+echo
+for w in "4k randread qd32" "4k randwrite qd32"; do
+  bi=$(best_peer "$w" iops)
+  echo "ibnbd-1p / best peer ($bi), $w IOPS: $(ratio "${iops_of[$w/ibnbd-1p]:-}" "${iops_of[$w/$bi]:-}") (target >= 2)"
+done
+for w in "1m read qd8" "1m write qd8"; do
+  bi=$(best_peer "$w" iops)
+  echo "ibnbd-1p / best peer ($bi), $w IOPS: $(ratio "${iops_of[$w/ibnbd-1p]:-}" "${iops_of[$w/$bi]:-}") (target >= 1.1)"
+done
+for w in "4k randread qd1" "4k randwrite qd1"; do
+  for t in ibnbd-1p ibnbd-1p-poll; do
+    echo "$t / nbdkit-unix, $w mean latency: $(ratio "${lat_of[$w/$t]:-}" "${lat_of[$w/nbdkit-unix]:-}") (target <= 0.7)"
+  done
+done
+for w in "4k randread qd32" "4k randwrite qd32" "1m read qd8" "1m write qd8"; do
+  echo "ibnbd-nbd (two hops) / nbdkit-unix, $w IOPS: $(ratio "${iops_of[$w/ibnbd-nbd]:-}" "${iops_of[$w/nbdkit-unix]:-}") (target >= 1.0)"
+done
+echo
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg); the run took $(($(date +%s) - start)) s"

@@ -11,21 +11,28 @@
 //   iomem_alloc  fio's IO buffers come from BlockSession::alloc_buffer, so read() and write()
 //              go out zero copy; when registration fails the buffers are plain memory and every
 //              IO goes through read_copy / write_copy instead.
-//   queue      submits asynchronously and returns FIO_Q_QUEUED; completions run on transport
-//              threads and land in a mutex-guarded list; getevents waits for them on a condvar.
+//   queue      keeps the io_u for commit and returns FIO_Q_QUEUED.
+//   commit     submits what queue kept as one submission batch of the session (a tcp path sends
+//              them with one system call). fio calls it after every iodepth_batch_submit queued
+//              io_us and before it waits. Completions run on transport threads and are pushed
+//              on a lock-free stack; getevents takes them, spinning up to ibnbd_poll_us (default
+//              0) before it sleeps on a futex that only a completion finding it asleep wakes.
 //   cleanup    destroys the session (it fails whatever still waits with ESHUTDOWN first).
 //
 // fio is C: no exception may unwind into it. Every entry point catches at the boundary and turns
 // what it caught into an errno for fio (td_verror) or into io_u->error.
 #include <atomic>  // before fio's headers: arch/arch.h includes it for C++, not inside extern "C"
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <string>
 #include <string_view>
@@ -52,6 +59,7 @@ struct EngineOptions {
   char* mode;
   char* policy;
   unsigned int io_threads;
+  unsigned int poll_us;
 };
 
 // Non-const because fio's ioengine_ops::options is a plain pointer; fio only reads it.
@@ -107,6 +115,16 @@ fio_option g_options[] = {
         .type = FIO_OPT_INT,
         .off1 = offsetof(EngineOptions, io_threads),
         .help = "Transport IO connections per path (0: the library's default)",
+        .def = "0",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_poll_us",
+        .lname = "IBNBD completion polling",
+        .type = FIO_OPT_INT,
+        .off1 = offsetof(EngineOptions, poll_us),
+        .help = "Microseconds getevents spins for completions before it sleeps (0: sleeps at once)",
         .def = "0",
         .category = FIO_OPT_C_ENGINE,
         .group = FIO_OPT_G_INVALID,
@@ -178,38 +196,77 @@ int make_config(thread_data* td, const std::string& name, Config& out) {
 
 // ---- per-job state --------------------------------------------------------------------------
 
+struct Engine;
+
+// One per io_u (by fio's io_u->index, 0..iodepth-1): the context of its request and its link in
+// the completion stack, so that completing allocates nothing and takes no lock.
+struct Node {
+  Engine* e = nullptr;
+  io_u* u = nullptr;
+  Node* next = nullptr;
+};
+
 struct Engine {
   std::string base_name;  // session name prefix, fixed in setup (before any fork)
   std::unique_ptr<ibnbd::BlockSession> session;
   std::shared_ptr<ibnbd::RemoteDevice> dev;
   std::unique_ptr<ibtrs::RegisteredMemory> buffers;  // fio's IO buffers when registered
   std::unique_ptr<std::byte[]> plain_buffers;        // the fallback: every IO copies
-  bool reported_copy = false;
+  std::chrono::microseconds poll{0};
 
-  // Completions: filled by transport threads, drained by getevents on the job's thread.
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<io_u*> done;      // completed, not yet handed to fio
-  std::vector<io_u*> events;    // handed to fio by the last getevents, read by ->event
-  bool waiting = false;         // getevents sleeps: completions must notify
+  std::unique_ptr<Node[]> nodes;  // iodepth of them
+  unsigned int nnodes = 0;
+  std::vector<io_u*> pending;  // queued, submitted by the next commit (job thread only)
+
+  // Completions: pushed by transport threads (newest first), taken by getevents.
+  std::atomic<Node*> done{nullptr};
+  std::atomic<uint32_t> sleeping{0};  // getevents sleeps (or is about to) on `word`
+  std::atomic<uint32_t> word{0};      // futex word, bumped by a completion that wakes it
+  // Job thread only: completions taken off the stack, oldest first, not yet handed to fio
+  // (ready[ready_head..]); and what the last getevents handed over, read by ->event.
+  std::vector<io_u*> ready;
+  size_t ready_head = 0;
+  std::vector<io_u*> events;
 };
 
 Engine* engine_of(thread_data* td) { return static_cast<Engine*>(td->io_ops_data); }
 
-// Runs on a transport thread (or the session's control thread): must not block for long. The
-// mutex is held for a push_back only.
+long futex(std::atomic<uint32_t>* w, int op, uint32_t val, const timespec* rel) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), op, val, rel, nullptr, 0);
+}
+
+// Runs on a transport thread (or the session's control thread): one CAS, and a futex wake only
+// when getevents sleeps. seq_cst pairs with getevents: either its look at the stack sees this
+// push, or this load sees it asleep.
 void on_done(void* ctx, int err) {
-  auto* u = static_cast<io_u*>(ctx);
-  auto* e = static_cast<Engine*>(u->engine_data);
-  u->error = static_cast<unsigned>(err);
-  if (err == 0) u->resid = 0;
-  bool wake;
-  {
-    std::lock_guard lk(e->mu);
-    e->done.push_back(u);
-    wake = e->waiting;
+  auto* n = static_cast<Node*>(ctx);
+  Engine* e = n->e;
+  n->u->error = static_cast<unsigned>(err);
+  if (err == 0) n->u->resid = 0;
+  Node* head = e->done.load(std::memory_order_relaxed);
+  do {
+    n->next = head;
+  } while (!e->done.compare_exchange_weak(head, n, std::memory_order_seq_cst,
+                                          std::memory_order_relaxed));
+  if (e->sleeping.load(std::memory_order_seq_cst) != 0) {
+    e->word.fetch_add(1, std::memory_order_seq_cst);
+    futex(&e->word, FUTEX_WAKE_PRIVATE, 1, nullptr);
   }
-  if (wake) e->cv.notify_one();
+}
+
+// Moves the completed io_us off the stack to the end of `ready`, oldest first. Returns how many.
+size_t take_done(Engine& e) {
+  Node* n = e.done.exchange(nullptr, std::memory_order_seq_cst);
+  if (n == nullptr) return 0;
+  if (e.ready_head > 0) {  // drop what was handed over, so that iodepth entries always fit
+    e.ready.erase(e.ready.begin(), e.ready.begin() + static_cast<std::ptrdiff_t>(e.ready_head));
+    e.ready_head = 0;
+  }
+  const size_t start = e.ready.size();
+  for (; n != nullptr; n = n->next) e.ready.push_back(n->u);  // reserved: at most iodepth
+  std::reverse(e.ready.begin() + static_cast<std::ptrdiff_t>(start), e.ready.end());
+  return e.ready.size() - start;
 }
 
 std::string job_session_name(const Engine& e, thread_data* td) {
@@ -329,9 +386,14 @@ int eng_init(thread_data* td) noexcept {
       return 1;
     }
     e->dev = std::move(*dev);
-    // At most iodepth requests are out at once: reserve so that a completion never allocates.
-    e->done.reserve(td->o.iodepth);
-    e->events.reserve(td->o.iodepth);
+    e->poll = std::chrono::microseconds(static_cast<const EngineOptions*>(td->eo)->poll_us);
+    // fio numbers its io_us 0..iodepth-1 (io_u->index); at most iodepth requests are out at
+    // once, so with room reserved for that many nothing allocates per IO.
+    e->nnodes = td->o.iodepth;
+    e->nodes = std::make_unique<Node[]>(e->nnodes);
+    e->pending.reserve(e->nnodes);
+    e->ready.reserve(e->nnodes);
+    e->events.reserve(e->nnodes);
     return 0;
   } catch (...) {
     caught(td, "ibnbd init");
@@ -391,11 +453,12 @@ const ibtrs::RegisteredMemory* registration_of(const Engine& e, const void* p, s
   return (q >= b && q + len <= b + e.buffers->size()) ? e.buffers.get() : nullptr;
 }
 
-fio_q_status eng_queue(thread_data* td, io_u* u) noexcept {
-  fio_ro_check(td, u);
-  auto* e = engine_of(td);
-  u->engine_data = e;
-  const ibnbd::IoDone done{on_done, u};
+// Sends one io_u; 0, or the errno of a refusal (the callback then never runs).
+int submit_one(Engine* e, io_u* u) {
+  Node* n = &e->nodes[u->index];
+  n->e = e;
+  n->u = u;
+  const ibnbd::IoDone done{on_done, n};
   const uint64_t off = u->offset;
   const auto len = static_cast<size_t>(u->xfer_buflen);
   ibtrs::Status st;
@@ -431,44 +494,91 @@ fio_q_status eng_queue(thread_data* td, io_u* u) noexcept {
   } catch (...) {
     st = ibtrs::errc(EIO);
   }
-  if (!st) {
-    // Refused before anything was sent: the callback will not run.
-    u->error = static_cast<unsigned>(st.error().value());
+  return st ? 0 : st.error().value();
+}
+
+fio_q_status eng_queue(thread_data* td, io_u* u) noexcept {
+  fio_ro_check(td, u);
+  auto* e = engine_of(td);
+  if (u->index >= e->nnodes) {  // fio never numbers beyond iodepth; refuse rather than overrun
+    u->error = EINVAL;
     return FIO_Q_COMPLETED;
   }
+  e->pending.push_back(u);  // reserved: at most iodepth
   return FIO_Q_QUEUED;
 }
 
-int getevents(Engine* e, unsigned int min, unsigned int max, const timespec* t) {
-  std::unique_lock lk(e->mu);
-  auto enough = [&] { return e->done.size() >= min; };
-  if (!enough()) {
-    e->waiting = true;
-    if (t != nullptr) {
-      const auto d = std::chrono::seconds(t->tv_sec) + std::chrono::nanoseconds(t->tv_nsec);
-      e->cv.wait_for(lk, d, enough);
-    } else {
-      e->cv.wait(lk, enough);
-    }
-    e->waiting = false;
+// Submits what queue kept, in one submission batch. A request the library refuses completes
+// at once with its errno (fio already counts it as queued, so it comes back through getevents).
+int eng_commit(thread_data* td) noexcept {
+  auto* e = engine_of(td);
+  if (e->pending.empty()) return 0;
+  e->session->begin_batch();
+  for (io_u* u : e->pending) {
+    if (int err = submit_one(e, u); err != 0) on_done(&e->nodes[u->index], err);
   }
-  // Hand over at most `max`, oldest first; the rest stays for the next call. Both vectors hold at
-  // most iodepth entries (reserved in init), so nothing here allocates.
-  e->events.clear();
-  const size_t n = std::min<size_t>(max, e->done.size());
-  e->events.assign(e->done.begin(), e->done.begin() + static_cast<std::ptrdiff_t>(n));
-  e->done.erase(e->done.begin(), e->done.begin() + static_cast<std::ptrdiff_t>(n));
+  e->session->end_batch();
+  io_u_mark_submit(td, static_cast<unsigned int>(e->pending.size()));
+  e->pending.clear();
+  return 0;
+}
+
+int getevents(Engine* e, unsigned int min, unsigned int max, const timespec* t) {
+  using Clock = std::chrono::steady_clock;
+  auto have = [e] { return e->ready.size() - e->ready_head; };
+  take_done(*e);
+  if (have() < min) {
+    const auto start = Clock::now();
+    const bool timed = t != nullptr;
+    const auto deadline =
+        start + (timed ? std::chrono::seconds(t->tv_sec) + std::chrono::nanoseconds(t->tv_nsec)
+                       : std::chrono::nanoseconds(0));
+    // Spin first (ibnbd_poll_us): a completion that finds us awake costs its thread no
+    // system call and us no wake-up.
+    if (e->poll.count() > 0) {
+      const auto spin_end = start + e->poll;
+      while (have() < min && Clock::now() < spin_end && (!timed || Clock::now() < deadline)) {
+        if (take_done(*e) == 0) __builtin_ia32_pause();
+      }
+    }
+    while (have() < min) {
+      e->sleeping.store(1, std::memory_order_seq_cst);
+      const uint32_t w = e->word.load(std::memory_order_seq_cst);
+      if (take_done(*e) > 0) {
+        e->sleeping.store(0, std::memory_order_seq_cst);
+        continue;
+      }
+      timespec rel{};
+      if (timed) {
+        const auto left = deadline - Clock::now();
+        if (left <= Clock::duration::zero()) {
+          e->sleeping.store(0, std::memory_order_seq_cst);
+          break;
+        }
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+        rel.tv_sec = static_cast<time_t>(ns / 1000000000);
+        rel.tv_nsec = static_cast<long>(ns % 1000000000);
+      }
+      futex(&e->word, FUTEX_WAIT_PRIVATE, w, timed ? &rel : nullptr);  // EAGAIN, EINTR: look again
+      e->sleeping.store(0, std::memory_order_seq_cst);
+      take_done(*e);
+    }
+  }
+  // Hand over at most `max`, oldest first; the rest stays for the next call. Every vector holds
+  // at most iodepth entries (reserved in init), so nothing here allocates.
+  const size_t n = std::min<size_t>(max, have());
+  const auto first = e->ready.begin() + static_cast<std::ptrdiff_t>(e->ready_head);
+  e->events.assign(first, first + static_cast<std::ptrdiff_t>(n));
+  e->ready_head += n;
+  if (e->ready_head == e->ready.size()) {
+    e->ready.clear();
+    e->ready_head = 0;
+  }
   return static_cast<int>(n);
 }
 
 int eng_getevents(thread_data* td, unsigned int min, unsigned int max, const timespec* t) noexcept {
-  try {
-    return getevents(engine_of(td), min, max, t);
-  } catch (...) {
-    // std::mutex and std::condition_variable may throw system_error; fio takes a negative
-    // errno as a failed wait.
-    return -caught(td, "ibnbd getevents");
-  }
+  return getevents(engine_of(td), min, max, t);
 }
 
 io_u* eng_event(thread_data* td, int i) noexcept { return engine_of(td)->events[static_cast<size_t>(i)]; }
@@ -488,6 +598,7 @@ ioengine_ops make_ops() {
   ops.setup = eng_setup;
   ops.init = eng_init;
   ops.queue = eng_queue;
+  ops.commit = eng_commit;
   ops.getevents = eng_getevents;
   ops.event = eng_event;
   ops.cleanup = eng_cleanup;

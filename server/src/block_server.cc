@@ -151,7 +151,13 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // ---- transport callbacks ----
   ibtrs::IoThreadHook* io_thread_hook(uint32_t thread) override {
     if (thread >= hooks.size()) hooks.resize(thread + 1);
-    auto e = IoEngine::create(EngineOptions{opts.engine_queue_depth});
+    // Memory-backed files (tmpfs) are read and written on the IO thread itself: io_uring would
+    // hand each such request to a worker thread. EngineHook::poll() runs the callbacks in the
+    // same pass (the hook contract), so no wake-up is needed.
+    EngineOptions eo;
+    eo.queue_depth = opts.engine_queue_depth;
+    eo.sync_memory_files = true;
+    auto e = IoEngine::create(eo);
     if (!e.ok()) {
       log_warn("io_uring for IO thread", std::to_string(thread), e.error().message());
       return nullptr;

@@ -115,6 +115,63 @@ TEST(FileIo, TmpfsIsBufferedAndMovesRealBytes) {
   write_read_random(r, 512, 200, 256 << 10);
 }
 
+// Case: an engine with sync_memory_files on a tmpfs file: 32 writes of 4 KiB at once, read back,
+// then one of 1 MiB. Expect: the small ones are done inside submit() (ready(), the eventfd stays
+// quiet) and called back by the next run_completions(), bytes intact; the large one goes through
+// io_uring (not ready() after submit) and completes as before.
+TEST(FileIo, TmpfsSmallRequestsAreDoneInsideSubmit) {
+  Rig r;
+  RIG_OR_SKIP(r, Fs::tmpfs);
+  ASSERT_TRUE(r.be->memory_backed());
+  EngineOptions eo;
+  eo.queue_depth = 64;
+  eo.sync_memory_files = true;
+  auto e = IoEngine::create(eo);
+  ASSERT_TRUE(e.ok());
+  IoEngine& eng = **e;
+  constexpr int kN = 32;
+  AlignedBuf wbuf(kN * 4096), rbuf(kN * 4096);
+  fill_pattern(wbuf.sub(0, kN * 4096), 9, 0);
+  int calls = 0, errors = 0;
+  struct Box {
+    int* calls;
+    int* errors;
+  } box{&calls, &errors};
+  auto cb = [](void* p, int err) {
+    auto* b = static_cast<Box*>(p);
+    ++*b->calls;
+    *b->errors += err != 0;
+  };
+  for (int i = 0; i < kN; ++i) {
+    IoRequest q = rw(*r.be, IoOp::write, uint64_t(i) * 8192, wbuf.sub(uint64_t(i) * 4096, 4096));
+    q.done = cb;
+    q.ctx = &box;
+    ASSERT_TRUE(eng.submit(q).ok());
+  }
+  EXPECT_TRUE(eng.ready());
+  EXPECT_EQ(eng.in_flight(), uint32_t(kN));
+  EXPECT_EQ(calls, 0) << "callbacks wait for run_completions()";
+  pollfd p{eng.event_fd(), POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 0), 0) << "nothing went through the ring";
+  EXPECT_EQ(eng.run_completions(), uint32_t(kN));
+  EXPECT_EQ(calls, kN);
+  EXPECT_EQ(errors, 0);
+  EXPECT_FALSE(eng.ready());
+  for (int i = 0; i < kN; ++i)
+    ASSERT_EQ(run_io(eng, rw(*r.be, IoOp::read, uint64_t(i) * 8192, rbuf.sub(uint64_t(i) * 4096, 4096))), 0);
+  EXPECT_EQ(std::memcmp(rbuf.data(), wbuf.data(), kN * 4096), 0);
+
+  AlignedBuf big(1 << 20);
+  IoRequest q = rw(*r.be, IoOp::read, 0, big.span());
+  q.done = cb;
+  q.ctx = &box;
+  ASSERT_TRUE(eng.submit(q).ok());
+  EXPECT_FALSE(eng.ready()) << "1 MiB is past the inline limit";
+  eng.drain();
+  EXPECT_EQ(calls, kN + 1);
+  EXPECT_EQ(errors, 0);
+}
+
 // Case: DirectIo::require on tmpfs. Expect: EINVAL (no silent page cache when asked for direct).
 TEST(FileIo, RequiringDirectOnTmpfsFails) {
   auto d = TempDir::make("/dev/shm");

@@ -570,6 +570,45 @@ TEST_F(Client, CallbacksMaySubmitAndNeverRunInsideASubmit) {
     ASSERT_TRUE(same("vol0", uint64_t(i) * Chain::kLen, m->data() + (i % 4) * Chain::kLen, Chain::kLen)) << i;
 }
 
+// Case: 64 writes of 4 KiB and one split 256 KiB write submitted inside a submission batch
+// (nested once, plus an end_batch of nothing), then read back in another. Expect: each
+// completes once with 0 after the batch ends, and the bytes are the ones written.
+TEST_F(Client, BatchedSubmissionsAllGoOutAtTheEnd) {
+  auto [s, d, m] = up();
+  ASSERT_TRUE(d && m);
+  constexpr int kN = 64;
+  constexpr uint32_t kLen = 4096;
+  constexpr uint32_t kBig = 256 << 10;
+  pattern(m->data(), kN * kLen + kBig, 77);
+  std::vector<Done> w(kN + 1);
+  s->end_batch();  // without a begin: nothing
+  s->begin_batch();
+  s->begin_batch();
+  for (int i = 0; i < kN; ++i) {
+    IoSeg seg{m->data() + i * kLen, kLen, m};
+    ASSERT_TRUE(d->write(uint64_t(i) * kLen, std::span(&seg, 1), 0, w[i].io()).ok());
+  }
+  s->end_batch();  // inner: the batch stays open
+  IoSeg big{m->data() + kN * kLen, kBig, m};
+  ASSERT_TRUE(d->write(kN * kLen, std::span(&big, 1), 0, w[kN].io()).ok());
+  s->end_batch();
+  for (auto& x : w) EXPECT_EQ(x.wait(), 0);
+  for (auto& x : w) EXPECT_EQ(x.calls, 1);
+  ASSERT_TRUE(same("vol0", 0, m->data(), kN * kLen + kBig));
+
+  std::byte* back = m->data() + (512 << 10);
+  std::memset(back, 0, kN * kLen);
+  std::vector<Done> r(kN);
+  s->begin_batch();
+  for (int i = 0; i < kN; ++i) {
+    IoSeg seg{back + i * kLen, kLen, m};
+    ASSERT_TRUE(d->read(uint64_t(i) * kLen, std::span(&seg, 1), r[i].io()).ok());
+  }
+  s->end_batch();
+  for (auto& x : r) EXPECT_EQ(x.wait(), 0);
+  EXPECT_EQ(std::memcmp(back, m->data(), kN * kLen), 0);
+}
+
 // A load of split writes, then reads, of random sizes from several threads, each thread on
 // its own region; verified against what was written. Returns the failed requests.
 int run_load(RemoteDevice& d, ibtrs::RegisteredMemory& m, int threads, int per_thread,

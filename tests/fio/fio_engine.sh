@@ -89,6 +89,16 @@ if run_fio readonly-verify 0 --rw=read --bs=4k --iodepth=8 --numjobs=2 --offset_
     "both jobs verified 32 MiB, no error"
 fi
 
+# Case: 16 KiB random writes at QD32 with fio's submission and completion batching (commit sends up to 16 io_us as
+# one submission batch) and getevents spinning 20 us before it sleeps, in 16 KiB blocks over the
+# first half. Expect: exit 0, no job error, 32 MiB written and read back verified.
+if run_fio batched-verify 0 --rw=randwrite --bs=16k --iodepth=32 --iodepth_batch_submit=16 \
+  --iodepth_batch_complete_max=32 --ibnbd_poll_us=20 --size=32M --verify=crc32c --verify_fatal=1 \
+  --do_verify=1; then
+  json_check batched-verify '.jobs[0].error == 0 and .jobs[0].write.io_bytes == 33554432 and .jobs[0].read.io_bytes == 33554432' \
+    "32 MiB written in batches and verified, no error"
+fi
+
 # Case: trims of the whole device in random 64 KiB ranges, then a read-back verified against a
 # zero pattern: the server punches holes in the tmpfs file, which read as zeroes. Expect: exit 0,
 # no error, 64 MiB trimmed and every byte zero.

@@ -116,6 +116,10 @@ class Backend {
   // What the store can do beyond read/write/flush.
   bool can_discard() const { return can_discard_; }
   bool can_write_zeroes() const { return can_write_zeroes_; }
+  // A buffered regular file on a filesystem that lives in memory (tmpfs, ramfs): its reads and
+  // writes are copies to and from the page cache that never wait for a device. io_uring cannot
+  // start them without blocking (no FMODE_NOWAIT) and hands each to a worker thread.
+  bool memory_backed() const { return memory_backed_; }
 
   // Re-reads the store's size (st_size / BLKGETSIZE64) for the `resize` command and returns the
   // new exported size. IO racing with a shrink fails with EIO (range check or short read).
@@ -139,6 +143,7 @@ class Backend {
   bool direct_ = false;
   bool can_discard_ = false;
   bool can_write_zeroes_ = false;
+  bool memory_backed_ = false;
   uint32_t io_align_ = 1;
   uint32_t mem_align_ = 1;
   DeviceGeometry geo_;  // everything but nsectors, fixed at open
@@ -199,6 +204,14 @@ struct IoRequest {
 
 struct EngineOptions {
   uint32_t queue_depth = 128;  // requests in flight, 1..4096
+  // READ and WRITE (alone or with FUA) of at most 64 KiB on a memory-backed file
+  // (Backend::memory_backed: tmpfs, ramfs) are carried out inside submit() with preadv2 / pwritev2 instead of io_uring, which
+  // can only hand them to its worker threads: a thread switch and a wake-up per request for a
+  // page-cache copy (measured: randread 4 KiB QD32 through the server, see docs/benchmarks.md).
+  // Their callbacks run at the next run_completions() and event_fd() is NOT signalled for them:
+  // the owner must call run_completions() after it submitted and before it sleeps on event_fd()
+  // (an IoThreadHook does: its poll() follows every pass of the IO thread), or ready() tells.
+  bool sync_memory_files = false;
 };
 
 // What the running kernel's io_uring offers (io_uring_get_probe at creation).
@@ -241,8 +254,11 @@ class IoEngine {
   void drain();
 
   // Readable when completions may be waiting: put it in the owning thread's epoll set
-  // (level-triggered; run_completions() consumes it).
+  // (level-triggered; run_completions() consumes it). Not for requests done inside submit()
+  // (EngineOptions::sync_memory_files): see ready().
   int event_fd() const;
+  // Requests finished inside submit() whose callbacks wait for run_completions().
+  bool ready() const;
   uint32_t in_flight() const;
   uint32_t queue_depth() const;
   const EngineCaps& caps() const;

@@ -162,6 +162,10 @@ Status Backend::probe(const OpenOptions& o) {
       IBTRS_TRY(set_direct(fd, false));
     }
     direct_ = a.io != 0;
+    if (!direct_) {
+      struct statfs sf {};
+      memory_backed_ = ::fstatfs(fd, &sf) == 0 && (sf.f_type == TMPFS_MAGIC || sf.f_type == RAMFS_MAGIC);
+    }
     if (direct_) {
       io_align_ = a.io;
       mem_align_ = std::max<uint32_t>(a.mem, 1);

@@ -199,6 +199,11 @@ class RemoteDevice {
   Status write_copy(uint64_t offset, std::span<const std::byte> data, uint32_t flags, IoDone done,
                     uint16_t prio = 0);
 
+  // The submission batch of this device's session (BlockSession::begin_batch, same rules), for
+  // callers that hold only the device.
+  void begin_batch();
+  void end_batch();
+
   struct Impl;
   Impl* impl() const { return impl_.get(); }
 
@@ -246,6 +251,13 @@ class BlockSession {
   // Registered memory for read() / write() (ibtrs::ClientSession passthroughs).
   Result<std::unique_ptr<ibtrs::RegisteredMemory>> alloc_buffer(size_t size);
   Result<std::unique_ptr<ibtrs::RegisteredMemory>> register_memory(void* addr, size_t size);
+
+  // A submission batch of the calling thread (ibtrs::ClientSession::begin_batch has the
+  // rules): the parts of the requests this thread submits to the devices of this session until
+  // end_batch() may go to the wire together then (one system call per connection on tcp).
+  // Never from a completion callback; nothing in between may block or wait for a completion.
+  void begin_batch();
+  void end_batch();
 
   SessionState state() const;
   uint8_t proto_version() const;  // negotiated by SESS_INFO

@@ -349,8 +349,22 @@ void NbdServer::Impl::pump(Conn& c) {
 }
 
 void NbdServer::Impl::parse(Conn& c) {
+  // The requests parsed here are submitted as one batch of the export (Export::begin_batch).
+  struct Batch {
+    Export* exp = nullptr;
+    void open(Export* e) {
+      if (exp == nullptr && e != nullptr) (exp = e)->begin_batch();
+    }
+    ~Batch() {
+      if (exp != nullptr) exp->end_batch();
+    }
+    Batch() = default;
+    Batch(const Batch&) = delete;
+    Batch& operator=(const Batch&) = delete;
+  } batch;
   while (!c.rx_closed) {
     if (c.phase == Conn::Phase::transmission) {
+      batch.open(c.exp);
       if (c.rx_slot) {
         receive_payload(c);
         if (c.rx_slot) return;

@@ -239,6 +239,13 @@ Status RemoteDevice::write_copy(uint64_t offset, std::span<const std::byte> data
                        flags, done, prio);
 }
 
+void RemoteDevice::begin_batch() {
+  if (Session* s = impl_->s) s->ts->begin_batch();
+}
+void RemoteDevice::end_batch() {
+  if (Session* s = impl_->s) s->ts->end_batch();
+}
+
 std::string_view to_string(DeviceState s) {
   switch (s) {
     case DeviceState::open: return "open";

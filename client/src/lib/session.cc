@@ -600,6 +600,9 @@ SessionState BlockSession::state() const {
 
 uint8_t BlockSession::proto_version() const { return impl_->version.load(); }
 const std::string& BlockSession::name() const { return impl_->ts->name(); }
+void BlockSession::begin_batch() { impl_->ts->begin_batch(); }
+void BlockSession::end_batch() { impl_->ts->end_batch(); }
+
 ibtrs::ClientSession& BlockSession::transport() { return *impl_->ts; }
 const ibtrs::ClientSession& BlockSession::transport() const { return *impl_->ts; }
 

@@ -152,6 +152,18 @@ class ClientSession {
   // is CONNECTED and none is coming back), ESHUTDOWN (the session is closing).
   Status request(const IoRequest& req, PermitWait wait = PermitWait::yes);
 
+  // A submission batch of the calling thread (the block layer's plug): requests this thread
+  // submits to this session from begin_batch() to end_batch() may be held back and handed to
+  // the wire together at end_batch() — on the tcp provider one system call per connection
+  // instead of one per request. Not from a completion or event callback (an IO thread tearing
+  // its connection down waits for end_batch(): it would wait for itself). Between the two
+  // calls the thread must not block, wait for a completion or call control functions, and
+  // end_batch() must follow soon. Batches of the same session nest (the outermost end sends);
+  // a begin_batch() of another session while one is open is ignored (its requests go out at
+  // once), as is an end_batch() without its begin.
+  void begin_batch();
+  void end_batch();
+
   // Registers caller memory (local write + remote write) on every path's device.
   Result<std::unique_ptr<RegisteredMemory>> register_memory(void* addr, size_t size);
   // Allocates page-aligned memory and registers it; freed with the handle.

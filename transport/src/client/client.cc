@@ -59,6 +59,31 @@ thread_local uint32_t tl_poller = 0;
 std::atomic<uint32_t> g_thread_seq{0};
 thread_local uint32_t tl_seq = g_thread_seq.fetch_add(1, std::memory_order_relaxed);
 thread_local size_t tl_cursor = 0;
+thread_local uint32_t tl_spread = 0;
+// Data size from which a user thread's requests are spread over the IO connections.
+constexpr uint64_t kSpreadBytes = 64 * 1024;
+
+// The calling thread's open submission batch (ClientSession::begin_batch): the connections it
+// posted to with the doorbell held. Each holds one more entry of its gate, so it cannot be torn
+// down before end_batch() rings it. A foreign thread posts to one connection per path, so the
+// list is short; past it, posts ring at once.
+struct Plug {
+  const Session* s = nullptr;
+  uint32_t depth = 0;
+  uint32_t n = 0;
+  Con* cons[ClientSession::kMaxPaths];
+};
+thread_local Plug tl_plug;
+
+// Whether a post to `c` (whose gate the caller is inside) may wait for end_batch().
+bool plug_con(const Session& s, Con* c) {
+  Plug& pl = tl_plug;
+  if (pl.s != &s) return false;
+  if (std::find(pl.cons, pl.cons + pl.n, c) != pl.cons + pl.n) return true;
+  if (pl.n == ClientSession::kMaxPaths || !c->gate.enter()) return false;
+  pl.cons[pl.n++] = c;
+  return true;
+}
 
 ThreadSlot thread_slot(const Session& s) {
   if (tl_session == &s) return {tl_poller, tl_poller};
@@ -318,6 +343,11 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   q.start_ns = now_ns();
   q.submit_shard = ts.shard;
   q.ci = ts.ci;
+  // A large request from a user thread goes to the next IO connection in turn: on one
+  // connection every copy of a stream of them (the server's read and send, our receive) is
+  // serialized on one IO thread of each side. Small ones stay on the thread's connection, where
+  // a submission batch shares one sendmsg.
+  if (tl_session != this && total >= kSpreadBytes && nio > 1) q.ci = tl_spread++ % nio;
   if (!r.usr.empty()) std::memcpy(iu + size_t{p} * geo.max_hdr_size, r.usr.data(), r.usr.size());
   if (post(p, nullptr)) return {};
   if (any_path_may_return()) {
@@ -420,7 +450,8 @@ bool Session::post(uint32_t p, Path* skip) {
     const uint32_t bytes = q.data_len;
     const uint32_t nseg = q.nseg;
     q.con.store(c, std::memory_order_release);
-    auto st = c->conn->post_send(std::span(&wr, 1));
+    auto st = plug_con(*this, c) ? c->conn->post_send_deferred(std::span(&wr, 1))
+                                 : c->conn->post_send(std::span(&wr, 1));
     c->gate.exit();
     if (st.ok()) {
       // Counted after the post: a completion racing ahead only makes inflight briefly negative.
@@ -1015,6 +1046,24 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
 }
 
 Status ClientSession::request(const IoRequest& req, PermitWait wait) { return impl_->submit(req, wait); }
+
+void ClientSession::begin_batch() {
+  client::Plug& pl = client::tl_plug;
+  if (pl.depth > 0 && pl.s != impl_.get()) return;  // another session's batch is open
+  pl.s = impl_.get();
+  ++pl.depth;
+}
+
+void ClientSession::end_batch() {
+  client::Plug& pl = client::tl_plug;
+  if (pl.s != impl_.get() || pl.depth == 0 || --pl.depth > 0) return;
+  for (uint32_t i = 0; i < pl.n; ++i) {
+    pl.cons[i]->conn->ring();
+    pl.cons[i]->gate.exit();
+  }
+  pl.n = 0;
+  pl.s = nullptr;
+}
 
 Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* addr, size_t size) {
   if (addr == nullptr || size == 0) return errc(EINVAL);

@@ -211,6 +211,13 @@ class Connection {
   // registered memory, > 2 GiB), ENOMEM (send queue full: fewer than wrs.size() free slots),
   // ENOTCONN (the connection is in error or closed; nothing was posted).
   virtual ibtrs::Status post_send(std::span<const SendWr> wrs) = 0;
+  // post_send whose doorbell may be held until ring() (or the provider's own next flush), so
+  // that a thread posting several requests in a row hands them to the wire together: on the
+  // tcp provider one sendmsg for all of them instead of one each. The caller must ring() after
+  // its last deferred post, while the connection is still alive for it (the upper layer's
+  // gate). Providers whose posts cost no system call post at once and ring nothing.
+  virtual ibtrs::Status post_send_deferred(std::span<const SendWr> wrs) { return post_send(wrs); }
+  virtual void ring() {}
   virtual ibtrs::Status post_recv(std::span<const RecvWr> wrs) = 0;
 
   // Moves the connection to error and tells the peer; outstanding requests flush. Idempotent.

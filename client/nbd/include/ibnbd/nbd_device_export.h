@@ -28,6 +28,8 @@ class DeviceExport final : public Export {
   Status flush(Done done) override;
   Status trim(uint64_t offset, uint64_t len, Done done) override;
   Status write_zeroes(uint64_t offset, uint64_t len, bool no_hole, Done done) override;
+  void begin_batch() override { dev_->begin_batch(); }
+  void end_batch() override { dev_->end_batch(); }
 
   const std::shared_ptr<RemoteDevice>& device() const { return dev_; }
 

@@ -80,6 +80,12 @@ class Export {
   virtual Status trim(uint64_t offset, uint64_t len, Done done) = 0;
   // no_hole: the range must stay allocated (NBD_CMD_FLAG_NO_HOLE).
   virtual Status write_zeroes(uint64_t offset, uint64_t len, bool no_hole, Done done) = 0;
+  // Around the requests the server submits from one parse of a connection's input: an export
+  // may hold their submission back and hand them on together at end_batch() (the device
+  // export: a submission batch of its session). Called on the server's loop thread, which
+  // neither blocks nor waits for a completion in between.
+  virtual void begin_batch() {}
+  virtual void end_batch() {}
 };
 
 // Where a server listens: a unix stream socket path, or a numeric TCP address.

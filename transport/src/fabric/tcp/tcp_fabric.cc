@@ -301,7 +301,12 @@ class TcpConnection final : public Connection, private RxHooks {
     ::close(sock_);
   }
 
-  ibtrs::Status post_send(std::span<const SendWr> wrs) override;
+  ibtrs::Status post_send(std::span<const SendWr> wrs) override { return post(wrs, false); }
+  ibtrs::Status post_send_deferred(std::span<const SendWr> wrs) override { return post(wrs, true); }
+  void ring() override {
+    std::lock_guard lock(tx_mu_);
+    ring_deferred();
+  }
   ibtrs::Status post_recv(std::span<const RecvWr> wrs) override;
   void disconnect() override {
     {
@@ -383,6 +388,7 @@ class TcpConnection final : public Connection, private RxHooks {
     has_failed_frame_ = true;
   }
 
+  ibtrs::Status post(std::span<const SendWr> wrs, bool defer);
   void pump();
   // Transmits what can go now; tx_mu_ held.
   void flush_tx();
@@ -443,7 +449,7 @@ class TcpConnection final : public Connection, private RxHooks {
 
 // ----- TcpConnection -------------------------------------------------------------------------
 
-ibtrs::Status TcpConnection::post_send(std::span<const SendWr> wrs) {
+ibtrs::Status TcpConnection::post(std::span<const SendWr> wrs, bool defer) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
   IBTRS_TRY(check_send_batch(wrs, caps_));
   for (const SendWr& wr : wrs) {
@@ -490,6 +496,13 @@ ibtrs::Status TcpConnection::post_send(std::span<const SendWr> wrs) {
   sq_tail_.store(tail, std::memory_order_release);
   // EPOLLOUT pending: the poller sends once the socket has room, as for any post.
   if (epollout_) return {};
+  if (defer) {
+    // post_send_deferred: the poster's ring() sends it. Not on the CQ's list: the owner's
+    // poll would then take tx_mu_ against the poster for nothing. Should the owner's batch post
+    // here meanwhile, it finds the doorbell deferred and its frame leaves with the ring().
+    doorbell_deferred_ = true;
+    return {};
+  }
   if (cq_.in_owner_batch()) {
     // The CQ's owner posting from its completion handlers: its next poll()/wait()/arm() sends
     // the whole batch with one sendmsg, where flushing here would cost one per post.
