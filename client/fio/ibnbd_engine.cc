@@ -23,7 +23,9 @@
 // what it caught into an errno for fio (td_verror) or into io_u->error.
 #include <atomic>  // before fio's headers: arch/arch.h includes it for C++, not inside extern "C"
 #include <linux/futex.h>
+#include <fcntl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,7 +38,6 @@
 #include <new>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "ibnbd/client.h"
@@ -289,6 +290,76 @@ int caught(thread_data* td, const char* where) {
   return EIO;
 }
 
+// What the probe child writes to its pipe: a plain struct, written once (well below PIPE_BUF).
+struct ProbeAnswer {
+  int err = EIO;
+  uint64_t size = 0;
+  char what[240] = "probe: no answer";
+};
+
+void set_what(ProbeAnswer& a, const std::string& text) {
+  std::snprintf(a.what, sizeof a.what, "%s", text.c_str());
+}
+
+// Opens a session in a forked child, maps the device ro and sends back its size; returns 0 or
+// the errno, with `a.what` saying what failed.
+int probe_in_child(Config& cfg, ProbeAnswer& a) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    a.err = errno;
+    set_what(a, std::string("probe pipe: ") + std::strerror(a.err));
+    return a.err;
+  }
+  const pid_t pid = fork();
+  if (pid < 0) {
+    a.err = errno;
+    set_what(a, std::string("probe fork: ") + std::strerror(a.err));
+    close(fds[0]);
+    close(fds[1]);
+    return a.err;
+  }
+  if (pid == 0) {
+    close(fds[0]);
+    ProbeAnswer out;
+    try {
+      auto s = ibnbd::BlockSession::open(std::move(cfg.session));
+      if (!s) {
+        out.err = s.error().value();
+        set_what(out, "probe session: " + s.error().message());
+      } else if (auto dev = (*s)->map(cfg.device, ibnbd::AccessMode::ro); !dev) {
+        out.err = dev.error().value();
+        set_what(out, "map " + cfg.device + ": " + dev.error().message());
+      } else {
+        out.err = 0;
+        out.size = (*dev)->size_bytes();
+        set_what(out, "");
+      }
+    } catch (...) {
+      set_what(out, "probe: exception");
+    }
+    // _exit: no atexit handlers or static destructors of fio's in this copy of its process.
+    _exit(write(fds[1], &out, sizeof out) == static_cast<ssize_t>(sizeof out) ? 0 : 1);
+  }
+  close(fds[1]);
+  ProbeAnswer in;
+  ssize_t n;
+  do {
+    n = read(fds[0], &in, sizeof in);
+  } while (n < 0 && errno == EINTR);
+  close(fds[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (n != static_cast<ssize_t>(sizeof in)) {
+    a.err = EIO;
+    set_what(a, "probe child died without an answer (status " + std::to_string(status) + ")");
+    return a.err;
+  }
+  a = in;
+  a.what[sizeof a.what - 1] = '\0';
+  return a.err;
+}
+
 // ---- fio entry points -----------------------------------------------------------------------
 
 int eng_setup(thread_data* td) noexcept {
@@ -314,39 +385,19 @@ int eng_setup(thread_data* td) noexcept {
       td_verror(td, err, "ibnbd options");
       return 1;
     }
-    // On a thread of its own: the transport draws session and path UUIDs from a thread_local
-    // generator seeded on first use. Seeded here, in fio's parent, it would be copied into every
-    // job fio forks afterwards, and those jobs would open sessions with the same UUID, which the
-    // server then takes for one session (mixed-up responses, seen as EBADMSG and bad verify).
-    uint64_t size = 0;
-    int err = 0;
-    std::string what;
-    std::thread probe([&]() noexcept {
-      try {
-        auto s = ibnbd::BlockSession::open(std::move(cfg.session));
-        if (!s) {
-          err = s.error().value();
-          what = "probe session: " + s.error().message();
-          return;
-        }
-        auto dev = (*s)->map(cfg.device, ibnbd::AccessMode::ro);
-        if (!dev) {
-          err = dev.error().value();
-          what = "map " + cfg.device + ": " + dev.error().message();
-          return;
-        }
-        size = (*dev)->size_bytes();
-      } catch (...) {
-        err = EIO;
-        what = "probe: exception";
-      }
-    });
-    probe.join();
-    if (err != 0) {
-      log_err("ibnbd: %s\n", what.c_str());
+    // In a child process of its own: fio calls setup in its parent and forks the jobs after it,
+    // and nothing the transport opens survives that fork. librdmacm keeps the device contexts it
+    // opened in process-wide state, and the kernel refuses their files to a forked child
+    // (ib_safe_file_access: EACCES); the session and path UUIDs come from a thread_local
+    // generator seeded on first use, which every job would inherit (same UUIDs, which the server
+    // takes for one session). The parent only reads the answer from a pipe.
+    ProbeAnswer answer;
+    if (int err = probe_in_child(cfg, answer); err != 0) {
+      log_err("ibnbd: %s\n", answer.what);
       td_verror(td, err, "ibnbd probe");
       return 1;
     }
+    const uint64_t size = answer.size;
     for (unsigned i = 0; i < td->files_index; i++) {
       td->files[i]->real_file_size = size;
       fio_file_set_size_known(td->files[i]);

@@ -8,6 +8,9 @@
 # fio/jq) is not built or installed.
 #
 #   bash tests/fio/fio_engine.sh BUILD_DIR        (ctest: fio_engine)
+#   IBNBD_FIO_FABRIC=rdma: inside the VM rig, both listeners on Soft-RoCE (ctest: vm_fio_engine_rdma,
+#   through tests/vm/run-in-vm.sh). fio opens a probe session in its parent and then forks its jobs,
+#   so this is also the case of a process that uses rdma after a fork.
 set -u -o pipefail
 
 build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
@@ -37,13 +40,29 @@ ok() { echo "ok - $1"; }
 not_ok() { echo "not ok - $1: $2"; failed=1; }
 wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }
 
+mib=64  # the volume; every case scales with it
+case "${IBNBD_FIO_FABRIC:-tcp}" in
+  tcp) listen=(--listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0) src="" ;;
+  rdma)
+    [ "${IBTRS_VM:-}" = 1 ] && [ -n "${IBTRS_RDMA_ADDR_A:-}" ] ||
+      { echo "1..0 # SKIP rdma: not inside the VM rig (tests/vm/run-in-vm.sh)"; exit 77; }
+    listen=(--listen "rdma:$IBTRS_RDMA_ADDR_B:0" --listen "rdma:$IBTRS_RDMA_ADDR_B:0")
+    src="rdma:$IBTRS_RDMA_ADDR_A@"
+    mib=16 ;;  # TCG: a quarter of the data keeps the VM run near a minute
+  *) echo "IBNBD_FIO_FABRIC must be tcp or rdma" >&2; exit 2 ;;
+esac
+echo "# fabric ${IBNBD_FIO_FABRIC:-tcp}"
+
 mkdir -p export
-truncate -s 64M export/vol.img
-"$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+truncate -s ${mib}M export/vol.img
+half=$((mib / 2))
+full_b=$((mib << 20))
+half_b=$((half << 20))
+"$srv" "${listen[@]}" --dev-search-path "$work/export" \
   --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
 srv_pid=$!
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
-mapfile -t addrs < <(sed -n 's/^listening //p' "$work/srv.ready")
+mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
 [ "${#addrs[@]}" = 2 ] || { echo "not ok - server listens on ${#addrs[@]} addresses, want 2"; exit 1; }
 paths="${addrs[0]},${addrs[1]}"
 
@@ -74,38 +93,38 @@ json_check() {
 # Case: 4 KiB random writes at QD16 over both paths, each block with a crc32c header, verified
 # by reading back after the write phase. Expect: exit 0, no job error, the whole device written
 # and read back.
-if run_fio randwrite-verify 0 --rw=randwrite --bs=4k --iodepth=16 --size=64M \
+if run_fio randwrite-verify 0 --rw=randwrite --bs=4k --iodepth=16 --size=${mib}M \
   --verify=crc32c --verify_fatal=1 --do_verify=1; then
-  json_check randwrite-verify '.jobs[0].error == 0 and .jobs[0].write.io_bytes == 67108864 and .jobs[0].read.io_bytes == 67108864' \
-    "64 MiB written and verified, no error"
+  json_check randwrite-verify ".jobs[0].error == 0 and .jobs[0].write.io_bytes == $full_b and .jobs[0].read.io_bytes == $full_b" \
+    "$mib MiB written and verified, no error"
 fi
 
 # Case: a separate read-only pass verifies the headers the first job left (fio checks crc32c and
 # offset of every block a read job reads when verify is set), in sequential reads by two jobs of
 # one half each: two more sessions, both ro. Expect: exit 0, no error, 2 x 32 MiB read.
-if run_fio readonly-verify 0 --rw=read --bs=4k --iodepth=8 --numjobs=2 --offset_increment=32M \
-  --size=32M --ibnbd_mode=ro --verify=crc32c --verify_fatal=1; then
-  json_check readonly-verify '[.jobs[] | .error == 0 and .read.io_bytes == 33554432] | all' \
-    "both jobs verified 32 MiB, no error"
+if run_fio readonly-verify 0 --rw=read --bs=4k --iodepth=8 --numjobs=2 --offset_increment=${half}M \
+  --size=${half}M --ibnbd_mode=ro --verify=crc32c --verify_fatal=1; then
+  json_check readonly-verify "[.jobs[] | .error == 0 and .read.io_bytes == $half_b] | all" \
+    "both jobs verified $half MiB, no error"
 fi
 
 # Case: 16 KiB random writes at QD32 with fio's submission and completion batching (commit sends up to 16 io_us as
 # one submission batch) and getevents spinning 20 us before it sleeps, in 16 KiB blocks over the
 # first half. Expect: exit 0, no job error, 32 MiB written and read back verified.
 if run_fio batched-verify 0 --rw=randwrite --bs=16k --iodepth=32 --iodepth_batch_submit=16 \
-  --iodepth_batch_complete_max=32 --ibnbd_poll_us=20 --size=32M --verify=crc32c --verify_fatal=1 \
+  --iodepth_batch_complete_max=32 --ibnbd_poll_us=20 --size=${half}M --verify=crc32c --verify_fatal=1 \
   --do_verify=1; then
-  json_check batched-verify '.jobs[0].error == 0 and .jobs[0].write.io_bytes == 33554432 and .jobs[0].read.io_bytes == 33554432' \
-    "32 MiB written in batches and verified, no error"
+  json_check batched-verify ".jobs[0].error == 0 and .jobs[0].write.io_bytes == $half_b and .jobs[0].read.io_bytes == $half_b" \
+    "$half MiB written in batches and verified, no error"
 fi
 
 # Case: trims of the whole device in random 64 KiB ranges, then a read-back verified against a
 # zero pattern: the server punches holes in the tmpfs file, which read as zeroes. Expect: exit 0,
 # no error, 64 MiB trimmed and every byte zero.
-if run_fio trim 0 --rw=randtrim --bs=64k --iodepth=8 --size=64M; then
-  json_check trim '.jobs[0].error == 0 and .jobs[0].trim.io_bytes == 67108864' "64 MiB trimmed, no error"
+if run_fio trim 0 --rw=randtrim --bs=64k --iodepth=8 --size=${mib}M; then
+  json_check trim ".jobs[0].error == 0 and .jobs[0].trim.io_bytes == $full_b" "$mib MiB trimmed, no error"
 fi
-if run_fio after-trim 0 --rw=read --bs=1m --iodepth=4 --size=64M --ibnbd_mode=ro \
+if run_fio after-trim 0 --rw=read --bs=1m --iodepth=4 --size=${mib}M --ibnbd_mode=ro \
   --verify=pattern --verify_pattern=0 --verify_fatal=1; then
   json_check after-trim '.jobs[0].error == 0' "trimmed device reads back as zeroes"
 fi
