@@ -26,6 +26,7 @@
 # A benchmark, not a test: it asserts nothing.
 #
 #   bash bench/fio-vm.sh [--seconds N]     (default 3 s per run; 48 runs, about 6 minutes)
+#   IBNBD_BENCH_TARGETS="nbdkit-kernel ibnbd-ublk-rdma" bash bench/fio-vm.sh    (a subset of rows)
 #
 # The build directory comes from $IBTRS_BUILD (default build; with -DIBTRS_RDMA=ON and the fio
 # engine). Addresses: the VM's private 198.18.0.1 -> 198.18.0.2 pair and unix sockets only.
@@ -49,7 +50,8 @@ engine=$build/client/fio/libibnbd-fio.so
 if [ "${IBTRS_VM:-}" != 1 ]; then
   ninja -C "$build" ibnbd-server ibnbd-client ibnbd ibnbd_fio >/dev/null ||
     { echo "build failed (the engine needs the fio headers: scripts/fio-headers.sh)" >&2; exit 1; }
-  exec env IBTRS_BUILD="$build" bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 -- \
+  exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --env IBTRS_BUILD="$build" \
+    ${IBNBD_BENCH_TARGETS:+--env "IBNBD_BENCH_TARGETS=$IBNBD_BENCH_TARGETS"} -- \
     bash "$top/bench/fio-vm.sh" --seconds "$seconds"
 fi
 
@@ -129,7 +131,7 @@ target_args() {  # target_args TARGET: the fio options that pick the target
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "" }'; }
 
 peers="nbdkit-fio nbdkit-kernel"
-targets="file $peers ibnbd-engine-rdma ibnbd-engine-tcp ibnbd-ublk-rdma ibnbd-ublk-tcp ibnbd-nbd-kernel"
+targets=${IBNBD_BENCH_TARGETS:-"file $peers ibnbd-engine-rdma ibnbd-engine-tcp ibnbd-ublk-rdma ibnbd-ublk-tcp ibnbd-nbd-kernel"}
 declare -A iops_of lat_of
 rows=()
 run() {  # run WORKLOAD TARGET RW BS QD

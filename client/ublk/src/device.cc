@@ -3,7 +3,8 @@
 // A queue's life, on its own thread:
 //   setup   ring; FETCH_REQ for every tag and a read of the queue's eventfd, one submit; ready.
 //   serve   a tag's CQE (res 0) means a request in its descriptor: decode it, hand it to the
-//           RemoteDevice with the tag as context. The completion (a transport thread) writes the
+//           RemoteDevice with the tag as context (the requests of one wake-up in one submission
+//           batch). The completion (a transport thread) writes the
 //           result into the tag and pushes it on the queue's Inbox; the first push onto an empty
 //           inbox writes the eventfd. The eventfd read's CQE makes the thread take the whole
 //           inbox and queue one COMMIT_AND_FETCH_REQ per tag; the next io_uring_enter submits
@@ -287,10 +288,14 @@ struct Queue {
       unsigned head;
       unsigned n = 0;
       io_uring_cqe* cqe;
+      // The requests of one wake-up go to the wire together (one send per connection on tcp,
+      // one doorbell on rdma), as the block layer's plug does for a driver.
+      dev->begin_batch();
       io_uring_for_each_cqe(&ring, head, cqe) {
         ++n;
         handle(cqe);
       }
+      dev->end_batch();
       io_uring_cq_advance(&ring, n);
     }
     if (kernel_tags == 0 && !stop.load()) log("every tag aborted: the device is gone");
