@@ -45,12 +45,15 @@ const char kUsage[] =
     "         one) | unexport <device> | exports\n"
     "  session list | show <session> | reconnect <session> | disconnect <session>\n"
     "  session recover [<session>]   reconnect paths that are down, re-open closed devices\n"
+    "  session max-reconnect-attempts <session> [N]   shows, or sets (-1: forever, 0..9999)\n"
     "  path list [<session>] | add <session> <path> | delete <session> <path>\n"
     "       | reconnect <session> <path> | disconnect <session> <path>\n"
+    "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
     "server:\n"
     "  session list | show <session>\n"
     "  device list | show <device> | force-close <device> <session>\n"
     "  path list [<session>] | disconnect <session> <path>\n"
+    "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
     "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
     "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
     "\n"
@@ -58,7 +61,8 @@ const char kUsage[] =
     "  --format table|json|csv   (-f)    --units B|K|M|G|T|P|E|auto   (-u)\n"
     "  --noheaders                       --socket PATH (default /run/ibnbd-<client|server>.sock)\n"
     "A <server> or <path> is [src@]dst with addresses like tcp:10.0.0.1, rdma:10.0.0.1:1234 or\n"
-    "ip:10.0.0.1 (rdma).\n";
+    "ip:10.0.0.1 (rdma). A stats <group> is all (default), rdma, rdma_lat, wc_completion,\n"
+    "sg_entries, cpu_migration or reconnects, as the kernel's stats files.\n";
 
 [[noreturn]] void fail(int code, const std::string& msg) {
   std::fprintf(stderr, "ibnbd: %s\n", msg.c_str());
@@ -160,6 +164,53 @@ struct Cli {
   json rpc(json req) const { return check(call(socket, req)); }
 };
 
+// ---- both sides: per-path counters (the daemons' path_stats / reset_stats commands) ----
+
+// path stats <session> [<path>]: one row per path, the counters the kernel's stats files show.
+Listing path_stats_listing(const json& paths) {
+  Listing l{{{"pathname"}, {"state"}, {"fabric"}, {"read_cnt", true}, {"rx_bytes", true},
+             {"write_cnt", true}, {"tx_bytes", true}, {"inflights", true}, {"failovered", true},
+             {"reconnects", true}, {"reconnects_failed", true}, {"lat_max_read_us", true},
+             {"lat_max_write_us", true}},
+            {}};
+  for (auto& p : paths) {
+    const json& st = p["stats"];
+    l.rows.push_back({str(p, "name"), str(p, "state"), str(p, "fabric"), num(st, "read_cnt"),
+                      Bytes{unum(st, "read_bytes")}, num(st, "write_cnt"), Bytes{unum(st, "write_bytes")},
+                      num(st, "inflight"), num(st, "failovered"), num(st, "reconnects_ok"),
+                      num(st, "reconnects_failed"), num(st, "lat_max_read_ns") / 1000,
+                      num(st, "lat_max_write_ns") / 1000});
+  }
+  return l;
+}
+
+bool is_stats_group(const std::string& w) {
+  for (const char* g : {"all", "rdma", "rdma_lat", "wc_completion", "sg_entries", "cpu_migration", "reconnects"})
+    if (w == g) return true;
+  return false;
+}
+
+// path stats | reset-stats, the same words on both sides; false when `c` is another command.
+bool run_path_stats(const Cli& c, const char* reset_cmd) {
+  if (c.object != "path" || (c.command != "stats" && c.command != "reset-stats")) return false;
+  json req{{"session", c.arg(0, "<session>")}};
+  // A path name always has an address in it, so it never reads as a group name.
+  for (size_t i = 1; i < c.args.size(); ++i) {
+    const std::string& w = c.args[i];
+    if (c.command == "reset-stats" && is_stats_group(w)) req["stats"] = w;
+    else if (!req.contains("path")) req["path"] = w;
+    else fail(22, c.command + ": unexpected word '" + w + "'");
+  }
+  if (c.command == "stats") {
+    req["cmd"] = "path_stats";
+    c.print(path_stats_listing(c.rpc(req)["paths"]));
+  } else {
+    req["cmd"] = reset_cmd;
+    c.rpc(req);
+  }
+  return true;
+}
+
 // ---- server side ----
 
 Listing server_sessions(const json& sessions, const std::string& only) {
@@ -228,6 +279,7 @@ int run_server(const Cli& c) {
     c.print(server_paths(c.rpc({{"cmd", "sessions"}})["sessions"], c.args.empty() ? "" : c.args[0]));
     return 0;
   }
+  if (run_path_stats(c, "reset_stats")) return 0;
   if (o == "path" && cmd == "disconnect") {
     c.rpc({{"cmd", "disconnect_path"}, {"session", c.arg(0, "<session>")}, {"path", c.arg(1, "<path>")}});
     return 0;
@@ -295,6 +347,13 @@ int print_io(const Cli& c, const json& rsp) {
 int run_client(const Cli& c) {
   json req{{"cmd", c.object + "_" + c.command}};
   const std::string& cmd = c.command;
+  if (run_path_stats(c, "path_reset_stats")) return 0;
+  if (c.object == "session" && cmd == "max-reconnect-attempts") {
+    req = json{{"cmd", "session_max_reconnect_attempts"}, {"session", c.arg(0, "<session>")}};
+    if (c.args.size() > 1) req["value"] = c.args[1];  // the daemon checks the range
+    std::printf("%s\n", str(c.rpc(req), "max_reconnect_attempts").c_str());
+    return 0;
+  }
   if (c.object == "device" && cmd == "map") {
     // map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]
     //     [--ublk [--ublk-queue-depth N]]

@@ -125,6 +125,37 @@ expect "IO after force-close fails (ENODEV)" 5 c device io a.img size 1M bs 64K 
 expect "remap" 0 c device remap a.img
 expect "IO after remap" 0 c device io a.img size 1M bs 64K qd 1 mode verify
 
+# Case: per-path counters on both sides, then a reset of one group and of all.
+# Expect: both paths listed with the reads and writes they carried; reset-stats rdma zeroes the
+# byte counters of that path only; the server's reset of its side zeroes its counters.
+expect "io for the counters" 0 c device io a.img size 4M bs 64K qd 4
+rd=$(c -f json path stats t1 | jq '[.[] | .read_cnt] | add')
+n=$(c -f json path stats t1 | jq length)
+[ "$n" = 2 ] && [ "${rd:-0}" -gt 0 ] && ok "client path stats: 2 paths, $rd reads" || not_ok "client path stats" "$n paths, reads '$rd'"
+expect "client path stats of one path" 0 c path stats t1 "$p0"
+expect "client reset-stats rdma of one path" 0 c path reset-stats t1 "$p0" rdma
+r0=$(c -f json path stats t1 "$p0" | jq '.[0].read_cnt + .[0].write_cnt')
+[ "$r0" = 0 ] && ok "that path's IO counters are zero" || not_ok "reset of one path" "read+write $r0"
+r1=$(c -f json path stats t1 | jq "[.[] | select(.pathname != \"$p0\") | .read_cnt] | add")
+[ "${r1:-0}" -gt 0 ] && ok "the other path kept its counters" || not_ok "the other path kept its counters" "reads '$r1'"
+expect "client reset-stats of an unknown group is EINVAL" 22 c path reset-stats t1 "$p0" "$p0"
+expect "client path stats of an unknown path is ENOENT" 2 c path stats t1 tcp:198.18.0.9:1
+sp=$(s -f json path stats t1 | jq '[.[] | .read_cnt + .write_cnt] | add')
+[ "${sp:-0}" -gt 0 ] && ok "server path stats: $sp IOs" || not_ok "server path stats" "'$sp'"
+expect "server reset-stats" 0 s path reset-stats t1
+sp=$(s -f json path stats t1 | jq '[.[] | .read_cnt + .write_cnt] | add')
+[ "$sp" = 0 ] && ok "server counters zero" || not_ok "server counters zero" "'$sp'"
+
+# Case: max-reconnect-attempts read, set, refused. Expect: the value set is read back; out of
+# range is EINVAL and changes nothing.
+expect "max-reconnect-attempts set 7" 0 c session max-reconnect-attempts t1 7
+v=$(c session max-reconnect-attempts t1)
+[ "$v" = 7 ] && ok "max-reconnect-attempts reads 7" || not_ok "max-reconnect-attempts reads 7" "'$v'"
+expect "max-reconnect-attempts 10000 is EINVAL" 22 c session max-reconnect-attempts t1 10000
+v=$(c session max-reconnect-attempts t1)
+[ "$v" = 7 ] && ok "... and changed nothing" || not_ok "max-reconnect-attempts unchanged" "'$v'"
+expect "max-reconnect-attempts back to forever" 0 c session max-reconnect-attempts t1 -1
+
 # Case: malformed commands. Expect: EINVAL, the daemons keep serving.
 expect "unknown command" 22 c device frobnicate a.img
 expect "io with a misaligned offset" 22 c device io a.img offset 100
