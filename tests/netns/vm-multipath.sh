@@ -129,6 +129,21 @@ control() {
   [[ $res == ok ]]
 }
 
+# end_load_at MS: lets the client's load run until client time MS, then ends it with SIGINT (the
+# client drains and prints its summary as at the end of --seconds). The clients run with a long
+# --seconds and the scenario ends them: on a loaded host a TCG guest runs several times slower,
+# and a fixed load length ran out before the scenario's steps were done.
+end_load_at() {
+  for _ in $(seq 900); do
+    (($(client_ms) >= $1)) && break
+    kill -0 "$CLIENT_PID" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  kill -INT "$CLIENT_PID" 2>/dev/null
+  return 0
+}
+LOAD_CAP=90  # --seconds of every client: the bound if a scenario never ends its load
+
 # grew NAME SELECTOR FROM_MS: ops of the path grew after FROM_MS (client time)
 grew() { (($(ops_last "$1" "$2") > $(ops_at "$1" "$2" "$3"))); }
 
@@ -137,7 +152,7 @@ scenario_rdma_two_paths() {
   local n=rdma-two-paths rc msg why=() fifo=$WORK/rdma-two-paths.ctl p0 s0 t_back t_end sent0 sent1
   start_server "$n" "rdma:$B:$P1" "rdma:$B:$P2" || { not_ok "$n" "$ERR"; return; }
   sent0=$(rxe_sent "$DEV_A")
-  start_client "$n" 14 --path "$RDMA1" --path "$RDMA2" --policy round-robin --rw randrw --bs 4096 \
+  start_client "$n" "$LOAD_CAP" --path "$RDMA1" --path "$RDMA2" --policy round-robin --rw randrw --bs 4096 \
     --qd "$QD" --verify --interval-ms 500 --control "$fifo"
   if ! wait_busy "$n" 400 '#0' '#1'; then
     wait_client; stop_server
@@ -152,6 +167,7 @@ scenario_rdma_two_paths() {
   msg=$(control "$n" "$fifo" "reconnect $p0") || why+=("reconnect $p0: $msg")
   t_back=$(client_ms)
   note "$n: reconnect $p0 at client t=${t_back} ms: $msg"
+  end_load_at $((t_back + 6000))
   wait_client
   rc=$?
   stop_server
@@ -173,7 +189,7 @@ scenario_rdma_two_paths() {
 scenario_mixed() {
   local n=$1 how=$2 rc msg why=() fifo=$WORK/$1.ctl prdma t_cut after st lat
   start_server "$n" "rdma:$B:$P1" "tcp:$B:$P3" || { not_ok "$n" "$ERR"; return; }
-  start_client "$n" 14 --path "$RDMA1" --path "$TCP3" --policy round-robin --rw randrw --bs 4096 \
+  start_client "$n" "$LOAD_CAP" --path "$RDMA1" --path "$TCP3" --policy round-robin --rw randrw --bs 4096 \
     --qd "$QD" --verify --interval-ms 500 --control "$fifo"
   if ! wait_busy "$n" 400 '#0' '#1'; then
     wait_client; stop_server
@@ -201,18 +217,24 @@ scenario_mixed() {
     note "$n: RoCEv2 (udp 4791) dropped on $NET_A/$NET_B from client t=${t_cut} ms"
     after=$((t_cut + HB_TIMEOUT_MS + 1500))
   fi
+  # The load goes on for 4 s after the client reports the rdma path down (60 s at most: a cut
+  # is found by the heartbeat timeout, which ends late on a loaded host).
+  for _ in $(seq 600); do
+    grep -qF "path_down $prdma" "$WORK/$n.out" && break
+    sleep 0.1
+  done
+  end_load_at $(($(client_ms) + 4000))
   wait_client
   rc=$?
   stop_server
   ((CUT)) && uncut
-  if [[ $how == cut ]]; then
-    # Under a loaded host the heartbeat timeout can end late; judge the tcp path from the moment
-    # the client saw the rdma path go down, when it did.
-    local t_down
-    t_down=$(awk -v p="$prdma" '$1 == "event" && $3 == "path_down" && index($4, p) == 1 {
-      sub(/s$/, "", $2); printf "%d", $2 * 1000; exit }' "$WORK/$n.out")
-    [[ -n $t_down ]] && after=$((t_down + 500))
-  fi
+  # Judge the tcp path from the moment the client saw the rdma path go down, in the client's
+  # own load time (the time of its interval lines; client_ms also counts the session's open,
+  # seconds under a loaded TCG guest).
+  local t_down
+  t_down=$(awk -v p="$prdma" '$1 == "event" && $3 == "path_down" && index($4, p) == 1 {
+    sub(/s$/, "", $2); printf "%d", $2 * 1000; exit }' "$WORK/$n.out")
+  [[ -n $t_down ]] && after=$((t_down + 500))
   client_summary "$n"
   msg=$(check_clean "$n" $rc) || why+=("$msg")
   grew "$n" '#1' "$after" || why+=("the tcp path carried no IO after the rdma path went away")
