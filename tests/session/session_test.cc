@@ -357,6 +357,44 @@ TEST_F(Session, PermitExhaustionThenWakeUp) {
   EXPECT_EQ(waited.wait(), 0);
 }
 
+// Case: a session of queue depth 4 and one thread that submits 12 writes with PermitWait::yes
+// inside one submission batch (on tcp the batch holds the doorbell). Expect: the 5th submit does
+// not sleep on permits that only the held requests' completions would free: the batch goes to
+// the wire before the thread waits, and all 12 complete with their bytes on the volume.
+TEST_F(Session, ABatchOutOfPermitsSendsWhatItHoldsBeforeItWaits) {
+  start_server(1, /*qd=*/4);
+  open(options(1));
+  ASSERT_EQ(client_->queue_depth(), 4u);
+  constexpr int kN = 12;
+  constexpr uint32_t kLen = 4096;
+  std::vector<Waiter> ws(kN);
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  for (int i = 0; i < kN; ++i) {
+    std::memset(buf_->data() + i * kLen, 0x40 + i, kLen);
+    hs[i] = VolHdr{static_cast<uint64_t>(i) * kLen, kLen, kVolMagic};
+    segs[i] = IoSeg{buf_->data() + i * kLen, kLen, buf_.get()};
+  }
+  auto submitter = std::async(std::launch::async, [&] {
+    client_->begin_batch();
+    Status st;
+    for (int i = 0; i < kN && st.ok(); ++i)
+      st = client_->request(IoRequest{IoDir::write,
+                                      std::span(reinterpret_cast<const std::byte*>(&hs[i]), sizeof(VolHdr)),
+                                      std::span(&segs[i], 1), &Waiter::cb, &ws[i]},
+                            PermitWait::yes);
+    client_->end_batch();
+    return st;
+  });
+  if (submitter.wait_for(10s) != std::future_status::ready) {
+    ADD_FAILURE() << "the batch waits for permits that only its own held requests would free";
+    std::_Exit(1);  // the submitter never returns: a join would hang the test binary
+  }
+  EXPECT_TRUE(submitter.get().ok());
+  for (auto& w : ws) EXPECT_EQ(w.wait(), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data(), buf_->data(), size_t{kN} * kLen), 0);
+}
+
 TEST_F(Session, PathBrokenByTheServerFailsOverEachRequestExactlyOnce) {
   start_server(2);
   auto co = options(2);

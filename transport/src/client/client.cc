@@ -75,6 +75,15 @@ struct Plug {
 };
 thread_local Plug tl_plug;
 
+// Rings the connections the batch holds and lets them go; the batch itself stays open.
+void flush_plug(Plug& pl) {
+  for (uint32_t i = 0; i < pl.n; ++i) {
+    pl.cons[i]->conn->ring();
+    pl.cons[i]->gate.exit();
+  }
+  pl.n = 0;
+}
+
 // Whether a post to `c` (whose gate the caller is inside) may wait for end_batch().
 bool plug_con(const Session& s, Con* c) {
   Plug& pl = tl_plug;
@@ -327,8 +336,15 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   if (r.usr.size() + msg > geo.max_hdr_size) return errc(EINVAL);
   if (total > geo.max_io_size) return errc(EMSGSIZE);
 
-  auto permit = permits->get(wait == PermitWait::yes ? core::PermitPool::Wait::yes
-                                                     : core::PermitPool::Wait::no);
+  auto permit = permits->get(wait == PermitWait::yes && tl_plug.n == 0 ? core::PermitPool::Wait::yes
+                                                                       : core::PermitPool::Wait::no);
+  if (!permit.ok() && wait == PermitWait::yes && tl_plug.n > 0) {
+    // About to sleep for a permit with requests held in this thread's batch: they go to the
+    // wire first (the block layer flushes its plug before a task sleeps). Held back, they could
+    // be the very requests whose completions would free a permit, and nothing would.
+    flush_plug(tl_plug);
+    permit = permits->get(core::PermitPool::Wait::yes);
+  }
   if (!permit.ok()) return permit.error();
   const uint32_t p = *permit;
   Req& q = reqs[p];
@@ -1057,11 +1073,7 @@ void ClientSession::begin_batch() {
 void ClientSession::end_batch() {
   client::Plug& pl = client::tl_plug;
   if (pl.s != impl_.get() || pl.depth == 0 || --pl.depth > 0) return;
-  for (uint32_t i = 0; i < pl.n; ++i) {
-    pl.cons[i]->conn->ring();
-    pl.cons[i]->gate.exit();
-  }
-  pl.n = 0;
+  client::flush_plug(pl);
   pl.s = nullptr;
 }
 
