@@ -60,19 +60,42 @@ ControlSocket::~ControlSocket() {
   ::unlink(path_.c_str());
 }
 
+// Joins the connection threads that have finished (all: every one, after stop was signalled;
+// their polls see the stop eventfd, which stays readable).
+void ControlSocket::reap(bool all) {
+  for (auto it = conns_.begin(); it != conns_.end();) {
+    if (all || it->done.load(std::memory_order_acquire)) {
+      it->thread.join();
+      it = conns_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 void ControlSocket::loop() {
   for (;;) {
-    pollfd p[2] = {{fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    if (::poll(p, 2, -1) < 0) {
+    reap(false);
+    // At the limit the listening socket is left alone (clients wait in the backlog); the
+    // timeout comes back to reap.
+    const bool full = conns_.size() >= kMaxConnections;
+    pollfd p[2] = {{fd_, static_cast<short>(full ? 0 : POLLIN), 0}, {stop_fd_, POLLIN, 0}};
+    if (::poll(p, 2, full ? 50 : 1000) < 0) {
       if (errno == EINTR) continue;
-      return;
+      break;
     }
-    if (p[1].revents != 0) return;
+    if (p[1].revents != 0) break;
+    if ((p[0].revents & POLLIN) == 0) continue;
     int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (c < 0) continue;
-    serve(c);
-    ::close(c);
+    Conn& conn = conns_.emplace_back();
+    conn.thread = std::thread([this, c, &conn] {
+      serve(c);
+      ::close(c);
+      conn.done.store(true, std::memory_order_release);
+    });
   }
+  reap(true);
 }
 
 bool ControlSocket::send_line(int conn, const nlohmann::json& j) {

@@ -6,11 +6,16 @@
 // A long command may send progress lines first ({"progress": ...}, through Emit); the line with
 // "ok" is always the last one.
 //
-// Threading: one thread serves the connections one at a time (admin traffic), calling the
-// handler on that thread. Bad JSON gets an error response; the connection stays open.
+// Threading: each connection is served on a thread of its own, up to kMaxConnections at once
+// (more wait in the listen backlog), so an admin tool that connects and stays silent, or a long
+// command (a map waiting out a connect timeout, `device io`), does not hold up the others. The
+// handler is therefore called from several threads at once and serializes what it must itself.
+// Bad JSON gets an error response; the connection stays open.
 #pragma once
 
+#include <atomic>
 #include <functional>
+#include <list>
 #include <memory>
 #include <string>
 #include <thread>
@@ -36,7 +41,14 @@ class ControlSocket {
   // Builds the error response for `err`.
   static nlohmann::json error(int err, const std::string& text = {});
 
+  static constexpr size_t kMaxConnections = 8;
+
  private:
+  struct Conn {
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+  void reap(bool all);
   ControlSocket(std::string path, int fd, int stop_fd, Handler h);
   void loop();
   void serve(int conn);
@@ -47,6 +59,7 @@ class ControlSocket {
   int stop_fd_;
   Handler handler_;
   std::thread thread_;
+  std::list<Conn> conns_;  // the accept thread's only
 };
 
 }  // namespace ibnbd

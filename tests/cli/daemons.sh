@@ -156,6 +156,18 @@ v=$(c session max-reconnect-attempts t1)
 [ "$v" = 7 ] && ok "... and changed nothing" || not_ok "max-reconnect-attempts unchanged" "'$v'"
 expect "max-reconnect-attempts back to forever" 0 c session max-reconnect-attempts t1 -1
 
+# Case: an admin tool connects to the control socket and stays silent. Expect: other commands
+# are answered meanwhile (each connection has its own thread), within 5 s.
+if command -v python3 >/dev/null; then
+  python3 -c 'import socket, sys, time
+s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); time.sleep(8)' "$work/cl.sock" &
+  silent=$!
+  sleep 0.5
+  expect "answered beside a silent connection" 0 timeout 5 "$ibnbd" --socket "$work/cl.sock" client device list
+  kill "$silent" 2>/dev/null
+  wait "$silent" 2>/dev/null
+fi
+
 # Case: malformed commands. Expect: EINVAL, the daemons keep serving.
 expect "unknown command" 22 c device frobnicate a.img
 expect "io with a misaligned offset" 22 c device io a.img offset 100
