@@ -5,6 +5,9 @@
 #   agent exec      `migrate exec:ibnbd-migrate save ...` (stdin) / -incoming exec:... (stdout)
 #   agent unix      the agent listening on a unix socket / connecting to migrate-incoming unix:
 #   agent multifd2  unix with the multifd capability and 2 channels (1 + 2 connections)
+#   agent file      no QEMU: the agent saving the guest's RAM file from stdin (a regular file on
+#                   tmpfs) and restoring it to /dev/null: the agent's own ceiling (its start,
+#                   session and map included, as in the exec rows)
 #   qemu fd: file   QEMU itself writing the same stream to a file on tmpfs handed over with
 #                   getfd (migrate fd:NAME), and restoring from it (migrate-incoming fd:NAME):
 #                   what the stream costs QEMU with no storage behind it
@@ -334,9 +337,31 @@ finally:
         p.wait()
 EOF
 
+# agent_file ROUND: the agent without QEMU, stdin from a file and stdout to /dev/null.
+agent_file() {
+  local t0 t1 t2
+  t0=$(date +%s.%N)
+  if ! /usr/bin/time -f "%U %S" -o "$tmp/cpu-file-save.txt" "$agent" save images.img from "${addrs[@]}" \
+    image b-file <"$tmp/ram.bin" 2>"$tmp/agent-file.log"; then
+    echo "agent file save failed: $(tail -1 "$tmp/agent-file.log")" >>"$tmp/errors.txt"
+    return 0
+  fi
+  t1=$(date +%s.%N)
+  /usr/bin/time -f "%U %S" -o "$tmp/cpu-file-restore.txt" "$agent" restore images.img from "${addrs[@]}" \
+    image b-file >/dev/null 2>>"$tmp/agent-file.log" ||
+    echo "agent file restore failed: $(tail -1 "$tmp/agent-file.log")" >>"$tmp/errors.txt"
+  t2=$(date +%s.%N)
+  "$agent" delete images.img from "${addrs[@]}" image b-file 2>/dev/null || true
+  local n=$((guest_mb << 20))
+  awk -v n="$n" -v a="$t0" -v b="$t1" -v c="$t2" -v cs="$(awk '{print $1 + $2}' "$tmp/cpu-file-save.txt")" \
+    -v cr="$(awk '{print $1 + $2}' "$tmp/cpu-file-restore.txt")" \
+    'BEGIN { printf "save file|%d|%.3f|%s\nrestore file|%d|%.3f|%s\n", n, b - a, cs, n, c - b, cr }' >>"$rows"
+}
+
 for round in $(seq "$rounds"); do
   raw "raw write" write 32 "$round"
   raw "raw read" read 16 "$round"
+  agent_file "$round"
   timeout -k 5 600 python3 "$tmp/driver.py" "$tmp" "$agent" "$guest_mb" "${addrs[@]}" >>"$rows" 2>>"$tmp/errors.txt" || true
 done
 
@@ -369,7 +394,8 @@ def ratio(a, b):
 
 print("| row | Gbit/s (median) | min..max | s (median) | agent CPU s/GiB | vs raw (write / read) | vs QEMU fd: file |")
 print("| --- | --- | --- | --- | --- | --- | --- |")
-labels = {"exec": "agent exec", "unix": "agent unix", "multifd2": "agent multifd2", "fd": "qemu fd: file"}
+labels = {"file": "agent file (no QEMU)", "exec": "agent exec", "unix": "agent unix", "multifd2": "agent multifd2",
+          "fd": "qemu fd: file"}
 order = ["raw write", "raw read"] + [f"{side} {w}" for side in ("save", "restore") for w in labels]
 for name in order:
     side, way = name.split(" ", 1)
@@ -388,7 +414,8 @@ for name in order:
     print(f"| {label} | {med(name):.2f} | {min(rates):.2f}..{max(rates):.2f} | {secs:.3f} | {cpu} | {vs_raw} | {vs_fd} |")
 print()
 print(f"agent save / raw write (target >= 0.9): exec {ratio('save exec', 'raw write')}, "
-      f"unix {ratio('save unix', 'raw write')}, multifd2 {ratio('save multifd2', 'raw write')}")
+      f"unix {ratio('save unix', 'raw write')}, multifd2 {ratio('save multifd2', 'raw write')}, "
+      f"without QEMU {ratio('save file', 'raw write')}")
 EOF
 if [ -s "$tmp/errors.txt" ]; then
   echo
