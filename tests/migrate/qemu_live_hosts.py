@@ -13,8 +13,9 @@ The flow (docs/migration-image.md, "Live migration between two hosts"):
   `ibnbd-migrate save ... nbd A's socket` (exec:); the destination on B (-incoming defer, -S)
   restores through `ibnbd migrate restore ... nbd B's socket`: memory sha256 equal, `cont` runs;
   list and verify work through B's migration mapping (also through the `ibnbd migrate` CLI);
-  A unmaps; B keeps working (a second save and verify through B); with B holding it in
-  migration mode, a new rw opener is still refused (the kernel's rule: migration then rw no).
+  A unmaps; B keeps working (a second save and verify through B, a multifd round trip over
+  unix sockets through B's export); with B holding it in migration mode, a new rw opener is
+  still refused (the kernel's rule: migration then rw no).
 
 The guest cannot dirty memory (QEMU 7.2 under TCG loses dirtied pages in live migration): its
 firmware is 64 KiB of HLT, so the CPU halts at the reset vector with interrupts off, and the RAM
@@ -163,6 +164,44 @@ def run(h):
     check("and reads it back byte for byte",
           out.returncode == 0 and hashlib.sha256(out.stdout).digest() == hashlib.sha256(blob).digest(),
           out.stderr.decode()[-300:])
+    # Case: multifd (2 channels) over unix sockets through B's export, both ways (the agent's
+    # pumps write through one NBD connection from three threads). Expect: memory sha256 equal.
+    src, sq = h.vm("mf-src")
+    dst = None
+    try:
+        want = h.memsum(sq, "mf-src")
+        sq.cmd("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": True}])
+        sq.cmd("migrate-set-parameters", **{"multifd-channels": 2, "max-bandwidth": 10 * 1024 * MiB})
+        sock = os.path.join(h.work, "mf.sock")
+        agent = h.spawn(h.agent_cmd("save", b_nbd, "image", "mf", "unix", sock, "channels", "2"), "agent-mf.log")
+        for _ in range(100):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.1)
+        sq.cmd("migrate", uri=f"unix:{sock}")
+        st = qm.wait_migration(sq)
+        rc = agent.wait(60)
+        check("multifd save through B's export", st == "completed" and rc == 0,
+              f"{st}, agent {rc}: {qm.agent_log(h, 'agent-mf.log')[-300:]}")
+        dst, dq = h.vm("mf-dst", incoming=True)
+        dq.cmd("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": True}])
+        dq.cmd("migrate-set-parameters", **{"multifd-channels": 2})
+        sock = os.path.join(h.work, "mf-in.sock")
+        dq.cmd("migrate-incoming", uri=f"unix:{sock}")
+        agent = h.spawn(h.agent_cmd("restore", b_nbd, "image", "mf", "unix", sock), "agent-mf-r.log")
+        st = qm.wait_migration(dq, 60)
+        got = h.memsum(dq, "mf-dst") if st == "completed" else None
+        check("multifd restore through B's export: memory sha256 equal", got == want,
+              f"{st}: {qm.agent_log(h, 'agent-mf-r.log')[-300:]}")
+        agent.wait(30)
+        dq.close()
+    finally:
+        sq.close()
+        for p in (src, dst):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
     # Case: B holds it in migration mode; a new rw opener is refused (migration then rw: no).
     r = h.ctl(c_sock, "client", "device", "map", "images.img", "from", *h.paths, "rw")
     check("with B holding migration, a new rw map is refused", r.returncode == 16, f"{r.returncode} {r.stderr}")
