@@ -74,7 +74,7 @@ fi
 
 # Case: list. Expect: r1 committed, the stream's length, 2 zero pieces, machine type and uuid.
 m list >"$work/list" 2>"$work/err"
-read -r name state bytes streams zero machine uuid _ < <(grep '^r1 ' "$work/list")
+read -r _ state bytes _ zero machine uuid _ < <(grep '^r1 ' "$work/list")
 [ "${state:-}" = committed ] && [ "${bytes:-}" = $((32 << 20)) ] && [ "${zero:-}" = 2 ] &&
   [ "${machine:-}" = pc-i440fx-7.2 ] && [ "${uuid//-/}" = "$uuid_hex" ] &&
   ok "list: committed, 32 MiB, 2 zero pieces, machine type and uuid from the stream" ||
