@@ -53,6 +53,7 @@ const char kUsage[] =
     "  path list [<session>] | disconnect <session> <path>\n"
     "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
     "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
+    "  migrate ... <volume> nbd <socket> ...   (through a daemon's export of its mapping)\n"
     "\n"
     "options:\n"
     "  --format table|json|csv   (-f)    --units B|K|M|G|T|P|E|auto   (-u)\n"
