@@ -56,6 +56,7 @@ const char kUsage[] =
     "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
     "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
     "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
+    "  migrate ... <volume> nbd <socket> ...   (through a daemon's export of its mapping)\n"
     "\n"
     "options:\n"
     "  --format table|json|csv   (-f)    --units B|K|M|G|T|P|E|auto   (-u)\n"

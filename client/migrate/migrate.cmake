@@ -6,9 +6,10 @@ add_library(ibnbd_migrate STATIC
   ${CMAKE_CURRENT_LIST_DIR}/src/image_store.cc
   ${CMAKE_CURRENT_LIST_DIR}/src/qemu_stream.cc
   ${CMAKE_CURRENT_LIST_DIR}/src/device_volume.cc
+  ${CMAKE_CURRENT_LIST_DIR}/src/nbd_volume.cc
 )
 target_include_directories(ibnbd_migrate PUBLIC ${CMAKE_CURRENT_LIST_DIR}/include
-  PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src)
+  PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${CMAKE_CURRENT_LIST_DIR}/../nbd/src)  # nbd_proto.h: the NBD wire structs
 target_link_libraries(ibnbd_migrate PUBLIC ibnbd_client Threads::Threads
   PRIVATE ibtrs_internal ibtrs_build_flags)
 # The on-volume structs, for the project's own tests.
