@@ -11,7 +11,8 @@ memory-writing guest, so byte-exactness is tested non-live, as `virsh save` does
   a byte flipped on the server: restore refused naming the chunk, QEMU exits non-zero;
   a path disconnected during a save: the save completes over the other path;
   the agent killed during a save: the image stays PARTIAL and is refused;
-  multifd with 2 channels: round trip.
+  multifd with 2 channels: round trip;
+  fd: through QMP getfd (a socket pair per direction): round trip.
 """
 import hashlib
 import json
@@ -82,6 +83,14 @@ class Qmp:
             raise RuntimeError(f"{name}: {r['error']}")
         return r.get("return")
 
+    def getfd(self, name, fd):
+        """QMP getfd: hands `fd` to QEMU (SCM_RIGHTS) under `name`, for fd:NAME URIs."""
+        msg = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode() + b"\n"
+        socket.send_fds(self.s, [msg], [fd])
+        r = self._read()
+        if "error" in r:
+            raise RuntimeError(f"getfd: {r['error']}")
+
     def close(self):
         try:
             self.s.close()
@@ -114,8 +123,11 @@ class Env:
             f.write(os.urandom(PATTERN))
 
     def spawn(self, argv, log, **kw):
-        p = subprocess.Popen(argv, stdout=kw.pop("stdout", open(os.path.join(self.work, log), "wb")),
-                             stderr=subprocess.STDOUT, **kw)
+        out = kw.pop("stdout", None)
+        logf = open(os.path.join(self.work, log), "wb")
+        # With stdout taken (the stream, in fd: restores) the log gets stderr alone.
+        p = subprocess.Popen(argv, stdout=out if out is not None else logf,
+                             stderr=logf if out is not None else subprocess.STDOUT, **kw)
         self.procs.append(p)
         return p
 
@@ -178,6 +190,16 @@ def save(env, image, uri_kind, bandwidth=None, channels=0, during=None):
         if uri_kind == "exec":
             cmd = " ".join(env.migrate_args("save", image, "session", "mig-" + image))
             q.cmd("migrate", uri=f"exec:{cmd} 2>>{env.work}/agent-{image}.log")
+        elif uri_kind == "fd":
+            # A management tool's way: a socket pair, one end to QEMU by getfd, the agent
+            # reading the other end as its stdin.
+            ours, qemus = socket.socketpair()
+            q.getfd("mig", qemus.fileno())
+            qemus.close()
+            agent = env.spawn(env.migrate_args("save", image, "session", "mig-" + image), f"agent-{image}.log",
+                              stdin=ours)
+            ours.close()
+            q.cmd("migrate", uri="fd:mig")
         else:
             sock = os.path.join(env.work, image + ".sock")
             extra = ["unix", sock, "session", "mig-" + image] + (["channels", str(channels)] if channels else [])
@@ -213,6 +235,13 @@ def restore(env, image, uri_kind, channels=0):
         if uri_kind == "exec":
             cmd = " ".join(env.migrate_args("restore", image))
             q.cmd("migrate-incoming", uri=f"exec:{cmd} 2>>{env.work}/agent-r-{image}.log")
+        elif uri_kind == "fd":
+            ours, qemus = socket.socketpair()
+            q.getfd("mig", qemus.fileno())
+            qemus.close()
+            q.cmd("migrate-incoming", uri="fd:mig")
+            agent = env.spawn(env.migrate_args("restore", image), f"agent-r-{image}.log", stdout=ours)
+            ours.close()
         else:
             sock = os.path.join(env.work, image + "-in.sock")
             q.cmd("migrate-incoming", uri=f"unix:{sock}")
@@ -276,6 +305,14 @@ def run(env):
           f"{st}: {agent_log(env, 'agent-mf.log')[-300:]}")
     rst, h2, _ = restore(env, "mf", "unix", channels=2)
     check("multifd round trip: memory sha256 equal", rst == "completed" and h2 == h, f"{rst} {h2} != {h}")
+
+    # Case: save and restore through fds handed to QEMU with QMP getfd (migrate fd:NAME,
+    # migrate-incoming fd:NAME), the agent on the other end of each socket pair.
+    h, st, agent = save(env, "fd", "fd")
+    check("fd save completes", st == "completed" and agent.returncode == 0,
+          f"{st}, agent {agent.returncode}: {agent_log(env, 'agent-fd.log')[-300:]}")
+    rst, h2, _ = restore(env, "fd", "fd")
+    check("fd round trip: memory sha256 equal, runs", rst == "completed" and h2 == h, f"{rst} {h2} != {h}")
 
     # Case: a path of the agent's session disconnected on the server during a slow save.
     # Expect: the save completes over the other path; the restore is exact.
