@@ -1247,13 +1247,19 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   const uint32_t saved_poller = client::tl_poller;
   const size_t finished0 = client::tl_finished;
   m.borrow();
-  size_t got = m.poll_held();
-  if (got == 0 && wait.count() > 0) {
+  // Level-triggered CQs (tcp) are waited on straight away: their fd says whether a poll would
+  // find anything, and each poll that finds nothing is a readv (at QD1 that was 1.7 of 4.6
+  // system calls per IO).
+  bool level = true;
+  for (uint32_t i = 0; i < m.nheld; ++i) level = level && m.held[i]->cq->level_triggered();
+  const bool block = wait.count() > 0;
+  size_t got = block && level ? 0 : m.poll_held();
+  if (got == 0 && block) {
     const auto deadline = core::Clock::now() + wait;
     while (!m.must_return()) {
       // Verbs protocol: arm, poll again to close the race, then wait for the fds.
       for (uint32_t i = 0; i < m.nheld; ++i) (void)m.held[i]->cq->arm();
-      if ((got = m.poll_held()) > 0) break;
+      if (!level && (got = m.poll_held()) > 0) break;
       const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline -
                                                                               core::Clock::now());
       if (left.count() <= 0) break;
