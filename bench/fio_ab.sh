@@ -5,7 +5,8 @@
 # fio options, comma separated], e.g. before=/tmp/old.so after=build/.../libibnbd-fio.so
 # caller=build/.../libibnbd-fio.so:--ibnbd_reap=caller. Prints one line per run (IOPS, mean and
 # p99 latency, CPU us per IO of fio plus the server) and the load average before and after.
-# A benchmark, not a test.
+# Then the medians over the rounds per workload and variant, with IOPS and mean latency against
+# nbdkit's medians. A benchmark, not a test.
 #
 #   bash bench/fio_ab.sh [--seconds N] [--rounds N] [--workloads "rw:bs:qd ..."] NAME=SO[:OPTS]...
 #
@@ -85,6 +86,8 @@ one() {
 echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg); $rounds rounds of ${seconds} s"
 echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO |"
 echo "| --- | --- | --- | --- | --- | --- |"
+exec 3>&1
+exec > >(tee "$tmp/lines")
 for ((r = 1; r <= rounds; r++)); do
   for w in $workloads; do
     IFS=: read -r rw bs qd <<<"$w"
@@ -100,4 +103,33 @@ for ((r = 1; r <= rounds; r++)); do
     done
   done
 done
+exec >&3
+sleep 0.2  # tee's last lines
 echo "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo
+echo "Medians over $rounds rounds:"
+echo
+echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO | IOPS / nbdkit | mean lat / nbdkit |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+# Per (workload, variant): the median of each column (the lower middle for an even count).
+awk -F' [|] ' 'NF == 6 && $2 != "variant" && $1 !~ /^---/ {
+    k = $1 SUBSEP $2
+    if (!(k in cnt)) { order[++nk] = k }
+    i = ++cnt[k]; iops[k, i] = $3; mean[k, i] = $4; p99[k, i] = $5; cpu[k, i] = $6
+  }
+  function med(arr, k, n,   a, i, j, t) {
+    for (i = 1; i <= n; i++) a[i] = arr[k, i] + 0
+    for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+    return a[int((n + 1) / 2)]
+  }
+  END {
+    for (o = 1; o <= nk; o++) {
+      k = order[o]; split(k, kv, SUBSEP); n = cnt[k]
+      mi[k] = med(iops, k, n); mm[k] = med(mean, k, n); mp[k] = med(p99, k, n); mc[k] = med(cpu, k, n)
+    }
+    for (o = 1; o <= nk; o++) {
+      k = order[o]; split(k, kv, SUBSEP); b = kv[1] SUBSEP "nbdkit-unix"
+      printf "| %s | %s | %d | %.1f | %d | %.1f | %.2f | %.2f |\n", kv[1], kv[2], mi[k], mm[k], mp[k], mc[k],
+        (b in mi && mi[b] > 0) ? mi[k] / mi[b] : 0, (b in mm && mm[b] > 0) ? mm[k] / mm[b] : 0
+    }
+  }' "$tmp/lines"

@@ -15,12 +15,12 @@
 //   commit     submits what queue kept as one submission batch of the session (a tcp path sends
 //              them with one system call). fio calls it after every iodepth_batch_submit queued
 //              io_us and before it waits.
-//   getevents  ibnbd_reap=caller: the job thread reaps its own completions
+//   getevents  ibnbd_reap=caller (default): the job thread reaps its own completions
 //              (ibtrs::CompletionReaper): it polls its transport connection - reads the tcp
 //              socket, polls the rdma CQ - and the callbacks run on it, so a round trip wakes the
 //              server's IO thread and this thread, and no transport IO thread in between. It
 //              spins (non-blocking reaps) up to ibnbd_poll_us, then blocks in the connection's
-//              fd. ibnbd_reap=thread (default): completions run on transport IO threads and are pushed on
+//              fd. ibnbd_reap=thread: completions run on transport IO threads and are pushed on
 //              a lock-free stack; getevents takes them, spinning up to ibnbd_poll_us before it
 //              sleeps on a futex that only a completion finding it asleep wakes. In caller mode
 //              the requests that complete elsewhere (large ones spread over the connections,
@@ -143,8 +143,8 @@ fio_option g_options[] = {
         .lname = "IBNBD completion reaping",
         .type = FIO_OPT_STR_STORE,
         .off1 = offsetof(EngineOptions, reap),
-        .help = "Who runs completions: caller (getevents polls the connection itself) or "
-                "thread (transport IO threads, handed over through a futex; default)",
+        .help = "Who runs completions: caller (getevents polls the connection itself; "
+                "default) or thread (transport IO threads, handed over through a futex)",
         .category = FIO_OPT_C_ENGINE,
         .group = FIO_OPT_G_INVALID,
     },
@@ -168,7 +168,7 @@ struct Config {
   ibnbd::BlockSessionOptions session;
   std::string device;
   ibnbd::AccessMode mode = ibnbd::AccessMode::ro;
-  bool reap_caller = false;
+  bool reap_caller = true;
 };
 
 int make_config(thread_data* td, const std::string& name, Config& out) {
