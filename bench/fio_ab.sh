@@ -6,9 +6,12 @@
 # caller=build/.../libibnbd-fio.so:--ibnbd_reap=caller. Prints one line per run (IOPS, mean and
 # p99 latency, CPU us per IO of fio plus the server) and the load average before and after.
 # Then the medians over the rounds per workload and variant, with IOPS and mean latency against
-# nbdkit's medians. A benchmark, not a test.
+# nbdkit's medians. With --perf, fio runs under `perf stat` and each line ends with the fio
+# process's context switches and system calls per IO (perf needs kernel.perf_event_paranoid
+# <= 1 or root); the medians table leaves them out. A benchmark, not a test.
 #
-#   bash bench/fio_ab.sh [--seconds N] [--rounds N] [--workloads "rw:bs:qd ..."] NAME=SO[:OPTS]...
+#   bash bench/fio_ab.sh [--seconds N] [--rounds N] [--workloads "rw:bs:qd ..."] [--perf]
+#                        NAME=SO[:OPTS]...
 #
 # Server binary: $IBTRS_BUILD/server/ibnbd-server (default build).
 set -euo pipefail
@@ -18,8 +21,10 @@ seconds=3
 rounds=2
 workloads="randread:4k:1 randwrite:4k:1 randread:4k:32 randwrite:4k:32"
 variants=()
+perf=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --perf) perf=1; shift ;;
     --seconds) seconds=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
@@ -68,7 +73,9 @@ one() {
   n=$((n + 1))
   local t0 t1 rc=0
   t0=$(ticks "$spid")
-  timeout -k 5 $((seconds + 60)) fio --name="ab$n" "$@" --rw="$rw" --bs="$bs" --iodepth="$qd" \
+  local pre=()
+  [ "$perf" = 1 ] && pre=(perf stat -x, -o "$tmp/$n.perf" -e context-switches,raw_syscalls:sys_enter)
+  timeout -k 5 $((seconds + 60)) "${pre[@]}" fio --name="ab$n" "$@" --rw="$rw" --bs="$bs" --iodepth="$qd" \
     --iodepth_batch_submit="$qd" --iodepth_batch_complete_max="$qd" --size=1G --time_based \
     --runtime="$seconds" --output-format=json --output="$tmp/$n.json" >"$tmp/$n.log" 2>&1 || rc=$?
   t1=$(ticks "$spid")
@@ -80,12 +87,21 @@ one() {
     '.jobs[0] as $j | $j[$s] as $d | ($d.total_ios) as $n |
      (($j.usr_cpu + $j.sys_cpu) / 100 * $j.job_runtime / 1000) as $fio_s |
      "\($w) | \($name) | \($d.iops | floor) | \($d.lat_ns.mean / 1000 * 10 | floor / 10) | \(($d.clat_ns.percentile["99.000000"] // 0) / 1000 | floor) | \(if $n > 0 then (($fio_s + $srv_s) * 1e6 / $n * 10 | floor / 10) else 0 end)"' \
-    "$tmp/$n.json"
+    "$tmp/$n.json" | { read -r l; if [ "$perf" = 1 ]; then
+      local ios
+      ios=$(jq --arg s "$side" '.jobs[0][$s].total_ios' "$tmp/$n.json")
+      echo "$l | $(awk -F, -v n="$ios" '/^[0-9]/ { printf "%s%.2f", sep, $1 / n; sep = " | " }' "$tmp/$n.perf")"
+    else echo "$l"; fi; }
 }
 
 echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg); $rounds rounds of ${seconds} s"
-echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO |"
-echo "| --- | --- | --- | --- | --- | --- |"
+if [ "$perf" = 1 ]; then
+  echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO | fio ctx switches/IO | fio syscalls/IO |"
+  echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
+else
+  echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO |"
+  echo "| --- | --- | --- | --- | --- | --- |"
+fi
 exec 3>&1
 exec > >(tee "$tmp/lines")
 for ((r = 1; r <= rounds; r++)); do
@@ -112,7 +128,7 @@ echo
 echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO | IOPS / nbdkit | mean lat / nbdkit |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- |"
 # Per (workload, variant): the median of each column (the lower middle for an even count).
-awk -F' [|] ' 'NF == 6 && $2 != "variant" && $1 !~ /^---/ {
+awk -F' [|] ' 'NF >= 6 && $2 != "variant" && $1 !~ /^---/ {
     k = $1 SUBSEP $2
     if (!(k in cnt)) { order[++nk] = k }
     i = ++cnt[k]; iops[k, i] = $3; mean[k, i] = $4; p99[k, i] = $5; cpu[k, i] = $6
