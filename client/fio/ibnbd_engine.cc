@@ -427,12 +427,18 @@ int eng_init(thread_data* td) noexcept {
     if (cfg.reap_caller) {
       // init runs on the job thread, which submits and reaps from here on.
       auto r = e->session->transport().make_reaper();
-      if (!r) {
+      if (r) {
+        e->reaper = std::move(*r);
+      } else if (r.error() == std::errc::device_or_resource_busy) {
+        // Another thread of this process reaps the same connection: completions stay on the
+        // IO threads (correct either way, only slower).
+        log_info("ibnbd: ibnbd_reap=caller: %s, using thread mode\n",
+                 r.error().message().c_str());
+      } else {
         log_err("ibnbd: ibnbd_reap=caller: %s\n", r.error().message().c_str());
         td_verror(td, r.error().value(), "ibnbd reaper");
         return 1;
       }
-      e->reaper = std::move(*r);
     }
     // fio numbers its io_us 0..iodepth-1 (io_u->index); at most iodepth requests are out at
     // once, so with room reserved for that many nothing allocates per IO.
