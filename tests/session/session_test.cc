@@ -1013,6 +1013,37 @@ TEST_F(Session, SessionClosedWhileTheCallerIsInsideReap) {
   for (auto* r : vol_.take_held()) vol_.serve(*r);
 }
 
+// Case: the caller reaped a moment ago (its connection is lent, idle) and is not inside reap()
+// when the session is destroyed, with a request in flight. Expect: the close takes the
+// connection back at once (no wait for the 10 ms reclaim, no hang), the request fails with
+// ECONNABORTED exactly once, and the reaper then says ESHUTDOWN and may be destroyed.
+TEST_F(Session, SessionClosedWhileTheCallersConnectionIsLentIdle) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  std::unique_ptr<CompletionReaper> reaper = std::move(*rr);
+  ASSERT_TRUE(reaper->reap(0us).ok());
+  vol_.hold(true);
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, 0, 0, t, h, seg).ok());
+  ASSERT_TRUE(reaper->reap(0us).ok());  // lent again, idle from here
+  const auto t0 = std::chrono::steady_clock::now();
+  buf_.reset();
+  client_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_EQ(t.calls.load(), 1);
+  EXPECT_EQ(t.err.load(), ECONNABORTED);
+  auto n = reaper->reap(10ms);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.error().value(), ESHUTDOWN);
+  reaper.reset();
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+}
+
 }  // namespace
 }  // namespace ibtrs::test
 
