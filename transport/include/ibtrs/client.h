@@ -235,6 +235,10 @@ class ClientSession {
 // Connection teardown (a broken path, heartbeat loss, disconnect_path, remove_path) wakes a
 // blocking reap() and takes the queue back, and failover runs as in thread mode.
 //
+// The reaping thread should not wait for a permit (PermitWait::yes) when its own unreaped
+// requests may hold them all: their completions then run only when the IO thread takes the
+// connection back, ~10 ms later.
+//
 // Threading: reap() from one thread at a time, the one that made the reaper (other threads'
 // requests do not go to its connections); never from a completion or event callback, nor
 // inside a submission batch (EDEADLK). wake() from any thread. Destroy the reaper before its
