@@ -14,9 +14,17 @@
 //   queue      keeps the io_u for commit and returns FIO_Q_QUEUED.
 //   commit     submits what queue kept as one submission batch of the session (a tcp path sends
 //              them with one system call). fio calls it after every iodepth_batch_submit queued
-//              io_us and before it waits. Completions run on transport threads and are pushed
-//              on a lock-free stack; getevents takes them, spinning up to ibnbd_poll_us (default
-//              0) before it sleeps on a futex that only a completion finding it asleep wakes.
+//              io_us and before it waits.
+//   getevents  ibnbd_reap=caller (default): the job thread reaps its own completions
+//              (ibtrs::CompletionReaper): it polls its transport connection - reads the tcp
+//              socket, polls the rdma CQ - and the callbacks run on it, so a round trip wakes the
+//              server's IO thread and this thread, and no transport IO thread in between. It
+//              spins (non-blocking reaps) up to ibnbd_poll_us, then blocks in the connection's
+//              fd. ibnbd_reap=thread: completions run on transport IO threads and are pushed on
+//              a lock-free stack; getevents takes them, spinning up to ibnbd_poll_us before it
+//              sleeps on a futex that only a completion finding it asleep wakes. In caller mode
+//              the requests that complete elsewhere (large ones spread over the connections,
+//              failed-over ones, failures) take that same stack and wake the reaper instead.
 //   cleanup    destroys the session (it fails whatever still waits with ESHUTDOWN first).
 //
 // fio is C: no exception may unwind into it. Every entry point catches at the boundary and turns
@@ -61,6 +69,7 @@ struct EngineOptions {
   char* policy;
   unsigned int io_threads;
   unsigned int poll_us;
+  char* reap;
 };
 
 // Non-const because fio's ioengine_ops::options is a plain pointer; fio only reads it.
@@ -130,6 +139,16 @@ fio_option g_options[] = {
         .category = FIO_OPT_C_ENGINE,
         .group = FIO_OPT_G_INVALID,
     },
+    {
+        .name = "ibnbd_reap",
+        .lname = "IBNBD completion reaping",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, reap),
+        .help = "Who runs completions: caller (getevents polls the connection itself; "
+                "default) or thread (transport IO threads, handed over through a futex)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
     {},  // the end of the table
 };
 
@@ -150,6 +169,7 @@ struct Config {
   ibnbd::BlockSessionOptions session;
   std::string device;
   ibnbd::AccessMode mode = ibnbd::AccessMode::ro;
+  bool reap_caller = true;
 };
 
 int make_config(thread_data* td, const std::string& name, Config& out) {
@@ -189,6 +209,14 @@ int make_config(thread_data* td, const std::string& name, Config& out) {
     }
     out.mode = *m;
   }
+  if (o->reap != nullptr) {
+    const std::string_view r = o->reap;
+    if (r != "caller" && r != "thread") {
+      log_err("ibnbd: bad ibnbd_reap '%s' (caller, thread)\n", o->reap);
+      return EINVAL;
+    }
+    out.reap_caller = r == "caller";
+  }
   out.session.transport.session_name = name;
   out.session.transport.io_threads = o->io_threads;
   out.device = o->device;
@@ -214,6 +242,8 @@ struct Engine {
   std::unique_ptr<ibtrs::RegisteredMemory> buffers;  // fio's IO buffers when registered
   std::unique_ptr<std::byte[]> plain_buffers;        // the fallback: every IO copies
   std::chrono::microseconds poll{0};
+  // ibnbd_reap=caller: the job thread's reaper (destroyed before the session).
+  std::unique_ptr<ibtrs::CompletionReaper> reaper;
 
   std::unique_ptr<Node[]> nodes;  // iodepth of them
   unsigned int nnodes = 0;
@@ -237,9 +267,13 @@ long futex(std::atomic<uint32_t>* w, int op, uint32_t val, const timespec* rel) 
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(w), op, val, rel, nullptr, 0);
 }
 
-// Runs on a transport thread (or the session's control thread): one CAS, and a futex wake only
-// when getevents sleeps. seq_cst pairs with getevents: either its look at the stack sees this
-// push, or this load sees it asleep.
+// The engine whose getevents is reaping on this thread: its completions need no wake-up.
+thread_local const Engine* t_reaping = nullptr;
+
+// Runs on a transport thread (or the session's control thread), or on the job thread inside
+// its reap: one CAS, and a wake-up only when getevents sleeps on another thread's account.
+// seq_cst pairs with getevents: either its look at the stack sees this push, or this load sees
+// it asleep.
 void on_done(void* ctx, int err) {
   auto* n = static_cast<Node*>(ctx);
   Engine* e = n->e;
@@ -250,10 +284,13 @@ void on_done(void* ctx, int err) {
     n->next = head;
   } while (!e->done.compare_exchange_weak(head, n, std::memory_order_seq_cst,
                                           std::memory_order_relaxed));
-  if (e->sleeping.load(std::memory_order_seq_cst) != 0) {
-    e->word.fetch_add(1, std::memory_order_seq_cst);
-    futex(&e->word, FUTEX_WAKE_PRIVATE, 1, nullptr);
+  if (t_reaping == e || e->sleeping.load(std::memory_order_seq_cst) == 0) return;
+  if (e->reaper) {
+    e->reaper->wake();
+    return;
   }
+  e->word.fetch_add(1, std::memory_order_seq_cst);
+  futex(&e->word, FUTEX_WAKE_PRIVATE, 1, nullptr);
 }
 
 // Moves the completed io_us off the stack to the end of `ready`, oldest first. Returns how many.
@@ -438,6 +475,22 @@ int eng_init(thread_data* td) noexcept {
     }
     e->dev = std::move(*dev);
     e->poll = std::chrono::microseconds(static_cast<const EngineOptions*>(td->eo)->poll_us);
+    if (cfg.reap_caller) {
+      // init runs on the job thread, which submits and reaps from here on.
+      auto r = e->session->transport().make_reaper();
+      if (r) {
+        e->reaper = std::move(*r);
+      } else if (r.error() == std::errc::device_or_resource_busy) {
+        // Another thread of this process reaps the same connection: completions stay on the
+        // IO threads (correct either way, only slower).
+        log_info("ibnbd: ibnbd_reap=caller: %s, using thread mode\n",
+                 r.error().message().c_str());
+      } else {
+        log_err("ibnbd: ibnbd_reap=caller: %s\n", r.error().message().c_str());
+        td_verror(td, r.error().value(), "ibnbd reaper");
+        return 1;
+      }
+    }
     // fio numbers its io_us 0..iodepth-1 (io_u->index); at most iodepth requests are out at
     // once, so with room reserved for that many nothing allocates per IO.
     e->nnodes = td->o.iodepth;
@@ -456,7 +509,8 @@ void eng_cleanup(thread_data* td) noexcept {
   auto* e = engine_of(td);
   if (e == nullptr) return;
   try {
-    // The device and the registration before the session: it must outlive both.
+    // The reaper, the device and the registration before the session: it must outlive them.
+    e->reaper.reset();
     e->dev.reset();
     e->buffers.reset();
     e->session.reset();
@@ -574,11 +628,63 @@ int eng_commit(thread_data* td) noexcept {
   return 0;
 }
 
+using Clock = std::chrono::steady_clock;
+
+// ibnbd_reap=caller: runs the job thread's completions here until `min` are ready. A blocking
+// reap sleeps in the connection's fd; a completion on another thread (see on_done) wakes it.
+// False: the reaper refused (the session is closing), and the futex path takes over.
+bool reap_until(Engine* e, size_t min, const timespec* t) {
+  auto have = [e] { return e->ready.size() - e->ready_head; };
+  const auto start = Clock::now();
+  const bool timed = t != nullptr;
+  const auto deadline =
+      start + (timed ? std::chrono::seconds(t->tv_sec) + std::chrono::nanoseconds(t->tv_nsec)
+                     : std::chrono::nanoseconds(0));
+  const auto spin_end = start + e->poll;
+  t_reaping = e;
+  bool ok = true;
+  while (have() < min) {
+    const auto now = Clock::now();
+    if (timed && now >= deadline) break;
+    std::chrono::microseconds wait{0};
+    if (now >= spin_end) {
+      // Blocking: announce it first, so that a completion on another thread wakes us.
+      e->sleeping.store(1, std::memory_order_seq_cst);
+      if (take_done(*e) > 0) {
+        e->sleeping.store(0, std::memory_order_seq_cst);
+        continue;
+      }
+      // Untimed: in slices, so that nothing can keep us past a lost wake-up for long.
+      wait = timed ? std::chrono::duration_cast<std::chrono::microseconds>(deadline - now) +
+                         std::chrono::microseconds(1)
+                   : std::chrono::microseconds(100000);
+    }
+    auto r = e->reaper->reap(wait);
+    e->sleeping.store(0, std::memory_order_seq_cst);
+    if (!r) {
+      ok = false;
+      break;
+    }
+    take_done(*e);
+  }
+  t_reaping = nullptr;
+  return ok;
+}
+
 int getevents(Engine* e, unsigned int min, unsigned int max, const timespec* t) {
-  using Clock = std::chrono::steady_clock;
   auto have = [e] { return e->ready.size() - e->ready_head; };
   take_done(*e);
-  if (have() < min) {
+  bool reaped = false;
+  if (e->reaper && min == 0 && have() < max) {
+    // fio only looks: what arrived is still in the connection until someone reaps it.
+    t_reaping = e;
+    reaped = e->reaper->reap(std::chrono::microseconds(0)).ok();
+    t_reaping = nullptr;
+    take_done(*e);
+  } else if (e->reaper && have() < min) {
+    reaped = reap_until(e, min, t);
+  }
+  if (!reaped && have() < min) {
     const auto start = Clock::now();
     const bool timed = t != nullptr;
     const auto deadline =

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # fio through the external ioengine (client/fio, libibnbd-fio.so) against ibnbd-server: a 64 MiB
 # file on tmpfs served over two loopback tcp listeners, one session per job with both paths.
-# Cases: random writes with crc32c verify, a read-only verify pass over what they wrote, a
+# Cases: random writes with crc32c verify (in both completion modes: the default ibnbd_reap=caller
+# and ibnbd_reap=thread), a read-only verify pass over what they wrote, a
 # trim job (trims then reads back zeroes through verify=pattern), and a read-only job refused a
 # write by the access mode. Each case checks fio's exit status and its JSON (no job error, IO
 # done). TAP-like output; exit 1 when anything failed, 77 only when the engine (or a daemon, or
@@ -98,6 +99,18 @@ if run_fio randwrite-verify 0 --rw=randwrite --bs=4k --iodepth=16 --size=${mib}M
   json_check randwrite-verify ".jobs[0].error == 0 and .jobs[0].write.io_bytes == $full_b and .jobs[0].read.io_bytes == $full_b" \
     "$mib MiB written and verified, no error"
 fi
+
+# Case: the same in the other completion mode (ibnbd_reap=thread: transport IO threads run the
+# completions and hand them over; the cases around run the default, caller reaping), over the
+# first 16 MiB. Expect: exit 0, no job error, 16 MiB written and read back verified.
+if run_fio randwrite-verify-thread 0 --rw=randwrite --bs=4k --iodepth=16 --size=16M \
+  --ibnbd_reap=thread --verify=crc32c --verify_fatal=1 --do_verify=1; then
+  json_check randwrite-verify-thread '.jobs[0].error == 0 and .jobs[0].write.io_bytes == 16777216 and .jobs[0].read.io_bytes == 16777216' \
+    "16 MiB written and verified with IO-thread completions, no error"
+fi
+
+# Case: a job whose ibnbd_reap is neither mode. Expect: fio fails the job (exit 1), no hang.
+run_fio bad-reap 1 --rw=read --bs=4k --size=1M --ibnbd_reap=sometimes && ok "a bad ibnbd_reap fails the job"
 
 # Case: a separate read-only pass verifies the headers the first job left (fio checks crc32c and
 # offset of every block a read job reads when verify is set), in sequential reads by two jobs of

@@ -750,6 +750,338 @@ TEST_F(Session, ServerSeesSessionsAndPathsComeAndGo) {
   EXPECT_EQ(vol_.paths_down_.size(), 2u);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Caller-reaped completions (CompletionReaper)
+
+// A request whose callback records where it ran.
+struct Tracked {
+  std::atomic<int> calls{0};
+  std::atomic<int> err{-1};
+  std::atomic<bool> on_caller{false};
+  std::thread::id caller;
+  static void cb(void* ctx, int err) {
+    auto* t = static_cast<Tracked*>(ctx);
+    t->err.store(err);
+    t->on_caller.store(std::this_thread::get_id() == t->caller);
+    t->calls.fetch_add(1);
+  }
+};
+
+// Submits one 4 KiB request of the rig's volume protocol at block `b`, buffer slot `slot`.
+Status submit_tracked(ClientSession& s, RegisteredMemory& mem, IoDir dir, uint32_t b,
+                      uint32_t slot, Tracked& t, VolHdr& h, IoSeg& seg) {
+  h = VolHdr{uint64_t{b} * 4096, 4096, kVolMagic};
+  seg = IoSeg{mem.data() + size_t{slot} * 4096, 4096, &mem};
+  t.caller = std::this_thread::get_id();
+  IoRequest r{dir, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+              std::span(&seg, 1), &Tracked::cb, &t};
+  return s.request(r);
+}
+
+// Reaps until `pred` holds or `limit` passes.
+bool reap_until(CompletionReaper& r, const std::function<bool()>& pred,
+                std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() >= end) return false;
+    auto n = r.reap(50ms);
+    if (!n.ok()) return pred();
+  }
+  return true;
+}
+
+// Case: one thread submits writes then reads of a pattern at depth 16 and reaps them itself.
+// Expect: every callback runs once, on that thread (no IO thread hands it over), the data reads
+// back intact, and reap() counts exactly the callbacks it ran.
+TEST_F(Session, ReaperRunsTheCallersCompletionsOnItsThreadIntact) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok()) << rr.error().message();
+  auto& reaper = **rr;
+  EXPECT_EQ(client_->make_reaper().error(), std::errc::device_or_resource_busy)
+      << "one reaper per connection index";
+  // Takes the connection from the IO thread now; until then its completions run there.
+  ASSERT_TRUE(reaper.reap(0us).ok());
+  constexpr uint32_t kN = 256, kQd = 16;
+  std::vector<Tracked> ts(2 * kN);
+  std::vector<VolHdr> hs(2 * kN);
+  std::vector<IoSeg> segs(2 * kN);
+  size_t counted = 0;
+  for (int phase = 0; phase < 2; ++phase) {
+    const IoDir dir = phase == 0 ? IoDir::write : IoDir::read;
+    uint32_t next = 0, done = 0;
+    while (done < kN) {
+      while (next < kN && next - done < kQd) {
+        const uint32_t i = phase * kN + next;
+        std::byte* p = buf_->data() + size_t{i} * 4096;
+        if (phase == 0) {
+          for (uint32_t k = 0; k < 4096; k += 4) {
+            const uint32_t v = next * 2654435761u ^ k;
+            std::memcpy(p + k, &v, 4);
+          }
+        }
+        ASSERT_TRUE(submit_tracked(*client_, *buf_, dir, next, i, ts[i], hs[i], segs[i]).ok());
+        ++next;
+      }
+      auto n = reaper.reap(2s);
+      ASSERT_TRUE(n.ok()) << n.error().message();
+      counted += *n;
+      done = 0;
+      for (uint32_t k = 0; k < kN; ++k) done += ts[phase * kN + k].calls.load() != 0;
+    }
+  }
+  size_t on_caller = 0;
+  for (uint32_t i = 0; i < 2 * kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), 0) << i;
+    on_caller += ts[i].on_caller.load();
+  }
+  EXPECT_EQ(counted, on_caller) << "reap() counts the callbacks it ran";
+  // The IO thread takes the connection back only when the caller leaves it unreaped for
+  // CqLease::kReclaimAfter (10 ms), which a loaded test host may do now and then: most, not
+  // all. In thread mode none would.
+  EXPECT_GE(on_caller, 2 * kN * 9 / 10) << "completions ran on the reaping thread";
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(std::memcmp(buf_->data() + size_t{i} * 4096, buf_->data() + size_t{kN + i} * 4096,
+                          4096),
+              0)
+        << "block " << i << " read back differs";
+  }
+  rr->reset();
+}
+
+// Case: the caller reaps (blocked in reap) while the server breaks the path its requests are on;
+// the break is seen by the caller's own poll of that connection. Expect: the requests fail
+// over to the other path and complete once each with success; nothing hangs; the path comes
+// back.
+TEST_F(Session, ReaperSeesItsPathBreakAndTheIoFailsOver) {
+  start_server(2);
+  auto co = options(2);
+  co.policy = MpPolicy::round_robin;
+  open(co);
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  auto& reaper = **rr;
+  (void)reaper.reap(0us);  // take the connections now
+  vol_.hold(true);
+  constexpr uint32_t kN = 8;
+  std::vector<Tracked> ts(kN);
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  for (uint32_t i = 0; i < kN; ++i) {
+    std::memset(buf_->data() + i * 4096, static_cast<int>(i + 1), 4096);
+    ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, i, i, ts[i], hs[i], segs[i]).ok());
+  }
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == kN; }));
+  std::thread cut([&] {
+    std::this_thread::sleep_for(100ms);  // the caller is blocked in reap() by then
+    ASSERT_TRUE(server_
+                    ->with_session("sess",
+                                   [&](ServerSession& s) {
+                                     EXPECT_TRUE(s.disconnect_path(s.paths()[0].name).ok());
+                                   })
+                    .ok());
+  });
+  EXPECT_TRUE(reap_until(reaper, [&] {
+    auto ps = client_->paths();
+    return ps[0].stats.failovered + ps[1].stats.failovered > 0;
+  })) << "the broken path's requests failed over";
+  cut.join();
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  EXPECT_TRUE(reap_until(reaper, [&] {
+    for (auto& t : ts)
+      if (t.calls.load() == 0) return false;
+    return true;
+  })) << "every request completes";
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), 0) << i;
+    EXPECT_EQ(vol_.mem()[i * 4096], std::byte(i + 1)) << "write " << i << " landed";
+  }
+  EXPECT_TRUE(reap_until(reaper, [&] {
+    for (auto& p : client_->paths())
+      if (p.state != ClientPathState::connected) return false;
+    return true;
+  })) << "the broken path reconnects";
+  // And the reaper keeps working on the new incarnation.
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::read, 0, 100, t, h, seg).ok());
+  EXPECT_TRUE(reap_until(reaper, [&] { return t.calls.load() == 1; }));
+  EXPECT_EQ(t.err.load(), 0);
+  rr->reset();
+}
+
+// Case: the caller is blocked in reap() when a user disconnects the path its requests are on
+// (a teardown that must take the connection back from the caller). Expect: disconnect_path
+// returns (the reaper gave the connection back), the requests fail over and complete once.
+TEST_F(Session, DisconnectingAPathTakesItsConnectionBackFromABlockedReaper) {
+  start_server(2);
+  auto co = options(2);
+  co.policy = MpPolicy::round_robin;
+  open(co);
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  auto& reaper = **rr;
+  vol_.hold(true);
+  constexpr uint32_t kN = 8;
+  std::vector<Tracked> ts(kN);
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  for (uint32_t i = 0; i < kN; ++i)
+    ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, i, i, ts[i], hs[i], segs[i]).ok());
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == kN; }));
+  const std::string victim = client_->paths()[0].name;
+  std::atomic<bool> disconnected{false};
+  std::thread ctl([&] {
+    std::this_thread::sleep_for(100ms);
+    EXPECT_TRUE(client_->disconnect_path(victim).ok());
+    disconnected.store(true);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  // One long reap: the teardown must cut it short.
+  auto n = reaper.reap(5s);
+  EXPECT_TRUE(n.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 4s) << "the teardown woke the reaper";
+  EXPECT_TRUE(reap_until(reaper, [&] { return disconnected.load(); }));
+  ctl.join();
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  EXPECT_TRUE(reap_until(reaper, [&] {
+    for (auto& t : ts)
+      if (t.calls.load() == 0) return false;
+    return true;
+  }));
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), 0) << i;
+  }
+  rr->reset();
+}
+
+// Case: the caller reaps once (its connection stays lent), then submits and stops reaping.
+// Expect: the IO thread takes the connection back and the requests complete there, none lost;
+// reaping again later still works.
+TEST_F(Session, RequestsOfACallerThatStopsReapingStillComplete) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  auto& reaper = **rr;
+  (void)reaper.reap(0us);
+  constexpr uint32_t kN = 16;
+  std::vector<Tracked> ts(kN);
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  for (uint32_t i = 0; i < kN; ++i)
+    ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, i, i, ts[i], hs[i], segs[i]).ok());
+  EXPECT_TRUE(wait_until(
+      [&] {
+        for (auto& t : ts)
+          if (t.calls.load() == 0) return false;
+        return true;
+      },
+      5s))
+      << "requests of a caller that does not reap complete on the IO thread";
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), 0) << i;
+    EXPECT_FALSE(ts[i].on_caller.load()) << i;
+  }
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::read, 0, 100, t, h, seg).ok());
+  EXPECT_TRUE(reap_until(reaper, [&] { return t.calls.load() == 1; }));
+  EXPECT_EQ(t.err.load(), 0);
+  rr->reset();
+}
+
+// Case: a thread is blocked in reap() with requests in flight (held by the server) when the
+// session is destroyed. Expect: reap() returns ESHUTDOWN promptly, every request completes
+// exactly once with ECONNABORTED, the close does not hang, and the reaper may be destroyed
+// after its session.
+TEST_F(Session, SessionClosedWhileTheCallerIsInsideReap) {
+  start_server(1);
+  open(options(1));
+  vol_.hold(true);
+  constexpr uint32_t kN = 4;
+  std::vector<Tracked> ts(kN);
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  std::unique_ptr<CompletionReaper> reaper;
+  std::atomic<bool> ready{false}, shut{false};
+  std::atomic<int64_t> returned_after_ms{-1};
+  std::thread caller([&] {
+    auto rr = client_->make_reaper();
+    ASSERT_TRUE(rr.ok());
+    reaper = std::move(*rr);
+    for (uint32_t i = 0; i < kN; ++i)
+      ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, i, i, ts[i], hs[i], segs[i]).ok());
+    ready.store(true);
+    for (;;) {
+      auto n = reaper->reap(10s);
+      if (!n.ok()) {
+        shut.store(n.error().value() == ESHUTDOWN);
+        return;
+      }
+    }
+  });
+  ASSERT_TRUE(wait_until([&] { return ready.load() && vol_.requests_.load() == kN; }));
+  std::this_thread::sleep_for(50ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  buf_.reset();
+  client_.reset();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  caller.join();
+  EXPECT_TRUE(shut.load()) << "reap() returned ESHUTDOWN";
+  EXPECT_LT(took, 5s);
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), ECONNABORTED) << i;
+  }
+  reaper.reset();  // after its session: allowed
+  // The server still holds the requests (its session goes down with the client); they
+  // complete into the void.
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+}
+
+// Case: the caller reaped a moment ago (its connection is lent, idle) and is not inside reap()
+// when the session is destroyed, with a request in flight. Expect: the close takes the
+// connection back at once (no wait for the 10 ms reclaim, no hang), the request fails with
+// ECONNABORTED exactly once, and the reaper then says ESHUTDOWN and may be destroyed.
+TEST_F(Session, SessionClosedWhileTheCallersConnectionIsLentIdle) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  std::unique_ptr<CompletionReaper> reaper = std::move(*rr);
+  ASSERT_TRUE(reaper->reap(0us).ok());
+  vol_.hold(true);
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, 0, 0, t, h, seg).ok());
+  ASSERT_TRUE(reaper->reap(0us).ok());  // lent again, idle from here
+  const auto t0 = std::chrono::steady_clock::now();
+  buf_.reset();
+  client_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_EQ(t.calls.load(), 1);
+  EXPECT_EQ(t.err.load(), ECONNABORTED);
+  auto n = reaper->reap(10ms);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.error().value(), ESHUTDOWN);
+  reaper.reset();
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+}
+
 }  // namespace
 }  // namespace ibtrs::test
 

@@ -24,6 +24,8 @@
 //     set_max_reconnect_attempts) may be called from any thread except a completion callback or
 //     event callback; each returns when done. They are serialized.
 //   - Event callbacks (ClientOptions::on_event) run on the session's control thread.
+//   - With a CompletionReaper (below), the completions of the reaping thread's own requests run
+//     on that thread, inside reap(), under the same rules as on an IO thread.
 #pragma once
 
 #include <chrono>
@@ -46,6 +48,7 @@
 namespace ibtrs {
 
 class ClientSession;
+class CompletionReaper;
 
 // Memory registered with every path of a session (and with paths added later). Deregisters on
 // destruction; it must outlive every request that uses it, and the session must outlive it.
@@ -164,6 +167,16 @@ class ClientSession {
   void begin_batch();
   void end_batch();
 
+  // Caller-reaped completions (io_uring's IOPOLL, the kernel's blk_poll): a thread that submits
+  // requests and then waits for them makes a reaper, and its reap() polls the connections that
+  // thread's requests go to (one per path) and runs their completions on the thread itself,
+  // instead of an IO thread receiving them and handing them over: one thread wake-up less per
+  // round trip. See CompletionReaper for the rules. From the thread that will reap (its
+  // requests and its reaper share the IO connection index the session gives that thread); not
+  // from a callback. Errors: EBUSY (another reaper has this thread's connection index: a
+  // thread sharing it with another reaper gains nothing), ESHUTDOWN, EMFILE/ENFILE (eventfd).
+  Result<std::unique_ptr<CompletionReaper>> make_reaper();
+
   // Registers caller memory (local write + remote write) on every path's device.
   Result<std::unique_ptr<RegisteredMemory>> register_memory(void* addr, size_t size);
   // Allocates page-aligned memory and registers it; freed with the handle.
@@ -204,6 +217,55 @@ class ClientSession {
 
  private:
   explicit ClientSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The reaping side of a thread's requests (ClientSession::make_reaper).
+//
+// While the thread is inside reap(), it holds the completion queues of its IO connection on
+// every path: it polls them (on the tcp provider it reads the sockets itself; on rdma it polls
+// the CQ) and runs the completion callbacks of whatever completed there, its own requests and
+// any other request that happened to be posted to those connections. Between calls the queues
+// stay lent (so that the next call takes them back with no system call), muted for the IO
+// thread; an IO thread takes a queue back when it stays unpolled for ~10 ms
+// (core::CqLease::kReclaimAfter), so a thread that stops reaping with requests in flight only
+// delays them, and nothing is lost. Requests that complete elsewhere (large ones spread over
+// the connections, failed-over ones, requests that waited for a path, failures) still run on
+// IO threads or the control thread: a callback there may call wake() to end a blocking reap().
+// Connection teardown (a broken path, heartbeat loss, disconnect_path, remove_path) wakes a
+// blocking reap() and takes the queue back, and failover runs as in thread mode.
+//
+// The reaping thread should not wait for a permit (PermitWait::yes) when its own unreaped
+// requests may hold them all: their completions then run only when the IO thread takes the
+// connection back, ~10 ms later.
+//
+// Threading: reap() from one thread at a time, the one that made the reaper (other threads'
+// requests do not go to its connections); never from a completion or event callback, nor
+// inside a submission batch (EDEADLK). wake() from any thread. Destroy the reaper before its
+// session, or after the session (then it only frees itself); not while its reap() runs.
+// A session destroyed while its thread is inside reap() makes that reap() return ESHUTDOWN at
+// once, and waits for it; the requests in flight then fail with ECONNABORTED on the session's
+// threads, as in thread mode.
+class CompletionReaper {
+ public:
+  ~CompletionReaper();
+  CompletionReaper(const CompletionReaper&) = delete;
+  CompletionReaper& operator=(const CompletionReaper&) = delete;
+
+  // Polls the thread's connections and runs what completed there. With `wait` > 0 and nothing
+  // completed, blocks on the connections' completion fds for up to `wait` (or until wake(), a
+  // teardown or the session's close). Returns the number of request callbacks that ran on this
+  // thread during the call (0: the wait expired or was cut short). Errors: ESHUTDOWN (the
+  // session is closing or gone), EDEADLK (called inside a submission batch).
+  Result<size_t> reap(std::chrono::microseconds wait);
+  // Ends a blocking reap() (now, or the next one if none runs: it then returns at once).
+  void wake();
+
+  struct Impl;
+
+ private:
+  friend class ClientSession;
+  explicit CompletionReaper(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

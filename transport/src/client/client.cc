@@ -1,6 +1,7 @@
 // The IBTRS client session (kernel: rtrs-clt.c). Structure in client_impl.h; wire in
 // proto/ibtrs_proto.h.
 #include <sys/eventfd.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -59,6 +60,8 @@ thread_local uint32_t tl_poller = 0;
 std::atomic<uint32_t> g_thread_seq{0};
 thread_local uint32_t tl_seq = g_thread_seq.fetch_add(1, std::memory_order_relaxed);
 thread_local size_t tl_cursor = 0;
+// Request callbacks run by this thread (CompletionReaper::reap counts its own).
+thread_local size_t tl_finished = 0;
 thread_local uint32_t tl_spread = 0;
 // Data size from which a user thread's requests are spread over the IO connections.
 constexpr uint64_t kSpreadBytes = 64 * 1024;
@@ -495,6 +498,7 @@ void Session::finish(uint32_t p, int err, uint32_t shard) {
   IoDoneFn fn = q.done;
   void* ctx = q.ctx;
   q.done = nullptr;
+  ++tl_finished;
   // The permit goes back before the callback, so the callback may submit again.
   permits->put(p);
   if (fn != nullptr) fn(ctx, err);
@@ -750,10 +754,18 @@ void Session::teardown(Path* path) {
   for (auto& c : path->cons) {
     Con* con = c.get();
     con->gate.close_and_wait();
+    // A reaper blocked on this CQ wakes, finds the gate closed and gives the CQ back, which
+    // seize() waits for.
+    if (con->cid != 0) {
+      std::lock_guard lock(reap_mu);
+      if (auto& port = reapers[con->cid - 1u]) port->wake();
+    }
     if (con->cq) {
       con->poller->run_sync([con] {
+        con->poller->seize(con->cq.get(), con);
         con->go_down(errc(ECONNABORTED));
         con->poller->detach(con->cq.get());
+        con->lease.set(core::CqLease::free);
       });
     }
   }
@@ -949,8 +961,42 @@ Status Session::open_paths() {
   return {};
 }
 
+void Session::give_back(Con* c) {
+  (void)c->cq->arm();
+  // Armed: anything completing from here on signals the fd. What completed before is ours.
+  Completion wcs[32];
+  for (size_t n; (n = c->cq->poll(std::span(wcs, 32))) > 0;) {
+    c->on_completions(std::span(wcs, n));
+    if (n < 32) break;
+  }
+  c->poller->set_muted(c->cq.get(), false);
+  c->lease.set(core::CqLease::free);
+}
+
+ReapPort::~ReapPort() {
+  if (evfd >= 0) ::close(evfd);
+}
+
+void ReapPort::wake() const {
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t r = ::write(evfd, &one, sizeof(one));
+}
+
 Session::~Session() {
   closing.store(true);
+  {
+    // Reapers stop borrowing, and one inside reap() returns; CQs they hold lent_idle are
+    // seized by the teardown below.
+    std::lock_guard lock(reap_mu);
+    for (auto& port : reapers) {
+      if (!port) continue;
+      port->closed.store(true, std::memory_order_seq_cst);
+      port->wake();
+    }
+  }
+  for (auto& port : reapers) {
+    while (port && port->inside.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+  }
   if (cancel_fd >= 0) {
     const uint64_t one = 1;
     [[maybe_unused]] ssize_t r = ::write(cancel_fd, &one, sizeof(one));
@@ -1075,6 +1121,195 @@ void ClientSession::end_batch() {
   if (pl.s != impl_.get() || pl.depth == 0 || --pl.depth > 0) return;
   client::flush_plug(pl);
   pl.s = nullptr;
+}
+
+// ------------------------------------------------------------------------------------------
+// Caller-reaped completions
+
+struct CompletionReaper::Impl {
+  client::Session* s = nullptr;
+  std::shared_ptr<client::ReapPort> port;
+  // The CQs held during one reap() (one per path at most).
+  Con* held[ClientSession::kMaxPaths];
+  uint32_t nheld = 0;
+
+  // Takes this reaper's CQ of every CONNECTED path: from its idle lease without a system call,
+  // or from the poller (then mutes it there). The poller holds a CQ only for one pass over it
+  // (or a teardown task): waited for briefly, then left to it this time (its completions run
+  // there, and the caller's wake() ends our wait).
+  void borrow() {
+    nheld = 0;
+    const uint32_t n = s->npaths_hint.load(std::memory_order_acquire);
+    for (uint32_t i = 0; i < n; ++i) {
+      Path* pa = s->paths[i].load(std::memory_order_acquire);
+      if (pa == nullptr) continue;
+      Con* c = pa->io_con(port->ci);
+      for (int spin = 0; spin < 256 && c->lease.state() == core::CqLease::poller; ++spin)
+        __builtin_ia32_pause();
+      if (c->lease.take(core::CqLease::lent_idle, core::CqLease::lent)) {
+        // The gate is closed from teardown until the next incarnation is up: such a CQ goes
+        // back (teardown seizes it); the CQ object itself stays valid while we hold the lease.
+        if (!c->gate.is_open()) {
+          s->give_back(c);
+          continue;
+        }
+      } else if (c->lease.take(core::CqLease::free, core::CqLease::lent)) {
+        // Checked before touching c->cq: with the gate closed the worker may be replacing it.
+        if (!c->gate.is_open()) {
+          c->lease.set(core::CqLease::free);
+          continue;
+        }
+        c->poller->set_muted(c->cq.get(), true);
+      } else {
+        continue;
+      }
+      held[nheld++] = c;
+    }
+  }
+
+  size_t poll_held() {
+    Completion wcs[32];
+    size_t total = 0;
+    for (uint32_t i = 0; i < nheld; ++i) {
+      Con* c = held[i];
+      for (size_t n; (n = c->cq->poll(std::span(wcs, 32))) > 0;) {
+        c->on_completions(std::span(wcs, n));
+        total += n;
+        if (n < 32) break;
+      }
+    }
+    return total;
+  }
+
+  // Idle leases for the next call, or back to the pollers when the connection is going away
+  // or the session is closing.
+  void release() {
+    const bool closing = port->closed.load(std::memory_order_acquire);
+    const int64_t now = core::Clock::now().time_since_epoch().count();
+    for (uint32_t i = 0; i < nheld; ++i) {
+      Con* c = held[i];
+      if (closing || !c->gate.is_open()) {
+        s->give_back(c);
+        continue;
+      }
+      // Sends what callbacks posted in a batch of ours and acks owed (tcp), and asks for an
+      // event (rdma), so that the poller, should it reclaim the CQ, misses nothing.
+      (void)c->cq->arm();
+      c->lease.idle(now);
+    }
+    nheld = 0;
+  }
+
+  bool must_return() const {
+    if (port->closed.load(std::memory_order_acquire)) return true;
+    for (uint32_t i = 0; i < nheld; ++i) {
+      if (!held[i]->gate.is_open()) return true;
+    }
+    return false;
+  }
+
+  // Blocks on the held CQs' fds and the wake-up eventfd.
+  void block(std::chrono::microseconds wait) {
+    pollfd pfds[ClientSession::kMaxPaths + 1];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < nheld; ++i) pfds[n++] = pollfd{held[i]->cq->fd(), POLLIN, 0};
+    pfds[n++] = pollfd{port->evfd, POLLIN, 0};
+    const auto us = wait.count();
+    timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
+    if (::ppoll(pfds, n, &ts, nullptr) <= 0) return;
+    if (pfds[n - 1].revents != 0) {
+      uint64_t v;
+      [[maybe_unused]] ssize_t r = ::read(port->evfd, &v, sizeof(v));
+    }
+    for (uint32_t i = 0; i < nheld; ++i) {
+      if (pfds[i].revents != 0) held[i]->cq->ack_events();
+    }
+  }
+};
+
+CompletionReaper::CompletionReaper(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CompletionReaper::~CompletionReaper() {
+  client::ReapPort& port = *impl_->port;
+  if (port.closed.load(std::memory_order_acquire)) return;  // the session closes or is gone
+  client::Session* s = impl_->s;
+  std::lock_guard lock(s->reap_mu);
+  if (port.closed.load(std::memory_order_acquire)) return;
+  for (auto& slot : s->paths) {
+    Path* pa = slot.load(std::memory_order_acquire);
+    if (pa == nullptr) continue;
+    Con* c = pa->io_con(port.ci);
+    if (c->lease.take(core::CqLease::lent_idle, core::CqLease::lent)) s->give_back(c);
+  }
+  s->reapers[port.ci].reset();
+}
+
+Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
+  if (client::tl_plug.depth > 0) return errc(EDEADLK);
+  Impl& m = *impl_;
+  client::ReapPort& port = *m.port;
+  port.inside.fetch_add(1, std::memory_order_seq_cst);
+  if (port.closed.load(std::memory_order_seq_cst)) {
+    port.inside.fetch_sub(1, std::memory_order_seq_cst);
+    return errc(ESHUTDOWN);
+  }
+  // on_completions marks this thread as the IO thread of the connection for the callbacks it
+  // runs (a resubmission stays on it); outside reap() the thread is a user thread again.
+  const client::Session* saved_session = client::tl_session;
+  const uint32_t saved_poller = client::tl_poller;
+  const size_t finished0 = client::tl_finished;
+  m.borrow();
+  // Level-triggered CQs (tcp) are waited on straight away: their fd says whether a poll would
+  // find anything, and each poll that finds nothing is a readv (at QD1 that was 1.7 of 4.6
+  // system calls per IO).
+  bool level = true;
+  for (uint32_t i = 0; i < m.nheld; ++i) level = level && m.held[i]->cq->level_triggered();
+  const bool block = wait.count() > 0;
+  size_t got = block && level ? 0 : m.poll_held();
+  if (got == 0 && block) {
+    const auto deadline = core::Clock::now() + wait;
+    while (!m.must_return()) {
+      // Verbs protocol: arm, poll again to close the race, then wait for the fds.
+      for (uint32_t i = 0; i < m.nheld; ++i) (void)m.held[i]->cq->arm();
+      if (!level && (got = m.poll_held()) > 0) break;
+      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline -
+                                                                              core::Clock::now());
+      if (left.count() <= 0) break;
+      m.block(left);
+      // Woken: by a completion fd, wake(), a teardown or the close; any of them ends the call
+      // once the CQs have been looked at (a wake-up is the caller's to interpret).
+      got = m.poll_held();
+      break;
+    }
+  }
+  m.release();
+  client::tl_session = saved_session;
+  client::tl_poller = saved_poller;
+  const size_t ran = client::tl_finished - finished0;
+  port.inside.fetch_sub(1, std::memory_order_seq_cst);
+  (void)got;
+  return ran;
+}
+
+void CompletionReaper::wake() { impl_->port->wake(); }
+
+Result<std::unique_ptr<CompletionReaper>> ClientSession::make_reaper() {
+  Impl* s = impl_.get();
+  if (s->closing.load(std::memory_order_acquire)) return errc(ESHUTDOWN);
+  const uint32_t ci = client::thread_slot(*s).ci;
+  auto port = std::make_shared<client::ReapPort>();
+  port->ci = ci;
+  port->evfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (port->evfd < 0) return errc(errno);
+  auto impl = std::make_unique<CompletionReaper::Impl>();
+  impl->s = s;
+  impl->port = port;
+  {
+    std::lock_guard lock(s->reap_mu);
+    if (s->reapers[ci]) return errc(EBUSY);
+    s->reapers[ci] = std::move(port);
+  }
+  return std::unique_ptr<CompletionReaper>(new CompletionReaper(std::move(impl)));
 }
 
 Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* addr, size_t size) {

@@ -6,6 +6,9 @@
 //   service poller     owns the CQs of the service connections (cid 0): INFO_RSP, heartbeats,
 //                      timers (heartbeat ticks, reconnect delays, pending-request deadlines)
 //   worker             path establishment and teardown, user control operations, events
+//   reapers            user threads with a CompletionReaper: while one reaps, it holds the CQ
+//                      of IO connection cid = ci + 1 of every path (its ci) through the CQ's
+//                      lease (core::CqLease), and does what that IO poller would do with it
 //
 // Lifetimes: a path and its connection objects (ClientCon) live until the session is destroyed;
 // a removed path is kept as a dead shell, so the IO path may hold a raw pointer to either without
@@ -57,7 +60,8 @@ namespace client {
 struct Session;
 struct Path;
 
-// One fabric connection of a path and the CQ it completes on.
+// One fabric connection of a path and the CQ it completes on. The fields marked "lease holder"
+// belong to whoever holds the CQ's lease: its poller, or a reaper that borrowed it.
 struct Con final : core::CqHandler {
   Path* path = nullptr;
   uint16_t cid = 0;
@@ -66,10 +70,10 @@ struct Con final : core::CqHandler {
   std::unique_ptr<fabric::Connection> conn;
   core::ConGate gate;
   std::atomic<bool> failed{false};   // the fabric reported a break (event or error completion)
-  bool down = false;                 // poller thread: failover done for this incarnation
+  bool down = false;                 // lease holder: failover done for this incarnation
   std::atomic<uint32_t> sig{0};      // selective signalling counter
   uint32_t recv_depth = 0;
-  uint32_t recv_missing = 0;         // poller thread: consumed RECVs not yet reposted
+  uint32_t recv_missing = 0;         // lease holder: consumed RECVs not yet reposted
   // Service connection: one registered buffer for INFO_RSP (first RECV) and INFO_REQ.
   std::unique_ptr<std::byte[]> svc_buf;
   size_t svc_len = 0;
@@ -79,10 +83,10 @@ struct Con final : core::CqHandler {
   // slots are handed out round-robin and each is free again when its RECV completes.
   std::unique_ptr<proto::RkeyRsp[]> rkeys;
   std::unique_ptr<fabric::MemoryRegion> rkeys_mr;
-  uint32_t rkeys_next = 0;  // poller thread (worker before the connection is attached)
+  uint32_t rkeys_next = 0;  // lease holder (worker before the connection is attached)
 
   void on_completions(std::span<fabric::Completion> wcs) override;
-  // Poller thread: the connection is broken; disconnect, take what completed, fail over the rest.
+  // Lease holder: the connection is broken; disconnect, take what completed, fail over the rest.
   void go_down(std::error_code why);
   void repost_recvs();
   // The next RECV to post; `sge` backs its scatter list.
@@ -148,6 +152,20 @@ struct Req {
   int64_t pending_deadline_ns = 0;
 };
 
+// A reaper's side that the session can reach (ClientSession::make_reaper): shared, so that a
+// reaper may outlive its session and still know it is gone.
+struct ReapPort {
+  uint32_t ci = 0;     // the IO connection index it borrows on every path
+  int evfd = -1;       // wake(): ends a blocking reap()
+  std::atomic<bool> closed{false};    // the session is closing: reap() returns ESHUTDOWN
+  std::atomic<uint32_t> inside{0};    // threads inside reap() (the session's close waits)
+  ReapPort() = default;
+  ReapPort(const ReapPort&) = delete;
+  ReapPort& operator=(const ReapPort&) = delete;
+  ~ReapPort();
+  void wake() const;
+};
+
 struct Geometry {
   uint16_t queue_depth = 0;
   uint32_t chunk_size = 0;
@@ -199,6 +217,10 @@ struct Session {
 
   std::mutex pend_mu;
   std::deque<uint32_t> pending;  // permits waiting for a path
+
+  // Reapers by IO connection index (reap_mu; the control path only).
+  std::mutex reap_mu;
+  std::array<std::shared_ptr<ReapPort>, 64> reapers;
   std::atomic<uint64_t> tick_timer{0};
 
   ~Session();
@@ -219,6 +241,9 @@ struct Session {
   Status set_geometry(const proto::ConRsp& rsp);
   Result<uint32_t> domain_slot(fabric::Domain* d);
   void teardown(Path* path);
+  // Gives a borrowed CQ back to its poller: arms it, takes what completed meanwhile, unmutes it.
+  // The caller holds the lease (lent).
+  void give_back(Con* c);
   void path_failed(Path* path, uint64_t gen, std::error_code why);
   void schedule_reconnect(Path* path);
   void reconnect_attempt(Path* path);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <future>
+#include <thread>
 
 namespace ibtrs::core {
 
@@ -99,6 +100,39 @@ void Poller::cancel_timer(uint64_t id) {
   if (it != timers_.end()) timers_.erase(it);
 }
 
+void Poller::set_muted(fabric::CompletionQueue* cq, bool muted) {
+  epoll_event ev{};
+  ev.events = muted ? 0u : static_cast<uint32_t>(EPOLLIN);
+  ev.data.ptr = cq;
+  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, cq->fd(), &ev);  // ENOENT: detached meanwhile, nothing to do
+}
+
+bool Poller::take(const Entry& e, Clock::time_point now) {
+  CqLease& l = e.handler->lease;
+  if (l.take(CqLease::free, CqLease::poller)) return true;
+  if (l.state() != CqLease::lent_idle) return false;
+  const auto idle_ns = now.time_since_epoch().count() - l.idle_since_ns();
+  if (idle_ns < std::chrono::nanoseconds(CqLease::kReclaimAfter).count() ||
+      !l.take(CqLease::lent_idle, CqLease::poller))
+    return false;
+  set_muted(e.cq, false);  // ours again: its completions wake us
+  return true;
+}
+
+void Poller::seize(fabric::CompletionQueue* cq, CqHandler* handler) {
+  CqLease& l = handler->lease;
+  for (;;) {
+    if (l.take(CqLease::free, CqLease::poller)) return;
+    if (l.take(CqLease::lent_idle, CqLease::poller)) {
+      set_muted(cq, false);
+      return;
+    }
+    // poller: only this thread takes that, and not while a task runs; lent: the borrower was
+    // told to give it back and does so as soon as its wait returns.
+    std::this_thread::yield();
+  }
+}
+
 void Poller::attach(fabric::CompletionQueue* cq, CqHandler* handler) {
   cqs_.push_back(Entry{cq, handler});
   epoll_event ev{};
@@ -165,16 +199,26 @@ Poller::Clock::time_point Poller::run_timers() {
 
 void Poller::sleep_until(Clock::time_point deadline) {
   // Verbs protocol: arm, poll again to close the race, then wait on the fds.
-  for (auto& e : cqs_) (void)e.cq->arm();
+  // CQs lent to a borrower are its to arm and poll (and muted here); one idle long enough is
+  // reclaimed by take(), so while any is lent the sleep is short enough to notice.
+  const auto now = Clock::now();
   fabric::Completion wcs[kBatch];
   bool got = false;
+  bool lent = false;
   for (auto& e : cqs_) {
+    if (!take(e, now)) {
+      lent = true;
+      continue;
+    }
+    (void)e.cq->arm();
     size_t n = e.cq->poll(std::span(wcs, kBatch));
     if (n > 0) {
       e.handler->on_completions(std::span(wcs, n));
       got = true;
     }
+    e.handler->lease.set(CqLease::free);
   }
+  if (lent) deadline = std::min(deadline, now + CqLease::kReclaimAfter);
   if (poll_sources() > 0) got = true;
   flush_sources();
   if (got) return;
@@ -195,8 +239,16 @@ void Poller::sleep_until(Clock::time_point deadline) {
       continue;
     }
     if (evs[i].data.u64 == kSourceTag) continue;
+    // A CQ lent since the wait returned is acked by its borrower.
     auto* cq = static_cast<fabric::CompletionQueue*>(evs[i].data.ptr);
-    cq->ack_events();
+    for (auto& e : cqs_) {
+      if (e.cq != cq) continue;
+      if (e.handler->lease.take(CqLease::free, CqLease::poller)) {
+        cq->ack_events();
+        e.handler->lease.set(CqLease::free);
+      }
+      break;
+    }
   }
 }
 
@@ -211,14 +263,17 @@ void Poller::loop() {
     if (Clock::now() >= next_timer) next_timer = run_timers();
     size_t total = 0;
     bool full = false;  // a CQ filled the batch: more may be queued behind it
+    const auto now = Clock::now();
     for (size_t i = 0; i < cqs_.size(); ++i) {
       auto& e = cqs_[i];
+      if (!take(e, now)) continue;  // lent to a borrower
       size_t n = e.cq->poll(std::span(wcs, kBatch));
       if (n > 0) {
         e.handler->on_completions(std::span(wcs, n));
         total += n;
         full = full || n == kBatch;
       }
+      e.handler->lease.set(CqLease::free);
     }
     if (!sources_.empty()) {
       total += poll_sources();

@@ -26,11 +26,53 @@
 
 namespace ibtrs::core {
 
+// Who polls a CQ right now. A CQ belongs to its poller, but a thread that waits for its own
+// requests may borrow it (the client's CompletionReaper: io_uring's IOPOLL, the kernel's
+// blk_poll), so that their completions run on that thread and the poller is not woken for them:
+// one thread wake-up less per round trip. Exactly one holder polls, arms, acks and handles the
+// CQ at a time, so the handler's state needs no lock; the state word hands it over.
+//
+//   free       nobody; the poller takes it for each pass over its CQs (and gives it back)
+//   poller     the poller (or a task on the poller thread) is polling it
+//   lent       a borrower is polling it (or waiting on its fd); the poller skips it, and its fd
+//              is muted in the poller's epoll set so that its completions do not wake the poller
+//   lent_idle  the borrower returned from its wait and will come back; still muted. The poller
+//              takes it back (unmutes and polls it) when it stays idle for kReclaimAfter, so a
+//              borrower that stops polling delays its completions by that much, and no more
+//
+// Transitions: free <-> poller (poller), free -> lent (borrower, then mute), lent <-> lent_idle
+// (borrower), lent -> free (borrower, after unmuting), lent_idle -> poller (poller: reclaim,
+// then unmute).
+class CqLease {
+ public:
+  enum State : uint8_t { free = 0, poller = 1, lent = 2, lent_idle = 3 };
+  static constexpr std::chrono::milliseconds kReclaimAfter{10};
+
+  State state() const { return static_cast<State>(state_.load(std::memory_order_acquire)); }
+  bool take(State from, State to) {
+    uint8_t f = from;
+    return state_.compare_exchange_strong(f, to, std::memory_order_acq_rel,
+                                          std::memory_order_relaxed);
+  }
+  void set(State to) { state_.store(to, std::memory_order_release); }
+  // Borrower: lent -> lent_idle, stamped for the poller's reclaim.
+  void idle(int64_t now_ns) {
+    idle_since_ns_.store(now_ns, std::memory_order_relaxed);
+    state_.store(lent_idle, std::memory_order_release);
+  }
+  int64_t idle_since_ns() const { return idle_since_ns_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint8_t> state_{free};
+  std::atomic<int64_t> idle_since_ns_{0};
+};
+
 class CqHandler {
  public:
   virtual ~CqHandler() = default;
-  // A batch of completions polled from the handler's CQ.
+  // A batch of completions polled from the handler's CQ (by the lease's holder).
   virtual void on_completions(std::span<fabric::Completion> wcs) = 0;
+  CqLease lease;
 };
 
 // Extra work an owner drives from the poller loop (ibtrs/io_hook.h has the contract).
@@ -56,6 +98,15 @@ class Poller {
   uint64_t add_timer(Clock::time_point when, Task t);
   void cancel_timer(uint64_t id);
 
+  // Mutes (or unmutes) `cq`'s fd in this poller's epoll set: a borrower of the CQ (CqLease)
+  // does so, so that the CQ's completions wake the borrower and not the poller. Any thread;
+  // the caller holds the CQ's lease. A CQ no longer attached is ignored.
+  void set_muted(fabric::CompletionQueue* cq, bool muted);
+  // Poller thread (a task): waits until the CQ's lease is the poller's (a borrower that is
+  // waiting must have been told to give it back), reclaiming it from an idle borrower at once.
+  // The task releases it with handler->lease.set(CqLease::free) when done.
+  void seize(fabric::CompletionQueue* cq, CqHandler* handler);
+
   // Poller thread only.
   void attach(fabric::CompletionQueue* cq, CqHandler* handler);
   void detach(fabric::CompletionQueue* cq);
@@ -73,11 +124,12 @@ class Poller {
   Clock::time_point run_timers();
   void sleep_until(Clock::time_point deadline);
   void wake();
-
   struct Entry {
     fabric::CompletionQueue* cq;
     CqHandler* handler;
   };
+  // The lease of `e` for one pass, reclaiming it from a borrower idle for kReclaimAfter.
+  bool take(const Entry& e, Clock::time_point now);
   struct Timer {
     Clock::time_point when;
     uint64_t id;

@@ -164,6 +164,12 @@ class CompletionQueue {
   virtual int fd() const = 0;
   virtual ibtrs::Status arm() = 0;
   virtual void ack_events() = 0;
+  // True when fd() is readable whenever poll() has something to return, armed or not (the
+  // tcp provider: an epoll set over its sockets, and completions are made only inside poll()
+  // and never left queued by one that returned less than asked). Its owner may then wait on
+  // fd() without the poll before and after arm() that the verbs protocol needs, which on tcp
+  // are a readv each. arm() is still called before waiting (it sends what the CQ owes).
+  virtual bool level_triggered() const { return false; }
 
   // Poll, and if nothing is there arm and wait on fd() up to `timeout`. Returns 0 only when
   // the timeout expired. Providers may do this in fewer system calls.

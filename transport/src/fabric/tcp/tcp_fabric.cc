@@ -179,6 +179,7 @@ class TcpCq final : public CompletionQueue {
     return {};
   }
   void ack_events() override {}
+  bool level_triggered() const override { return true; }
 
   // Connection side (any thread).
   ibtrs::Status reserve(uint32_t n);
