@@ -8,6 +8,8 @@
 #   nbdkit-fio         nbdkit's file plugin, fio's nbd engine over a unix socket (as on the host)
 #   nbdkit-kernel      nbdkit's file plugin, /dev/nbd0 from nbd-client over a unix socket,
 #                      fio io_uring O_DIRECT on it: the peer a block-device user would pick
+#   nbdkit-kernel-tcp  the same over tcp to 198.18.0.2 (/dev/nbd2): the peer on the network
+#                      path our tcp rows take
 #   ibnbd-engine-rdma  ibnbd-server, fio through our external ioengine over one rdma path
 #   ibnbd-engine-tcp   the same over one tcp path (198.18.0.1 -> 198.18.0.2 over the veth pair)
 #   ibnbd-ublk-rdma    ibnbd-client daemon mapping the volume over rdma with --ublk, fio io_uring
@@ -25,7 +27,7 @@
 # and with the kernel's ublk and nbd work in no process, it would not mean anything.
 # A benchmark, not a test: it asserts nothing.
 #
-#   bash bench/fio-vm.sh [--seconds N]     (default 3 s per run; 48 runs, about 6 minutes)
+#   bash bench/fio-vm.sh [--seconds N]     (default 3 s per run; 54 runs, about 7 minutes)
 #   IBNBD_BENCH_TARGETS="nbdkit-kernel ibnbd-ublk-rdma" bash bench/fio-vm.sh    (a subset of rows)
 #
 # The build directory comes from $IBTRS_BUILD (default build; with -DIBTRS_RDMA=ON and the fio
@@ -66,6 +68,7 @@ pids=()
 cleanup() {
   timeout 20 nbd-client -d /dev/nbd0 >/dev/null 2>&1
   timeout 20 nbd-client -d /dev/nbd1 >/dev/null 2>&1
+  timeout 20 nbd-client -d /dev/nbd2 >/dev/null 2>&1
   # Newest first; TERM makes the client daemon delete its ublk devices and unmap.
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     kill "${pids[i]}" 2>/dev/null
@@ -100,6 +103,12 @@ pids+=($!)
 wait_file "$tmp/nbdkit.sock" || started nbdkit "$tmp/nbdkit.log"
 timeout 60 nbd-client -unix "$tmp/nbdkit.sock" /dev/nbd0 -b 4096 >"$tmp/nbd0.log" 2>&1 ||
   started "nbd-client (nbdkit)" "$tmp/nbd0.log"
+nbdkit --foreground --exit-with-parent --ipaddr "$B" --port 10809 file "$tmp/export/vol-t.img" \
+  >"$tmp/nbdkit-tcp.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do ss -Hltn "sport = :10809" | grep -q . && break; sleep 0.1; done
+timeout 60 nbd-client "$B" 10809 /dev/nbd2 -b 4096 >"$tmp/nbd2.log" 2>&1 ||
+  started "nbd-client (nbdkit tcp)" "$tmp/nbd2.log"
 
 "$cld" --control-socket "$tmp/cl.sock" --ready-file "$tmp/cl.ready" --state-dir "$tmp/state" \
   >"$tmp/cl.log" 2>&1 &
@@ -121,6 +130,7 @@ target_args() {  # target_args TARGET: the fio options that pick the target
     file) echo "--ioengine=io_uring --filename=$tmp/export/vol-r.img" ;;
     nbdkit-fio) echo "--ioengine=nbd --uri=nbd+unix:///?socket=$tmp/nbdkit.sock" ;;
     nbdkit-kernel) echo "--ioengine=io_uring --direct=1 --filename=/dev/nbd0" ;;
+    nbdkit-kernel-tcp) echo "--ioengine=io_uring --direct=1 --filename=/dev/nbd2" ;;
     ibnbd-engine-rdma) echo "$eng --ibnbd_paths=$rdma_path --ibnbd_device=vol-r.img" ;;
     ibnbd-engine-tcp) echo "$eng --ibnbd_paths=$tcp_path --ibnbd_device=vol-t.img" ;;
     ibnbd-ublk-rdma) echo "--ioengine=io_uring --direct=1 --filename=$ublk_r" ;;
@@ -130,7 +140,7 @@ target_args() {  # target_args TARGET: the fio options that pick the target
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "" }'; }
 
-peers="nbdkit-fio nbdkit-kernel"
+peers="nbdkit-fio nbdkit-kernel nbdkit-kernel-tcp"
 targets=${IBNBD_BENCH_TARGETS:-"file $peers ibnbd-engine-rdma ibnbd-engine-tcp ibnbd-ublk-rdma ibnbd-ublk-tcp ibnbd-nbd-kernel"}
 declare -A iops_of lat_of
 rows=()
@@ -173,20 +183,22 @@ echo "# fio in the VM rig ($(date -u +%Y-%m-%d), $(uname -r) under TCG, $(nproc)
 echo
 echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, 256 MiB files on tmpfs; targets: the"
 echo "header of bench/fio-vm.sh. Ratios: IOPS and mean latency against nbdkit through the kernel's"
-echo "NBD client (the block-device peer) and against nbdkit through fio's nbd engine."
+echo "NBD client on a unix socket (the block-device peer), IOPS against the same over tcp and against"
+echo "nbdkit through fio's nbd engine."
 echo
-echo "| workload | target | IOPS | MiB/s | mean us | p99 us | IOPS vs nbdkit-kernel | lat vs nbdkit-kernel | IOPS vs nbdkit-fio |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| workload | target | IOPS | MiB/s | mean us | p99 us | IOPS vs nbdkit-kernel | lat vs nbdkit-kernel | IOPS vs nbdkit-kernel-tcp | IOPS vs nbdkit-fio |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for r in "${rows[@]}"; do
   IFS='|' read -r workload target iops mibs mean p99 err <<<"$r"
   if [ -z "$mibs" ]; then
-    echo "| $workload | $target | $iops | | | | | | |"
+    echo "| $workload | $target | $iops | | | | | | | |"
     continue
   fi
   rk=$(ratio "$iops" "${iops_of[$workload/nbdkit-kernel]:-}")
   [ "$err" = 0 ] || rk="$rk (fio error $err)"
   echo "| $workload | $target | $iops | $mibs | $mean | $p99 | $rk |" \
     "$(ratio "${lat_of[$workload/$target]}" "${lat_of[$workload/nbdkit-kernel]:-}") |" \
+    "$(ratio "$iops" "${iops_of[$workload/nbdkit-kernel-tcp]:-}") |" \
     "$(ratio "$iops" "${iops_of[$workload/nbdkit-fio]:-}") |"
 done
 echo
