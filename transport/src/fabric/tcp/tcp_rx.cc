@@ -1,5 +1,7 @@
 #include "fabric/tcp/tcp_rx.h"
 
+#include "fabric/tcp/dma_scope.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -50,7 +52,11 @@ RxResult RxEngine::pump(RxHooks& hooks, unsigned max_reads) {
     want += iov[cnt].iov_len;
     ++cnt;
 
-    ssize_t n = hooks.read(iov, cnt);
+    ssize_t n;
+    {
+      DmaScope dma;  // the read lands in registered memory, as an HCA's DMA would
+      n = hooks.read(iov, cnt);
+    }
     for (int k = 0; k < held; ++k) refs_[k].reset();
     if (n == -EAGAIN || n == -EWOULDBLOCK || n == -EINTR) return RxResult::idle;
     if (n <= 0) {
@@ -243,10 +249,12 @@ bool RxEngine::place_from_staging(size_t n) {
     uint64_t chunk = std::min<uint64_t>(left, sg.len - seg_off_);
     if (frame_ref_) {
       // A WRITE whose header was checked in this pass: its one segment is the held window.
+      DmaScope dma;  // into registered memory, as an HCA's DMA would
       std::memcpy(frame_ref_.ptr() + seg_off_, src, chunk);
     } else {
       MrTable::Ref ref = mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr);
       if (!ref) return false;
+      DmaScope dma;
       std::memcpy(ref.ptr(), src, chunk);
     }
     src += chunk;
