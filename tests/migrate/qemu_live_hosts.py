@@ -23,7 +23,6 @@ holds random bytes from -device loader. The source really runs while it is migra
 """
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -208,25 +207,8 @@ def run(h):
 
 
 def main():
-    if len(sys.argv) != 2:
-        print(f"usage: {sys.argv[0]} BUILD_DIR", file=sys.stderr)
-        return 2
-    if shutil.which("qemu-system-x86_64") is None:
-        print("1..0 # SKIP qemu-system-x86_64 is missing (scripts/setup.sh installs it)")
-        return 77
-    build = os.path.abspath(sys.argv[1])
-    for b in ("client/migrate/ibnbd-migrate", "server/ibnbd-server", "client/cli/ibnbd", "client/daemon/ibnbd-client"):
-        if not os.access(os.path.join(build, b), os.X_OK):
-            print(f"1..0 # SKIP {b} not built")
-            return 77
-    h = Hosts(build)
-    try:
-        run(h)
-    except Exception as e:  # a broken step fails the test with its reason, never hangs it
-        qm.not_ok("unexpected error", repr(e))
-    finally:
-        h.cleanup()
-    return 1 if qm.failed else 0
+    return qm.main_with(Hosts, run, ("client/migrate/ibnbd-migrate", "server/ibnbd-server", "client/cli/ibnbd",
+                                     "client/daemon/ibnbd-client"))
 
 
 if __name__ == "__main__":

@@ -367,7 +367,9 @@ def run(env):
     check("verify finds it too", out.returncode != 0 and "CRC32C mismatch" in out.stderr, out.stderr)
 
 
-def main():
+def main_with(make_env, run_case, binaries):
+    """The entry of a QEMU migration script: usage, skips (77) without QEMU or a binary of
+    `binaries`, then run_case(make_env(build)), cleaned up whatever happens. Exit 1 on a failure."""
     if len(sys.argv) != 2:
         print(f"usage: {sys.argv[0]} BUILD_DIR", file=sys.stderr)
         return 2
@@ -375,18 +377,22 @@ def main():
         print("1..0 # SKIP qemu-system-x86_64 is missing (scripts/setup.sh installs it)")
         return 77
     build = os.path.abspath(sys.argv[1])
-    for b in ("client/migrate/ibnbd-migrate", "server/ibnbd-server", "client/cli/ibnbd"):
+    for b in binaries:
         if not os.access(os.path.join(build, b), os.X_OK):
             print(f"1..0 # SKIP {b} not built")
             return 77
-    env = Env(build)
+    env = make_env(build)
     try:
-        run(env)
+        run_case(env)
     except Exception as e:  # a broken step fails the test with its reason, never hangs it
         not_ok("unexpected error", repr(e))
     finally:
         env.cleanup()
     return 1 if failed else 0
+
+
+def main():
+    return main_with(Env, run, ("client/migrate/ibnbd-migrate", "server/ibnbd-server", "client/cli/ibnbd"))
 
 
 if __name__ == "__main__":
