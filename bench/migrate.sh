@@ -132,41 +132,9 @@ tmp, agent, guest_mb, paths = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.ar
 procs = []
 
 
-class Qmp:
-    def __init__(self, path):
-        for _ in range(300):
-            try:
-                self.s = socket.socket(socket.AF_UNIX)
-                self.s.connect(path)
-                break
-            except OSError:
-                self.s.close()
-                time.sleep(0.05)
-        else:
-            raise RuntimeError("no QMP on " + path)
-        self.f = self.s.makefile("rwb")
-        self.read()
-        self.cmd("qmp_capabilities")
-
-    def read(self):
-        while True:
-            line = self.f.readline()
-            if not line:
-                raise EOFError("QMP closed")
-            m = json.loads(line)
-            if "event" not in m:
-                return m
-
-    def cmd(self, name, fd=None, **args):
-        data = json.dumps({"execute": name, "arguments": args}).encode() + b"\n"
-        if fd is None:
-            self.s.sendall(data)
-        else:
-            socket.send_fds(self.s, [data], [fd])
-        r = self.read()
-        if "error" in r:
-            raise RuntimeError(f"{name}: {r['error']}")
-        return r.get("return")
+# The tests' QMP client (tests/migrate/qemu_migrate.py: Qmp, with getfd).
+sys.path.insert(0, os.environ["IBNBD_QMP_LIB"])
+from qemu_migrate import Qmp  # noqa: E402
 
 
 def qemu(name, incoming):
@@ -244,7 +212,7 @@ def save(way, image):
         log, cpu = f"{tmp}/agent-{image}.log", f"{tmp}/cpu-{image}.txt"
         if way == "fd":
             fd = os.open(f"{tmp}/stream.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            q.cmd("getfd", fd=fd, fdname="out")
+            q.getfd("out", fd)
             os.close(fd)
             t0 = time.monotonic()
             q.cmd("migrate", uri="fd:out")
@@ -286,7 +254,7 @@ def restore(way, image):
         a = None
         if way == "fd":
             fd = os.open(f"{tmp}/stream.bin", os.O_RDONLY)
-            q.cmd("getfd", fd=fd, fdname="in")
+            q.getfd("in", fd)
             os.close(fd)
             t0 = time.monotonic()
             q.cmd("migrate-incoming", uri="fd:in")
@@ -362,7 +330,7 @@ for round in $(seq "$rounds"); do
   raw "raw write" write 32 "$round"
   raw "raw read" read 16 "$round"
   agent_file "$round"
-  timeout -k 5 600 python3 "$tmp/driver.py" "$tmp" "$agent" "$guest_mb" "${addrs[@]}" >>"$rows" 2>>"$tmp/errors.txt" || true
+  IBNBD_QMP_LIB="$top/tests/migrate" timeout -k 5 600 python3 "$tmp/driver.py" "$tmp" "$agent" "$guest_mb" "${addrs[@]}" >>"$rows" 2>>"$tmp/errors.txt" || true
 done
 
 echo "# migration image benchmark ($(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), load average before: $load_before)"
