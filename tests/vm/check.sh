@@ -5,8 +5,9 @@
 # over the right rxe devices, ib_write_bw, the device nodes (uverbs, rdma_cm,
 # ublk-control, nbd0), environment, --cwd, --env, --rw-share, the overlay
 # protecting the host, stdout/stderr separation, exit code propagation,
-# --timeout, SIGTERM handling (no QEMU left behind) and exit code 77 when
-# QEMU is missing.
+# --timeout, SIGTERM handling (no QEMU left behind), exit code 77 when
+# QEMU is missing, and a guest that dies or hangs before its command starts
+# booted again once (but not one that dies after).
 #
 #   tests/vm/check.sh        prints "N passed, N failed"; exit 0 if all passed,
 #                            1 if any failed, 77 if the rig cannot run here.
@@ -112,6 +113,41 @@ bg_pid=""
 sleep 0.5
 if [ "$rc" = 143 ]; then pass "sigterm-exits-143"; else fail "sigterm-exits-143" "rc=$rc"; fi
 expect "no-qemu-left-after-sigterm" no_qemu_left
+
+# --- 5: a guest that dies before its command starts is booted again, once, and the log says why
+rc=0
+IBTRS_VM_TEST_BOOT_FAULT=panic-first run -- sh -c 'echo command-ran' >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 0 ] && grep -qx command-ran "$out" && grep -q 'died before its command started.*Kernel panic.*booting it again' "$err"; then
+  pass "boot-panic-retried-once"
+else
+  fail "boot-panic-retried-once" "rc=$rc $(tail -n 3 "$err" | tr '\n' ' ')"
+fi
+rc=0
+IBTRS_VM_TEST_BOOT_FAULT=panic-always run -- sh -c 'echo command-ran' >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 125 ] && ! grep -q command-ran "$out" && [ "$(grep -c 'booting it again' "$err")" = 1 ] &&
+   grep -q 'died again before its command started' "$err"; then
+  pass "boot-panic-twice-fails-125"
+else
+  fail "boot-panic-twice-fails-125" "rc=$rc $(tail -n 3 "$err" | tr '\n' ' ')"
+fi
+# A boot that hangs before the command counts as dead after IBTRS_VM_BOOT_TIMEOUT.
+rc=0
+IBTRS_VM_BOOT_TIMEOUT=40 IBTRS_VM_TEST_BOOT_FAULT=hang-first run -- sh -c 'echo command-ran' >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 0 ] && grep -qx command-ran "$out" && grep -q 'had not started 40 s after boot.*booting it again' "$err"; then
+  pass "boot-hang-retried-once"
+else
+  fail "boot-hang-retried-once" "rc=$rc $(tail -n 3 "$err" | tr '\n' ' ')"
+fi
+# Death after the command started is the command's failure: not booted again.
+rc=0
+run -- sh -c 'echo command-ran; echo c >/proc/sysrq-trigger; sleep 30' >"$out" 2>"$err" || rc=$?
+if [ "$rc" = 125 ] && [ "$(grep -c command-ran "$out")" = 1 ] && ! grep -q 'booting it again' "$err" &&
+   grep -q 'died after its command started' "$err"; then
+  pass "death-after-start-not-retried"
+else
+  fail "death-after-start-not-retried" "rc=$rc $(tail -n 3 "$err" | tr '\n' ' ')"
+fi
+expect "no-qemu-left-after-boot-faults" no_qemu_left
 
 echo "$passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -137,6 +137,7 @@ cache_root="${IBTRS_VM_CACHE:-${HOME:-/root}/.cache/ibtrs-vm}"
 # ---------------------------------------------------------------- cleanup
 qemu_pid=""
 sleep_pid=""
+boot_pid=""
 reader_pids=()
 run_dir=""
 tmp_paths=()
@@ -156,7 +157,12 @@ kill_qemu() {
 
 cleanup() {
   kill_qemu
-  if [ -n "$sleep_pid" ]; then kill "$sleep_pid" 2>/dev/null || true; wait "$sleep_pid" 2>/dev/null || true; sleep_pid=""; fi
+  for p in "$sleep_pid" "$boot_pid"; do
+    [ -n "$p" ] || continue
+    kill "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  sleep_pid="" boot_pid=""
   for p in "${reader_pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   reader_pids=()
   for p in "${tmp_paths[@]}"; do rm -rf -- "$p"; done
@@ -334,6 +340,8 @@ cp -- "$GUEST_SETUP" "$ctl/guest-setup.sh"
   printf 'IBTRS_VM_CWD=%q\n' "$cwd"
   printf 'IBTRS_VM_VERBOSE=%q\n' "$verbose"
   printf 'IBTRS_VM_MTU=%q\n' "$mtu"
+  # Fault injection for the rig's own self-test (check.sh): panic-first, hang-first, panic-always.
+  printf 'IBTRS_VM_TEST_BOOT_FAULT=%q\n' "${IBTRS_VM_TEST_BOOT_FAULT:-}"
   printf 'vm_cmd=('; printf ' %q' "$@"; printf ' )\n'
   printf 'vm_env=('; [ "${#user_env[@]}" -eq 0 ] || printf ' %q' "${user_env[@]}"; printf ' )\n'
   printf 'vm_rw_shares=('; [ "${#rw_shares[@]}" -eq 0 ] || printf ' %q' "${rw_shares[@]}"; printf ' )\n'
@@ -365,19 +373,6 @@ for i in "${!rw_shares[@]}"; do
          -device "virtio-9p-pci,fsdev=rw$i,mount_tag=rw$i")
 done
 
-# Readers of QEMU's output pipes. They block in open() until QEMU opens the
-# FIFOs and end at EOF once QEMU is gone (see drain_readers).
-cat "$run_dir/stdout.out" &
-reader_pids+=("$!")
-cat "$run_dir/stderr.out" >&2 &
-reader_pids+=("$!")
-if [ "$verbose" != 0 ]; then
-  tee "$run_dir/console.log" <"$run_dir/console.out" >&2 &
-else
-  cat "$run_dir/console.out" >"$run_dir/console.log" &
-fi
-reader_pids+=("$!")
-
 drain_readers() {
   local f fd p
   # Add and drop a writer on each FIFO: wakes a reader still blocked in open()
@@ -408,54 +403,131 @@ show_console_tail() {
   fi
 }
 
+# Why a guest died: the kernel's own words from its console (panic, oops, BUG), else its last line.
+death_reason() {
+  local log="$run_dir/console.log" line
+  line="$(tr -d '\r' <"$log" 2>/dev/null | grep -E -m1 'Kernel panic|BUG:|Oops|general protection|RIP:' || true)"
+  [ -n "$line" ] || line="$(tr -d '\r' <"$log" 2>/dev/null | sed '/^[[:space:]]*$/d' | tail -n 1 || true)"
+  [ -n "$line" ] || line="nothing on the console"
+  printf '%s' "$line" | sed 's/^[[:space:]]*//' | cut -c1-200
+}
+
 # ---------------------------------------------------------------- run
 launcher=()
 if setpriv --help 2>/dev/null | grep -q -- --pdeathsig; then
   # QEMU dies with this script even if the script is SIGKILLed.
   launcher=(setpriv --pdeathsig KILL)
 fi
-t_start=$SECONDS
-"${launcher[@]}" "${qemu[@]}" </dev/null >"$run_dir/qemu.log" 2>&1 &
-qemu_pid=$!
-"${launcher[@]}" sleep "$timeout_s" &
-sleep_pid=$!
 
-# Wait for whichever ends first: QEMU (normal), the timeout, or an output
-# reader. A reader ends with status 0 at EOF, i.e. when QEMU exits; it fails
-# early only if our stdout/stderr went away (e.g. "| head"), and then the
-# guest would block on a full pipe, so the VM is stopped.
-timed_out=0
-output_closed=0
-qemu_rc=""
-waiting=("${reader_pids[@]}")
-while [ -z "$qemu_rc" ]; do
-  finished=""
-  set +e
-  wait -n -p finished "$qemu_pid" "$sleep_pid" "${waiting[@]}"
-  wait_rc=$?
-  set -e
-  if [ "$finished" = "$qemu_pid" ]; then
-    qemu_rc=$wait_rc
-    qemu_pid=""
-  elif [ "$finished" = "$sleep_pid" ] || { [ -n "$finished" ] && [ "$wait_rc" != 0 ]; }; then
-    if [ "$finished" = "$sleep_pid" ]; then timed_out=1; sleep_pid=""; else output_closed=1; fi
-    kill_qemu
-    qemu_rc=137
-  elif [ -n "$finished" ]; then
-    rest=()
-    for p in "${waiting[@]}"; do [ "$p" = "$finished" ] || rest+=("$p"); done
-    waiting=("${rest[@]}")
+# One boot of the VM, bounded by `budget` seconds in all and by `boot_budget` seconds until the
+# guest's command starts (guest-setup.sh writes ctl/started just before it). Sets timed_out,
+# boot_hung, output_closed, qemu_rc and elapsed.
+boot_vm() { # BUDGET BOOT_BUDGET
+  local budget="$1" boot_budget="$2" t_start=$SECONDS finished wait_rc rest p
+  timed_out=0 boot_hung=0 output_closed=0 qemu_rc=""
+  rm -f -- "$ctl/status" "$ctl/started" "$run_dir/console.log" "$run_dir/qemu.log"
+  # Readers of QEMU's output pipes. They block in open() until QEMU opens the
+  # FIFOs and end at EOF once QEMU is gone (see drain_readers).
+  cat "$run_dir/stdout.out" &
+  reader_pids+=("$!")
+  cat "$run_dir/stderr.out" >&2 &
+  reader_pids+=("$!")
+  if [ "$verbose" != 0 ]; then
+    tee "$run_dir/console.log" <"$run_dir/console.out" >&2 &
   else
-    die "internal error: wait -n returned $wait_rc without a pid"
+    cat "$run_dir/console.out" >"$run_dir/console.log" &
   fi
+  reader_pids+=("$!")
+
+  "${launcher[@]}" "${qemu[@]}" </dev/null >"$run_dir/qemu.log" 2>&1 &
+  qemu_pid=$!
+  "${launcher[@]}" sleep "$budget" &
+  sleep_pid=$!
+  "${launcher[@]}" sleep "$boot_budget" &
+  boot_pid=$!
+
+  # Wait for whichever ends first: QEMU (normal), the timeout, the boot deadline, or an output
+  # reader. A reader ends with status 0 at EOF, i.e. when QEMU exits; it fails early only if our
+  # stdout/stderr went away (e.g. "| head"), and then the guest would block on a full pipe, so
+  # the VM is stopped. The boot deadline only counts while the guest's command has not started.
+  local waiting=("${reader_pids[@]}")
+  while [ -z "$qemu_rc" ]; do
+    finished=""
+    set +e
+    if [ -n "$boot_pid" ]; then
+      wait -n -p finished "$qemu_pid" "$sleep_pid" "$boot_pid" "${waiting[@]}"
+    else
+      wait -n -p finished "$qemu_pid" "$sleep_pid" "${waiting[@]}"
+    fi
+    wait_rc=$?
+    set -e
+    if [ "$finished" = "$qemu_pid" ]; then
+      qemu_rc=$wait_rc
+      qemu_pid=""
+    elif [ -n "$boot_pid" ] && [ "$finished" = "$boot_pid" ]; then
+      boot_pid=""
+      if [ ! -e "$ctl/started" ]; then
+        boot_hung=1
+        kill_qemu
+        qemu_rc=137
+      fi
+    elif [ "$finished" = "$sleep_pid" ] || { [ -n "$finished" ] && [ "$wait_rc" != 0 ]; }; then
+      if [ "$finished" = "$sleep_pid" ]; then timed_out=1; sleep_pid=""; else output_closed=1; fi
+      kill_qemu
+      qemu_rc=137
+    elif [ -n "$finished" ]; then
+      rest=()
+      for p in "${waiting[@]}"; do [ "$p" = "$finished" ] || rest+=("$p"); done
+      waiting=("${rest[@]}")
+    else
+      die "internal error: wait -n returned $wait_rc without a pid"
+    fi
+  done
+  for p in "$sleep_pid" "$boot_pid"; do
+    [ -n "$p" ] || continue
+    kill "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
+  sleep_pid="" boot_pid=""
+  elapsed=$((SECONDS - t_start))
+  drain_readers
+}
+
+# The guest may die before its command starts: a kernel that panics under TCG early in boot
+# (seen: sched_clock_cpu, 1.5 s in), or a boot that hangs. Nothing of the command ran, so it is
+# booted once more, and the log says so and why. A guest that dies after its command started
+# is the command's failure and is reported as before.
+boot_timeout_s=${IBTRS_VM_BOOT_TIMEOUT:-120}
+is_uint "$boot_timeout_s" || die "IBTRS_VM_BOOT_TIMEOUT must be a positive integer (seconds), got '$boot_timeout_s'"
+t_run=$SECONDS
+for attempt in 1 2; do
+  echo "IBTRS_VM_BOOT_ATTEMPT=$attempt" >"$ctl/attempt"
+  left=$((timeout_s - (SECONDS - t_run)))
+  [ "$left" -gt 0 ] || left=1
+  boot_budget=$boot_timeout_s
+  [ "$boot_budget" -le "$left" ] || boot_budget=$left
+  boot_vm "$left" "$boot_budget"
+  if [ "$output_closed" = 1 ] || [ "$timed_out" = 1 ] || [ -e "$ctl/started" ] || [ -f "$ctl/status" ]; then
+    break
+  fi
+  # Died (or hung) before the command started.
+  if [ "$boot_hung" = 1 ]; then
+    why="its command had not started ${boot_budget} s after boot (IBTRS_VM_BOOT_TIMEOUT); last console line: $(death_reason)"
+  else
+    why="QEMU exited with $qemu_rc ${elapsed} s into boot: $(death_reason)"
+  fi
+  if [ "$attempt" = 2 ]; then
+    say "the guest died again before its command started: $why"
+    break
+  fi
+  if [ $((timeout_s - (SECONDS - t_run))) -le 1 ]; then
+    say "the guest died before its command started ($why); no time left for another boot"
+    break
+  fi
+  say "the guest died before its command started ($why); booting it again (once)"
+  [ -s "$run_dir/console.log" ] && cp -f -- "$run_dir/console.log" "$run_dir/console.boot1.log"
 done
-if [ -n "$sleep_pid" ]; then
-  kill "$sleep_pid" 2>/dev/null || true
-  wait "$sleep_pid" 2>/dev/null || true
-  sleep_pid=""
-fi
-elapsed=$((SECONDS - t_start))
-drain_readers
+elapsed=$((SECONDS - t_run))
 
 if [ "$output_closed" = 1 ]; then
   say "output closed while the VM was running; QEMU was killed" || true
@@ -481,7 +553,11 @@ case "$status" in
     exit 125
     ;;
   *)
-    say "the VM stopped without reporting an exit status (QEMU exit code $qemu_rc after ${elapsed} s)"
+    if [ -e "$ctl/started" ]; then
+      say "the guest died after its command started, without an exit status (QEMU exit code $qemu_rc after ${elapsed} s): $(death_reason)"
+    else
+      say "the VM stopped without reporting an exit status (QEMU exit code $qemu_rc after ${elapsed} s)"
+    fi
     show_console_tail
     exit 125
     ;;
