@@ -1,0 +1,827 @@
+// TLS sessions over stream sockets (ibtrs/tls.h) with OpenSSL 3.
+//
+// The SSL object never touches the socket: it reads and writes memory BIOs, and this file moves
+// the bytes. During the handshake it reads the socket one TLS record at a time (header, then
+// exactly the body), so when the handshake ends nothing of the peer's application data sits in
+// userspace, and the kernel can take the receive direction at record sequence 0. OpenSSL 3.0
+// hands TLS 1.3 only the transmit direction to the kernel itself, so both directions are set up
+// here, from the traffic secrets the key-log callback reports and the key schedule's own
+// HKDF-Expand-Label (OpenSSL's TLS13-KDF): no cryptography of our own.
+#include "ibtrs/tls.h"
+
+#include <fcntl.h>
+#include <linux/tls.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/core_names.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/kdf.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+
+#ifndef SOL_TLS
+#define SOL_TLS 282
+#endif
+#ifndef TCP_ULP
+#define TCP_ULP 31
+#endif
+
+namespace ibtrs::tls {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kCipherSuites =
+    "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256";
+// RFC 8446 5.1: a record carries at most 2^14 bytes of plaintext, and a TLS 1.3 ciphertext at
+// most 2^14 + 256.
+constexpr size_t kMaxPlain = 16384;
+constexpr size_t kMaxRecordBody = kMaxPlain + 256;
+constexpr size_t kRecordHeader = 5;
+// Userspace record layer: ciphertext sealed ahead of the socket, at most this much.
+constexpr size_t kMaxSealedAhead = 256 << 10;
+
+enum ContentType : uint8_t { kChangeCipherSpec = 20, kAlert = 21, kHandshake = 22, kAppData = 23 };
+
+std::string openssl_error_text() {
+  std::string out;
+  while (unsigned long e = ERR_get_error()) {
+    char buf[256];
+    ERR_error_string_n(e, buf, sizeof(buf));
+    if (!out.empty()) out += "; ";
+    out += buf;
+  }
+  return out;
+}
+
+int session_index() {
+  static const int idx = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, nullptr);
+  return idx;
+}
+
+bool printable(std::string_view s) {
+  return std::all_of(s.begin(), s.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+}
+
+ssize_t send_some(int fd, const void* p, size_t n) {
+  for (;;) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    return w;
+  }
+}
+
+ssize_t recv_some(int fd, void* p, size_t n) {
+  for (;;) {
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    return r;
+  }
+}
+
+struct Suite {
+  uint16_t id;
+  const char* digest;
+  size_t key_len;
+  uint16_t kernel_cipher;
+};
+
+const Suite* suite_of(const SSL_CIPHER* c) {
+  static const Suite kSuites[] = {
+      {0x1301, "SHA256", 16, TLS_CIPHER_AES_GCM_128},
+      {0x1302, "SHA384", 32, TLS_CIPHER_AES_GCM_256},
+      {0x1303, "SHA256", 32, TLS_CIPHER_CHACHA20_POLY1305},
+  };
+  if (c == nullptr) return nullptr;
+  const uint16_t id = static_cast<uint16_t>(SSL_CIPHER_get_id(c) & 0xffff);
+  for (const auto& s : kSuites)
+    if (s.id == id) return &s;
+  return nullptr;
+}
+
+// HKDF-Expand-Label(secret, label, "", len) of the TLS 1.3 key schedule (RFC 8446 7.1, 7.3).
+bool expand_label(const Suite& s, const std::vector<unsigned char>& secret, const char* label,
+                  unsigned char* out, size_t len) {
+  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, OSSL_KDF_NAME_TLS1_3_KDF, nullptr);
+  if (kdf == nullptr) return false;
+  EVP_KDF_CTX* k = EVP_KDF_CTX_new(kdf);
+  EVP_KDF_free(kdf);
+  if (k == nullptr) return false;
+  int mode = EVP_KDF_HKDF_MODE_EXPAND_ONLY;
+  static const char kPrefix[] = "tls13 ";
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_int(OSSL_KDF_PARAM_MODE, &mode),
+      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, const_cast<char*>(s.digest), 0),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<unsigned char*>(secret.data()),
+                                        secret.size()),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_PREFIX, const_cast<char*>(kPrefix),
+                                        sizeof(kPrefix) - 1),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_LABEL, const_cast<char*>(label), std::strlen(label)),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_DATA, const_cast<char*>(""), 0),
+      OSSL_PARAM_construct_end(),
+  };
+  const bool ok = EVP_KDF_derive(k, out, len, params) == 1;
+  EVP_KDF_CTX_free(k);
+  return ok;
+}
+
+// Installs one direction's keys in the kernel at record sequence 0.
+bool install_kernel_keys(int fd, int direction, const Suite& s, const std::vector<unsigned char>& secret) {
+  unsigned char key[32], iv[12];
+  if (!expand_label(s, secret, "key", key, s.key_len) || !expand_label(s, secret, "iv", iv, sizeof(iv)))
+    return false;
+  int rc = -1;
+  switch (s.kernel_cipher) {
+    case TLS_CIPHER_AES_GCM_128: {
+      tls12_crypto_info_aes_gcm_128 ci{};
+      ci.info.version = TLS_1_3_VERSION;
+      ci.info.cipher_type = TLS_CIPHER_AES_GCM_128;
+      std::memcpy(ci.key, key, sizeof(ci.key));
+      std::memcpy(ci.salt, iv, sizeof(ci.salt));
+      std::memcpy(ci.iv, iv + sizeof(ci.salt), sizeof(ci.iv));
+      rc = ::setsockopt(fd, SOL_TLS, direction, &ci, sizeof(ci));
+      OPENSSL_cleanse(&ci, sizeof(ci));
+      break;
+    }
+    case TLS_CIPHER_AES_GCM_256: {
+      tls12_crypto_info_aes_gcm_256 ci{};
+      ci.info.version = TLS_1_3_VERSION;
+      ci.info.cipher_type = TLS_CIPHER_AES_GCM_256;
+      std::memcpy(ci.key, key, sizeof(ci.key));
+      std::memcpy(ci.salt, iv, sizeof(ci.salt));
+      std::memcpy(ci.iv, iv + sizeof(ci.salt), sizeof(ci.iv));
+      rc = ::setsockopt(fd, SOL_TLS, direction, &ci, sizeof(ci));
+      OPENSSL_cleanse(&ci, sizeof(ci));
+      break;
+    }
+    case TLS_CIPHER_CHACHA20_POLY1305: {
+      tls12_crypto_info_chacha20_poly1305 ci{};
+      ci.info.version = TLS_1_3_VERSION;
+      ci.info.cipher_type = TLS_CIPHER_CHACHA20_POLY1305;
+      std::memcpy(ci.key, key, sizeof(ci.key));
+      std::memcpy(ci.iv, iv, sizeof(ci.iv));
+      rc = ::setsockopt(fd, SOL_TLS, direction, &ci, sizeof(ci));
+      OPENSSL_cleanse(&ci, sizeof(ci));
+      break;
+    }
+  }
+  OPENSSL_cleanse(key, sizeof(key));
+  OPENSSL_cleanse(iv, sizeof(iv));
+  return rc == 0;
+}
+
+// Handshake failures that mean "these credentials are refused" (EACCES); anything else the
+// handshake trips on is a protocol mismatch (EPROTO).
+bool is_credential_failure(unsigned long e) {
+  switch (ERR_GET_REASON(e)) {
+    case SSL_R_BINDER_DOES_NOT_VERIFY:
+    case SSL_R_BAD_PSK:
+    case SSL_R_BAD_PSK_IDENTITY:
+    case SSL_R_PSK_IDENTITY_NOT_FOUND:
+    case SSL_R_NO_SHARED_CIPHER:
+    case SSL_R_CERTIFICATE_VERIFY_FAILED:
+    case SSL_R_PEER_DID_NOT_RETURN_A_CERTIFICATE:
+    case SSL_R_NO_CERTIFICATE_SET:
+    case SSL_R_MISSING_SIGALGS_EXTENSION:
+    case SSL_R_SSLV3_ALERT_HANDSHAKE_FAILURE:
+    case SSL_R_TLSV1_ALERT_DECRYPT_ERROR:
+    case SSL_R_TLSV1_ALERT_UNKNOWN_CA:
+    case SSL_R_TLSV1_ALERT_ACCESS_DENIED:
+    case SSL_R_SSLV3_ALERT_BAD_CERTIFICATE:
+    case SSL_R_SSLV3_ALERT_CERTIFICATE_UNKNOWN:
+    case SSL_R_TLSV13_ALERT_CERTIFICATE_REQUIRED:
+    case SSL_R_TLSV1_ALERT_UNKNOWN_PSK_IDENTITY:
+    case SSL_R_SSLV3_ALERT_ILLEGAL_PARAMETER:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------
+
+struct Context::Impl {
+  Config cfg;
+  SSL_CTX* ctx = nullptr;
+  ~Impl() { SSL_CTX_free(ctx); }
+};
+
+struct Session::Impl {
+  std::shared_ptr<Context> ctx;
+  int fd = -1;
+  SSL* ssl = nullptr;
+  BIO* rbio = nullptr;  // ciphertext from the peer (owned by ssl)
+  BIO* wbio = nullptr;  // ciphertext to the peer (owned by ssl)
+  bool established = false;
+  bool first_record = true;
+  short want = POLLIN;
+  std::string peer;
+  std::string error;
+  bool credentials_refused = false;  // our PSK lookup refused the peer's identity
+  std::string client_secret, server_secret;  // hex, from the key log, until the kernel took them
+  bool ktx = false, krx = false;
+
+  // Handshake reader: one record at a time.
+  unsigned char rec[kRecordHeader + kMaxRecordBody];
+  size_t rec_have = 0, rec_need = kRecordHeader;
+  // Ciphertext to send (handshake flights, and the userspace record layer's sealed records).
+  std::vector<unsigned char> tx;
+  size_t tx_head = 0;
+  // Userspace record layer, transmit side (see writev): plaintext counters of this stream.
+  uint64_t sealed = 0;    // plaintext bytes sealed into records
+  uint64_t reported = 0;  // plaintext bytes the caller was told are written
+  uint64_t tx_sent = 0;   // ciphertext bytes that left on the socket (stream offset)
+  uint64_t tx_total = 0;  // ciphertext bytes sealed (stream offset of the end of tx)
+  struct Rec {
+    uint64_t cipher_end;  // stream offset just past this record's ciphertext
+    uint64_t plain_end;   // plaintext offset just past this record's plaintext
+  };
+  std::deque<Rec> recs;
+
+  ~Impl() {
+    if (ssl != nullptr) SSL_free(ssl);
+    OPENSSL_cleanse(client_secret.data(), client_secret.size());
+    OPENSSL_cleanse(server_secret.data(), server_secret.size());
+  }
+
+  size_t tx_pending() const { return tx.size() - tx_head; }
+  bool client() const { return ctx->role() == Role::client; }
+
+  // Moves ciphertext OpenSSL produced into tx.
+  void collect_wbio() {
+    char* p = nullptr;
+    long n = BIO_get_mem_data(wbio, &p);
+    if (n > 0) {
+      tx.insert(tx.end(), p, p + n);
+      tx_total += static_cast<uint64_t>(n);
+      (void)BIO_reset(wbio);
+    }
+  }
+
+  // Sends what tx holds. True when all of it left; false with errno (EAGAIN, or an error).
+  bool flush_tx() {
+    while (tx_pending() > 0) {
+      ssize_t w = send_some(fd, tx.data() + tx_head, tx_pending());
+      if (w < 0) return false;
+      tx_head += static_cast<size_t>(w);
+      tx_sent += static_cast<uint64_t>(w);
+    }
+    tx.clear();
+    tx_head = 0;
+    return true;
+  }
+
+  // Reads the next whole record of the handshake into rbio. 1: a record arrived; 0: not yet
+  // (EAGAIN); -1: errno set (EPROTO: not TLS).
+  int read_record() {
+    while (rec_have < rec_need) {
+      ssize_t r = recv_some(fd, rec + rec_have, rec_need - rec_have);
+      if (r == 0) {
+        errno = ECONNRESET;
+        return -1;
+      }
+      if (r < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+      rec_have += static_cast<size_t>(r);
+      if (rec_have == kRecordHeader && rec_need == kRecordHeader) {
+        const uint8_t type = rec[0];
+        const size_t len = size_t{rec[3]} << 8 | rec[4];
+        const bool known = type >= kChangeCipherSpec && type <= kAppData;
+        if (!known || rec[1] != 3 || len == 0 || len > kMaxRecordBody || (first_record && type != kHandshake && !(type == kAlert && client()))) {
+          error = first_record ? "the peer does not speak TLS (plaintext or another protocol)"
+                               : "malformed TLS record";
+          errno = EPROTO;
+          return -1;
+        }
+        rec_need = kRecordHeader + len;
+      }
+    }
+    first_record = false;
+    BIO_write(rbio, rec, static_cast<int>(rec_have));
+    rec_have = 0;
+    rec_need = kRecordHeader;
+    return 1;
+  }
+
+  // After the handshake: hands the record layer to the kernel where it can take it.
+  void go_kernel() {
+    const Suite* s = suite_of(SSL_get_current_cipher(ssl));
+    if (!ctx->impl()->cfg.kernel || s == nullptr || !kernel_tls_available()) return;
+    const bool client = ctx->role() == Role::client;
+    auto unhex = [](const std::string& h) {
+      std::vector<unsigned char> out;
+      for (size_t i = 0; i + 1 < h.size(); i += 2) out.push_back(static_cast<unsigned char>(std::stoi(h.substr(i, 2), nullptr, 16)));
+      return out;
+    };
+    std::vector<unsigned char> txs = unhex(client ? client_secret : server_secret);
+    std::vector<unsigned char> rxs = unhex(client ? server_secret : client_secret);
+    // Nothing of the peer may wait in userspace, or the kernel would start at the wrong record.
+    const bool rx_clean = BIO_ctrl_pending(rbio) == 0 && SSL_has_pending(ssl) == 0 && rec_have == 0;
+    if (!txs.empty() && !rxs.empty() && tx_pending() == 0 &&
+        ::setsockopt(fd, SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0) {
+      ktx = install_kernel_keys(fd, TLS_TX, *s, txs);
+      krx = rx_clean && install_kernel_keys(fd, TLS_RX, *s, rxs);
+    }
+    OPENSSL_cleanse(txs.data(), txs.size());
+    OPENSSL_cleanse(rxs.data(), rxs.size());
+  }
+
+  Status fail_handshake(int ssl_err) {
+    // Tell the peer why, best effort (an alert OpenSSL queued), then say what happened.
+    collect_wbio();
+    (void)flush_tx();
+    int e = EPROTO;
+    unsigned long first = ERR_peek_error();
+    if (ssl_err == SSL_ERROR_SSL && (credentials_refused || (first != 0 && is_credential_failure(first))))
+      e = EACCES;
+    if (ssl_err == SSL_ERROR_SYSCALL || ssl_err == SSL_ERROR_ZERO_RETURN) e = ECONNRESET;
+    std::string text = openssl_error_text();
+    if (error.empty()) error = text.empty() ? std::string("TLS handshake failed") : text;
+    return errc(e);
+  }
+
+  Status step() {
+    if (established) return {};
+    for (;;) {
+      if (!flush_tx()) {
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return errc(errno == EPIPE ? ECONNRESET : errno);
+        want = POLLOUT;
+        return errc(EAGAIN);
+      }
+      ERR_clear_error();
+      const int r = SSL_do_handshake(ssl);
+      collect_wbio();
+      if (r == 1) {
+        if (!flush_tx()) {
+          if (errno != EAGAIN && errno != EWOULDBLOCK) return errc(errno == EPIPE ? ECONNRESET : errno);
+          want = POLLOUT;
+          return errc(EAGAIN);
+        }
+        established = true;
+        finish();
+        return {};
+      }
+      const int err = SSL_get_error(ssl, r);
+      if (err == SSL_ERROR_WANT_WRITE) continue;  // memory BIO: never full
+      if (err != SSL_ERROR_WANT_READ) return fail_handshake(err);
+      if (tx_pending() > 0) continue;
+      const int got = read_record();
+      if (got < 0) {
+        const int e = errno;
+        if (error.empty()) error = std::strerror(e);
+        return errc(e);
+      }
+      if (got == 0) {
+        want = POLLIN;
+        return errc(EAGAIN);
+      }
+    }
+  }
+
+  void finish() {
+    if (ctx->impl()->cfg.psk || ctx->impl()->cfg.psk_lookup) {
+      if (ctx->role() == Role::client) {
+        peer = ctx->impl()->cfg.psk->identity;
+      }  // server: set by the find callback
+    } else if (X509* cert = SSL_get1_peer_certificate(ssl)) {
+      char buf[512];
+      X509_NAME_oneline(X509_get_subject_name(cert), buf, sizeof(buf));
+      peer = buf;
+      X509_free(cert);
+    }
+    go_kernel();
+  }
+
+  // ---- userspace record layer ----
+
+  // Whether rbio holds at least one whole record.
+  bool whole_record_buffered() const {
+    char* p = nullptr;
+    long n = BIO_get_mem_data(rbio, &p);
+    if (n < static_cast<long>(kRecordHeader)) return false;
+    const auto* u = reinterpret_cast<const unsigned char*>(p);
+    return static_cast<size_t>(n) >= kRecordHeader + (size_t{u[3]} << 8 | u[4]);
+  }
+
+  ssize_t user_readv(const iovec* iov, int iovcnt) {
+    size_t total = 0;
+    for (int i = 0; i < iovcnt; ++i) {
+      auto* p = static_cast<unsigned char*>(iov[i].iov_base);
+      size_t left = iov[i].iov_len;
+      while (left > 0) {
+        size_t got = 0;
+        ERR_clear_error();
+        if (SSL_read_ex(ssl, p, left, &got) == 1) {
+          p += got;
+          left -= got;
+          total += got;
+          continue;
+        }
+        const int err = SSL_get_error(ssl, 0);
+        if (err == SSL_ERROR_WANT_READ) {
+          unsigned char buf[kRecordHeader + kMaxRecordBody];
+          ssize_t r = recv_some(fd, buf, sizeof(buf));
+          if (r > 0) {
+            BIO_write(rbio, buf, static_cast<int>(r));
+            continue;
+          }
+          if (r == 0) return static_cast<ssize_t>(total);
+          if (total > 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return static_cast<ssize_t>(total);
+          return -1;
+        }
+        if (err == SSL_ERROR_ZERO_RETURN) return static_cast<ssize_t>(total);  // close_notify
+        error = openssl_error_text();
+        if (total > 0) return static_cast<ssize_t>(total);
+        errno = EIO;
+        return -1;
+      }
+    }
+    return static_cast<ssize_t>(total);
+  }
+
+  // Reports to the caller only plaintext whose records left on the socket in full; records
+  // sealed ahead stand for the first bytes of the caller's next call (socket semantics: the
+  // caller sends its unsent bytes first, unchanged).
+  ssize_t user_writev(const iovec* iov, int iovcnt) {
+    size_t want_total = 0;
+    for (int i = 0; i < iovcnt; ++i) want_total += iov[i].iov_len;
+    if (want_total == 0) return 0;
+    const uint64_t base = reported;  // plaintext offset of iov's first byte
+    bool blocked = !flush_tx();
+    if (blocked && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    if (!blocked) {
+      // Seal the caller's bytes past what is already sealed, bounded.
+      uint64_t off = sealed - base;  // into iov
+      size_t idx = 0, in = 0;
+      uint64_t skip = off;
+      while (idx < static_cast<size_t>(iovcnt) && skip >= iov[idx].iov_len) {
+        skip -= iov[idx].iov_len;
+        ++idx;
+      }
+      in = static_cast<size_t>(skip);
+      while (idx < static_cast<size_t>(iovcnt) && tx_pending() < kMaxSealedAhead) {
+        const size_t n = std::min(iov[idx].iov_len - in, kMaxPlain);
+        if (n == 0) {
+          ++idx;
+          in = 0;
+          continue;
+        }
+        size_t w = 0;
+        ERR_clear_error();
+        if (SSL_write_ex(ssl, static_cast<const unsigned char*>(iov[idx].iov_base) + in, n, &w) != 1 || w != n) {
+          error = openssl_error_text();
+          errno = EIO;
+          return -1;
+        }
+        collect_wbio();
+        sealed += n;
+        recs.push_back(Rec{tx_total, sealed});
+        in += n;
+      }
+      blocked = !flush_tx();
+      if (blocked && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    }
+    uint64_t acked = reported;
+    while (!recs.empty() && recs.front().cipher_end <= tx_sent) {
+      acked = recs.front().plain_end;
+      recs.pop_front();
+    }
+    // A record that left in full may reach past this call's bytes (a caller passing fewer
+    // bytes than before): report what this call covers, the rest next time.
+    const uint64_t n = std::min<uint64_t>(acked - reported, want_total);
+    if (acked > reported + n) recs.push_front(Rec{0, acked});
+    reported += n;
+    if (n == 0) {
+      errno = EAGAIN;
+      return -1;
+    }
+    return static_cast<ssize_t>(n);
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+
+namespace {
+
+void keylog_cb(const SSL* ssl, const char* line) {
+  auto* s = static_cast<Session::Impl*>(SSL_get_ex_data(ssl, session_index()));
+  if (s == nullptr) return;
+  std::string_view l(line);
+  auto take = [&](std::string_view label, std::string& into) {
+    if (l.substr(0, label.size()) != label) return;
+    const size_t sp = l.rfind(' ');
+    if (sp != std::string_view::npos) into.assign(l.substr(sp + 1));
+  };
+  take("CLIENT_TRAFFIC_SECRET_0 ", s->client_secret);
+  take("SERVER_TRAFFIC_SECRET_0 ", s->server_secret);
+}
+
+const SSL_CIPHER* psk_cipher(SSL* ssl) {
+  static const unsigned char kAes128GcmSha256[] = {0x13, 0x01};
+  return SSL_CIPHER_find(ssl, kAes128GcmSha256);
+}
+
+SSL_SESSION* psk_session(SSL* ssl, const std::vector<std::byte>& key) {
+  SSL_SESSION* sess = SSL_SESSION_new();
+  const SSL_CIPHER* c = psk_cipher(ssl);
+  if (sess == nullptr || c == nullptr ||
+      SSL_SESSION_set1_master_key(sess, reinterpret_cast<const unsigned char*>(key.data()), key.size()) != 1 ||
+      SSL_SESSION_set_cipher(sess, c) != 1 || SSL_SESSION_set_protocol_version(sess, TLS1_3_VERSION) != 1) {
+    SSL_SESSION_free(sess);
+    return nullptr;
+  }
+  return sess;
+}
+
+int psk_use_cb(SSL* ssl, const EVP_MD* md, const unsigned char** id, size_t* idlen, SSL_SESSION** sess) {
+  auto* s = static_cast<Session::Impl*>(SSL_get_ex_data(ssl, session_index()));
+  if (s == nullptr || !s->ctx->impl()->cfg.psk) return 0;
+  const Psk& psk = *s->ctx->impl()->cfg.psk;
+  const SSL_CIPHER* c = psk_cipher(ssl);
+  // A HelloRetryRequest may have fixed another hash: our PSK is bound to SHA-256.
+  if (md != nullptr && c != nullptr && md != SSL_CIPHER_get_handshake_digest(c)) {
+    *sess = nullptr;
+    return 1;
+  }
+  *sess = psk_session(ssl, psk.key);
+  if (*sess == nullptr) return 0;
+  *id = reinterpret_cast<const unsigned char*>(psk.identity.data());
+  *idlen = psk.identity.size();
+  return 1;
+}
+
+int psk_find_cb(SSL* ssl, const unsigned char* id, size_t idlen, SSL_SESSION** sess) {
+  *sess = nullptr;
+  auto* s = static_cast<Session::Impl*>(SSL_get_ex_data(ssl, session_index()));
+  if (s == nullptr || !s->ctx->impl()->cfg.psk_lookup) return 1;
+  std::string identity(reinterpret_cast<const char*>(id), idlen);
+  if (identity.empty() || identity.size() > 255 || !printable(identity)) {
+    s->error = "PSK identity is not printable ASCII";
+    s->credentials_refused = true;
+    return 1;
+  }
+  auto key = s->ctx->impl()->cfg.psk_lookup(identity);
+  if (!key) {
+    s->error = "unknown PSK identity '" + identity + "'";
+    s->credentials_refused = true;
+    return 1;  // no session: the handshake fails for want of credentials
+  }
+  *sess = psk_session(ssl, *key);
+  OPENSSL_cleanse(key->data(), key->size());
+  if (*sess == nullptr) return 0;
+  s->peer = std::move(identity);
+  return 1;
+}
+
+bool valid_psk(const Psk& p) {
+  return !p.identity.empty() && p.identity.size() <= 255 && printable(p.identity) &&
+         p.key.size() >= 32 && p.key.size() <= 64;
+}
+
+}  // namespace
+
+Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Context::~Context() = default;
+Role Context::role() const { return impl_->cfg.role; }
+
+Result<std::shared_ptr<Context>> Context::create(Config cfg) {
+  const bool psk = cfg.role == Role::client ? cfg.psk.has_value() : static_cast<bool>(cfg.psk_lookup);
+  const bool certs = !cfg.cert_file.empty() || !cfg.ca_file.empty();
+  if (psk == certs) return errc(EINVAL);  // exactly one mode
+  if (cfg.psk && !valid_psk(*cfg.psk)) return errc(EINVAL);
+  if (certs && cfg.role == Role::server && (cfg.cert_file.empty() || cfg.key_file.empty()))
+    return errc(EINVAL);
+  if (certs && cfg.role == Role::client && cfg.ca_file.empty()) return errc(EINVAL);
+  auto impl = std::make_unique<Impl>();
+  impl->ctx = SSL_CTX_new(cfg.role == Role::client ? TLS_client_method() : TLS_server_method());
+  if (impl->ctx == nullptr) return errc(ENOMEM);
+  SSL_CTX* c = impl->ctx;
+  SSL_CTX_set_min_proto_version(c, TLS1_3_VERSION);
+  SSL_CTX_set_max_proto_version(c, TLS1_3_VERSION);
+  if (SSL_CTX_set_ciphersuites(c, kCipherSuites) != 1) return errc(EINVAL);
+  // No tickets (the kernel must start at record 0 and nothing follows the handshake), no
+  // compression, no renegotiation, no middlebox-compatibility change_cipher_spec records.
+  SSL_CTX_set_num_tickets(c, 0);
+  SSL_CTX_set_options(c, SSL_OP_NO_TICKET | SSL_OP_NO_COMPRESSION | SSL_OP_NO_RENEGOTIATION);
+  SSL_CTX_clear_options(c, SSL_OP_ENABLE_MIDDLEBOX_COMPAT);
+  SSL_CTX_set_session_cache_mode(c, SSL_SESS_CACHE_OFF);
+  SSL_CTX_set_keylog_callback(c, keylog_cb);
+  if (psk) {
+    if (cfg.role == Role::server) SSL_CTX_set_psk_find_session_callback(c, psk_find_cb);
+    else SSL_CTX_set_psk_use_session_callback(c, psk_use_cb);
+  } else {
+    if (!cfg.cert_file.empty() &&
+        (SSL_CTX_use_certificate_chain_file(c, cfg.cert_file.c_str()) != 1 ||
+         SSL_CTX_use_PrivateKey_file(c, cfg.key_file.c_str(), SSL_FILETYPE_PEM) != 1 ||
+         SSL_CTX_check_private_key(c) != 1)) {
+      ERR_clear_error();
+      return errc(EINVAL);
+    }
+    if (!cfg.ca_file.empty()) {
+      if (SSL_CTX_load_verify_locations(c, cfg.ca_file.c_str(), nullptr) != 1) {
+        ERR_clear_error();
+        return errc(EINVAL);
+      }
+      SSL_CTX_set_verify(c, SSL_VERIFY_PEER | (cfg.role == Role::server ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0),
+                         nullptr);
+    }
+  }
+  impl->cfg = std::move(cfg);
+  return std::shared_ptr<Context>(new Context(std::move(impl)));
+}
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Session::~Session() = default;
+
+Result<std::unique_ptr<Session>> Session::create(std::shared_ptr<Context> ctx, int fd) {
+  if (ctx == nullptr || fd < 0) return errc(EINVAL);
+  auto impl = std::make_unique<Impl>();
+  impl->ctx = std::move(ctx);
+  impl->fd = fd;
+  impl->ssl = SSL_new(impl->ctx->impl()->ctx);
+  impl->rbio = BIO_new(BIO_s_mem());
+  impl->wbio = BIO_new(BIO_s_mem());
+  if (impl->ssl == nullptr || impl->rbio == nullptr || impl->wbio == nullptr) {
+    BIO_free(impl->rbio);
+    BIO_free(impl->wbio);
+    return errc(ENOMEM);
+  }
+  BIO_set_mem_eof_return(impl->rbio, -1);  // empty means "more to come", not end of stream
+  SSL_set_bio(impl->ssl, impl->rbio, impl->wbio);
+  SSL_set_ex_data(impl->ssl, session_index(), impl.get());
+  const Config& cfg = impl->ctx->impl()->cfg;
+  if (impl->ctx->role() == Role::client) {
+    SSL_set_connect_state(impl->ssl);
+    if (!cfg.server_name.empty()) {
+      // An IP address is matched as one, anything else as a DNS name.
+      ASN1_OCTET_STRING* ip = a2i_IPADDRESS(cfg.server_name.c_str());
+      if (ip != nullptr) {
+        ASN1_OCTET_STRING_free(ip);
+        X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(impl->ssl), cfg.server_name.c_str());
+      } else {
+        SSL_set1_host(impl->ssl, cfg.server_name.c_str());
+        SSL_set_tlsext_host_name(impl->ssl, cfg.server_name.c_str());
+      }
+    }
+  } else {
+    SSL_set_accept_state(impl->ssl);
+  }
+  return std::unique_ptr<Session>(new Session(std::move(impl)));
+}
+
+Status Session::handshake_step() { return impl_->step(); }
+short Session::want() const { return impl_->want; }
+
+Status Session::handshake(Clock::time_point deadline, int cancel_fd) {
+  for (;;) {
+    auto st = impl_->step();
+    if (st.ok() || st.error() != std::errc::resource_unavailable_try_again) return st;
+    pollfd p[2] = {{impl_->fd, impl_->want, 0}, {cancel_fd, POLLIN, 0}};
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return errc(ETIMEDOUT);
+    const int r = ::poll(p, cancel_fd >= 0 ? 2 : 1, static_cast<int>(std::min<int64_t>(left.count(), INT32_MAX)));
+    if (r < 0 && errno != EINTR) return errc(errno);
+    if (cancel_fd >= 0 && (p[1].revents & POLLIN)) return errc(ECANCELED);
+  }
+}
+
+bool Session::established() const { return impl_->established; }
+const std::string& Session::last_error() const { return impl_->error; }
+const std::string& Session::peer_identity() const { return impl_->peer; }
+std::string_view Session::cipher() const {
+  const SSL_CIPHER* c = SSL_get_current_cipher(impl_->ssl);
+  return c != nullptr ? SSL_CIPHER_get_name(c) : "";
+}
+bool Session::kernel_tx() const { return impl_->ktx; }
+bool Session::kernel_rx() const { return impl_->krx; }
+
+ssize_t Session::readv(const iovec* iov, int iovcnt) {
+  if (!impl_->established) {
+    errno = ENOTCONN;
+    return -1;
+  }
+  if (impl_->krx) {
+    for (;;) {
+      ssize_t r = ::readv(impl_->fd, iov, iovcnt);
+      if (r < 0 && errno == EINTR) continue;
+      return r;
+    }
+  }
+  return impl_->user_readv(iov, iovcnt);
+}
+
+ssize_t Session::writev(const iovec* iov, int iovcnt) {
+  if (!impl_->established) {
+    errno = ENOTCONN;
+    return -1;
+  }
+  if (impl_->ktx) {
+    msghdr m{};
+    m.msg_iov = const_cast<iovec*>(iov);
+    m.msg_iovlen = static_cast<size_t>(iovcnt);
+    for (;;) {
+      ssize_t w = ::sendmsg(impl_->fd, &m, MSG_NOSIGNAL);
+      if (w < 0 && errno == EINTR) continue;
+      return w;
+    }
+  }
+  return impl_->user_writev(iov, iovcnt);
+}
+
+bool Session::read_pending() const {
+  if (!impl_->established || impl_->krx) return false;
+  return SSL_pending(impl_->ssl) > 0 || impl_->whole_record_buffered();
+}
+
+bool kernel_tls_available() {
+  static const bool available = [] {
+    int l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (l < 0) return false;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    bool ok = false;
+    if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(l, 1) == 0 &&
+        ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      int c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (c >= 0 && ::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0)
+        ok = ::setsockopt(c, SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0;
+      if (c >= 0) ::close(c);
+    }
+    ::close(l);
+    return ok;
+  }();
+  return available;
+}
+
+bool looks_like_tls(std::span<const std::byte> first) {
+  if (first.size() < 3) return false;
+  return static_cast<uint8_t>(first[0]) == kHandshake && static_cast<uint8_t>(first[1]) == 3 &&
+         static_cast<uint8_t>(first[2]) <= 4;
+}
+
+Result<Psk> read_psk_file(const std::string& path) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0) return errc(errno);
+  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) return errc(EACCES);
+  std::ifstream in(path);
+  if (!in) return errc(errno != 0 ? errno : EIO);
+  std::string line;
+  std::getline(in, line);
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' ')) line.pop_back();
+  const size_t colon = line.rfind(':');
+  if (colon == std::string::npos) return errc(EINVAL);
+  Psk p;
+  p.identity = line.substr(0, colon);
+  const std::string hex = line.substr(colon + 1);
+  if (hex.size() % 2 != 0) return errc(EINVAL);
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    auto nib = [](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+      return -1;
+    };
+    const int hi = nib(hex[i]), lo = nib(hex[i + 1]);
+    if (hi < 0 || lo < 0) return errc(EINVAL);
+    p.key.push_back(static_cast<std::byte>(hi << 4 | lo));
+  }
+  OPENSSL_cleanse(line.data(), line.size());
+  if (!valid_psk(p)) return errc(EINVAL);
+  return p;
+}
+
+Status write_psk_file(const std::string& path, const Psk& psk, bool overwrite) {
+  if (!valid_psk(psk)) return errc(EINVAL);
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (overwrite ? O_TRUNC : O_EXCL), 0600);
+  if (fd < 0) return errc(errno);
+  std::string line = psk.identity + ":";
+  static const char kHex[] = "0123456789abcdef";
+  for (std::byte b : psk.key) {
+    line += kHex[static_cast<uint8_t>(b) >> 4];
+    line += kHex[static_cast<uint8_t>(b) & 15];
+  }
+  line += '\n';
+  const bool ok = ::fchmod(fd, 0600) == 0 && ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+  const int e = errno;
+  OPENSSL_cleanse(line.data(), line.size());
+  ::close(fd);
+  return ok ? Status{} : Status{errc(e)};
+}
+
+}  // namespace ibtrs::tls
