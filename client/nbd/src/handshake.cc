@@ -155,6 +155,13 @@ void NbdServer::Impl::enter_transmission(Conn& c, Export* e) {
 }
 
 void NbdServer::Impl::handle_option(Conn& c, uint32_t opt, const std::byte* data, uint32_t len) {
+  // FORCEDTLS: "the server MUST respond to any option other than NBD_OPT_STARTTLS, NBD_OPT_ABORT
+  // [and NBD_OPT_EXPORT_NAME] with NBD_REP_ERR_TLS_REQD"; EXPORT_NAME cannot be answered, so the
+  // connection is dropped.
+  if (opts.tls_required && !c.tls_on() && opt != kOptStartTls && opt != kOptAbort) {
+    if (opt == kOptExportName) return fail(c, "NBD_OPT_EXPORT_NAME before STARTTLS on a TLS-only export", false);
+    return option_error(c, opt, kRepErrTlsReqd, "this server requires TLS: use NBD_OPT_STARTTLS");
+  }
   switch (opt) {
     case kOptExportName: {
       const std::string_view name(reinterpret_cast<const char*>(data), len);
@@ -194,7 +201,14 @@ void NbdServer::Impl::handle_option(Conn& c, uint32_t opt, const std::byte* data
       return;
     case kOptStartTls:
       // NOTLS mode: "it MUST respond with NBD_REP_ERR_POLICY ... NBD_REP_ERR_UNSUP".
-      return option_error(c, opt, kRepErrUnsup, "TLS is not supported by this server");
+      if (!opts.tls) return option_error(c, opt, kRepErrUnsup, "TLS is not supported by this server");
+      if (len != 0) return option_error(c, opt, kRepErrInvalid, "NBD_OPT_STARTTLS takes no data");
+      // "If the server receives NBD_OPT_STARTTLS after TLS has already been negotiated, it
+      // MUST reply with NBD_REP_ERR_INVALID."
+      if (c.tls != nullptr) return option_error(c, opt, kRepErrInvalid, "TLS is already on");
+      option_reply(c, opt, kRepAck);
+      c.starttls = true;  // the handshake starts once the ACK has left (flush_out)
+      return;
     case kOptInfo:
     case kOptGo:
       return handle_info(c, opt, data, len);

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -105,6 +106,9 @@ uint32_t to_nbd_error(int err) {
 Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
   if (options.exports.empty() || options.max_requests == 0 || options.max_connections == 0)
     return errc(EINVAL);
+  if ((options.tls_required && !options.tls) ||
+      (options.tls && options.tls->role() != ibtrs::tls::Role::server))
+    return errc(EINVAL);
   for (auto& [name, e] : options.exports) {
     if (!e || name.size() > kMaxString || !valid_info(e->info())) return errc(EINVAL);
   }
@@ -173,6 +177,8 @@ NbdServerStats NbdServer::stats() const {
   s.requests = c.requests.load();
   s.errors = c.errors.load();
   s.protocol_errors = c.protocol_errors.load();
+  s.tls_upgrades = c.tls_upgrades.load();
+  s.tls_failures = c.tls_failures.load();
   s.read_bytes = c.read_bytes.load();
   s.write_bytes = c.write_bytes.load();
   return s;
@@ -224,7 +230,7 @@ void NbdServer::Impl::run() {
   std::vector<uint64_t> ids;
   for (;;) {
     if (stop_done && conns.empty()) break;
-    const int n = ::epoll_wait(epfd, evs, 64, conns.empty() ? -1 : 500);
+    const int n = ::epoll_wait(epfd, evs, 64, !rx_ready.empty() ? 0 : conns.empty() ? -1 : 500);
     if (n < 0 && errno != EINTR) break;
     for (int i = 0; i < std::max(n, 0); ++i) {
       const uint64_t tag = evs[i].data.u64;
@@ -248,6 +254,13 @@ void NbdServer::Impl::run() {
         }
       } else if (auto it = conns.find(tag); it != conns.end()) {
         on_event(*it->second, evs[i].events);
+      }
+    }
+    if (!rx_ready.empty()) {
+      ids.swap(rx_ready);
+      rx_ready.clear();
+      for (uint64_t id : ids) {
+        if (auto it = conns.find(id); it != conns.end()) on_event(*it->second, EPOLLIN);
       }
     }
     if (stopping.load() && !stop_done) {
@@ -323,6 +336,16 @@ void NbdServer::Impl::add_conn(int fd, std::string peer) {
 }
 
 void NbdServer::Impl::on_event(Conn& c, uint32_t ev) {
+  if (c.tls != nullptr && !c.tls->established() && !c.rx_closed) {
+    tls_handshake(c);
+    if (!c.tls_on()) {
+      update(c);
+      return;
+    }
+    // The client may have spoken already: bytes that reached the socket before the kernel took
+    // the record layer need not make it readable again.
+    ev |= EPOLLIN;
+  }
   if (ev & EPOLLIN) on_readable(c);
   if ((ev & EPOLLOUT) && !c.tx_dead) flush_out(c);
   if ((ev & (EPOLLERR | EPOLLHUP)) && !c.tx_dead) {
@@ -371,8 +394,8 @@ void NbdServer::Impl::parse(Conn& c) {
         continue;
       }
       if (!parse_request(c)) return;
-    } else if (!parse_handshake(c)) {
-      return;
+    } else if (c.starttls || (c.tls != nullptr && !c.tls->established()) || !parse_handshake(c)) {
+      return;  // nothing is parsed between STARTTLS and the end of the TLS handshake
     }
   }
 }
@@ -382,12 +405,12 @@ void NbdServer::Impl::on_readable(Conn& c) {
   for (int round = 0; round < 16 && !c.rx_closed; ++round) {
     parse(c);
     flush_out(c);
-    if (c.rx_closed || c.paused) return;
+    if (c.rx_closed || c.paused || (c.tls != nullptr && !c.tls->established())) return;
     ssize_t n;
     if (c.rx_slot && c.in_beg == c.in_end) {
       // A WRITE payload goes straight into its slot, without the input buffer.
       std::byte* dst = c.rx_slot->buf.data() + c.rx_got;
-      n = ::recv(c.fd, dst, c.rx_slot->length - c.rx_got, 0);
+      n = c.recv_into(dst, c.rx_slot->length - c.rx_got);
       if (n > 0) {
         c.rx_got += static_cast<size_t>(n);
         continue;
@@ -400,7 +423,7 @@ void NbdServer::Impl::on_readable(Conn& c) {
         c.in_beg = 0;
       }
       if (c.in_end == c.in.size()) return;  // cannot happen: one message fits the buffer
-      n = ::recv(c.fd, c.in.data() + c.in_end, c.in.size() - c.in_end, 0);
+      n = c.recv_into(c.in.data() + c.in_end, c.in.size() - c.in_end);
       if (n > 0) {
         c.in_end += static_cast<size_t>(n);
         continue;
@@ -444,12 +467,10 @@ void NbdServer::Impl::flush_out(Conn& c) {
         c.hs_out.clear();
         c.hs_sent = 0;
       }
+      if (c.starttls) start_tls(c);
       return;
     }
-    msghdr m{};
-    m.msg_iov = iov;
-    m.msg_iovlen = static_cast<size_t>(n);
-    ssize_t w = ::sendmsg(c.fd, &m, MSG_NOSIGNAL);
+    ssize_t w = c.send_iov(iov, n);
     if (w < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
       c.tx_dead = c.rx_closed = true;  // EPIPE, ECONNRESET: the client is gone
@@ -506,14 +527,69 @@ void NbdServer::Impl::update(Conn& c) {
     c.registered = false;
     return;
   }
-  if (!c.rx_closed && !c.paused) want |= EPOLLIN;
-  if (out_pending) want |= EPOLLOUT;
+  if (c.tls != nullptr && !c.tls->established()) {
+    want = c.tls->want() == POLLOUT ? EPOLLOUT : EPOLLIN;
+  } else {
+    if (!c.rx_closed && !c.paused) want |= EPOLLIN;
+    if (out_pending) want |= EPOLLOUT;
+    if ((want & EPOLLIN) && c.tls_on() && c.tls->read_pending()) rx_ready.push_back(c.id);
+  }
   if (want == c.events) return;
   epoll_event ev{};
   ev.events = want;
   ev.data.u64 = c.id;
   ::epoll_ctl(epfd, EPOLL_CTL_MOD, c.fd, &ev);
   c.events = want;
+}
+
+ssize_t Conn::recv_into(void* dst, size_t len) {
+  if (tls != nullptr) {
+    iovec iov{dst, len};
+    return tls->readv(&iov, 1);
+  }
+  return ::recv(fd, dst, len, 0);
+}
+
+ssize_t Conn::send_iov(const iovec* iov, int n) {
+  if (tls != nullptr) return tls->writev(iov, n);
+  msghdr m{};
+  m.msg_iov = const_cast<iovec*>(iov);
+  m.msg_iovlen = static_cast<size_t>(n);
+  return ::sendmsg(fd, &m, MSG_NOSIGNAL);
+}
+
+// The STARTTLS ACK has left in plaintext: from here every byte is TLS.
+void NbdServer::Impl::start_tls(Conn& c) {
+  c.starttls = false;
+  // A client must wait for the ACK before it speaks TLS; plaintext it sent after STARTTLS
+  // would be an attacker's injection into the protected session (CVE-2011-0411 style).
+  if (c.in_beg != c.in_end) {
+    fail(c, "plaintext after NBD_OPT_STARTTLS", true);
+    return;
+  }
+  c.in_beg = c.in_end = 0;
+  auto s = ibtrs::tls::Session::create(opts.tls, c.fd);
+  if (!s.ok()) {
+    fail(c, "TLS: " + s.error().message(), false);
+    return;
+  }
+  c.tls = std::move(*s);
+  tls_handshake(c);
+}
+
+void NbdServer::Impl::tls_handshake(Conn& c) {
+  auto st = c.tls->handshake_step();
+  if (st.ok()) {
+    stats.tls_upgrades.fetch_add(1, std::memory_order_relaxed);
+    log("nbd: " + c.peer + " upgraded to TLS (" + std::string(c.tls->cipher()) +
+        (c.tls->kernel_tx() && c.tls->kernel_rx() ? ", kernel record layer" : ", userspace record layer") +
+        (c.tls->peer_identity().empty() ? "" : ", peer " + c.tls->peer_identity()) + ")");
+    return;
+  }
+  if (st.error() == std::errc::resource_unavailable_try_again) return;
+  stats.tls_failures.fetch_add(1, std::memory_order_relaxed);
+  fail(c, "TLS handshake: " + st.error().message() +
+              (c.tls->last_error().empty() ? "" : " (" + c.tls->last_error() + ")"), false);
 }
 
 void NbdServer::Impl::drain_completions() {

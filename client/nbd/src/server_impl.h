@@ -106,6 +106,13 @@ struct Conn {
   bool tx_dead = false;
   uint32_t events = 0;  // epoll mask now armed
   std::string peer;     // for logs
+  // STARTTLS: `starttls` from the option until the ACK has left in plaintext, then the
+  // handshake (tls set, not established), then every byte through tls.
+  bool starttls = false;
+  std::unique_ptr<ibtrs::tls::Session> tls;
+  bool tls_on() const { return tls != nullptr && tls->established(); }
+  ssize_t recv_into(void* dst, size_t len);
+  ssize_t send_iov(const iovec* iov, int n);
 };
 
 struct NbdServer::Impl {
@@ -121,6 +128,9 @@ struct NbdServer::Impl {
   uint64_t next_id = 1;
   std::map<uint64_t, std::unique_ptr<Conn>> conns;
   std::vector<uint64_t> touched;  // connections with completions in this batch
+  // TLS connections with decrypted input waiting in userspace: their sockets may not wake the
+  // loop, so it reads them again without waiting.
+  std::vector<uint64_t> rx_ready;
 
   // Handoff from other threads: completed slots and sockets to adopt.
   std::mutex done_mu;
@@ -131,7 +141,7 @@ struct NbdServer::Impl {
 
   struct Counters {
     std::atomic<uint64_t> accepted{0}, refused{0}, requests{0}, errors{0}, protocol_errors{0},
-        read_bytes{0}, write_bytes{0};
+        read_bytes{0}, write_bytes{0}, tls_upgrades{0}, tls_failures{0};
     std::atomic<uint32_t> connections{0};
   } stats;
 
@@ -148,6 +158,8 @@ struct NbdServer::Impl {
   void update(Conn& c);  // re-arm epoll; free the connection when its teardown is complete
   void fail(Conn& c, const std::string& why, bool protocol_error);  // hard disconnect
   void drain_completions();
+  void start_tls(Conn& c);
+  void tls_handshake(Conn& c);
   void log(const std::string& m) const;
   static void on_done(void* ctx, int err);
   // handshake.cc

@@ -7,7 +7,10 @@
 //   Handshake: fixed newstyle only (oldstyle is gone since nbd 3.10), NO_ZEROES; options GO,
 //   INFO (NBD_INFO_EXPORT always, NBD_INFO_BLOCK_SIZE always, NBD_INFO_NAME on request),
 //   EXPORT_NAME, LIST, ABORT, STRUCTURED_REPLY, LIST_META_CONTEXT / SET_META_CONTEXT
-//   (base:allocation); every other option gets NBD_REP_ERR_UNSUP (STARTTLS too: NOTLS mode).
+//   (base:allocation), STARTTLS when the server has TLS credentials (NbdServerOptions::tls; TLS
+//   1.3 with a PSK or certificates, ibtrs/tls.h; "FORCEDTLS" when tls_required: every option
+//   but STARTTLS and ABORT gets NBD_REP_ERR_TLS_REQD until the upgrade, as nbdkit --tls=require
+//   does); every other option gets NBD_REP_ERR_UNSUP (STARTTLS too without credentials: NOTLS).
 //   Transmission: READ, WRITE, DISC, FLUSH, TRIM, CACHE, WRITE_ZEROES, BLOCK_STATUS; flags FUA,
 //   NO_HOLE, DF, REQ_ONE, FAST_ZERO. Many requests are in flight per connection and replies go
 //   out in completion order. Structured replies when negotiated, simple replies otherwise.
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "ibtrs/result.h"
+#include "ibtrs/tls.h"
 
 namespace ibnbd::nbd {
 
@@ -115,6 +119,10 @@ struct NbdServerOptions {
   // A connection that has not reached transmission by then is closed (a stuck or hostile
   // client must not hold a connection slot forever).
   std::chrono::milliseconds handshake_timeout{10000};
+  // TLS (NBD_OPT_STARTTLS): a server-role context. With tls_required nothing but STARTTLS and
+  // ABORT is served in plaintext (the spec's FORCEDTLS mode).
+  std::shared_ptr<ibtrs::tls::Context> tls;
+  bool tls_required = false;
   // Diagnostics (connection refused, protocol errors), on the loop thread. Optional.
   std::function<void(const std::string&)> log;
 };
@@ -126,6 +134,8 @@ struct NbdServerStats {
   uint64_t requests = 0;         // transmission requests answered
   uint64_t errors = 0;           // of those, answered with an error
   uint64_t protocol_errors = 0;  // connections dropped for breaking the protocol
+  uint64_t tls_upgrades = 0;     // connections that completed STARTTLS
+  uint64_t tls_failures = 0;     // STARTTLS handshakes that failed (credentials, protocol)
   uint64_t read_bytes = 0;       // READ data sent
   uint64_t write_bytes = 0;      // WRITE data received and written
 };
@@ -134,7 +144,8 @@ class NbdServer {
  public:
   // Binds every listener (a unix path holding a stale socket is replaced; anything else there is
   // EEXIST) and starts the loop. Errors: EINVAL (no export, an export name longer than 4096
-  // bytes, bad options), what socket/bind/listen return.
+  // bytes, bad options: tls_required without tls, a client-role tls context), what
+  // socket/bind/listen return.
   static Result<std::unique_ptr<NbdServer>> start(NbdServerOptions options);
   // stop().
   ~NbdServer();
