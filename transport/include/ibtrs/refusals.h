@@ -73,8 +73,7 @@ inline constexpr std::string_view kNoResources = "no_resources";  // registratio
 // Paths closed by the server.
 inline constexpr std::string_view kHandshakeTimeout = "handshake_timeout";  // not CONNECTED in time
 inline constexpr std::string_view kHandshakeEvicted = "handshake_evicted";  // made room at a cap
-inline constexpr std::string_view kAckTimeout = "ack_timeout";          // responses not acknowledged
-inline constexpr std::string_view kBacklogOverflow = "backlog_overflow";  // requests past its credit
+inline constexpr std::string_view kAckTimeout = "ack_timeout";  // responses not acknowledged
 // Sockets dropped by a listener before they made a request (fabric::Listener::Drops).
 inline constexpr std::string_view kListenTimeout = "listen_timeout";
 inline constexpr std::string_view kListenOverflow = "listen_overflow";

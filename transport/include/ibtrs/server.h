@@ -151,8 +151,8 @@ struct ServerOptions {
   std::chrono::milliseconds handshake_timeout{30000};
   // Responses that do not fit a connection's send queue wait in its backlog. A peer that lets
   // queue_depth of them wait stops being served (no receive is reposted: its further requests
-  // stay with it); one that lets the backlog sit this long without acknowledging anything is
-  // disconnected, as is one that makes it reach twice queue_depth (docs: bounds.md).
+  // stay with it), which bounds the backlog; one that lets it sit this long without
+  // acknowledging anything is disconnected.
   std::chrono::milliseconds ack_timeout{30000};
 };
 

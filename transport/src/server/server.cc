@@ -87,9 +87,11 @@ struct Con final : core::CqHandler {
   // (check_backlog), in case no signalled send is left to complete. Bounded by the peer's
   // credit: an honest client has at most queue_depth requests in flight, and a response waits
   // here only until it is posted, so at queue_depth waiting responses the connection stops
-  // taking requests (its RECVs are not reposted: the peer's next requests stay on its side). A
-  // peer that makes it reach twice that, or leaves it without progress for ack_timeout, is
-  // disconnected. Its memory goes with the connection (clear_backlog).
+  // taking requests: its RECVs are not reposted, and the peer's next requests stay on its side.
+  // After the last repost (under queue_depth waiting) at most the RECVs still posted
+  // (max_recv_wr) bring requests, and at most 2 x queue_depth are with the upper layer, so the
+  // backlog never holds more than 3 x queue_depth + max_recv_wr responses. A peer that leaves it
+  // without progress for ack_timeout is disconnected; its memory goes with the connection.
   std::mutex bl_mu;
   std::deque<std::vector<SendWr>> backlog;
   std::deque<std::vector<Sge>> backlog_sges;
@@ -496,15 +498,7 @@ void Session::request_done() {
 void Con::post_or_backlog(std::span<const SendWr> wrs) {
   if (has_backlog.load(std::memory_order_acquire) || !conn->post_send(wrs).ok()) {
     if (conn->state() != fabric::ConnState::connected) return;  // the client fails it over
-    std::unique_lock lock(bl_mu);
-    if (backlog.size() >= 2u * path->s->qd) {
-      // Twice the credit of an honest client: this peer sends requests without waiting for
-      // their responses and does not take them.
-      lock.unlock();
-      cut_off(refusal::kBacklogOverflow, "more than " + std::to_string(2u * path->s->qd) +
-                                             " responses wait for the peer's acknowledgements");
-      return;
-    }
+    std::lock_guard lock(bl_mu);
     // Keep a private copy: the request slot may be reused before the queue drains.
     std::vector<Sge> sg;
     for (const auto& w : wrs) sg.insert(sg.end(), w.sg_list.begin(), w.sg_list.end());
@@ -1252,7 +1246,7 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
   namespace r = refusal;
   impl->refusals.declare({r::kSessionLimit, r::kPathLimit, r::kChunkMemoryLimit,
                           r::kBadConnectRequest, r::kNoResources, r::kHandshakeTimeout,
-                          r::kHandshakeEvicted, r::kAckTimeout, r::kBacklogOverflow,
+                          r::kHandshakeEvicted, r::kAckTimeout,
                           r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError});
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
