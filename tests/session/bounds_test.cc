@@ -309,6 +309,8 @@ TEST_F(Bounds, HalfOpenPathsAreClosedAtTheirDeadlineAndTheirSessionsFreed) {
       half.push_back(std::move(*c));
     }
     const ServerUsage during = server_->usage();
+    RecordProperty("fds_during", static_cast<int>(open_fds() - fds0));
+    RecordProperty("rss_during_kib", static_cast<int>(rss_kib() - rss0));
     EXPECT_GE(during.sessions, 30u) << "the deadline is not past for most of them yet";
     EXPECT_EQ(during.handshaking_sessions, during.sessions);
     EXPECT_EQ(honest_client("honest"), 0) << "an honest client is not held up by half-open ones";
@@ -319,6 +321,7 @@ TEST_F(Bounds, HalfOpenPathsAreClosedAtTheirDeadlineAndTheirSessionsFreed) {
     EXPECT_EQ(server_->usage().chunk_memory, 0u);
   }
   EXPECT_TRUE(wait_until([&] { return open_fds() <= fds0 + 2; }, 3s)) << open_fds() << " fds, " << fds0 << " before";
+  RecordProperty("rss_after_kib", static_cast<int>(rss_kib() - rss0));
   EXPECT_LE(rss_kib(), rss0 + 16 * 1024) << "RSS " << rss0 << " KiB before";
 }
 
@@ -498,6 +501,9 @@ TEST_F(NeverAcknowledging, AFloodWithoutAcknowledgementsStaysBounded) {
     peak = std::max(peak, server_->usage().backlog);
     std::this_thread::sleep_for(10ms);
   }
+  RecordProperty("peak_backlog", static_cast<int>(peak));
+  RecordProperty("requests_taken", static_cast<int>(vol_.requests_.load()));
+  RecordProperty("rss_growth_kib", static_cast<int>(rss_kib() - rss0));
   EXPECT_LE(peak, kMaxBacklog);
   EXPECT_LT(vol_.requests_.load(), 3000u);
   EXPECT_EQ(honest_client("honest"), 0);
