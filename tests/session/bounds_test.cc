@@ -16,9 +16,7 @@
 #include <string>
 #include <thread>
 
-#include "core/fabrics.h"
-#include "fabric/fabric.h"
-#include "proto/ibtrs_proto.h"
+#include "raw_peer.h"
 #include "session_harness.h"
 
 namespace ibtrs::test {
@@ -26,7 +24,6 @@ namespace {
 
 using namespace std::chrono_literals;
 using namespace ibtrs::proto;
-using fabric::Opcode;
 
 FabricKind g_kind = FabricKind::loopback;
 
@@ -47,204 +44,6 @@ size_t rss_kib() {
   return 0;
 }
 
-Uuid to_uuid(const Uuid16& u) {
-  Uuid r;
-  std::memcpy(r.data(), u.bytes, 16);
-  return r;
-}
-
-// One connection of a raw peer. Its CQ is polled only when the test says so: a software
-// provider's connection whose CQ is never polled takes nothing and acknowledges nothing.
-struct RawCon {
-  std::unique_ptr<fabric::CompletionQueue> cq;
-  std::unique_ptr<fabric::Connection> conn;
-};
-
-// A client that speaks the wire protocol by hand (docs/protocol.md), owning a registered buffer
-// for its messages: bytes [0, 8K) are what it sends, [8K, 16K) where it receives, [16K, 32K)
-// read requests (one place per chunk), and a separate region its reads land in.
-class RawPeer {
- public:
-  explicit RawPeer(const Address& server) : server_(server) {
-    auto f = core::shared_fabric(server.fabric, false);
-    EXPECT_TRUE(f.ok());
-    auto d = (*f)->domain_for(server);
-    EXPECT_TRUE(d.ok());
-    dom_ = *d;
-    auto mr = dom_->register_memory(buf_, sizeof(buf_), fabric::kLocalWrite | fabric::kRemoteWrite);
-    EXPECT_TRUE(mr.ok());
-    mr_ = std::move(*mr);
-    auto rm = dom_->register_memory(read_.data(), read_.size(), fabric::kLocalWrite | fabric::kRemoteWrite);
-    EXPECT_TRUE(rm.ok());
-    read_mr_ = std::move(*rm);
-  }
-
-  // One connection carrying `req`; the CON_RSP errno of a refusal comes back in `refused`.
-  Result<RawCon> connect(const ConReq& req, int* refused = nullptr, uint32_t send_depth = 64) {
-    RawCon c;
-    IBTRS_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(send_depth + 64));
-    fabric::ConnectParams p;
-    p.remote = server_;
-    p.cq = c.cq.get();
-    p.caps.max_send_wr = send_depth;
-    p.caps.max_recv_wr = 64;
-    p.private_data = as_bytes_of(req);
-    p.timeout = 5s;
-    std::vector<std::byte> rej;
-    auto r = dom_->connect(p, &rej);
-    if (!r.ok()) {
-      std::string why;
-      if (refused != nullptr && !rej.empty()) {
-        auto rsp = parse_con_rsp(rej, &why);
-        *refused = rsp.ok() ? rsp->errno_.get() : -1;
-      }
-      return r.error();
-    }
-    c.conn = std::move(r->connection);
-    recv_sge_ = mr_->sge(8192, 8192);
-    std::vector<fabric::RecvWr> rw(64);
-    for (auto& w : rw) w = fabric::RecvWr{0, std::span(&recv_sge_, 1)};
-    IBTRS_TRY(c.conn->post_recv(rw));
-    return c;
-  }
-
-  // The first connection of a new path of a new session, and nothing after: half-open.
-  Result<RawCon> half_open() {
-    return connect(make_con_req(0, 2, 0, true, to_uuid(Uuid16::random()), to_uuid(Uuid16::random())));
-  }
-
-  // A whole path (service connection + one IO connection with `io_send_depth`) through
-  // INFO_RSP. Returns the chunk descriptors (empty when the server refused).
-  std::vector<ChunkDesc> establish(std::vector<RawCon>& cons, const std::string& sessname,
-                                   uint16_t qd, uint32_t io_send_depth = 64) {
-    const Uuid sess = to_uuid(Uuid16::random()), path = to_uuid(Uuid16::random());
-    for (uint16_t cid = 0; cid < 2; ++cid) {
-      auto c = connect(make_con_req(cid, 2, 0, cid == 0, sess, path), nullptr,
-                       cid == 0 ? 64 : io_send_depth);
-      if (!c.ok()) return {};
-      cons.push_back(std::move(*c));
-    }
-    auto info = make_info_req(sessname, "raw@server");
-    std::memcpy(buf_, &*info, sizeof(*info));
-    fabric::Sge s = mr_->sge(0, sizeof(*info));
-    fabric::SendWr w{};
-    w.opcode = Opcode::send;
-    w.sg_list = std::span(&s, 1);
-    if (!cons[0].conn->post_send(std::span(&w, 1)).ok()) return {};
-    fabric::Completion wc[8];
-    for (int i = 0; i < 200; ++i) {
-      size_t n = cons[0].cq->wait(wc, 50ms);
-      for (size_t k = 0; k < n; ++k) {
-        if (wc[k].status != fabric::WcStatus::success) return {};
-        if (wc[k].opcode != Opcode::recv) continue;
-        std::string why;
-        auto d = parse_info_rsp(std::span<const std::byte>(buf_ + 8192, wc[k].byte_len), qd,
-                                128 * 1024, &why);
-        if (!d.ok()) return {};
-        return std::vector<ChunkDesc>(d->begin(), d->end());
-      }
-    }
-    return {};
-  }
-
-  // A write request without user header or data (the test volume answers it with EINVAL: an
-  // answer all the same) into `chunk`, on `io`.
-  Status send_request(RawCon& io, const ChunkDesc& chunk, uint32_t chunk_id, const ImmLayout& l) {
-    WriteMsg m{};
-    m.type.set(static_cast<uint16_t>(MsgType::write));
-    std::memcpy(buf_ + 4096, &m, sizeof(m));
-    fabric::Sge s = mr_->sge(4096, sizeof(m));
-    fabric::SendWr w{};
-    w.opcode = Opcode::write_with_imm;
-    w.sg_list = std::span(&s, 1);
-    w.remote_addr = chunk.addr.get();
-    w.rkey = chunk.key.get();
-    IBTRS_ASSIGN_OR_RETURN(w.imm, encode_io_req_imm(l, chunk_id, 0));
-    w.signaled = false;
-    return io.conn->post_send(std::span(&w, 1));
-  }
-
-  // A read of `descs` pieces of `piece` bytes from volume offset `off`, landing at the same
-  // offset in read_area().
-  Status send_read(RawCon& io, const ChunkDesc& chunk, uint32_t chunk_id, const ImmLayout& l,
-                   uint64_t off, uint32_t descs, uint32_t piece) {
-    std::byte msg[sizeof(VolHdr) + sizeof(ReadMsgHeader) + kMaxReadDescs * sizeof(BufDesc)];
-    const VolHdr h{off, descs * piece, kVolMagic};
-    ReadMsgHeader m{};
-    m.type.set(static_cast<uint16_t>(MsgType::read));
-    m.usr_len.set(sizeof(VolHdr));
-    m.sg_cnt.set(static_cast<uint16_t>(descs));
-    std::memcpy(msg, &h, sizeof(h));
-    std::memcpy(msg + sizeof(h), &m, sizeof(m));
-    for (uint32_t i = 0; i < descs; ++i) {
-      BufDesc d{};
-      d.addr.set(read_mr_->remote_addr(off + size_t{i} * piece));
-      d.key.set(read_mr_->rkey());
-      d.len.set(piece);
-      std::memcpy(msg + sizeof(h) + sizeof(m) + i * sizeof(d), &d, sizeof(d));
-    }
-    const size_t len = sizeof(h) + sizeof(m) + descs * sizeof(BufDesc);
-    // Each chunk's message has its own place: a post only references it.
-    std::byte* at = buf_ + kReadMsgs + (chunk_id % 32) * 512;
-    std::memcpy(at, msg, len);
-    fabric::Sge s = mr_->sge(static_cast<size_t>(at - buf_), static_cast<uint32_t>(len));
-    fabric::SendWr w{};
-    w.opcode = Opcode::write_with_imm;
-    w.sg_list = std::span(&s, 1);
-    w.remote_addr = chunk.addr.get();
-    w.rkey = chunk.key.get();
-    IBTRS_ASSIGN_OR_RETURN(w.imm, encode_io_req_imm(l, chunk_id, sizeof(VolHdr)));
-    w.signaled = false;
-    return io.conn->post_send(std::span(&w, 1));
-  }
-  std::byte* read_area() { return read_.data(); }
-
-  // Polls `io` until `n` IO responses arrived (reposting receives); returns how many did.
-  uint32_t collect_responses(RawCon& io, uint32_t n, std::chrono::milliseconds t) {
-    fabric::Completion wc[64];
-    uint32_t got = 0;
-    const auto end = std::chrono::steady_clock::now() + t;
-    while (got < n && std::chrono::steady_clock::now() < end) {
-      size_t k = io.cq->wait(wc, 20ms);
-      for (size_t i = 0; i < k; ++i) {
-        if (wc[i].status != fabric::WcStatus::success) return got;
-        if (wc[i].opcode != Opcode::recv_rdma_with_imm) continue;
-        if (imm_type(wc[i].imm) == ImmType::io_rsp) ++got;
-        fabric::RecvWr rw{0, std::span(&recv_sge_, 1)};
-        (void)io.conn->post_recv(std::span(&rw, 1));
-      }
-    }
-    return got;
-  }
-
-  // Whether the server closed every connection in `cons` within `t` (polls their CQs).
-  static bool closed_by_server(std::vector<RawCon>& cons, std::chrono::milliseconds t) {
-    fabric::Completion wc[64];
-    const auto end = std::chrono::steady_clock::now() + t;
-    for (;;) {
-      bool all = true;
-      for (auto& c : cons) {
-        while (c.cq->poll(wc) > 0) {
-        }
-        if (c.conn->state() == fabric::ConnState::connected) all = false;
-      }
-      if (all) return true;
-      if (std::chrono::steady_clock::now() > end) return false;
-      std::this_thread::sleep_for(10ms);
-    }
-  }
-
- private:
-  Address server_;
-  fabric::Domain* dom_ = nullptr;
-  static constexpr size_t kReadMsgs = 16384;
-  alignas(4096) std::byte buf_[32768] = {};
-  std::unique_ptr<fabric::MemoryRegion> mr_;
-  std::vector<std::byte> read_ = std::vector<std::byte>(256 * 1024);
-  std::unique_ptr<fabric::MemoryRegion> read_mr_;
-  fabric::Sge recv_sge_{};
-};
-
 class Bounds : public ::testing::Test {
  protected:
   void start(ServerOptions so) {
@@ -260,16 +59,22 @@ class Bounds : public ::testing::Test {
     addr_ = server_->addresses()[0];
   }
 
-  // An honest client of its own session connects and writes + reads back 64 KiB within
-  // `deadline` in all. Returns the error of the step that failed (0: all went well).
-  int honest_client(const std::string& name, std::chrono::milliseconds deadline = 10s) {
-    const auto end = std::chrono::steady_clock::now() + deadline;
+  // A client session of one path to the server, one IO connection.
+  Result<std::unique_ptr<ClientSession>> open_client(const std::string& name,
+                                                     std::chrono::milliseconds timeout = 10s) {
     ClientOptions co;
     co.session_name = name;
     co.paths.push_back(PathSpec{std::nullopt, addr_});
     co.io_threads = 1;
-    co.connect_timeout = deadline;
-    auto c = ClientSession::open(co);
+    co.connect_timeout = timeout;
+    return ClientSession::open(co);
+  }
+
+  // An honest client of its own session connects and writes + reads back 64 KiB within
+  // `deadline` in all. Returns the error of the step that failed (0: all went well).
+  int honest_client(const std::string& name, std::chrono::milliseconds deadline = 10s) {
+    const auto end = std::chrono::steady_clock::now() + deadline;
+    auto c = open_client(name, deadline);
     if (!c.ok()) return c.error().value();
     auto b = (*c)->alloc_buffer(64 * 1024);
     if (!b.ok()) return b.error().value();
@@ -333,11 +138,7 @@ TEST_F(Bounds, AFloodOfNewSessionsEvictsOnlyHalfOpenOnes) {
   ServerOptions so;
   so.max_sessions = 8;
   start(so);
-  ClientOptions co;
-  co.session_name = "resident";
-  co.paths.push_back(PathSpec{std::nullopt, addr_});
-  co.io_threads = 1;
-  auto resident = ClientSession::open(co);
+  auto resident = open_client("resident");
   ASSERT_TRUE(resident.ok());
   auto b = (*resident)->alloc_buffer(4096);
   ASSERT_TRUE(b.ok());
@@ -367,11 +168,7 @@ TEST_F(Bounds, ConnectedSessionsAtTheCapRefuseANewOneWithEusers) {
   start(so);
   std::vector<std::unique_ptr<ClientSession>> held;
   for (const char* name : {"one", "two"}) {
-    ClientOptions co;
-    co.session_name = name;
-    co.paths.push_back(PathSpec{std::nullopt, addr_});
-    co.io_threads = 1;
-    auto c = ClientSession::open(co);
+    auto c = open_client(name);
     ASSERT_TRUE(c.ok());
     held.push_back(std::move(*c));
   }
@@ -430,6 +227,27 @@ class NeverAcknowledging : public Bounds {
       GTEST_SKIP() << "a loopback send completes when posted: only tcp lets a peer withhold acks";
   }
   static constexpr uint16_t kQd = 32;
+
+  void start_server(std::chrono::milliseconds ack_timeout) {
+    ServerOptions so;
+    so.queue_depth = kQd;
+    so.ack_timeout = ack_timeout;
+    start(so);
+    layout_ = *imm_layout(kQd, so.chunk_size);
+  }
+  // A raw peer's path, whose IO connection can post `send_depth` requests without polling.
+  void connect_peer(const std::string& name, uint32_t send_depth) {
+    peer_.emplace(addr_);
+    chunks_ = peer_->establish(cons_, name, kQd, send_depth);
+    ASSERT_EQ(chunks_.size(), kQd);
+  }
+  // The peer's request number `i`, into chunk i % queue depth.
+  Status send(uint32_t i) { return peer_->send_request(cons_[1], chunks_[i % kQd], i % kQd, layout_); }
+
+  std::optional<RawPeer> peer_;
+  std::vector<RawCon> cons_;
+  std::vector<ChunkDesc> chunks_;
+  ImmLayout layout_;
   // What the server can hold for one connection of a peer that sends into every receive it
   // posted and acknowledges nothing, with an upper layer that answers at once: fewer than
   // queue_depth waiting when it last reposted receives, plus the receives it had posted
@@ -443,21 +261,14 @@ class NeverAcknowledging : public Bounds {
 // responses bounded; the peer is cut off after ack_timeout, counted; the waiting responses are
 // freed; an honest client works meanwhile.
 TEST_F(NeverAcknowledging, APeerThatStopsAcknowledgingStopsBeingServedAndIsCutOff) {
-  ServerOptions so;
-  so.queue_depth = kQd;
-  so.ack_timeout = 1s;
-  start(so);
-  RawPeer peer(addr_);
-  std::vector<RawCon> cons;
-  auto chunks = peer.establish(cons, "mute", kQd, 4096);
-  ASSERT_EQ(chunks.size(), kQd);
-  auto layout = imm_layout(kQd, so.chunk_size);
+  start_server(1s);
+  connect_peer("mute", 4096);
   // Lockstep: each request is served before the next goes, until one is not taken.
   uint32_t sent = 0;
   std::optional<std::chrono::steady_clock::time_point> backlog_seen;
   for (; sent < 1000; ++sent) {
     const uint64_t before = vol_.requests_.load();
-    ASSERT_TRUE(peer.send_request(cons[1], chunks[sent % kQd], sent % kQd, *layout).ok());
+    ASSERT_TRUE(send(sent).ok());
     if (!wait_until([&] { return vol_.requests_.load() > before; }, 300ms)) break;
     if (!backlog_seen && server_->usage().backlog > 0) backlog_seen = std::chrono::steady_clock::now();
   }
@@ -481,20 +292,13 @@ TEST_F(NeverAcknowledging, APeerThatStopsAcknowledgingStopsBeingServedAndIsCutOf
 // allows, cuts the peer off after ack_timeout, frees them, keeps the process's RSS within a
 // bound, and serves an honest client meanwhile.
 TEST_F(NeverAcknowledging, AFloodWithoutAcknowledgementsStaysBounded) {
-  ServerOptions so;
-  so.queue_depth = kQd;
-  so.ack_timeout = 1s;
-  start(so);
+  start_server(1s);
   ASSERT_EQ(honest_client("warm-up"), 0);
   const size_t rss0 = rss_kib();
-  RawPeer peer(addr_);
-  std::vector<RawCon> cons;
-  auto chunks = peer.establish(cons, "flood", kQd, 4096);
-  ASSERT_EQ(chunks.size(), kQd);
-  auto layout = imm_layout(kQd, so.chunk_size);
+  connect_peer("flood", 4096);
   uint64_t peak = 0;
   for (uint32_t i = 0; i < 3000; ++i) {
-    ASSERT_TRUE(peer.send_request(cons[1], chunks[i % kQd], i % kQd, *layout).ok());
+    ASSERT_TRUE(send(i).ok());
     if (i % 64 == 0) peak = std::max(peak, server_->usage().backlog);
   }
   for (int i = 0; i < 20; ++i) {
@@ -516,28 +320,21 @@ TEST_F(NeverAcknowledging, AFloodWithoutAcknowledgementsStaysBounded) {
 // response, far more than the send queue holds) acknowledges nothing for 500 ms, then polls
 // again. Expect: every response arrives with the right bytes, nobody is cut off.
 TEST_F(NeverAcknowledging, APeerSlowToAcknowledgeWithinItsCreditGetsEveryResponse) {
-  ServerOptions so;
-  so.queue_depth = kQd;
-  so.ack_timeout = 5s;
-  start(so);
+  start_server(5s);
   for (size_t i = 0; i < vol_.mem().size(); ++i) vol_.mem()[i] = static_cast<std::byte>(i * 7 + (i >> 9));
-  RawPeer peer(addr_);
-  std::vector<RawCon> cons;
-  auto chunks = peer.establish(cons, "slow", kQd, 256);
-  ASSERT_EQ(chunks.size(), kQd);
-  auto layout = imm_layout(kQd, so.chunk_size);
+  connect_peer("slow", 256);
   constexpr uint32_t kDescs = 15, kPiece = 16;  // 240 bytes per read, into the peer's buffer
   for (uint32_t r = 0; r < kQd; ++r) {
-    auto st = peer.send_read(cons[1], chunks[r], r, *layout, uint64_t{r} * kDescs * kPiece, kDescs, kPiece);
+    auto st = peer_->send_read(cons_[1], chunks_[r], r, layout_, uint64_t{r} * kDescs * kPiece, kDescs, kPiece);
     ASSERT_TRUE(st.ok()) << st.error().message();
   }
   ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == kQd; }, 5s));
   EXPECT_GT(server_->usage().backlog, 0u) << "the responses did not fit the send queue";
   std::this_thread::sleep_for(500ms);
-  EXPECT_EQ(peer.collect_responses(cons[1], kQd, 5s), kQd);
+  EXPECT_EQ(peer_->collect_responses(cons_[1], kQd, 5s), kQd);
   for (uint32_t r = 0; r < kQd; ++r) {
     const size_t off = size_t{r} * kDescs * kPiece;
-    EXPECT_EQ(std::memcmp(peer.read_area() + off, vol_.mem().data() + off, kDescs * kPiece), 0) << "read " << r;
+    EXPECT_EQ(std::memcmp(peer_->read_area() + off, vol_.mem().data() + off, kDescs * kPiece), 0) << "read " << r;
   }
   EXPECT_EQ(refused(refusal::kAckTimeout), 0u);
   EXPECT_EQ(server_->usage().backlog, 0u);
@@ -553,11 +350,7 @@ TEST_F(Bounds, AnHonestClientWhoseResponsesOverflowTheSendQueueGetsThemAll) {
   so.ack_timeout = 5s;
   start(so);
   for (size_t i = 0; i < vol_.mem().size(); ++i) vol_.mem()[i] = static_cast<std::byte>(i * 7 + (i >> 9));
-  ClientOptions co;
-  co.session_name = "reader";
-  co.paths.push_back(PathSpec{std::nullopt, addr_});
-  co.io_threads = 1;
-  auto c = ClientSession::open(co);
+  auto c = open_client("reader");
   ASSERT_TRUE(c.ok());
   constexpr uint32_t kSegs = ClientSession::kMaxSegments, kSeg = 512, kLen = kSegs * kSeg;
   auto buf = (*c)->alloc_buffer(size_t{32} * kLen);
@@ -593,9 +386,6 @@ TEST_F(Bounds, AnHonestClientWhoseResponsesOverflowTheSendQueueGetsThemAll) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--fabric=tcp") ibtrs::test::g_kind = ibtrs::FabricKind::tcp;
-  }
+  ibtrs::test::g_kind = ibtrs::test::fabric_from_args(argc, argv);
   return RUN_ALL_TESTS();
 }
