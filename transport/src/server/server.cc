@@ -736,6 +736,7 @@ bool Impl::evict_half_open(const char* why) {
   refusals.refuse(refusal::kHandshakeEvicted,
                   "half-open session from " + peer + " closed to make room: " + why);
   // Its last path takes it to the reaper, which frees it at once: it never had a request.
+  if (paths.empty()) detach_session_if_empty(oldest);
   for (Path* p : paths) close_path(p, "evicted while handshaking");
   return true;
 }
