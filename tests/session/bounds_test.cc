@@ -220,6 +220,23 @@ TEST_F(Bounds, PathsPastTheCapAreRefusedWithEmlink) {
   EXPECT_EQ(server_->usage().paths, 2u);
 }
 
+// Case: a connected peer sends an IO request naming a chunk past the queue depth. Expect: its
+// path is closed, the violation counted once under protocol_error, the server serves others.
+TEST_F(Bounds, AProtocolViolationIsCountedAsARefusal) {
+  ServerOptions so;
+  so.queue_depth = 48;  // chunk ids 48..63 fit the immediate's field but are out of range
+  start(so);
+  RawPeer peer(addr_);
+  std::vector<RawCon> cons;
+  auto chunks = peer.establish(cons, "violator", 48);
+  ASSERT_EQ(chunks.size(), 48u);
+  auto layout = imm_layout(48, so.chunk_size);
+  ASSERT_TRUE(peer.send_request(cons[1], chunks[0], 50, *layout).ok());
+  EXPECT_TRUE(RawPeer::closed_by_server(cons, 3s));
+  EXPECT_EQ(refused(refusal::kProtocolError), 1u);
+  EXPECT_EQ(honest_client("honest"), 0);
+}
+
 class NeverAcknowledging : public Bounds {
  protected:
   void SetUp() override {

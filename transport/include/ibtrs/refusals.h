@@ -71,6 +71,7 @@ inline constexpr std::string_view kChunkMemoryLimit = "chunk_memory_limit";   //
 inline constexpr std::string_view kBadConnectRequest = "bad_connect_request";  // CON_REQ refused
 inline constexpr std::string_view kNoResources = "no_resources";  // registration, CQ failed: ENOMEM
 // Paths closed by the server.
+inline constexpr std::string_view kProtocolError = "protocol_error";  // a malformed message
 inline constexpr std::string_view kHandshakeTimeout = "handshake_timeout";  // not CONNECTED in time
 inline constexpr std::string_view kHandshakeEvicted = "handshake_evicted";  // made room at a cap
 inline constexpr std::string_view kAckTimeout = "ack_timeout";  // responses not acknowledged

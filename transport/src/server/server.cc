@@ -17,6 +17,8 @@
 #endif
 
 #include <algorithm>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -256,6 +258,9 @@ struct Impl {
   bool evict_half_open(const char* why);
   void handshake_expired(Path* p);
   void count_listener_drops(size_t i);
+  // A peer broke the protocol (its path is closed by the caller): counted and logged as a
+  // refusal (protocol_error). Any thread.
+  [[gnu::format(printf, 2, 3)]] void protocol_error(const char* fmt, ...);
   void reject(fabric::ConnectRequest& req, int err, std::string_view reason, const std::string& why);
   void detach_session_if_empty(Session* s);
 };
@@ -341,8 +346,8 @@ void Session::request_arrived(Con* c, uint32_t id, uint32_t offset) {
     inflight.fetch_sub(1, std::memory_order_acq_rel);
     if (busy == 2) break;
   }
-  IBTRS_LOG(warn, "session %s path %s: third request on busy chunk %u", name_.c_str(),
-            c->path->name.c_str(), id);
+  srv->protocol_error("session %s path %s: third request on busy chunk %u", name_.c_str(),
+                      c->path->name.c_str(), id);
   c->failed.store(true);
 }
 
@@ -366,8 +371,8 @@ void Req::start(Con* c, uint32_t offset) {
     why = "read longer than max_io_size";
   }
   if (!io.ok()) {
-    IBTRS_LOG(warn, "session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
-              c->path->name.c_str(), chunk_id_, why.c_str());
+    ss.srv->protocol_error("session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
+                           c->path->name.c_str(), chunk_id_, why.c_str());
     state.store(0, std::memory_order_release);
     c->failed.store(true);  // closes the path (the poller sees it after this batch)
     return;
@@ -621,15 +626,15 @@ void Con::on_completions(std::span<Completion> wcs) {
       switch (proto::imm_type(imm)) {
         case proto::ImmType::io_req: {
           if (cid == 0 || p->state.get() != ServerPathState::connected) {
-            IBTRS_LOG(warn, "session %s path %s: IO request on %s", s.name_.c_str(),
-                      p->name.c_str(), cid == 0 ? "the service connection" : "a path not connected");
+            srv.protocol_error("session %s path %s: IO request on %s", s.name_.c_str(),
+                               p->name.c_str(), cid == 0 ? "the service connection" : "a path not connected");
             broken = true;
             break;
           }
           auto io = proto::decode_io_req_imm(s.layout, imm);
           if (io.chunk_id >= s.qd) {
-            IBTRS_LOG(warn, "session %s path %s: chunk id %u out of range", s.name_.c_str(),
-                      p->name.c_str(), io.chunk_id);
+            srv.protocol_error("session %s path %s: chunk id %u out of range", s.name_.c_str(),
+                               p->name.c_str(), io.chunk_id);
             broken = true;
             break;
           }
@@ -645,14 +650,14 @@ void Con::on_completions(std::span<Completion> wcs) {
           p->hb.on_ack(core::Clock::now());
           break;
         default:
-          IBTRS_LOG(warn, "session %s path %s: unexpected immediate 0x%08x", s.name_.c_str(),
-                    p->name.c_str(), imm);
+          srv.protocol_error("session %s path %s: unexpected immediate 0x%08x", s.name_.c_str(),
+                             p->name.c_str(), imm);
           broken = true;
       }
     } else if (wc.opcode == Opcode::recv) {
       if (cid != 0) {
-        IBTRS_LOG(warn, "session %s path %s: message on an IO connection", s.name_.c_str(),
-                  p->name.c_str());
+        srv.protocol_error("session %s path %s: message on an IO connection", s.name_.c_str(),
+                           p->name.c_str());
         broken = true;
         continue;
       }
@@ -714,6 +719,15 @@ void Impl::reject(fabric::ConnectRequest& req, int err, std::string_view reason,
                               " (" + std::strerror(err) + ")");
   auto rsp = proto::make_con_rsp(err, 0, 0, 0, 0);
   (void)req.reject(proto::as_bytes_of(rsp));
+}
+
+void Impl::protocol_error(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  refusals.refuse(refusal::kProtocolError, buf);
 }
 
 bool Impl::evict_half_open(const char* why) {
@@ -970,8 +984,8 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   std::string why;
   auto info = proto::parse_info_req(msg, &why);
   if (!info.ok() || p->state.get() != ServerPathState::connecting || p->accepted != p->cid_num) {
-    IBTRS_LOG(warn, "session %s: INFO_REQ refused: %s", s->name_.c_str(),
-              info.ok() ? "path not ready (connections missing or already connected)" : why.c_str());
+    protocol_error("session %s: INFO_REQ refused: %s", s->name_.c_str(),
+                   info.ok() ? "path not ready (connections missing or already connected)" : why.c_str());
     close_path(p, "bad INFO_REQ");
     return;
   }
@@ -979,8 +993,8 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     std::lock_guard lock(s->mu);
     if (!s->name_.empty() && s->name_ != info->sessname) {
       // Two clients drew one session uuid (or one lies): joining them would cross their IO.
-      IBTRS_LOG(warn, "session %s: path %s names session '%s': refused", s->name_.c_str(),
-                info->pathname.c_str(), info->sessname.c_str());
+      protocol_error("session %s: path %s names session '%s': refused", s->name_.c_str(),
+                     info->pathname.c_str(), info->sessname.c_str());
       why = "session uuid already used by another session name";
     } else {
       if (s->name_.empty()) s->name_ = info->sessname;
@@ -1246,8 +1260,8 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
   impl->opts = std::move(o);
   namespace r = refusal;
   impl->refusals.declare({r::kSessionLimit, r::kPathLimit, r::kChunkMemoryLimit,
-                          r::kBadConnectRequest, r::kNoResources, r::kHandshakeTimeout,
-                          r::kHandshakeEvicted, r::kAckTimeout,
+                          r::kBadConnectRequest, r::kNoResources, r::kProtocolError,
+                          r::kHandshakeTimeout, r::kHandshakeEvicted, r::kAckTimeout,
                           r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError});
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
