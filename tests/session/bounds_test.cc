@@ -36,6 +36,20 @@ size_t open_fds() {
   return n;
 }
 
+// Sanitizer runtimes keep freed memory in quarantine or shadow it: RSS then says nothing about
+// what the server gave back, and the RSS bounds are not checked.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kRssMeaningful = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kRssMeaningful = false;
+#else
+constexpr bool kRssMeaningful = true;
+#endif
+#else
+constexpr bool kRssMeaningful = true;
+#endif
+
 size_t rss_kib() {
   std::ifstream in("/proc/self/status");
   std::string line;
@@ -127,7 +141,7 @@ TEST_F(Bounds, HalfOpenPathsAreClosedAtTheirDeadlineAndTheirSessionsFreed) {
   }
   EXPECT_TRUE(wait_until([&] { return open_fds() <= fds0 + 2; }, 3s)) << open_fds() << " fds, " << fds0 << " before";
   RecordProperty("rss_after_kib", static_cast<int>(rss_kib() - rss0));
-  EXPECT_LE(rss_kib(), rss0 + 16 * 1024) << "RSS " << rss0 << " KiB before";
+  EXPECT_TRUE(!kRssMeaningful || rss_kib() <= rss0 + 16 * 1024) << "RSS " << rss_kib() << " KiB, " << rss0 << " before";
 }
 
 // Case: a peer floods 150 half-open sessions at a server capped at 8 sessions, while an honest
@@ -330,7 +344,7 @@ TEST_F(NeverAcknowledging, AFloodWithoutAcknowledgementsStaysBounded) {
   EXPECT_EQ(honest_client("honest"), 0);
   EXPECT_TRUE(wait_until([&] { return refused(refusal::kAckTimeout) == 1; }, 5s)) << "cut off";
   EXPECT_TRUE(wait_until([&] { return server_->usage().backlog == 0 && server_->usage().sessions == 0; }, 2s));
-  EXPECT_LE(rss_kib(), rss0 + 32 * 1024) << "RSS " << rss0 << " KiB before";
+  EXPECT_TRUE(!kRssMeaningful || rss_kib() <= rss0 + 32 * 1024) << "RSS " << rss_kib() << " KiB, " << rss0 << " before";
 }
 
 // Case: a peer within its credit (queue_depth reads of 15 pieces: 16 work requests per
