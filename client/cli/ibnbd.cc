@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <algorithm>
 #include <charconv>
 #include <optional>
@@ -54,6 +55,8 @@ const char kUsage[] =
     "  device list | show <device> | force-close <device> <session>\n"
     "  path list [<session>] | disconnect <session> <path>\n"
     "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
+    "  refusals list | reset     peers refused or cut off, by reason (counts since start/reset)\n"
+    "  limits                    sessions, paths, chunk memory, backlog: in use against the caps\n"
     "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
     "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
     "  migrate ... <volume> nbd <socket> ...   (through a daemon's export of its mapping)\n"
@@ -262,9 +265,56 @@ Listing server_devices(const json& devices, const std::string& only) {
   return l;
 }
 
+// refusals list: one row per reason, the latest refusal's time and detail.
+Listing server_refusals(const json& refusals) {
+  Listing l{{{"reason"}, {"count", true}, {"last_seen"}, {"last"}}, {}};
+  for (auto& r : refusals) {
+    std::string when = "-";
+    if (const int64_t ms = num(r, "last_unix_ms"); ms > 0) {
+      const time_t t = static_cast<time_t>(ms / 1000);
+      tm tmv{};
+      char buf[32];
+      ::localtime_r(&t, &tmv);
+      std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S", &tmv);
+      when = buf;
+    }
+    l.rows.push_back({str(r, "reason"), num(r, "count"), when, str(r, "last")});
+  }
+  return l;
+}
+
+// limits: what peers hold against each cap.
+Listing server_limits(const json& rsp) {
+  const json& lim = rsp["limits"];
+  const json& use = rsp["usage"];
+  Listing l{{{"resource"}, {"used", true}, {"limit", true}}, {}};
+  l.rows.push_back({"sessions", num(use, "sessions"), num(lim, "max_sessions")});
+  l.rows.push_back({"handshaking_sessions", num(use, "handshaking_sessions"), num(lim, "max_sessions")});
+  l.rows.push_back({"paths", num(use, "paths"),
+                    num(lim, "max_paths_per_session") * num(lim, "max_sessions")});
+  l.rows.push_back({"paths_per_session", "-", num(lim, "max_paths_per_session")});
+  l.rows.push_back({"chunk_memory", Bytes{unum(use, "chunk_memory")}, Bytes{unum(lim, "max_chunk_memory")}});
+  l.rows.push_back({"response_backlog", num(use, "backlog"), "-"});
+  l.rows.push_back({"handshake_timeout_ms", "-", num(lim, "handshake_timeout_ms")});
+  l.rows.push_back({"ack_timeout_ms", "-", num(lim, "ack_timeout_ms")});
+  return l;
+}
+
 int run_server(const Cli& c) {
   const std::string& o = c.object;
   const std::string& cmd = c.command;
+  if (o == "refusals" && (cmd == "list" || cmd == "show")) {
+    c.print(server_refusals(c.rpc({{"cmd", "refusals"}})["refusals"]));
+    return 0;
+  }
+  if (o == "refusals" && cmd == "reset") {
+    c.rpc({{"cmd", "reset_refusals"}});
+    return 0;
+  }
+  if (o == "limits" && (cmd == "list" || cmd == "show")) {
+    c.print(server_limits(c.rpc({{"cmd", "limits"}})));
+    return 0;
+  }
   if (o == "session" && (cmd == "list" || cmd == "show")) {
     std::string only = cmd == "show" ? c.arg(0, "<session>") : "";
     auto l = server_sessions(c.rpc({{"cmd", "sessions"}})["sessions"], only);
@@ -474,8 +524,11 @@ int main(int argc, char** argv) {
   }
   size_t w = 0;
   if (w < words.size() && (words[w] == "client" || words[w] == "server")) c.side = words[w++];
-  if (w >= words.size() || (words[w] != "device" && words[w] != "session" && words[w] != "path"))
-    fail(22, std::string("expected device, session or path\n") + kUsage);
+  const bool server_only = c.side == "server" && w < words.size() &&
+                           (words[w] == "refusals" || words[w] == "limits");
+  if (w >= words.size() ||
+      (words[w] != "device" && words[w] != "session" && words[w] != "path" && !server_only))
+    fail(22, std::string("expected device, session or path (server: also refusals, limits)\n") + kUsage);
   c.object = words[w++];
   c.command = w < words.size() ? words[w++] : "list";
   c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(w), words.end());

@@ -443,6 +443,9 @@ Result<std::unique_ptr<BlockServer>> BlockServer::start(BlockServerOptions o) {
 }
 
 std::vector<ibtrs::Address> BlockServer::addresses() const { return impl_->transport->addresses(); }
+const BlockServerOptions& BlockServer::options() const { return impl_->opts; }
+ibtrs::Refusals& BlockServer::refusals() const { return impl_->transport->refusals(); }
+ibtrs::ServerUsage BlockServer::usage() const { return impl_->transport->usage(); }
 
 std::vector<BlockSessionInfo> BlockServer::sessions() const {
   std::vector<std::pair<proto::SessionId, Sess*>> live;

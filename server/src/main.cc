@@ -6,6 +6,7 @@
 // Runs until SIGTERM/SIGINT, then closes every session, waits for the IO in flight and syncs the
 // devices. Admin commands (ibnbd server ...) come over --control-socket.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,6 +37,8 @@ const char kUsage[] =
     "                    [--queue-depth N] [--chunk-size SIZE] [--io-threads N]\n"
     "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--busy-poll]\n"
+    "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
+    "                    [--handshake-timeout-ms N] [--ack-timeout-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
@@ -43,6 +46,12 @@ const char kUsage[] =
     "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 512, \"read_only\": false}.\n"
     "  --control-socket: default /run/ibnbd-server.sock. --ready-file: written with one\n"
     "         `listening ADDR` line per address once the server accepts connections.\n"
+    "  Bounds (docs/security.d/bounds.md): --max-sessions (default 128; half-open sessions are\n"
+    "         evicted first, then EUSERS), --max-paths-per-session (16; EMLINK),\n"
+    "         --max-chunk-memory (8G: queue depth x chunk size of all sessions; ENOMEM),\n"
+    "         --handshake-timeout-ms (30000: a path not connected by then is closed),\n"
+    "         --ack-timeout-ms (30000: a peer whose responses wait that long unacknowledged\n"
+    "         is disconnected). Refusals: `ibnbd server refusals`.\n"
     "  --sysfs-dir DIR: serves the kernel's control files (DIR/ibtrs-server/<session>/paths/...,\n"
     "         DIR/ibnbd-server/ctl/devices/...) through FUSE, e.g. /run/ibnbd-server/sysfs;\n"
     "         off by default (sysfs-emu/README.md).\n";
@@ -111,6 +120,16 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.heartbeat.interval = std::chrono::milliseconds(number(1, 3600000));
   } else if (key == "hb_missed") {
     t.heartbeat.missed_max = static_cast<uint32_t>(number(1, 1000));
+  } else if (key == "max_sessions") {
+    t.max_sessions = static_cast<uint32_t>(number(1, 1u << 20));
+  } else if (key == "max_paths_per_session") {
+    t.max_paths_per_session = static_cast<uint32_t>(number(1, 1024));
+  } else if (key == "max_chunk_memory") {
+    t.max_chunk_memory = number(1u << 20, uint64_t{1} << 50);
+  } else if (key == "handshake_timeout_ms") {
+    t.handshake_timeout = std::chrono::milliseconds(number(1, 3600000));
+  } else if (key == "ack_timeout_ms") {
+    t.ack_timeout = std::chrono::milliseconds(number(1, 3600000));
   } else if (key == "control_socket") {
     c.control_socket = text();
   } else if (key == "ready_file") {
@@ -171,8 +190,24 @@ Config parse(int argc, char** argv) {
 
 }  // namespace
 
+namespace {
+
+// Every connection costs the tcp provider three descriptors (socket, epoll set, eventfd), and
+// the caps allow more connections than the usual soft limit of 1024 descriptors: take the
+// hard limit, as systemd advises services that do not use select().
+void raise_fd_limit() {
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   Config c = parse(argc, argv);
+  raise_fd_limit();
   // Signals go to sigwait below only: every thread started from here inherits the mask.
   sigset_t set;
   sigemptyset(&set);

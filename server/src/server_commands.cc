@@ -101,6 +101,32 @@ json handle(BlockServer& srv, const json& req) {
     }
     return ControlSocket::error(ENOENT, "no session " + sess);
   }
+  if (cmd == "refusals") {
+    json out = json::array();
+    for (auto& r : srv.refusals().snapshot())
+      out.push_back({{"reason", r.reason}, {"count", r.count}, {"last", r.last},
+                     {"last_unix_ms", r.last_unix_ms}});
+    return {{"ok", true}, {"refusals", out}};
+  }
+  if (cmd == "reset_refusals") {
+    srv.refusals().reset();
+    return {{"ok", true}};
+  }
+  if (cmd == "limits") {
+    const ibtrs::ServerOptions& t = srv.options().transport;
+    const ibtrs::ServerUsage u = srv.usage();
+    return {{"ok", true},
+            {"limits", {{"max_sessions", t.max_sessions},
+                        {"max_paths_per_session", t.max_paths_per_session},
+                        {"max_chunk_memory", t.max_chunk_memory},
+                        {"handshake_timeout_ms", t.handshake_timeout.count()},
+                        {"ack_timeout_ms", t.ack_timeout.count()}}},
+            {"usage", {{"sessions", u.sessions},
+                       {"handshaking_sessions", u.handshaking_sessions},
+                       {"paths", u.paths},
+                       {"chunk_memory", u.chunk_memory},
+                       {"backlog", u.backlog}}}};
+  }
   return ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");
 }
 

@@ -175,6 +175,47 @@ expect "unknown session" 2 c session show nobody
 expect "server: unknown device force-close" 2 s device force-close nothing t1
 expect "client daemon still answers" 0 c device list
 
+# Case: a second server configured by a JSON file with one session at most. Expect: its limits
+# show the file's values; a first session maps, a second is refused with EUSERS (the exit
+# status), counted under session_limit in `server refusals` (with the other reasons listed at
+# 0); a reset zeroes the counts.
+cat >"$work/srv2.json" <<JSON
+{"listen": ["${listen[1]}"], "dev_search_path": "$work/export", "max_sessions": 1,
+ "max_paths_per_session": 4, "max_chunk_memory": "1G", "handshake_timeout_ms": 2000,
+ "ack_timeout_ms": 5000}
+JSON
+"$srv" --config "$work/srv2.json" --control-socket "$work/srv2.sock" --ready-file "$work/srv2.ready" \
+  >"$work/srv2.log" 2>&1 &
+pids+=($!)
+if wait_for "$work/srv2.ready"; then
+  s2() { "$ibnbd" --socket "$work/srv2.sock" server "$@"; }
+  addr2=$(sed -n "s/^listening /$src/p" "$work/srv2.ready" | head -1)
+  lim=$(s2 -f json limits | jq -c '[.[] | {(.resource): .limit}] | add')
+  [ "$(jq '.sessions' <<<"$lim")" = 1 ] && [ "$(jq '.paths_per_session' <<<"$lim")" = 4 ] &&
+    [ "$(jq '.handshake_timeout_ms' <<<"$lim")" = 2000 ] && [ "$(jq '.ack_timeout_ms' <<<"$lim")" = 5000 ] &&
+    [ "$(jq '.chunk_memory' <<<"$lim")" = $((1 << 30)) ] &&
+    ok "limits from the config file" || not_ok "limits from the config file" "$lim"
+  expect "the first session on the capped server" 0 c device map sub/b.img from "$addr2" ro session b1
+  expect "a second session is EUSERS" 87 c2 device map sub/b.img from "$addr2" ro session b2
+  n=$(s2 -f json refusals list | jq '.[] | select(.reason == "session_limit") | .count')
+  [ "$n" = 1 ] && ok "refusals counts session_limit" || not_ok "refusals counts session_limit" "count '$n'"
+  z=$(s2 -f json refusals list | jq '[.[] | select(.reason == "ack_timeout")] | length')
+  [ "$z" = 1 ] && ok "watched reasons are listed before they happen" || not_ok "watched reasons listed" "$z"
+  s2 refusals list | grep -q "^session_limit .* 1 .*Too many users" && ok "the table shows the reason" ||
+    not_ok "the table shows the reason" "$(s2 refusals list)"
+  used=$(s2 -f json limits | jq '.[] | select(.resource == "sessions") | .used')
+  [ "$used" = 1 ] && ok "limits: one session in use" || not_ok "limits: one session in use" "'$used'"
+  grep -q "refused (session_limit)" "$work/srv2.log" && ok "the refusal is logged" ||
+    not_ok "the refusal is logged" "$(tail -3 "$work/srv2.log")"
+  expect "refusals reset" 0 s2 refusals reset
+  n=$(s2 -f json refusals list | jq '.[] | select(.reason == "session_limit") | .count')
+  [ "$n" = 0 ] && ok "reset zeroes the counts" || not_ok "reset zeroes the counts" "count '$n'"
+  expect "refusals of an unknown command word is EINVAL" 22 s2 refusals frobnicate
+  expect "unmap from the capped server" 0 c device unmap sub/b.img
+else
+  not_ok "capped server start" "$(cat "$work/srv2.log")"
+fi
+
 # Case: unmap. Expect: gone on both sides.
 expect unmap 0 c device unmap a.img
 n=$(c -f json device list | jq length)

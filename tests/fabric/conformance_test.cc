@@ -1,6 +1,8 @@
 // Provider conformance: the semantics fabric.h promises, checked the same way on every provider.
 // Run as `fabric_conformance --fabric=loopback|tcp|rdma [--busy-poll]`.
 #include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <mutex>
@@ -821,6 +823,134 @@ TEST_F(Conformance, RegisterMemoryRejectsBadArguments) {
   EXPECT_EQ(server_domain_->register_memory(nullptr, 16, kLocalWrite).error(), errc(EINVAL));
   EXPECT_EQ(server_domain_->register_memory(b, 0, kLocalWrite).error(), errc(EINVAL));
   EXPECT_EQ(server_domain_->register_memory(b, 16, 1u << 20).error(), errc(EINVAL));
+}
+
+// ---- the listener never waits on one peer (fabric.h, Listener) ----
+
+// A peer below the provider's handshake: a plain TCP socket to the tcp listener, which may send
+// nothing, part of a CONNECT_REQ or garbage.
+class RawSocket {
+ public:
+  explicit RawSocket(const Address& to) {
+    fd_ = ::socket(to.family(), SOCK_STREAM | SOCK_CLOEXEC, 0);
+    EXPECT_GE(fd_, 0);
+    EXPECT_EQ(::connect(fd_, to.sockaddr_ptr(), to.sockaddr_len()), 0) << std::strerror(errno);
+  }
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RawSocket(const RawSocket&) = delete;
+  RawSocket& operator=(const RawSocket&) = delete;
+  void send_bytes(std::span<const std::byte> b) {
+    EXPECT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
+  }
+  // Whether the listener closed it (EOF within `t`).
+  bool closed_within(std::chrono::milliseconds t) {
+    pollfd pfd{fd_, POLLIN, 0};
+    if (::poll(&pfd, 1, static_cast<int>(t.count())) != 1) return false;
+    char c;
+    return ::recv(fd_, &c, 1, MSG_DONTWAIT) == 0;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Serves get_request on `l` until it returns a request (then accepts it) or `deadline` passes.
+std::thread accept_one(Listener& l, Side& srv, std::chrono::milliseconds deadline) {
+  return std::thread([&l, &srv, deadline] {
+    const auto end = std::chrono::steady_clock::now() + deadline;
+    while (std::chrono::steady_clock::now() < end) {
+      auto r = l.get_request(50ms);
+      if (!r.ok()) continue;
+      auto c = (*r)->accept(srv.queue(), {}, {}, srv.events());
+      EXPECT_TRUE(c.ok());
+      if (c.ok()) srv.conn = std::move(*c);
+      return;
+    }
+  });
+}
+
+Result<ConnectResult> connect_to(Domain& d, Side& cli, const Address& to, std::chrono::milliseconds t) {
+  ConnectParams p;
+  p.remote = to;
+  p.cq = &cli.queue();
+  p.events = cli.events();
+  p.timeout = t;
+  return d.connect(p);
+}
+
+// Case: 20 sockets connect to the listener and send nothing (or half a CONNECT_REQ), then an
+// honest client connects. Expect: it is accepted at once (well inside the 5 s one idle socket
+// could cost when handshakes were read one at a time), and the idle ones are still pending.
+TEST_F(Conformance, IdlePeersDoNotDelayAnHonestConnect) {
+  if (kind_ != FabricKind::tcp)
+    GTEST_SKIP() << "only the tcp provider reads handshakes itself (rdma_cm and loopback deliver whole requests)";
+  std::vector<std::unique_ptr<RawSocket>> idle;
+  for (int i = 0; i < 20; ++i) {
+    idle.push_back(std::make_unique<RawSocket>(listener_->address()));
+    if (i % 2) idle.back()->send_bytes(std::vector<std::byte>(40, std::byte{0}));
+  }
+  std::thread srv = accept_one(*listener_, srv_, 10s);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto c = connect_to(*client_domain_, cli_, listener_->address(), 10s);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  srv.join();
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  EXPECT_LT(took, 2s) << "the connect waited behind idle sockets";
+  EXPECT_TRUE(srv_.conn != nullptr);
+  const auto d = listener_->drops();
+  EXPECT_EQ(d.timed_out + d.overflow + d.invalid, 0u) << "the idle ones wait for their own deadline";
+}
+
+// Case: a listener with backlog 4 gets 6 idle sockets, then an honest connect. Expect: the two
+// oldest are dropped (closed, counted as overflow), the four newest stay, and the honest
+// client, newest of all, is accepted.
+TEST_F(Conformance, PendingPeersPastTheBacklogDropTheOldest) {
+  if (kind_ != FabricKind::tcp) GTEST_SKIP() << "only the tcp provider keeps pending handshakes";
+  auto l = server_fabric_->listen(ep_.server, 4);
+  ASSERT_TRUE(l.ok());
+  std::vector<std::unique_ptr<RawSocket>> idle;
+  for (int i = 0; i < 6; ++i) {
+    idle.push_back(std::make_unique<RawSocket>((*l)->address()));
+    // Let the listener take it before the next one arrives, so that "oldest" is well defined.
+    pollfd pfd{(*l)->fd(), POLLIN, 0};
+    ASSERT_EQ(::poll(&pfd, 1, 2000), 1);
+    EXPECT_EQ((*l)->get_request(0ms).error(), errc(ETIMEDOUT));
+  }
+  EXPECT_EQ((*l)->drops().overflow, 2u);
+  EXPECT_TRUE(idle[0]->closed_within(1s));
+  EXPECT_TRUE(idle[1]->closed_within(1s));
+  EXPECT_FALSE(idle[2]->closed_within(50ms)) << "a newer one is still pending";
+  std::thread srv = accept_one(**l, srv_, 10s);
+  auto c = connect_to(*client_domain_, cli_, (*l)->address(), 10s);
+  srv.join();
+  ASSERT_TRUE(c.ok()) << c.error().message();
+}
+
+// Case: one socket sends a malformed CONNECT_REQ, one connects and stays silent. Expect: the
+// malformed one is closed at once (invalid); the silent one is closed when its own deadline
+// passes, with the listener's fd becoming readable for that without any other activity.
+TEST_F(Conformance, MalformedAndSilentPeersAreDropped) {
+  if (kind_ != FabricKind::tcp) GTEST_SKIP() << "only the tcp provider keeps pending handshakes";
+  RawSocket bad(listener_->address());
+  bad.send_bytes(std::vector<std::byte>(96, std::byte{0x41}));
+  const auto t0 = std::chrono::steady_clock::now();
+  RawSocket silent(listener_->address());
+  for (int i = 0; i < 100 && listener_->drops().invalid == 0; ++i)
+    EXPECT_FALSE(listener_->get_request(20ms).ok());
+  EXPECT_EQ(listener_->drops().invalid, 1u);
+  EXPECT_TRUE(bad.closed_within(1s));
+  // The waiter sleeps on fd() only, as the server's accept loop does.
+  for (;;) {
+    pollfd pfd{listener_->fd(), POLLIN, 0};
+    ASSERT_EQ(::poll(&pfd, 1, 10000), 1) << "fd() never became readable for the deadline";
+    EXPECT_FALSE(listener_->get_request(0ms).ok());
+    if (listener_->drops().timed_out == 1) break;
+    ASSERT_LT(std::chrono::steady_clock::now() - t0, Listener::kHandshakeTimeout + 2s);
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, Listener::kHandshakeTimeout);
+  EXPECT_TRUE(silent.closed_within(1s));
 }
 
 }  // namespace

@@ -5,11 +5,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
-#include "core/fabrics.h"
-#include "fabric/fabric.h"
-#include "proto/ibtrs_proto.h"
+#include "raw_peer.h"
 #include "session_harness.h"
 
 namespace ibtrs::test {
@@ -35,92 +34,26 @@ class Hostile : public ::testing::Test {
     ASSERT_TRUE(s.ok());
     server_ = std::move(*s);
     addr_ = server_->addresses()[0];
-    auto f = core::shared_fabric(addr_.fabric, false);
-    ASSERT_TRUE(f.ok());
-    auto d = (*f)->domain_for(addr_);
-    ASSERT_TRUE(d.ok());
-    dom_ = *d;
-    auto mr = dom_->register_memory(buf_, sizeof(buf_), fabric::kLocalWrite | fabric::kRemoteWrite);
-    ASSERT_TRUE(mr.ok());
-    mr_ = std::move(*mr);
+    peer_.emplace(addr_);
+    buf_ = peer_->buf();
+    mr_ = &peer_->mr();
     sess_ = Uuid16::random();
     path_ = Uuid16::random();
   }
 
   virtual bool always_invalidate() const { return false; }
 
-  struct Con {
-    std::unique_ptr<fabric::CompletionQueue> cq;
-    std::unique_ptr<fabric::Connection> conn;
-  };
+  using Con = RawCon;
 
   // Connects one connection with `req` as private data. The error and the CON_RSP errno of a
   // refusal come back in `refused`.
-  Result<Con> connect(const ConReq& req, int* refused = nullptr) {
-    Con c;
-    IBTRS_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(256));
-    fabric::ConnectParams p;
-    p.remote = addr_;
-    p.cq = c.cq.get();
-    p.caps.max_recv_wr = 64;
-    p.caps.max_send_wr = 64;
-    p.private_data = as_bytes_of(req);
-    p.timeout = 5s;
-    std::vector<std::byte> rej;
-    auto r = dom_->connect(p, &rej);
-    if (!r.ok()) {
-      if (refused != nullptr && !rej.empty()) {
-        std::string why;
-        auto rsp = parse_con_rsp(rej, &why);
-        *refused = rsp.ok() ? rsp->errno_.get() : -1;
-      }
-      return r.error();
-    }
-    c.conn = std::move(r->connection);
-    std::vector<fabric::RecvWr> rw(32);
-    sge_ = mr_->sge(8192, 8192);
-    for (auto& w : rw) w = fabric::RecvWr{0, std::span(&sge_, 1)};
-    IBTRS_TRY(c.conn->post_recv(rw));
-    return c;
-  }
+  Result<Con> connect(const ConReq& req, int* refused = nullptr) { return peer_->connect(req, refused); }
 
   // A whole path (service + one IO connection) through INFO_RSP; returns the chunk descriptors.
   bool establish(std::vector<Con>& cons, std::vector<ChunkDesc>& chunks,
                  const std::string& sessname = "hostile") {
-    for (uint16_t cid = 0; cid < 2; ++cid) {
-      auto c = connect(make_con_req(cid, 2, 0, cid == 0, to_uuid(sess_), to_uuid(path_)));
-      if (!c.ok()) return false;
-      cons.push_back(std::move(*c));
-    }
-    auto info = make_info_req(sessname, "evil@server");
-    std::memcpy(buf_, &*info, sizeof(*info));
-    fabric::Sge s = mr_->sge(0, sizeof(*info));
-    fabric::SendWr w{};
-    w.opcode = Opcode::send;
-    w.sg_list = std::span(&s, 1);
-    if (!cons[0].conn->post_send(std::span(&w, 1)).ok()) return false;
-    fabric::Completion wc[8];
-    for (int i = 0; i < 200; ++i) {
-      size_t n = cons[0].cq->wait(wc, 50ms);
-      for (size_t k = 0; k < n; ++k) {
-        if (wc[k].status != fabric::WcStatus::success) return false;  // the server closed us
-        if (wc[k].opcode == Opcode::recv) {
-          std::string why;
-          auto d = parse_info_rsp(std::span(reinterpret_cast<const std::byte*>(buf_ + 8192), wc[k].byte_len),
-                                  48, 128 * 1024, &why);
-          if (!d.ok()) return false;
-          chunks.assign(d->begin(), d->end());
-          return true;
-        }
-      }
-    }
-    return false;
-  }
-
-  static Uuid to_uuid(const Uuid16& u) {
-    Uuid r;
-    std::memcpy(r.data(), u.bytes, 16);
-    return r;
+    chunks = peer_->establish(cons, sessname, 48, to_uuid(sess_), to_uuid(path_));
+    return !chunks.empty();
   }
 
   // Writes `len` bytes of buf_ into chunk `chunk` with immediate `imm` on the IO connection.
@@ -136,19 +69,7 @@ class Hostile : public ::testing::Test {
   }
 
   // Expect the server to close the path: our connections go to error.
-  bool closed_by_server(std::vector<Con>& cons) {
-    fabric::Completion wc[16];
-    for (int i = 0; i < 300; ++i) {
-      bool all = true;
-      for (auto& c : cons) {
-        (void)c.cq->poll(wc);
-        if (c.conn->state() == fabric::ConnState::connected) all = false;
-      }
-      if (all) return true;
-      std::this_thread::sleep_for(10ms);
-    }
-    return false;
-  }
+  bool closed_by_server(std::vector<Con>& cons) { return RawPeer::closed_by_server(cons, 3s); }
 
   // An honest client still gets served.
   void honest_client_works() {
@@ -167,10 +88,9 @@ class Hostile : public ::testing::Test {
   RamVolume vol_{1 << 20};
   std::unique_ptr<Server> server_;
   Address addr_;
-  fabric::Domain* dom_ = nullptr;
-  alignas(4096) std::byte buf_[16384] = {};
-  std::unique_ptr<fabric::MemoryRegion> mr_;
-  fabric::Sge sge_{};
+  std::optional<RawPeer> peer_;
+  std::byte* buf_ = nullptr;  // the peer's message buffer ([0, 8K) out, [8K, 16K) in)
+  fabric::MemoryRegion* mr_ = nullptr;
   Uuid16 sess_, path_;
 };
 
@@ -398,9 +318,6 @@ TEST_F(HostileInvalidate, AChunkCannotBeRewrittenWhileItsRequestIsServed) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--fabric=tcp") ibtrs::test::g_kind = ibtrs::FabricKind::tcp;
-  }
+  ibtrs::test::g_kind = ibtrs::test::fabric_from_args(argc, argv);
   return RUN_ALL_TESTS();
 }

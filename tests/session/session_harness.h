@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ibtrs/client.h"
@@ -127,6 +128,13 @@ inline int sync_io(ClientSession& s, IoDir dir, const RegisteredMemory& mem, std
   auto st = s.request(r);
   if (!st.ok()) return -st.error().value();
   return w.wait();
+}
+
+// The fabric a scenario binary runs on: --fabric=tcp on its command line, else loopback.
+inline FabricKind fabric_from_args(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]) == "--fabric=tcp") return FabricKind::tcp;
+  return FabricKind::loopback;
 }
 
 inline bool wait_until(const std::function<bool()>& pred,

@@ -254,7 +254,21 @@ expect_wr "add_path again" "$T/add_path" "${addrs[1]}" ok
 check "two paths again" "$(ls "$T/paths" | wc -l)" 2
 
 # ---- the server's tree ----
-check "server session" "$(ls "$S/ibtrs-server")" t1
+check "server session (and ctl)" "$(ls "$S/ibtrs-server" | tr '\n' ' ')" "ctl t1 "
+# Refusals: one file per reason. A socket that sends a malformed connection request (tcp) is one.
+R=$S/ibtrs-server/ctl/refusals
+check "refusals/session_limit" "$(rd "$R/session_limit")" 0
+if [ "$fabric" = tcp ] && command -v python3 >/dev/null; then
+  port=${addrs[0]##*:}
+  timeout 10 python3 -c 'import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1]))); s.sendall(b"A" * 96); s.recv(1)' "$port"
+  wait_until 5 test "$(rd "$R/listen_invalid")" = 1 && ok "refusals/listen_invalid counts a malformed request" ||
+    not_ok "refusals/listen_invalid counts a malformed request" "'$(rd "$R/listen_invalid")'"
+  expect_wr "reset_refusals 2 is EINVAL" "$S/ibtrs-server/ctl/reset_refusals" 2 "$EINVAL"
+  check "... and reset nothing" "$(rd "$R/listen_invalid")" 1
+  expect_wr "reset_refusals" "$S/ibtrs-server/ctl/reset_refusals" 1 ok
+  check "refusals are zero after the reset" "$(rd "$R/listen_invalid")" 0
+fi
 wait_until 10 count_is "$S/ibtrs-server/t1/paths" 2 && ok "server sees both paths" ||
   not_ok "server sees both paths" "$(ls "$S/ibtrs-server/t1/paths")"
 c device io a.img size 4M bs 64K qd 4 >/dev/null 2>&1

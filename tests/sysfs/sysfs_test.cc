@@ -302,5 +302,32 @@ TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(seen.back()["device"], "/srv/a.img");
 }
 
+// Case: the server's refusals in ibtrs-server/ctl. Expect: one file per reason with its count,
+// beside the sessions; reset_refusals sends reset_refusals on "1" and refuses "2" (EINVAL, no
+// command sent); a reason the daemon does not list is ENOENT.
+TEST(Trees, ServerRefusalsAreFilesUnderCtl) {
+  std::vector<json> seen;
+  NodePtr root = server_tree([&](const json& req) -> json {
+    seen.push_back(req);
+    const std::string cmd = req.at("cmd");
+    if (cmd == "sessions") return {{"ok", true}, {"sessions", json::array({{{"name", "s1"}}})}};
+    if (cmd == "refusals")
+      return {{"ok", true},
+              {"refusals", json::array({{{"reason", "ack_timeout"}, {"count", 0}},
+                                        {{"reason", "session_limit"}, {"count", 7}, {"last", "x"}}})}};
+    return {{"ok", true}};
+  });
+  EXPECT_EQ(*(*resolve(root, "/ibtrs-server"))->list(), (std::vector<std::string>{"ctl", "s1"}));
+  EXPECT_EQ(*(*resolve(root, "/ibtrs-server/ctl/refusals"))->list(),
+            (std::vector<std::string>{"ack_timeout", "session_limit"}));
+  EXPECT_EQ(read_at(root, "/ibtrs-server/ctl/refusals/session_limit"), "7\n");
+  EXPECT_EQ(read_at(root, "/ibtrs-server/ctl/refusals/ack_timeout"), "0\n");
+  EXPECT_EQ(resolve(root, "/ibtrs-server/ctl/refusals/nothing").error(), std::errc::no_such_file_or_directory);
+  EXPECT_EQ(write_at(root, "/ibtrs-server/ctl/reset_refusals", "2\n"), EINVAL);
+  EXPECT_NE(seen.back()["cmd"], "reset_refusals") << "a malformed write sends nothing";
+  EXPECT_EQ(write_at(root, "/ibtrs-server/ctl/reset_refusals", "1\n"), 0);
+  EXPECT_EQ(seen.back()["cmd"], "reset_refusals");
+}
+
 }  // namespace
 }  // namespace sysfs

@@ -87,6 +87,7 @@ class BlockServer {
   BlockServer& operator=(const BlockServer&) = delete;
 
   std::vector<ibtrs::Address> addresses() const;
+  const BlockServerOptions& options() const;
   std::vector<BlockSessionInfo> sessions() const;
   std::vector<ExportedDeviceInfo> devices() const;
   // Takes `device` (its name as devices() shows it) away from `session`: its IO gets ENODEV until
@@ -97,6 +98,11 @@ class BlockServer {
   // `path` empty: every path of the session. `group`: the counters of one stats file, or all.
   Status reset_path_stats(std::string_view session, std::string_view path,
                           ibtrs::StatsGroup group = ibtrs::StatsGroup::all);
+  // Peers refused or cut off, by reason (ibtrs/refusals.h): the transport's and whatever the
+  // block server counts there itself. Valid while the server lives.
+  ibtrs::Refusals& refusals() const;
+  // What peers hold now, against options().transport's caps.
+  ibtrs::ServerUsage usage() const;
 
   struct Impl;
 

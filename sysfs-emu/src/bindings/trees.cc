@@ -276,12 +276,48 @@ NodePtr server_path_dir(const Backend& b, const std::string& sess, const std::st
   return d;
 }
 
+// ctl/: the server's refusals (ibtrs/refusals.h), one read-only file per reason with its count,
+// and reset_refusals (echo 1) to zero them.
+NodePtr ibtrs_server_ctl(const Backend& b) {
+  auto count_of = [b](const std::string& reason) -> Result<json> {
+    IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
+    for (auto& e : r.at("refusals"))
+      if (e.at("reason") == reason) return e;
+    return errc(ENOENT);
+  };
+  auto d = Node::dir();
+  d->add("refusals", Node::dynamic_dir(
+                         [b]() -> Result<std::vector<std::string>> {
+                           IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
+                           return names(r.at("refusals"), "reason");
+                         },
+                         [count_of](const std::string& n) -> Result<NodePtr> {
+                           const std::string reason = unescape_name(n);
+                           return NodePtr(Node::read_only([count_of, reason]() -> Result<std::string> {
+                             IBTRS_ASSIGN_OR_RETURN(json e, count_of(reason));
+                             return line(str(e.at("count")));
+                           }));
+                         }));
+  d->add("reset_refusals", action("Usage: echo 1 > reset_refusals (0 too) zeroes every refusals/ count\n",
+                                  [b](std::string_view t) -> Status {
+                                    IBTRS_TRY(parse_reset(t));
+                                    return act(b, {{"cmd", "reset_refusals"}});
+                                  }));
+  return d;
+}
+
+// The sessions, and ctl/ beside them (a session named "ctl" is shadowed here; the CLI lists it).
 NodePtr ibtrs_server_dir(const Backend& b) {
   auto sessions = [b]() -> Result<std::vector<std::string>> {
     IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
-    return names(r.at("sessions"), "name");
+    auto n = names(r.at("sessions"), "name");
+    std::erase(n, std::string("ctl"));
+    n.insert(n.begin(), "ctl");
+    return n;
   };
-  return Node::dynamic_dir(sessions, [b](const std::string& n) -> Result<NodePtr> {
+  NodePtr ctl = ibtrs_server_ctl(b);
+  return Node::dynamic_dir(sessions, [b, ctl](const std::string& n) -> Result<NodePtr> {
+    if (n == "ctl") return ctl;
     const std::string sess = unescape_name(n);
     auto d = Node::dir();
     d->add("paths", Node::dynamic_dir([b, sess] { return path_names(b, sess); },

@@ -28,6 +28,7 @@
 #include "ibtrs/io_hook.h"
 #include "ibtrs/client.h"
 #include "ibtrs/path_spec.h"
+#include "ibtrs/refusals.h"
 #include "ibtrs/result.h"
 #include "ibtrs/types.h"
 
@@ -129,6 +130,39 @@ struct ServerOptions {
   // request's bytes while the server serves it. Costs a registration per IO (docs/benchmarks.md).
   bool always_invalidate = false;
   ServerHandler* handler = nullptr;       // required; must outlive the server
+
+  // Bounds on what peers can make the server hold (docs/security.d/bounds.md). A connection
+  // request past a cap is refused with the CON_RSP errno named here (the client's connect fails
+  // with it) and counted in Server::refusals(). Each must be at least 1.
+  //
+  // Sessions, half-open ones included. At the cap (or the chunk memory cap) a new session first
+  // evicts the oldest session that never completed a handshake; with none, it is refused: EUSERS.
+  uint32_t max_sessions = 128;
+  // Paths (connecting or connected) of one session. The client's own limit is
+  // ClientSession::kMaxPaths (16). Past it: EMLINK.
+  uint32_t max_paths_per_session = 16;
+  // queue_depth x chunk_size of every session, counted until the session is freed: what a
+  // session's peer can make the server back with memory by writing its chunks. Default: 128
+  // sessions of the default geometry (64 MiB each). Past it: ENOMEM.
+  uint64_t max_chunk_memory = uint64_t{8} << 30;
+  // A path must reach CONNECTED (all its connections accepted and INFO exchanged) this long
+  // after its first connection request, or it is closed; a session left without paths is freed.
+  // RTRS's connect timeout, which bounds how long an honest client tries.
+  std::chrono::milliseconds handshake_timeout{30000};
+  // Responses that do not fit a connection's send queue wait in its backlog. A peer that lets
+  // queue_depth of them wait stops being served (no receive is reposted: its further requests
+  // stay with it), which bounds the backlog; one that lets it sit this long without
+  // acknowledging anything is disconnected.
+  std::chrono::milliseconds ack_timeout{30000};
+};
+
+// What peers hold right now, against ServerOptions' caps.
+struct ServerUsage {
+  uint32_t sessions = 0;            // live sessions, half-open ones included
+  uint32_t handshaking_sessions = 0;  // of those, sessions with no path CONNECTED
+  uint32_t paths = 0;               // paths connecting or connected
+  uint64_t chunk_memory = 0;        // bytes of chunks reserved, sessions being freed included
+  uint64_t backlog = 0;             // responses waiting for send-queue room, all connections
 };
 
 class Server {
@@ -147,6 +181,11 @@ class Server {
   std::vector<std::string> sessions() const;
   // Calls `fn` with the session on the server's control thread (do not keep the reference). ENOENT.
   Status with_session(std::string_view name, const std::function<void(ServerSession&)>& fn) const;
+
+  // Peers refused or cut off, by reason (ibtrs/refusals.h). The upper layer counts its own
+  // refusals here too, so a daemon shows one list.
+  Refusals& refusals() const;
+  ServerUsage usage() const;
 
   struct Impl;
 

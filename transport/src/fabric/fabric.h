@@ -273,16 +273,42 @@ class ConnectRequest {
   virtual ibtrs::Status reject(std::span<const std::byte> private_data) = 0;
 };
 
-// Listens on one address. Threading: one thread calls get_request() at a time.
+// Listens on one address.
+//
+// Accepting never waits on one peer. A peer whose connection request is not complete yet (tcp:
+// a socket that has not sent its whole CONNECT_REQ) waits inside the listener with a deadline
+// of its own (kHandshakeTimeout from its arrival), while complete requests from others are
+// returned at once: an idle or slow peer costs only its own timeout, never another's connect.
+// At most `backlog` (Fabric::listen) such peers wait; one more drops the oldest of them (an
+// honest peer sends its request with its first packet, so it waits for a round trip at most,
+// while a flood of idle sockets pushes out its own oldest). Peers that miss their deadline,
+// are pushed out or send garbage are dropped, counted in drops(), and never returned. The rdma
+// provider gets complete requests from rdma_cm, and loopback requests are complete when made:
+// they have nothing pending and drop nothing.
+//
+// Threading: one thread calls get_request() at a time; drops() from any thread.
 class Listener {
  public:
+  // Peers dropped before they made a complete request, cumulative.
+  struct Drops {
+    uint64_t timed_out = 0;  // no complete request within kHandshakeTimeout
+    uint64_t overflow = 0;   // the oldest of `backlog` pending peers, pushed out by a newer one
+    uint64_t invalid = 0;    // a malformed request, or closed before completing it
+  };
+  static constexpr std::chrono::milliseconds kHandshakeTimeout{5000};
+
   virtual ~Listener() = default;
-  // Waits up to `timeout` for the next request. ETIMEDOUT when none came.
+  // Waits up to `timeout` for the next complete request. ETIMEDOUT when none came; a resource
+  // error of the provider (EMFILE, ENFILE, ENOMEM: accept failed) is returned once, and the
+  // listener retries it by itself after a pause, so the caller just calls again.
   virtual Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) = 0;
-  // Readable when a request may be pending.
+  // Readable when get_request() has work: a request may be complete, or a pending peer's
+  // deadline passed. Whoever waits on it calls get_request(0ms) each time it is readable, as
+  // that call is also what drops expired peers.
   virtual int fd() const = 0;
   // The bound address (with the real port when 0 was asked for).
   virtual const Address& address() const = 0;
+  virtual Drops drops() const { return {}; }
 };
 
 struct ConnectResult {
@@ -323,7 +349,8 @@ class Fabric {
   // the same domain.
   virtual Result<Domain*> domain_for(const Address& remote, const Address* source = nullptr) = 0;
 
-  // Listens on `local` (port 0 picks a free one). `backlog` bounds pending requests.
+  // Listens on `local` (port 0 picks a free one). `backlog` bounds pending requests: the
+  // kernel's accept queue and the peers still sending their request (Listener).
   virtual Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog = 128) = 0;
 };
 

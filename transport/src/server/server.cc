@@ -12,8 +12,13 @@
 
 #include <poll.h>
 #include <sys/mman.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <algorithm>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -80,16 +85,36 @@ struct Con final : core::CqHandler {
   std::unique_ptr<std::byte[]> svc_buf;
   size_t svc_len = 0;
   std::unique_ptr<fabric::MemoryRegion> svc_mr;
-  // Responses that did not fit the send queue, retried when sends complete.
+  // Responses that did not fit the send queue, retried when sends complete and by a timer
+  // (check_backlog), in case no signalled send is left to complete. Bounded by the peer's
+  // credit: an honest client has at most queue_depth requests in flight, and a response waits
+  // here only until it is posted, so at queue_depth waiting responses the connection stops
+  // taking requests: its RECVs are not reposted, and the peer's next requests stay on its side.
+  // After the last repost (under queue_depth waiting) at most the RECVs still posted
+  // (max_recv_wr) bring requests, and at most 2 x queue_depth are with the upper layer, so the
+  // backlog never holds more than 3 x queue_depth + max_recv_wr responses. A peer that leaves it
+  // without progress for ack_timeout is disconnected; its memory goes with the connection.
   std::mutex bl_mu;
   std::deque<std::vector<SendWr>> backlog;
   std::deque<std::vector<Sge>> backlog_sges;
   std::atomic<bool> has_backlog{false};
+  std::atomic<uint32_t> bl_size{0};  // backlog.size(), for readers without the lock
+  int64_t bl_progress_ns = 0;        // bl_mu: when the backlog started or last moved
+  uint64_t bl_timer = 0;             // bl_mu: check_backlog's timer on `poller` (0: none)
 
   void on_completions(std::span<Completion> wcs) override;
   void go_down();
   void post_or_backlog(std::span<const SendWr> wrs);
   void retry_backlog();
+  // Poller thread (timer): retries the backlog, disconnects a peer past ack_timeout, resumes
+  // receiving once the backlog is under the credit again.
+  void check_backlog();
+  void arm_backlog_timer();  // bl_mu held
+  void clear_backlog();
+  // Poller thread: reposts consumed IO RECVs unless the backlog holds the peer's credit.
+  void repost_recvs();
+  // Counts a refusal of this connection's peer and disconnects it (under the gate).
+  void cut_off(std::string_view reason, const std::string& what);
 };
 
 struct Path {
@@ -112,6 +137,7 @@ struct Path {
   core::Heartbeat hb;
   core::PathStats stats;
   std::atomic<uint64_t> hb_timer{0};
+  std::atomic<uint64_t> hs_timer{0};  // handshake deadline (svc poller), until CONNECTED
   bool announced = false;  // on_path_up was called (worker)
 
   Path(Session* sess, const HeartbeatConfig& hbc, uint32_t shards) : s(sess), hb(hbc), stats(shards) {}
@@ -170,6 +196,7 @@ struct Session final : ServerSession {
   std::atomic<int64_t> inflight{0};
   bool up = false;     // on_session_up called (worker)
   bool dying = false;  // no path left (worker)
+  core::Clock::time_point created;  // the oldest half-open session is evicted first
 
   ~Session() override {
     mrs.clear();
@@ -205,6 +232,10 @@ struct Impl {
   std::vector<std::unique_ptr<Session>> dying;  // worker: waiting for their requests
   std::map<uint64_t, Path*> path_ids;           // worker: every path of every session not freed
   uint64_t next_path_id = 1;
+  Refusals refusals;
+  // Chunk bytes of every session not freed (max_chunk_memory). Written by the worker.
+  std::atomic<uint64_t> chunk_memory{0};
+  std::vector<fabric::Listener::Drops> drops_seen;  // accept thread: drops already counted
 
   // Worker: the path if it still exists. Tasks posted by pollers and timers may outlive a path's
   // session; they look it up here first.
@@ -220,8 +251,17 @@ struct Impl {
   void close_path(Path* p, const char* why);
   void reap();
   void heartbeat_tick(Path* p);
-  Result<Session*> session_for(const proto::ConReq& cr);
-  void reject(fabric::ConnectRequest& req, int err, const std::string& why);
+  // The session of `cr`, made if new. A new one must fit max_sessions and max_chunk_memory,
+  // evicting half-open sessions to make room; else the CON_RSP errno and the reason.
+  Result<Session*> session_for(const proto::ConReq& cr, std::string_view* reason);
+  // Closes the oldest session that never reached CONNECTED. False when there is none.
+  bool evict_half_open(const char* why);
+  void handshake_expired(Path* p);
+  void count_listener_drops(size_t i);
+  // A peer broke the protocol (its path is closed by the caller): counted and logged as a
+  // refusal (protocol_error). Any thread.
+  [[gnu::format(printf, 2, 3)]] void protocol_error(const char* fmt, ...);
+  void reject(fabric::ConnectRequest& req, int err, std::string_view reason, const std::string& why);
   void detach_session_if_empty(Session* s);
 };
 
@@ -306,8 +346,8 @@ void Session::request_arrived(Con* c, uint32_t id, uint32_t offset) {
     inflight.fetch_sub(1, std::memory_order_acq_rel);
     if (busy == 2) break;
   }
-  IBTRS_LOG(warn, "session %s path %s: third request on busy chunk %u", name_.c_str(),
-            c->path->name.c_str(), id);
+  srv->protocol_error("session %s path %s: third request on busy chunk %u", name_.c_str(),
+                      c->path->name.c_str(), id);
   c->failed.store(true);
 }
 
@@ -331,8 +371,8 @@ void Req::start(Con* c, uint32_t offset) {
     why = "read longer than max_io_size";
   }
   if (!io.ok()) {
-    IBTRS_LOG(warn, "session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
-              c->path->name.c_str(), chunk_id_, why.c_str());
+    ss.srv->protocol_error("session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
+                           c->path->name.c_str(), chunk_id_, why.c_str());
     state.store(0, std::memory_order_release);
     c->failed.store(true);  // closes the path (the poller sees it after this batch)
     return;
@@ -409,6 +449,9 @@ void Req::complete(int err) {
     state.store(1, std::memory_order_release);
   }
   if (c->gate.enter()) {
+    // Near a full send queue the response is signalled whatever its turn: should the next one
+    // not fit, this completion is what retries it.
+    if (c->conn->send_queue_free() < 2 * n + kSignalEvery) rsp.signaled = true;
     Sge rkey_sge;
     if (!ss.invalidate || rekey(c, wrs[rkey_at], rkey_sge)) c->post_or_backlog(std::span(wrs, n));
     c->gate.exit();
@@ -460,8 +503,8 @@ void Session::request_done() {
 void Con::post_or_backlog(std::span<const SendWr> wrs) {
   if (has_backlog.load(std::memory_order_acquire) || !conn->post_send(wrs).ok()) {
     if (conn->state() != fabric::ConnState::connected) return;  // the client fails it over
-    // Keep a private copy: the request slot may be reused before the queue drains.
     std::lock_guard lock(bl_mu);
+    // Keep a private copy: the request slot may be reused before the queue drains.
     std::vector<Sge> sg;
     for (const auto& w : wrs) sg.insert(sg.end(), w.sg_list.begin(), w.sg_list.end());
     backlog_sges.push_back(std::move(sg));
@@ -471,19 +514,91 @@ void Con::post_or_backlog(std::span<const SendWr> wrs) {
       w.sg_list = std::span(backlog_sges.back().data() + k, w.sg_list.size());
       k += w.sg_list.size();
     }
+    if (backlog.empty()) bl_progress_ns = now_ns();
     backlog.push_back(std::move(copy));
+    bl_size.store(static_cast<uint32_t>(backlog.size()), std::memory_order_release);
     has_backlog.store(true, std::memory_order_release);
+    arm_backlog_timer();
   }
 }
 
 void Con::retry_backlog() {
   std::lock_guard lock(bl_mu);
+  size_t moved = 0;
   while (!backlog.empty()) {
-    if (!conn->post_send(backlog.front()).ok()) return;
+    // Signalled: its completion is what retries the rest, so what stays here never waits
+    // behind unsignalled requests only.
+    backlog.front().back().signaled = true;
+    if (!conn->post_send(backlog.front()).ok()) break;
     backlog.pop_front();
     backlog_sges.pop_front();
+    ++moved;
   }
+  if (moved > 0) bl_progress_ns = now_ns();
+  bl_size.store(static_cast<uint32_t>(backlog.size()), std::memory_order_release);
+  if (backlog.empty()) has_backlog.store(false, std::memory_order_release);
+}
+
+void Con::arm_backlog_timer() {
+  if (bl_timer != 0) return;
+  // Often enough that a response left without a signalled send ahead of it waits little; the
+  // timer runs only while responses wait.
+  Con* self = this;
+  bl_timer = poller->add_timer(core::Clock::now() + 5ms, [self] { self->check_backlog(); });
+}
+
+void Con::check_backlog() {
+  {
+    std::lock_guard lock(bl_mu);
+    bl_timer = 0;
+  }
+  if (down || !gate.enter()) return;
+  retry_backlog();
+  const int64_t limit = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            path->s->srv->opts.ack_timeout).count();
+  bool stalled = false;
+  {
+    std::lock_guard lock(bl_mu);
+    if (!backlog.empty()) {
+      stalled = now_ns() - bl_progress_ns > limit;
+      if (!stalled) arm_backlog_timer();
+    }
+  }
+  if (stalled) {
+    cut_off(refusal::kAckTimeout, std::to_string(bl_size.load()) + " responses waited " +
+                                      std::to_string(limit / 1000000) +
+                                      " ms for the peer's acknowledgements");
+  }
+  gate.exit();
+  if (!stalled) repost_recvs();
+}
+
+void Con::clear_backlog() {
+  std::lock_guard lock(bl_mu);
+  // Swapped out rather than cleared: a deque keeps its blocks.
+  std::deque<std::vector<SendWr>>().swap(backlog);
+  std::deque<std::vector<Sge>>().swap(backlog_sges);
+  bl_size.store(0, std::memory_order_release);
   has_backlog.store(false, std::memory_order_release);
+}
+
+void Con::repost_recvs() {
+  if (down || cid == 0 || bl_size.load(std::memory_order_acquire) >= path->s->qd) return;
+  while (recv_missing >= kRepostBatch) {
+    fabric::RecvWr rw[64];
+    uint32_t n = std::min<uint32_t>(recv_missing, 64);
+    for (uint32_t i = 0; i < n; ++i) rw[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
+    if (!conn->post_recv(std::span(rw, n)).ok()) return;
+    recv_missing -= n;
+  }
+}
+
+void Con::cut_off(std::string_view reason, const std::string& what) {
+  if (failed.exchange(true, std::memory_order_acq_rel)) return;  // going down already
+  Session& s = *path->s;
+  s.srv->refusals.refuse(reason, "session " + s.name_ + " path " + path->name + " connection " +
+                                     std::to_string(cid) + ": " + what);
+  conn->disconnect();
 }
 
 void Con::on_completions(std::span<Completion> wcs) {
@@ -511,15 +626,15 @@ void Con::on_completions(std::span<Completion> wcs) {
       switch (proto::imm_type(imm)) {
         case proto::ImmType::io_req: {
           if (cid == 0 || p->state.get() != ServerPathState::connected) {
-            IBTRS_LOG(warn, "session %s path %s: IO request on %s", s.name_.c_str(),
-                      p->name.c_str(), cid == 0 ? "the service connection" : "a path not connected");
+            srv.protocol_error("session %s path %s: IO request on %s", s.name_.c_str(),
+                               p->name.c_str(), cid == 0 ? "the service connection" : "a path not connected");
             broken = true;
             break;
           }
           auto io = proto::decode_io_req_imm(s.layout, imm);
           if (io.chunk_id >= s.qd) {
-            IBTRS_LOG(warn, "session %s path %s: chunk id %u out of range", s.name_.c_str(),
-                      p->name.c_str(), io.chunk_id);
+            srv.protocol_error("session %s path %s: chunk id %u out of range", s.name_.c_str(),
+                               p->name.c_str(), io.chunk_id);
             broken = true;
             break;
           }
@@ -535,14 +650,14 @@ void Con::on_completions(std::span<Completion> wcs) {
           p->hb.on_ack(core::Clock::now());
           break;
         default:
-          IBTRS_LOG(warn, "session %s path %s: unexpected immediate 0x%08x", s.name_.c_str(),
-                    p->name.c_str(), imm);
+          srv.protocol_error("session %s path %s: unexpected immediate 0x%08x", s.name_.c_str(),
+                             p->name.c_str(), imm);
           broken = true;
       }
     } else if (wc.opcode == Opcode::recv) {
       if (cid != 0) {
-        IBTRS_LOG(warn, "session %s path %s: message on an IO connection", s.name_.c_str(),
-                  p->name.c_str());
+        srv.protocol_error("session %s path %s: message on an IO connection", s.name_.c_str(),
+                           p->name.c_str());
         broken = true;
         continue;
       }
@@ -562,6 +677,11 @@ void Con::on_completions(std::span<Completion> wcs) {
     return;
   }
   if (down) return;
+  // The backlog first: whether the peer may send more depends on what is left of it.
+  if (has_backlog.load(std::memory_order_acquire) && gate.enter()) {
+    retry_backlog();
+    gate.exit();
+  }
   // Repost what was consumed.
   if (cid == 0 && nsvc > 0) {
     fabric::RecvWr rw[kSvcRecvs];
@@ -571,15 +691,8 @@ void Con::on_completions(std::span<Completion> wcs) {
       rw[i] = fabric::RecvWr{wr_id(kWrSvcRecv, svc_slots[i]), std::span(&sg[i], 1)};
     }
     (void)conn->post_recv(std::span(rw, nsvc));
-  } else if (recv_missing >= kRepostBatch) {
-    fabric::RecvWr rw[64];
-    uint32_t n = std::min<uint32_t>(recv_missing, 64);
-    for (uint32_t i = 0; i < n; ++i) rw[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
-    if (conn->post_recv(std::span(rw, n)).ok()) recv_missing -= n;
-  }
-  if (has_backlog.load(std::memory_order_acquire) && gate.enter()) {
-    retry_backlog();
-    gate.exit();
+  } else {
+    repost_recvs();
   }
 }
 
@@ -589,12 +702,7 @@ void Con::go_down() {
   failed.store(true);
   gate.close_and_wait();
   if (conn) conn->disconnect();
-  {
-    std::lock_guard lock(bl_mu);
-    backlog.clear();
-    backlog_sges.clear();
-    has_backlog.store(false);
-  }
+  clear_backlog();
   Impl* im = path->s->srv;
   const uint64_t id = path->id;
   im->worker->post([im, id] {
@@ -605,14 +713,49 @@ void Con::go_down() {
 // ------------------------------------------------------------------------------------------
 // Control (worker)
 
-void Impl::reject(fabric::ConnectRequest& req, int err, const std::string& why) {
-  IBTRS_LOG(warn, "connection from %s refused: %s", req.peer_address().to_string().c_str(),
-            why.c_str());
+void Impl::reject(fabric::ConnectRequest& req, int err, std::string_view reason,
+                  const std::string& why) {
+  refusals.refuse(reason, "connection from " + req.peer_address().to_string() + ": " + why +
+                              " (" + std::strerror(err) + ")");
   auto rsp = proto::make_con_rsp(err, 0, 0, 0, 0);
   (void)req.reject(proto::as_bytes_of(rsp));
 }
 
-Result<Session*> Impl::session_for(const proto::ConReq& cr) {
+void Impl::protocol_error(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  refusals.refuse(refusal::kProtocolError, buf);
+}
+
+bool Impl::evict_half_open(const char* why) {
+  Session* oldest = nullptr;
+  {
+    std::lock_guard lock(mu);
+    for (auto& [id, s] : sessions) {
+      if (s->up || s->dying) continue;
+      if (oldest == nullptr || s->created < oldest->created) oldest = s.get();
+    }
+  }
+  if (oldest == nullptr) return false;
+  std::vector<Path*> paths;
+  std::string peer;
+  {
+    std::lock_guard lock(oldest->mu);
+    paths = oldest->live;
+  }
+  if (!paths.empty()) peer = paths.front()->peer.to_string();
+  refusals.refuse(refusal::kHandshakeEvicted,
+                  "half-open session from " + peer + " closed to make room: " + why);
+  // Its last path takes it to the reaper, which frees it at once: it never had a request.
+  if (paths.empty()) detach_session_if_empty(oldest);
+  for (Path* p : paths) close_path(p, "evicted while handshaking");
+  return true;
+}
+
+Result<Session*> Impl::session_for(const proto::ConReq& cr, std::string_view* reason) {
   proto::Uuid id;
   std::memcpy(id.data(), cr.sess_uuid, 16);
   {
@@ -620,7 +763,26 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr) {
     auto it = sessions.find(id);
     if (it != sessions.end()) return it->second.get();
   }
+  const size_t chunk_bytes = size_t{opts.queue_depth} * opts.chunk_size;
+  // Room for it, first at the expense of sessions that never completed a handshake: a peer
+  // that holds sessions half-open cannot keep an honest client out, it only pushes out its
+  // own oldest.
+  for (;;) {
+    size_t n;
+    {
+      std::lock_guard lock(mu);
+      n = sessions.size();
+    }
+    const bool too_many = n >= opts.max_sessions;
+    const bool too_big = chunk_memory.load() + chunk_bytes > opts.max_chunk_memory;
+    if (!too_many && !too_big) break;
+    if (evict_half_open(too_many ? "session limit reached" : "chunk memory limit reached")) continue;
+    *reason = too_many ? refusal::kSessionLimit : refusal::kChunkMemoryLimit;
+    return errc(too_many ? EUSERS : ENOMEM);
+  }
+  *reason = refusal::kChunkMemoryLimit;
   auto s = std::make_unique<Session>();
+  s->created = core::Clock::now();
   s->srv = this;
   s->uuid_bytes = id;
   std::memcpy(s->uuid_.bytes, cr.sess_uuid, 16);
@@ -629,7 +791,6 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr) {
   s->max_hdr = opts.max_hdr_size;
   IBTRS_ASSIGN_OR_RETURN(s->layout, proto::imm_layout(s->qd, s->chunk_size));
   s->invalidate = opts.always_invalidate;
-  const size_t chunk_bytes = size_t{s->qd} * s->chunk_size;
   s->chunks_len = chunk_bytes;
   if (s->invalidate) s->chunks_len += (sizeof(proto::RkeyRsp) * s->qd + 4095) & ~size_t{4095};
   // Lazily backed: a session costs only what its requests touch.
@@ -644,6 +805,7 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr) {
     s->reqs[i].chunk_id_ = i;
     s->reqs[i].session_ = s.get();
   }
+  chunk_memory.fetch_add(chunk_bytes);
   Session* raw = s.get();
   std::lock_guard lock(mu);
   sessions.emplace(id, std::move(s));
@@ -653,12 +815,14 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr) {
 void Impl::handle_connect(fabric::ConnectRequest& req) {
   std::string why;
   auto cr = proto::parse_con_req(req.private_data(), &why);
-  if (!cr.ok()) return reject(req, cr.error().value(), why);
+  if (!cr.ok()) return reject(req, cr.error().value(), refusal::kBadConnectRequest, why);
   const uint16_t cid = cr->cid.get();
   const uint16_t cid_num = cr->cid_num.get();
-  if (cid_num > kMaxCidNum) return reject(req, EINVAL, "too many connections per path");
-  auto sr = session_for(*cr);
-  if (!sr.ok()) return reject(req, sr.error().value(), "no memory for the session's chunks");
+  if (cid_num > kMaxCidNum)
+    return reject(req, EINVAL, refusal::kBadConnectRequest, "too many connections per path");
+  std::string_view reason;
+  auto sr = session_for(*cr, &reason);
+  if (!sr.ok()) return reject(req, sr.error().value(), reason, "no room for a new session");
   Session* s = *sr;
 
   Path* p = nullptr;
@@ -674,17 +838,26 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
       close_path(p, "the client reconnected it");
       p = nullptr;
       // That may have been the session's last path: then the new incarnation starts a new one.
-      sr = session_for(*cr);
-      if (!sr.ok()) return reject(req, sr.error().value(), "no memory for the session's chunks");
+      sr = session_for(*cr, &reason);
+      if (!sr.ok()) return reject(req, sr.error().value(), reason, "no room for a new session");
       s = *sr;
     } else if (rc != p->recon_cnt) {
-      return reject(req, ESTALE, "connection of an older incarnation of the path");
+      return reject(req, ESTALE, refusal::kBadConnectRequest,
+                    "connection of an older incarnation of the path");
     } else if (p->state.get() != ServerPathState::connecting || p->cid_num != cid_num ||
                p->cons[cid]->conn != nullptr) {
-      return reject(req, EEXIST, "connection already established");
+      return reject(req, EEXIST, refusal::kBadConnectRequest, "connection already established");
     }
   }
   if (p == nullptr) {
+    size_t paths;
+    {
+      std::lock_guard lock(s->mu);
+      paths = s->live.size();
+    }
+    if (paths >= opts.max_paths_per_session)
+      return reject(req, EMLINK, refusal::kPathLimit,
+                    "session already has " + std::to_string(paths) + " paths");
     auto np = std::make_unique<Path>(s, opts.heartbeat, nio + 1);
     np->recon_cnt = rc;
     np->cid_num = cid_num;
@@ -701,9 +874,17 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
     p = np.get();
     p->id = next_path_id++;
     path_ids.emplace(p->id, p);
-    std::lock_guard lock(s->mu);
-    s->all.push_back(std::move(np));
-    s->live.push_back(p);
+    {
+      std::lock_guard lock(s->mu);
+      s->all.push_back(std::move(np));
+      s->live.push_back(p);
+    }
+    const uint64_t id = p->id;
+    p->hs_timer.store(svc_poller->add_timer(core::Clock::now() + opts.handshake_timeout, [this, id] {
+      worker->post([this, id] {
+        if (Path* pp = lookup(id)) handshake_expired(pp);
+      });
+    }));
   }
   auto st = accept_con(s, p, *cr, req);
   if (!st.ok()) {
@@ -717,7 +898,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   const uint16_t cid = cr.cid.get();
   fabric::Domain& d = req.domain();
   if (p->domain != nullptr && p->domain != &d) {
-    reject(req, EINVAL, "connections of one path on different devices");
+    reject(req, EINVAL, refusal::kBadConnectRequest, "connections of one path on different devices");
     return errc(EINVAL);
   }
   p->domain = &d;
@@ -727,7 +908,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
     const uint32_t access = fabric::kLocalWrite | (s->invalidate ? 0u : uint32_t{fabric::kRemoteWrite});
     auto mr = d.register_memory(s->chunks, s->chunks_len, access);
     if (!mr.ok()) {
-      reject(req, ENOMEM, "cannot register the session's chunks");
+      reject(req, ENOMEM, refusal::kNoResources, "cannot register the session's chunks");
       return mr.error();
     }
     it = s->mrs.emplace(&d, std::move(*mr)).first;
@@ -741,7 +922,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
                                   fabric::kLocalWrite | fabric::kRemoteWrite);
       if (!mr.ok()) {
         p->chunk_mrs.clear();
-        reject(req, ENOMEM, "cannot register the session's chunks one by one");
+        reject(req, ENOMEM, refusal::kNoResources, "cannot register the session's chunks one by one");
         return mr.error();
       }
       p->chunk_mrs[i] = std::move(*mr);
@@ -763,7 +944,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   }
   auto cq = d.create_cq(caps.max_send_wr + caps.max_recv_wr);
   if (!cq.ok()) {
-    reject(req, ENOMEM, "cannot create a completion queue");
+    reject(req, ENOMEM, refusal::kNoResources, "cannot create a completion queue");
     return cq.error();
   }
   c->cq = std::move(*cq);
@@ -773,7 +954,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
     c->svc_buf = std::make_unique<std::byte[]>(c->svc_len);
     auto mr = d.register_memory(c->svc_buf.get(), c->svc_len, fabric::kLocalWrite);
     if (!mr.ok()) {
-      reject(req, ENOMEM, "cannot register service buffers");
+      reject(req, ENOMEM, refusal::kNoResources, "cannot register service buffers");
       return mr.error();
     }
     c->svc_mr = std::move(*mr);
@@ -803,8 +984,8 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   std::string why;
   auto info = proto::parse_info_req(msg, &why);
   if (!info.ok() || p->state.get() != ServerPathState::connecting || p->accepted != p->cid_num) {
-    IBTRS_LOG(warn, "session %s: INFO_REQ refused: %s", s->name_.c_str(),
-              info.ok() ? "path not ready (connections missing or already connected)" : why.c_str());
+    protocol_error("session %s: INFO_REQ refused: %s", s->name_.c_str(),
+                   info.ok() ? "path not ready (connections missing or already connected)" : why.c_str());
     close_path(p, "bad INFO_REQ");
     return;
   }
@@ -812,8 +993,8 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     std::lock_guard lock(s->mu);
     if (!s->name_.empty() && s->name_ != info->sessname) {
       // Two clients drew one session uuid (or one lies): joining them would cross their IO.
-      IBTRS_LOG(warn, "session %s: path %s names session '%s': refused", s->name_.c_str(),
-                info->pathname.c_str(), info->sessname.c_str());
+      protocol_error("session %s: path %s names session '%s': refused", s->name_.c_str(),
+                     info->pathname.c_str(), info->sessname.c_str());
       why = "session uuid already used by another session name";
     } else {
       if (s->name_.empty()) s->name_ = info->sessname;
@@ -847,6 +1028,7 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   // Open for IO before the client can learn the chunks: its first request may follow at once.
   for (auto& c : p->cons) c->gate.open();
   if (!p->state.change_from(ServerPathState::connecting, ServerPathState::connected).ok()) return;
+  if (uint64_t t = p->hs_timer.exchange(0)) svc_poller->cancel_timer(t);
   Sge sge = svc->svc_mr->sge(off, static_cast<uint32_t>(proto::info_rsp_size(s->qd)));
   SendWr wr{};
   wr.wr_id = wr_id(kWrSvc);
@@ -882,6 +1064,15 @@ void Impl::heartbeat_tick(Path* p) {
                                           [this, p] { heartbeat_tick(p); }));
 }
 
+void Impl::handshake_expired(Path* p) {
+  if (p->state.get() != ServerPathState::connecting) return;
+  refusals.refuse(refusal::kHandshakeTimeout,
+                  "path from " + p->peer.to_string() + ": " + std::to_string(p->accepted) + " of " +
+                      std::to_string(p->cid_num) + " connections and no INFO exchange after " +
+                      std::to_string(opts.handshake_timeout.count()) + " ms");
+  close_path(p, "handshake not finished in time");
+}
+
 void Impl::close_path(Path* p, const char* why) {
   const auto prev = p->state.get();
   if (!p->state.change(ServerPathState::closing).ok()) return;  // already closing or closed
@@ -889,6 +1080,7 @@ void Impl::close_path(Path* p, const char* why) {
   IBTRS_LOG(info, "session %s: closing path %s (%s): %s", s->name_.c_str(), p->name.c_str(),
             std::string(to_string(prev)).c_str(), why);
   if (uint64_t t = p->hb_timer.exchange(0)) svc_poller->cancel_timer(t);
+  if (uint64_t t = p->hs_timer.exchange(0)) svc_poller->cancel_timer(t);
   for (auto& c : p->cons) {
     Con* con = c.get();
     con->gate.close_and_wait();
@@ -897,6 +1089,9 @@ void Impl::close_path(Path* p, const char* why) {
         con->down = true;
         if (con->conn) con->conn->disconnect();
         con->poller->detach(con->cq.get());
+        // Timers run on this thread: none is running, and none is armed after this.
+        std::lock_guard lock(con->bl_mu);
+        if (con->bl_timer != 0) con->poller->cancel_timer(std::exchange(con->bl_timer, 0));
       });
     }
   }
@@ -909,16 +1104,9 @@ void Impl::close_path(Path* p, const char* why) {
     c->cq.reset();
     c->svc_mr.reset();
     c->svc_buf.reset();
-    std::lock_guard lock(c->bl_mu);
-    c->backlog.clear();
-    c->backlog_sges.clear();
+    c->clear_backlog();
   }
   p->chunk_mrs.clear();
-  for (auto& c : p->cons) {
-    std::lock_guard lock(c->bl_mu);
-    c->backlog.clear();
-    c->backlog_sges.clear();
-  }
   (void)p->state.change(ServerPathState::closed);
   {
     std::lock_guard lock(s->mu);
@@ -952,6 +1140,7 @@ void Impl::detach_session_if_empty(Session* s) {
 
 // Frees sessions without paths once the upper layer completed their requests.
 void Impl::reap() {
+  bool freed = false;
   for (auto it = dying.begin(); it != dying.end();) {
     Session* s = it->get();
     if ((s->inflight.load(std::memory_order_acquire) & ~Session::kDetached) != 0) {
@@ -960,20 +1149,51 @@ void Impl::reap() {
     }
     if (s->up) opts.handler->on_session_down(*s);
     for (auto& p : s->all) path_ids.erase(p->id);
+    chunk_memory.fetch_sub(size_t{s->qd} * s->chunk_size);
     it = dying.erase(it);
+    freed = true;
   }
+#if defined(__GLIBC__)
+  // What a session's connections allocated (their backlogs above all) goes back to the system,
+  // not only to malloc's arenas: a peer's burst must not stay in the daemon's RSS.
+  if (freed) ::malloc_trim(0);
+#endif
+}
+
+void Impl::count_listener_drops(size_t i) {
+  const fabric::Listener::Drops now = listeners[i]->drops();
+  fabric::Listener::Drops& seen = drops_seen[i];
+  const std::string where = "listener " + listeners[i]->address().to_string() + ": ";
+  refusals.refuse(refusal::kListenTimeout,
+                  where + "sockets dropped without a connection request within " +
+                      std::to_string(fabric::Listener::kHandshakeTimeout.count()) + " ms",
+                  now.timed_out - seen.timed_out);
+  refusals.refuse(refusal::kListenOverflow,
+                  where + "oldest pending sockets dropped for newer ones (listen backlog full)",
+                  now.overflow - seen.overflow);
+  refusals.refuse(refusal::kListenInvalid,
+                  where + "sockets dropped for a malformed or unfinished connection request",
+                  now.invalid - seen.invalid);
+  seen = now;
 }
 
 void Impl::accept_loop() {
   std::vector<pollfd> fds;
   for (auto& l : listeners) fds.push_back(pollfd{l->fd(), POLLIN, 0});
+  drops_seen.assign(listeners.size(), {});
   while (!stopping.load()) {
     int k = ::poll(fds.data(), fds.size(), 100);
     if (k <= 0) continue;
     for (size_t i = 0; i < fds.size(); ++i) {
       if ((fds[i].revents & POLLIN) == 0) continue;
       auto r = listeners[i]->get_request(0ms);
-      if (!r.ok()) continue;
+      count_listener_drops(i);
+      if (!r.ok()) {
+        if (r.error() != errc(ETIMEDOUT))
+          refusals.refuse(refusal::kListenError, "listener " + listeners[i]->address().to_string() +
+                                                     ": " + r.error().message());
+        continue;
+      }
       fabric::ConnectRequest* req = r->get();
       worker->call([this, req] {
         handle_connect(*req);
@@ -1031,11 +1251,18 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
       o.chunk_size < proto::kMinChunkSize || o.chunk_size > proto::kMaxChunkSize ||
       (o.chunk_size & (o.chunk_size - 1)) != 0 || o.max_hdr_size < 64 ||
       o.max_hdr_size >= o.chunk_size || o.heartbeat.interval.count() <= 0 ||
-      o.heartbeat.missed_max == 0)
+      o.heartbeat.missed_max == 0 || o.max_sessions == 0 || o.max_paths_per_session == 0 ||
+      o.max_chunk_memory < uint64_t{o.queue_depth} * o.chunk_size ||
+      o.handshake_timeout.count() <= 0 || o.ack_timeout.count() <= 0)
     return errc(EINVAL);
   IBTRS_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
   auto impl = std::make_unique<Impl>();
   impl->opts = std::move(o);
+  namespace r = refusal;
+  impl->refusals.declare({r::kSessionLimit, r::kPathLimit, r::kChunkMemoryLimit,
+                          r::kBadConnectRequest, r::kNoResources, r::kProtocolError,
+                          r::kHandshakeTimeout, r::kHandshakeEvicted, r::kAckTimeout,
+                          r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError});
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
   for (const Address& a : impl->opts.listen) {
@@ -1076,6 +1303,26 @@ std::vector<std::string> Server::sessions() const {
     if (!s->name_.empty()) out.push_back(s->name_);
   }
   return out;
+}
+
+Refusals& Server::refusals() const { return impl_->refusals; }
+
+ServerUsage Server::usage() const {
+  ServerUsage u;
+  u.chunk_memory = impl_->chunk_memory.load();
+  std::lock_guard lock(impl_->mu);
+  u.sessions = static_cast<uint32_t>(impl_->sessions.size());
+  for (auto& [id, s] : impl_->sessions) {
+    std::lock_guard sl(s->mu);
+    bool connected = false;
+    for (server::Path* p : s->live) {
+      ++u.paths;
+      connected |= p->state.get() == ServerPathState::connected;
+      for (auto& c : p->cons) u.backlog += c->bl_size.load(std::memory_order_relaxed);
+    }
+    if (!connected) ++u.handshaking_sessions;
+  }
+  return u;
 }
 
 Status Server::with_session(std::string_view name,

@@ -23,6 +23,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,8 +31,10 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "fabric/mr_table.h"
@@ -55,8 +58,12 @@ constexpr size_t kMaxTxIov = 1024;
 // 256 KiB ~6.5-6.8, 128 KiB ~4.0.
 constexpr size_t kMaxTxBytes = 256 * 1024;
 constexpr int kMaxEvents = 64;
-// How long a listener waits for a connected socket's CONNECT_REQ before dropping it.
-constexpr std::chrono::milliseconds kHandshakeTimeout{5000};
+// How long a listener waits for a connected socket's CONNECT_REQ before dropping it, and how
+// long accept/reject may take to send the 96-byte response (it fits an empty socket at once).
+constexpr std::chrono::milliseconds kHandshakeTimeout = Listener::kHandshakeTimeout;
+// How long a listener stops accepting after the process ran out of file descriptors (or
+// memory): the kernel keeps the connection queued, and retrying at once would spin.
+constexpr std::chrono::milliseconds kAcceptPause{100};
 
 int remaining_ms(Clock::time_point deadline) {
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -1009,18 +1016,57 @@ class TcpConnectRequest final : public ConnectRequest {
   Address peer_;
 };
 
+// The listener reads the handshakes of new sockets without blocking: fd() is an epoll set of
+// the listening socket, every socket whose CONNECT_REQ is incomplete (each with its deadline)
+// and a timerfd armed for the earliest deadline, so a waiter wakes when there is something to
+// return or to expire (fabric.h, Listener).
 class TcpListener final : public Listener {
  public:
-  TcpListener(TcpDomain& d, int sock, Address addr) : domain_(d), sock_(sock), addr_(std::move(addr)) {}
-  ~TcpListener() override { ::close(sock_); }
+  static Result<std::unique_ptr<Listener>> create(TcpDomain& d, int sock, size_t max_pending);
+  ~TcpListener() override;
   Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) override;
-  int fd() const override { return sock_; }
+  int fd() const override { return epfd_; }
   const Address& address() const override { return addr_; }
+  Drops drops() const override {
+    return {timed_out_.load(std::memory_order_relaxed), overflow_.load(std::memory_order_relaxed),
+            invalid_.load(std::memory_order_relaxed)};
+  }
 
  private:
+  // epoll ids: the listening socket, the timer, then one per pending socket in arrival order.
+  enum : uint64_t { kListenId = 0, kTimerId = 1, kFirstPendingId = 2 };
+  struct Pending {
+    int sock;
+    Clock::time_point deadline;
+    size_t got = 0;
+    HandshakeFrame frame;
+  };
+  using PendingMap = std::map<uint64_t, Pending>;
+
+  TcpListener(TcpDomain& d, int sock, int epfd, int tfd, size_t max_pending)
+      : domain_(d), sock_(sock), epfd_(epfd), tfd_(tfd), addr_(address_of(sock, false)),
+        max_pending_(max_pending) {}
+  // Takes every socket the kernel queued. A resource error pauses accepting (kAcceptPause) and
+  // is returned.
+  ibtrs::Status accept_new(Clock::time_point now);
+  // Reads what pending socket `id` sent: its request once the frame is complete and valid.
+  std::unique_ptr<ConnectRequest> read_pending(uint64_t id);
+  void drop(PendingMap::iterator it, std::atomic<uint64_t>& counter);
+  void expire(Clock::time_point now);
+  // The timer for the earliest deadline (or the end of an accept pause); disarmed when none.
+  void arm_timer();
+  void watch_listen_socket(bool on);
+
   TcpDomain& domain_;
   int sock_;
+  int epfd_;
+  int tfd_;
   Address addr_;
+  size_t max_pending_;
+  uint64_t next_id_ = kFirstPendingId;
+  PendingMap pending_;  // by id: arrival order, which is also deadline order
+  std::optional<Clock::time_point> accept_paused_until_;
+  std::atomic<uint64_t> timed_out_{0}, overflow_{0}, invalid_{0};
 };
 
 class TcpDomain final : public Domain {
@@ -1133,35 +1179,159 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
   return ConnectResult{std::move(c).value(), std::move(pd)};
 }
 
-Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
+Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, int sock, size_t max_pending) {
+  int ep = ::epoll_create1(EPOLL_CLOEXEC);
+  if (ep < 0) return errc(errno);
+  int tfd = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+  if (tfd < 0) {
+    int e = errno;
+    ::close(ep);
+    return errc(e);
+  }
+  // From here the listener owns the three fds.
+  std::unique_ptr<TcpListener> l(new TcpListener(d, sock, ep, tfd, max_pending));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u64 = kListenId;
+  if (::epoll_ctl(ep, EPOLL_CTL_ADD, sock, &ev) != 0) return errc(errno);
+  ev.data.u64 = kTimerId;
+  if (::epoll_ctl(ep, EPOLL_CTL_ADD, tfd, &ev) != 0) return errc(errno);
+  return std::unique_ptr<Listener>(std::move(l));
+}
+
+TcpListener::~TcpListener() {
+  for (auto& [id, p] : pending_) ::close(p.sock);
+  ::close(tfd_);
+  ::close(epfd_);
+  ::close(sock_);
+}
+
+void TcpListener::drop(PendingMap::iterator it, std::atomic<uint64_t>& counter) {
+  // Closing removes the socket from the epoll set.
+  ::close(it->second.sock);
+  pending_.erase(it);
+  counter.fetch_add(1, std::memory_order_relaxed);
+}
+
+void TcpListener::expire(Clock::time_point now) {
+  while (!pending_.empty() && pending_.begin()->second.deadline <= now)
+    drop(pending_.begin(), timed_out_);
+  if (accept_paused_until_ && *accept_paused_until_ <= now) {
+    accept_paused_until_.reset();
+    watch_listen_socket(true);
+  }
+}
+
+void TcpListener::watch_listen_socket(bool on) {
+  epoll_event ev{};
+  ev.events = on ? EPOLLIN : 0u;
+  ev.data.u64 = kListenId;
+  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, sock_, &ev);
+}
+
+void TcpListener::arm_timer() {
+  std::optional<Clock::time_point> next = accept_paused_until_;
+  if (!pending_.empty() && (!next || pending_.begin()->second.deadline < *next))
+    next = pending_.begin()->second.deadline;
+  itimerspec its{};
+  if (next) {
+    // steady_clock is CLOCK_MONOTONIC on Linux; an absolute time already past fires at once.
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(next->time_since_epoch()).count();
+    its.it_value.tv_sec = static_cast<time_t>(std::max<int64_t>(ns, 1) / 1000000000);
+    its.it_value.tv_nsec = static_cast<long>(std::max<int64_t>(ns, 1) % 1000000000);
+  }
+  // Setting the timer also clears an expiry not read yet.
+  ::timerfd_settime(tfd_, TFD_TIMER_ABSTIME, &its, nullptr);
+}
+
+ibtrs::Status TcpListener::accept_new(Clock::time_point now) {
   for (;;) {
     int s = ::accept4(sock_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (s < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) return errc(errno);
-      pollfd pfd{sock_, POLLIN, 0};
-      int ms = remaining_ms(deadline);
-      if (ms == 0) return errc(ETIMEDOUT);
-      int r = ::poll(&pfd, 1, ms);
-      if (r < 0 && errno != EINTR) return errc(errno);
-      if (r == 0) return errc(ETIMEDOUT);
-      continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return {};
+      const int e = errno;
+      if (e == EMFILE || e == ENFILE || e == ENOBUFS || e == ENOMEM) {
+        // Out of descriptors or memory: the kernel keeps the connection queued and would report
+        // the socket readable again at once. Pause instead of spinning.
+        accept_paused_until_ = now + kAcceptPause;
+        watch_listen_socket(false);
+      }
+      return errc(e);
     }
-    // A socket that does not complete the handshake in time, or sends garbage, is dropped and
-    // we keep listening: a stray peer must not fail the server's accept loop.
-    HandshakeFrame req;
-    auto hs_deadline = std::min(deadline + kHandshakeTimeout, Clock::now() + kHandshakeTimeout);
-    if (!io_all(s, &req, sizeof(req), false, hs_deadline) ||
-        !handshake_valid(req, FrameType::connect_req)) {
+    if (pending_.size() >= max_pending_) drop(pending_.begin(), overflow_);
+    const uint64_t id = next_id_++;
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = id;
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, s, &ev) != 0) {
       ::close(s);
-      if (remaining_ms(deadline) == 0) return errc(ETIMEDOUT);
       continue;
     }
-    std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(req.body.private_data),
-                              reinterpret_cast<const std::byte*>(req.body.private_data) +
-                                  req.body.private_len);
-    return std::unique_ptr<ConnectRequest>(new TcpConnectRequest(domain_, s, std::move(pd)));
+    Pending& p = pending_[id];
+    p.sock = s;
+    p.deadline = now + kHandshakeTimeout;
+  }
+}
+
+std::unique_ptr<ConnectRequest> TcpListener::read_pending(uint64_t id) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return nullptr;  // dropped in this pass
+  Pending& p = it->second;
+  // Exactly the frame: the peer sends nothing more before it has read our response.
+  ssize_t n = ::recv(p.sock, reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got,
+                     MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return nullptr;
+  if (n <= 0) {
+    drop(it, invalid_);
+    return nullptr;
+  }
+  p.got += static_cast<size_t>(n);
+  if (p.got < sizeof(p.frame)) return nullptr;
+  if (!handshake_valid(p.frame, FrameType::connect_req)) {
+    drop(it, invalid_);
+    return nullptr;
+  }
+  const int s = p.sock;
+  std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(p.frame.body.private_data),
+                            reinterpret_cast<const std::byte*>(p.frame.body.private_data) +
+                                p.frame.body.private_len);
+  epoll_event ev{};
+  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, s, &ev);
+  pending_.erase(it);
+  return std::make_unique<TcpConnectRequest>(domain_, s, std::move(pd));
+}
+
+Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    const auto now = Clock::now();
+    expire(now);
+    epoll_event evs[kMaxEvents];
+    int n = ::epoll_wait(epfd_, evs, kMaxEvents, 0);
+    if (n < 0 && errno != EINTR) return errc(errno);
+    std::unique_ptr<ConnectRequest> ready;
+    ibtrs::Status failed;
+    // The set is level-triggered: what this pass leaves (after a request was found) shows again.
+    for (int i = 0; i < n && ready == nullptr; ++i) {
+      const uint64_t id = evs[i].data.u64;
+      if (id == kListenId) {
+        if (auto st = accept_new(now); !st) failed = st;
+      } else if (id == kTimerId) {
+        uint64_t ticks;
+        [[maybe_unused]] ssize_t r = ::read(tfd_, &ticks, sizeof(ticks));
+      } else {
+        ready = read_pending(id);
+      }
+    }
+    arm_timer();
+    if (ready != nullptr) return ready;
+    if (!failed) return failed.error();
+    const int ms = remaining_ms(deadline);
+    if (ms == 0) return errc(ETIMEDOUT);
+    // Anything to do: a new socket, bytes from a pending one, or the timer.
+    pollfd pfd{epfd_, POLLIN, 0};
+    if (::poll(&pfd, 1, ms) < 0 && errno != EINTR) return errc(errno);
   }
 }
 
@@ -1185,7 +1355,7 @@ class TcpFabric final : public Fabric {
       ::close(s);
       return errc(e);
     }
-    return std::unique_ptr<Listener>(new TcpListener(domain_, s, address_of(s, false)));
+    return TcpListener::create(domain_, s, static_cast<size_t>(backlog));
   }
 
  private:
