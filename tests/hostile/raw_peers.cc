@@ -271,24 +271,22 @@ Result<iproto::IoRspImm> RawFabricPeer::next_response(Ms t) {
   return errc(ETIMEDOUT);
 }
 
-int RawFabricPeer::request_read(std::span<const std::byte> usr, uint32_t len, Ms t) {
-  if (auto st = post_read(0, usr, len); !st.ok()) return -st.error().value();
+int RawFabricPeer::answer_of(const Status& posted, uint32_t chunk, Ms t) {
+  if (!posted.ok()) return -posted.error().value();
   const auto end = Clock::now() + t;
   for (;;) {
     auto r = next_response(left(end));
     if (!r.ok()) return -r.error().value();
-    if (r->permit_id == 0) return r->err;
+    if (r->permit_id == chunk) return r->err;
   }
 }
 
+int RawFabricPeer::request_read(std::span<const std::byte> usr, uint32_t len, Ms t) {
+  return answer_of(post_read(0, usr, len), 0, t);
+}
+
 int RawFabricPeer::request_write(std::span<const std::byte> usr, std::span<const std::byte> data, Ms t) {
-  if (auto st = post_write(0, usr, data); !st.ok()) return -st.error().value();
-  const auto end = Clock::now() + t;
-  for (;;) {
-    auto r = next_response(left(end));
-    if (!r.ok()) return -r.error().value();
-    if (r->permit_id == 0) return r->err;
-  }
+  return answer_of(post_write(0, usr, data), 0, t);
 }
 
 Status RawFabricPeer::rdma_write(uint64_t addr, uint32_t key, std::span<const std::byte> bytes) {

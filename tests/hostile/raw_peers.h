@@ -91,6 +91,9 @@ class RawFabricPeer {
   RawFabricPeer() = default;
   Status post_recvs(Con& c, size_t area_off, uint32_t slot, uint32_t n);
   Status post_request(uint32_t chunk, uint32_t len, uint32_t offset, size_t stage_off);
+  // The errno of the answer for `chunk` (others' are dropped), or minus a failure of the post or
+  // the wait.
+  int answer_of(const Status& posted, uint32_t chunk, Ms t);
   std::byte* stage(uint32_t chunk) { return buf_.get() + kStageOff + size_t{chunk} * kStageSlot; }
 
   static constexpr size_t kRespSize = 1 << 20;         // [0, 1 MiB): READ targets
