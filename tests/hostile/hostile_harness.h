@@ -103,6 +103,9 @@ class ServerUnderTest {
   bool alive() { return daemon_->alive(); }
   std::string log() const { return daemon_->log(); }
   std::optional<Usage> usage() const { return usage_of(pid()); }
+  // SIGTERM and its exit status (0: it closed every session and, in a sanitizer build, found
+  // nothing); nothing when it did not end within `t`.
+  std::optional<int> stop(Ms t) { return daemon_->wait_exit(t, true); }
 
   // A sparse file of `size` bytes in the export directory.
   void make_file(const std::string& name, uint64_t size) const;

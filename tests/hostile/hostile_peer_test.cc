@@ -111,7 +111,9 @@ class HostilePeer : public ::testing::Test {
   void TearDown() override {
     victim_dev_.reset();
     victim_.reset();
-    if (server_ != nullptr && HasFailure()) std::cerr << "---- ibnbd-server log ----\n" << server_->log();
+    if (server_ == nullptr || !server_->ok()) return;
+    EXPECT_EQ(server_->stop(Ms(15000)), std::optional<int>(0)) << "ibnbd-server did not stop cleanly";
+    if (HasFailure()) std::cerr << "---- ibnbd-server log ----\n" << server_->log();
   }
 
   std::unique_ptr<ServerUnderTest> server_;

@@ -227,7 +227,7 @@ Status RawFabricPeer::post_write(uint32_t chunk, std::span<const std::byte> usr,
   // area (one at a time).
   const size_t off = total <= kStageSlot ? kStageOff + size_t{chunk} * kStageSlot : kDataOff;
   std::byte* p = buf_.get() + off;
-  std::memcpy(p, data.data(), data.size());
+  if (!data.empty()) std::memcpy(p, data.data(), data.size());
   std::memcpy(p + data.size(), usr.data(), usr.size());
   iproto::WriteMsg m{};
   m.type.set(static_cast<uint16_t>(iproto::MsgType::write));
