@@ -41,9 +41,12 @@ const char kUsage[] =
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
     "  device io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]\n"
     "         writes a pattern and reads it back through the mapped device (progress on stderr)\n"
-    "  device export <device> [unix PATH] [tcp [HOST:]PORT] [name NAME] [remote]\n"
-    "         serves the mapped device over NBD (tcp: loopback only unless 'remote'; port 0 picks\n"
-    "         one) | unexport <device> | exports\n"
+    "  device export <device> [unix PATH [mode MODE] [group GROUP]] [tcp [HOST:]PORT insecure]\n"
+    "         [name NAME] [remote]\n"
+    "         serves the mapped device over NBD, which authenticates nobody: the unix socket is\n"
+    "         owner-only unless mode (octal) / group say more; tcp has no TLS yet and needs the\n"
+    "         word insecure (any local user can connect), and 'remote' beyond loopback; port 0\n"
+    "         picks one | unexport <device> | exports\n"
     "  session list | show <session> | reconnect <session> | disconnect <session>\n"
     "  session recover [<session>]   reconnect paths that are down, re-open closed devices\n"
     "  session max-reconnect-attempts <session> [N]   shows, or sets (-1: forever, 0..9999)\n"
@@ -440,12 +443,13 @@ int run_client(const Cli& c) {
       req[k] = *n;
     }
   } else if (c.object == "device" && cmd == "export") {
-    // export <device> [unix PATH] [tcp [HOST:]PORT] [name NAME] [remote]
+    // export <device> [unix PATH [mode MODE] [group GROUP]] [tcp [HOST:]PORT insecure]
+    //        [name NAME] [remote]
     req = json{{"cmd", "nbd_export"}, {"device", c.arg(0, "<device>")}};
     for (size_t i = 1; i < c.args.size(); ++i) {
       const std::string& k = c.args[i];
-      if (k == "remote") req["remote"] = true;
-      else if (k == "unix" || k == "tcp" || k == "name") req[k] = c.arg(++i, "a value");
+      if (k == "remote" || k == "insecure") req[k] = true;
+      else if (k == "unix" || k == "tcp" || k == "name" || k == "mode" || k == "group") req[k] = c.arg(++i, "a value");
       else fail(22, "export: unknown word '" + k + "'");
     }
   } else if (c.object == "device" && cmd == "unexport") {

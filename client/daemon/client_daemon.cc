@@ -1,14 +1,17 @@
 #include "client_daemon.h"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -24,6 +27,19 @@ using Clock = std::chrono::steady_clock;
 json err(int e, const std::string& text = {}) { return ControlSocket::error(e, text); }
 json err(std::error_code ec, const std::string& what) {
   return ControlSocket::error(ec.value(), what + ": " + ec.message());
+}
+
+// A group by name or number (nothing when there is no such group).
+std::optional<gid_t> group_id(const std::string& g) {
+  unsigned v = 0;
+  auto [p, ec] = std::from_chars(g.data(), g.data() + g.size(), v);
+  if (!g.empty() && ec == std::errc() && p == g.data() + g.size()) return static_cast<gid_t>(v);
+  std::vector<char> buf(16384);
+  group gr{};
+  group* found = nullptr;
+  if (::getgrnam_r(g.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr)
+    return std::nullopt;
+  return found->gr_gid;
 }
 
 std::string str_arg(const json& req, const char* k) {
@@ -682,19 +698,43 @@ std::string ClientDaemon::export_addresses(const std::string& dev) const {
   return out;
 }
 
-// nbd_export {device, unix?: PATH, tcp?: "HOST:PORT", name?, remote?}: serves a mapped device
-// over NBD. TCP must be a loopback address unless `remote` is true: an NBD export has no
-// authentication, so reaching it from the network is the admin's explicit choice.
+// nbd_export {device, unix?: PATH, mode?: "0660", group?: NAME|GID, tcp?: "HOST:PORT",
+// insecure?, name?, remote?}: serves a mapped device over NBD, which authenticates nobody, so
+// every way in is explicit. The unix socket is owner-only unless `mode` / `group` say who else
+// may connect. TCP (no TLS yet) needs `insecure`: any local user can connect to a loopback port
+// and read and write the device. Beyond loopback it needs `remote` as well.
 json ClientDaemon::nbd_export(const json& req) {
   const std::string dev = str_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   nbd::NbdServerOptions o;
-  if (req.contains("unix")) o.listen.push_back(nbd::ListenSpec::unix_socket(str_arg(req, "unix")));
+  if (req.contains("unix")) {
+    nbd::ListenSpec l = nbd::ListenSpec::unix_socket(str_arg(req, "unix"));
+    if (req.contains("mode")) {
+      const std::string m = str_arg(req, "mode");
+      unsigned v = 0;
+      auto [p, ec] = std::from_chars(m.data(), m.data() + m.size(), v, 8);
+      if (m.empty() || ec != std::errc() || p != m.data() + m.size() || v > 0777)
+        return err(EINVAL, "mode '" + m + "': octal permission bits, e.g. 0660");
+      l.mode = static_cast<mode_t>(v);
+    }
+    if (req.contains("group")) {
+      auto g = group_id(str_arg(req, "group"));
+      if (!g) return err(EINVAL, "group '" + str_arg(req, "group") + "': no such group");
+      l.group = *g;
+    }
+    o.listen.push_back(std::move(l));
+  } else if (req.contains("mode") || req.contains("group")) {
+    return err(EINVAL, "mode and group are for the unix socket");
+  }
   if (req.contains("tcp")) {
     const std::string a = str_arg(req, "tcp");
     auto l = nbd::ListenSpec::parse_tcp(a.empty() ? "127.0.0.1:0" : a);
     if (!l.ok()) return err(EINVAL, "tcp '" + a + "': HOST:PORT with a numeric address");
+    if (!req.value("insecure", false))
+      return err(EPERM, "tcp " + l->to_string() + ": NBD over tcp has neither TLS nor authentication: " +
+                            "anyone who can connect (any local user, on loopback) reads and writes " + dev +
+                            "; pass insecure to serve it in the clear anyway, or use a unix socket");
     if (!l->is_local() && !req.value("remote", false))
       return err(EPERM, "tcp " + l->to_string() + " is not a loopback address; NBD has no " +
                             "authentication: pass remote to listen there anyway");

@@ -28,7 +28,8 @@ const char kUsage[] =
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
     "                    [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]\n"
-    "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too).\n"
+    "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too). PATH.lock\n"
+    "    beside it (flock) keeps a second daemon off a live socket; a dead daemon's is reused.\n"
     "  --ready-file: written once the control socket accepts commands (after the ublk\n"
     "    devices of a crashed predecessor were taken back).\n"
     "  --state-dir: records of ublk devices, for recovery after a crash (default\n"
@@ -92,9 +93,17 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
+  // First: a second daemon on a live control socket stops here, before it could take the ublk
+  // devices of the running one for a crashed predecessor's.
+  std::string why;
+  auto lock = ibnbd::ControlSocketLock::acquire(socket_path, &why);
+  if (!lock) {
+    std::fprintf(stderr, "ibnbd-client: control socket %s: %s\n", socket_path.c_str(), why.c_str());
+    return 1;
+  }
   ibnbd::ClientDaemon daemon(o);
   for (auto& r : daemon.recover_ublk()) std::fprintf(stderr, "ibnbd-client: recovery: %s\n", r.dump().c_str());
-  auto ctl = ibnbd::ControlSocket::start(socket_path, [&](const nlohmann::json& req, const auto& emit) {
+  auto ctl = ibnbd::ControlSocket::start(std::move(*lock), [&](const nlohmann::json& req, const auto& emit) {
     return daemon.handle(req, emit);
   });
   if (!ctl) {

@@ -4,13 +4,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <utility>
 
+#include "control_queue.h"
 #include "control_thread.h"
 #include "proto/access.h"
 #include "proto/ibnbd_proto.h"
@@ -62,8 +66,10 @@ struct Counters {
   }
 };
 
-// One exported device, shared by every session that holds it open.
+// One exported device, shared by every session that holds it open. It is its store (FileId),
+// whatever name each session opened it by; `name` is its first opening's resolved path.
 struct Device {
+  FileId id;
   std::string name;
   std::unique_ptr<Backend> backend;
   Counters stats;
@@ -94,6 +100,41 @@ struct Sess {
   std::unique_ptr<IoCtx[]> ctxs;
   uint32_t nctx = 0;
   Counters stats;
+  std::atomic<bool> ctl_refusal_logged{false};  // the first EAGAIN of its control queue was logged
+};
+
+// A control request decoded on its IO thread, waiting for the control thread: the request to
+// answer and the message as a value (the chunk it came in is never read again).
+struct ControlReq {
+  ServerRequest* r = nullptr;
+  proto::Request msg;
+};
+
+// Control requests (OPEN, CLOSE) one session may have waiting; more are refused with EAGAIN. An
+// honest client sends them one at a time (BlockSession serializes map, unmap and remap).
+constexpr size_t kMaxControlPerSession = 16;
+
+// The largest user header the server copies out of a chunk: OPEN (264 bytes) with room for a
+// longer SESS_INFO from a newer client (its tail is ignored). Longer ones are EBADMSG.
+constexpr size_t kMaxRequestMsg = 512;
+static_assert(sizeof(proto::OpenMsg) <= kMaxRequestMsg && sizeof(proto::IoMsg) <= kMaxRequestMsg);
+
+// A read-side section of one IO thread: from before it reads a session's slot until the request
+// counted itself in flight on the device it found. `seq` is odd inside. quiesce() waits only for
+// sections that are running, which take a few instructions; it never waits for the thread's
+// loop. Both sides use seq_cst (the entry here, the slot load, the slot clear and quiesce's
+// read), so either the reader sees the cleared slot or quiesce sees the reader inside.
+class LookupSection {
+ public:
+  explicit LookupSection(std::atomic<uint64_t>& seq)
+      : seq_(seq), v_(seq.fetch_add(1, std::memory_order_seq_cst) + 1) {}
+  ~LookupSection() { seq_.store(v_ + 1, std::memory_order_release); }
+  LookupSection(const LookupSection&) = delete;
+  LookupSection& operator=(const LookupSection&) = delete;
+
+ private:
+  std::atomic<uint64_t>& seq_;
+  uint64_t v_;
 };
 
 }  // namespace
@@ -103,7 +144,8 @@ struct EngineHook final : ibtrs::IoThreadHook {
   std::unique_ptr<IoEngine> engine;
   // Requests the ring had no room for (EAGAIN): retried as completions free slots.
   std::deque<std::pair<ServerRequest*, ibnbd::IoRequest>> overflow;
-  std::atomic<uint64_t> passes{0};
+  // LookupSection of this thread; its own cache line (written twice per IO, read by quiesce).
+  alignas(64) std::atomic<uint64_t> lookups{0};
 
   int fd() const override { return engine->event_fd(); }
   size_t poll() override {
@@ -121,10 +163,7 @@ struct EngineHook final : ibtrs::IoThreadHook {
     }
     return n;
   }
-  void flush() override {
-    (void)engine->kick();
-    passes.fetch_add(1, std::memory_order_release);
-  }
+  void flush() override { (void)engine->kick(); }
 };
 
 }  // namespace server
@@ -139,8 +178,15 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 
   // Control thread only.
   proto::OpenTable table;
-  std::map<std::string, std::unique_ptr<Device>, std::less<>> devices;
+  std::map<FileId, std::unique_ptr<Device>> devices;
   proto::SessionId next_session = 1;
+
+  // OPEN and CLOSE waiting for the control thread, per session, served round robin; at most one
+  // serve_control() task is posted at a time (ctl_serving), so admin commands posted meanwhile
+  // wait for one request, not for a whole flood.
+  std::mutex ctl_mu;
+  FairQueue<Sess*, ControlReq> ctl_queue{kMaxControlPerSession};
+  bool ctl_serving = false;
 
   // Sessions by name, for listings and admin lookups (the IO path never takes it).
   mutable std::mutex mu;
@@ -195,10 +241,10 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   void release_all(Sess& s) {
     bool published = false;
     for (uint32_t i = 0; i < opts.max_devices_per_session; ++i)
-      published |= s.slots[i].dev.exchange(nullptr, std::memory_order_acq_rel) != nullptr;
+      published |= s.slots[i].dev.exchange(nullptr, std::memory_order_seq_cst) != nullptr;
     if (published) quiesce();
     for (auto& r : table.end_session(s.id)) {
-      if (r.last_holder) close_device(r.dev);
+      if (r.last_holder) close_device(r.file);
     }
   }
 
@@ -222,15 +268,27 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   void on_request(ServerRequest& r) override {
     auto* s = static_cast<Sess*>(r.session().context.load(std::memory_order_acquire));
     if (s == nullptr) return r.complete(ESHUTDOWN);
-    auto type = proto::peek_type(r.usr());
-    if (!type.ok()) return r.complete(EBADMSG);
+    // The message lies in the session's chunk, which the client may still write (it holds the
+    // chunk's key). It is copied out once, here, and decoded from the copy; only the decoded
+    // value goes on (to the engine or the control thread). Nothing after this reads r.usr().
+    const auto usr = r.usr();
+    if (usr.size() > kMaxRequestMsg) return r.complete(EBADMSG);
+    std::array<std::byte, kMaxRequestMsg> copy;
+    std::memcpy(copy.data(), usr.data(), usr.size());
+    const std::span<const std::byte> msg(copy.data(), usr.size());
     const proto::Carrier carrier{r.dir(), r.data().size()};
-    switch (*type) {
-      case proto::MsgType::io: return submit_io(*s, r, carrier);
+    auto type = proto::peek_type(msg);
+    if (!type.ok()) return r.complete(EBADMSG);
+    if (*type == proto::MsgType::io) {  // the IO path: no Request (with its strings) built
+      auto io = proto::decode_io(msg, carrier);
+      if (!io.ok()) return r.complete(io.error().value());
+      return submit_io(*s, r, *io);
+    }
+    auto m = proto::decode_request(msg, carrier);
+    if (!m.ok()) return r.complete(m.error().value());
+    switch (m->type) {
       case proto::MsgType::sess_info: {
-        auto m = proto::decode_sess_info(r.usr(), carrier);
-        if (!m.ok()) return r.complete(m.error().value());
-        auto v = proto::negotiate_version(m->ver);
+        auto v = proto::negotiate_version(m->sess_info.ver);
         if (!v.ok()) return r.complete(v.error().value());
         auto n = proto::encode_sess_info_rsp(r.data(), proto::SessInfoRsp{*v});
         if (!n.ok()) return r.complete(n.error().value());
@@ -239,47 +297,95 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       }
       case proto::MsgType::open:
       case proto::MsgType::close:
-        control.post([this, s, &r, carrier] { control_request(*s, r, carrier); });
-        return;
+        return queue_control(*s, r, std::move(*m));
       default:
         return r.complete(EBADMSG);
     }
   }
 
+  // IO thread: hands a decoded OPEN or CLOSE to the control thread, or refuses it with EAGAIN
+  // when the session already has kMaxControlPerSession waiting.
+  void queue_control(Sess& s, ServerRequest& r, proto::Request&& m) {
+    bool post = false;
+    bool queued = false;
+    {
+      std::lock_guard l(ctl_mu);
+      queued = ctl_queue.push(&s, ControlReq{&r, std::move(m)});
+      if (queued) post = !std::exchange(ctl_serving, true);
+    }
+    if (post) control.post([this] { serve_control(); });
+    if (queued) return;
+    if (!s.ctl_refusal_logged.exchange(true, std::memory_order_relaxed))
+      log_warn("control requests of session", s.name,
+               "more than " + std::to_string(kMaxControlPerSession) +
+                   " waiting; refusing the excess with EAGAIN (logged once per session)");
+    r.complete(EAGAIN);
+  }
+
+  // Control thread: one request of the session whose turn it is, then the next turn is posted
+  // behind whatever else was posted meanwhile (admin commands, session ends).
+  void serve_control() {
+    std::optional<std::pair<Sess*, ControlReq>> next;
+    {
+      std::lock_guard l(ctl_mu);
+      next = ctl_queue.pop();
+      if (!next) {
+        ctl_serving = false;
+        return;
+      }
+    }
+    control_request(*next->first, *next->second.r, next->second.msg);
+    bool more = false;
+    {
+      std::lock_guard l(ctl_mu);
+      more = !ctl_queue.empty();
+      if (!more) ctl_serving = false;
+    }
+    if (more) control.post([this] { serve_control(); });
+  }
+
   // ---- IO path (the request's IO thread) ----
-  void submit_io(Sess& s, ServerRequest& r, const proto::Carrier& carrier) {
-    auto io = proto::decode_io(r.usr(), carrier);
-    if (!io.ok()) return r.complete(io.error().value());
+  void submit_io(Sess& s, ServerRequest& r, const proto::Io& io) {
     // No version check: before SESS_INFO no device is open, so such IO gets ENODEV below like
     // any unknown id. It is what a restarted server (or one that dropped the session's last
     // path) receives first -- the client's transport re-sends its requests in flight before the
     // client's SESS_INFO -- and ENODEV is the answer the client remaps and retries on.
-    if (io->device_id >= opts.max_devices_per_session || r.chunk_id() >= s.nctx)
+    if (io.device_id >= opts.max_devices_per_session || r.chunk_id() >= s.nctx)
       return r.complete(ENODEV);
-    Slot& slot = s.slots[io->device_id];
-    Device* d = slot.dev.load(std::memory_order_acquire);
-    if (d == nullptr) return r.complete(ENODEV);
-    auto allowed = proto::check_op_allowed(static_cast<AccessMode>(slot.mode.load(std::memory_order_relaxed)), io->op);
-    if (!allowed.ok()) return r.complete(allowed.error().value());
+    EngineHook* h = r.io_thread() < hooks.size() ? hooks[r.io_thread()].get() : nullptr;
+    if (h == nullptr) return r.complete(EIO);
     IoCtx& c = s.ctxs[r.chunk_id()];
+    Device* d = nullptr;
+    int refused = 0;
+    {
+      LookupSection section(h->lookups);
+      Slot& slot = s.slots[io.device_id];
+      d = slot.dev.load(std::memory_order_seq_cst);
+      const auto mode = static_cast<AccessMode>(slot.mode.load(std::memory_order_relaxed));
+      if (d == nullptr) {
+        refused = ENODEV;
+      } else if (auto allowed = proto::check_op_allowed(mode, io.op); !allowed.ok()) {
+        refused = allowed.error().value();
+      } else {
+        d->stats.inflight.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (refused != 0) return r.complete(refused);
     c.sess = &s;
     c.req = &r;
     c.dev = d;
-    c.op = io->op;
-    c.bytes = io->bi_size;
-    d->stats.inflight.fetch_add(1, std::memory_order_relaxed);
+    c.op = io.op;
+    c.bytes = io.bi_size;
     s.stats.inflight.fetch_add(1, std::memory_order_relaxed);
     ibnbd::IoRequest q;
     q.backend = d->backend.get();
-    q.op = io->op;
-    q.flags = io->flags;
-    q.offset = io->sector * kSectorSize;
-    q.len = io->bi_size;
-    if (io->op == IoOp::read || io->op == IoOp::write) q.buf = r.data();
+    q.op = io.op;
+    q.flags = io.flags;
+    q.offset = io.sector * kSectorSize;
+    q.len = io.bi_size;
+    if (io.op == IoOp::read || io.op == IoOp::write) q.buf = r.data();
     q.done = &Impl::io_done;
     q.ctx = &c;
-    EngineHook* h = r.io_thread() < hooks.size() ? hooks[r.io_thread()].get() : nullptr;
-    if (h == nullptr) return io_done(&c, EIO);
     auto st = h->engine->submit(q);
     if (st.ok()) return;
     if (st.error() == std::errc::resource_unavailable_try_again) {
@@ -299,19 +405,14 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   // ---- control thread ----
-  void control_request(Sess& s, ServerRequest& r, const proto::Carrier& carrier) {
-    auto type = proto::peek_type(r.usr());
-    if (*type == proto::MsgType::open) {
-      auto m = proto::decode_open(r.usr(), carrier);
-      if (!m.ok()) return r.complete(m.error().value());
-      auto rsp = open_device(s, *m);
+  void control_request(Sess& s, ServerRequest& r, const proto::Request& m) {
+    if (m.type == proto::MsgType::open) {
+      auto rsp = open_device(s, m.open);
       if (!rsp.ok()) return r.complete(rsp.error().value());
       auto n = proto::encode_open_rsp(r.data(), *rsp);
       return r.complete(n.ok() ? 0 : n.error().value());
     }
-    auto m = proto::decode_close(r.usr(), carrier);
-    if (!m.ok()) return r.complete(m.error().value());
-    r.complete(close_id(s, m->device_id).error().value());
+    r.complete(close_id(s, m.close.device_id).error().value());
   }
 
   Result<proto::OpenRsp> open_device(Sess& s, const proto::Open& m) {
@@ -323,13 +424,16 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       return target.error();
     }
     if (opts.read_only && m.mode != AccessMode::ro) return errc(EROFS);
-    const std::string name = target->root_path + "/" + target->rel_path;
+    // The device is the store the name leads to: an alias of an open device (a symlink, "./x",
+    // "/root/x") is that device, under the name it already has.
+    std::string name = target->root_path + "/" + target->rel_path;
     Device* dev = nullptr;
-    if (auto it = devices.find(name); it != devices.end()) {
+    if (auto it = devices.find(target->id); it != devices.end()) {
       dev = it->second.get();
+      name = dev->name;
       if (dev->backend->read_only() && m.mode != AccessMode::ro) return errc(EROFS);
     }
-    auto grant = table.open(s.id, name, m.mode);
+    auto grant = table.open(s.id, target->id, name, m.mode);
     if (!grant.ok()) return grant.error();
     if (dev == nullptr) {
       OpenOptions oo;
@@ -347,10 +451,11 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
         return b.error();
       }
       auto d = std::make_unique<Device>();
+      d->id = target->id;
       d->name = name;
       d->backend = std::move(*b);
       dev = d.get();
-      devices.emplace(name, std::move(d));
+      devices.emplace(target->id, std::move(d));
     }
     if (grant->device_id >= opts.max_devices_per_session) {
       (void)release(s.id, grant->device_id);
@@ -369,30 +474,40 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   Status release(proto::SessionId sid, uint32_t id) {
     auto r = table.close(sid, id);
     if (!r.ok()) return r.error();
-    if (r->last_holder) close_device(r->dev);
+    if (r->last_holder) close_device(r->file);
     return {};
   }
 
+  // CLOSE. An id the session does not have (never opened, closed already, out of range) is
+  // ENODEV at once, the answer IO to it gets: nothing of it is visible to the IO threads, so
+  // there is nothing to wait for, and a flood of such CLOSEs costs a map lookup each.
   Status close_id(Sess& s, uint32_t id) {
-    if (id >= opts.max_devices_per_session) return errc(ENOENT);
-    s.slots[id].dev.store(nullptr, std::memory_order_release);
-    quiesce();
+    if (id >= opts.max_devices_per_session || !table.has_id(s.id, id)) return errc(ENODEV);
+    unpublish(s.slots[id]);
     return release(s.id, id);
   }
 
-  // Waits until every IO thread finished the pass it was in: a request that saw a slot before
-  // it was cleared has by then counted itself in flight on the device.
+  // Takes a slot away from the IO threads; when it was visible, waits until no lookup that may
+  // have seen it is still running.
+  void unpublish(Slot& slot) {
+    if (slot.dev.exchange(nullptr, std::memory_order_seq_cst) != nullptr) quiesce();
+  }
+
+  // Waits until every IO thread has left the LookupSection it was in, if any: a request that saw
+  // a slot before it was cleared has by then counted itself in flight on the device. Sections
+  // are a few instructions long, so this takes microseconds (waiting for two loop passes of
+  // every IO thread, as before, took ~0.1 s per idle thread).
   void quiesce() {
-    std::vector<uint64_t> seen;
-    for (auto& h : hooks) seen.push_back(h ? h->passes.load(std::memory_order_acquire) : 0);
-    for (size_t i = 0; i < hooks.size(); ++i) {
-      while (hooks[i] && hooks[i]->passes.load(std::memory_order_acquire) <= seen[i] + 1)
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    for (auto& h : hooks) {
+      if (!h) continue;
+      const uint64_t v = h->lookups.load(std::memory_order_seq_cst);
+      if ((v & 1) == 0) continue;
+      while (h->lookups.load(std::memory_order_acquire) == v) std::this_thread::yield();
     }
   }
 
-  void close_device(const std::string& name) {
-    auto it = devices.find(name);
+  void close_device(const FileId& id) {
+    auto it = devices.find(id);
     if (it == devices.end()) return;
     Device* d = it->second.get();
     quiesce();
@@ -419,9 +534,9 @@ BlockServer::~BlockServer() {
   // the engines' completions) run until then.
   impl_->transport.reset();
   impl_->control.call([im = impl_.get()] {
-    std::vector<std::string> names;
-    for (auto& [n, d] : im->devices) names.push_back(n);
-    for (auto& n : names) im->close_device(n);
+    std::vector<FileId> ids;
+    for (auto& [id, d] : im->devices) ids.push_back(id);
+    for (auto& id : ids) im->close_device(id);
     return 0;
   });
   impl_->control.stop();
@@ -480,20 +595,20 @@ std::vector<ExportedDeviceInfo> BlockServer::devices() const {
   }
   return impl_->control.call([&] {
     std::vector<ExportedDeviceInfo> out;
-    for (auto& [n, d] : impl_->devices) {
+    for (auto& [id, d] : impl_->devices) {
       ExportedDeviceInfo i;
-      i.name = n;
+      i.name = d->name;
       i.kind = d->backend->kind() == Backend::Kind::file ? "file" : "block_device";
       i.size = d->backend->size();
       i.direct = d->backend->direct();
       i.read_only = d->backend->read_only();
       i.stats = d->stats.snapshot();
-      for (auto& h : impl_->table.holders(n)) {
+      for (auto& h : impl_->table.holders(id)) {
         DeviceHolderInfo hi;
         hi.session = names.count(h.session) ? names[h.session] : std::to_string(h.session);
         hi.mode = h.mode;
         for (auto& o : impl_->table.devices_of(h.session))
-          if (o.dev == n) hi.device_id = o.device_id;
+          if (o.file == id && !o.force_closed) hi.device_id = o.device_id;
         i.holders.push_back(std::move(hi));
       }
       out.push_back(std::move(i));
@@ -507,15 +622,18 @@ Status BlockServer::force_close(std::string_view device, std::string_view sessio
   if (s == nullptr) return errc(ENOENT);
   return impl_->control.call([&]() -> Status {
     uint32_t id = UINT32_MAX;
-    for (auto& o : impl_->table.devices_of(s->id))
-      if (o.dev == device && !o.force_closed) id = o.device_id;
+    FileId file;
+    for (auto& o : impl_->table.devices_of(s->id)) {
+      if (o.dev == device && !o.force_closed) {
+        id = o.device_id;
+        file = o.file;
+      }
+    }
     if (id == UINT32_MAX) return errc(ENOENT);
-    if (id < impl_->opts.max_devices_per_session)
-      s->slots[id].dev.store(nullptr, std::memory_order_release);
-    impl_->quiesce();
-    auto r = impl_->table.force_close(device, s->id);
+    if (id < impl_->opts.max_devices_per_session) impl_->unpublish(s->slots[id]);
+    auto r = impl_->table.force_close(file, s->id);
     if (!r.ok()) return r.error();
-    if (r->last_holder) impl_->close_device(r->dev);
+    if (r->last_holder) impl_->close_device(r->file);
     return {};
   });
 }

@@ -1,6 +1,8 @@
 #include "control_socket.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/file.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -21,7 +23,39 @@ nlohmann::json ControlSocket::error(int err, const std::string& text) {
   return {{"ok", false}, {"errno", err}, {"error", text.empty() ? std::strerror(err) : text}};
 }
 
-Result<std::unique_ptr<ControlSocket>> ControlSocket::start(const std::string& path, Handler h) {
+Result<ControlSocketLock> ControlSocketLock::acquire(const std::string& socket_path, std::string* why) {
+  const std::string lock_path = socket_path + ".lock";
+  const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    const int e = errno;
+    if (why) *why = lock_path + ": " + std::strerror(e);
+    return errc(e);
+  }
+  UniqueFd lock(fd);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    if (e != EWOULDBLOCK) {
+      if (why) *why = lock_path + ": " + std::strerror(e);
+      return errc(e);
+    }
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+    std::string holder = n > 0 ? std::string(pid, static_cast<size_t>(n)) : std::string();
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    if (why)
+      *why = "another daemon" + (holder.empty() ? std::string() : " (pid " + holder + ")") + " serves " +
+             socket_path + " (it holds " + lock_path + "); stop it first or choose another socket";
+    return errc(EADDRINUSE);
+  }
+  // Whose lock it is, for the message above; the flock is the lock, with or without the pid.
+  const std::string me = std::to_string(::getpid()) + "\n";
+  [[maybe_unused]] const bool noted =
+      ::ftruncate(fd, 0) == 0 && ::pwrite(fd, me.data(), me.size(), 0) == static_cast<ssize_t>(me.size());
+  return ControlSocketLock(socket_path, std::move(lock));
+}
+
+Result<std::unique_ptr<ControlSocket>> ControlSocket::start(ControlSocketLock lock, Handler h) {
+  const std::string path = lock.socket_path();
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(sa.sun_path)) return errc(ENAMETOOLONG);
@@ -43,13 +77,13 @@ Result<std::unique_ptr<ControlSocket>> ControlSocket::start(const std::string& p
     ::close(fd);
     return errc(e);
   }
-  std::unique_ptr<ControlSocket> cs(new ControlSocket(path, fd, stop, std::move(h)));
+  std::unique_ptr<ControlSocket> cs(new ControlSocket(std::move(lock), fd, stop, std::move(h)));
   cs->thread_ = std::thread([p = cs.get()] { p->loop(); });
   return cs;
 }
 
-ControlSocket::ControlSocket(std::string path, int fd, int stop_fd, Handler h)
-    : path_(std::move(path)), fd_(fd), stop_fd_(stop_fd), handler_(std::move(h)) {}
+ControlSocket::ControlSocket(ControlSocketLock lock, int fd, int stop_fd, Handler h)
+    : lock_(std::move(lock)), path_(lock_.socket_path()), fd_(fd), stop_fd_(stop_fd), handler_(std::move(h)) {}
 
 ControlSocket::~ControlSocket() {
   uint64_t one = 1;

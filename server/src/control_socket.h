@@ -19,21 +19,44 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "ibnbd/types.h"
+#include "ibnbd/unique_fd.h"
 
 namespace ibnbd {
+
+// The right to serve one control socket path: an exclusive flock(2) on PATH.lock beside it,
+// held for the daemon's life (the kernel drops it when the process dies, however it dies). A
+// daemon takes it before anything else, so a second daemon started on the same socket stops
+// with a clear message instead of unlinking the live socket and stranding the first daemon (and,
+// for ibnbd-client, recovering ublk devices the first one still serves). A socket file left by
+// a dead daemon has no lock holder and is replaced as before. The lock file stays when the
+// daemon ends: removing it would let two daemons lock two files of the same name.
+class ControlSocketLock {
+ public:
+  // EADDRINUSE when a live daemon holds the lock (`why` names its pid); the errno of creating
+  // or locking the file otherwise (EACCES, ENOENT when the directory is missing, ...).
+  static Result<ControlSocketLock> acquire(const std::string& socket_path, std::string* why = nullptr);
+  const std::string& socket_path() const { return socket_path_; }
+
+ private:
+  ControlSocketLock(std::string path, UniqueFd fd) : socket_path_(std::move(path)), fd_(std::move(fd)) {}
+  std::string socket_path_;
+  UniqueFd fd_;
+};
 
 class ControlSocket {
  public:
   // Sends one progress line to the requester now; false once the requester is gone.
   using Emit = std::function<bool(const nlohmann::json& progress)>;
   using Handler = std::function<nlohmann::json(const nlohmann::json& request, const Emit& emit)>;
-  // Binds `path` (an existing socket file there is replaced; its directory must exist) with
-  // mode 0600. Errors: what bind/listen return, ENAMETOOLONG.
-  static Result<std::unique_ptr<ControlSocket>> start(const std::string& path, Handler h);
+  // Binds `lock`'s path (an existing socket file there is one of a dead daemon, since we hold
+  // the lock, and is replaced; its directory must exist) with mode 0600, and keeps the lock.
+  // Errors: what bind/listen return, ENAMETOOLONG.
+  static Result<std::unique_ptr<ControlSocket>> start(ControlSocketLock lock, Handler h);
   ~ControlSocket();  // stops the thread, removes the socket file
   ControlSocket(const ControlSocket&) = delete;
   ControlSocket& operator=(const ControlSocket&) = delete;
@@ -49,11 +72,12 @@ class ControlSocket {
     std::atomic<bool> done{false};
   };
   void reap(bool all);
-  ControlSocket(std::string path, int fd, int stop_fd, Handler h);
+  ControlSocket(ControlSocketLock lock, int fd, int stop_fd, Handler h);
   void loop();
   void serve(int conn);
   bool send_line(int conn, const nlohmann::json& j);
 
+  ControlSocketLock lock_;  // released after the socket file is gone (~ControlSocket)
   std::string path_;
   int fd_;
   int stop_fd_;

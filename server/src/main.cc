@@ -44,7 +44,8 @@ const char kUsage[] =
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
     "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
     "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 512, \"read_only\": false}.\n"
-    "  --control-socket: default /run/ibnbd-server.sock. --ready-file: written with one\n"
+    "  --control-socket: default /run/ibnbd-server.sock; PATH.lock beside it (flock) keeps a\n"
+    "         second daemon off a live socket. --ready-file: written with one\n"
     "         `listening ADDR` line per address once the server accepts connections.\n"
     "  Bounds (docs/security.d/bounds.md): --max-sessions (default 128; half-open sessions are\n"
     "         evicted first, then EUSERS), --max-paths-per-session (16; EMLINK),\n"
@@ -216,13 +217,20 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
+  // First, before anything listens: a second server on a live control socket stops here.
+  std::string why;
+  auto lock = ibnbd::ControlSocketLock::acquire(c.control_socket, &why);
+  if (!lock) {
+    std::fprintf(stderr, "ibnbd-server: control socket %s: %s\n", c.control_socket.c_str(), why.c_str());
+    return 1;
+  }
   auto srv = ibnbd::BlockServer::start(c.o);
   if (!srv) {
     std::fprintf(stderr, "ibnbd-server: cannot start: %s\n", srv.error().message().c_str());
     return 1;
   }
   ibnbd::BlockServer& s = **srv;
-  auto ctl = ibnbd::ControlSocket::start(c.control_socket, [&s](const json& req, const auto&) {
+  auto ctl = ibnbd::ControlSocket::start(std::move(*lock), [&s](const json& req, const auto&) {
     return ibnbd::server_command(s, req);
   });
   if (!ctl) {

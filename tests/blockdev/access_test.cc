@@ -2,6 +2,8 @@
 // existing holders, re-open, close, force_close, device ids per session, and session ends.
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <string_view>
 #include <vector>
 
 #include "proto/access.h"
@@ -17,6 +19,9 @@ template <typename T>
 int err_of(const Result<T>& r) {
   return r.ok() ? 0 : r.error().value();
 }
+
+// The stores of these tests: one file per name, except where a test makes aliases itself.
+FileId fid(std::string_view name) { return FileId{false, 1, std::hash<std::string_view>{}(name)}; }
 
 // ------------------------------------------------------------------------------------------
 // DeviceOpeners: the rules
@@ -197,17 +202,17 @@ TEST(DeviceIdAllocator, RunsOutWithoutWrapping) {
 // first session on a device; holders listed with their modes.
 TEST(OpenTable, IdsArePerSession) {
   OpenTable t;
-  auto a = t.open(1, "/dev/a", kRw).value();
-  auto b = t.open(1, "/dev/b", kRo).value();
-  auto a2 = t.open(2, "/dev/a", kRo).value();
+  auto a = t.open(1, fid("/dev/a"), "/dev/a", kRw).value();
+  auto b = t.open(1, fid("/dev/b"), "/dev/b", kRo).value();
+  auto a2 = t.open(2, fid("/dev/a"), "/dev/a", kRo).value();
   EXPECT_EQ(a.device_id, 0u);
   EXPECT_EQ(b.device_id, 1u);
   EXPECT_EQ(a2.device_id, 0u) << "session 2 has its own ids";
   EXPECT_TRUE(a.first_holder);
   EXPECT_TRUE(b.first_holder);
   EXPECT_FALSE(a2.first_holder);
-  EXPECT_EQ(t.holders("/dev/a"), (std::vector<Holder>{{1, kRw}, {2, kRo}}));
-  EXPECT_TRUE(t.holders("/dev/none").empty());
+  EXPECT_EQ(t.holders(fid("/dev/a")), (std::vector<Holder>{{1, kRw}, {2, kRo}}));
+  EXPECT_TRUE(t.holders(fid("/dev/none")).empty());
   auto l = t.lookup(1, 1);
   ASSERT_TRUE(l.ok());
   EXPECT_EQ(l->dev, "/dev/b");
@@ -220,25 +225,25 @@ TEST(OpenTable, IdsArePerSession) {
 // the same id, reopened set, nothing counted twice; in another mode EBUSY.
 TEST(OpenTable, ReopenReturnsTheSameId) {
   OpenTable t;
-  ASSERT_TRUE(t.open(1, "/dev/x", kRo).ok());
-  auto first = t.open(1, "/dev/a", kRw).value();
-  auto again = t.open(1, "/dev/a", kRw).value();
+  ASSERT_TRUE(t.open(1, fid("/dev/x"), "/dev/x", kRo).ok());
+  auto first = t.open(1, fid("/dev/a"), "/dev/a", kRw).value();
+  auto again = t.open(1, fid("/dev/a"), "/dev/a", kRw).value();
   EXPECT_EQ(again.device_id, first.device_id);
   EXPECT_TRUE(again.reopened);
   EXPECT_FALSE(again.first_holder);
   EXPECT_EQ(t.devices_of(1).size(), 2u);
-  EXPECT_EQ(err_of(t.open(1, "/dev/a", kRo)), EBUSY);
-  EXPECT_EQ(t.holders("/dev/a"), (std::vector<Holder>{{1, kRw}}));
+  EXPECT_EQ(err_of(t.open(1, fid("/dev/a"), "/dev/a", kRo)), EBUSY);
+  EXPECT_EQ(t.holders(fid("/dev/a")), (std::vector<Holder>{{1, kRw}}));
 }
 
 // Case: the rules across sessions, through the table. Expect: EBUSY leaves no trace (no id
 // taken, no device entry).
 TEST(OpenTable, RefusalLeavesNoTrace) {
   OpenTable t;
-  ASSERT_TRUE(t.open(1, "/dev/a", kRw).ok());
-  EXPECT_EQ(err_of(t.open(2, "/dev/a", kRw)), EBUSY);
+  ASSERT_TRUE(t.open(1, fid("/dev/a"), "/dev/a", kRw).ok());
+  EXPECT_EQ(err_of(t.open(2, fid("/dev/a"), "/dev/a", kRw)), EBUSY);
   EXPECT_TRUE(t.devices_of(2).empty());
-  auto m = t.open(2, "/dev/a", kMig).value();
+  auto m = t.open(2, fid("/dev/a"), "/dev/a", kMig).value();
   EXPECT_EQ(m.device_id, 0u) << "the refused open took no id";
 }
 
@@ -246,26 +251,26 @@ TEST(OpenTable, RefusalLeavesNoTrace) {
 // does not count it as a holder.
 TEST(OpenTable, NoIdLeftRollsBack) {
   OpenTable t(0);  // one id per session
-  ASSERT_TRUE(t.open(1, "/dev/a", kRo).ok());
-  EXPECT_EQ(err_of(t.open(1, "/dev/b", kRw)), ENOSPC);
-  EXPECT_TRUE(t.holders("/dev/b").empty());
-  EXPECT_TRUE(t.open(2, "/dev/b", kRw).ok()) << "no writer was left behind";
+  ASSERT_TRUE(t.open(1, fid("/dev/a"), "/dev/a", kRo).ok());
+  EXPECT_EQ(err_of(t.open(1, fid("/dev/b"), "/dev/b", kRw)), ENOSPC);
+  EXPECT_TRUE(t.holders(fid("/dev/b")).empty());
+  EXPECT_TRUE(t.open(2, fid("/dev/b"), "/dev/b", kRw).ok()) << "no writer was left behind";
 }
 
 // Case: CLOSE by each holder. Expect: last_holder only for the last one; the id is free again
 // for the next OPEN; closing an id the session does not have is ENOENT.
 TEST(OpenTable, CloseFreesIdAndReportsLastHolder) {
   OpenTable t;
-  ASSERT_TRUE(t.open(1, "/dev/a", kRw).ok());
-  ASSERT_TRUE(t.open(2, "/dev/a", kRo).ok());
+  ASSERT_TRUE(t.open(1, fid("/dev/a"), "/dev/a", kRw).ok());
+  ASSERT_TRUE(t.open(2, fid("/dev/a"), "/dev/a", kRo).ok());
   auto c1 = t.close(1, 0).value();
   EXPECT_EQ(c1.dev, "/dev/a");
   EXPECT_FALSE(c1.last_holder);
   EXPECT_EQ(err_of(t.close(1, 0)), ENOENT);
   EXPECT_EQ(err_of(t.close(2, 7)), ENOENT);
   EXPECT_TRUE(t.close(2, 0).value().last_holder);
-  EXPECT_TRUE(t.holders("/dev/a").empty());
-  auto again = t.open(1, "/dev/b", kRo).value();
+  EXPECT_TRUE(t.holders(fid("/dev/a")).empty());
+  auto again = t.open(1, fid("/dev/b"), "/dev/b", kRo).value();
   EXPECT_EQ(again.device_id, 0u) << "reused after close";
   EXPECT_TRUE(again.first_holder);
 }
@@ -275,18 +280,18 @@ TEST(OpenTable, CloseFreesIdAndReportsLastHolder) {
 // reserved (a new OPEN gets another id) until the client's CLOSE, which reports no last holder.
 TEST(OpenTable, ForceCloseKeepsTheIdUntilClose) {
   OpenTable t;
-  ASSERT_EQ(t.open(1, "/dev/a", kRw).value().device_id, 0u);
-  ASSERT_TRUE(t.open(2, "/dev/a", kRo).ok());
-  auto f = t.force_close("/dev/a", 1);
+  ASSERT_EQ(t.open(1, fid("/dev/a"), "/dev/a", kRw).value().device_id, 0u);
+  ASSERT_TRUE(t.open(2, fid("/dev/a"), "/dev/a", kRo).ok());
+  auto f = t.force_close(fid("/dev/a"), 1);
   ASSERT_TRUE(f.ok());
   EXPECT_FALSE(f->last_holder);
   EXPECT_EQ(err_of(t.lookup(1, 0)), ENODEV);
-  EXPECT_EQ(t.holders("/dev/a"), (std::vector<Holder>{{2, kRo}}));
-  EXPECT_TRUE(t.open(3, "/dev/a", kRw).ok()) << "the writer slot is free";
+  EXPECT_EQ(t.holders(fid("/dev/a")), (std::vector<Holder>{{2, kRo}}));
+  EXPECT_TRUE(t.open(3, fid("/dev/a"), "/dev/a", kRw).ok()) << "the writer slot is free";
 
-  auto other = t.open(1, "/dev/b", kRo).value();
+  auto other = t.open(1, fid("/dev/b"), "/dev/b", kRo).value();
   EXPECT_EQ(other.device_id, 1u) << "id 0 is still reserved";
-  auto back = t.open(1, "/dev/a", kRo).value();
+  auto back = t.open(1, fid("/dev/a"), "/dev/a", kRo).value();
   EXPECT_EQ(back.device_id, 2u) << "re-open after force_close is a new open";
   EXPECT_FALSE(back.reopened);
   const auto listed = t.devices_of(1);
@@ -297,29 +302,29 @@ TEST(OpenTable, ForceCloseKeepsTheIdUntilClose) {
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->dev, "/dev/a");
   EXPECT_FALSE(c->last_holder) << "the holder went at force_close";
-  EXPECT_EQ(t.open(1, "/dev/c", kRo).value().device_id, 0u) << "free after the client's CLOSE";
+  EXPECT_EQ(t.open(1, fid("/dev/c"), "/dev/c", kRo).value().device_id, 0u) << "free after the client's CLOSE";
 }
 
 // Case: force_close of the last holder, and of something not held. Expect: last_holder; ENOENT.
 TEST(OpenTable, ForceCloseOfTheLastHolder) {
   OpenTable t;
-  ASSERT_TRUE(t.open(1, "/dev/a", kRo).ok());
-  EXPECT_EQ(err_of(t.force_close("/dev/a", 2)), ENOENT);
-  EXPECT_EQ(err_of(t.force_close("/dev/b", 1)), ENOENT);
-  EXPECT_TRUE(t.force_close("/dev/a", 1).value().last_holder);
-  EXPECT_EQ(err_of(t.force_close("/dev/a", 1)), ENOENT) << "already force-closed";
-  EXPECT_TRUE(t.holders("/dev/a").empty());
+  ASSERT_TRUE(t.open(1, fid("/dev/a"), "/dev/a", kRo).ok());
+  EXPECT_EQ(err_of(t.force_close(fid("/dev/a"), 2)), ENOENT);
+  EXPECT_EQ(err_of(t.force_close(fid("/dev/b"), 1)), ENOENT);
+  EXPECT_TRUE(t.force_close(fid("/dev/a"), 1).value().last_holder);
+  EXPECT_EQ(err_of(t.force_close(fid("/dev/a"), 1)), ENOENT) << "already force-closed";
+  EXPECT_TRUE(t.holders(fid("/dev/a")).empty());
 }
 
 // Case: a session ends holding two devices (one shared) and a force-closed id. Expect: both
 // devices released, last_holder only where it was alone, its ids gone, others untouched.
 TEST(OpenTable, EndSessionReleasesEverything) {
   OpenTable t;
-  ASSERT_TRUE(t.open(1, "/dev/a", kRw).ok());
-  ASSERT_TRUE(t.open(1, "/dev/b", kRo).ok());
-  ASSERT_TRUE(t.open(1, "/dev/c", kRo).ok());
-  ASSERT_TRUE(t.open(2, "/dev/b", kRo).ok());
-  ASSERT_TRUE(t.force_close("/dev/c", 1).ok());
+  ASSERT_TRUE(t.open(1, fid("/dev/a"), "/dev/a", kRw).ok());
+  ASSERT_TRUE(t.open(1, fid("/dev/b"), "/dev/b", kRo).ok());
+  ASSERT_TRUE(t.open(1, fid("/dev/c"), "/dev/c", kRo).ok());
+  ASSERT_TRUE(t.open(2, fid("/dev/b"), "/dev/b", kRo).ok());
+  ASSERT_TRUE(t.force_close(fid("/dev/c"), 1).ok());
   auto gone = t.end_session(1);
   ASSERT_EQ(gone.size(), 2u);
   EXPECT_EQ(gone[0].dev, "/dev/a");
@@ -327,9 +332,58 @@ TEST(OpenTable, EndSessionReleasesEverything) {
   EXPECT_EQ(gone[1].dev, "/dev/b");
   EXPECT_FALSE(gone[1].last_holder);
   EXPECT_TRUE(t.devices_of(1).empty());
-  EXPECT_EQ(t.holders("/dev/b"), (std::vector<Holder>{{2, kRo}}));
+  EXPECT_EQ(t.holders(fid("/dev/b")), (std::vector<Holder>{{2, kRo}}));
   EXPECT_TRUE(t.end_session(1).empty()) << "twice";
-  EXPECT_TRUE(t.open(3, "/dev/a", kRw).ok());
+  EXPECT_TRUE(t.open(3, fid("/dev/a"), "/dev/a", kRw).ok());
+}
+
+// Case: one file reached by three names (a symlink, "./f.img", "/root/f.img" all resolve to the
+// same FileId), opened by two sessions. Expect: the rules count the file, not the names -- a
+// second rw through another name is EBUSY; the same session opening an alias in the same mode
+// gets its id back (one store, one id), in another mode EBUSY; the device keeps the name of its
+// first opening; CLOSE of the one id releases the file.
+TEST(OpenTable, AliasesAreOneDevice) {
+  OpenTable t;
+  const FileId f{false, 8, 12345};
+  const FileId other{false, 9, 12345};  // same inode number on another filesystem
+  auto a = t.open(1, f, "/srv/f.img", kRw).value();
+  EXPECT_EQ(err_of(t.open(2, f, "/srv/link.img", kRw)), EBUSY) << "a symlink is no second writer";
+  auto again = t.open(1, f, "/srv/./f.img", kRw).value();
+  EXPECT_EQ(again.device_id, a.device_id);
+  EXPECT_TRUE(again.reopened);
+  EXPECT_EQ(err_of(t.open(1, f, "/srv/link.img", kRo)), EBUSY) << "a mode change is CLOSE + OPEN";
+  EXPECT_EQ(t.devices_of(1).size(), 1u);
+  EXPECT_EQ(t.devices_of(1)[0].dev, "/srv/f.img");
+  auto o = t.open(2, other, "/srv/f.img", kRw).value();
+  EXPECT_TRUE(o.first_holder) << "another file is another device, whatever its name";
+  auto c = t.close(1, a.device_id).value();
+  EXPECT_TRUE(c.last_holder);
+  EXPECT_EQ(c.file, f);
+  EXPECT_TRUE(t.open(2, f, "/srv/link.img", kRw).ok()) << "the writer left";
+}
+
+// Case: block devices are their rdev: two device nodes of one disk. Expect: one device.
+TEST(OpenTable, TwoNodesOfOneDiskAreOneDevice) {
+  OpenTable t;
+  const FileId disk{true, 0x0801, 0};
+  ASSERT_TRUE(t.open(1, disk, "/srv/sda1", kRw).ok());
+  EXPECT_EQ(err_of(t.open(2, disk, "/srv/copy-of-sda1", kRw)), EBUSY);
+  EXPECT_NE((FileId{true, 5, 0}), (FileId{false, 5, 0})) << "a file and a disk never collide";
+}
+
+// Case: has_id, which lets the server answer a CLOSE of an unknown id at once. Expect: true for
+// held and force-closed ids, false for others and other sessions.
+TEST(OpenTable, HasIdSeesHeldAndReservedIds) {
+  OpenTable t;
+  ASSERT_TRUE(t.open(1, fid("/dev/a"), "/dev/a", kRw).ok());
+  ASSERT_TRUE(t.open(1, fid("/dev/b"), "/dev/b", kRw).ok());
+  ASSERT_TRUE(t.force_close(fid("/dev/b"), 1).ok());
+  EXPECT_TRUE(t.has_id(1, 0));
+  EXPECT_TRUE(t.has_id(1, 1)) << "force-closed: reserved until the client's CLOSE";
+  EXPECT_FALSE(t.has_id(1, 2));
+  EXPECT_FALSE(t.has_id(2, 0));
+  ASSERT_TRUE(t.close(1, 1).ok());
+  EXPECT_FALSE(t.has_id(1, 1));
 }
 
 }  // namespace

@@ -9,6 +9,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <string>
+#include <vector>
+
 #include "backend_test_util.h"
 #include "ibnbd/backend.h"
 
@@ -170,6 +173,42 @@ TEST_F(ExportTest, BackendOpenBeneathTheRoot) {
   auto f = Backend::open(*t, {});
   ASSERT_FALSE(f.ok());
   EXPECT_EQ(f.error().value(), ENOTBLK);
+}
+
+// Case: one file under several names -- "./x", "//x", the absolute name, a relative symlink, a
+// hard link -- and another file. Expect: every alias resolves to the same FileId (the server's
+// key of the device), the other file to another; the opened backend reports the same id.
+TEST_F(ExportTest, AliasesResolveToOneFileId) {
+  ASSERT_EQ(::symlink("disk.img", (root_ + "/link.img").c_str()), 0);
+  ASSERT_EQ(::link((root_ + "/disk.img").c_str(), (root_ + "/hard.img").c_str()), 0);
+  auto t = resolve_export(root_, "s", "disk.img");
+  ASSERT_TRUE(t.ok());
+  const std::vector<std::string> aliases{"./disk.img", ".//disk.img", root_ + "/disk.img",
+                                         "/" + root_ + "/disk.img", "link.img", "hard.img"};
+  for (const std::string& alias : aliases) {
+    auto a = resolve_export(root_, "s", alias);
+    ASSERT_TRUE(a.ok()) << alias << ": " << a.error().message();
+    EXPECT_EQ(a->id, t->id) << alias;
+  }
+  auto other = resolve_export(root_, "s", "sub/b.img");
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->id, t->id);
+  auto b = Backend::open(*t, {});
+  ASSERT_TRUE(b.ok()) << b.error().message();
+  EXPECT_EQ((*b)->id(), t->id);
+}
+
+// Case: the file behind a resolved name is replaced (rename over it) before the backend opens
+// it. Expect: ESTALE -- the access rules judged the old file; the backend must not serve a new
+// one under its key.
+TEST_F(ExportTest, AStoreReplacedAfterResolveIsStale) {
+  auto t = resolve_export(root_, "s", "disk.img");
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE(make_file(root_ + "/new.img", 1 << 20));
+  ASSERT_EQ(::rename((root_ + "/new.img").c_str(), (root_ + "/disk.img").c_str()), 0);
+  auto b = Backend::open(*t, {});
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.error().value(), ESTALE);
 }
 
 }  // namespace

@@ -58,6 +58,35 @@ wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log"
 
 c() { "$ibnbd" --socket "$work/cl.sock" client "$@"; }
 s() { "$ibnbd" --socket "$work/srv.sock" server "$@"; }
+srv_pid=${pids[0]}
+cld_pid=${pids[1]}
+
+# Case: a second daemon of each kind started on the live control sockets. Expect: each exits 1
+# at once naming the running daemon's pid (the lock beside the socket), without touching the
+# socket: the running daemons still answer.
+expect "a second ibnbd-client on a live socket exits 1" 1 timeout 10 "$cld" --control-socket "$work/cl.sock" \
+  --state-dir "$work/state2"
+grep -q "another daemon (pid $cld_pid) serves $work/cl.sock" "$work/err" && ok "... and names the running one" ||
+  not_ok "... and names the running one" "$(cat "$work/err")"
+expect "a second ibnbd-server on a live socket exits 1" 1 timeout 10 "$srv" --listen tcp:127.0.0.1:0 \
+  --dev-search-path "$work/export" --control-socket "$work/srv.sock"
+grep -q "pid $srv_pid" "$work/err" && ok "... and names the running one" || not_ok "... and names the running one" "$(cat "$work/err")"
+expect "the first client daemon still answers" 0 c device list
+expect "the first server still answers" 0 s session list
+
+# Case: a client daemon killed (-9) leaves its socket file; a new one starts on it. Expect: the
+# stale socket is replaced and the new daemon answers.
+"$cld" --control-socket "$work/dead.sock" --ready-file "$work/dead.ready" --state-dir "$work/state3" \
+  >"$work/dead.log" 2>&1 &
+dead=$!
+wait_for "$work/dead.ready" && kill -9 "$dead" && wait "$dead" 2>/dev/null
+[ -S "$work/dead.sock" ] && ok "a killed daemon leaves its socket" || not_ok "a killed daemon leaves its socket" "gone"
+"$cld" --control-socket "$work/dead.sock" --ready-file "$work/dead2.ready" --state-dir "$work/state3" \
+  >"$work/dead2.log" 2>&1 &
+pids+=($!)
+wait_for "$work/dead2.ready" && ok "a new daemon takes over a dead one's socket" ||
+  not_ok "a new daemon takes over a dead one's socket" "$(cat "$work/dead2.log")"
+expect "... and answers" 0 "$ibnbd" --socket "$work/dead.sock" client device list
 
 # Case: map over two paths. Expect: the device is open with the file's size, both paths up.
 expect map 0 c device map a.img from "${addrs[@]}" rw session t1

@@ -94,6 +94,7 @@ class Client : public ::testing::Test {
     big.logical_block_size = 4096;
     big.physical_block_size = 4096;
     srv_.add_device("vol4k", 4 << 20, big);
+    srv_.add_alias("link-to-vol1", "vol1");  // as a symlink in the server's export directory
   }
   void TearDown() override {
     bufs_.clear();
@@ -918,6 +919,31 @@ TEST_F(Client, UnmapWhileMappedElsewhere) {
   ASSERT_EQ(read(*db, 0, *mb, 0, 8192), 0);
   EXPECT_EQ(std::memcmp(ma->data(), mb->data(), 8192), 0);
   EXPECT_NE(map(*c, "vol0", AccessMode::rw), nullptr) << "the writer slot is free";
+}
+
+// Case: vol1 mapped, then mapped again by another name the server resolves to the same store
+// (a symlink, "./vol1", its absolute path): the server answers with vol1's id. Expect: the map
+// is refused with EEXIST and sends no CLOSE (the id is vol1's); vol1 keeps working, also after
+// an unmap of the refused name (ENOENT: never mapped); in another session the alias is the
+// same device for the access rules (EBUSY for a second writer).
+TEST_F(Client, AnotherNameOfAMappedDeviceIsRefused) {
+  start_server(1);
+  BlockSession* a = open(options(1, "sa"));
+  BlockSession* b = open(options(1, "sb"));
+  ASSERT_TRUE(a && b);
+  auto d = map(*a, "vol1", AccessMode::rw);
+  ASSERT_NE(d, nullptr);
+  const uint64_t closes = srv_.closes_.load();
+  EXPECT_EQ(a->map("link-to-vol1", AccessMode::rw).error(), errc(EEXIST));
+  EXPECT_EQ(srv_.closes_.load(), closes) << "nothing closed: the id is vol1's";
+  EXPECT_EQ(a->devices().size(), 1u);
+  EXPECT_EQ(a->unmap("link-to-vol1").error(), errc(ENOENT));
+  auto* m = buffer(*a, 65536);
+  pattern(m->data(), 4096, 3);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0) << "the first mapping is intact";
+  EXPECT_EQ(b->map("link-to-vol1", AccessMode::rw).error(), errc(EBUSY)) << "one writer per store";
+  ASSERT_TRUE(a->unmap("vol1").ok());
+  EXPECT_NE(map(*b, "link-to-vol1", AccessMode::rw), nullptr) << "free once vol1 is unmapped";
 }
 
 // Case: a server that answers SESS_INFO with a version above the one proposed, or below ours.

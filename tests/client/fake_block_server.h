@@ -61,6 +61,9 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     d->mem.resize(size);
     vols_[name] = std::move(d);
   }
+  // Exports `alias` as another name of `name`: one volume, one device (as a symlink on the real
+  // server), before the server starts.
+  void add_alias(const std::string& alias, const std::string& name) { vols_[alias] = vols_.at(name); }
 
   // ---- ServerHandler --------------------------------------------------------------------------
   // The transport opens a path for IO before it announces the session (the client's first
@@ -153,7 +156,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   }
   std::vector<proto::Holder> holders(const std::string& dev) {
     std::lock_guard l(mu_);
-    return table_.holders(dev);
+    return table_.holders(file_of(dev));
   }
   // The volume's bytes (copy, taken under the lock).
   std::vector<std::byte> bytes(const std::string& dev, uint64_t off, size_t len) {
@@ -228,7 +231,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     Result<proto::OpenTable::Grant> g = errc(EINVAL);
     {
       std::lock_guard l(mu_);
-      g = table_.open(s.id, m.dev_name, m.mode);
+      g = table_.open(s.id, file_of(m.dev_name), m.dev_name, m.mode);
     }
     if (!g.ok()) return r.complete(g.error().value());
     auto n = proto::encode_open_rsp(r.data(), proto::OpenRsp{g->device_id, it->second->geo});
@@ -282,7 +285,12 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     r.complete(0);
   }
 
-  std::map<std::string, std::unique_ptr<Volume>> vols_;  // fixed once the server runs
+  // One volume is one store: its address is its identity, whatever name it is opened by.
+  FileId file_of(const std::string& name) const {
+    return FileId{false, 0, reinterpret_cast<uintptr_t>(vols_.at(name).get())};
+  }
+
+  std::map<std::string, std::shared_ptr<Volume>> vols_;  // fixed once the server runs
   std::mutex mu_;
   proto::OpenTable table_;
   proto::SessionId next_id_ = 1;

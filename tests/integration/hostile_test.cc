@@ -198,7 +198,7 @@ std::vector<Probe> probes(uint32_t id, uint64_t size) {
     proto::CloseMsg c{};
     c.hdr.type.set(static_cast<uint16_t>(proto::MsgType::close));
     c.device_id.set(200);
-    add("CLOSE of device id 200 (never opened)", IoDir::write, bytes_of(c), 0, ENOENT);
+    add("CLOSE of device id 200 (never opened)", IoDir::write, bytes_of(c), 0, ENODEV);
   }
   add("READ of the last sector and one more", IoDir::read,
       bytes_of(io_msg(id, last - 1, rw_of(IoOp::read), 1024)), 1024, EIO);
@@ -235,7 +235,7 @@ class Hostile : public Rig {};
 // an old version, unknown device ids, ranges past the end and past 2^64, writes through its
 // ro id, a second rw OPEN; and a peer that skipped SESS_INFO sends IO and OPEN.
 // Expect: each is answered with its errno -- EBADMSG (framing), EINVAL (fields, carriers),
-// EPROTONOSUPPORT (version), ENODEV (unknown id), ENOENT (CLOSE of an unknown id), EIO (range
+// EPROTONOSUPPORT (version), ENODEV (unknown id), ENODEV (CLOSE of an unknown id too), EIO (range
 // past the end of the device), EPERM (access mode), EBUSY (access rules), EPROTO (OPEN before
 // SESS_INFO) -- and a good READ in between still works; the hostile session stays up; the
 // honest load completes every request with 0 and every read matches the model, with no remap;

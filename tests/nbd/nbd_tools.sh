@@ -52,10 +52,19 @@ pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
 c() { "$ibnbd" --socket "$work/cl.sock" client "$@"; }
 
-# Case: map and export over a unix socket and loopback tcp (port 0). Expect: the daemon answers
-# with the real port; device list shows both addresses.
+# Case: map and export over a unix socket and loopback tcp (port 0), tcp without the word
+# insecure first. Expect: that is refused (EPERM: no TLS, any local user could connect); with
+# insecure the daemon answers with the real port; device list shows both addresses; the unix
+# socket is owner-only (srwx------ less the umask: 0600).
 check_cmd "map a.img" c device map a.img from "$addr" rw
-check_cmd "export over unix and tcp" c -f json device export a.img unix "$work/a.sock" tcp 127.0.0.1:0
+c device export a.img unix "$work/a.sock" tcp 127.0.0.1:0 >"$work/out" 2>"$work/err"
+rc=$?
+[ "$rc" = 1 ] && grep -q insecure "$work/err" && ok "tcp without 'insecure' is refused (EPERM)" ||
+  not_ok "tcp without 'insecure' is refused" "exit $rc: $(tail -1 "$work/err")"
+[ ! -e "$work/a.sock" ] && ok "a refused export leaves no socket" || not_ok "a refused export leaves no socket" "$(ls -l "$work/a.sock")"
+check_cmd "export over unix and tcp" c -f json device export a.img unix "$work/a.sock" tcp 127.0.0.1:0 insecure
+mode=$(stat -c %a "$work/a.sock")
+[ "$mode" = 600 ] && ok "the unix socket is owner-only" || not_ok "the unix socket is owner-only" "mode $mode"
 port=$(c -f json device exports | jq -r '.[0].tcp' | sed 's/.*://')
 sock=$work/a.sock
 unix_uri="nbd+unix:///a.img?socket=$sock"
@@ -70,10 +79,12 @@ expect_fail() {  # expect_fail NAME ERRNO CMD...
   rc=$?
   [ "$rc" = "$want" ] && ok "$name" || not_ok "$name" "exit $rc, want $want: $(tail -1 "$work/err")"
 }
-expect_fail "a second export of the device is EEXIST" 17 c device export a.img tcp 0
-expect_fail "a non-loopback address needs 'remote' (EPERM)" 1 c device export a.img tcp 0.0.0.0:0
-expect_fail "a bad tcp address is EINVAL" 22 c device export a.img tcp nowhere:1
-expect_fail "export of an unmapped device is ENOENT" 2 c device export nothing.img tcp 0
+expect_fail "a second export of the device is EEXIST" 17 c device export a.img tcp 0 insecure
+expect_fail "a non-loopback address needs 'remote' (EPERM)" 1 c device export a.img tcp 0.0.0.0:0 insecure
+expect_fail "a bad tcp address is EINVAL" 22 c device export a.img tcp nowhere:1 insecure
+expect_fail "export of an unmapped device is ENOENT" 2 c device export nothing.img tcp 0 insecure
+expect_fail "a mode beyond 0777 is EINVAL" 22 c device export a.img unix "$work/b.sock" mode 1777
+expect_fail "an unknown group is EINVAL" 22 c device export a.img unix "$work/b.sock" group no-such-group-13
 
 # Case: nbdinfo over both sockets. Expect: the size and the block sizes of the device.
 for uri in "$unix_uri" "$tcp_uri"; do
@@ -252,9 +263,12 @@ check_cmd "nbdinfo after the hostile clients" t nbdinfo "$unix_uri"
 errs=$(c -f json device exports | jq '.[0].errors')
 [ "${errs:-0}" -ge 5 ] && ok "the export counted the refused requests ($errs)" || not_ok "refused requests counted" "errors=$errs"
 
-# Case: a read-only mapping. Expect: NBD says read-only and refuses writes.
+# Case: a read-only mapping, exported to a group. Expect: the socket has the mode and group
+# asked for; NBD says read-only and refuses writes.
 check_cmd "map ro.img ro" c device map ro.img from "$addr" ro
-check_cmd "export ro.img" c device export ro.img unix "$work/ro.sock"
+check_cmd "export ro.img" c device export ro.img unix "$work/ro.sock" mode 0660 group "$(id -g)"
+got=$(stat -c '%a %g' "$work/ro.sock")
+[ "$got" = "660 $(id -g)" ] && ok "mode and group of the socket" || not_ok "mode and group of the socket" "$got"
 t nbdinfo --json "nbd+unix:///?socket=$work/ro.sock" | jq -e '.exports[0].is_read_only == true' >/dev/null &&
   ok "read-only export" || not_ok "read-only export" "not flagged read-only"
 if t nbdcopy "$work/in.bin" "nbd+unix:///?socket=$work/ro.sock" >/dev/null 2>&1; then

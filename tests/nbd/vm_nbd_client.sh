@@ -72,7 +72,7 @@ c() { timeout 60 "$ibnbd" --socket "$work/cl.sock" client "$@"; }
 must "map over two $fabric paths" c device map vol.img from "${addrs[@]}" rw session s1
 uu=$(c -f json session show s1 | jq -r '.[0].path_uu')
 [ "$uu" = UU ] && ok "both paths up" || not_ok "both paths up" "path_uu $uu"
-must "export" c device export vol.img unix "$work/vol.sock" tcp 127.0.0.1:0
+must "export" c device export vol.img unix "$work/vol.sock" tcp 127.0.0.1:0 insecure
 port=$(c -f json device exports | jq -r '.[0].tcp' | sed 's/.*://')
 
 # Case: the kernel client on the unix socket. Expect: /dev/nbd0 has the volume's size.

@@ -14,6 +14,7 @@
 //     change). Completion callbacks run on the owning thread inside run_completions()/drain().
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -62,7 +63,15 @@ struct ExportTarget {
   std::string root_path;  // the search path with %SESSNAME% substituted (for logs)
   std::string rel_path;   // dev_name as a clean relative path under root ("a/b.img")
   Kind kind = Kind::file;
+  // What the name led to when it was resolved: the server's key of the device (every alias of
+  // one store resolves to the same id). Backend::open() refuses (ESTALE) when the store it
+  // opens is not this one any more.
+  FileId id;
 };
+
+// The identity of a store from its stat: (st_dev, st_ino) of a regular file, st_rdev of a block
+// device (types.h, FileId).
+FileId file_id_of(const struct stat& st);
 
 // `why`, when given, receives a one-line reason for a refusal (for the daemon's log; the client
 // only gets the errno).
@@ -91,6 +100,7 @@ class Backend {
   using Kind = ExportTarget::Kind;
 
   // Opens what resolve_export() found (again beneath its root: a swap in between cannot escape).
+  // ESTALE when the name leads to another store than the one resolved (replaced in between).
   static Result<std::unique_ptr<Backend>> open(const ExportTarget& target, const OpenOptions& o);
   // Opens a path the caller trusts (tools, tests): no search-path checks.
   static Result<std::unique_ptr<Backend>> open_path(const std::string& path, const OpenOptions& o);
@@ -112,6 +122,7 @@ class Backend {
   uint64_t size() const { return size_.load(std::memory_order_acquire); }
   DeviceGeometry geometry() const;
   const std::string& name() const { return name_; }
+  FileId id() const { return id_; }  // of the store opened (fstat of fd())
 
   // What the store can do beyond read/write/flush.
   bool can_discard() const { return can_discard_; }
@@ -138,6 +149,7 @@ class Backend {
 
   UniqueFd fd_;
   std::string name_;
+  FileId id_;
   Kind kind_ = Kind::file;
   bool read_only_ = false;
   bool direct_ = false;

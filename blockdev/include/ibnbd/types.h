@@ -3,6 +3,7 @@
 // the enums are the kernel's (drivers/block/rnbd/rnbd-proto.h) so the wire stays comparable.
 #pragma once
 
+#include <compare>
 #include <cstdint>
 #include <optional>
 #include <string_view>
@@ -53,6 +54,18 @@ enum CachePolicy : uint8_t {
 };
 
 inline constexpr uint32_t kSectorSize = 512;  // the wire counts in 512-byte sectors
+
+// The identity of an exported store: what makes two names one device. Access rules count
+// holders per FileId, never per name, so a symlink, "./f.img" or "/root/f.img" cannot add a
+// second writer to a file already held rw. A regular file is its (st_dev, st_ino); a block
+// device is its st_rdev, so two device nodes of one disk are one device too. Stable while the
+// server holds the store open (an inode number is not reused while a descriptor holds it).
+struct FileId {
+  bool block = false;  // a block device (dev = st_rdev, ino = 0)
+  uint64_t dev = 0;    // st_dev of a regular file; st_rdev of a block device
+  uint64_t ino = 0;    // st_ino of a regular file
+  auto operator<=>(const FileId&) const = default;
+};
 
 // What a client learns about a device when it opens it (the kernel's OPEN_RSP fields).
 struct DeviceGeometry {

@@ -66,10 +66,19 @@ DirectAlign file_direct_align(int fd, const struct stat& st) {
 
 }  // namespace
 
+FileId file_id_of(const struct stat& st) {
+  if (S_ISBLK(st.st_mode)) return FileId{true, static_cast<uint64_t>(st.st_rdev), 0};
+  return FileId{false, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
 Backend::~Backend() = default;
 
 Result<std::unique_ptr<Backend>> Backend::open(const ExportTarget& t, const OpenOptions& o) {
-  return open_fd(t.root.get(), t.rel_path, true, o, t.root_path + "/" + t.rel_path);
+  IBTRS_ASSIGN_OR_RETURN(auto b, open_fd(t.root.get(), t.rel_path, true, o, t.root_path + "/" + t.rel_path));
+  // The server counted holders against t.id: serving another store under that key would let
+  // the rules judge one file and the IO reach another.
+  if (b->id() != t.id) return errc(ESTALE);
+  return b;
 }
 
 Result<std::unique_ptr<Backend>> Backend::open_path(const std::string& path, const OpenOptions& o) {
@@ -101,6 +110,7 @@ Result<std::unique_ptr<Backend>> Backend::open_fd(int dirfd, const std::string& 
   std::unique_ptr<Backend> b(new Backend());
   b->fd_ = std::move(fd);
   b->name_ = std::move(name);
+  b->id_ = file_id_of(st);
   b->kind_ = S_ISBLK(st.st_mode) ? Kind::block_device : Kind::file;
   b->read_only_ = o.read_only;
   IBTRS_TRY(b->probe(o));

@@ -137,6 +137,7 @@ Result<ExportTarget> resolve_export(std::string_view search_path_template,
   t.root = std::move(root_fd);
   t.root_path = root_clean;
   t.rel_path = std::move(rel);
+  t.id = file_id_of(st);
   return t;
 }
 

@@ -83,16 +83,16 @@ Status DeviceIdAllocator::release(uint32_t id) {
 // ------------------------------------------------------------------------------------------
 // OpenTable
 
-const Opening* OpenTable::find_open(const SessionOpens& so, std::string_view dev) const {
+const Opening* OpenTable::find_open(const SessionOpens& so, const FileId& file) const {
   for (const auto& [id, o] : so.by_id) {
-    if (!o.force_closed && o.dev == dev) return &o;
+    if (!o.force_closed && o.file == file) return &o;
   }
   return nullptr;
 }
 
-OpenTable::Released OpenTable::drop_holder(SessionId s, const std::string& dev) {
-  Released r{dev, false};
-  auto it = devices_.find(dev);
+OpenTable::Released OpenTable::drop_holder(SessionId s, const Opening& o) {
+  Released r{o.file, o.dev, false};
+  auto it = devices_.find(o.file);
   if (it == devices_.end()) return r;
   (void)it->second.close(s);
   if (it->second.empty()) {
@@ -102,17 +102,21 @@ OpenTable::Released OpenTable::drop_holder(SessionId s, const std::string& dev) 
   return r;
 }
 
-Result<OpenTable::Grant> OpenTable::open(SessionId s, std::string_view dev, AccessMode mode) {
-  auto dit = devices_.find(dev);
+Result<OpenTable::Grant> OpenTable::open(SessionId s, const FileId& file, std::string_view name,
+                                         AccessMode mode) {
+  auto dit = devices_.find(file);
   const bool first = dit == devices_.end();
-  if (first) dit = devices_.emplace(std::string(dev), DeviceOpeners{}).first;
+  if (first) dit = devices_.emplace(file, DeviceOpeners{}).first;
   auto opened = dit->second.open(s, mode);
   if (!opened.ok()) {
     if (first) devices_.erase(dit);
     return opened.error();
   }
   if (*opened == DeviceOpeners::Opened::already) {
-    const Opening* o = find_open(sessions_.at(s), dev);
+    // A holder always has its live opening (close, force_close and end_session drop both).
+    auto sit = sessions_.find(s);
+    const Opening* o = sit == sessions_.end() ? nullptr : find_open(sit->second, file);
+    if (o == nullptr) return errc(EBUSY);
     return Grant{o->device_id, true, false};
   }
   auto sit = sessions_.try_emplace(s, SessionOpens{DeviceIdAllocator(max_device_id_), {}}).first;
@@ -123,7 +127,7 @@ Result<OpenTable::Grant> OpenTable::open(SessionId s, std::string_view dev, Acce
     if (sit->second.by_id.empty()) sessions_.erase(sit);
     return id.error();
   }
-  sit->second.by_id.emplace(*id, Opening{*id, std::string(dev), mode, false});
+  sit->second.by_id.emplace(*id, Opening{*id, file, std::string(name), mode, false});
   return Grant{*id, false, first};
 }
 
@@ -133,21 +137,27 @@ Result<OpenTable::Released> OpenTable::close(SessionId s, uint32_t device_id) {
   auto oit = sit->second.by_id.find(device_id);
   if (oit == sit->second.by_id.end()) return errc(ENOENT);
   // A force-closed id no longer holds its device; closing it only frees the id.
-  Released r = oit->second.force_closed ? Released{oit->second.dev, false}
-                                        : drop_holder(s, oit->second.dev);
+  Released r = oit->second.force_closed ? Released{oit->second.file, oit->second.dev, false}
+                                        : drop_holder(s, oit->second);
   (void)sit->second.ids.release(device_id);
   sit->second.by_id.erase(oit);
   if (sit->second.by_id.empty()) sessions_.erase(sit);
   return r;
 }
 
-Result<OpenTable::Released> OpenTable::force_close(std::string_view dev, SessionId s) {
+bool OpenTable::has_id(SessionId s, uint32_t device_id) const {
+  auto sit = sessions_.find(s);
+  return sit != sessions_.end() && sit->second.by_id.count(device_id) != 0;
+}
+
+Result<OpenTable::Released> OpenTable::force_close(const FileId& file, SessionId s) {
   auto sit = sessions_.find(s);
   if (sit == sessions_.end()) return errc(ENOENT);
-  const Opening* o = find_open(sit->second, dev);
-  if (o == nullptr) return errc(ENOENT);
-  sit->second.by_id.at(o->device_id).force_closed = true;
-  return drop_holder(s, o->dev);
+  const Opening* found = find_open(sit->second, file);
+  if (found == nullptr) return errc(ENOENT);
+  Opening& o = sit->second.by_id.find(found->device_id)->second;
+  o.force_closed = true;
+  return drop_holder(s, o);
 }
 
 std::vector<OpenTable::Released> OpenTable::end_session(SessionId s) {
@@ -155,7 +165,7 @@ std::vector<OpenTable::Released> OpenTable::end_session(SessionId s) {
   auto sit = sessions_.find(s);
   if (sit == sessions_.end()) return out;
   for (const auto& [id, o] : sit->second.by_id) {
-    if (!o.force_closed) out.push_back(drop_holder(s, o.dev));
+    if (!o.force_closed) out.push_back(drop_holder(s, o));
   }
   sessions_.erase(sit);
   return out;
@@ -169,8 +179,8 @@ Result<Opening> OpenTable::lookup(SessionId s, uint32_t device_id) const {
   return oit->second;
 }
 
-std::vector<Holder> OpenTable::holders(std::string_view dev) const {
-  auto it = devices_.find(dev);
+std::vector<Holder> OpenTable::holders(const FileId& file) const {
+  auto it = devices_.find(file);
   return it == devices_.end() ? std::vector<Holder>{} : it->second.holders();
 }
 

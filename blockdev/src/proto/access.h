@@ -89,14 +89,18 @@ class DeviceIdAllocator {
 // One device id of a session.
 struct Opening {
   uint32_t device_id = 0;
-  std::string dev;  // the server's name of the exported device
+  FileId file;      // which store: what the rules count
+  std::string dev;  // the server's name of the exported device (for listings and the admin)
   AccessMode mode = AccessMode::ro;
   bool force_closed = false;  // taken away by the admin; the id waits for the client's CLOSE
   bool operator==(const Opening&) const = default;
 };
 
-// The server's open state across sessions and exported devices. `dev` is the server's canonical
-// name of an exported device (the resolved path), the same for every session that opens it.
+// The server's open state across sessions and exported devices. A device is its FileId: every
+// name that leads to the same store (symlinks, "./x", "/root/x", another device node of the same
+// disk) is the same device here, for every session, so the rules hold across aliases. `name` is
+// what listings show; the server passes the name of the device's first opening for every later
+// one, so one device has one name while it is open.
 class OpenTable {
  public:
   explicit OpenTable(uint32_t max_device_id = UINT32_MAX) : max_device_id_(max_device_id) {}
@@ -106,21 +110,27 @@ class OpenTable {
     bool reopened = false;      // `s` already held `dev` in this mode: same id, nothing changed
     bool first_holder = false;  // nobody held `dev` before: the server opens its backend now
   };
-  // OPEN from session `s`. EBUSY (the rules, or `s` holds `dev` in another mode), ENOSPC (the
-  // session has no device id left), EINVAL (unknown mode).
-  Result<Grant> open(SessionId s, std::string_view dev, AccessMode mode);
+  // OPEN from session `s`. A session that already holds `file` (under any name) in this mode gets
+  // its id back (reopened): one store is one device id in a session. EBUSY (the rules, or `s`
+  // holds `file` in another mode), ENOSPC (the session has no device id left), EINVAL (unknown
+  // mode).
+  Result<Grant> open(SessionId s, const FileId& file, std::string_view name, AccessMode mode);
 
   struct Released {
-    std::string dev;
+    FileId file;
+    std::string dev;  // its name
     bool last_holder = false;  // this call removed the device's last holder: close its backend
   };
   // CLOSE from session `s`: frees the id, force-closed or not. ENOENT for an id `s` does not have.
   Result<Released> close(SessionId s, uint32_t device_id);
-  // Admin: takes `dev` away from `s`. The id stays reserved, and IO to it fails (lookup: ENODEV),
+  // Whether `s` has `device_id` (held or force-closed): what a CLOSE would free. Cheap: the server
+  // answers a CLOSE of anything else at once, without quiescing its IO threads.
+  bool has_id(SessionId s, uint32_t device_id) const;
+  // Admin: takes `file` away from `s`. The id stays reserved, and IO to it fails (lookup: ENODEV),
   // until the client CLOSEs it or the session ends: the client may still send IO with that id,
   // and a later OPEN must not give the same id to another device. ENOENT when `s` does not hold
-  // `dev`.
-  Result<Released> force_close(std::string_view dev, SessionId s);
+  // `file`.
+  Result<Released> force_close(const FileId& file, SessionId s);
   // Session `s` is gone: releases everything it held, reserved ids included. Returns the devices
   // it still held.
   std::vector<Released> end_session(SessionId s);
@@ -128,7 +138,7 @@ class OpenTable {
   // The device behind an id of `s`, for IO. ENODEV for an unknown or force-closed id.
   Result<Opening> lookup(SessionId s, uint32_t device_id) const;
   // Listings: who holds a device (empty when nobody does), and a session's ids by id.
-  std::vector<Holder> holders(std::string_view dev) const;
+  std::vector<Holder> holders(const FileId& file) const;
   std::vector<Opening> devices_of(SessionId s) const;
 
  private:
@@ -136,11 +146,11 @@ class OpenTable {
     DeviceIdAllocator ids;
     std::map<uint32_t, Opening> by_id;
   };
-  const Opening* find_open(const SessionOpens& so, std::string_view dev) const;
-  Released drop_holder(SessionId s, const std::string& dev);
+  const Opening* find_open(const SessionOpens& so, const FileId& file) const;
+  Released drop_holder(SessionId s, const Opening& o);
 
   uint32_t max_device_id_;
-  std::map<std::string, DeviceOpeners, std::less<>> devices_;
+  std::map<FileId, DeviceOpeners> devices_;
   std::map<SessionId, SessionOpens> sessions_;
 };
 

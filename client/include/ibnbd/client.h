@@ -228,7 +228,9 @@ class BlockSession {
   // OPENs `dev_name` (1..254 bytes, no control characters; the server resolves it) in `mode`.
   // The same name mapped again in the same mode returns the existing device (re-opened first
   // if a failed remap left it closed, as remap() does); in another mode, EBUSY (unmap first: a
-  // mode change is CLOSE then OPEN, as on the server). Errors: EINVAL,
+  // mode change is CLOSE then OPEN, as on the server). Another name the server resolves to a
+  // device already mapped (a symlink, "./x", the absolute path) is EEXIST, and the mapping
+  // stays as it was: one device, one mapping. Errors: EINVAL,
   // the server's errno (ENOENT, EBUSY from the access rules, ...), EMSGSIZE (a logical block
   // larger than one transport request), ENOTCONN / ETIMEDOUT (no answer), ESHUTDOWN.
   Result<std::shared_ptr<RemoteDevice>> map(std::string_view dev_name, AccessMode mode);

@@ -7,10 +7,12 @@
 
 namespace ibnbd::nbd {
 
-ListenSpec ListenSpec::unix_socket(std::string path) {
+ListenSpec ListenSpec::unix_socket(std::string path, mode_t mode, std::optional<gid_t> group) {
   ListenSpec l;
   l.kind = Kind::unix_socket;
   l.path = std::move(path);
+  l.mode = mode;
+  l.group = group;
   return l;
 }
 

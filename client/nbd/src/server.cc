@@ -122,7 +122,8 @@ Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
   ev.data.u64 = 0;
   if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, impl->evfd, &ev) != 0) return errc(errno);
   for (ListenSpec l : impl->opts.listen) {
-    auto fd = l.kind == ListenSpec::Kind::unix_socket ? ibtrs::unix_listen(l.path, 128, true) : listen_tcp(l);
+    auto fd = l.kind == ListenSpec::Kind::unix_socket ? ibtrs::unix_listen(l.path, 128, true, ibtrs::UnixSocketAccess{l.mode, l.group})
+                                                      : listen_tcp(l);
     if (!fd.ok()) return fd.error();  // ~Impl closes and unlinks what was bound
     impl->listen_fds.push_back(*fd);
     impl->bound.push_back(l);

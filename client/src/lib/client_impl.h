@@ -314,6 +314,11 @@ struct BlockSession::Impl {
   Result<proto::OpenRsp> open_device(const std::string& name, AccessMode mode);
   Status close_id(uint32_t id);
   Status remap_device(Device* d);
+  // The mapped device other than `except` that holds server id `id` from the OPEN of link
+  // generation `gen`, if any. The server answers an OPEN of another name for a device this
+  // session holds with that device's id (one store, one id): such a name must not become a
+  // second mapping, whose CLOSE would close the first. Under ctl_mu.
+  std::shared_ptr<RemoteDevice> holder_of(uint32_t id, uint64_t gen, const Device* except) const;
   void emit(const DeviceEvent& e);
   std::vector<Device*> device_list();
   void reap_retired();

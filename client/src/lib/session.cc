@@ -334,6 +334,11 @@ bool Session::remap_all(uint64_t gen) {
         emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, r.error()});
         continue;
       }
+      if (holder_of(r->device_id, gen, d) != nullptr) {  // now an alias of another mapping
+        close_device(d, EEXIST);
+        emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, errc(EEXIST)});
+        continue;
+      }
       d->apply(*r, ts->max_io_size());
       d->open_link_gen = gen;
       d->st.remaps.fetch_add(1, std::memory_order_relaxed);
@@ -457,6 +462,14 @@ Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_nam
   }
   const std::string name(dev_name);
   IBTRS_ASSIGN_OR_RETURN(auto rsp, s->open_device(name, mode));
+  // Another name of a device already mapped (a symlink, "./x", the absolute path): the server
+  // gave that device's id back without counting a second open, so nothing is to be closed.
+  if (auto other = s->holder_of(rsp.device_id, gen, nullptr)) {
+    IBTRS_LOG(warn, "ibnbd %s: map %s refused (EEXIST): the server's device %u, mapped as %s",
+              s->opts.transport.session_name.c_str(), name.c_str(), rsp.device_id,
+              other->impl()->name.c_str());
+    return errc(EEXIST);
+  }
   auto impl = std::make_unique<RemoteDevice::Impl>();
   Device* d = impl.get();
   d->s = s;
@@ -560,6 +573,17 @@ Status Session::remap_device(Device* d) {
     emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, r.error()});
     return r.error();
   }
+  // The name now leads to a device mapped under another name (replaced by a link meanwhile):
+  // the id is that mapping's; this one closes without a CLOSE.
+  if (auto other = holder_of(r->device_id, gen, d)) {
+    IBTRS_LOG(warn, "ibnbd %s: remap %s: now the server's device %u, mapped as %s: closed",
+              opts.transport.session_name.c_str(), d->name.c_str(), r->device_id,
+              other->impl()->name.c_str());
+    if (had_id && old != r->device_id) (void)close_id(old);
+    close_device(d, EEXIST);
+    emit(DeviceEvent{DeviceEvent::Kind::remap_failed, d->name, old, old, errc(EEXIST)});
+    return errc(EEXIST);
+  }
   // Force-closed ids stay reserved on the server until we close them.
   if (had_id && r->device_id != old) (void)close_id(old);
   d->apply(*r, ts->max_io_size());
@@ -570,6 +594,17 @@ Status Session::remap_device(Device* d) {
   emit(DeviceEvent{DeviceEvent::Kind::remapped, d->name, old, r->device_id, {}});
   release_held(d);
   return {};
+}
+
+std::shared_ptr<RemoteDevice> Session::holder_of(uint32_t id, uint64_t gen, const Device* except) const {
+  std::lock_guard l(dev_mu);
+  for (auto& [name, dev] : devices) {
+    const Device* d = dev->impl();
+    if (d != except && d->open_link_gen == gen && d->id.load() == id &&
+        d->state.load() != DeviceState::closed)
+      return dev;
+  }
+  return nullptr;
 }
 
 std::vector<std::shared_ptr<RemoteDevice>> BlockSession::devices() const {

@@ -26,7 +26,8 @@ int connect_to(int fd, const sockaddr_un& sa) {
 
 }  // namespace
 
-Result<int> unix_listen(const std::string& path, int backlog, bool nonblock) {
+Result<int> unix_listen(const std::string& path, int backlog, bool nonblock, const UnixSocketAccess& access) {
+  if ((access.mode & ~mode_t{0777}) != 0) return errc(EINVAL);
   auto sa = address(path);
   if (!sa) return sa.error();
   struct stat st {};
@@ -41,8 +42,18 @@ Result<int> unix_listen(const std::string& path, int backlog, bool nonblock) {
   }
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
   if (fd < 0) return errc(errno);
-  if (::bind(fd, reinterpret_cast<const sockaddr*>(&*sa), sizeof(*sa)) != 0 || ::listen(fd, backlog) != 0) {
-    const int e = errno;
+  // Linux creates the socket file with the socket inode's mode (less the umask): owner-only from
+  // the start, widened to `access` once the group is set, and nobody can connect before listen().
+  int e = ::fchmod(fd, 0600) == 0 ? 0 : errno;
+  if (e == 0 && ::bind(fd, reinterpret_cast<const sockaddr*>(&*sa), sizeof(*sa)) != 0) e = errno;
+  if (e == 0) {
+    if ((access.group && ::chown(path.c_str(), static_cast<uid_t>(-1), *access.group) != 0) ||
+        ::chmod(path.c_str(), access.mode) != 0 || ::listen(fd, backlog) != 0) {
+      e = errno;
+      ::unlink(path.c_str());
+    }
+  }
+  if (e != 0) {
     ::close(fd);
     return errc(e);
   }

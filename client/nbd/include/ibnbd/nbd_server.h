@@ -23,10 +23,13 @@
 //   - start, serve_fd, listening, stats and stop: any thread but an Export completion.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <span>
 #include <string>
@@ -97,10 +100,14 @@ struct ListenSpec {
   enum class Kind : uint8_t { unix_socket, tcp };
   Kind kind = Kind::tcp;
   std::string path;  // unix_socket
+  // unix_socket: who may connect (NBD has no authentication of its own): the socket file's mode,
+  // owner-only by default, and its group (unset: the process's).
+  mode_t mode = 0600;
+  std::optional<gid_t> group;
   std::string host;  // tcp: numeric IPv4 or IPv6 (no brackets)
   uint16_t port = 0; // tcp: 0 picks a free port (listening() tells which)
 
-  static ListenSpec unix_socket(std::string path);
+  static ListenSpec unix_socket(std::string path, mode_t mode = 0600, std::optional<gid_t> group = {});
   // "HOST:PORT", "[V6]:PORT", ":PORT" or "PORT" (host 127.0.0.1), "localhost:PORT". EINVAL.
   static Result<ListenSpec> parse_tcp(std::string_view s);
   // A tcp address inside 127.0.0.0/8 or ::1; unix sockets count as local too.
