@@ -9,6 +9,8 @@ packages=(
   # libraries
   libibverbs-dev librdmacm-dev liburing-dev libboost-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libfuse3-dev fuse3
+  # host authentication (DH-HMAC-CHAP): OpenSSL for the crypto, zlib for the secrets' CRC-32
+  libssl-dev zlib1g-dev
   # real RDMA tooling (used inside the VM rig and by the benchmarks)
   rdma-core ibverbs-utils rdmacm-utils perftest
   # VM rig: QEMU/TCG with Debian's 6.12 kernel, busybox initramfs
