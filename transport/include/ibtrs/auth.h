@@ -17,6 +17,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -110,6 +112,22 @@ class Authenticator {
   // The secrets of `host`, or nullopt for a host the server does not know. Called on the
   // server's control thread for every path that authenticates; must not block for long.
   virtual std::optional<HostKeys> host_keys(std::string_view host) const = 0;
+};
+
+// An Authenticator over a table the owner changes at run time (key rotation: a host's new keys
+// apply to the paths that authenticate from then on; established paths stay). Thread-safe.
+class KeyTable final : public Authenticator {
+ public:
+  // Adds or replaces `host`. EINVAL: a bad host id, no key, or an empty secret.
+  Status set(const std::string& host, HostKeys keys);
+  // False when the host was not there.
+  bool remove(std::string_view host);
+  std::vector<std::string> hosts() const;
+  std::optional<HostKeys> host_keys(std::string_view host) const override;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, HostKeys, std::less<>> hosts_;
 };
 
 // Authentication of one path, as listings show it.

@@ -268,6 +268,42 @@ Status save_key_file(const std::string& path, const KeyFile& k) {
   return {};
 }
 
+// ------------------------------------------------------------------------------------------
+// KeyTable
+
+Status KeyTable::set(const std::string& host, HostKeys keys) {
+  if (!valid_host_id(host) || keys.keys.empty()) return errc(EINVAL);
+  for (const Secret& k : keys.keys) {
+    if (k.empty()) return errc(EINVAL);
+  }
+  if (keys.server_key && keys.server_key->empty()) return errc(EINVAL);
+  std::lock_guard lock(mu_);
+  hosts_[host] = std::move(keys);
+  return {};
+}
+
+bool KeyTable::remove(std::string_view host) {
+  std::lock_guard lock(mu_);
+  auto it = hosts_.find(host);
+  if (it == hosts_.end()) return false;
+  hosts_.erase(it);
+  return true;
+}
+
+std::vector<std::string> KeyTable::hosts() const {
+  std::lock_guard lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [h, k] : hosts_) out.push_back(h);
+  return out;
+}
+
+std::optional<HostKeys> KeyTable::host_keys(std::string_view host) const {
+  std::lock_guard lock(mu_);
+  auto it = hosts_.find(host);
+  if (it == hosts_.end()) return std::nullopt;
+  return it->second;
+}
+
 std::string_view to_string(AuthState s) {
   switch (s) {
     case AuthState::none: return "none";

@@ -955,7 +955,10 @@ void Impl::handle_auth_reply(Path* p, std::span<const std::byte> msg) {
   std::string why;
   auto r = proto::parse_auth_reply(msg, &why);
   if (!r.ok()) return auth_failed(p, EPROTO, auth_count.protocol, why);
-  if (r->tid != a.tid) return auth_failed(p, EPROTO, auth_count.protocol, "AUTH_REPLY of another transaction");
+  // A reply to another challenge: a recorded exchange played back (its response would not fit
+  // this challenge either).
+  if (r->tid != a.tid)
+    return auth_failed(p, EACCES, auth_count.bad_response, "AUTH_REPLY of another transaction (replayed?)");
   auto z = a.dh->derive(r->dh_public);
   a.dh.reset();  // one reply per challenge
   if (!z.ok()) return auth_failed(p, EPROTO, auth_count.protocol, "unusable X25519 public value");
