@@ -270,16 +270,8 @@ Result<ibtrs::ClientAuth> ClientDaemon::credentials(const std::string& key_file,
     }
     return a;  // anonymous
   }
-  auto k = ibtrs::load_key_file(file, why);
-  if (!k.ok()) return k.error();
-  a.host_id = !host.empty() ? host : !k->host.empty() ? k->host : opts_.host_id;
-  if (!ibtrs::valid_host_id(a.host_id)) {
-    *why = file + ": no host id in the file, and none given (host ID, --host-id)";
-    return errc(EINVAL);
-  }
-  a.key = std::move(k->key);
-  a.server_key = std::move(k->server_key);
-  return a;
+  // A host id given with the map wins, then the daemon's --host-id, then the file's.
+  return ibtrs::client_auth_from_key_file(file, host.empty() ? opts_.host_id : host, why);
 }
 
 Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,

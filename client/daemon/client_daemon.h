@@ -36,8 +36,8 @@ struct ClientDaemonOptions {
   uint16_t ublk_queue_depth = 128;  // default of device_map's ublk_queue_depth
   std::string ublk_control = "/dev/ublk-control";
   // Host authentication (ibtrs/auth.h): the key file sessions authenticate with unless device
-  // map names another, and a host id for a key file without one (or to override it). No key
-  // file: sessions are anonymous, which only a server with allow_any_host admits.
+  // map names another, and the host id to authenticate as (default: the key file's host line).
+  // No key file: sessions are anonymous, which only a server with allow_any_host admits.
   std::string host_key;
   std::string host_id;
 };

@@ -44,7 +44,8 @@ const char kUsage[] =
     "         e.g. /run/ibnbd-client/sysfs; off by default (sysfs-emu/README.md).\n"
     "  --host-key FILE: the key file (ibnbd key generate; mode 0600) sessions authenticate with\n"
     "         unless device map names another; without one sessions are anonymous, which only\n"
-    "         a server with allow_any_host admits. --host-id: for a key file without a host line.\n"
+    "         a server with allow_any_host admits. --host-id: the host to authenticate as\n"
+    "         (default: the key file's host line).\n"
     "  --config FILE: JSON with the options' names, e.g. {\"host_key\": \"/etc/ibnbd/host.key\",\n"
     "         \"io_threads\": 4}; options on the command line win.\n";
 
@@ -132,10 +133,7 @@ int main(int argc, char** argv) {
   if (!o.host_key.empty()) {
     // A key file that is not usable stops the daemon now, not at the first map.
     std::string why;
-    auto k = ibtrs::load_key_file(o.host_key, &why);
-    if (!k) die("--host-key: " + why);
-    if (k->host.empty() && !ibtrs::valid_host_id(o.host_id))
-      die("--host-key: " + o.host_key + " has no host line: give --host-id");
+    if (!ibtrs::client_auth_from_key_file(o.host_key, o.host_id, &why)) die("--host-key: " + why);
   }
   sigset_t set;
   sigemptyset(&set);

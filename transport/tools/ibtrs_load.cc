@@ -1074,14 +1074,12 @@ int run_client(const ClientConfig& c) {
   o.busy_poll = c.busy_poll;
   if (!c.host_key.empty()) {
     std::string why;
-    auto k = ibtrs::load_key_file(c.host_key, &why);
-    if (!k || k->host.empty()) {
-      warn("--host-key: %s", k ? "the key file has no host line" : why.c_str());
+    auto a = ibtrs::client_auth_from_key_file(c.host_key, {}, &why);
+    if (!a) {
+      warn("--host-key: %s", why.c_str());
       return 2;
     }
-    o.auth.host_id = k->host;
-    o.auth.key = k->key;
-    o.auth.server_key = k->server_key;
+    o.auth = std::move(*a);
   }
   o.on_event = [quiet, t0](const ibtrs::SessionEventInfo& e) {
     if (quiet->load()) return;

@@ -98,6 +98,11 @@ struct ClientAuth {
   std::optional<Secret> server_key;
   bool enabled() const { return key.has_value(); }
 };
+// A client's credentials from a key file: its key and server key, as host `host` (when not
+// empty) or the file's host line. Errors as load_key_file, and EINVAL when no valid host id
+// results; `why` says which.
+Result<ClientAuth> client_auth_from_key_file(const std::string& path, const std::string& host = {},
+                                             std::string* why = nullptr);
 
 // What a server knows of one host.
 struct HostKeys {

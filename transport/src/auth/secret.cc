@@ -268,6 +268,19 @@ Status save_key_file(const std::string& path, const KeyFile& k) {
   return {};
 }
 
+Result<ClientAuth> client_auth_from_key_file(const std::string& path, const std::string& host,
+                                             std::string* why) {
+  auto k = load_key_file(path, why);
+  if (!k.ok()) return k.error();
+  ClientAuth a;
+  a.host_id = host.empty() ? k->host : host;
+  if (!valid_host_id(a.host_id))
+    return refuse(why, EINVAL, path + ": no host line in the file and no host id given");
+  a.key = std::move(k->key);
+  a.server_key = std::move(k->server_key);
+  return a;
+}
+
 // ------------------------------------------------------------------------------------------
 // KeyTable
 
