@@ -33,14 +33,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# expect NAME WANT_RC CMD...: runs CMD, checks its exit status.
-expect() {
-  local name=$1 want=$2 rc
-  shift 2
-  "$@" >"$work/out" 2>"$work/err"
-  rc=$?
-  if [ "$rc" = "$want" ]; then ok "$name"; else not_ok "$name" "exit $rc, want $want: $(tail -2 "$work/err")"; fi
-}
 
 mkdir -p "$work/export/sub"
 truncate -s 64M "$work/export/a.img"

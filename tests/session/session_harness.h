@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -127,6 +128,20 @@ inline int sync_io(ClientSession& s, IoDir dir, const RegisteredMemory& mem, std
   auto st = s.request(r);
   if (!st.ok()) return -st.error().value();
   return w.wait();
+}
+
+// The fabric a scenario binary runs on, from --fabric=loopback|tcp|rdma among its arguments
+// (loopback without one); nullopt for an unknown name.
+inline std::optional<FabricKind> fabric_arg(int argc, char** argv) {
+  FabricKind k = FabricKind::loopback;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--fabric=", 0) != 0) continue;
+    auto p = parse_fabric_kind(a.substr(9));
+    if (!p.ok()) return std::nullopt;
+    k = *p;
+  }
+  return k;
 }
 
 inline bool wait_until(const std::function<bool()>& pred,
