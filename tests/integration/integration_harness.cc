@@ -626,8 +626,7 @@ BlockSessionOptions Rig::session_options(const std::string& name) const {
   o.transport.reconnect = ibtrs::ReconnectConfig{50ms, 50ms, 500ms, 10ms, -1};
   o.transport.connect_timeout = 3s;
   o.transport.pending_timeout = 15s;
-  o.transport.auth.host_id = kHost;
-  o.transport.auth.key = key_;
+  o.transport.auth = credentials();
   o.remap_timeout = 15s;
   o.control_timeout = 5s;
   o.bounce_slots = 8;

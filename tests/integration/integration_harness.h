@@ -256,6 +256,12 @@ class Rig : public ::testing::Test {
   // granted every device in every mode. Its reconnects and failovers authenticate each path.
   static constexpr const char* kHost = "nqn.2014-08.org.nvmexpress:uuid:1e57a11e-0000-4000-8000-00000000c0de";
   ibtrs::Secret key_ = ibtrs::Secret::generate().value();
+  ibtrs::ClientAuth credentials() const {
+    ibtrs::ClientAuth a;
+    a.host_id = kHost;
+    a.key = key_;
+    return a;
+  }
 
   std::unique_ptr<ExportFile> file_;
   std::unique_ptr<Endpoints> eps_;

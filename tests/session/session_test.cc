@@ -53,6 +53,7 @@ std::string endpoint_of(const Address& a) { return a.name; }
 class Session : public ::testing::Test {
  protected:
   void SetUp() override {
+    so_.allow_any_host = true;  // sessions and paths; authentication has auth_test.cc
     lb::faults().clear();
     if (g_kind == FabricKind::rdma && std::getenv("IBTRS_RDMA_ADDR_A") == nullptr)
       GTEST_SKIP() << "rdma runs in the VM rig (tests/vm): IBTRS_RDMA_ADDR_A is not set";
@@ -68,7 +69,6 @@ class Session : public ::testing::Test {
     so_.queue_depth = qd;
     so_.io_threads = 2;
     so_.handler = &vol_;
-    so_.allow_any_host = true;  // sessions and paths; authentication has auth_test.cc
     so_.heartbeat = HeartbeatConfig{100ms, 5};
     so_.always_invalidate = g_invalidate;
     for (size_t i = 0; i < listeners; ++i) so_.listen.push_back(listen_addr("s" + std::to_string(i)));
