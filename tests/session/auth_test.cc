@@ -203,6 +203,11 @@ TEST_F(AuthSession, KeyRotationAndNoReconnectLoop) {
   const Secret rotated = *Secret::generate();
   ASSERT_TRUE(keys_.set(kHostA, HostKeys{{rotated}, std::nullopt}).ok());
   io_works(**c);  // established paths stay
+  EXPECT_EQ((*c)->add_path(PathSpec{*Address::parse(g_kind == FabricKind::tcp ? "tcp:127.0.0.2" : "loopback:auth-src:0"), addr_})
+                .error(),
+            std::errc::permission_denied)
+      << "a path added with the old key";
+  EXPECT_EQ((*c)->paths().size(), 1u) << "the refused path is gone";
   const std::string pname = (*c)->paths()[0].name;
   ASSERT_TRUE(server_->with_session("rot", [&](ServerSession& s) { (void)s.disconnect_path(pname); }).ok());
   ASSERT_TRUE(wait_until([&] { return (*c)->paths()[0].state == ClientPathState::closed; }, 10s));
