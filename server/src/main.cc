@@ -132,6 +132,8 @@ void apply(Config& c, const std::string& key, const json& v) {
       std::string why;
       auto hc = ibnbd::host_from_json(h, &why);
       if (!hc) die("hosts: " + why);
+      for (auto& known : c.o.hosts)
+        if (known.host == hc->host) die("hosts: " + hc->host + " is listed twice");
       c.o.hosts.push_back(std::move(*hc));
     }
   } else {
