@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job: installs what is needed, builds, then on this machine
-#   1. starts ibnbd-server exporting a sparse file,
-#   2. starts ibnbd-client and maps the file with `ibnbd client device map` over the tcp fabric
-#      on loopback with two paths,
+#   1. generates a host key (`ibnbd key generate`) and starts ibnbd-server exporting a sparse
+#      file to that host only (every path authenticates with DH-HMAC-CHAP; others are refused),
+#   2. starts ibnbd-client with the key and maps the file with `ibnbd client device map` over the
+#      tcp fabric on loopback with two paths,
 #   3. writes a pattern over the whole device and reads it back, verified, with a progress bar,
 #   4. prints throughput and the per-path split, the sessions as both sides see them,
 #   5. unmaps and stops everything (also on Ctrl-C or failure).
@@ -61,16 +62,24 @@ wait_for() {  # wait_for FILE PID
 
 mkdir -p "$work/export"
 truncate -s "$size" "$work/export/demo.img"
+echo "== ibnbd key generate: the client host's identity and secret (mode 0600)"
+"$ibnbd" key generate host nqn.2014-08.org.nvmexpress:uuid:de300000-0000-4000-8000-000000000001 \
+  server-key out "$work/host.key"
+# The server knows the host by the same file and grants it demo.img rw, nothing else.
+cat >"$work/server.json" <<JSON
+{"hosts": [{"key_file": "$work/host.key", "access": [{"devices": "demo.img", "mode": "rw"}]}]}
+JSON
 echo "== ibnbd-server: exporting $work/export/demo.img ($size, sparse) on two loopback ports"
-"$srv" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+"$srv" --config "$work/server.json" --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 \
+  --dev-search-path "$work/export" \
   --control-socket "$work/server.sock" --ready-file "$work/server.ready" >"$work/server.log" 2>&1 &
 pids+=($!)
 wait_for "$work/server.ready" "${pids[-1]}" || { echo "ibnbd-server did not start" >&2; exit 1; }
 mapfile -t addrs < <(sed -n 's/^listening //p' "$work/server.ready")
 echo "   listening on ${addrs[*]}"
 
-echo "== ibnbd-client: the client daemon"
-"$cli_daemon" --control-socket "$work/client.sock" --ready-file "$work/client.ready" \
+echo "== ibnbd-client: the client daemon, authenticating with the key (and checking the server's)"
+"$cli_daemon" --host-key "$work/host.key" --control-socket "$work/client.sock" --ready-file "$work/client.ready" \
   >"$work/client.log" 2>&1 &
 pids+=($!)
 wait_for "$work/client.ready" "${pids[-1]}" || { echo "ibnbd-client did not start" >&2; exit 1; }
@@ -89,8 +98,12 @@ c session list
 echo
 c path list demo
 echo
-echo "== and from the server"
+echo "== and from the server: the session's host, its paths authenticated"
 s session list
+echo
+s path list
+echo
+s host list
 echo
 s device list
 echo

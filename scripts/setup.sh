@@ -8,7 +8,9 @@ packages=(
   build-essential cmake ninja-build pkg-config g++ clang libclang-rt-14-dev
   # libraries
   libibverbs-dev librdmacm-dev liburing-dev libboost-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libfuse3-dev fuse3 libssl-dev
+  libgtest-dev libgmock-dev libfuse3-dev fuse3
+  # TLS and host authentication (DH-HMAC-CHAP): OpenSSL, and zlib for the secrets' CRC-32
+  libssl-dev zlib1g-dev
   # real RDMA tooling (used inside the VM rig and by the benchmarks)
   rdma-core ibverbs-utils rdmacm-utils perftest
   # VM rig: QEMU/TCG with Debian's 6.12 kernel, busybox initramfs

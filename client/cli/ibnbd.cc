@@ -8,8 +8,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <climits>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ibnbd/types.h"
+#include "ibtrs/auth.h"
 #include "output.h"
 
 namespace {
@@ -35,7 +38,8 @@ const char kUsage[] =
     "\n"
     "client (default):\n"
     "  device map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]\n"
-    "         [--ublk [--ublk-queue-depth N]]\n"
+    "         [host-key FILE] [host ID] [--ublk [--ublk-queue-depth N]]\n"
+    "         host-key: authenticate with this key file instead of the daemon's --host-key\n"
     "         --ublk: also serve it as the block device /dev/ublkbN (ublk_drv); it survives a\n"
     "         crash of ibnbd-client (a restarted daemon takes it back) and goes with unmap\n"
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
@@ -54,12 +58,23 @@ const char kUsage[] =
     "       | reconnect <session> <path> | disconnect <session> <path>\n"
     "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
     "server:\n"
+    "  host add <host>|- key FILE [server-key FILE] [access PATTERN:ro|rw|migration ...]\n"
+    "         adds a host, or replaces its keys (key rotation: new paths need the new key;\n"
+    "         without 'access' a known host keeps its rules). '-': the host id of the key file.\n"
+    "         PATTERN: '**' everything, 'dir/**' beneath dir, or a glob like 'a/*.img'\n"
+    "  host list | remove <host> | stats\n"
     "  session list | show <session>\n"
     "  device list | show <device> | force-close <device> <session>\n"
     "  path list [<session>] | disconnect <session> <path>\n"
     "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
     "  refusals list | reset     peers refused or cut off, by reason (counts since start/reset)\n"
     "  limits                    sessions, paths, chunk memory, backlog: in use against the caps\n"
+    "key (no daemon):\n"
+    "  key generate [host ID] [hmac 0|1|2|3] [length 32|48|64] [server-key] [out FILE]\n"
+    "         a key file: a host id (a new nqn.2014-08.org.nvmexpress:uuid:... unless given),\n"
+    "         a DHHC-1 secret and with server-key one for the server to prove; to FILE\n"
+    "         (created with mode 0600) or stdout. Copy it to the client and the server.\n"
+    "  key show FILE   the host and the keys' fingerprints (never the secrets)\n"
     "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
     "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
     "  migrate ... <volume> nbd <socket> ...   (through a daemon's export of its mapping)\n"
@@ -221,13 +236,15 @@ bool run_path_stats(const Cli& c, const char* reset_cmd) {
 // ---- server side ----
 
 Listing server_sessions(const json& sessions, const std::string& only) {
-  Listing l{{{"sessname"}, {"path_cnt", true}, {"devices", true}, {"rx_bytes", true},
+  Listing l{{{"sessname"}, {"host"}, {"path_cnt", true}, {"devices", true}, {"rx_bytes", true},
              {"tx_bytes", true}, {"inflights", true}, {"version", true}},
             {}};
   for (auto& s : sessions) {
     if (!only.empty() && str(s, "name") != only) continue;
     const json& st = s["stats"];
-    l.rows.push_back({str(s, "name"), static_cast<int64_t>(s["paths"].size()),
+    const std::string host = str(s, "host");
+    l.rows.push_back({str(s, "name"), host.empty() ? std::string("(anonymous)") : host,
+                      static_cast<int64_t>(s["paths"].size()),
                       static_cast<int64_t>(s["devices"].size()), Bytes{unum(st, "write_bytes")},
                       Bytes{unum(st, "read_bytes")}, num(st, "inflight"), num(s, "version")});
   }
@@ -236,13 +253,14 @@ Listing server_sessions(const json& sessions, const std::string& only) {
 
 Listing server_paths(const json& sessions, const std::string& only) {
   Listing l{{{"sessname"}, {"pathname"}, {"src_addr"}, {"dst_addr"}, {"hca_name"}, {"hca_port", true},
-             {"state"}, {"rx_bytes", true}, {"tx_bytes", true}, {"inflights", true}},
+             {"state"}, {"auth"}, {"rx_bytes", true}, {"tx_bytes", true}, {"inflights", true}},
             {}};
   for (auto& s : sessions) {
     if (!only.empty() && str(s, "name") != only) continue;
     for (auto& p : s["paths"])
       l.rows.push_back({str(s, "name"), str(p, "name"), str(p, "src_addr"), str(p, "dst_addr"),
                         str(p, "hca_name"), num(p, "hca_port"), str(p, "state"),
+                        str(p, "auth") + (p.value("auth_bidirectional", false) ? "+server" : ""),
                         Bytes{unum(p, "write_bytes")}, Bytes{unum(p, "read_bytes")}, num(p, "inflight")});
   }
   return l;
@@ -286,6 +304,50 @@ Listing server_refusals(const json& refusals) {
   return l;
 }
 
+// A file name as the daemon (with another working directory) can open it.
+std::string absolute(const std::string& f) {
+  char buf[PATH_MAX];
+  if (::realpath(f.c_str(), buf) == nullptr) fail(errno, f + ": " + std::strerror(errno));
+  return buf;
+}
+
+// server host add <host>|- key FILE [server-key FILE] [access PATTERN:MODE ...]
+json host_add_request(const Cli& c) {
+  json req{{"cmd", "host_add"}};
+  if (c.arg(0, "<host> or -") != "-") req["host"] = c.args[0];
+  for (size_t i = 1; i < c.args.size(); ++i) {
+    const std::string& w = c.args[i];
+    if (w == "key") req["key_file"] = absolute(c.arg(++i, "a key file"));
+    else if (w == "server-key") req["server_key_file"] = absolute(c.arg(++i, "a key file"));
+    else if (w == "access") {
+      json rules = json::array();
+      while (i + 1 < c.args.size()) {
+        const std::string& r = c.args[++i];
+        const size_t colon = r.rfind(':');
+        if (colon == std::string::npos || colon == 0) fail(22, "access: PATTERN:ro|rw|migration, not '" + r + "'");
+        rules.push_back({{"devices", r.substr(0, colon)}, {"mode", r.substr(colon + 1)}});
+      }
+      req["access"] = rules;
+    } else {
+      fail(22, "host add: unexpected word '" + w + "'");
+    }
+  }
+  if (!req.contains("key_file")) fail(22, "host add: key FILE is required");
+  return req;
+}
+
+Listing host_listing(const json& hosts) {
+  Listing l{{{"host"}, {"keys"}, {"server_key"}, {"access"}, {"sessions", true}}, {}};
+  for (auto& h : hosts) {
+    std::string keys, access;
+    for (auto& k : h["keys"]) keys += (keys.empty() ? "" : " ") + k.get<std::string>();
+    for (auto& r : h["access"]) access += (access.empty() ? "" : " ") + str(r, "devices") + ":" + str(r, "mode");
+    l.rows.push_back({str(h, "host"), keys, str(h, "server_key"), access.empty() ? std::string("(none)") : access,
+                      num(h, "sessions")});
+  }
+  return l;
+}
+
 // limits: what peers hold against each cap.
 Listing server_limits(const json& rsp) {
   const json& lim = rsp["limits"];
@@ -316,6 +378,27 @@ int run_server(const Cli& c) {
   }
   if (o == "limits" && (cmd == "list" || cmd == "show")) {
     c.print(server_limits(c.rpc({{"cmd", "limits"}})));
+    return 0;
+  }
+  if (o == "host") {
+    if (cmd == "add") {
+      std::printf("%s\n", str(c.rpc(host_add_request(c)), "message").c_str());
+    } else if (cmd == "list") {
+      json rsp = c.rpc({{"cmd", "host_list"}});
+      c.print(host_listing(rsp["hosts"]));
+      if (rsp.value("allow_any_host", false) && c.out.format == Format::table)
+        std::printf("allow_any_host: on (any host opens any device, without credentials)\n");
+    } else if (cmd == "remove") {
+      c.rpc({{"cmd", "host_remove"}, {"host", c.arg(0, "<host>")}});
+    } else if (cmd == "stats") {
+      json rsp = c.rpc({{"cmd", "auth_stats"}});
+      Listing l{{{"counter"}, {"value", true}}, {}};
+      for (auto& [k, v] : rsp.items())
+        if (v.is_number() || v.is_boolean()) l.rows.push_back({k, v.is_boolean() ? int64_t{v.get<bool>()} : v.get<int64_t>()});
+      c.print(l);
+    } else {
+      fail(22, "unknown command: server host " + cmd + "\n" + kUsage);
+    }
     return 0;
   }
   if (o == "session" && (cmd == "list" || cmd == "show")) {
@@ -418,6 +501,8 @@ int run_client(const Cli& c) {
       const std::string& a = c.args[i];
       if (a == "ro" || a == "rw" || a == "migration") req["access_mode"] = a;
       else if (a == "session") req["session"] = c.arg(++i, "<session name>");
+      else if (a == "host-key") req["host_key"] = absolute(c.arg(++i, "a key file"));
+      else if (a == "host") req["host"] = c.arg(++i, "a host id");
       else if (a == "--ublk" || a == "ublk") req["ublk"] = true;
       else if (a == "--ublk-queue-depth") {
         auto n = parse_size(c.arg(++i, "a queue depth"));
@@ -494,11 +579,67 @@ int run_client(const Cli& c) {
   fail(2, std::string("cannot run ibnbd-migrate: ") + std::strerror(errno));
 }
 
+// ibnbd key generate | show: no daemon involved.
+int run_key(const std::vector<std::string>& a) {
+  const std::string cmd = a.empty() ? "" : a[0];
+  auto arg = [&](size_t i, const char* what) -> const std::string& {
+    if (i >= a.size()) fail(22, "key " + cmd + ": missing " + what);
+    return a[i];
+  };
+  if (cmd == "generate") {
+    ibtrs::KeyFile k;
+    auto transform = ibtrs::Secret::Transform::sha256;
+    size_t len = 32;
+    bool server_key = false;
+    std::string out;
+    for (size_t i = 1; i < a.size(); ++i) {
+      const std::string& w = a[i];
+      if (w == "host") k.host = arg(++i, "a host id");
+      else if (w == "hmac") {
+        const std::string& v = arg(++i, "0..3");
+        if (v.size() != 1 || v[0] < '0' || v[0] > '3') fail(22, "hmac: 0 (none), 1 (SHA-256), 2 (SHA-384), 3 (SHA-512)");
+        transform = static_cast<ibtrs::Secret::Transform>(v[0] - '0');
+      } else if (w == "length") {
+        len = std::strtoul(arg(++i, "32, 48 or 64").c_str(), nullptr, 10);
+      } else if (w == "server-key") server_key = true;
+      else if (w == "out") out = arg(++i, "a file");
+      else fail(22, "key generate: unexpected word '" + w + "'");
+    }
+    if (k.host.empty()) k.host = ibtrs::generate_host_id();
+    if (!ibtrs::valid_host_id(k.host)) fail(22, "host: printable, no spaces, 1..223 bytes");
+    auto s = ibtrs::Secret::generate(transform, len);
+    if (!s) fail(22, "length: 32, 48 or 64");
+    k.key = std::move(*s);
+    if (server_key) k.server_key = *ibtrs::Secret::generate(transform, len);
+    if (out.empty()) {
+      std::fputs(ibtrs::format_key_file(k).c_str(), stdout);
+      return 0;
+    }
+    auto st = ibtrs::save_key_file(out, k);
+    if (!st.ok()) fail(st.error().value(), out + ": " + st.error().message());
+    std::printf("%s: key of host %s (fingerprint %s)%s\n", out.c_str(), k.host.c_str(), k.key.fingerprint().c_str(),
+                server_key ? ", with a server key" : "");
+    return 0;
+  }
+  if (cmd == "show") {
+    std::string why;
+    auto k = ibtrs::load_key_file(arg(1, "a key file"), &why);
+    if (!k) fail(k.error().value(), why);
+    std::printf("host        %s\nkey         %s (hmac %d)\nserver-key  %s\n",
+                k->host.empty() ? "(none in the file)" : k->host.c_str(), k->key.fingerprint().c_str(),
+                static_cast<int>(k->key.transform()),
+                k->server_key ? k->server_key->fingerprint().c_str() : "(none)");
+    return 0;
+  }
+  fail(22, "key generate | key show FILE\n" + std::string(kUsage));
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == "migrate") {
     argv[1] = const_cast<char*>("ibnbd-migrate");
     exec_migrate(argv + 1);
   }
+  if (argc > 1 && std::string_view(argv[1]) == "key") return run_key(std::vector<std::string>(argv + 2, argv + argc));
   Cli c;
   std::vector<std::string> words;
   for (int i = 1; i < argc; ++i) {
@@ -529,10 +670,10 @@ int main(int argc, char** argv) {
   size_t w = 0;
   if (w < words.size() && (words[w] == "client" || words[w] == "server")) c.side = words[w++];
   const bool server_only = c.side == "server" && w < words.size() &&
-                           (words[w] == "refusals" || words[w] == "limits");
+                           (words[w] == "refusals" || words[w] == "limits" || words[w] == "host");
   if (w >= words.size() ||
       (words[w] != "device" && words[w] != "session" && words[w] != "path" && !server_only))
-    fail(22, std::string("expected device, session or path (server: also refusals, limits)\n") + kUsage);
+    fail(22, std::string("expected device, session or path (server: also host, refusals, limits)\n") + kUsage);
   c.object = words[w++];
   c.command = w < words.size() ? words[w++] : "list";
   c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(w), words.end());

@@ -175,12 +175,18 @@ struct Pass {
   }
 };
 
+// "authenticated", "authenticated+server" (bidirectional), "none", "pending", "failed".
+std::string auth_word(const ibtrs::PathAuthInfo& a) {
+  return std::string(ibtrs::to_string(a.state)) + (a.bidirectional ? "+server" : "");
+}
+
 json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
   return json::array({sess, p.name, p.spec.source ? p.spec.source->to_string() : "",
                       p.spec.destination.to_string(), p.hca_name, p.hca_port,
-                      std::string(ibtrs::to_string(p.state)), bytes(p.stats.read_bytes),
-                      bytes(p.stats.write_bytes), p.inflight, p.stats.reconnects_ok,
-                      p.latency ? static_cast<int64_t>(p.latency->count()) : -1});
+                      std::string(ibtrs::to_string(p.state)), auth_word(p.auth), p.auth.host,
+                      bytes(p.stats.read_bytes), bytes(p.stats.write_bytes), p.inflight,
+                      p.stats.reconnects_ok, p.latency ? static_cast<int64_t>(p.latency->count()) : -1,
+                      p.last_error ? p.last_error.message() : ""});
 }
 
 }  // namespace
@@ -269,11 +275,37 @@ std::pair<ClientDaemon::Sess*, std::shared_ptr<RemoteDevice>> ClientDaemon::find
   return {nullptr, nullptr};
 }
 
+Result<ibtrs::ClientAuth> ClientDaemon::credentials(const std::string& key_file, const std::string& host,
+                                                   std::string* why) const {
+  const std::string& file = key_file.empty() ? opts_.host_key : key_file;
+  ibtrs::ClientAuth a;
+  if (file.empty()) {
+    if (!host.empty()) {
+      *why = "a host id without a key file";
+      return errc(EINVAL);
+    }
+    return a;  // anonymous
+  }
+  // A host id given with the map wins, then the daemon's --host-id, then the file's.
+  return ibtrs::client_auth_from_key_file(file, host.empty() ? opts_.host_id : host, why);
+}
+
 Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
-                                                       const std::vector<ibtrs::PathSpec>& paths) {
+                                                       const std::vector<ibtrs::PathSpec>& paths,
+                                                       const std::string& host_key,
+                                                       const std::string& host, std::string* why) {
   Sess* s = find_session(sname);
+  if (s != nullptr && (s->host_key != host_key || s->host != host)) {
+    // Every path of a session authenticates as one host with one key.
+    *why = "session " + sname + " authenticates with " +
+           (s->host_key.empty() ? std::string("the daemon's key") : "key file " + s->host_key) +
+           (s->host.empty() ? "" : " as host " + s->host) + ": map through it with the same, or another session";
+    return errc(EINVAL);
+  }
   if (s == nullptr) {
+    IBTRS_ASSIGN_OR_RETURN(ibtrs::ClientAuth auth, credentials(host_key, host, why));
     BlockSessionOptions o;
+    o.transport.auth = std::move(auth);
     o.transport.session_name = sname;
     o.transport.paths = paths;
     o.transport.io_threads = opts_.io_threads;
@@ -286,9 +318,15 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
     // depth at 8. 64 covers fio / qemu / nbdcopy queue depths for 8 MiB of registered memory.
     o.bounce_slots = 64;
     auto bs = BlockSession::open(std::move(o));
-    if (!bs.ok()) return bs.error();
+    if (!bs.ok()) {
+      if (bs.error() == std::errc::permission_denied)
+        *why = "the server refused the host or its key (ibnbd server host list on the server)";
+      return bs.error();
+    }
     s = &sessions_[sname];
     s->s = std::move(*bs);
+    s->host_key = host_key;
+    s->host = host;
   } else {
     // Paths named here that the session lacks are added, as map_device with more paths would.
     auto have = s->s->transport().paths();
@@ -328,15 +366,22 @@ json ClientDaemon::device_map(const json& req) {
     return err(EEXIST, "device " + dev + " is mapped through session " + old_s->s->name());
   // exclusive (the kernel's map_device): mapping a mapped device again is EEXIST, not a no-op.
   if (old_d && req.value("exclusive", false)) return err(EEXIST, "device " + dev + " is already mapped");
-  auto s = open_session(sname, paths);
-  if (!s.ok()) return err(s.error(), "session " + sname);
+  std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
+  const std::string host = req.contains("host") ? str_arg(req, "host") : "";
+  std::string why;
+  auto s = open_session(sname, paths, host_key, host, &why);
+  if (!s.ok()) return err(s.error().value(), "session " + sname + ": " + (why.empty() ? s.error().message() : why));
   auto d = (*s)->s->map(dev, mode);
   if (!d.ok()) {
     if ((*s)->s->devices().empty()) sessions_.erase(sname);
-    return err(d.error(), "map " + dev);
+    std::string hint;
+    if (d.error() == std::errc::permission_denied) hint = " (the server's access rules do not grant this host the device)";
+    if (d.error() == std::errc::operation_not_permitted) hint = " (the server grants this host less than " + std::string(to_string(mode)) + " there)";
+    return err(d.error(), "map " + dev + hint);
   }
   if (want_ublk) {
-    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode}, static_cast<uint16_t>(depth));
+    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode, host_key, host},
+                        static_cast<uint16_t>(depth));
     if (!e.is_null()) {
       // Roll back what this command did: a device that was mapped before stays mapped.
       if (!old_d) {
@@ -432,9 +477,10 @@ json ClientDaemon::recover_ublk() {
       fail("no valid path in the record", true);
       continue;
     }
-    auto s = open_session(r.session, paths);
+    std::string why;
+    auto s = open_session(r.session, paths, r.host_key, r.host, &why);
     if (!s.ok()) {
-      fail("session " + r.session + ": " + s.error().message(), false);
+      fail("session " + r.session + ": " + (why.empty() ? s.error().message() : why), false);
       continue;
     }
     // The server may still hold the dead daemon's session, and the device with it (EBUSY for
@@ -646,9 +692,10 @@ json ClientDaemon::path_list(const json& req) {
   if (!only.empty() && find_session(only) == nullptr) return err(ENOENT, "no session " + only);
   return {{"ok", true},
           {"columns", json::array({col("sessname"), col("pathname"), col("src_addr"), col("dst_addr"),
-                                   col("hca_name"), col("hca_port", true), col("state"),
-                                   col("rx_bytes", true), col("tx_bytes", true), col("inflights", true),
-                                   col("reconnects", true), col("cur_latency_ns", true)})},
+                                   col("hca_name"), col("hca_port", true), col("state"), col("auth"),
+                                   col("host"), col("rx_bytes", true), col("tx_bytes", true),
+                                   col("inflights", true), col("reconnects", true),
+                                   col("cur_latency_ns", true), col("last_error")})},
           {"rows", rows}};
 }
 

@@ -35,6 +35,11 @@ struct ClientDaemonOptions {
   std::string state_dir = "/run/ibnbd-client";
   uint16_t ublk_queue_depth = 128;  // default of device_map's ublk_queue_depth
   std::string ublk_control = "/dev/ublk-control";
+  // Host authentication (ibtrs/auth.h): the key file sessions authenticate with unless device
+  // map names another, and the host id to authenticate as (default: the key file's host line).
+  // No key file: sessions are anonymous, which only a server with allow_any_host admits.
+  std::string host_key;
+  std::string host_id;
 };
 
 class ClientDaemon {
@@ -57,7 +62,12 @@ class ClientDaemon {
   struct Sess {
     std::unique_ptr<BlockSession> s;
     std::unique_ptr<ibtrs::RegisteredMemory> io_buf;  // for device_io
+    std::string host_key, host;  // the credentials it was opened with (as map named them)
   };
+  // Credentials from a key file and a host id (either may be "": the daemon's defaults). Errors
+  // (EPERM for a key file others may read, EINVAL, ...) with a reason in `why`.
+  Result<ibtrs::ClientAuth> credentials(const std::string& key_file, const std::string& host,
+                                        std::string* why) const;
   using json = nlohmann::json;
 
   json device_map(const json& req);
@@ -86,7 +96,10 @@ class ClientDaemon {
   std::pair<Sess*, std::shared_ptr<RemoteDevice>> find_device(const std::string& name);
   Sess* find_session(const std::string& name);
   // The session `name`, opened over `paths` when there is none (paths it lacks are added).
-  Result<Sess*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths);
+  // With credentials as credentials() takes them; EINVAL (and `why`) when a session of that name
+  // exists with other credentials.
+  Result<Sess*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths,
+                             const std::string& host_key, const std::string& host, std::string* why);
   // Serves a mapped device as /dev/ublkbN and records it. The answer is an error or null.
   nlohmann::json ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                             uint16_t queue_depth);

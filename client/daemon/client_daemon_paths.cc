@@ -38,6 +38,11 @@ json ClientDaemon::path_stats(const json& req) {
                    {"dst_host", dst.host_string()},
                    {"dst_port", dst.port},
                    {"cur_latency_ns", p.latency ? p.latency->count() : 0},
+                   {"auth", std::string(ibtrs::to_string(p.auth.state))},
+                   {"auth_host", p.auth.host},
+                   {"auth_bidirectional", p.auth.bidirectional},
+                   {"auth_method", p.auth.method},
+                   {"last_error", p.last_error ? p.last_error.message() : ""},
                    {"inflight", p.inflight},
                    {"stats", stats_to_json(p.stats)}});
   }

@@ -7,6 +7,7 @@
 //                [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]
 //                [--connect-timeout-ms N] [--ready-file PATH]
 //                [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]
+//                [--host-key FILE] [--host-id ID] [--config FILE]
 #include <signal.h>
 #include <unistd.h>
 
@@ -15,6 +16,9 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "client_daemon.h"
 #include "sysfs/mount.h"
@@ -28,6 +32,7 @@ const char kUsage[] =
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
     "                    [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]\n"
+    "                    [--host-key FILE] [--host-id ID] [--config FILE]\n"
     "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too). PATH.lock\n"
     "    beside it (flock) keeps a second daemon off a live socket; a dead daemon's is reused.\n"
     "  --ready-file: written once the control socket accepts commands (after the ublk\n"
@@ -37,7 +42,13 @@ const char kUsage[] =
     "  --ublk-queue-depth: tags per ublk queue unless device map says (default 128).\n"
     "  --sysfs-dir: serves the kernel's control files (DIR/ibtrs-client/<session>/add_path,\n"
     "         mp_policy, paths/<src@dst>/..., DIR/ibnbd-client/ctl/map_device, ...) through FUSE,\n"
-    "         e.g. /run/ibnbd-client/sysfs; off by default (sysfs-emu/README.md).\n";
+    "         e.g. /run/ibnbd-client/sysfs; off by default (sysfs-emu/README.md).\n"
+    "  --host-key FILE: the key file (ibnbd key generate; mode 0600) sessions authenticate with\n"
+    "         unless device map names another; without one sessions are anonymous, which only\n"
+    "         a server with allow_any_host admits. --host-id: the host to authenticate as\n"
+    "         (default: the key file's host line).\n"
+    "  --config FILE: JSON with the options' names, e.g. {\"host_key\": \"/etc/ibnbd/host.key\",\n"
+    "         \"io_threads\": 4}; options on the command line win.\n";
 
 [[noreturn]] void die(const std::string& m) {
   std::fprintf(stderr, "ibnbd-client: %s\n%s", m.c_str(), kUsage);
@@ -53,6 +64,53 @@ uint64_t number(const char* flag, const char* v, uint64_t lo, uint64_t hi) {
   return n;
 }
 
+// One option by its command-line name: from argv, or from --config (JSON names use '_').
+void apply(ibnbd::ClientDaemonOptions& o, std::string& socket_path, std::string& ready_file,
+           std::string& sysfs_dir, const std::string& a, const char* v) {
+  if (a == "--control-socket") socket_path = v;
+  else if (a == "--ready-file") ready_file = v;
+  else if (a == "--state-dir") o.state_dir = v;
+  else if (a == "--ublk-queue-depth") o.ublk_queue_depth = static_cast<uint16_t>(number(a.c_str(), v, 1, 4096));
+  else if (a == "--sysfs-dir") sysfs_dir = v;
+  else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
+  else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
+  else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));
+  else if (a == "--reconnect-delay-ms") o.reconnect.delay = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
+  else if (a == "--connect-timeout-ms") o.connect_timeout = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
+  else if (a == "--host-key") o.host_key = v;
+  else if (a == "--host-id") o.host_id = v;
+  else if (a == "--policy") {
+    auto p = ibtrs::parse_mp_policy(v);
+    if (!p) die("--policy: round-robin, min-inflight or min-latency");
+    o.policy = *p;
+  } else {
+    die("unknown option " + a);
+  }
+}
+
+// --config FILE: {"name": value, ...} with the options' names (dashes or underscores).
+std::vector<std::pair<std::string, std::string>> read_config(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) die("cannot read " + file + ": " + std::strerror(errno));
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    die(file + ": " + e.what());
+  }
+  if (!j.is_object()) die(file + ": expected a JSON object");
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto& [k, v] : j.items()) {
+    std::string name = "--" + k;
+    for (auto& c : name)
+      if (c == '_') c = '-';
+    if (v.is_string()) out.emplace_back(name, v.get<std::string>());
+    else if (v.is_number_integer()) out.emplace_back(name, std::to_string(v.get<int64_t>()));
+    else die(file + ": " + k + ": expected a string or a number");
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -60,6 +118,7 @@ int main(int argc, char** argv) {
   std::string socket_path = "/run/ibnbd-client.sock";
   std::string ready_file;
   std::string sysfs_dir;
+  std::vector<std::pair<std::string, std::string>> cli, config;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "-h" || a == "--help") {
@@ -67,24 +126,15 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (i + 1 >= argc) die(a + " needs a value");
-    const char* v = argv[++i];
-    if (a == "--control-socket") socket_path = v;
-    else if (a == "--ready-file") ready_file = v;
-    else if (a == "--state-dir") o.state_dir = v;
-    else if (a == "--ublk-queue-depth") o.ublk_queue_depth = static_cast<uint16_t>(number(a.c_str(), v, 1, 4096));
-    else if (a == "--sysfs-dir") sysfs_dir = v;
-    else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
-    else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
-    else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));
-    else if (a == "--reconnect-delay-ms") o.reconnect.delay = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
-    else if (a == "--connect-timeout-ms") o.connect_timeout = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
-    else if (a == "--policy") {
-      auto p = ibtrs::parse_mp_policy(v);
-      if (!p) die("--policy: round-robin, min-inflight or min-latency");
-      o.policy = *p;
-    } else {
-      die("unknown option " + a);
-    }
+    if (a == "--config") config = read_config(argv[++i]);
+    else cli.emplace_back(a, argv[++i]);
+  }
+  for (auto* list : {&config, &cli})
+    for (auto& [a, v] : *list) apply(o, socket_path, ready_file, sysfs_dir, a, v.c_str());
+  if (!o.host_key.empty()) {
+    // A key file that is not usable stops the daemon now, not at the first map.
+    std::string why;
+    if (!ibtrs::client_auth_from_key_file(o.host_key, o.host_id, &why)) die("--host-key: " + why);
   }
   sigset_t set;
   sigemptyset(&set);

@@ -52,8 +52,11 @@ Status make_dir(const std::string& dir) {
 }  // namespace
 
 nlohmann::json to_json(const UblkRecord& r) {
-  return {{"version", kVersion},   {"ublk_id", r.ublk_id}, {"session", r.session},
-          {"paths", r.paths},      {"device", r.device},   {"access_mode", std::string(to_string(r.access_mode))}};
+  nlohmann::json j = {{"version", kVersion}, {"ublk_id", r.ublk_id}, {"session", r.session},
+                      {"paths", r.paths},    {"device", r.device},   {"access_mode", std::string(to_string(r.access_mode))}};
+  if (!r.host_key.empty()) j["host_key"] = r.host_key;
+  if (!r.host.empty()) j["host"] = r.host;
+  return j;
 }
 
 Result<UblkRecord> ublk_record_from_json(const nlohmann::json& j) {
@@ -75,6 +78,11 @@ Result<UblkRecord> ublk_record_from_json(const nlohmann::json& j) {
   for (auto& p : j["paths"]) {
     if (!p.is_string()) return errc(EINVAL);
     r.paths.push_back(p.get<std::string>());
+  }
+  for (auto [k, field] : {std::pair{"host_key", &r.host_key}, std::pair{"host", &r.host}}) {
+    if (!j.contains(k)) continue;
+    if (!j[k].is_string()) return errc(EINVAL);
+    *field = j[k].get<std::string>();
   }
   return r;
 }

@@ -70,6 +70,7 @@ struct EngineOptions {
   unsigned int io_threads;
   unsigned int poll_us;
   char* reap;
+  char* host_key;
 };
 
 // Non-const because fio's ioengine_ops::options is a plain pointer; fio only reads it.
@@ -149,6 +150,16 @@ fio_option g_options[] = {
         .category = FIO_OPT_C_ENGINE,
         .group = FIO_OPT_G_INVALID,
     },
+    {
+        .name = "ibnbd_host_key",
+        .lname = "IBNBD host key file",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, host_key),
+        .help = "Key file to authenticate with (ibnbd key generate; mode 0600); none: anonymous, "
+                "which only a server with allow_any_host admits",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
     {},  // the end of the table
 };
 
@@ -216,6 +227,15 @@ int make_config(thread_data* td, const std::string& name, Config& out) {
       return EINVAL;
     }
     out.reap_caller = r == "caller";
+  }
+  if (o->host_key != nullptr) {
+    std::string why;
+    auto a = ibtrs::client_auth_from_key_file(o->host_key, {}, &why);
+    if (!a) {
+      log_err("ibnbd: ibnbd_host_key: %s\n", why.c_str());
+      return a.error().value();
+    }
+    out.session.transport.auth = std::move(*a);
   }
   out.session.transport.session_name = name;
   out.session.transport.io_threads = o->io_threads;

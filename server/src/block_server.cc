@@ -28,6 +28,21 @@ using ibtrs::ServerSession;
 namespace server {
 namespace {
 
+// A device name as asked, with empty and "." components dropped (what resolve_export's
+// rel_path is for a name that resolves).
+std::string lexical_name(std::string_view n) {
+  std::string out;
+  while (!n.empty()) {
+    const size_t slash = n.find('/');
+    const std::string_view c = n.substr(0, slash);
+    n = slash == std::string_view::npos ? std::string_view{} : n.substr(slash + 1);
+    if (c.empty() || c == ".") continue;
+    if (!out.empty()) out += '/';
+    out += c;
+  }
+  return out;
+}
+
 // "ibnbd-server: WHAT WHO: WHY" on stderr (the daemon's log).
 void log_warn(const std::string& what, const std::string& who, const std::string& why) {
   std::fprintf(stderr, "ibnbd-server: %s %s: %s\n", what.c_str(), who.c_str(), why.c_str());
@@ -95,6 +110,7 @@ struct Sess {
   proto::SessionId id = 0;
   ServerSession* ts = nullptr;
   std::string name;
+  std::string host;  // authenticated by the transport before the session came up
   std::atomic<uint8_t> version{0};
   std::unique_ptr<Slot[]> slots;
   std::unique_ptr<IoCtx[]> ctxs;
@@ -192,7 +208,46 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   mutable std::mutex mu;
   std::map<proto::SessionId, Sess*> sessions;
 
+  // Hosts: their secrets for the transport (a thread-safe table it reads on its control
+  // thread), their grants for OPEN (acl_mu: the control thread checks, admin commands change).
+  ibtrs::KeyTable keys;
+  mutable std::mutex acl_mu;
+  proto::ExportAcl acl;
+  std::map<std::string, HostConfig, std::less<>> host_cfg;  // as configured, for listings
+  std::atomic<uint64_t> acl_eacces{0}, acl_eperm{0};
+
   explicit Impl(BlockServerOptions o) : opts(std::move(o)), table(opts.max_devices_per_session - 1) {}
+
+  Status set_host(HostConfig h, bool keep_access) {
+    if (!ibtrs::valid_host_id(h.host) || h.keys.empty()) return errc(EINVAL);
+    std::lock_guard l(acl_mu);
+    if (keep_access) {
+      if (auto it = host_cfg.find(h.host); it != host_cfg.end()) h.access = it->second.access;
+    }
+    std::vector<proto::AclRule> rules;
+    for (const auto& r : h.access) rules.push_back(proto::AclRule{r.devices, r.mode});
+    for (const auto& r : rules) IBTRS_TRY(proto::check_acl_rule(r));
+    IBTRS_TRY(keys.set(h.host, ibtrs::HostKeys{h.keys, h.server_key}));
+    (void)acl.set_host(h.host, std::move(rules));
+    host_cfg[h.host] = std::move(h);
+    return {};
+  }
+
+  // May the session's host open `rel` (its path under the search root) in `mode`?
+  Status check_access(const Sess& s, const std::string& rel, AccessMode mode) {
+    Status st;
+    {
+      std::lock_guard l(acl_mu);
+      st = acl.check(s.host, rel, mode);
+    }
+    if (st.ok()) return st;
+    (st.error().value() == EPERM ? acl_eperm : acl_eacces).fetch_add(1, std::memory_order_relaxed);
+    log_warn("OPEN refused:", rel,
+             "host '" + (s.host.empty() ? std::string("(anonymous)") : s.host) + "' of session " + s.name +
+                 (st.error().value() == EPERM ? " may not open it " + std::string(to_string(mode))
+                                              : " may not open it"));
+    return st;
+  }
 
   // ---- transport callbacks ----
   ibtrs::IoThreadHook* io_thread_hook(uint32_t thread) override {
@@ -217,6 +272,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     auto* s = new Sess;
     s->ts = &ts;
     s->name = ts.name();
+    s->host = ts.host();
     s->slots = std::make_unique<Slot[]>(opts.max_devices_per_session);
     s->nctx = opts.transport.queue_depth;
     s->ctxs = std::make_unique<IoCtx[]>(s->nctx);
@@ -419,6 +475,9 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     if (s.version.load(std::memory_order_relaxed) == 0) return errc(EPROTO);
     std::string why;
     auto target = resolve_export(opts.dev_search_path, s.name, m.dev_name, &why);
+    // The grants first, on the resolved name -- or, when it did not resolve, on the name as
+    // asked (lexically cleaned): a host learns nothing of what exists where it may not look.
+    IBTRS_TRY(check_access(s, target.ok() ? target->rel_path : lexical_name(m.dev_name), m.mode));
     if (!target.ok()) {
       log_warn("OPEN refused:", m.dev_name, why.empty() ? target.error().message() : why);
       return target.error();
@@ -548,6 +607,13 @@ Result<std::unique_ptr<BlockServer>> BlockServer::start(BlockServerOptions o) {
     return errc(EINVAL);
   auto impl = std::make_unique<Impl>(std::move(o));
   impl->opts.transport.handler = impl.get();
+  impl->opts.transport.authenticator = &impl->keys;
+  impl->opts.transport.allow_any_host = impl->opts.allow_any_host;
+  impl->acl.set_allow_any_host(impl->opts.allow_any_host);
+  for (auto& h : impl->opts.hosts) {
+    if (impl->host_cfg.count(h.host) != 0) return errc(EINVAL);  // listed twice
+    IBTRS_TRY(impl->set_host(h, false));
+  }
   auto srv = ibtrs::Server::start(impl->opts.transport);
   if (!srv.ok()) return srv.error();
   impl->transport = std::move(*srv);
@@ -573,6 +639,7 @@ std::vector<BlockSessionInfo> BlockServer::sessions() const {
     for (auto& [id, s] : live) {
       BlockSessionInfo i;
       i.name = s->name;
+      i.host = s->host;
       i.version = s->version.load();
       i.stats = s->stats.snapshot();
       for (auto& o : impl_->table.devices_of(id))
@@ -644,6 +711,47 @@ Status BlockServer::disconnect_path(std::string_view session, std::string_view p
     st = ts.disconnect_path(path);
   });
   return found.ok() ? st : found;
+}
+
+Status BlockServer::set_host(HostConfig h, bool keep_access) { return impl_->set_host(std::move(h), keep_access); }
+
+Status BlockServer::remove_host(std::string_view host) {
+  std::lock_guard l(impl_->acl_mu);
+  auto it = impl_->host_cfg.find(host);
+  if (it == impl_->host_cfg.end()) return errc(ENOENT);
+  (void)impl_->keys.remove(host);
+  (void)impl_->acl.remove_host(host);
+  impl_->host_cfg.erase(it);
+  return {};
+}
+
+std::vector<HostInfo> BlockServer::hosts() const {
+  std::map<std::string, uint32_t> live;
+  {
+    std::lock_guard l(impl_->mu);
+    for (auto& [id, s] : impl_->sessions) ++live[s->host];
+  }
+  std::lock_guard l(impl_->acl_mu);
+  std::vector<HostInfo> out;
+  for (const auto& [name, h] : impl_->host_cfg) {
+    HostInfo i;
+    i.host = name;
+    for (const auto& k : h.keys) i.key_fingerprints.push_back(k.fingerprint());
+    if (h.server_key) i.server_key_fingerprint = h.server_key->fingerprint();
+    i.access = h.access;
+    i.sessions = live.count(name) ? live[name] : 0;
+    out.push_back(std::move(i));
+  }
+  return out;
+}
+
+AuthStats BlockServer::auth_stats() const {
+  AuthStats a;
+  a.transport = impl_->transport->auth_counters();
+  a.open_refused_eacces = impl_->acl_eacces.load(std::memory_order_relaxed);
+  a.open_refused_eperm = impl_->acl_eperm.load(std::memory_order_relaxed);
+  a.allow_any_host = impl_->opts.allow_any_host;
+  return a;
 }
 
 Status BlockServer::reset_path_stats(std::string_view session, std::string_view path,

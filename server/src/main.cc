@@ -40,6 +40,7 @@ const char kUsage[] =
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
     "                    [--handshake-timeout-ms N] [--ack-timeout-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
+    "                    [--allow-any-host]\n"
     "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
     "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
@@ -55,7 +56,13 @@ const char kUsage[] =
     "         is disconnected). Refusals: `ibnbd server refusals`.\n"
     "  --sysfs-dir DIR: serves the kernel's control files (DIR/ibtrs-server/<session>/paths/...,\n"
     "         DIR/ibnbd-server/ctl/devices/...) through FUSE, e.g. /run/ibnbd-server/sysfs;\n"
-    "         off by default (sysfs-emu/README.md).\n";
+    "         off by default (sysfs-emu/README.md).\n"
+    "  Hosts: every client authenticates (DH-HMAC-CHAP) as a host of the config's \"hosts\" and may\n"
+    "         open what its \"access\" rules grant; others are refused. E.g. \"hosts\": [{\"host\":\n"
+    "         \"nqn...:host-a\", \"key_file\": \"/etc/ibnbd/host-a.key\", \"access\": [{\"devices\":\n"
+    "         \"a/**\", \"mode\": \"rw\"}]}]; at run time `ibnbd server host add|list|remove`.\n"
+    "  --allow-any-host: anyone who reaches the port opens any device rw, without credentials\n"
+    "         (the kernel's RNBD). Off by default; the server warns when it is on.\n";
 
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "ibnbd-server: %s\n", msg.c_str());
@@ -137,6 +144,18 @@ void apply(Config& c, const std::string& key, const json& v) {
     c.ready_file = text();
   } else if (key == "sysfs_dir") {
     c.sysfs_dir = text();
+  } else if (key == "allow_any_host") {
+    c.o.allow_any_host = flag();
+  } else if (key == "hosts") {
+    if (!v.is_array()) die("hosts: a list of {\"host\", \"key_file\" | \"key\", \"access\": [...]}");
+    for (auto& h : v) {
+      std::string why;
+      auto hc = ibnbd::host_from_json(h, &why);
+      if (!hc) die("hosts: " + why);
+      for (auto& known : c.o.hosts)
+        if (known.host == hc->host) die("hosts: " + hc->host + " is listed twice");
+      c.o.hosts.push_back(std::move(*hc));
+    }
   } else {
     die("unknown setting '" + key + "'");
   }
@@ -157,7 +176,7 @@ Config parse(int argc, char** argv) {
     std::string key = a.substr(2);
     for (auto& ch : key)
       if (ch == '-') ch = '_';
-    if (key == "read_only" || key == "always_invalidate" || key == "busy_poll") {
+    if (key == "read_only" || key == "always_invalidate" || key == "busy_poll" || key == "allow_any_host") {
       cli.emplace_back(key, true);
       continue;
     }
@@ -223,6 +242,15 @@ int main(int argc, char** argv) {
   if (!lock) {
     std::fprintf(stderr, "ibnbd-server: control socket %s: %s\n", c.control_socket.c_str(), why.c_str());
     return 1;
+  }
+  if (c.o.allow_any_host) {
+    std::fprintf(stderr,
+                 "ibnbd-server: WARNING: allow_any_host is on: anyone who reaches %s opens any device "
+                 "under %s in any mode, without credentials (only listed hosts keep their rules)\n",
+                 c.o.transport.listen[0].to_string().c_str(), c.o.dev_search_path.c_str());
+  } else if (c.o.hosts.empty()) {
+    std::fprintf(stderr, "ibnbd-server: no hosts configured: every client is refused until "
+                         "`ibnbd server host add` (or \"hosts\" in --config)\n");
   }
   auto srv = ibnbd::BlockServer::start(c.o);
   if (!srv) {

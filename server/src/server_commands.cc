@@ -1,5 +1,6 @@
 #include "server_commands.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <string>
 
@@ -19,6 +20,10 @@ json stats_json(const BlockStats& s) {
 
 json path_json(const ibtrs::ServerPathInfo& p) {
   return {{"name", p.name},
+          {"auth", std::string(ibtrs::to_string(p.auth.state))},
+          {"auth_host", p.auth.host},
+          {"auth_bidirectional", p.auth.bidirectional},
+          {"auth_method", p.auth.method},
           {"src_addr", p.peer.to_string()},
           {"dst_addr", p.local.to_string()},
           {"state", std::string(ibtrs::to_string(p.state))},
@@ -50,7 +55,7 @@ json handle(BlockServer& srv, const json& req) {
       for (auto& d : s.devices)
         devs.push_back({{"device_id", d.device_id}, {"device", d.device},
                         {"access_mode", std::string(to_string(d.mode))}, {"force_closed", d.force_closed}});
-      out.push_back({{"name", s.name}, {"version", s.version}, {"paths", paths}, {"devices", devs},
+      out.push_back({{"name", s.name}, {"host", s.host}, {"version", s.version}, {"paths", paths}, {"devices", devs},
                      {"stats", stats_json(s.stats)}});
     }
     return {{"ok", true}, {"sessions", out}};
@@ -78,6 +83,45 @@ json handle(BlockServer& srv, const json& req) {
     if (!group) return ControlSocket::error(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration or reconnects");
     return status(srv.reset_path_stats(arg("session"), req.value("path", ""), *group),
                   "session '" + arg("session") + "'");
+  }
+  if (cmd == "host_add") {
+    std::string why;
+    auto h = host_from_json(req, &why);
+    if (!h.ok()) return ControlSocket::error(h.error().value(), why);
+    const auto hosts = srv.hosts();
+    const bool known = std::any_of(hosts.begin(), hosts.end(), [&](const HostInfo& i) { return i.host == h->host; });
+    const std::string name = h->host;
+    auto st = srv.set_host(std::move(*h), !req.contains("access"));
+    if (!st.ok()) return ControlSocket::error(st.error().value(), "host " + name + ": " + st.error().message());
+    return {{"ok", true}, {"host", name}, {"replaced", known},
+            {"message", std::string(known ? "replaced" : "added") + " host " + name +
+                            ": paths that authenticate from now on use its new keys"}};
+  }
+  if (cmd == "host_remove") return status(srv.remove_host(arg("host")), "host '" + arg("host") + "'");
+  if (cmd == "host_list") {
+    json out = json::array();
+    for (auto& h : srv.hosts()) {
+      json rules = json::array();
+      for (auto& r : h.access) rules.push_back({{"devices", r.devices}, {"mode", std::string(to_string(r.mode))}});
+      out.push_back({{"host", h.host}, {"keys", h.key_fingerprints}, {"server_key", h.server_key_fingerprint},
+                     {"access", rules}, {"sessions", h.sessions}});
+    }
+    return {{"ok", true}, {"hosts", out}, {"allow_any_host", srv.auth_stats().allow_any_host}};
+  }
+  if (cmd == "auth_stats") {
+    const AuthStats a = srv.auth_stats();
+    const auto& t = a.transport;
+    return {{"ok", true},
+            {"allow_any_host", a.allow_any_host},
+            {"authenticated", t.authenticated},
+            {"anonymous", t.anonymous},
+            {"refused_no_credentials", t.refused_no_credentials},
+            {"refused_unknown_host", t.refused_unknown_host},
+            {"refused_bad_response", t.refused_bad_response},
+            {"refused_host_mismatch", t.refused_host_mismatch},
+            {"refused_protocol", t.refused_protocol},
+            {"open_refused_eacces", a.open_refused_eacces},
+            {"open_refused_eperm", a.open_refused_eperm}};
   }
   if (cmd == "path_stats") {
     const std::string sess = arg("session");
@@ -131,6 +175,60 @@ json handle(BlockServer& srv, const json& req) {
 }
 
 }  // namespace
+
+Result<HostConfig> host_from_json(const json& j, std::string* why) {
+  auto bad = [&](int e, std::string reason) -> std::error_code {
+    if (why != nullptr) *why = std::move(reason);
+    return ibtrs::errc(e);
+  };
+  if (!j.is_object()) return bad(EINVAL, "a host is a JSON object");
+  for (auto& [k, v] : j.items()) {
+    if (k != "cmd" && k != "host" && k != "key" && k != "key_file" && k != "server_key" &&
+        k != "server_key_file" && k != "access")
+      return bad(EINVAL, "host: unknown setting '" + k + "'");
+    if (k != "access" && !v.is_string()) return bad(EINVAL, "host: " + k + " must be a string");
+  }
+  HostConfig h;
+  h.host = j.value("host", "");
+  std::optional<ibtrs::Secret> key, server_key;
+  if (j.contains("key_file")) {
+    std::string r;
+    auto f = ibtrs::load_key_file(j["key_file"].get<std::string>(), &r);
+    if (!f.ok()) return bad(f.error().value(), r);
+    if (!f->host.empty() && !h.host.empty() && f->host != h.host)
+      return bad(EINVAL, j["key_file"].get<std::string>() + " is the key of host " + f->host + ", not " + h.host);
+    if (h.host.empty()) h.host = f->host;
+    key = f->key;
+    server_key = f->server_key;
+  }
+  for (const char* k : {"key", "server_key"}) {
+    if (!j.contains(k)) continue;
+    auto s = ibtrs::Secret::parse(j[k].get<std::string>());
+    if (!s.ok()) return bad(s.error().value(), std::string(k) + ": expected DHHC-1:<hh>:<base64>:");
+    (std::string(k) == "key" ? key : server_key) = std::move(*s);
+  }
+  if (j.contains("server_key_file")) {
+    std::string r;
+    auto f = ibtrs::load_key_file(j["server_key_file"].get<std::string>(), &r);
+    if (!f.ok()) return bad(f.error().value(), r);
+    server_key = f->key;
+  }
+  if (!ibtrs::valid_host_id(h.host)) return bad(EINVAL, "host: a host id (printable, no spaces, 1..223 bytes)");
+  if (!key) return bad(EINVAL, "host " + h.host + ": no key (key_file or key)");
+  h.keys.push_back(std::move(*key));
+  h.server_key = std::move(server_key);
+  if (j.contains("access")) {
+    if (!j["access"].is_array()) return bad(EINVAL, "access: a list of {\"devices\", \"mode\"}");
+    for (auto& r : j["access"]) {
+      if (!r.is_object() || !r.contains("devices") || !r["devices"].is_string())
+        return bad(EINVAL, "access: each entry needs \"devices\"");
+      auto m = parse_access_mode(r.value("mode", "ro"));
+      if (!m) return bad(EINVAL, "access: mode is ro, rw or migration");
+      h.access.push_back(AccessRule{r["devices"].get<std::string>(), *m});
+    }
+  }
+  return h;
+}
 
 json server_command(BlockServer& srv, const json& req) {
   try {

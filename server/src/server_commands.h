@@ -9,6 +9,9 @@
 //   refusals: [{reason, count, last, last_unix_ms}], every peer refused or cut off by reason
 //     (ibtrs/refusals.h) | reset_refusals
 //   limits: {limits: the transport's caps and timeouts, usage: what peers hold now}
+//   host_add {host?, key_file? | key?, server_key_file? | server_key?, access?: [{devices, mode}]}
+//            adds or replaces a host (key rotation: without "access" a known host keeps its rules)
+//   host_remove {host} | host_list | auth_stats
 //
 // Threading: any thread (BlockServer's functions are); never throws (malformed requests get
 // EINVAL answers).
@@ -21,5 +24,12 @@
 namespace ibnbd {
 
 nlohmann::json server_command(BlockServer& srv, const nlohmann::json& req);
+
+// One host of the daemon's config file or of host_add: {"host", "key_file" | "key",
+// "server_key_file" | "server_key", "access": [{"devices", "mode"}]}. A key file (ibtrs/auth.h)
+// gives the key and server key, and the host id when "host" is left out (else they must agree).
+// Errors carry a one-line reason in `why`: EINVAL (syntax), EPERM (a key file others may read),
+// EBADMSG (a secret's CRC), what reading a file says.
+Result<HostConfig> host_from_json(const nlohmann::json& j, std::string* why);
 
 }  // namespace ibnbd

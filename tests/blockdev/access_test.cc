@@ -386,5 +386,63 @@ TEST(OpenTable, HasIdSeesHeldAndReservedIds) {
   EXPECT_FALSE(t.has_id(1, 1));
 }
 
+// ---- ExportAcl: per-export access control ----
+
+TEST(ExportAcl, Patterns) {
+  EXPECT_TRUE(acl_pattern_matches("**", "a/b/c.img"));
+  EXPECT_TRUE(acl_pattern_matches("a/**", "a/b/c.img"));
+  EXPECT_TRUE(acl_pattern_matches("a/**", "a/x"));
+  EXPECT_FALSE(acl_pattern_matches("a/**", "a"));
+  EXPECT_FALSE(acl_pattern_matches("a/**", "ab/x")) << "a prefix of the name is not the directory";
+  EXPECT_TRUE(acl_pattern_matches("a/*.img", "a/x.img"));
+  EXPECT_FALSE(acl_pattern_matches("a/*.img", "a/b/x.img")) << "'*' never crosses a '/'";
+  EXPECT_FALSE(acl_pattern_matches("*", "a/x.img"));
+  EXPECT_TRUE(acl_pattern_matches("vol[12].img", "vol2.img"));
+  EXPECT_TRUE(acl_pattern_matches("exact.img", "exact.img"));
+  EXPECT_FALSE(acl_pattern_matches("exact.img", "exact.img2"));
+}
+
+TEST(ExportAcl, RefusesBadRules) {
+  EXPECT_TRUE(check_acl_rule({"a/**", kRw}).ok());
+  EXPECT_EQ(err_of(check_acl_rule({"", kRw})), EINVAL);
+  EXPECT_EQ(err_of(check_acl_rule({"../b/*", kRw})), EINVAL);
+  EXPECT_EQ(err_of(check_acl_rule({"a/../b", kRw})), EINVAL);
+  EXPECT_EQ(err_of(check_acl_rule({"a", static_cast<AccessMode>(3)})), EINVAL);
+  ExportAcl acl;
+  EXPECT_EQ(err_of(acl.set_host("h", {{"ok/*", kRo}, {"..", kRo}})), EINVAL);
+  EXPECT_EQ(acl.rules_of("h"), nullptr) << "a refused set changes nothing";
+}
+
+// Case: host A may write its directory, B may only read the shared one; C has keys but no
+// rules. Expect: A rw on its own, nothing on B's (EACCES); B ro on shared, EPERM for rw there;
+// an unlisted host and an anonymous session EACCES until any host is allowed.
+TEST(ExportAcl, HostsDevicesModes) {
+  ExportAcl acl;
+  ASSERT_TRUE(acl.set_host("host-a", {{"a/**", kRw}, {"shared/*", kRo}}).ok());
+  ASSERT_TRUE(acl.set_host("host-b", {{"b/**", kRw}, {"shared/*", kRo}}).ok());
+  ASSERT_TRUE(acl.set_host("host-c", {}).ok());
+  ASSERT_TRUE(acl.set_host("host-m", {{"vm/*.img", AccessMode::migration}}).ok());
+  EXPECT_TRUE(acl.check("host-a", "a/disk.img", kRw).ok());
+  EXPECT_TRUE(acl.check("host-a", "a/deep/disk.img", kRo).ok());
+  EXPECT_EQ(err_of(acl.check("host-a", "a/disk.img", AccessMode::migration)), EPERM);
+  EXPECT_EQ(err_of(acl.check("host-a", "b/disk.img", kRo)), EACCES);
+  EXPECT_EQ(err_of(acl.check("host-a", "b/disk.img", kRw)), EACCES);
+  EXPECT_TRUE(acl.check("host-b", "shared/base.img", kRo).ok());
+  EXPECT_EQ(err_of(acl.check("host-b", "shared/base.img", kRw)), EPERM);
+  EXPECT_EQ(err_of(acl.check("host-c", "a/disk.img", kRo)), EACCES);
+  EXPECT_TRUE(acl.check("host-m", "vm/x.img", AccessMode::migration).ok());
+  EXPECT_TRUE(acl.check("host-m", "vm/x.img", kRw).ok()) << "migration grants rw too";
+  EXPECT_EQ(err_of(acl.check("stranger", "a/disk.img", kRo)), EACCES);
+  EXPECT_EQ(err_of(acl.check("", "a/disk.img", kRo)), EACCES);
+  acl.set_allow_any_host(true);
+  EXPECT_TRUE(acl.check("stranger", "a/disk.img", kRw).ok());
+  EXPECT_TRUE(acl.check("", "b/disk.img", AccessMode::migration).ok());
+  EXPECT_EQ(err_of(acl.check("host-b", "shared/base.img", kRw)), EPERM) << "listed hosts keep their rules";
+  EXPECT_EQ(err_of(acl.check("host-c", "a/disk.img", kRo)), EACCES);
+  ASSERT_TRUE(acl.remove_host("host-c").ok());
+  EXPECT_TRUE(acl.check("host-c", "a/disk.img", kRo).ok()) << "now unlisted: any host applies";
+  EXPECT_EQ(err_of(acl.remove_host("host-c")), ENOENT);
+}
+
 }  // namespace
 }  // namespace ibnbd::proto

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The daemons driven only through the `ibnbd` CLI, as an administrator would: ibnbd-server
-# exporting files, ibnbd-client mapping them over two loopback tcp paths. TAP-like output
+# exporting files, ibnbd-client mapping them over two loopback tcp paths, authenticated (one
+# host key, granted everything: the daemons' default path; refusals are tests/cli/auth.sh's). TAP-like output
 # ("ok - NAME" / "not ok - NAME: why"); exit 1 when anything failed.
 #
 #   bash tests/cli/daemons.sh BUILD_DIR        (ctest: cli_daemons)
@@ -32,26 +33,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# expect NAME WANT_RC CMD...: runs CMD, checks its exit status.
-expect() {
-  local name=$1 want=$2 rc
-  shift 2
-  "$@" >"$work/out" 2>"$work/err"
-  rc=$?
-  if [ "$rc" = "$want" ]; then ok "$name"; else not_ok "$name" "exit $rc, want $want: $(tail -2 "$work/err")"; fi
-}
 
 mkdir -p "$work/export/sub"
 truncate -s 64M "$work/export/a.img"
 truncate -s 16M "$work/export/sub/b.img"
 ln -s /etc/passwd "$work/export/escape"
-"$srv" "${listen[@]}" --dev-search-path "$work/export" \
+ibnbd_auth "$work"
+"$srv" "${listen[@]}" "${srv_auth[@]}" --dev-search-path "$work/export" \
   --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" --hb-interval-ms 200 \
   >"$work/srv.log" 2>&1 &
 pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
-"$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 200 \
+"$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 200 \
   --reconnect-delay-ms 200 --state-dir "$work/state" >"$work/cl.log" 2>&1 &
 pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
@@ -94,6 +88,8 @@ size=$(c -f json device show a.img | jq '.[0].size')
 [ "$size" = $((64 << 20)) ] && ok "size from the server" || not_ok "size from the server" "got $size"
 uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
 [ "$uu" = UU ] && ok "both paths up" || not_ok "both paths up" "path_uu $uu"
+auth=$(c -f json path list t1 | jq -r '[.[] | .auth] | unique | join(",")')
+[ "$auth" = authenticated ] && ok "both paths authenticated" || not_ok "both paths authenticated" "auth '$auth'"
 
 # Case: bad maps. Expect: the server's errno as exit status, nothing mapped.
 expect "map of a missing file is ENOENT" 2 c device map nope.img from "${addrs[0]}" session t1
@@ -112,7 +108,7 @@ fi
 
 # Case: a second client host (another ibnbd-client) wants the device. Expect: rw refused by the
 # server's access rules (EBUSY), ro granted and readable, then unmapped.
-"$cld" --control-socket "$work/cl2.sock" --ready-file "$work/cl2.ready" >"$work/cl2.log" 2>&1 &
+"$cld" "${cld_auth[@]}" --control-socket "$work/cl2.sock" --ready-file "$work/cl2.ready" >"$work/cl2.log" 2>&1 &
 pids+=($!)
 wait_for "$work/cl2.ready" || not_ok "second client start" "$(cat "$work/cl2.log")"
 c2() { "$ibnbd" --socket "$work/cl2.sock" client "$@"; }

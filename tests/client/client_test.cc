@@ -118,6 +118,7 @@ class Client : public ::testing::Test {
     so.chunk_size = kChunk;
     so.io_threads = 2;
     so.handler = &srv_;
+    so.allow_any_host = true;  // the block client over a fake server; authentication is the transport's
     so.heartbeat = ibtrs::HeartbeatConfig{100ms, 5};
     for (size_t i = 0; i < listeners; ++i) so.listen.push_back(listen_addr("b" + std::to_string(i)));
     auto s = ibtrs::Server::start(so);

@@ -22,6 +22,8 @@ engine=$build/client/fio/libibnbd-fio.so
 }
 srv=$build/server/ibnbd-server
 [ -x "$srv" ] || { echo "1..0 # SKIP $srv not built"; exit 77; }
+ibnbd=$build/client/cli/ibnbd
+[ -x "$ibnbd" ] || { echo "1..0 # SKIP $ibnbd not built"; exit 77; }
 for t in fio jq; do
   command -v "$t" >/dev/null || { echo "1..0 # SKIP $t is missing (scripts/setup.sh installs it)"; exit 77; }
 done
@@ -59,7 +61,12 @@ truncate -s ${mib}M export/vol.img
 half=$((mib / 2))
 full_b=$((mib << 20))
 half_b=$((half << 20))
-"$srv" "${listen[@]}" --dev-search-path "$work/export" \
+# Authenticated, as the daemons run by default: the engine presents the host key (ibnbd_host_key).
+"$ibnbd" key generate host nqn.2014-08.org.nvmexpress:uuid:f1000000-0000-4000-8000-000000000001 \
+  out "$work/host.key" >/dev/null || { echo "not ok - key generate"; exit 1; }
+printf '{"hosts": [{"key_file": "%s", "access": [{"devices": "**", "mode": "migration"}]}]}\n' \
+  "$work/host.key" >"$work/hosts.json"
+"$srv" "${listen[@]}" --config "$work/hosts.json" --dev-search-path "$work/export" \
   --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
 srv_pid=$!
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
@@ -74,7 +81,7 @@ run_fio() {
   shift 2
   local rc=0
   timeout -k 5 120 fio --output-format=json --output="$work/$name.json" --name="$name" \
-    --ioengine="external:$engine" --ibnbd_paths="$paths" --ibnbd_device=vol.img \
+    --ioengine="external:$engine" --ibnbd_paths="$paths" --ibnbd_device=vol.img --ibnbd_host_key="$work/host.key" \
     --ibnbd_session="fio-test-$name" "$@" >"$work/$name.out" 2>&1 || rc=$?
   if [ "$rc" != "$want" ]; then
     not_ok "$name: fio exit" "exit $rc, want $want: $(tail -5 "$work/$name.out")"

@@ -9,6 +9,7 @@
 #include <random>
 #include <string>
 
+#include "auth_target.h"
 #include "proto_target.h"
 #include "tcp_rx_target.h"
 #ifdef IBTRS_FUZZ_IBNBD
@@ -26,6 +27,7 @@ struct Target {
 const Target kTargets[] = {
     {"tcp_rx", ibtrs::fuzz::tcp_rx_one_input, ibtrs::fuzz::tcp_rx_seeds},
     {"proto", ibtrs::fuzz::proto_one_input, ibtrs::fuzz::proto_seeds},
+    {"auth", ibtrs::fuzz::auth_one_input, ibtrs::fuzz::auth_seeds},
 #ifdef IBTRS_FUZZ_IBNBD
     {"ibnbd_proto", ibnbd::fuzz::proto_one_input, ibnbd::fuzz::proto_seeds},
 #endif

@@ -17,8 +17,10 @@ using ibtrs::IoSeg;
 // One transport client session speaking IBNBD by hand.
 class RawPeer {
  public:
-  static std::unique_ptr<RawPeer> open(const ibtrs::Address& a, const std::string& name) {
+  static std::unique_ptr<RawPeer> open(const ibtrs::Address& a, const std::string& name,
+                                       ibtrs::ClientAuth auth) {
     ibtrs::ClientOptions co;
+    co.auth = std::move(auth);  // an authenticated host that misbehaves
     co.session_name = name;
     co.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
     co.io_threads = 1;
@@ -245,7 +247,7 @@ TEST_F(Hostile, GarbageIsAnsweredWhileAnHonestClientKeepsVerifying) {
   if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
 
-  auto peer = RawPeer::open(addrs()[1], "hostile");
+  auto peer = RawPeer::open(addrs()[1], "hostile", credentials());
   ASSERT_NE(peer, nullptr);
   auto info = sess_info_msg(proto::kProtoVersion);
   ASSERT_EQ(peer->send(IoDir::read, info, sizeof(proto::SessInfoRspMsg)), 0);
@@ -255,7 +257,7 @@ TEST_F(Hostile, GarbageIsAnsweredWhileAnHonestClientKeepsVerifying) {
   const auto list = probes(rsp->device_id, rsp->geo.nsectors * kSectorSize);
 
   // A second peer that never says SESS_INFO.
-  auto early = RawPeer::open(addrs()[0], "early");
+  auto early = RawPeer::open(addrs()[0], "early", credentials());
   ASSERT_NE(early, nullptr);
 
   Model m(d->size_bytes(), d->geometry().logical_block_size);

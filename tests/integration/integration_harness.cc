@@ -606,6 +606,7 @@ BlockServerOptions Rig::server_options() const {
   o.transport.io_threads = 2;
   o.transport.heartbeat = ibtrs::HeartbeatConfig{500ms, 6};
   o.dev_search_path = file_->root();
+  o.hosts.push_back(HostConfig{kHost, {key_}, std::nullopt, {AccessRule{"**", AccessMode::migration}}});
   return o;
 }
 
@@ -625,6 +626,7 @@ BlockSessionOptions Rig::session_options(const std::string& name) const {
   o.transport.reconnect = ibtrs::ReconnectConfig{50ms, 50ms, 500ms, 10ms, -1};
   o.transport.connect_timeout = 3s;
   o.transport.pending_timeout = 15s;
+  o.transport.auth = credentials();
   o.remap_timeout = 15s;
   o.control_timeout = 5s;
   o.bounce_slots = 8;

@@ -252,6 +252,17 @@ class Rig : public ::testing::Test {
   // Number of device events of `kind` seen so far.
   size_t device_events(DeviceEvent::Kind kind);
 
+  // Every scenario runs authenticated, as the daemons do by default: one host with this key,
+  // granted every device in every mode. Its reconnects and failovers authenticate each path.
+  static constexpr const char* kHost = "nqn.2014-08.org.nvmexpress:uuid:1e57a11e-0000-4000-8000-00000000c0de";
+  ibtrs::Secret key_ = ibtrs::Secret::generate().value();
+  ibtrs::ClientAuth credentials() const {
+    ibtrs::ClientAuth a;
+    a.host_id = kHost;
+    a.key = key_;
+    return a;
+  }
+
   std::unique_ptr<ExportFile> file_;
   std::unique_ptr<Endpoints> eps_;
   std::unique_ptr<BlockServer> server_;

@@ -10,5 +10,14 @@ check_cmd() {
   shift
   if "$@" >"$work/out" 2>"$work/err"; then ok "$name"; else not_ok "$name" "exit $?: $(tail -3 "$work/err")"; fi
 }
+# expect NAME WANT_RC CMD...: runs CMD, checks its exit status ($work/out and $work/err keep
+# its output, as check_cmd's).
+expect() {
+  local name=$1 want=$2 rc
+  shift 2
+  "$@" >"$work/out" 2>"$work/err"
+  rc=$?
+  if [ "$rc" = "$want" ]; then ok "$name"; else not_ok "$name" "exit $rc, want $want: $(tail -2 "$work/err")"; fi
+}
 # wait_for FILE: until FILE exists (10 s at most).
 wait_for() { for _ in $(seq 100); do [ -e "$1" ] && return 0; sleep 0.1; done; return 1; }

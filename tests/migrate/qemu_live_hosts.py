@@ -48,8 +48,8 @@ class Hosts(qm.Env):
         ready = os.path.join(self.work, name + ".ready")
         state = os.path.join(self.work, "state-" + name)
         os.makedirs(state)
-        p = self.spawn([self.daemon, "--control-socket", sock, "--state-dir", state, "--ready-file", ready,
-                        "--hb-interval-ms", "200"], name + ".log")
+        p = self.spawn([self.daemon, "--host-key", self.key, "--control-socket", sock, "--state-dir", state,
+                        "--ready-file", ready, "--hb-interval-ms", "200"], name + ".log")
         for _ in range(100):
             if os.path.exists(ready) or p.poll() is not None:
                 break
@@ -89,7 +89,7 @@ def run(h):
     # Case: a third writer is refused, whether rw (C's daemon) or an agent with its own session.
     r = h.ctl(c_sock, "client", "device", "map", "images.img", "from", *h.paths, "rw")
     check("a third rw map is refused with EBUSY", r.returncode == 16 and "busy" in r.stderr, f"{r.returncode} {r.stderr}")
-    r = subprocess.run([h.agent, "delete", "images.img", "from", h.paths[0], "image", "none"], capture_output=True,
+    r = subprocess.run([h.agent, "delete", "images.img", "from", h.paths[0], "host-key", h.key, "image", "none"], capture_output=True,
                        text=True, timeout=60)
     check("an agent mapping migration on its own session is refused too (EBUSY)",
           r.returncode == 16 and "busy" in r.stderr, f"{r.returncode} {r.stderr}")

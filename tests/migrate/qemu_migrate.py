@@ -108,8 +108,16 @@ class Env:
         os.makedirs(os.path.join(self.work, "export"))
         with open(os.path.join(self.work, "export/images.img"), "wb") as f:
             f.truncate(1024 * MiB)
+        # Authenticated, as the daemons run by default: one host key granted everything; the
+        # agent and the client daemons present it.
+        self.key = os.path.join(self.work, "host.key")
+        subprocess.run([self.cli, "key", "generate", "host", "nqn.2014-08.org.nvmexpress:uuid:"
+                        "9e000000-0000-4000-8000-000000000001", "out", self.key], check=True, capture_output=True)
+        with open(os.path.join(self.work, "hosts.json"), "w") as f:
+            f.write('{"hosts": [{"key_file": "%s", "access": [{"devices": "**", "mode": "migration"}]}]}' % self.key)
         ready = os.path.join(self.work, "srv.ready")
-        self.srv = self.spawn([os.path.join(build, "server/ibnbd-server"), "--listen", "tcp:127.0.0.1:0",
+        self.srv = self.spawn([os.path.join(build, "server/ibnbd-server"), "--config",
+                               os.path.join(self.work, "hosts.json"), "--listen", "tcp:127.0.0.1:0",
                                "--listen", "tcp:127.0.0.1:0", "--dev-search-path",
                                os.path.join(self.work, "export"), "--control-socket",
                                os.path.join(self.work, "srv.sock"), "--ready-file", ready,
@@ -132,7 +140,7 @@ class Env:
         return p
 
     def migrate_args(self, cmd, image, *extra):
-        return [self.agent, cmd, "images.img", "from", *self.paths, "image", image, *extra]
+        return [self.agent, cmd, "images.img", "from", *self.paths, "host-key", self.key, "image", image, *extra]
 
     def qemu(self, name, incoming=False):
         qmp = os.path.join(self.work, name + ".qmp")
@@ -292,7 +300,7 @@ def run(env):
     check("unix round trip: memory sha256 equal, runs", rst == "completed" and h2 == h, f"{rst} {h2} != {h}")
 
     # Case: the list shows both, with the machine type read from the stream; verify passes.
-    out = subprocess.run([env.agent, "list", "images.img", "from", env.paths[0]], capture_output=True, text=True)
+    out = subprocess.run([env.agent, "list", "images.img", "from", env.paths[0], "host-key", env.key], capture_output=True, text=True)
     check("list shows committed images with the machine type",
           out.returncode == 0 and sum(l.split()[1:2] == ["committed"] for l in out.stdout.splitlines()[1:]) == 2
           and "pc-i440fx" in out.stdout, out.stdout)
@@ -340,7 +348,7 @@ def run(env):
 
     _, st, _ = save(env, "kl", "unix", bandwidth=20 * MiB, during=kill_agent)
     check("save with the agent killed fails", st != "completed", st)
-    out = subprocess.run([env.agent, "list", "images.img", "from", env.paths[0]], capture_output=True, text=True)
+    out = subprocess.run([env.agent, "list", "images.img", "from", env.paths[0], "host-key", env.key], capture_output=True, text=True)
     line = next((l for l in out.stdout.splitlines() if l.startswith("kl ")), "")
     check("the killed save is PARTIAL", "partial" in line, out.stdout)
     rst, _, rc = restore(env, "kl", "unix")

@@ -38,7 +38,8 @@ t() { timeout 120 "$@"; }
 
 mkdir -p "$work/export"
 truncate -s 256M "$work/export/images.img"
-"$srv" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" \
+ibnbd_auth "$work"
+"$srv" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" "${srv_auth[@]}" \
   --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
   --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
 pids+=($!)
@@ -46,7 +47,7 @@ wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.lo
 # The source address picks veth0's Soft-RoCE device (rxe0); the server listens on rxe1's.
 mapfile -t paths < <(sed -n "s/^listening /$fabric:$IBTRS_RDMA_ADDR_A@/p" "$work/srv.ready")
 [ "${#paths[@]}" = 2 ] || { echo "not ok - two $fabric listeners: $(cat "$work/srv.ready")"; exit 1; }
-m() { t "$agent" "$1" images.img from "${paths[@]}" "${@:2}"; }
+m() { t "$agent" "$1" images.img from "${paths[@]}" host-key "$host_key" "${@:2}"; }
 
 # The stream: QEVM, version 3, QEMU_VM_CONFIGURATION with the machine type, the uuid subsection
 # (what parse_stream_identity reads), then the body.

@@ -40,13 +40,14 @@ t() { timeout 30 "$@"; }
 mkdir -p "$work/export" "$work/fuse" "$work/mnt"
 truncate -s 64M "$work/export/a.img"
 truncate -s 8M "$work/export/ro.img"
-"$srv" --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
+ibnbd_auth "$work"
+"$srv" --listen tcp:127.0.0.1:0 "${srv_auth[@]}" --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
   --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
 srv_pid=$!
 pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 addr=$(sed -n 's/^listening //p' "$work/srv.ready" | head -1)
-"$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" >"$work/cl.log" 2>&1 &
+"$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" >"$work/cl.log" 2>&1 &
 cld_pid=$!
 pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }

@@ -54,14 +54,15 @@ t() { timeout 120 "$@"; }
 
 mkdir -p "$work/export" "$work/mnt"
 truncate -s 128M "$work/export/vol.img"
-"$srv" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" \
+ibnbd_auth "$work"
+"$srv" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" --listen "$fabric:$IBTRS_RDMA_ADDR_B:0" "${srv_auth[@]}" \
   --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
   --ready-file "$work/srv.ready" >"$work/srv.log" 2>&1 &
 pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 # The client's source address picks its own veth end (and Soft-RoCE device on rdma).
 mapfile -t addrs < <(sed -n "s/^listening /$fabric:$IBTRS_RDMA_ADDR_A@/p" "$work/srv.ready")
-"$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 500 \
+"$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 500 \
   --reconnect-delay-ms 200 >"$work/cl.log" 2>&1 &
 pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }

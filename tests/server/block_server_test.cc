@@ -40,8 +40,10 @@ ibtrs::Address listen_addr() {
 // One client session speaking raw IBNBD.
 class Peer {
  public:
-  static std::unique_ptr<Peer> open(const ibtrs::Address& a, const std::string& name) {
+  static std::unique_ptr<Peer> open(const ibtrs::Address& a, const std::string& name,
+                                    ibtrs::ClientAuth auth = {}, int* err = nullptr) {
     ClientOptions co;
+    co.auth = std::move(auth);
     co.session_name = name;
     co.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
     co.io_threads = 1;
@@ -50,6 +52,7 @@ class Peer {
     // well within their waits, whether the server answered it before closing or not.
     co.pending_timeout = std::chrono::seconds(3);
     auto s = ClientSession::open(co);
+    if (err != nullptr) *err = s.ok() ? 0 : s.error().value();
     if (!s.ok()) return nullptr;
     auto p = std::make_unique<Peer>();
     p->s = std::move(*s);
@@ -142,12 +145,16 @@ class BlockServerTest : public ::testing::Test {
     std::ofstream(root_ + "/" + rel).close();
     fs::resize_file(root_ + "/" + rel, size);
   }
-  void start(const std::string& search = {}) {
+  // Without hosts the server admits any host (the tests of the block protocol); the access
+  // control tests below list theirs.
+  void start(const std::string& search = {}, std::vector<HostConfig> hosts = {}) {
     BlockServerOptions o;
     o.transport.listen.push_back(listen_addr());
     o.transport.queue_depth = 32;
     o.transport.io_threads = 2;
     o.dev_search_path = search.empty() ? root_ : search;
+    o.allow_any_host = hosts.empty();
+    o.hosts = std::move(hosts);
     auto s = BlockServer::start(o);
     ASSERT_TRUE(s.ok()) << s.error().message();
     server_ = std::move(*s);
@@ -322,6 +329,163 @@ TEST_F(BlockServerTest, PerSessionNamespaces) {
 // Case: many requests in flight from several sessions while the server shuts down. Expect: every
 // request gets an answer (success or a clean error: the server's, or ENOTCONN after the
 // client's pending timeout when the connection broke first) and the server stops.
+// ---- hosts and per-export access control ----
+
+constexpr const char* kHostA = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-1111-4000-8000-000000000001";
+constexpr const char* kHostB = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-1111-4000-8000-000000000002";
+
+ibtrs::ClientAuth creds(const std::string& host, const ibtrs::Secret& key) {
+  ibtrs::ClientAuth a;
+  a.host_id = host;
+  a.key = key;
+  return a;
+}
+
+class AclTest : public BlockServerTest {
+ protected:
+  void SetUp() override {
+    BlockServerTest::SetUp();
+    make_file("a/disk.img", 1 << 20);
+    make_file("a/deep/disk.img", 1 << 20);
+    make_file("b/disk.img", 1 << 20);
+    make_file("shared/base.img", 1 << 20);
+    start({}, {HostConfig{kHostA, {key_a_}, std::nullopt, {{"a/**", AccessMode::rw}, {"shared/*", AccessMode::ro}}},
+               HostConfig{kHostB, {key_b_}, std::nullopt, {{"b/**", AccessMode::rw}, {"shared/*", AccessMode::ro}}}});
+  }
+  Peer& as(const std::string& host, const ibtrs::Secret& key, const std::string& name) {
+    int err = 0;
+    auto p = Peer::open(server_->addresses()[0], name, creds(host, key), &err);
+    EXPECT_NE(p, nullptr) << std::strerror(err);
+    EXPECT_EQ(p->sess_info(), 0);
+    peers_.push_back(std::move(p));
+    return *peers_.back();
+  }
+  ibtrs::Secret key_a_ = *ibtrs::Secret::generate();
+  ibtrs::Secret key_b_ = *ibtrs::Secret::generate();
+};
+
+// Case: host A rw on its directory, ro on the shared one; the same for B on its own. Expect: A
+// opens its devices rw, B's not at all (EACCES, also for a name that does not exist there, so
+// nothing is learnt), the shared one ro but not rw (EPERM); names that are aliases of a granted
+// one ("./a//disk.img", the absolute path) are granted as it is; the server lists the session's
+// host and counts the refusals.
+TEST_F(AclTest, HostAOnItsDirectoryNothingOnBs) {
+  Peer& a = as(kHostA, key_a_, "sess-a");
+  proto::OpenRsp rsp;
+  EXPECT_EQ(a.open_dev("a/disk.img", AccessMode::rw, &rsp), 0);
+  EXPECT_EQ(a.io(rsp.device_id, IoOp::write, 0, 4096), 0);
+  EXPECT_EQ(a.open_dev("a/deep/disk.img", AccessMode::rw), 0);
+  EXPECT_EQ(a.open_dev("./a//deep/disk.img", AccessMode::rw), 0) << "the same device, the same grant";
+  EXPECT_EQ(a.open_dev(root_ + "/a/disk.img", AccessMode::rw), 0);
+  EXPECT_EQ(a.open_dev("b/disk.img", AccessMode::ro), EACCES);
+  EXPECT_EQ(a.open_dev("b/disk.img", AccessMode::rw), EACCES);
+  EXPECT_EQ(a.open_dev("b/missing.img", AccessMode::ro), EACCES) << "not ENOENT: nothing learnt";
+  EXPECT_EQ(a.open_dev("disk.img", AccessMode::ro), EACCES) << "the root's own files are nobody's";
+  EXPECT_EQ(a.open_dev("shared/base.img", AccessMode::ro), 0);
+  Peer& b = as(kHostB, key_b_, "sess-b");
+  EXPECT_EQ(b.open_dev("shared/base.img", AccessMode::rw), EPERM) << "an ro-only host asking rw";
+  EXPECT_EQ(b.open_dev("b/disk.img", AccessMode::rw), 0);
+  EXPECT_EQ(b.open_dev("a/disk.img", AccessMode::ro), EACCES);
+  bool saw_a = false, saw_b = false;
+  for (auto& s : server_->sessions()) {
+    if (s.name == "sess-a") saw_a = s.host == kHostA;
+    if (s.name == "sess-b") saw_b = s.host == kHostB;
+  }
+  EXPECT_TRUE(saw_a && saw_b);
+  const AuthStats st = server_->auth_stats();
+  EXPECT_EQ(st.open_refused_eacces, 5u);  // A: b ro, b rw, b missing, the root's; B: a
+  EXPECT_EQ(st.open_refused_eperm, 1u);
+  EXPECT_EQ(st.transport.authenticated, 2u);
+  EXPECT_FALSE(st.allow_any_host);
+}
+
+// Case: an unlisted host, a listed host with a wrong key, a client without credentials.
+// Expect: EACCES when the session opens, nothing reached.
+TEST_F(AclTest, UnlistedHostsAndWrongKeysAreRefused) {
+  const auto addr = server_->addresses()[0];
+  int err = 0;
+  EXPECT_EQ(Peer::open(addr, "x", creds("nqn.2014-08.org.example:stranger", key_a_), &err), nullptr);
+  EXPECT_EQ(err, EACCES);
+  EXPECT_EQ(Peer::open(addr, "y", creds(kHostA, key_b_), &err), nullptr);
+  EXPECT_EQ(err, EACCES);
+  EXPECT_EQ(Peer::open(addr, "z", {}, &err), nullptr);
+  EXPECT_EQ(err, EACCES);
+  EXPECT_TRUE(server_->sessions().empty());
+}
+
+// Case: the admin rotates host A's key and grants it only ro, then removes host B. Expect: A's
+// established session keeps its opens, its new OPEN follows the new rule (EPERM for rw); a new
+// session with the old key is refused, with the new key admitted; B's next OPEN is EACCES and a
+// new B session is refused.
+TEST_F(AclTest, KeyRotationAndRemoval) {
+  Peer& a = as(kHostA, key_a_, "a-old");
+  proto::OpenRsp rsp;
+  ASSERT_EQ(a.open_dev("a/disk.img", AccessMode::rw, &rsp), 0);
+  Peer& b = as(kHostB, key_b_, "b-old");
+  const auto rotated = *ibtrs::Secret::generate(ibtrs::Secret::Transform::sha384, 48);
+  ASSERT_TRUE(server_->set_host(HostConfig{kHostA, {rotated}, std::nullopt, {{"a/**", AccessMode::ro}}}).ok());
+  EXPECT_EQ(a.io(rsp.device_id, IoOp::write, 0, 4096), 0) << "an established open stays";
+  EXPECT_EQ(a.open_dev("a/deep/disk.img", AccessMode::rw), EPERM);
+  EXPECT_EQ(a.open_dev("a/deep/disk.img", AccessMode::ro), 0);
+  int err = 0;
+  EXPECT_EQ(Peer::open(server_->addresses()[0], "a-new", creds(kHostA, key_a_), &err), nullptr);
+  EXPECT_EQ(err, EACCES) << "the old key";
+  Peer& a2 = as(kHostA, rotated, "a-new");
+  EXPECT_EQ(a2.open_dev("a/deep/disk.img", AccessMode::ro), 0);
+  // Keys only (keep_access): the rules stay.
+  ASSERT_TRUE(server_->set_host(HostConfig{kHostA, {rotated, key_a_}, std::nullopt, {}}, true).ok());
+  EXPECT_EQ(a2.open_dev("a/disk.img", AccessMode::rw), EPERM);
+  auto hosts = server_->hosts();
+  ASSERT_EQ(hosts.size(), 2u);
+  EXPECT_EQ(hosts[0].host, kHostA);
+  EXPECT_EQ(hosts[0].key_fingerprints, (std::vector<std::string>{rotated.fingerprint(), key_a_.fingerprint()}));
+  EXPECT_EQ(hosts[0].access.size(), 1u);
+  EXPECT_EQ(hosts[0].sessions, 2u);
+  ASSERT_TRUE(server_->remove_host(kHostB).ok());
+  EXPECT_EQ(server_->remove_host(kHostB).error(), std::errc::no_such_file_or_directory);
+  EXPECT_EQ(b.open_dev("b/disk.img", AccessMode::ro), EACCES);
+  EXPECT_EQ(Peer::open(server_->addresses()[0], "b-new", creds(kHostB, key_b_), &err), nullptr);
+  EXPECT_EQ(err, EACCES);
+  EXPECT_EQ(server_->set_host(HostConfig{"bad host", {rotated}, std::nullopt, {}}).error(), std::errc::invalid_argument);
+  EXPECT_EQ(server_->set_host(HostConfig{kHostB, {}, std::nullopt, {}}).error(), std::errc::invalid_argument);
+  EXPECT_EQ(server_->set_host(HostConfig{kHostB, {key_b_}, std::nullopt, {{"../x", AccessMode::ro}}}).error(),
+            std::errc::invalid_argument);
+}
+
+// Case: the explicit any-host setting with host A listed. Expect: an anonymous client and an
+// unlisted authenticated host open anything rw; A keeps its own rules.
+TEST_F(BlockServerTest, AllowAnyHostAdmitsEveryoneButListedHostsKeepTheirRules) {
+  make_file("a/disk.img", 1 << 20);
+  const auto key_a = *ibtrs::Secret::generate();
+  const auto key_s = *ibtrs::Secret::generate();
+  BlockServerOptions o;
+  o.transport.listen.push_back(listen_addr());
+  o.transport.queue_depth = 32;
+  o.transport.io_threads = 1;
+  o.dev_search_path = root_;
+  o.allow_any_host = true;
+  o.hosts.push_back(HostConfig{kHostA, {key_a}, std::nullopt, {{"a/**", AccessMode::ro}}});
+  auto s = BlockServer::start(o);
+  ASSERT_TRUE(s.ok());
+  server_ = std::move(*s);
+  EXPECT_TRUE(server_->auth_stats().allow_any_host);
+  auto anon = Peer::open(server_->addresses()[0], "anon");
+  ASSERT_NE(anon, nullptr);
+  EXPECT_EQ(anon->sess_info(), 0);
+  EXPECT_EQ(anon->open_dev("disk.img", AccessMode::rw), 0);
+  EXPECT_EQ(anon->open_dev("a/disk.img", AccessMode::migration), 0);
+  auto a = Peer::open(server_->addresses()[0], "a", creds(kHostA, key_a));
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->sess_info(), 0);
+  EXPECT_EQ(a->open_dev("a/disk.img", AccessMode::ro), 0);
+  EXPECT_EQ(a->open_dev("other.img", AccessMode::ro), EACCES);
+  int err = 0;
+  EXPECT_EQ(Peer::open(server_->addresses()[0], "s", creds("nqn.2014-08.org.example:stranger", key_s), &err), nullptr);
+  EXPECT_EQ(err, EACCES) << "credentials shown are checked: an unknown host is refused";
+  anon.reset();
+  a.reset();
+}
+
 TEST_F(BlockServerTest, ShutdownWithIoInFlight) {
   start();
   Peer& p = peer("busy");

@@ -29,6 +29,7 @@ class Hostile : public ::testing::Test {
     so.queue_depth = 48;  // chunk ids 48..63 fit the immediate but are out of range
     so.io_threads = 1;
     so.handler = &vol_;
+    so.allow_any_host = true;  // the raw client speaks without credentials (auth_test.cc has those)
     so.always_invalidate = always_invalidate();
     auto s = Server::start(so);
     ASSERT_TRUE(s.ok());

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -130,11 +131,23 @@ inline int sync_io(ClientSession& s, IoDir dir, const RegisteredMemory& mem, std
   return w.wait();
 }
 
-// The fabric a scenario binary runs on: --fabric=tcp on its command line, else loopback.
+// The fabric a scenario binary runs on, from --fabric=loopback|tcp|rdma among its arguments
+// (loopback without one); nullopt for an unknown name.
+inline std::optional<FabricKind> fabric_arg(int argc, char** argv) {
+  FabricKind k = FabricKind::loopback;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--fabric=", 0) != 0) continue;
+    auto p = parse_fabric_kind(a.substr(9));
+    if (!p.ok()) return std::nullopt;
+    k = *p;
+  }
+  return k;
+}
+
+// The same, loopback for an unknown name too (scenario binaries that take only tcp/loopback).
 inline FabricKind fabric_from_args(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i)
-    if (std::string_view(argv[i]) == "--fabric=tcp") return FabricKind::tcp;
-  return FabricKind::loopback;
+  return fabric_arg(argc, argv).value_or(FabricKind::loopback);
 }
 
 inline bool wait_until(const std::function<bool()>& pred,

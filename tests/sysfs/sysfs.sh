@@ -63,13 +63,14 @@ wait_until() {
 mkdir -p "$work/export/sub"
 truncate -s 64M "$work/export/a.img"
 truncate -s 16M "$work/export/sub/b.img"
-"$srv" "${listen[@]}" --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
+ibnbd_auth "$work"
+"$srv" "${listen[@]}" "${srv_auth[@]}" --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
   --ready-file "$work/srv.ready" --hb-interval-ms 1000 --sysfs-dir "$work/srvfs" >"$work/srv.log" 2>&1 &
 pids+=($!)
 srv_pid=$!
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
-"$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 1000 \
+"$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 1000 \
   --reconnect-delay-ms 200 --sysfs-dir "$work/clfs" >"$work/cl.log" 2>&1 &
 pids+=($!)
 cl_pid=$!
@@ -113,6 +114,8 @@ expect_wr "add_path" "$T/add_path" "${addrs[1]}" ok
 check "two paths" "$(ls "$T/paths" | wc -l)" 2
 mapfile -t P < <(ls "$T/paths")
 for p in "${P[@]}"; do check "path $p connected" "$(rd "$T/paths/$p/state")" connected; done
+host=$(sed -n 's/^host //p' "$host_key")
+for p in "${P[@]}"; do check "path $p authenticated" "$(rd "$T/paths/$p/auth")" "authenticated $host"; done
 # P1: the added path (its name ends in its destination port), P0: the first one.
 for p in "${P[@]}"; do
   if [ "${p##*:}" = "${addrs[1]##*:}" ]; then P1=$T/paths/$p; else P0=$T/paths/$p; fi
@@ -149,6 +152,7 @@ SD=$(ls "$S/ibnbd-server/ctl/devices" | grep 'a.img$')
 SH=$S/ibnbd-server/ctl/devices/$SD/sessions/t1
 expect_wr "server force_close 0" "$SH/force_close" 0 "$EINVAL"
 SP=$S/ibtrs-server/t1/paths
+check "server path authenticated" "$(rd "$SP/$(ls "$SP" | head -1)/auth")" "authenticated $host"
 expect_wr "server disconnect 2" "$SP/$(ls "$SP" | head -1)/disconnect" 2 "$EINVAL"
 after=$(snapshot)
 if [ "$before" = "$after" ]; then ok "malformed writes changed nothing"; else not_ok "malformed writes changed nothing" "$(diff <(echo "$before") <(echo "$after"))"; fi
@@ -346,13 +350,13 @@ kill -KILL "$srv_pid"
 wait "$srv_pid" 2>/dev/null
 ls "$S" >/dev/null 2>&1 && not_ok "a killed server leaves a stale mount" "it does not (test premise)" ||
   ok "a killed server leaves a stale mount"
-"$srv" "${listen[@]}" --dev-search-path "$work/export" --control-socket "$work/srv2.sock" \
+"$srv" "${listen[@]}" "${srv_auth[@]}" --dev-search-path "$work/export" --control-socket "$work/srv2.sock" \
   --ready-file "$work/srv2.ready" --sysfs-dir "$S" >"$work/srv2.log" 2>&1 &
 pids+=($!)
 srv_pid=$!
 wait_for "$work/srv2.ready" && ls "$S/ibtrs-server" >/dev/null 2>&1 && ok "a restarted server cleans the stale mount" ||
   not_ok "a restarted server cleans the stale mount" "$(cat "$work/srv2.log")"
-"$srv" "${listen[@]}" --dev-search-path "$work/export" --control-socket "$work/srv3.sock" \
+"$srv" "${listen[@]}" "${srv_auth[@]}" --dev-search-path "$work/export" --control-socket "$work/srv3.sock" \
   --sysfs-dir "$S" >"$work/srv3.log" 2>&1
 grep -q "Device or resource busy" "$work/srv3.log" && ok "a live mount is not taken over (EBUSY)" ||
   not_ok "a live mount is not taken over" "$(cat "$work/srv3.log")"

@@ -189,7 +189,9 @@ struct FakeDaemon {
       st.write_cnt = 3;
       json p1{{"name", "ip:0.0.0.0@ip:10.0.0.1"}, {"state", "reconnecting"}, {"fabric", "rdma"},
               {"hca_name", "rxe0"}, {"hca_port", 1}, {"src_host", "ip:0.0.0.0"}, {"dst_host", "ip:10.0.0.1"},
-              {"dst_port", 1234}, {"cur_latency_ns", 1500}, {"stats", ibnbd::stats_to_json(st)}};
+              {"dst_port", 1234}, {"cur_latency_ns", 1500}, {"auth", "authenticated"},
+              {"auth_host", "nqn.2014-08.org.example:h"}, {"auth_bidirectional", true},
+              {"stats", ibnbd::stats_to_json(st)}};
       json p2 = p1;
       p2["name"] = "tcp:0.0.0.0@tcp:127.0.0.1:4000";
       p2["fabric"] = "tcp";
@@ -248,6 +250,8 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/state").c_str()), "disconnected\n");
   EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/hca_port").c_str()), "1\n");
   EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/cur_latency").c_str()), "1500 ns\n");
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/auth").c_str()),
+            "authenticated nqn.2014-08.org.example:h bidirectional\n");
   EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/stats/rdma").c_str()), "0 0 3 0 0 0\n");
   const char* tcp_path = "/ibtrs-client/s1/paths/tcp:0.0.0.0@tcp:127.0.0.1:4000";
   EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/hca_name").c_str()), "tcp\n");
@@ -290,6 +294,7 @@ TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {
     return {{"ok", true}};
   });
   EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/rdma"), "0 0 0 0 0\n");
+  EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/auth"), "none\n") << "anonymous";
   EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/wc_completion"), "0 0 0\n");
   EXPECT_EQ(write_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/disconnect", "1\n"), 0);
   EXPECT_EQ(seen.back()["cmd"], "disconnect_path");

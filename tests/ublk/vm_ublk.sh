@@ -70,7 +70,7 @@ c() { timeout 120 "$ibnbd" --socket "$work/cl.sock" client "$@"; }
 
 start_client() {
   rm -f "$work/cl.ready"
-  "$cld" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --state-dir "$work/state" \
+  "$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --state-dir "$work/state" \
     --hb-interval-ms 300 --reconnect-delay-ms 300 >>"$work/cl.log" 2>&1 &
   cl_pid=$!
   # A restart recovers first (map retries EBUSY up to 30 s, the kernel's quiesce up to 20 s).
@@ -78,7 +78,8 @@ start_client() {
 }
 
 truncate -s 128M "$work/export/vol.img"
-"$srv" "${listen[@]}" --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
+ibnbd_auth "$work"
+"$srv" "${listen[@]}" "${srv_auth[@]}" --dev-search-path "$work/export" --control-socket "$work/srv.sock" \
   --ready-file "$work/srv.ready" --hb-interval-ms 300 >"$work/srv.log" 2>&1 &
 srv_pid=$!
 wait_file "$work/srv.ready" || fatal "server start" "$(tail -3 "$work/srv.log")"

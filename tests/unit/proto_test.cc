@@ -85,6 +85,15 @@ TEST(ConReq, RoundTrips) {
   EXPECT_EQ(0, std::memcmp(p->path_uuid, uuid(50).data(), 16));
 }
 
+TEST(ConReq, CarriesTheAuthFlag) {
+  auto m = make_con_req(0, 2, 0, true, uuid(1), uuid(2), true);
+  auto p = parse_con_req(bytes(m), nullptr);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->flags.get(), kConReqFirstConn | kConReqAuth);
+  EXPECT_EQ(version_major(p->version.get()), kVersionMajor);
+  EXPECT_GE(p->version.get() & 0xff, 1) << "authentication came with minor version 1";
+}
+
 TEST(ConReq, AcceptsANewerMinorVersion) {
   auto m = make_con_req(0, 2, 0, false, uuid(1), uuid(2));
   m.version.set((kVersionMajor << 8) | 7);
@@ -142,6 +151,144 @@ TEST(ConRsp, RefusesImpossibleGeometry) {
     std::string why;
     EXPECT_FALSE(parse_con_rsp(bytes(c), &why).ok()) << name;
   }
+}
+
+// ---- authentication messages ----
+
+AuthChallengeView challenge_view() {
+  AuthChallengeView v;
+  v.tid = 0x1234;
+  v.seqnum = 0xdeadbeef;
+  v.nonce.fill(0xa1);
+  v.dh_public.fill(0xb2);
+  return v;
+}
+
+AuthReplyView reply_view(bool bidi) {
+  AuthReplyView v;
+  v.tid = 0x1234;
+  v.bidirectional = bidi;
+  v.seqnum2 = bidi ? 77 : 0;
+  v.dh_public.fill(0xc3);
+  v.response.fill(0xd4);
+  if (bidi) v.challenge2.fill(0xe5);
+  v.host = "nqn.2024-01.io.example:host-a";
+  return v;
+}
+
+TEST(Auth, MessagesRoundTrip) {
+  EXPECT_EQ(sizeof(AuthReply), 336u);
+  std::string why;
+  auto c = make_auth_challenge(challenge_view());
+  ASSERT_TRUE(c.ok());
+  auto cv = parse_auth_challenge(bytes(*c), &why);
+  ASSERT_TRUE(cv.ok()) << why;
+  EXPECT_EQ(cv->tid, 0x1234);
+  EXPECT_EQ(cv->seqnum, 0xdeadbeefu);
+  EXPECT_EQ(cv->nonce, challenge_view().nonce);
+  EXPECT_EQ(cv->dh_public, challenge_view().dh_public);
+  for (bool bidi : {false, true}) {
+    auto r = make_auth_reply(reply_view(bidi));
+    ASSERT_TRUE(r.ok());
+    auto rv = parse_auth_reply(bytes(*r), &why);
+    ASSERT_TRUE(rv.ok()) << why;
+    EXPECT_EQ(rv->host, "nqn.2024-01.io.example:host-a");
+    EXPECT_EQ(rv->bidirectional, bidi);
+    EXPECT_EQ(rv->seqnum2, bidi ? 77u : 0u);
+    EXPECT_EQ(rv->response, reply_view(bidi).response);
+    EXPECT_EQ(rv->challenge2, reply_view(bidi).challenge2);
+  }
+  AuthSuccessView sv;
+  sv.tid = 9;
+  sv.has_response = true;
+  sv.response.fill(0x42);
+  auto ok = parse_auth_success(bytes(make_auth_success(sv)), &why);
+  ASSERT_TRUE(ok.ok()) << why;
+  EXPECT_TRUE(ok->has_response);
+  EXPECT_EQ(ok->response, sv.response);
+  auto f = parse_auth_failure(bytes(make_auth_failure(9, EACCES)), &why);
+  ASSERT_TRUE(f.ok()) << why;
+  EXPECT_EQ(f->reason, EACCES);
+  EXPECT_EQ(*peek_msg_type(bytes(make_auth_failure(9, EACCES))), MsgType::auth_failure);
+  EXPECT_FALSE(peek_msg_type(std::vector<std::byte>(1)).ok());
+}
+
+TEST(Auth, BuildersRefuseWhatParsersWould) {
+  auto c = challenge_view();
+  c.seqnum = 0;
+  EXPECT_FALSE(make_auth_challenge(c).ok());
+  auto r = reply_view(false);
+  r.host = "two words";
+  EXPECT_FALSE(make_auth_reply(r).ok());
+  r = reply_view(false);
+  r.host = std::string(224, 'h');
+  EXPECT_FALSE(make_auth_reply(r).ok());
+  r = reply_view(true);
+  r.seqnum2 = 0;
+  EXPECT_FALSE(make_auth_reply(r).ok());
+  r = reply_view(false);
+  r.challenge2.fill(1);
+  EXPECT_FALSE(make_auth_reply(r).ok());
+}
+
+// Case: authentication messages broken in every field a peer controls. Expect: refused with a
+// reason, and a message of another type is never taken for this one.
+TEST(Auth, RefusesHostileMessages) {
+  const AuthChallenge cb = *make_auth_challenge(challenge_view());
+  std::vector<std::pair<const char*, AuthChallenge>> cc;
+  auto c = cb; c.type.set(7); cc.push_back({"type", c});
+  c = cb; c.hash_id = 2; cc.push_back({"hash", c});
+  c = cb; c.dh_group = 1; cc.push_back({"ffdhe2048", c});
+  c = cb; c.seqnum.set(0); cc.push_back({"seqnum 0", c});
+  c = cb; c.reserved0.set(1); cc.push_back({"reserved0", c});
+  c = cb; c.reserved1[2] = 1; cc.push_back({"reserved1", c});
+  for (auto& [name, m] : cc) {
+    std::string why;
+    EXPECT_FALSE(parse_auth_challenge(bytes(m), &why).ok()) << name;
+    EXPECT_FALSE(why.empty()) << name;
+  }
+  const AuthReply rb = *make_auth_reply(reply_view(true));
+  std::vector<std::pair<const char*, AuthReply>> rc;
+  auto r = rb; r.type.set(6); rc.push_back({"type", r});
+  r = rb; r.flags.set(0x8001); rc.push_back({"flags", r});
+  r = rb; r.hash_id = 3; rc.push_back({"hash", r});
+  r = rb; r.seqnum2.set(0); rc.push_back({"bidirectional without seqnum2", r});
+  r = rb; std::memset(r.challenge2, 0, sizeof(r.challenge2)); rc.push_back({"bidirectional without C2", r});
+  r = rb; r.flags.set(0); rc.push_back({"C2 without bidirectional", r});
+  r = rb; std::memset(r.host, 0, sizeof(r.host)); rc.push_back({"empty host", r});
+  r = rb; std::memset(r.host, 'h', sizeof(r.host)); rc.push_back({"unterminated host", r});
+  r = rb; r.host[3] = ' '; rc.push_back({"space in host", r});
+  r = rb; r.host[200] = 'x'; rc.push_back({"bytes after the NUL", r});
+  r = rb; r.host[2] = 0x7f; rc.push_back({"control character", r});
+  r = rb; r.reserved[1] = 1; rc.push_back({"reserved", r});
+  for (auto& [name, m] : rc) {
+    std::string why;
+    EXPECT_FALSE(parse_auth_reply(bytes(m), &why).ok()) << name;
+    EXPECT_FALSE(why.empty()) << name;
+  }
+  AuthSuccessView sv;
+  auto s = make_auth_success(sv);
+  s.response[0] = 1;  // a response without its flag
+  EXPECT_FALSE(parse_auth_success(bytes(s), nullptr).ok());
+  s = make_auth_success(sv);
+  s.reserved0.set(1);
+  EXPECT_FALSE(parse_auth_success(bytes(s), nullptr).ok());
+  auto f = make_auth_failure(1, EACCES);
+  f.reason.set(0);
+  EXPECT_FALSE(parse_auth_failure(bytes(f), nullptr).ok());
+  // Lengths: one byte short or long of each is refused.
+  auto short_long = [](auto parse, std::vector<std::byte> b) {
+    auto shorter = b;
+    shorter.pop_back();
+    b.push_back(std::byte{0});
+    return !parse(shorter, nullptr).ok() && !parse(b, nullptr).ok();
+  };
+  EXPECT_TRUE(short_long(parse_auth_challenge, bytes(cb)));
+  EXPECT_TRUE(short_long(parse_auth_reply, bytes(rb)));
+  EXPECT_TRUE(short_long(parse_auth_success, bytes(make_auth_success(sv))));
+  EXPECT_TRUE(short_long(parse_auth_failure, bytes(make_auth_failure(1, EACCES))));
+  // A failure is not a success of the same size class, nor the other way round.
+  EXPECT_FALSE(parse_auth_failure(bytes(make_auth_success(sv)), nullptr).ok());
 }
 
 TEST(InfoReq, RoundTripsAndRefusesBadNames) {

@@ -124,17 +124,19 @@ const char kUsage[] =
     "usage:\n"
     "  ibtrs-load server --listen ADDR [--listen ADDR ...] [--queue-depth N] [--chunk-size SIZE]\n"
     "                    [--io-threads N] [--hb-interval-ms N] [--hb-missed N] [--size SIZE]\n"
-    "                    [--ready-file PATH] [--busy-poll] [--always-invalidate]\n"
+    "                    [--ready-file PATH] [--busy-poll] [--always-invalidate] [--host-key FILE]\n"
     "      Serves a RAM volume (default 1G) until SIGINT/SIGTERM. ADDR: tcp:127.0.0.1:1234,\n"
     "      rdma:198.18.0.2:1234, loopback:NAME; port 0 picks a free port. Prints `listening ADDR`\n"
     "      per bound address and writes the same lines to --ready-file (removed on exit).\n"
+    "      --host-key FILE (ibnbd key generate): only that host may connect, authenticated;\n"
+    "      without it any client may (a test volume; the server says so at start).\n"
     "  ibtrs-load client --session NAME --path SPEC [--path SPEC ...]\n"
     "                    [--policy round-robin|min-inflight|min-latency]\n"
     "                    [--rw randread|randwrite|read|write|randrw] [--bs SIZE] [--qd N]\n"
     "                    [--seconds S] [--count N] [--size SIZE] [--verify] [--io-threads N]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--pending-timeout-ms N] [--busy-poll] [--json] [--interval-ms N]\n"
-    "                    [--control FIFO]\n"
+    "                    [--control FIFO] [--host-key FILE]\n"
     "      SPEC: [src@]dst, e.g. tcp:127.0.0.1:1234 or tcp:127.0.0.2@tcp:127.0.0.1:1234.\n"
     "      Runs --seconds (default 5 unless --count is given). --verify checks every read against\n"
     "      the last write of its block; blocks this client never wrote must read as zeros, so it\n"
@@ -251,6 +253,7 @@ struct ServerConfig {
   std::string ready_file;
   bool busy_poll = false;
   bool always_invalidate = false;
+  std::string host_key;
 };
 
 ServerConfig parse_server(Args& a) {
@@ -280,6 +283,8 @@ ServerConfig parse_server(Args& a) {
       c.busy_poll = true;
     } else if (f == "--always-invalidate") {
       c.always_invalidate = true;
+    } else if (f == "--host-key") {
+      c.host_key = std::string(a.str());
     } else {
       a.unknown();
     }
@@ -423,6 +428,21 @@ int run_server(const ServerConfig& c) {
   o.busy_poll = c.busy_poll;
   o.always_invalidate = c.always_invalidate;
   o.handler = &volume;
+  ibtrs::KeyTable keys;
+  if (!c.host_key.empty()) {
+    std::string why;
+    auto k = ibtrs::load_key_file(c.host_key, &why);
+    if (!k || k->host.empty()) {
+      warn("--host-key: %s", k ? "the key file has no host line" : why.c_str());
+      munmap(mem, c.size);
+      return 2;
+    }
+    (void)keys.set(k->host, ibtrs::HostKeys{{k->key}, k->server_key});
+    o.authenticator = &keys;
+  } else {
+    warn("no --host-key: any client may connect, without authentication");
+    o.allow_any_host = true;
+  }
 
   auto started = ibtrs::Server::start(std::move(o));
   if (!started) {
@@ -487,6 +507,7 @@ struct ClientConfig {
   bool json = false;
   uint32_t interval_ms = 0;
   std::string control;
+  std::string host_key;
 };
 
 ClientConfig parse_client(Args& a) {
@@ -545,6 +566,8 @@ ClientConfig parse_client(Args& a) {
       c.interval_ms = static_cast<uint32_t>(a.num(1, 3600000));
     } else if (f == "--control") {
       c.control = std::string(a.str());
+    } else if (f == "--host-key") {
+      c.host_key = std::string(a.str());
     } else {
       a.unknown();
     }
@@ -1049,6 +1072,15 @@ int run_client(const ClientConfig& c) {
   if (c.reconnect_delay_ms) o.reconnect.delay = std::chrono::milliseconds(*c.reconnect_delay_ms);
   if (c.pending_timeout_ms) o.pending_timeout = std::chrono::milliseconds(*c.pending_timeout_ms);
   o.busy_poll = c.busy_poll;
+  if (!c.host_key.empty()) {
+    std::string why;
+    auto a = ibtrs::client_auth_from_key_file(c.host_key, {}, &why);
+    if (!a) {
+      warn("--host-key: %s", why.c_str());
+      return 2;
+    }
+    o.auth = std::move(*a);
+  }
   o.on_event = [quiet, t0](const ibtrs::SessionEventInfo& e) {
     if (quiet->load()) return;
     say("event %.3fs %s %s%s%s", static_cast<double>(now_ns() - t0) / 1e9, std::string(ibtrs::to_string(e.event)).c_str(),

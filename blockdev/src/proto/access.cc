@@ -1,5 +1,7 @@
 #include "proto/access.h"
 
+#include <fnmatch.h>
+
 namespace ibnbd::proto {
 
 namespace {
@@ -190,6 +192,63 @@ std::vector<Opening> OpenTable::devices_of(SessionId s) const {
   if (sit == sessions_.end()) return out;
   for (const auto& [id, o] : sit->second.by_id) out.push_back(o);
   return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// ExportAcl
+
+bool acl_pattern_matches(std::string_view pattern, std::string_view dev) {
+  if (pattern == "**") return true;
+  if (pattern.size() >= 3 && pattern.substr(pattern.size() - 3) == "/**") {
+    const std::string_view dir = pattern.substr(0, pattern.size() - 2);  // keeps the '/'
+    return dev.size() > dir.size() && dev.substr(0, dir.size()) == dir;
+  }
+  return ::fnmatch(std::string(pattern).c_str(), std::string(dev).c_str(), FNM_PATHNAME) == 0;
+}
+
+Status check_acl_rule(const AclRule& r) {
+  if (r.devices.empty() || r.devices.find('\0') != std::string::npos || !known_mode(r.mode))
+    return errc(EINVAL);
+  // Device names never have '..' components (resolve_export refuses them): a pattern with one
+  // would only look like it grants something outside.
+  for (std::string_view rest = r.devices; !rest.empty();) {
+    const size_t slash = rest.find('/');
+    if (rest.substr(0, slash) == "..") return errc(EINVAL);
+    if (slash == std::string_view::npos) break;
+    rest.remove_prefix(slash + 1);
+  }
+  return {};
+}
+
+Status ExportAcl::set_host(std::string host, std::vector<AclRule> rules) {
+  for (const auto& r : rules) IBTRS_TRY(check_acl_rule(r));
+  hosts_[std::move(host)] = std::move(rules);
+  return {};
+}
+
+Status ExportAcl::remove_host(std::string_view host) {
+  auto it = hosts_.find(host);
+  if (it == hosts_.end()) return errc(ENOENT);
+  hosts_.erase(it);
+  return {};
+}
+
+const std::vector<AclRule>* ExportAcl::rules_of(std::string_view host) const {
+  auto it = hosts_.find(host);
+  return it == hosts_.end() ? nullptr : &it->second;
+}
+
+Status ExportAcl::check(std::string_view host, std::string_view dev, AccessMode mode) const {
+  if (!known_mode(mode)) return errc(EINVAL);
+  const std::vector<AclRule>* rules = host.empty() ? nullptr : rules_of(host);
+  if (rules == nullptr) return any_host_ ? Status{} : Status{errc(EACCES)};
+  bool matched = false;
+  for (const auto& r : *rules) {
+    if (!acl_pattern_matches(r.devices, dev)) continue;
+    matched = true;
+    if (static_cast<uint8_t>(mode) <= static_cast<uint8_t>(r.mode)) return {};
+  }
+  return errc(matched ? EPERM : EACCES);
 }
 
 }  // namespace ibnbd::proto

@@ -10,6 +10,9 @@
 //              migration); rw and migration holders both count as writers
 // A refusal is EBUSY (the kernel says EPERM; EBUSY tells the operator the device is held).
 //
+// ExportAcl (below) is the other half: which authenticated host may open which device at all,
+// checked before these rules.
+//
 // Thread-safety: none of these classes synchronizes. The server keeps one OpenTable and calls it
 // from one thread, its control thread: OPEN and CLOSE requests, admin force_close and session
 // ends are posted there. The IO path does not call lookup() per request; the server publishes
@@ -152,6 +155,47 @@ class OpenTable {
   uint32_t max_device_id_;
   std::map<FileId, DeviceOpeners> devices_;
   std::map<SessionId, SessionOpens> sessions_;
+};
+
+// ------------------------------------------------------------------------------------------
+// Per-export access control (nvmet's allowed_hosts, per device): which hosts may open which
+// devices in which modes (docs/security.d/auth.md).
+
+// One grant: devices whose path under the search root matches `devices`, up to `mode`.
+//   pattern  "**" every device; "dir/**" everything beneath dir; otherwise fnmatch(3) with
+//            FNM_PATHNAME ("a/*.img": the .img files directly in a; '*' never crosses a '/')
+//   mode     the highest mode granted, ro < rw < migration (rw also grants ro; migration all)
+struct AclRule {
+  std::string devices;
+  AccessMode mode = AccessMode::ro;
+  bool operator==(const AclRule&) const = default;
+};
+
+// EINVAL for an empty pattern, one with a NUL or a '..' component, or an unknown mode.
+Status check_acl_rule(const AclRule& r);
+bool acl_pattern_matches(std::string_view pattern, std::string_view dev);
+
+class ExportAcl {
+ public:
+  // Sets (replaces) a host's grants; a listed host with no rules may open nothing. EINVAL for a
+  // bad rule.
+  Status set_host(std::string host, std::vector<AclRule> rules);
+  // ENOENT for a host not listed.
+  Status remove_host(std::string_view host);
+  // Hosts not listed (and anonymous sessions, host "") may open every device in every mode.
+  // Listed hosts keep their own rules.
+  void set_allow_any_host(bool on) { any_host_ = on; }
+  bool allow_any_host() const { return any_host_; }
+
+  // May `host` open `dev` (the clean path under the search root) in `mode`? EACCES: the host is
+  // not listed (and any host is not allowed) or none of its rules matches `dev`; EPERM: a rule
+  // matches but grants less than `mode` (an ro-only host asking rw).
+  Status check(std::string_view host, std::string_view dev, AccessMode mode) const;
+  const std::vector<AclRule>* rules_of(std::string_view host) const;
+
+ private:
+  std::map<std::string, std::vector<AclRule>, std::less<>> hosts_;
+  bool any_host_ = false;
 };
 
 }  // namespace ibnbd::proto

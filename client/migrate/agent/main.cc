@@ -54,7 +54,9 @@ const char kUsage[] =
     "       ibnbd-migrate list    VOLUME WHERE\n"
     "       ibnbd-migrate verify  VOLUME WHERE image NAME\n"
     "       ibnbd-migrate delete  VOLUME WHERE image NAME\n"
-    "  WHERE: from PATH... [session NAME]   the agent maps VOLUME over its own session\n"
+    "  WHERE: from PATH... [session NAME] [host-key FILE]\n"
+    "                                       the agent maps VOLUME over its own session,\n"
+    "                                       authenticated with FILE (ibnbd key generate)\n"
     "         nbd SOCKET                    a client daemon's NBD export of VOLUME (the daemon\n"
     "                                       maps it: `ibnbd client device export VOLUME unix SOCKET`)\n"
     "  save reads the stream from stdin (QEMU exec:), or listens on SOCKET for QEMU's\n"
@@ -63,7 +65,7 @@ const char kUsage[] =
     "  PATH: [src@]dst as for `ibnbd client device map`, e.g. tcp:10.0.0.2 or rdma:10.0.0.2.\n";
 
 struct Args {
-  std::string cmd, volume, image, unix_path, session, nbd_path;
+  std::string cmd, volume, image, unix_path, session, nbd_path, host_key;
   std::vector<ibtrs::PathSpec> paths;
   uint32_t channels = 0;
   uint64_t max_bytes = 0;
@@ -86,7 +88,7 @@ Args parse(int argc, char** argv) {
     usage("unknown command '" + a.cmd + "'");
   if (argc < 3) usage("no volume");
   a.volume = argv[2];
-  static const char* const kWords[] = {"from", "image", "unix", "channels", "max", "session", "nbd"};
+  static const char* const kWords[] = {"from", "image", "unix", "channels", "max", "session", "nbd", "host-key"};
   auto is_word = [](const std::string& w) {
     return std::any_of(std::begin(kWords), std::end(kWords), [&](const char* k) { return w == k; });
   };
@@ -108,6 +110,8 @@ Args parse(int argc, char** argv) {
       a.nbd_path = argv[i++];
     } else if (w == "session") {
       a.session = argv[i++];
+    } else if (w == "host-key") {
+      a.host_key = argv[i++];
     } else if (w == "channels") {
       const std::string_view v(argv[i++]);
       auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), a.channels);
@@ -469,6 +473,15 @@ int main(int argc, char** argv) {
     o.transport.session_name = a.session.empty() ? "migrate-" + std::to_string(::getpid()) : a.session;
     o.transport.paths = a.paths;
     o.bounce_slots = 0;  // chunks move from the image's registered rings
+    if (!a.host_key.empty()) {
+      std::string why;
+      auto auth = ibtrs::client_auth_from_key_file(a.host_key, {}, &why);
+      if (!auth) {
+        std::fprintf(stderr, "ibnbd-migrate: host-key: %s\n", why.c_str());
+        return auth.error().value();
+      }
+      o.transport.auth = std::move(*auth);
+    }
     auto s = BlockSession::open(std::move(o));
     if (!s) return fail("session", s.error());
     session = std::move(*s);

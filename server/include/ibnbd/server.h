@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -21,6 +22,39 @@
 #include "ibtrs/server.h"
 
 namespace ibnbd {
+
+// Per-export access control (docs/security.d/auth.md): one grant of a host.
+//   devices  "**" every device; "dir/**" everything beneath dir; otherwise a glob (fnmatch(3),
+//            '*' never crosses a '/') over the device's path under the search root
+//   mode     the highest mode granted: ro < rw < migration
+struct AccessRule {
+  std::string devices;
+  AccessMode mode = AccessMode::ro;
+};
+
+// A host the server knows: its secrets (ibtrs/auth.h) and what it may open.
+struct HostConfig {
+  std::string host;                      // host id (ibtrs::valid_host_id)
+  std::vector<ibtrs::Secret> keys;       // at least one; any of them authenticates the host
+  std::optional<ibtrs::Secret> server_key;  // for hosts that make the server prove itself
+  std::vector<AccessRule> access;        // none: the host authenticates but may open nothing
+};
+
+// A host as listings show it: fingerprints, never secrets.
+struct HostInfo {
+  std::string host;
+  std::vector<std::string> key_fingerprints;
+  std::string server_key_fingerprint;    // "" without one
+  std::vector<AccessRule> access;
+  uint32_t sessions = 0;                 // live sessions authenticated as this host
+};
+
+struct AuthStats {
+  ibtrs::AuthCounters transport;         // per path: authenticated, anonymous, refusals
+  uint64_t open_refused_eacces = 0;      // OPENs of devices the host may not open
+  uint64_t open_refused_eperm = 0;       // OPENs in a mode the host may not use there
+  bool allow_any_host = false;
+};
 
 struct BlockServerOptions {
   // The transport: listen addresses, queue depth, chunk size, IO threads, heartbeats,
@@ -34,6 +68,14 @@ struct BlockServerOptions {
   bool read_only = false;
   uint32_t engine_queue_depth = 1024;  // io_uring requests in flight per IO thread
   uint32_t max_devices_per_session = 256;
+  // Who may connect and open what. A host must authenticate with one of its keys and may open
+  // the devices its access rules grant: OPEN of another device is EACCES, in a higher mode
+  // EPERM. Unlisted hosts are refused (EACCES) unless allow_any_host, which admits anyone who
+  // reaches the port -- anonymous clients included -- to every device in every mode (the
+  // kernel's RNBD); listed hosts keep their rules then. The transport's authenticator and
+  // allow_any_host are set from these.
+  std::vector<HostConfig> hosts;
+  bool allow_any_host = false;
 };
 
 // Per-device and per-session counters (cumulative since the device was opened / the session
@@ -71,6 +113,7 @@ struct SessionOpenInfo {
 
 struct BlockSessionInfo {
   std::string name;
+  std::string host;     // the authenticated host ("" anonymous)
   uint8_t version = 0;  // negotiated (0 before SESS_INFO)
   std::vector<ibtrs::ServerPathInfo> paths;
   std::vector<SessionOpenInfo> devices;
@@ -103,6 +146,17 @@ class BlockServer {
   ibtrs::Refusals& refusals() const;
   // What peers hold now, against options().transport's caps.
   ibtrs::ServerUsage usage() const;
+
+  // Hosts at run time (`ibnbd server host add/list/remove`). set_host adds a host or replaces
+  // it: new keys (key rotation) apply to paths that authenticate from now on -- the old key is
+  // refused, established paths stay -- and new rules to OPENs from now on. keep_access: a
+  // replaced host keeps its rules (only the keys change). EINVAL: a bad host id, no key, a bad
+  // rule. remove_host: ENOENT; its live sessions stay, but their new paths and OPENs are
+  // refused.
+  Status set_host(HostConfig h, bool keep_access = false);
+  Status remove_host(std::string_view host);
+  std::vector<HostInfo> hosts() const;
+  AuthStats auth_stats() const;
 
   struct Impl;
 

@@ -86,8 +86,17 @@ NodePtr path_field(const PathInfo& info, std::function<std::string(const json&)>
   });
 }
 
-// hca_name, hca_port, src_addr, dst_addr: the same files on both sides.
+// The path's authentication (ours; the kernel's RTRS has none): "authenticated HOST", with
+// " bidirectional" when the server proved its key too, or "none" / "pending" / "failed".
+std::string auth_line(const json& p) {
+  const std::string state = p.value("auth", "none");
+  if (state != "authenticated") return line(state);
+  return line(state + " " + p.value("auth_host", "") + (p.value("auth_bidirectional", false) ? " bidirectional" : ""));
+}
+
+// hca_name, hca_port, src_addr, dst_addr, auth: the same files on both sides.
 void add_address_files(Node& d, const PathInfo& info) {
+  d.add("auth", path_field(info, auth_line));
   d.add("hca_name", path_field(info, [](const json& p) { return line(str(p.at("hca_name"))); }));
   d.add("hca_port", path_field(info, hca_port));
   d.add("src_addr", path_field(info, [](const json& p) { return line(str(p.at("src_host"))); }));

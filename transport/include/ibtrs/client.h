@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "ibtrs/address.h"
+#include "ibtrs/auth.h"
 #include "ibtrs/path_spec.h"
 #include "ibtrs/result.h"
 #include "ibtrs/types.h"
@@ -122,6 +123,12 @@ struct ClientOptions {
   std::chrono::milliseconds pending_timeout{30000};
   bool busy_poll = false;         // IO threads spin instead of sleeping (latency for CPU)
   std::function<void(const SessionEventInfo&)> on_event;
+  // Host authentication (ibtrs/auth.h): with a key every path proves it (DH-HMAC-CHAP) before
+  // the server reveals anything, and with a server key the client checks the server too.
+  // Without one the client is anonymous, which only a server with allow_any_host admits. A
+  // path the server refuses (or that fails to prove the server) fails with EACCES and is not
+  // retried on its own: it stays CLOSED until reconnect_path() (a new key needs a new session).
+  ClientAuth auth;
 };
 
 struct ClientPathInfo {
@@ -134,14 +141,18 @@ struct ClientPathInfo {
   uint16_t recon_cnt = 0;
   std::optional<std::chrono::nanoseconds> latency;  // last heartbeat round trip
   uint32_t inflight = 0;
+  PathAuthInfo auth;          // how the path authenticated, in its last establishment
+  std::error_code last_error; // why the path last failed or went down (EACCES: refused)
   PathStatsSnapshot stats;
 };
 
 class ClientSession {
  public:
   // Connects every path of `options`; succeeds when at least one path is CONNECTED (the others
-  // keep reconnecting). Errors: EINVAL (bad options), the first path's connect error when none
-  // connects (ECONNREFUSED, ETIMEDOUT, EPROTO for a server that speaks another version, ...).
+  // keep reconnecting, except those refused with EACCES). Errors: EINVAL (bad options: a key
+  // without a valid host id), the first path's connect error when none connects (ECONNREFUSED,
+  // ETIMEDOUT, EPROTO for a server that speaks another version, EACCES when the server refused
+  // the host or its key, or the server failed to prove the server key, ...).
   static Result<std::unique_ptr<ClientSession>> open(ClientOptions options);
   // Closes every path. Requests still in flight complete with ECONNABORTED first.
   ~ClientSession();
@@ -193,7 +204,8 @@ class ClientSession {
   const Uuid16& uuid() const;
 
   // Path control; each returns when done. Names are PathSpec::name() ("src@dst").
-  // add_path: EEXIST (same name), ENOSPC (kMaxPaths), or the connect error (the path is removed).
+  // add_path: EEXIST (same name), ENOSPC (kMaxPaths), or the connect error (the path is removed;
+  // EACCES when authentication failed).
   static constexpr size_t kMaxPaths = 16;
   Status add_path(const PathSpec& spec);
   // Fails over the path's requests, closes it and forgets it. ENOENT; EBUSY for the last path.

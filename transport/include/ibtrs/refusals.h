@@ -75,6 +75,12 @@ inline constexpr std::string_view kProtocolError = "protocol_error";  // a malfo
 inline constexpr std::string_view kHandshakeTimeout = "handshake_timeout";  // not CONNECTED in time
 inline constexpr std::string_view kHandshakeEvicted = "handshake_evicted";  // made room at a cap
 inline constexpr std::string_view kAckTimeout = "ack_timeout";  // responses not acknowledged
+// Authentication (ibtrs/auth.h): connection requests and paths refused with EACCES/EPROTO.
+inline constexpr std::string_view kAuthNoCredentials = "auth_no_credentials";  // allow_any_host off
+inline constexpr std::string_view kAuthUnknownHost = "auth_unknown_host";
+inline constexpr std::string_view kAuthBadResponse = "auth_bad_response";  // wrong key, replay
+inline constexpr std::string_view kAuthHostMismatch = "auth_host_mismatch";  // another host's session
+inline constexpr std::string_view kAuthProtocol = "auth_protocol";  // malformed, out of order
 // Sockets dropped by a listener before they made a request (fabric::Listener::Drops).
 inline constexpr std::string_view kListenTimeout = "listen_timeout";
 inline constexpr std::string_view kListenOverflow = "listen_overflow";

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "ibtrs/address.h"
+#include "ibtrs/auth.h"
 #include "ibtrs/io_hook.h"
 #include "ibtrs/client.h"
 #include "ibtrs/path_spec.h"
@@ -43,6 +44,7 @@ struct ServerPathInfo {
   uint8_t hca_port = 0;
   uint16_t recon_cnt = 0;
   uint16_t cid_num = 0;
+  PathAuthInfo auth;      // how the path authenticated (ibtrs/auth.h)
   PathStatsSnapshot stats;
 };
 
@@ -51,6 +53,10 @@ class ServerSession {
   virtual ~ServerSession() = default;
   virtual const std::string& name() const = 0;
   virtual const Uuid16& uuid() const = 0;
+  // The host every path of this session authenticated as ("" for an anonymous session, which
+  // only a server with allow_any_host admits). Fixed before on_session_up: a path that
+  // authenticates as another host is refused, so the upper layer may decide access by it.
+  virtual const std::string& host() const = 0;
   virtual std::vector<ServerPathInfo> paths() const = 0;
   virtual PathStatsSnapshot stats() const = 0;
   // Resets the counters of `group` of one path (ENOENT) or, with an empty name, of all paths.
@@ -154,6 +160,14 @@ struct ServerOptions {
   // stay with it), which bounds the backlog; one that lets it sit this long without
   // acknowledging anything is disconnected.
   std::chrono::milliseconds ack_timeout{30000};
+
+  // Host authentication (ibtrs/auth.h, docs/security.d/auth.md). A client that authenticates
+  // proves a secret `authenticator` knows for its host, or is refused with EACCES (unknown host,
+  // wrong key, a session of another host). A client that does not authenticate is admitted only
+  // with allow_any_host (anonymous: ServerSession::host() is ""), else refused with EACCES at
+  // its first connection. start() refuses a server with neither (EINVAL): it would admit nobody.
+  const Authenticator* authenticator = nullptr;  // must outlive the server
+  bool allow_any_host = false;
 };
 
 // What peers hold right now, against ServerOptions' caps.
@@ -165,9 +179,22 @@ struct ServerUsage {
   uint64_t backlog = 0;             // responses waiting for send-queue room, all connections
 };
 
+// Authentication outcomes since the server started, per path (a refused path counts once; a
+// client without credentials counts once per connection it tries).
+struct AuthCounters {
+  uint64_t authenticated = 0;           // paths that proved their host's secret
+  uint64_t anonymous = 0;               // paths admitted without credentials (allow_any_host)
+  uint64_t refused_no_credentials = 0;  // connections without kConReqAuth, allow_any_host off
+  uint64_t refused_unknown_host = 0;
+  uint64_t refused_bad_response = 0;    // wrong key (or a replayed or tampered exchange)
+  uint64_t refused_host_mismatch = 0;   // a path of a session that belongs to another host
+  uint64_t refused_protocol = 0;        // malformed or out-of-order messages, no server key
+};
+
 class Server {
  public:
-  // Errors: EINVAL (bad options: geometry, no handler, no address), EADDRINUSE, ...
+  // Errors: EINVAL (bad options: geometry, no handler, no address, neither an authenticator
+  // nor allow_any_host), EADDRINUSE, ...
   static Result<std::unique_ptr<Server>> start(ServerOptions options);
   // Closes every session (the handler sees path and session downs) and stops. Requests the
   // handler still holds must be completed before this returns.
@@ -179,6 +206,7 @@ class Server {
   std::vector<Address> addresses() const;
   // Names of the live sessions, and one session's paths.
   std::vector<std::string> sessions() const;
+  AuthCounters auth_counters() const;
   // Calls `fn` with the session on the server's control thread (do not keep the reference). ENOENT.
   Status with_session(std::string_view name, const std::function<void(ServerSession&)>& fn) const;
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <thread>
 
+#include "auth/chap.h"
 #include "client/client_impl.h"
 #include "common/log.h"
 #include "core/fabrics.h"
@@ -37,7 +38,13 @@ namespace {
 enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3 };
 constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
 
-constexpr uint32_t kSvcRecvs = 16;      // service connection: INFO_RSP + heartbeats
+constexpr uint32_t kSvcRecvs = 16;      // service connection: AUTH_*, INFO_RSP + heartbeats
+// The service connection's buffer: [INFO_RSP][AUTH slot 1][AUTH slot 2][INFO_REQ][AUTH_REPLY].
+// RECVs that take a message say which part in their wr_id value: 1 INFO_RSP, 2 and 3 the AUTH
+// slots (the server's AUTH_CHALLENGE and AUTH_SUCCESS / AUTH_FAILURE come before INFO_RSP).
+constexpr uint32_t kAuthSlot = 512;
+constexpr uint64_t kSvcInfoRecv = 1;
+constexpr uint64_t kSvcAuthRecv = 2;  // and 3
 constexpr uint32_t kSvcSends = 16;
 constexpr uint32_t kSignalEvery = 16;   // IO sends: one in this many is signalled
 constexpr uint32_t kRepostBatch = 16;   // RECVs reposted together
@@ -227,17 +234,20 @@ void Con::on_completions(std::span<Completion> wcs) {
         why = errc(EPROTO);
       }
     } else if (wc.opcode == Opcode::recv) {
-      // Only INFO_RSP arrives as a SEND on the service connection, once per incarnation.
+      // Only the establishment's messages (AUTH_*, INFO_RSP) arrive as SENDs on the service
+      // connection, into the RECVs posted for them.
       ++recv_missing;
-      if (svc_buf == nullptr) {
+      const uint64_t part = wc.wr_id >> 3;
+      if (svc_buf == nullptr || part < kSvcInfoRecv || part > kSvcAuthRecv + 1) {
         IBTRS_LOG(warn, "path %s con %u: unexpected message", path->name.c_str(), cid);
         why = errc(EPROTO);
         continue;
       }
+      const size_t info = proto::info_rsp_size(s.geo.queue_depth);
+      const size_t off = part == kSvcInfoRecv ? 0 : info + (part - kSvcAuthRecv) * kAuthSlot;
+      const size_t n = std::min<size_t>(wc.byte_len, part == kSvcInfoRecv ? info : kAuthSlot);
       std::lock_guard lock(path->info_mu);
-      const size_t n = std::min<size_t>(wc.byte_len, svc_len);
-      path->info_rsp.assign(svc_buf.get(), svc_buf.get() + n);
-      path->info_ready = true;
+      path->svc_msgs.emplace_back(svc_buf.get() + off, svc_buf.get() + off + n);
       path->info_cv.notify_all();
     }
   }
@@ -668,15 +678,24 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   con->rkeys_next = 0;
   std::vector<fabric::RecvWr> recvs(caps.max_recv_wr);
   std::vector<Sge> recv_sges(caps.max_recv_wr);
-  Sge info_sge{};
+  Sge svc_sges[3]{};
   for (uint32_t i = 0; i < caps.max_recv_wr; ++i) recvs[i] = con->next_recv(recv_sges[i]);
   if (con->cid == 0) {
-    con->svc_len = proto::info_rsp_size(geo.queue_depth) + sizeof(proto::InfoReq);
+    const size_t info = proto::info_rsp_size(geo.queue_depth);
+    con->svc_len = info + 2 * kAuthSlot + sizeof(proto::InfoReq) + sizeof(proto::AuthReply);
     con->svc_buf = std::make_unique<std::byte[]>(con->svc_len);
     IBTRS_ASSIGN_OR_RETURN(con->svc_mr, path->domain->register_memory(
                                             con->svc_buf.get(), con->svc_len, fabric::kLocalWrite));
-    info_sge = con->svc_mr->sge(0, static_cast<uint32_t>(proto::info_rsp_size(geo.queue_depth)));
-    recvs[0].sg_list = std::span(&info_sge, 1);
+    // RECVs complete in the order they are posted: the AUTH slots first when authenticating.
+    uint32_t k = 0;
+    if (opts.auth.enabled()) {
+      for (; k < 2; ++k) {
+        svc_sges[k] = con->svc_mr->sge(info + k * kAuthSlot, kAuthSlot);
+        recvs[k] = fabric::RecvWr{wr_id(kWrRecv, kSvcAuthRecv + k), std::span(&svc_sges[k], 1)};
+      }
+    }
+    svc_sges[k] = con->svc_mr->sge(0, static_cast<uint32_t>(info));
+    recvs[k] = fabric::RecvWr{wr_id(kWrRecv, kSvcInfoRecv), std::span(&svc_sges[k], 1)};
   }
   IBTRS_TRY(con->conn->post_recv(recvs));
   return {};
@@ -686,8 +705,12 @@ Status Session::establish(Path* path) {
   path->gen.fetch_add(1, std::memory_order_acq_rel);
   {
     std::lock_guard lock(path->info_mu);
-    path->info_ready = false;
-    path->info_rsp.clear();
+    path->svc_msgs.clear();
+  }
+  {
+    std::lock_guard lock(path->meta_mu);
+    path->auth = PathAuthInfo{};
+    if (opts.auth.enabled()) path->auth.state = AuthState::pending;
   }
   IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(path->spec.destination.fabric, opts.busy_poll));
   IBTRS_ASSIGN_OR_RETURN(path->domain,
@@ -695,7 +718,8 @@ Status Session::establish(Path* path) {
                                          path->spec.source ? &*path->spec.source : nullptr));
   const uint16_t cid_num = static_cast<uint16_t>(nio + 1);
   for (uint16_t cid = 0; cid < cid_num; ++cid) {
-    auto req = proto::make_con_req(cid, cid_num, path->recon_cnt, cid == 0, uuid_bytes, path->uuid);
+    auto req = proto::make_con_req(cid, cid_num, path->recon_cnt, cid == 0, uuid_bytes, path->uuid,
+                                   opts.auth.enabled());
     IBTRS_TRY(connect_con(path, path->cons[cid].get(), proto::as_bytes_of(req)));
     if (cid == 0) {
       // The geometry is known from the first CON_RSP: IO connections are sized by it, and the
@@ -705,10 +729,10 @@ Status Session::establish(Path* path) {
     }
   }
 
-  // INFO_REQ / INFO_RSP on the service connection.
+  // INFO_REQ, [the authentication], INFO_RSP on the service connection.
   Con* svc = path->cons[0].get();
   IBTRS_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
-  const size_t req_off = proto::info_rsp_size(geo.queue_depth);
+  const size_t req_off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot;
   std::memcpy(svc->svc_buf.get() + req_off, &info, sizeof(info));
   Sge sge = svc->svc_mr->sge(req_off, sizeof(info));
   SendWr wr{};
@@ -716,17 +740,9 @@ Status Session::establish(Path* path) {
   wr.opcode = Opcode::send;
   wr.sg_list = std::span(&sge, 1);
   IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
-  std::vector<std::byte> rsp;
-  {
-    std::unique_lock lock(path->info_mu);
-    if (!path->info_cv.wait_for(lock, opts.connect_timeout, [&] {
-          return path->info_ready || svc->failed.load(std::memory_order_acquire) ||
-                 closing.load(std::memory_order_acquire);
-        }))
-      return errc(ETIMEDOUT);
-    if (!path->info_ready) return errc(closing.load() ? ECANCELED : ECONNRESET);
-    rsp = std::move(path->info_rsp);
-  }
+  const auto deadline = core::Clock::now() + opts.connect_timeout;
+  if (opts.auth.enabled()) IBTRS_TRY(authenticate(path, deadline));
+  IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> rsp, next_svc_msg(path, deadline));
   std::string why;
   auto descs = proto::parse_info_rsp(rsp, geo.queue_depth, geo.chunk_size, &why);
   if (!descs.ok()) {
@@ -745,6 +761,112 @@ Status Session::establish(Path* path) {
   for (auto& c : path->cons) c->gate.open();
   IBTRS_TRY(path->state.change_from(ClientPathState::connecting, ClientPathState::connected));
   return {};
+}
+
+Result<std::vector<std::byte>> Session::next_svc_msg(Path* path, core::Clock::time_point deadline) {
+  Con* svc = path->cons[0].get();
+  std::unique_lock lock(path->info_mu);
+  if (!path->info_cv.wait_until(lock, deadline, [&] {
+        return !path->svc_msgs.empty() || svc->failed.load(std::memory_order_acquire) ||
+               closing.load(std::memory_order_acquire);
+      }))
+    return errc(ETIMEDOUT);
+  if (path->svc_msgs.empty()) return errc(closing.load() ? ECANCELED : ECONNRESET);
+  std::vector<std::byte> m = std::move(path->svc_msgs.front());
+  path->svc_msgs.pop_front();
+  return m;
+}
+
+Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
+  Con* svc = path->cons[0].get();
+  const ClientAuth& a = opts.auth;
+  auto fail = [&](int err, const std::string& why) -> Status {
+    IBTRS_LOG(warn, "path %s: authentication as %s failed: %s", path->name.c_str(), a.host_id.c_str(),
+              why.c_str());
+    std::lock_guard lock(path->meta_mu);
+    path->auth.state = AuthState::failed;
+    return errc(err);
+  };
+  // The server's AUTH_FAILURE, if `m` is one: EACCES when it refused the host or its key.
+  auto refusal = [&](std::span<const std::byte> m) -> std::optional<Status> {
+    auto t = proto::peek_msg_type(m);
+    if (!t.ok() || *t != proto::MsgType::auth_failure) return std::nullopt;
+    std::string why;
+    auto f = proto::parse_auth_failure(m, &why);
+    if (!f.ok()) return fail(EPROTO, why);
+    return fail(f->reason == EACCES ? EACCES : EPROTO,
+                std::string("the server refused: ") + std::strerror(f->reason));
+  };
+  std::string why;
+  IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m, next_svc_msg(path, deadline));
+  if (auto r = refusal(m)) return *r;
+  auto c = proto::parse_auth_challenge(m, &why);
+  if (!c.ok()) return fail(c.error().value(), why);
+  auto dh = auth::X25519::generate();
+  if (!dh.ok()) return fail(EIO, "cannot draw an X25519 key (OpenSSL)");
+  auto z = dh->derive(c->dh_public);
+  if (!z.ok()) return fail(EPROTO, "unusable X25519 public value from the server");
+  auth::Transcript t;
+  t.tid = c->tid;
+  std::memcpy(t.sess_uuid.data(), uuid_bytes.data(), 16);
+  std::memcpy(t.path_uuid.data(), path->uuid.data(), 16);
+  t.sessname = opts.session_name;
+  t.pathname = path->name;
+  t.host = a.host_id;
+  proto::AuthReplyView v;
+  v.tid = c->tid;
+  v.host = a.host_id;
+  v.dh_public = dh->public_key();
+  auto r1 = auth::response(auth::Role::host, *a.key, *z, c->nonce, c->seqnum, t);
+  if (!r1.ok()) return fail(EIO, "cannot compute the response (OpenSSL)");
+  v.response = *r1;
+  if (a.server_key) {
+    uint8_t s2[4];
+    if (!auth::random_bytes(v.challenge2).ok() || !auth::random_bytes(s2).ok())
+      return fail(EIO, "cannot draw a challenge (OpenSSL)");
+    v.bidirectional = true;
+    v.challenge2[0] |= 1;  // never all zeros: the wire's "no challenge"
+    v.seqnum2 = (uint32_t{s2[0]} | uint32_t{s2[1]} << 8 | uint32_t{s2[2]} << 16 | uint32_t{s2[3]} << 24) | 1;
+  }
+  auto reply = proto::make_auth_reply(v);
+  if (!reply.ok()) return fail(EINVAL, "host id unusable on the wire");
+  const size_t off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq);
+  std::memcpy(svc->svc_buf.get() + off, &*reply, sizeof(*reply));
+  Sge sge = svc->svc_mr->sge(off, sizeof(*reply));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
+
+  IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m2, next_svc_msg(path, deadline));
+  if (auto r = refusal(m2)) return *r;
+  auto ok = proto::parse_auth_success(m2, &why);
+  if (!ok.ok()) return fail(ok.error().value(), why);
+  if (ok->tid != c->tid) return fail(EPROTO, "AUTH_SUCCESS of another transaction");
+  if (a.server_key) {
+    // The server proves the server key before the client uses anything it says.
+    if (!ok->has_response) return fail(EACCES, "the server did not answer our challenge");
+    auto r2 = auth::response(auth::Role::server, *a.server_key, *z, v.challenge2, v.seqnum2, t);
+    if (!r2.ok() || !auth::equal_ct(*r2, ok->response))
+      return fail(EACCES, "the server does not know the server key: not the server we trust");
+  } else if (ok->has_response) {
+    return fail(EPROTO, "AUTH_SUCCESS answers a challenge we did not send");
+  }
+  std::lock_guard lock(path->meta_mu);
+  path->auth.state = AuthState::authenticated;
+  path->auth.host = a.host_id;
+  path->auth.bidirectional = a.server_key.has_value();
+  path->auth.method = "dhchap-sha256-x25519";
+  return {};
+}
+
+void Session::refused(Path* path, std::error_code why) {
+  (void)path->state.change(ClientPathState::closing);
+  (void)path->state.change(ClientPathState::closed);
+  IBTRS_LOG(warn, "path %s: %s: closed, not retried (reconnect it once the credentials are fixed)",
+            path->name.c_str(), errstr(why).c_str());
+  if (!any_path_may_return()) run_pending(true, why.value());
 }
 
 // Closes every connection of the path: failover happens on each connection's poller (between
@@ -882,6 +1004,7 @@ void Session::reconnect_attempt(Path* path) {
   IBTRS_LOG(info, "path %s: reconnect failed: %s", path->name.c_str(), errstr(st.error()).c_str());
   teardown(path);
   (void)path->state.change(ClientPathState::connecting_err);
+  if (st.error() == std::errc::permission_denied) return refused(path, st.error());
   (void)path->state.change(ClientPathState::reconnecting);
   schedule_reconnect(path);
 }
@@ -953,8 +1076,18 @@ Status Session::open_paths() {
     }
   }
   if (connected_paths.load() == 0) return first_err ? first_err : errc(ENOTCONN);
-  // The session is up; paths that did not connect keep trying in the background.
+  // The session is up; paths that did not connect keep trying in the background, except those
+  // the server refused: retrying the same credentials cannot help.
   for (Path* p : failed) {
+    std::error_code e;
+    {
+      std::lock_guard meta_lock(p->meta_mu);
+      e = p->last_error;
+    }
+    if (e == std::errc::permission_denied) {
+      refused(p, e);
+      continue;
+    }
     (void)p->state.change(ClientPathState::reconnecting);
     schedule_reconnect(p);
   }
@@ -1068,6 +1201,9 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
   if (!client::printable_name(options.session_name) || options.paths.empty() ||
       options.paths.size() > kMaxPaths || options.heartbeat.interval.count() <= 0 ||
       options.heartbeat.missed_max == 0)
+    return errc(EINVAL);
+  if (options.auth.enabled() && (!valid_host_id(options.auth.host_id) || options.auth.key->empty() ||
+                                 (options.auth.server_key && options.auth.server_key->empty())))
     return errc(EINVAL);
   auto impl = std::make_unique<Impl>();
   impl->opts = std::move(options);
@@ -1467,6 +1603,8 @@ std::vector<ClientPathInfo> ClientSession::paths() const {
       std::lock_guard lock(p->meta_mu);
       i.hca_name = p->hca_name;
       i.hca_port = p->hca_port;
+      i.auth = p->auth;
+      i.last_error = p->last_error;
     }
     i.recon_cnt = p->recon_cnt;
     i.latency = p->hb.latency();

@@ -124,11 +124,13 @@ struct Path {
   uint8_t hca_port = 0;
   std::error_code last_error;
 
-  // INFO_RSP hand-over from the service poller to the worker during establishment.
+  PathAuthInfo auth;  // under meta_mu
+
+  // Service messages (AUTH_*, INFO_RSP) handed from the service poller to the worker during
+  // establishment, each copied once out of its RECV buffer.
   std::mutex info_mu;
   std::condition_variable info_cv;
-  bool info_ready = false;
-  std::vector<std::byte> info_rsp;
+  std::deque<std::vector<std::byte>> svc_msgs;
 
   Path(Session* sess, uint32_t slot, PathSpec spec, uint32_t io_threads);
   Con* io_con(uint32_t ci) const { return cons[1 + ci].get(); }
@@ -237,6 +239,13 @@ struct Session {
   Status open_paths();
   Result<Path*> new_path(const PathSpec& spec);
   Status establish(Path* path);
+  // The next service message of the establishment, or ETIMEDOUT (deadline), ECONNRESET (the
+  // service connection broke), ECANCELED (the session closes).
+  Result<std::vector<std::byte>> next_svc_msg(Path* path, core::Clock::time_point deadline);
+  // DH-HMAC-CHAP on the service connection after INFO_REQ (docs/protocol.md, "Authentication").
+  Status authenticate(Path* path, core::Clock::time_point deadline);
+  // Leaves a path the server refused (EACCES) CLOSED instead of scheduling a reconnect.
+  void refused(Path* path, std::error_code why);
   Status connect_con(Path* path, Con* con, std::span<const std::byte> pd);
   Status set_geometry(const proto::ConRsp& rsp);
   Result<uint32_t> domain_slot(fabric::Domain* d);

@@ -1,7 +1,10 @@
 #include "proto/ibtrs_proto.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
+
+#include "ibtrs/auth.h"
 
 namespace ibtrs::proto {
 
@@ -84,7 +87,7 @@ Result<ConReq> parse_con_req(std::span<const std::byte> pd, std::string* why) {
     return fail<ConReq>(why, "CON_REQ: unsupported protocol major version", EPROTONOSUPPORT);
   if (m.cid_num.get() < 2) return fail<ConReq>(why, "CON_REQ: a path needs a service and an IO connection");
   if (m.cid.get() >= m.cid_num.get()) return fail<ConReq>(why, "CON_REQ: connection id out of range");
-  if ((m.flags.get() & ~kConReqFirstConn) != 0 || m.reserved0.get() != 0 ||
+  if ((m.flags.get() & ~(kConReqFirstConn | kConReqAuth)) != 0 || m.reserved0.get() != 0 ||
       !all_zero(m.reserved1, sizeof(m.reserved1)))
     return fail<ConReq>(why, "CON_REQ: reserved bits set");
   if (all_zero(m.sess_uuid, 16) || all_zero(m.path_uuid, 16))
@@ -193,8 +196,154 @@ Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
   return fail<IoReq>(why, "unknown IO message type");
 }
 
+Result<MsgType> peek_msg_type(std::span<const std::byte> msg) {
+  if (msg.size() < sizeof(le16)) return errc(EPROTO);
+  return static_cast<MsgType>(load<le16>(msg).get());
+}
+
+namespace {
+
+template <typename M>
+Result<M> load_exact(std::span<const std::byte> msg, MsgType type, const char* name, std::string* why) {
+  if (msg.size() != sizeof(M)) {
+    if (why != nullptr) *why = std::string(name) + " has the wrong size";
+    return errc(EPROTO);
+  }
+  auto m = load<M>(msg);
+  if (m.type.get() != static_cast<uint16_t>(type)) {
+    if (why != nullptr) *why = std::string(name) + ": wrong type";
+    return errc(EPROTO);
+  }
+  return m;
+}
+
+template <size_t N>
+std::array<uint8_t, N> to_array(const uint8_t (&a)[N]) {
+  std::array<uint8_t, N> out{};
+  std::memcpy(out.data(), a, N);
+  return out;
+}
+
+bool ours(uint8_t hash_id, uint8_t dh_group) {
+  return hash_id == kAuthHashSha256 && dh_group == kAuthDhX25519;
+}
+
+}  // namespace
+
+Result<AuthChallengeView> parse_auth_challenge(std::span<const std::byte> msg, std::string* why) {
+  using R = AuthChallengeView;
+  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthChallenge>(msg, MsgType::auth_challenge, "AUTH_CHALLENGE", why));
+  if (m.reserved0.get() != 0 || !all_zero(m.reserved1, sizeof(m.reserved1)))
+    return fail<R>(why, "AUTH_CHALLENGE: reserved bytes set");
+  if (!ours(m.hash_id, m.dh_group))
+    return fail<R>(why, "AUTH_CHALLENGE: hash or DH group not HMAC-SHA-256 / X25519", EPROTONOSUPPORT);
+  if (m.seqnum.get() == 0) return fail<R>(why, "AUTH_CHALLENGE: sequence number 0");
+  R v;
+  v.tid = m.tid.get();
+  v.seqnum = m.seqnum.get();
+  v.nonce = to_array(m.nonce);
+  v.dh_public = to_array(m.dh_public);
+  return v;
+}
+
+Result<AuthReplyView> parse_auth_reply(std::span<const std::byte> msg, std::string* why) {
+  using R = AuthReplyView;
+  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthReply>(msg, MsgType::auth_reply, "AUTH_REPLY", why));
+  if ((m.flags.get() & ~kAuthReplyBidirectional) != 0 || !all_zero(m.reserved, sizeof(m.reserved)))
+    return fail<R>(why, "AUTH_REPLY: reserved bits set");
+  if (!ours(m.hash_id, m.dh_group))
+    return fail<R>(why, "AUTH_REPLY: hash or DH group not the challenge's");
+  R v;
+  v.bidirectional = (m.flags.get() & kAuthReplyBidirectional) != 0;
+  const bool c2_zero = all_zero(m.challenge2, sizeof(m.challenge2));
+  if (v.bidirectional != (m.seqnum2.get() != 0) || v.bidirectional == c2_zero)
+    return fail<R>(why, "AUTH_REPLY: challenge2 and seqnum2 must be set exactly when bidirectional");
+  if (!read_name(m.host, kAuthHostField, v.host) || !valid_host_id(v.host))
+    return fail<R>(why, "AUTH_REPLY: bad host id");
+  v.tid = m.tid.get();
+  v.seqnum2 = m.seqnum2.get();
+  v.dh_public = to_array(m.dh_public);
+  v.response = to_array(m.response);
+  v.challenge2 = to_array(m.challenge2);
+  return v;
+}
+
+Result<AuthSuccessView> parse_auth_success(std::span<const std::byte> msg, std::string* why) {
+  using R = AuthSuccessView;
+  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthSuccess>(msg, MsgType::auth_success, "AUTH_SUCCESS", why));
+  if ((m.flags.get() & ~kAuthSuccessResponse) != 0 || m.reserved0.get() != 0)
+    return fail<R>(why, "AUTH_SUCCESS: reserved bits set");
+  R v;
+  v.tid = m.tid.get();
+  v.has_response = (m.flags.get() & kAuthSuccessResponse) != 0;
+  if (!v.has_response && !all_zero(m.response, sizeof(m.response)))
+    return fail<R>(why, "AUTH_SUCCESS: a response without its flag");
+  v.response = to_array(m.response);
+  return v;
+}
+
+Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::string* why) {
+  using R = AuthFailureView;
+  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthFailure>(msg, MsgType::auth_failure, "AUTH_FAILURE", why));
+  if (m.reserved0.get() != 0) return fail<R>(why, "AUTH_FAILURE: reserved bytes set");
+  if (m.reason.get() == 0) return fail<R>(why, "AUTH_FAILURE: no reason");
+  return R{m.tid.get(), m.reason.get()};
+}
+
+Result<AuthChallenge> make_auth_challenge(const AuthChallengeView& v) {
+  if (v.seqnum == 0) return errc(EINVAL);
+  AuthChallenge m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::auth_challenge));
+  m.tid.set(v.tid);
+  m.seqnum.set(v.seqnum);
+  m.hash_id = kAuthHashSha256;
+  m.dh_group = kAuthDhX25519;
+  std::memcpy(m.nonce, v.nonce.data(), kAuthValueLen);
+  std::memcpy(m.dh_public, v.dh_public.data(), kAuthValueLen);
+  return m;
+}
+
+Result<AuthReply> make_auth_reply(const AuthReplyView& v) {
+  const bool c2_zero = std::all_of(v.challenge2.begin(), v.challenge2.end(), [](uint8_t b) { return b == 0; });
+  if (!valid_host_id(v.host) || v.bidirectional != (v.seqnum2 != 0) || v.bidirectional == c2_zero)
+    return errc(EINVAL);
+  AuthReply m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::auth_reply));
+  m.tid.set(v.tid);
+  m.flags.set(v.bidirectional ? kAuthReplyBidirectional : 0);
+  m.hash_id = kAuthHashSha256;
+  m.dh_group = kAuthDhX25519;
+  m.seqnum2.set(v.seqnum2);
+  std::memcpy(m.dh_public, v.dh_public.data(), kAuthValueLen);
+  std::memcpy(m.response, v.response.data(), kAuthValueLen);
+  std::memcpy(m.challenge2, v.challenge2.data(), kAuthValueLen);
+  std::memcpy(m.host, v.host.data(), v.host.size());
+  return m;
+}
+
+AuthSuccess make_auth_success(const AuthSuccessView& v) {
+  AuthSuccess m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::auth_success));
+  m.tid.set(v.tid);
+  m.flags.set(v.has_response ? kAuthSuccessResponse : 0);
+  if (v.has_response) std::memcpy(m.response, v.response.data(), kAuthValueLen);
+  return m;
+}
+
+AuthFailure make_auth_failure(uint16_t tid, int reason) {
+  AuthFailure m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::auth_failure));
+  m.tid.set(tid);
+  m.reason.set(static_cast<uint16_t>(reason <= 0 ? EPROTO : reason));
+  return m;
+}
+
 ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool first_conn,
-                    const Uuid& sess, const Uuid& path) {
+                    const Uuid& sess, const Uuid& path, bool auth) {
   ConReq m;
   std::memset(&m, 0, sizeof(m));
   m.magic.set(kMagic);
@@ -202,7 +351,7 @@ ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool fir
   m.cid.set(cid);
   m.cid_num.set(cid_num);
   m.recon_cnt.set(recon_cnt);
-  m.flags.set(first_conn ? kConReqFirstConn : 0);
+  m.flags.set(static_cast<uint16_t>((first_conn ? kConReqFirstConn : 0) | (auth ? kConReqAuth : 0)));
   std::memcpy(m.sess_uuid, sess.data(), 16);
   std::memcpy(m.path_uuid, path.data(), 16);
   return m;

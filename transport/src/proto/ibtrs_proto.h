@@ -5,6 +5,8 @@
 // Where a message travels:
 //   CON_REQ / CON_RSP     private data of connect / accept / reject (<= 56 bytes, fabric limit)
 //   INFO_REQ / INFO_RSP   SEND / RECV on the service connection (connection 0 of a path)
+//   AUTH_*                SEND / RECV on the service connection, between INFO_REQ and INFO_RSP
+//                         when the client authenticates (CON_REQ flag kConReqAuth)
 //   IO requests           one WRITE_WITH_IMM into the server chunk of the request's permit:
 //                           write: [data][user header][WriteMsg]
 //                           read:  [user header][ReadMsg + descriptors]
@@ -30,7 +32,7 @@ namespace ibtrs::proto {
 
 inline constexpr uint16_t kMagic = 0x1BBD;       // RTRS's magic
 inline constexpr uint8_t kVersionMajor = 2;      // only the major must match (kernel rule)
-inline constexpr uint8_t kVersionMinor = 0;
+inline constexpr uint8_t kVersionMinor = 1;      // 2.1: host authentication (AUTH_*)
 inline constexpr uint16_t kVersion = (kVersionMajor << 8) | kVersionMinor;
 inline constexpr uint16_t version_major(uint16_t v) { return v >> 8; }
 
@@ -49,6 +51,11 @@ using Uuid = std::array<uint8_t, 16>;
 
 // CON_REQ flags
 inline constexpr uint16_t kConReqFirstConn = 1u << 0;  // first connection of a new path
+// The client authenticates the path (DH-HMAC-CHAP after INFO_REQ). A server that requires
+// authentication refuses a CON_REQ without it with EACCES, so a client that cannot
+// authenticate (or an older one) learns why at once; every connection of a path carries the
+// same value. (Minor version 1.)
+inline constexpr uint16_t kConReqAuth = 1u << 1;
 
 struct ConReq {
   le16 magic;          // kMagic
@@ -56,7 +63,7 @@ struct ConReq {
   le16 cid;            // connection id in the path: 0 = service connection, 1..cid_num-1 IO
   le16 cid_num;        // connections in the path (IO connections + 1)
   le16 recon_cnt;      // reconnect counter of the path: tells a reconnect from a stale path
-  le16 flags;          // kConReqFirstConn
+  le16 flags;          // kConReqFirstConn, kConReqAuth
   le32 reserved0;      // 0
   uint8_t sess_uuid[16];  // session identity (random per client session)
   uint8_t path_uuid[16];  // path identity (random per path, kept across reconnects)
@@ -89,7 +96,14 @@ enum class MsgType : uint16_t {
   write = 3,     // trailer of a write request in a chunk
   read = 4,      // trailer of a read request in a chunk
   rkey_rsp = 5,  // new chunk key after per-IO invalidation
+  auth_challenge = 6,  // server -> client: DH-HMAC-CHAP challenge
+  auth_reply = 7,      // client -> server: the host's response (and its challenge back)
+  auth_success = 8,    // server -> client: accepted (with the server's response)
+  auth_failure = 9,    // server -> client: refused; the server closes the path
 };
+
+// The type of a service message (INFO_*, AUTH_*), or EPROTO when it is shorter than a type.
+Result<MsgType> peek_msg_type(std::span<const std::byte> msg);
 
 struct InfoReq {
   le16 type;                 // MsgType::info_req
@@ -118,6 +132,97 @@ IBTRS_WIRE_STRUCT(InfoRspHeader, 8);
 inline constexpr size_t info_rsp_size(uint16_t chunks) {
   return sizeof(InfoRspHeader) + size_t{chunks} * sizeof(ChunkDesc);
 }
+
+// ------------------------------------------------------------------------------------------
+// Authentication (DH-HMAC-CHAP, NVMe TP 8006; the computations in auth/chap.h)
+//
+// After INFO_REQ of a path whose CON_REQ had kConReqAuth, the server answers AUTH_CHALLENGE
+// instead of INFO_RSP; the client answers AUTH_REPLY; the server sends AUTH_SUCCESS and then
+// INFO_RSP, or AUTH_FAILURE and closes the path. The largest, AUTH_REPLY (336 bytes), fits the
+// server's service RECV slots (512 bytes).
+
+inline constexpr uint8_t kAuthHashSha256 = 1;   // TP 8006 HashID of HMAC-SHA-256
+inline constexpr uint8_t kAuthDhX25519 = 0x20;  // ours: TP 8006 numbers FFDHE groups only (1..5)
+inline constexpr size_t kAuthValueLen = 32;     // nonces, responses, X25519 public values
+inline constexpr size_t kAuthHostField = 224;   // host id (1..223 bytes) + NUL padding
+
+struct AuthChallenge {
+  le16 type;                          // MsgType::auth_challenge
+  le16 tid;                           // transaction id: random per exchange
+  le32 seqnum;                        // S1: random, non-zero
+  uint8_t hash_id;                    // kAuthHashSha256
+  uint8_t dh_group;                   // kAuthDhX25519
+  le16 reserved0;                     // 0
+  uint8_t nonce[kAuthValueLen];       // C1
+  uint8_t dh_public[kAuthValueLen];   // the server's ephemeral X25519 public value
+  uint8_t reserved1[4];               // 0
+};
+IBTRS_WIRE_STRUCT(AuthChallenge, 80);
+
+// AUTH_REPLY flags
+inline constexpr uint16_t kAuthReplyBidirectional = 1u << 0;  // challenge2 / seqnum2 are valid
+
+struct AuthReply {
+  le16 type;                          // MsgType::auth_reply
+  le16 tid;                           // the challenge's
+  le16 flags;                         // kAuthReplyBidirectional
+  uint8_t hash_id;                    // the challenge's
+  uint8_t dh_group;                   // the challenge's
+  le32 seqnum2;                       // S2 for the server's response; 0 unless bidirectional
+  uint8_t dh_public[kAuthValueLen];   // the client's ephemeral X25519 public value
+  uint8_t response[kAuthValueLen];    // R1
+  uint8_t challenge2[kAuthValueLen];  // C2; zeros unless bidirectional
+  uint8_t host[kAuthHostField];       // host id, NUL padded
+  uint8_t reserved[4];                // 0
+};
+IBTRS_WIRE_STRUCT(AuthReply, 336);
+
+// AUTH_SUCCESS flags
+inline constexpr uint16_t kAuthSuccessResponse = 1u << 0;  // response holds R2
+
+struct AuthSuccess {
+  le16 type;                          // MsgType::auth_success
+  le16 tid;
+  le16 flags;                         // kAuthSuccessResponse
+  le16 reserved0;                     // 0
+  uint8_t response[kAuthValueLen];    // R2; zeros without kAuthSuccessResponse
+};
+IBTRS_WIRE_STRUCT(AuthSuccess, 40);
+
+struct AuthFailure {
+  le16 type;                          // MsgType::auth_failure
+  le16 tid;                           // the challenge's, or 0 before one
+  le16 reason;                        // errno: EACCES (not authenticated), EPROTO (bad message)
+  le16 reserved0;                     // 0
+};
+IBTRS_WIRE_STRUCT(AuthFailure, 8);
+
+// Checked copies of the messages (the views own their bytes: nothing refers back to a buffer
+// the peer may still write).
+struct AuthChallengeView {
+  uint16_t tid = 0;
+  uint32_t seqnum = 0;
+  std::array<uint8_t, kAuthValueLen> nonce{};
+  std::array<uint8_t, kAuthValueLen> dh_public{};
+};
+struct AuthReplyView {
+  uint16_t tid = 0;
+  bool bidirectional = false;
+  uint32_t seqnum2 = 0;
+  std::array<uint8_t, kAuthValueLen> dh_public{};
+  std::array<uint8_t, kAuthValueLen> response{};
+  std::array<uint8_t, kAuthValueLen> challenge2{};
+  std::string host;
+};
+struct AuthSuccessView {
+  uint16_t tid = 0;
+  bool has_response = false;
+  std::array<uint8_t, kAuthValueLen> response{};
+};
+struct AuthFailureView {
+  uint16_t tid = 0;
+  uint16_t reason = 0;
+};
 
 // ------------------------------------------------------------------------------------------
 // IO messages, written at the end of a request in its chunk
@@ -229,6 +334,14 @@ Result<std::span<const ChunkDesc>> parse_info_rsp(std::span<const std::byte> msg
                                                   uint16_t expect_chunks, uint32_t chunk_size,
                                                   std::string* why);
 
+// Authentication messages: exact size, known type, reserved bytes zero, our algorithms.
+// Challenge: non-zero seqnum. Reply: a valid host id (ibtrs/auth.h), challenge2 and seqnum2
+// non-zero exactly when bidirectional. Success: response zero unless flagged.
+Result<AuthChallengeView> parse_auth_challenge(std::span<const std::byte> msg, std::string* why);
+Result<AuthReplyView> parse_auth_reply(std::span<const std::byte> msg, std::string* why);
+Result<AuthSuccessView> parse_auth_success(std::span<const std::byte> msg, std::string* why);
+Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::string* why);
+
 // A request found in a chunk: the chunk's bytes, the immediate's offset of the IO message.
 struct WriteReq {
   std::span<const std::byte> data;
@@ -253,11 +366,17 @@ Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
 
 // Builders (our own output).
 ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool first_conn,
-                    const Uuid& sess, const Uuid& path);
+                    const Uuid& sess, const Uuid& path, bool auth = false);
 ConRsp make_con_rsp(int err, uint16_t queue_depth, uint32_t chunk_size, uint32_t max_hdr_size,
                     uint32_t flags);
 // EINVAL when a name does not fit kNameMax - 1 bytes.
 Result<InfoReq> make_info_req(std::string_view sessname, std::string_view pathname);
+
+// EINVAL for what the parsers would refuse (a zero seqnum, a bad host id, ...).
+Result<AuthChallenge> make_auth_challenge(const AuthChallengeView& v);
+Result<AuthReply> make_auth_reply(const AuthReplyView& v);
+AuthSuccess make_auth_success(const AuthSuccessView& v);
+AuthFailure make_auth_failure(uint16_t tid, int reason);
 
 template <typename T>
 std::span<const std::byte> as_bytes_of(const T& v) {

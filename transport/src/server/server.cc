@@ -23,8 +23,10 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
+#include "auth/chap.h"
 #include "common/log.h"
 #include "core/con_gate.h"
 #include "core/fabrics.h"
@@ -53,7 +55,10 @@ enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3, kWrSvcRecv = 4 };
 constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
 
 constexpr uint32_t kSvcRecvs = 16;
-constexpr uint32_t kSvcSlot = 256;     // bytes per service RECV: INFO_REQ is 144
+constexpr uint32_t kSvcSlot = 512;     // bytes per service RECV: AUTH_REPLY is 336, INFO_REQ 144
+// A path refused by authentication: the AUTH_FAILURE goes out, then the server waits this long
+// for the client to hang up before it closes the path itself.
+constexpr auto kAuthFailLinger = std::chrono::seconds(1);
 constexpr uint32_t kSvcSends = 16;
 constexpr uint32_t kSignalEvery = 16;
 constexpr uint32_t kRepostBatch = 16;
@@ -117,6 +122,20 @@ struct Con final : core::CqHandler {
   void cut_off(std::string_view reason, const std::string& what);
 };
 
+// Authentication of one path incarnation (worker; the listing fields under the session's mu).
+struct PathAuth {
+  bool wanted = false;      // CON_REQ had kConReqAuth
+  bool info_seen = false;   // INFO_REQ arrived: a second one is a protocol error
+  AuthState state = AuthState::none;
+  std::string host;
+  bool bidirectional = false;
+  // The open exchange: what the challenge sent.
+  uint16_t tid = 0;
+  uint32_t seq = 0;
+  auth::Nonce nonce{};
+  std::optional<auth::X25519> dh;
+};
+
 struct Path {
   Session* s = nullptr;
   uint64_t id = 0;  // registry key: tasks name a path by id, so a freed one is never touched
@@ -139,6 +158,9 @@ struct Path {
   std::atomic<uint64_t> hb_timer{0};
   std::atomic<uint64_t> hs_timer{0};  // handshake deadline (svc poller), until CONNECTED
   bool announced = false;  // on_path_up was called (worker)
+  PathAuth auth;
+  // hb_timer is the path's one service timer: heartbeats once connected, before that the
+  // linger after a refused authentication (close_path cancels either).
 
   Path(Session* sess, const HeartbeatConfig& hbc, uint32_t shards) : s(sess), hb(hbc), stats(shards) {}
   ServerPathInfo info() const;
@@ -172,6 +194,8 @@ struct Req final : ServerRequest {
 struct Session final : ServerSession {
   Impl* srv = nullptr;
   std::string name_;
+  std::string host_;        // bound by the first admitted path (under mu); host() reads it
+  bool host_bound = false;  // (under mu)
   Uuid16 uuid_;
   proto::Uuid uuid_bytes{};
   uint16_t qd = 0;
@@ -204,6 +228,7 @@ struct Session final : ServerSession {
   }
   const std::string& name() const override { return name_; }
   const Uuid16& uuid() const override { return uuid_; }
+  const std::string& host() const override { return host_; }
   std::vector<ServerPathInfo> paths() const override;
   PathStatsSnapshot stats() const override;
   Status reset_stats(std::string_view path, StatsGroup group) override;
@@ -237,6 +262,12 @@ struct Impl {
   std::atomic<uint64_t> chunk_memory{0};
   std::vector<fabric::Listener::Drops> drops_seen;  // accept thread: drops already counted
 
+  // Authentication outcomes (AuthCounters): refusals counted here, where they happen.
+  struct {
+    std::atomic<uint64_t> authenticated{0}, anonymous{0}, no_credentials{0}, unknown_host{0},
+        bad_response{0}, host_mismatch{0}, protocol{0};
+  } auth_count;
+
   // Worker: the path if it still exists. Tasks posted by pollers and timers may outlive a path's
   // session; they look it up here first.
   Path* lookup(uint64_t id) const {
@@ -248,6 +279,12 @@ struct Impl {
   void handle_connect(fabric::ConnectRequest& req);
   Status accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::ConnectRequest& req);
   void handle_info(Path* p, std::vector<std::byte> msg);
+  void send_info_rsp(Path* p);
+  void send_auth_challenge(Path* p);
+  void handle_auth_reply(Path* p, std::span<const std::byte> msg);
+  void auth_failed(Path* p, int reason, std::atomic<uint64_t>& counter, const std::string& why);
+  Status post_svc(Path* p, size_t area, std::span<const std::byte> msg);
+  bool bind_host(Path* p, const std::string& host);
   void close_path(Path* p, const char* why);
   void reap();
   void heartbeat_tick(Path* p);
@@ -279,6 +316,10 @@ ServerPathInfo Path::info() const {
   }
   i.recon_cnt = recon_cnt;
   i.cid_num = cid_num;
+  i.auth.state = auth.state;
+  i.auth.host = auth.host;
+  i.auth.bidirectional = auth.bidirectional;
+  if (auth.state == AuthState::authenticated) i.auth.method = "dhchap-sha256-x25519";
   i.stats = stats.snapshot();
   return i;
 }
@@ -820,6 +861,13 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
   const uint16_t cid_num = cr->cid_num.get();
   if (cid_num > kMaxCidNum)
     return reject(req, EINVAL, refusal::kBadConnectRequest, "too many connections per path");
+  const bool auth_wanted = (cr->flags.get() & proto::kConReqAuth) != 0;
+  if (!auth_wanted && !opts.allow_any_host) {
+    // Before any session exists: a client without credentials costs nothing here.
+    auth_count.no_credentials.fetch_add(1, std::memory_order_relaxed);
+    return reject(req, EACCES, refusal::kAuthNoCredentials,
+                  "the client does not authenticate and allow_any_host is off");
+  }
   std::string_view reason;
   auto sr = session_for(*cr, &reason);
   if (!sr.ok()) return reject(req, sr.error().value(), reason, "no room for a new session");
@@ -847,6 +895,9 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
     } else if (p->state.get() != ServerPathState::connecting || p->cid_num != cid_num ||
                p->cons[cid]->conn != nullptr) {
       return reject(req, EEXIST, refusal::kBadConnectRequest, "connection already established");
+    } else if (p->auth.wanted != auth_wanted) {
+      return reject(req, EINVAL, refusal::kBadConnectRequest,
+                    "connections of one path disagree on authentication");
     }
   }
   if (p == nullptr) {
@@ -861,6 +912,8 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
     auto np = std::make_unique<Path>(s, opts.heartbeat, nio + 1);
     np->recon_cnt = rc;
     np->cid_num = cid_num;
+    np->auth.wanted = auth_wanted;
+    np->auth.state = auth_wanted ? AuthState::pending : AuthState::none;
     std::memcpy(np->uuid.data(), cr->path_uuid, 16);
     np->local = req.local_address();
     np->peer = req.peer_address();
@@ -950,7 +1003,8 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   c->cq = std::move(*cq);
   c->poller->run_sync([c] { c->poller->attach(c->cq.get(), c); });
   if (cid == 0) {
-    c->svc_len = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd);
+    // RECV slots, INFO_RSP, then two send areas for the AUTH_* messages.
+    c->svc_len = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd) + 2 * size_t{kSvcSlot};
     c->svc_buf = std::make_unique<std::byte[]>(c->svc_len);
     auto mr = d.register_memory(c->svc_buf.get(), c->svc_len, fabric::kLocalWrite);
     if (!mr.ok()) {
@@ -979,16 +1033,27 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   return {};
 }
 
+// Worker: every message of a path's service connection (the poller copied it out of its RECV
+// slot once): INFO_REQ, then, on a path that authenticates, AUTH_REPLY.
 void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   Session* s = p->s;
+  auto type = proto::peek_msg_type(msg);
+  if (p->auth.state == AuthState::failed) {
+    close_path(p, "message after a refused authentication");
+    return;
+  }
+  if (type.ok() && *type == proto::MsgType::auth_reply) return handle_auth_reply(p, msg);
   std::string why;
   auto info = proto::parse_info_req(msg, &why);
-  if (!info.ok() || p->state.get() != ServerPathState::connecting || p->accepted != p->cid_num) {
+  if (!info.ok() || p->state.get() != ServerPathState::connecting || p->accepted != p->cid_num ||
+      p->auth.info_seen) {
     protocol_error("session %s: INFO_REQ refused: %s", s->name_.c_str(),
-                   info.ok() ? "path not ready (connections missing or already connected)" : why.c_str());
+                   info.ok() ? "path not ready (connections missing, already connected or INFO_REQ seen)"
+                             : why.c_str());
     close_path(p, "bad INFO_REQ");
     return;
   }
+  p->auth.info_seen = true;
   {
     std::lock_guard lock(s->mu);
     if (!s->name_.empty() && s->name_ != info->sessname) {
@@ -1005,6 +1070,164 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     close_path(p, why.c_str());
     return;
   }
+  if (p->auth.wanted) return send_auth_challenge(p);
+  // Anonymous (allow_any_host was checked at CON_REQ): only into a session of no host.
+  if (!bind_host(p, "")) {
+    auth_count.host_mismatch.fetch_add(1, std::memory_order_relaxed);
+    IBTRS_LOG(warn, "session %s: anonymous path %s into a session of host %s: refused",
+              s->name_.c_str(), p->name.c_str(), s->host_.c_str());
+    close_path(p, "anonymous path of an authenticated session");
+    return;
+  }
+  auth_count.anonymous.fetch_add(1, std::memory_order_relaxed);
+  send_info_rsp(p);
+}
+
+// Worker: the session's host is `host` from now on, or it was already. False: another host's.
+bool Impl::bind_host(Path* p, const std::string& host) {
+  Session* s = p->s;
+  std::lock_guard lock(s->mu);
+  if (s->host_bound) return s->host_ == host;
+  s->host_ = host;
+  s->host_bound = true;
+  return true;
+}
+
+// Worker: one AUTH_* message from send area `area` (0: challenge, 1: success / failure) of the
+// service connection. Each area carries one message per path incarnation, so it is never
+// rewritten while its send is in flight.
+Status Impl::post_svc(Path* p, size_t area, std::span<const std::byte> msg) {
+  Con* svc = p->cons[0].get();
+  if (!svc->conn || msg.size() > kSvcSlot) return errc(ENOTCONN);
+  const size_t off = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(p->s->qd) + area * kSvcSlot;
+  std::memcpy(svc->svc_buf.get() + off, msg.data(), msg.size());
+  Sge sge = svc->svc_mr->sge(off, static_cast<uint32_t>(msg.size()));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  return svc->conn->post_send(std::span(&wr, 1));
+}
+
+void Impl::send_auth_challenge(Path* p) {
+  PathAuth& a = p->auth;
+  auto dh = auth::X25519::generate();
+  uint8_t rnd[6];
+  if (!dh.ok() || !auth::random_bytes(a.nonce).ok() || !auth::random_bytes(rnd).ok()) {
+    close_path(p, "cannot draw an authentication challenge (OpenSSL)");
+    return;
+  }
+  a.tid = static_cast<uint16_t>(rnd[0] | rnd[1] << 8);
+  a.seq = uint32_t{rnd[2]} | uint32_t{rnd[3]} << 8 | uint32_t{rnd[4]} << 16 | uint32_t{rnd[5]} << 24;
+  if (a.seq == 0) a.seq = 1;  // the wire's "no sequence number"
+  a.dh = std::move(*dh);
+  proto::AuthChallengeView v;
+  v.tid = a.tid;
+  v.seqnum = a.seq;
+  v.nonce = a.nonce;
+  v.dh_public = a.dh->public_key();
+  auto m = proto::make_auth_challenge(v);
+  if (!m.ok() || !post_svc(p, 0, proto::as_bytes_of(*m)).ok()) close_path(p, "cannot send AUTH_CHALLENGE");
+}
+
+void Impl::handle_auth_reply(Path* p, std::span<const std::byte> msg) {
+  Session* s = p->s;
+  PathAuth& a = p->auth;
+  if (!a.wanted || a.state != AuthState::pending || !a.dh)
+    return auth_failed(p, EPROTO, auth_count.protocol, "AUTH_REPLY without a challenge");
+  std::string why;
+  auto r = proto::parse_auth_reply(msg, &why);
+  if (!r.ok()) return auth_failed(p, EPROTO, auth_count.protocol, why);
+  // A reply to another challenge: a recorded exchange played back (its response would not fit
+  // this challenge either).
+  if (r->tid != a.tid)
+    return auth_failed(p, EACCES, auth_count.bad_response, "AUTH_REPLY of another transaction (replayed?)");
+  auto z = a.dh->derive(r->dh_public);
+  a.dh.reset();  // one reply per challenge
+  if (!z.ok()) return auth_failed(p, EPROTO, auth_count.protocol, "unusable X25519 public value");
+  const std::string& host = r->host;
+  std::optional<HostKeys> keys;
+  if (opts.authenticator != nullptr) keys = opts.authenticator->host_keys(host);
+  if (!keys) return auth_failed(p, EACCES, auth_count.unknown_host, "unknown host " + host);
+  auth::Transcript t;
+  t.tid = a.tid;
+  std::memcpy(t.sess_uuid.data(), s->uuid_bytes.data(), 16);
+  std::memcpy(t.path_uuid.data(), p->uuid.data(), 16);
+  {
+    std::lock_guard lock(s->mu);
+    t.sessname = s->name_;
+    t.pathname = p->name;
+  }
+  t.host = host;
+  bool match = false;
+  for (const Secret& k : keys->keys) {
+    auto want = auth::response(auth::Role::host, k, *z, a.nonce, a.seq, t);
+    if (want.ok() && auth::equal_ct(*want, r->response)) match = true;  // no early exit
+  }
+  auth::cleanse(a.nonce);
+  if (!match) return auth_failed(p, EACCES, auth_count.bad_response, "host " + host + ": wrong key");
+  if (r->bidirectional && !keys->server_key)
+    return auth_failed(p, EACCES, auth_count.protocol,
+                       "host " + host + " asks the server to authenticate, but it has no server key");
+  if (!bind_host(p, host))
+    return auth_failed(p, EACCES, auth_count.host_mismatch,
+                       "host " + host + ": the session belongs to host " + s->host_);
+  proto::AuthSuccessView ok;
+  ok.tid = a.tid;
+  if (r->bidirectional) {
+    auto r2 = auth::response(auth::Role::server, *keys->server_key, *z, r->challenge2, r->seqnum2, t);
+    if (!r2.ok()) return auth_failed(p, EPROTO, auth_count.protocol, "cannot compute the server's response");
+    ok.has_response = true;
+    ok.response = *r2;
+  }
+  {
+    std::lock_guard lock(s->mu);
+    a.state = AuthState::authenticated;
+    a.host = host;
+    a.bidirectional = r->bidirectional;
+  }
+  auth_count.authenticated.fetch_add(1, std::memory_order_relaxed);
+  IBTRS_LOG(info, "session %s: path %s authenticated as %s%s", s->name_.c_str(), p->name.c_str(),
+            host.c_str(), r->bidirectional ? " (bidirectional)" : "");
+  // AUTH_SUCCESS and INFO_RSP leave in this order on one connection.
+  if (!post_svc(p, 1, proto::as_bytes_of(proto::make_auth_success(ok))).ok()) {
+    close_path(p, "cannot send AUTH_SUCCESS");
+    return;
+  }
+  send_info_rsp(p);
+}
+
+// Worker: tells the client why (AUTH_FAILURE) and closes the path once the client hung up, or
+// after kAuthFailLinger. Nothing of the session was revealed: the chunks' keys go with INFO_RSP.
+void Impl::auth_failed(Path* p, int reason, std::atomic<uint64_t>& counter, const std::string& why) {
+  Session* s = p->s;
+  counter.fetch_add(1, std::memory_order_relaxed);
+  const std::string_view name = &counter == &auth_count.unknown_host   ? refusal::kAuthUnknownHost
+                                : &counter == &auth_count.bad_response  ? refusal::kAuthBadResponse
+                                : &counter == &auth_count.host_mismatch ? refusal::kAuthHostMismatch
+                                                                        : refusal::kAuthProtocol;
+  refusals.refuse(name, "session " + s->name_ + " path " + p->name + " from " + p->peer.to_string() +
+                            ": authentication refused: " + why);
+  {
+    std::lock_guard lock(s->mu);
+    p->auth.state = AuthState::failed;
+  }
+  p->auth.dh.reset();
+  if (!post_svc(p, 1, proto::as_bytes_of(proto::make_auth_failure(p->auth.tid, reason))).ok()) {
+    close_path(p, "authentication refused");
+    return;
+  }
+  const uint64_t id = p->id;
+  p->hb_timer.store(svc_poller->add_timer(core::Clock::now() + kAuthFailLinger, [this, id] {
+    worker->post([this, id] {
+      if (Path* pp = lookup(id)) close_path(pp, "authentication refused");
+    });
+  }));
+}
+
+// Worker: the path is admitted: the chunks' keys go to the client and the path carries IO.
+void Impl::send_info_rsp(Path* p) {
+  Session* s = p->s;
   Con* svc = p->cons[0].get();
   const size_t off = size_t{kSvcRecvs} * kSvcSlot;
   proto::InfoRspHeader h{};
@@ -1020,7 +1243,7 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     std::memcpy(out + sizeof(h) + i * sizeof(d), &d, sizeof(d));
   }
   // The upper layer learns of the session before any request of it can arrive (it sets its
-  // context there).
+  // context there), and after its host is known.
   if (!s->up) {
     s->up = true;
     opts.handler->on_session_up(*s);
@@ -1253,7 +1476,8 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
       o.max_hdr_size >= o.chunk_size || o.heartbeat.interval.count() <= 0 ||
       o.heartbeat.missed_max == 0 || o.max_sessions == 0 || o.max_paths_per_session == 0 ||
       o.max_chunk_memory < uint64_t{o.queue_depth} * o.chunk_size ||
-      o.handshake_timeout.count() <= 0 || o.ack_timeout.count() <= 0)
+      o.handshake_timeout.count() <= 0 || o.ack_timeout.count() <= 0 ||
+      (o.authenticator == nullptr && !o.allow_any_host))
     return errc(EINVAL);
   IBTRS_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
   auto impl = std::make_unique<Impl>();
@@ -1262,7 +1486,9 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
   impl->refusals.declare({r::kSessionLimit, r::kPathLimit, r::kChunkMemoryLimit,
                           r::kBadConnectRequest, r::kNoResources, r::kProtocolError,
                           r::kHandshakeTimeout, r::kHandshakeEvicted, r::kAckTimeout,
-                          r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError});
+                          r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError,
+                          r::kAuthNoCredentials, r::kAuthUnknownHost, r::kAuthBadResponse,
+                          r::kAuthHostMismatch, r::kAuthProtocol});
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
   for (const Address& a : impl->opts.listen) {
@@ -1293,6 +1519,20 @@ std::vector<Address> Server::addresses() const {
   std::vector<Address> out;
   for (auto& l : impl_->listeners) out.push_back(l->address());
   return out;
+}
+
+AuthCounters Server::auth_counters() const {
+  const auto& c = impl_->auth_count;
+  constexpr auto r = std::memory_order_relaxed;
+  AuthCounters a;
+  a.authenticated = c.authenticated.load(r);
+  a.anonymous = c.anonymous.load(r);
+  a.refused_no_credentials = c.no_credentials.load(r);
+  a.refused_unknown_host = c.unknown_host.load(r);
+  a.refused_bad_response = c.bad_response.load(r);
+  a.refused_host_mismatch = c.host_mismatch.load(r);
+  a.refused_protocol = c.protocol.load(r);
+  return a;
 }
 
 std::vector<std::string> Server::sessions() const {
