@@ -207,7 +207,8 @@ expect "client daemon still answers" 0 c device list
 cat >"$work/srv2.json" <<JSON
 {"listen": ["${listen[1]}"], "dev_search_path": "$work/export", "max_sessions": 1,
  "max_paths_per_session": 4, "max_chunk_memory": "1G", "handshake_timeout_ms": 2000,
- "ack_timeout_ms": 5000}
+ "ack_timeout_ms": 5000,
+ "hosts": [{"key_file": "$host_key", "access": [{"devices": "**", "mode": "migration"}]}]}
 JSON
 "$srv" --config "$work/srv2.json" --control-socket "$work/srv2.sock" --ready-file "$work/srv2.ready" \
   >"$work/srv2.log" 2>&1 &

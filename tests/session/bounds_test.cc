@@ -65,6 +65,7 @@ class Bounds : public ::testing::Test {
                                                   : *Address::parse("loopback:bounds:0"));
     so.io_threads = 1;
     so.handler = &vol_;
+    so.allow_any_host = true;  // the raw peers do not authenticate (tests/session/auth_test.cc does)
     // Long heartbeats: the raw peers never answer them, and no scenario is about them.
     so.heartbeat.interval = 60s;
     auto s = Server::start(so);
