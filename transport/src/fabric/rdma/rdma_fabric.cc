@@ -364,8 +364,8 @@ class RdmaMw final : public MemoryWindow {
     rkey_ = key;
     state = State::bound;
   }
-  // unbound: may be bound; bound; invalidating: a LOCAL_INV is posted (binding again is the
-  // caller's to order after its completion, as in verbs).
+  // unbound; bound; invalidating: a LOCAL_INV is posted. A window may be bound when unbound or
+  // invalidating: a bind on the queue pair of the LOCAL_INV runs after it (send queue order).
   enum class State : uint8_t { unbound, bound, invalidating };
   State state = State::unbound;
   const ConnCore* bound_on() const { return bound_on_; }
@@ -865,7 +865,7 @@ Result<uint32_t> ConnCore::bind_mw(MemoryWindow& mw_base, const MemoryRegion& mr
   auto* mw = dynamic_cast<RdmaMw*>(&mw_base);
   auto* mr = dynamic_cast<const RdmaMr*>(&mr_base);
   if (mw == nullptr || mr == nullptr || &mw->domain() != &domain_ || &mr->domain() != &domain_ ||
-      mr->mr() == nullptr || mw->mw() == nullptr || mw->state != RdmaMw::State::unbound)
+      mr->mr() == nullptr || mw->mw() == nullptr || mw->state == RdmaMw::State::bound)
     return errc(EINVAL);
   constexpr uint32_t kRemote = kRemoteWrite | kRemoteRead;
   if (len == 0 || access == 0 || (access & ~kRemote) != 0 || (mr->access() & kMwBind) == 0)
@@ -885,6 +885,9 @@ Result<uint32_t> ConnCore::bind_mw(MemoryWindow& mw_base, const MemoryRegion& mr
       ((access & kRemoteWrite) ? IBV_ACCESS_REMOTE_WRITE : 0) |
       ((access & kRemoteRead) ? IBV_ACCESS_REMOTE_READ : 0);
   IBTRS_TRY(post_local(wr, 0));
+  // For type 2 windows the consumer keeps ibv_mw::rkey current: the next bind names the window
+  // by it (rxe refuses a bind whose window key is not the current one).
+  mw->mw()->rkey = key;
   mw->bound(this, key);
   return key;
 }
