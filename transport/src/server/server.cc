@@ -8,6 +8,12 @@
 // Lifetimes: a session lives while it has a path or a request the upper layer has not completed;
 // its path and connection objects live as long as it does (a closed path stays as a shell), so
 // a completion from any thread reaches valid memory and finds the connection's gate closed.
+//
+// Isolation: every session has its own protection domain per device (fabric.h), holding its
+// chunks, its service buffers and (always_invalidate) its per-chunk regions, and its paths'
+// connections are accepted into it: a key of one session is nothing on another's connections.
+// A request's header bytes are copied out of the chunk once, into the request's own buffer,
+// and only that copy is validated and used (ServerRequest::usr() points at it).
 #include "ibtrs/server.h"
 
 #include <poll.h>
@@ -103,11 +109,13 @@ struct Path {
   std::vector<std::unique_ptr<Con>> cons;
   std::string name;
   Address local, peer;
-  fabric::Domain* domain = nullptr;
+  fabric::Domain* device = nullptr;  // the device's domain the connections arrived on
+  fabric::Domain* domain = nullptr;  // the session's protection domain on that device
   uint32_t chunk_lkey = 0, chunk_rkey = 0;
-  // always_invalidate: one remotely writable region per chunk, on this path's device. Dropped
-  // (the key revoked) when a request in the chunk starts, registered anew when it completes;
-  // both under a connection's gate, so a closed path's regions are never touched.
+  // always_invalidate: one remotely writable region per chunk, in the session's domain on this
+  // path's device. Its key is revoked when a request in the chunk starts and a new one issued
+  // when it completes (MemoryRegion::rekey: a key flip on the software providers); both under
+  // a connection's gate, so a closed path's regions are never touched.
   std::vector<std::unique_ptr<fabric::MemoryRegion>> chunk_mrs;
   core::Heartbeat hb;
   core::PathStats stats;
@@ -124,8 +132,10 @@ struct Req final : ServerRequest {
   std::atomic<uint32_t> state{0};  // 0 idle, 1 being served, 2 served and another one waiting
   Con* deferred_con = nullptr;
   uint32_t deferred_offset = 0;
-  uint16_t ndesc = 0;
-  proto::BufDesc descs[proto::kMaxReadDescs];
+  // The request's header bytes (user header, read descriptors), copied out of the chunk once
+  // when it starts: max_hdr bytes of the session's copy area, server memory no peer can write.
+  std::span<std::byte> copy;
+  std::span<const proto::BufDesc> descs;  // read: in `copy`
   int64_t start_ns = 0;
   uint32_t shard = 0;
   uint64_t bytes = 0;
@@ -156,8 +166,13 @@ struct Session final : ServerSession {
   size_t chunks_len = 0;            // the chunks, then (always_invalidate) the RKEY_RSP slots
   bool invalidate = false;          // always_invalidate
   proto::RkeyRsp* rkey_msgs = nullptr;  // per chunk: the RKEY_RSP its next response sends
+  std::byte* copies = nullptr;      // qd x max_hdr: each request's copy of its header bytes
+  size_t copies_len = 0;
   std::unique_ptr<Req[]> reqs;
-  std::map<fabric::Domain*, std::unique_ptr<fabric::MemoryRegion>> mrs;  // worker
+  // Worker. By the device's domain: the session's protection domain there, and its chunks
+  // registered in it. Destroyed after every path's connections and regions (~Session).
+  std::map<fabric::Domain*, std::unique_ptr<fabric::Domain>> pds;
+  std::map<fabric::Domain*, std::unique_ptr<fabric::MemoryRegion>> mrs;
 
   mutable std::mutex mu;  // paths lists and name
   std::vector<Path*> live;
@@ -173,7 +188,9 @@ struct Session final : ServerSession {
 
   ~Session() override {
     mrs.clear();
+    pds.clear();
     if (chunks != nullptr) ::munmap(chunks, chunks_len);
+    if (copies != nullptr) ::munmap(copies, copies_len);
   }
   const std::string& name() const override { return name_; }
   const Uuid16& uuid() const override { return uuid_; }
@@ -320,11 +337,11 @@ void Req::start(Con* c, uint32_t offset) {
       state.store(0, std::memory_order_release);
       return;
     }
-    c->path->chunk_mrs[chunk_id_].reset();
+    (void)c->path->chunk_mrs[chunk_id_]->revoke();
     c->gate.exit();
   }
   std::string why;
-  auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, &why);
+  auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, copy, &why);
   const uint32_t max_io = ss.chunk_size - ss.max_hdr;
   if (io.ok() && io->kind == proto::IoKind::read && io->read.total_len > max_io) {
     io = errc(EPROTO);
@@ -347,18 +364,17 @@ void Req::start(Con* c, uint32_t offset) {
     usr_ = io->write.usr;
     const size_t off = static_cast<size_t>(io->write.data.data() - chunk.data());
     data_ = chunk.subspan(off, io->write.data.size());
-    ndesc = 0;
+    descs = {};
   } else {
     dir_ = IoDir::read;
     usr_ = io->read.usr;
-    ndesc = static_cast<uint16_t>(io->read.descs.size());
-    // A failed-over copy may overwrite the chunk's header area while this one is served.
-    std::memcpy(descs, io->read.descs.data(), ndesc * sizeof(proto::BufDesc));
+    descs = io->read.descs;
     data_ = chunk.subspan(ss.max_hdr, static_cast<size_t>(io->read.total_len));
   }
   bytes = data_.size();
   ss.inflight.fetch_add(1, std::memory_order_acq_rel);
-  c->path->stats.on_submit(shard, dir_ == IoDir::write, bytes, dir_ == IoDir::read ? ndesc : 1);
+  c->path->stats.on_submit(shard, dir_ == IoDir::write, bytes,
+                           dir_ == IoDir::read ? static_cast<uint32_t>(descs.size()) : 1);
   ss.srv->opts.handler->on_request(*this);
 }
 
@@ -373,7 +389,7 @@ void Req::complete(int err) {
   size_t n = 0;
   if (dir_ == IoDir::read && err == 0) {
     uint64_t off = 0;
-    for (uint16_t i = 0; i < ndesc; ++i) {
+    for (size_t i = 0; i < descs.size(); ++i) {
       const uint32_t len = descs[i].len.get();
       sges[i] = Sge{reinterpret_cast<uint64_t>(data_.data() + off), len, p->chunk_lkey};
       SendWr& w = wrs[n++];
@@ -426,12 +442,11 @@ void Req::complete(int err) {
 bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
   Session& ss = *s;
   Path* p = c->path;
-  auto mr = p->domain->register_memory(ss.chunk(chunk_id_).data(), ss.chunk_size,
-                                       fabric::kLocalWrite | fabric::kRemoteWrite);
-  if (!mr.ok()) {
+  auto key = p->chunk_mrs[chunk_id_]->rekey();
+  if (!key.ok()) {
     // Without a key the client cannot use the chunk on this path: let it fail over.
-    IBTRS_LOG(warn, "session %s path %s: cannot re-register chunk %u: %s", ss.name_.c_str(),
-              p->name.c_str(), chunk_id_, mr.error().message().c_str());
+    IBTRS_LOG(warn, "session %s path %s: cannot re-key chunk %u: %s", ss.name_.c_str(),
+              p->name.c_str(), chunk_id_, key.error().message().c_str());
     c->failed.store(true, std::memory_order_release);
     c->conn->disconnect();
     return false;
@@ -439,8 +454,7 @@ bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
   proto::RkeyRsp& m = ss.rkey_msgs[chunk_id_];
   m.type.set(static_cast<uint16_t>(proto::MsgType::rkey_rsp));
   m.buf_id.set(static_cast<uint16_t>(chunk_id_));
-  m.rkey.set((*mr)->rkey());
-  p->chunk_mrs[chunk_id_] = std::move(*mr);
+  m.rkey.set(*key);
   sge = Sge{reinterpret_cast<uint64_t>(&m), sizeof(m), p->chunk_lkey};
   wr = SendWr{};
   wr.wr_id = wr_id(kWrIo, chunk_id_);
@@ -638,11 +652,18 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr) {
   if (m == MAP_FAILED) return errc(ENOMEM);
   s->chunks = static_cast<std::byte*>(m);
   if (s->invalidate) s->rkey_msgs = reinterpret_cast<proto::RkeyRsp*>(s->chunks + chunk_bytes);
+  // Never registered: no peer can write the copies. Lazily backed like the chunks.
+  s->copies_len = size_t{s->qd} * s->max_hdr;
+  void* cm = ::mmap(nullptr, s->copies_len, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (cm == MAP_FAILED) return errc(ENOMEM);
+  s->copies = static_cast<std::byte*>(cm);
   s->reqs = std::make_unique<Req[]>(s->qd);
   for (uint32_t i = 0; i < s->qd; ++i) {
     s->reqs[i].s = s.get();
     s->reqs[i].chunk_id_ = i;
     s->reqs[i].session_ = s.get();
+    s->reqs[i].copy = {s->copies + size_t{i} * s->max_hdr, s->max_hdr};
   }
   Session* raw = s.get();
   std::lock_guard lock(mu);
@@ -715,13 +736,24 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
 
 Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::ConnectRequest& req) {
   const uint16_t cid = cr.cid.get();
-  fabric::Domain& d = req.domain();
-  if (p->domain != nullptr && p->domain != &d) {
+  fabric::Domain& dev = req.domain();
+  if (p->device != nullptr && p->device != &dev) {
     reject(req, EINVAL, "connections of one path on different devices");
     return errc(EINVAL);
   }
+  p->device = &dev;
+  auto pd_it = s->pds.find(&dev);
+  if (pd_it == s->pds.end()) {
+    auto pd = dev.alloc_pd(fabric::PdAttr{opts.session_max_keys});
+    if (!pd.ok()) {
+      reject(req, ENOMEM, "cannot allocate the session's protection domain");
+      return pd.error();
+    }
+    pd_it = s->pds.emplace(&dev, std::move(*pd)).first;
+  }
+  fabric::Domain& d = *pd_it->second;
   p->domain = &d;
-  auto it = s->mrs.find(&d);
+  auto it = s->mrs.find(&dev);
   if (it == s->mrs.end()) {
     // With always_invalidate the session-wide region is only the server's own (local) view.
     const uint32_t access = fabric::kLocalWrite | (s->invalidate ? 0u : uint32_t{fabric::kRemoteWrite});
@@ -730,7 +762,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
       reject(req, ENOMEM, "cannot register the session's chunks");
       return mr.error();
     }
-    it = s->mrs.emplace(&d, std::move(*mr)).first;
+    it = s->mrs.emplace(&dev, std::move(*mr)).first;
   }
   p->chunk_lkey = it->second->lkey();
   p->chunk_rkey = it->second->rkey();
@@ -761,7 +793,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
     caps.max_send_sge = 1;
     caps.max_recv_sge = 1;
   }
-  auto cq = d.create_cq(caps.max_send_wr + caps.max_recv_wr);
+  auto cq = dev.create_cq(caps.max_send_wr + caps.max_recv_wr);
   if (!cq.ok()) {
     reject(req, ENOMEM, "cannot create a completion queue");
     return cq.error();
@@ -782,7 +814,8 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   ev.on_disconnected = [c](std::error_code) { c->failed.store(true, std::memory_order_release); };
   auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr,
                                  s->invalidate ? proto::kConRspInvalidatePerIo : 0);
-  IBTRS_ASSIGN_OR_RETURN(c->conn, req.accept(*c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
+  IBTRS_ASSIGN_OR_RETURN(c->conn,
+                         req.accept(d, *c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
   std::vector<fabric::RecvWr> rw(caps.max_recv_wr);
   std::vector<Sge> sg(caps.max_recv_wr);
   for (uint32_t i = 0; i < caps.max_recv_wr; ++i) {
