@@ -1073,8 +1073,9 @@ TEST_F(Isolation, ADomainHoldsAtMostItsMaxKeys) {
 }
 
 // Case: one buffer registered 64 times in turn, each registration dropped before the next.
-// Expect: 64 different keys, and no fixed step from one to the next: a peer that saw a key
-// cannot compute the next one.
+// Expect: no key repeats the one before it, hardly any repeats at all (random bits: at least 8
+// of them, so 64 draws of one slot repeat a few times at worst), and no fixed step from one to
+// the next: a peer that saw a key cannot compute the next one.
 TEST_F(Isolation, KeysAreNotASequence) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
@@ -1086,7 +1087,8 @@ TEST_F(Isolation, KeysAreNotASequence) {
     keys.push_back((*r)->rkey());
   }
   std::set<uint32_t> distinct(keys.begin(), keys.end());
-  EXPECT_EQ(distinct.size(), keys.size());
+  EXPECT_GE(distinct.size(), 48u);
+  for (size_t i = 1; i < keys.size(); ++i) EXPECT_NE(keys[i], keys[i - 1]) << i;
   std::set<uint32_t> steps;
   for (size_t i = 1; i < keys.size(); ++i) steps.insert(keys[i] - keys[i - 1]);
   EXPECT_GT(steps.size(), 8u) << "consecutive keys differ by a handful of fixed steps";
