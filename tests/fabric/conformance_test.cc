@@ -1279,9 +1279,10 @@ TEST_F(Isolation, AWindowOfABrokenConnectionIsRevokedAtOnce) {
 }
 
 // Case: a region written through its key; revoke(); the same write; rekey(); the old key; the
-// new key (a refused write breaks its connection, so each runs on a fresh one).
-// Expect: success, remote_access_error, remote_access_error, success; refused writes change
-// nothing.
+// new key; revoke() and restore(); the key restore() returned (a refused write breaks its
+// connection, so each runs on a fresh one).
+// Expect: success, remote_access_error, remote_access_error, success, success; refused writes
+// change nothing.
 TEST_F(Isolation, RevokeAndRekeyMoveARegionsKey) {
   auto d = pd(*server_domain_);
   ASSERT_TRUE(d);
@@ -1304,6 +1305,13 @@ TEST_F(Isolation, RevokeAndRekeyMoveARegionsKey) {
   EXPECT_EQ(target.bytes, std::vector<std::byte>(4096, std::byte{0x5A}));
   pair_in(d);
   EXPECT_EQ(write(src, 64, at, *new_key), WcStatus::success);
+  EXPECT_EQ(target.bytes[0], std::byte{0x11});
+  ASSERT_TRUE(target.mr->revoke().ok());
+  auto back = target.mr->restore();
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(target.mr->rkey(), *back);
+  target.bytes[0] = std::byte{0x5A};
+  EXPECT_EQ(write(src, 64, at, *back), WcStatus::success);
   EXPECT_EQ(target.bytes[0], std::byte{0x11});
 }
 

@@ -144,9 +144,10 @@ TEST(MrTable, CapacityCapsRegionsAndWindows) {
   EXPECT_EQ(t.in_use(), 8u);
 }
 
-// Case: a region revoked, then rekeyed; then rekeyed while live.
-// Expect: a revoked key fails every lookup; rekey gives a new key that works while the old one
-// does not; the slot stays the same one (no registration).
+// Case: a region revoked, restored, revoked again, then rekeyed; then rekeyed while live.
+// Expect: a revoked key fails every lookup; restore brings the same key back; rekey gives a new
+// key that works while the old one does not, and a stale key neither rekeys nor comes back; the
+// slot stays the same one (no registration).
 TEST(MrTable, RevokeAndRekeyFlipTheKey) {
   MrTable t;
   std::vector<std::byte> mem(4096);
@@ -157,6 +158,10 @@ TEST(MrTable, RevokeAndRekeyFlipTheKey) {
   EXPECT_FALSE(t.check(*k0, base, 1, kRemoteWrite));
   EXPECT_FALSE(t.check(*k0, base, 1, 0)) << "a revoked region is no lkey either";
   EXPECT_EQ(t.in_use(), 1u);
+  ASSERT_TRUE(t.restore(*k0).ok());
+  EXPECT_TRUE(t.check(*k0, base, 1, kRemoteWrite)) << "restored under the same key";
+  EXPECT_TRUE(t.restore(*k0).ok()) << "a live key stays live";
+  t.revoke(*k0);
   auto k1 = t.rekey(*k0);
   ASSERT_TRUE(k1.ok());
   EXPECT_NE(*k1, *k0);
@@ -167,6 +172,8 @@ TEST(MrTable, RevokeAndRekeyFlipTheKey) {
   EXPECT_FALSE(t.check(*k1, base, 1, kRemoteWrite));
   EXPECT_TRUE(t.check(*k2, base, 1, kRemoteWrite));
   EXPECT_EQ(t.rekey(*k1).error(), errc(ENOENT)) << "only the current key rekeys";
+  EXPECT_EQ(t.restore(*k1).error(), errc(ENOENT)) << "nor does a stale key come back";
+  EXPECT_FALSE(t.check(*k1, base, 1, kRemoteWrite));
   t.remove(*k2);
   EXPECT_EQ(t.in_use(), 0u);
 }

@@ -157,13 +157,17 @@ class MemoryRegion {
   }
 
   // Per-use keys of one region (the server's always_invalidate of a chunk). revoke(): both keys
-  // fail for every access from the return on, until rekey(). rekey(): new keys (the old ones, if
-  // still valid, fail from the return on) and returns the new rkey. Both return after every
-  // placement through the old keys has finished. Owner only, while no posted work request uses
-  // the region's keys. Software providers: a key flip in the domain's table, no system call;
-  // rdma: deregistration and registration (verbs cannot change a region's keys in place on
-  // every device). Errors: ENOMEM (rdma: the registration failed; the region has no valid key).
+  // fail for every access from the return on, until restore() or rekey(). restore(): the region
+  // is reachable again and the rkey is returned: the revoked keys themselves where the provider
+  // can bring them back (software providers: the table entry comes back to life, so the peer
+  // needs no new key), else new ones (rdma). rekey(): new keys in any case (the old ones, if
+  // still valid, fail from the return on). Each returns after every placement through the old
+  // keys has finished. Owner only, while no posted work request uses the region's keys.
+  // Software providers: a key flip in the domain's table, no system call; rdma: deregistration
+  // and registration (verbs cannot change a region's keys in place on every device). Errors:
+  // ENOMEM (rdma: the registration failed; the region has no valid key).
   virtual ibtrs::Status revoke() = 0;
+  virtual Result<uint32_t> restore() = 0;
   virtual Result<uint32_t> rekey() = 0;
 
  protected:

@@ -142,6 +142,18 @@ void MrTable::remove(uint32_t key) {
 
 void MrTable::revoke(uint32_t key) { transition(key, {kHeld | kLive}, kHeld | tag_of(key)); }
 
+ibtrs::Status MrTable::restore(uint32_t key) {
+  MrSlot* s = slot_for(key);
+  if (s == nullptr || s->kind != Kind::region) return errc(ENOENT);
+  const uint64_t live = kHeld | kLive | tag_of(key);
+  uint64_t expected = kHeld | tag_of(key);
+  // Nothing placed through the key while it was revoked, so there is nothing to wait for.
+  if (s->state.compare_exchange_strong(expected, live, std::memory_order_seq_cst) ||
+      expected == live)
+    return {};
+  return errc(ENOENT);
+}
+
 Result<uint32_t> MrTable::rekey(uint32_t key) {
   MrSlot* s = slot_for(key);
   // Only the region's owner rekeys it, with its current key: the slot is held, and its kind,
@@ -267,6 +279,11 @@ Result<std::unique_ptr<MemoryRegion>> SoftMemoryRegion::create(std::shared_ptr<M
 ibtrs::Status SoftMemoryRegion::revoke() {
   table_->revoke(lkey());
   return {};
+}
+
+Result<uint32_t> SoftMemoryRegion::restore() {
+  IBTRS_TRY(table_->restore(lkey()));
+  return rkey();
 }
 
 Result<uint32_t> SoftMemoryRegion::rekey() {

@@ -68,8 +68,11 @@ class MrTable {
   // held under `key`.
   Result<uint32_t> rekey(uint32_t key);
   // Revokes a region's key or unbinds a window: lookups with it fail from the return on. The
-  // slot stays held (rekey() a region, bind_window() a window to use it again).
+  // slot stays held (restore() or rekey() a region, bind_window() a window to use it again).
   void revoke(uint32_t key);
+  // The revoked region `key` is live again under the same key (a live one stays so). ENOENT:
+  // not a region held under `key`.
+  ibtrs::Status restore(uint32_t key);
 
   // Reserves a window slot, unbound; the key returned is not valid for access until bound.
   // ENOMEM when the table is full.
@@ -146,6 +149,7 @@ class SoftMemoryRegion final : public MemoryRegion {
   ~SoftMemoryRegion() override { table_->remove(lkey()); }
   const std::shared_ptr<MrTable>& table() const { return table_; }
   ibtrs::Status revoke() override;
+  Result<uint32_t> restore() override;
   Result<uint32_t> rekey() override;
 
  private:

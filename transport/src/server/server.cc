@@ -142,9 +142,11 @@ struct Req final : ServerRequest {
 
   void complete(int err) override;
   void start(Con* c, uint32_t offset);
-  // always_invalidate, under the connection's gate: registers the chunk anew on the path and
-  // fills `wr` with the RKEY_RSP SEND that carries the new key. False: the path is failed.
-  bool rekey(Con* c, SendWr& wr, Sge& sge);
+  // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
+  // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
+  // sets `*changed`; where the revoked key itself comes back (software providers) the client's
+  // key is right as it is. False: the path is failed.
+  bool restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed);
   using ServerRequest::chunk_id_;
   using ServerRequest::data_;
   using ServerRequest::dir_;
@@ -410,7 +412,8 @@ void Req::complete(int err) {
   rsp.wr_id = wr_id(kWrIo, chunk_id_);
   rsp.opcode = Opcode::write_with_imm;
   auto imm = proto::encode_io_rsp_imm(chunk_id_, err);
-  rsp.imm = imm.ok() ? *imm : 0;
+  const uint32_t plain_imm = imm.ok() ? *imm : 0;
+  rsp.imm = plain_imm;
   if (ss.invalidate) rsp.imm = proto::make_imm(proto::ImmType::io_rsp_w_inv, proto::imm_payload(rsp.imm));
   rsp.signaled = c->sig.fetch_add(1, std::memory_order_relaxed) % kSignalEvery == 0;
 
@@ -426,7 +429,16 @@ void Req::complete(int err) {
   }
   if (c->gate.enter()) {
     Sge rkey_sge;
-    if (!ss.invalidate || rekey(c, wrs[rkey_at], rkey_sge)) c->post_or_backlog(std::span(wrs, n));
+    bool changed = true;
+    if (!ss.invalidate || restore_key(c, wrs[rkey_at], rkey_sge, &changed)) {
+      if (!changed) {
+        // The client's key is valid again as it is: no RKEY_RSP, a plain response.
+        wrs[rkey_at] = wrs[n - 1];
+        wrs[rkey_at].imm = plain_imm;
+        --n;
+      }
+      c->post_or_backlog(std::span(wrs, n));
+    }
     c->gate.exit();
   }
   if (next != nullptr) {
@@ -439,10 +451,14 @@ void Req::complete(int err) {
   ss.request_done();
 }
 
-bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
+bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
   Session& ss = *s;
   Path* p = c->path;
-  auto key = p->chunk_mrs[chunk_id_]->rekey();
+  fabric::MemoryRegion& mr = *p->chunk_mrs[chunk_id_];
+  // The key the client holds: still the region's on the software providers, where revoke()
+  // keeps it; 0 on rdma, where it deregistered the region.
+  const uint32_t before = mr.rkey();
+  auto key = mr.restore();
   if (!key.ok()) {
     // Without a key the client cannot use the chunk on this path: let it fail over.
     IBTRS_LOG(warn, "session %s path %s: cannot re-key chunk %u: %s", ss.name_.c_str(),
@@ -451,6 +467,8 @@ bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
     c->conn->disconnect();
     return false;
   }
+  *changed = *key != before;
+  if (!*changed) return true;
   proto::RkeyRsp& m = ss.rkey_msgs[chunk_id_];
   m.type.set(static_cast<uint16_t>(proto::MsgType::rkey_rsp));
   m.buf_id.set(static_cast<uint16_t>(chunk_id_));

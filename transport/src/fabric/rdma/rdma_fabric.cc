@@ -335,6 +335,7 @@ class RdmaMr final : public MemoryRegion {
   RdmaMr(RdmaDomain& domain, ibv_mr* mr, uint32_t access);
   ~RdmaMr() override;
   ibtrs::Status revoke() override;
+  Result<uint32_t> restore() override;
   Result<uint32_t> rekey() override;
 
   ibv_mr* mr() const { return mr_; }
@@ -1011,6 +1012,12 @@ void RdmaMr::release() {
 ibtrs::Status RdmaMr::revoke() {
   release();
   return {};
+}
+
+Result<uint32_t> RdmaMr::restore() {
+  // A revoked region was deregistered: it comes back registered, with the HCA's new keys.
+  if (mr_ != nullptr) return mr_->rkey;
+  return rekey();
 }
 
 Result<uint32_t> RdmaMr::rekey() {
