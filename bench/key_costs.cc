@@ -3,7 +3,8 @@
 //   alloc_pd       Domain::alloc_pd + destruction (a session's domain on a device)
 //   alloc_mw       Domain::alloc_mw + destruction (a client read window, made once per permit)
 //   reg 128K       register_memory(128 KiB) + deregistration (always_invalidate before: per IO)
-//   rekey 128K     MemoryRegion::revoke + rekey (always_invalidate now: per IO)
+//   restore 128K   MemoryRegion::revoke + restore (always_invalidate now: per IO)
+//   rekey 128K     MemoryRegion::revoke + rekey (a new key each time)
 //   bind+inv       Connection::bind_mw + invalidate_mw, waiting for the LOCAL_INV completion
 //                  where it is asynchronous (a read window now: per read)
 // A benchmark, not a test: it asserts nothing.
@@ -95,6 +96,10 @@ int main(int argc, char** argv) {
     (void)must(pd->register_memory(mem.data(), mem.size(), kLocalWrite | kRemoteWrite), "reg");
   });
   auto mr = must(pd->register_memory(mem.data(), mem.size(), kLocalWrite | kRemoteWrite), "reg");
+  report("revoke + restore 128 KiB", n, [&] {
+    (void)mr->revoke();
+    (void)must(mr->restore(), "restore");
+  });
   report("revoke + rekey 128 KiB", n, [&] {
     (void)mr->revoke();
     (void)must(mr->rekey(), "rekey");

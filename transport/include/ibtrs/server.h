@@ -132,8 +132,9 @@ struct ServerOptions {
   // request's write data while the server serves it. Off by default: with a protection domain
   // per session only the session's own client holds its chunk keys, and the header bytes are
   // copied out of the chunk anyway (usr()); what it adds is the client's own payload frozen
-  // during the write (docs/security.d/isolation.md). Costs a key flip per IO on the software
-  // providers, a deregistration and registration on rdma.
+  // during the write (docs/security.d/isolation.md). Costs two key flips per IO on the software
+  // providers, where the chunk's key comes back as it was (no RKEY_RSP), and a deregistration,
+  // a registration and an RKEY_RSP per IO on rdma.
   bool always_invalidate = false;
   // Keys (memory registrations) one session may hold in its protection domain on a device: its
   // share of the device's key table. The session's chunks take one, each path one (service
