@@ -17,21 +17,8 @@
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
-before=""
-after="$top/${IBTRS_BUILD:-build}/transport/ibtrs-load"
-rounds=5
-seconds=4
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --before) before=$2; shift 2 ;;
-    --after) after=$2; shift 2 ;;
-    --rounds) rounds=$2; shift 2 ;;
-    --seconds) seconds=$2; shift 2 ;;
-    *) echo "usage: $0 --before PATH [--after PATH] [--rounds N] [--seconds S]" >&2; exit 2 ;;
-  esac
-done
-[ -x "$before" ] && [ -x "$after" ] || { echo "need --before and --after ibtrs-load binaries" >&2; exit 2; }
-case "$rounds$seconds" in '' | *[!0-9]*) echo "--rounds and --seconds take whole numbers" >&2; exit 2 ;; esac
+source "$top/bench/ab-lib.sh"
+ab_args 5 4 "$@"
 
 tmp=$(mktemp -d)
 pids=()
@@ -43,7 +30,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-json_field() { sed -n "s/.*\"$1\":\([0-9.]*\).*/\1/p" | tail -1; }
 load1() { cut -d' ' -f1 /proc/loadavg; }
 wait_ready() { for _ in $(seq 200); do [ -s "$1" ] && return 0; sleep 0.05; done; return 1; }
 
@@ -82,7 +68,6 @@ one() {
   echo "$(json_field iops <<<"$out") $l0 $l1"
 }
 
-median() { sort -n | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.1f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
 echo "# isolation A/B ($(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r))"
 echo

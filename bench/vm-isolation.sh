@@ -12,24 +12,9 @@
 set -uo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
-before=""
-after="$top/${IBTRS_BUILD:-build}/transport/ibtrs-load"
-rounds=3
-seconds=4
+source "$top/bench/ab-lib.sh"
+ab_args 3 4 "$@"
 opens=8
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --before) before=$2; shift 2 ;;
-    --after) after=$2; shift 2 ;;
-    --rounds) rounds=$2; shift 2 ;;
-    --seconds) seconds=$2; shift 2 ;;
-    *) echo "usage: $0 --before PATH [--after PATH] [--rounds N] [--seconds S]" >&2; exit 2 ;;
-  esac
-done
-case "$rounds$seconds" in '' | *[!0-9]*) echo "--rounds and --seconds take whole numbers" >&2; exit 2 ;; esac
-[ -x "$before" ] && [ -x "$after" ] || { echo "need --before and --after ibtrs-load binaries" >&2; exit 2; }
-before=$(cd "$(dirname "$before")" && pwd)/$(basename "$before")
-after=$(cd "$(dirname "$after")" && pwd)/$(basename "$after")
 
 if [ "${IBTRS_VM:-}" != 1 ]; then
   exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 -- \
@@ -42,9 +27,7 @@ tmp=$(mktemp -d)
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null; rm -rf "$tmp"' EXIT
 
-json_field() { sed -n "s/.*\"$1\":\([0-9.]*\).*/\1/p" | tail -1; }
 wait_ready() { for _ in $(seq 300); do [ -s "$1" ] && return 0; sleep 0.1; done; return 1; }
-median() { sort -n | awk '{ v[NR] = $1 } END { if (NR == 0) print 0; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 
 "$before" server --listen "rdma:$B:12381" --size 256M --ready-file "$tmp/a" >"$tmp/a.log" 2>&1 &
 pids+=($!)

@@ -23,7 +23,7 @@ using fabric::Completion;
 using fabric::Opcode;
 using fabric::WcStatus;
 
-FabricKind g_kind = FabricKind::loopback;
+FabricKind& g_kind = hostile_fabric();
 
 constexpr uint16_t kQd = 4;
 constexpr uint32_t kChunk = 128 * 1024;
@@ -289,12 +289,3 @@ TEST_F(HostileServer, TheBufferIsTheServersUntilTheResponse) {
 
 }  // namespace
 }  // namespace ibtrs::test
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--fabric=tcp") ibtrs::test::g_kind = ibtrs::FabricKind::tcp;
-  }
-  return RUN_ALL_TESTS();
-}

@@ -19,7 +19,7 @@ using namespace std::chrono_literals;
 using namespace ibtrs::proto;
 using fabric::Opcode;
 
-FabricKind g_kind = FabricKind::loopback;
+FabricKind& g_kind = hostile_fabric();
 
 class Hostile : public ::testing::Test {
  protected:

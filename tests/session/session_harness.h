@@ -129,6 +129,13 @@ inline int sync_io(ClientSession& s, IoDir dir, const RegisteredMemory& mem, std
   return w.wait();
 }
 
+// The fabric of a hostile-peer test binary (session_hostile: hostile_test.cc and
+// hostile_server_test.cc): loopback unless its main saw --fabric=tcp.
+inline FabricKind& hostile_fabric() {
+  static FabricKind kind = FabricKind::loopback;
+  return kind;
+}
+
 inline bool wait_until(const std::function<bool()>& pred,
                        std::chrono::milliseconds t = std::chrono::seconds(20)) {
   auto end = std::chrono::steady_clock::now() + t;

@@ -14,9 +14,9 @@ constexpr uint64_t kLive = uint64_t{1} << 63;
 constexpr uint64_t kHeld = uint64_t{1} << 62;
 constexpr uint32_t kKnownAccess = kLocalWrite | kRemoteWrite | kRemoteRead | kMwBind;
 constexpr uint32_t kRemoteAccess = kRemoteWrite | kRemoteRead;
-
-enum class Kind : uint8_t { region, window };
 }  // namespace
+
+using Kind = MrTable::Kind;
 
 struct MrSlot {
   // Published with seq_cst so that a revocation and acquire() cannot both miss each other (see
@@ -83,34 +83,26 @@ Result<uint32_t> MrTable::add(void* addr, size_t length, uint32_t access) {
   if (addr == nullptr || length == 0 || (access & ~kKnownAccess) != 0) return errc(EINVAL);
   // Verbs requires LOCAL_WRITE with REMOTE_WRITE; we grant it implicitly like ibv_reg_mr users do.
   if (access & kRemoteWrite) access |= kLocalWrite;
+  return publish(Kind::region, static_cast<std::byte*>(addr), length, access);
+}
+
+Result<uint32_t> MrTable::alloc_window() { return publish(Kind::window, nullptr, 0, 0); }
+
+Result<uint32_t> MrTable::publish(Kind kind, std::byte* base, uint64_t length, uint32_t access) {
   std::lock_guard lock(mu_);
   uint32_t index;
   MrSlot* s = take_slot(&index);
   if (s == nullptr) return errc(ENOMEM);
-  const uint32_t tag = fresh_tag(static_cast<uint32_t>(s->state.load(std::memory_order_relaxed)) & tag_mask_);
-  s->kind = Kind::region;
-  s->base = static_cast<std::byte*>(addr);
+  const uint32_t old = static_cast<uint32_t>(s->state.load(std::memory_order_relaxed)) & tag_mask_;
+  const uint32_t tag = fresh_tag(old);
+  s->kind = kind;
+  s->base = base;
   s->length = length;
   s->access = access;
   s->parent = nullptr;
   s->owner = 0;
-  s->state.store(kHeld | kLive | tag, std::memory_order_seq_cst);
-  return make_key(index, tag);
-}
-
-Result<uint32_t> MrTable::alloc_window() {
-  std::lock_guard lock(mu_);
-  uint32_t index;
-  MrSlot* s = take_slot(&index);
-  if (s == nullptr) return errc(ENOMEM);
-  const uint32_t tag = fresh_tag(static_cast<uint32_t>(s->state.load(std::memory_order_relaxed)) & tag_mask_);
-  s->kind = Kind::window;
-  s->base = nullptr;
-  s->length = 0;
-  s->access = 0;
-  s->parent = nullptr;
-  s->owner = 0;
-  s->state.store(kHeld | tag, std::memory_order_seq_cst);
+  // A region is live at once; a window only once bound.
+  s->state.store(kHeld | (kind == Kind::region ? kLive : 0) | tag, std::memory_order_seq_cst);
   return make_key(index, tag);
 }
 

@@ -42,6 +42,9 @@ struct MrSlot;
 
 class MrTable {
  public:
+  // What a slot holds.
+  enum class Kind : uint8_t { region, window };
+
   static constexpr uint32_t kSlotsPerPage = 256;
   static constexpr uint32_t kMaxCapacity = 65535;  // slots 1..65535: 16 index bits
   static constexpr uint32_t kPages = (kMaxCapacity + 1) / kSlotsPerPage;
@@ -127,6 +130,8 @@ class MrTable {
   uint32_t fresh_tag(uint32_t old) const;
   // Takes a free slot (mu_ held); nullptr when the table is full.
   MrSlot* take_slot(uint32_t* index);
+  // Fills a free slot with a fresh tag: a live region, or an unbound window.
+  Result<uint32_t> publish(Kind kind, std::byte* base, uint64_t length, uint32_t access);
   // Moves the slot of `key` from any state in `from` (with key's tag) to `to`; waits for the
   // lookups in flight. False: `key` is not the slot's current key in one of those states.
   bool transition(uint32_t key, std::initializer_list<uint64_t> from, uint64_t to);
