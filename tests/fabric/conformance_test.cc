@@ -907,11 +907,26 @@ class Isolation : public FabricTest {
     pds_.push_back(std::move(r).value());
     return pds_.back().get();
   }
+  // A domain of the server's device with a 4 KiB region for windows (kMwBind, 0x5A), a client
+  // source of `src_len` bytes of 0x11, and a window; false when the device has no windows.
+  struct WindowRig {
+    Domain* d = nullptr;
+    Buffer target, src;
+    std::unique_ptr<MemoryWindow> mw;  // last: a window goes before its region
+  };
+  bool window_rig(WindowRig& r, size_t src_len = 64) {
+    r.d = pd(*server_domain_);
+    if (r.d == nullptr) return false;
+    r.target = Buffer::make(*r.d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
+    r.src = Buffer::make(*client_domain_, src_len, 0, std::byte{0x11});
+    r.mw = window(*r.d);
+    return r.mw != nullptr;
+  }
   std::vector<std::unique_ptr<Domain>> pds_;
 };
 
-#define SKIP_WITHOUT_WINDOWS(mw)                                                           \
-  if (!(mw)) GTEST_SKIP() << "the device has no type 2 memory windows (alloc_mw: ENOTSUP)"
+#define SKIP_WITHOUT_WINDOWS(ok)                                                           \
+  if (!(ok)) GTEST_SKIP() << "the device has no type 2 memory windows (alloc_mw: ENOTSUP)"
 
 // Case: the server allocates protection domains A and B on its device and registers a region in
 // A and one in its device domain; the client's connection is accepted into B and writes to each
@@ -1145,13 +1160,10 @@ TEST_F(Isolation, AWindowOpensOnlyItsRange) {
 // where the provider makes the revocation asynchronous); the client writes with the key again.
 // Expect: remote_access_error and the memory is untouched after the revocation.
 TEST_F(Isolation, ARevokedWindowReachesNothing) {
-  auto d = pd(*server_domain_);
-  ASSERT_TRUE(d);
+  WindowRig r;
+  SKIP_WITHOUT_WINDOWS(window_rig(r, 4096));
+  auto& [d, target, src, mw] = r;
   pair_in(d);
-  Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
-  Buffer src = Buffer::make(*client_domain_, 4096, 0, std::byte{0x11});
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
   auto key = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(key.ok()) << key.error().message();
   ASSERT_TRUE(server_tells_client());
@@ -1211,12 +1223,9 @@ TEST_F(Isolation, AWindowAnswersOnlyTheConnectionItWasBoundOn) {
 // Case: bind, revoke, bind again over the same range.
 // Expect: each bind gives a new key; the old key reaches nothing; the new one works.
 TEST_F(Isolation, ARebindGivesAFreshKey) {
-  auto d = pd(*server_domain_);
-  ASSERT_TRUE(d);
-  Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
-  Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
+  WindowRig r;
+  SKIP_WITHOUT_WINDOWS(window_rig(r));
+  auto& [d, target, src, mw] = r;
   pair_in(d);
   auto k1 = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(k1.ok()) << k1.error().message();
@@ -1261,19 +1270,16 @@ TEST_F(Isolation, BadBindsAreRefused) {
 // revokes it afterwards and binds it again on a new connection.
 // Expect: the revocation is done on return (true); the new binding works.
 TEST_F(Isolation, AWindowOfABrokenConnectionIsRevokedAtOnce) {
-  auto d = pd(*server_domain_);
-  ASSERT_TRUE(d);
-  Buffer target = Buffer::make(*d, 4096, kLocalWrite | kMwBind, std::byte{0x5A});
-  Buffer src = Buffer::make(*client_domain_, 64, 0, std::byte{0x11});
-  auto mw = window(*d);
-  SKIP_WITHOUT_WINDOWS(mw);
+  WindowRig r;
+  SKIP_WITHOUT_WINDOWS(window_rig(r));
+  auto& [d, target, src, mw] = r;
   pair_in(d);
   ASSERT_TRUE(srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite).ok());
   cli_.conn.reset();
   ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.conn->state() != ConnState::connected; }, 20s));
-  auto r = srv_.conn->invalidate_mw(*mw, 1);
-  ASSERT_TRUE(r.ok()) << r.error().message();
-  EXPECT_TRUE(*r);
+  auto done = srv_.conn->invalidate_mw(*mw, 1);
+  ASSERT_TRUE(done.ok()) << done.error().message();
+  EXPECT_TRUE(*done);
   pair_in(d);
   auto key = srv_.conn->bind_mw(*mw, *target.mr, target.mr->remote_addr(0), 4096, kRemoteWrite);
   ASSERT_TRUE(key.ok()) << key.error().message();
