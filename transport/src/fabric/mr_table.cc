@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <thread>
+#include <typeinfo>
 
 #include "common/secure_random.h"
 
@@ -301,18 +302,27 @@ Result<uint32_t> SoftMemoryWindow::bind(const MemoryRegion& mr, uint64_t addr, u
 
 void SoftMemoryWindow::revoke() { table_->revoke(slot_key_); }
 
+namespace {
+// Both classes are final, so an exact type match is the whole check, and it costs a compare
+// where dynamic_cast walks the class hierarchy (a bind and a revocation per read).
+template <typename To, typename From>
+To* exactly(From& from) {
+  return typeid(from) == typeid(To) ? static_cast<To*>(&from) : nullptr;
+}
+}  // namespace
+
 Result<uint32_t> soft_bind_mw(const MrTable& mrs, uint64_t conn, MemoryWindow& mw,
                               const MemoryRegion& mr, uint64_t addr, uint64_t len,
                               uint32_t access) {
-  auto* w = dynamic_cast<SoftMemoryWindow*>(&mw);
-  auto* r = dynamic_cast<const SoftMemoryRegion*>(&mr);
+  auto* w = exactly<SoftMemoryWindow>(mw);
+  auto* r = exactly<const SoftMemoryRegion>(mr);
   if (w == nullptr || r == nullptr || w->table().get() != &mrs || r->table().get() != &mrs)
     return errc(EINVAL);
   return w->bind(mr, addr, len, access, conn);
 }
 
 ibtrs::Status soft_invalidate_mw(const MrTable& mrs, uint64_t conn, MemoryWindow& mw) {
-  auto* w = dynamic_cast<SoftMemoryWindow*>(&mw);
+  auto* w = exactly<SoftMemoryWindow>(mw);
   if (w == nullptr || w->table().get() != &mrs || w->owner() != conn) return errc(EINVAL);
   w->revoke();  // a window already revoked stays so
   return {};
