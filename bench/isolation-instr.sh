@@ -30,13 +30,14 @@ cg() { valgrind --tool=callgrind --callgrind-out-file=/dev/null "$@" 2>&1; }
 collected() { sed -n 's/.*Collected : \([0-9]*\).*/\1/p' | tail -1; }
 per_io() { awk -v a="$1" -v n="$count" 'BEGIN { if (a > 0) printf "%.0f", a / n; else print "n/a" }'; }
 
-# tcp_run BIN RW: "client_per_io server_per_io" (the server counts its setup and teardown
-# too, for a fresh server per run).
+# tcp_run BIN RW [SERVER ARGS]: "client_per_io server_per_io" (the server counts its setup and
+# teardown too, for a fresh server per run).
 tcp_run() {
   local bin=$1 rw=$2 addr spid out
+  shift 2
   rm -f "$tmp/ready"
   valgrind --tool=callgrind --callgrind-out-file=/dev/null "$bin" server --listen tcp:127.0.0.1:0 \
-    --queue-depth 128 --io-threads 1 --ready-file "$tmp/ready" >"$tmp/server.log" 2>&1 &
+    --queue-depth 128 --io-threads 1 --ready-file "$tmp/ready" "$@" >"$tmp/server.log" 2>&1 &
   spid=$!
   pids+=("$spid")
   for _ in $(seq 600); do [ -s "$tmp/ready" ] && break; sleep 0.1; done
@@ -64,10 +65,14 @@ for rw in randread randwrite; do
     declare "lb_$side=$(per_io "$v")"
     read -r c s < <(tcp_run "$bin" "$rw")
     declare "tc_$side=$c" "ts_$side=$s"
+    read -r c s < <(tcp_run "$bin" "$rw" --always-invalidate)
+    declare "ic_$side=$c" "is_$side=$s"
   done
   row() { awk -v f="$1" -v r="$rw" -v a="$2" -v b="$3" 'BEGIN {
     printf "| %s | %s | %d | %d | %+d | %.3f |\n", f, r, a, b, b - a, b / a }'; }
   row "loopback (client + server)" "$lb_A" "$lb_B"
   row "tcp client" "$tc_A" "$tc_B"
   row "tcp server" "$ts_A" "$ts_B"
+  row "tcp client, always_invalidate" "$ic_A" "$ic_B"
+  row "tcp server, always_invalidate" "$is_A" "$is_B"
 done
