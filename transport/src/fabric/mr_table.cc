@@ -168,17 +168,15 @@ Result<uint32_t> MrTable::bind_window(uint32_t window, uint32_t region, uint64_t
   // The window's owner alone binds it: its state cannot change under us except by our own hand.
   if (w->state.load(std::memory_order_acquire) != (kHeld | tag_of(window)) || w->kind != Kind::window)
     return errc(EINVAL);
-  // Pin the region while we look at it, as a lookup does.
-  r->refs.fetch_add(1, std::memory_order_seq_cst);
-  const uint64_t rstate = r->state.load(std::memory_order_seq_cst);
-  bool ok = rstate == (kHeld | kLive | tag_of(region)) && r->kind == Kind::region &&
-            (r->access & kMwBind) != 0 &&
-            ((access & kRemoteWrite) == 0 || (r->access & kLocalWrite) != 0);
+  // The region is the caller's own, held by it through the bind (a window is bound only over
+  // a region its owner keeps registered): a live region's fields do not change, no pin needed.
+  const uint64_t rstate = r->state.load(std::memory_order_acquire);
+  if (rstate != (kHeld | kLive | tag_of(region)) || r->kind != Kind::region ||
+      (r->access & kMwBind) == 0 || ((access & kRemoteWrite) != 0 && (r->access & kLocalWrite) == 0))
+    return errc(EINVAL);
   const uint64_t base = reinterpret_cast<uint64_t>(r->base);
-  if (ok) ok = addr >= base && addr - base <= r->length && len <= r->length - (addr - base);
-  std::byte* at = ok ? r->base + (addr - base) : nullptr;
-  r->refs.fetch_sub(1, std::memory_order_seq_cst);
-  if (!ok) return errc(EINVAL);
+  if (addr < base || addr - base > r->length || len > r->length - (addr - base)) return errc(EINVAL);
+  std::byte* at = r->base + (addr - base);
   const uint32_t tag = fresh_tag(tag_of(window));
   w->base = at;
   w->length = len;
