@@ -99,6 +99,8 @@ void FabricTest::connect_pair(Side& client, Side& server, const QueueCaps& caps,
     if (!req) return req.error();
     server.peer_private.assign((*req)->private_data().begin(), (*req)->private_data().end());
     EXPECT_EQ(&(*req)->domain(), server.domain);
+    if (server.accept_pd != nullptr)
+      return (*req)->accept(*server.accept_pd, server.queue(), caps, rsp, server.events());
     return (*req)->accept(server.queue(), caps, rsp, server.events());
   });
   ConnectParams p;

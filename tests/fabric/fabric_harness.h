@@ -53,7 +53,8 @@ struct Buffer {
 };
 
 struct Side {
-  Domain* domain = nullptr;
+  Domain* domain = nullptr;      // the device's domain (connect; the listener's requests)
+  Domain* accept_pd = nullptr;   // server side: accept into this domain instead of domain
   std::unique_ptr<CompletionQueue> cq;
   CompletionQueue* shared_cq = nullptr;  // used instead of cq when set
   std::unique_ptr<Connection> conn;

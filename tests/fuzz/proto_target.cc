@@ -52,12 +52,14 @@ int proto_one_input(const uint8_t* data, size_t size) {
     }
     default: {
       // The message bytes are the chunk; param is the immediate's offset.
-      auto r = parse_io_req(msg, param & 0xfffff, 4096, &why);
+      // The header bytes come back in the copy, the write payload in the chunk.
+      static std::byte copy[4096];
+      auto r = parse_io_req(msg, param & 0xfffff, 4096, copy, &why);
       if (r.ok()) {
         if (r->kind == IoKind::write) {
-          if (!inside(r->write.data, msg) || !inside(r->write.usr, msg)) std::abort();
+          if (!inside(r->write.data, msg) || !inside(r->write.usr, copy)) std::abort();
         } else {
-          if (!inside(r->read.usr, msg) || !inside(std::as_bytes(r->read.descs), msg)) std::abort();
+          if (!inside(r->read.usr, copy) || !inside(std::as_bytes(r->read.descs), copy)) std::abort();
         }
       }
       break;

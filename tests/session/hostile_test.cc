@@ -18,7 +18,7 @@ using namespace std::chrono_literals;
 using namespace ibtrs::proto;
 using fabric::Opcode;
 
-FabricKind g_kind = FabricKind::loopback;
+FabricKind& g_kind = hostile_fabric();
 
 class Hostile : public ::testing::Test {
  protected:
@@ -71,6 +71,84 @@ class Hostile : public ::testing::Test {
 
   // Expect the server to close the path: our connections go to error.
   bool closed_by_server(std::vector<Con>& cons) { return RawPeer::closed_by_server(cons, 3s); }
+
+  // A write request of 4096 bytes of `fill` into chunk `id` with `key`.
+  void write_request(Con& io, const ChunkDesc& chunk, uint32_t id, uint32_t key, char fill) {
+    std::memset(buf_, fill, 4096);
+    WriteMsg m{};
+    m.type.set(static_cast<uint16_t>(MsgType::write));
+    m.usr_len.set(0);
+    m.data_len.set(4096);
+    std::memcpy(buf_ + 4096, &m, sizeof(m));
+    ChunkDesc d = chunk;
+    d.key.set(key);
+    auto layout = imm_layout(48, 128 * 1024);
+    send_io(io, d, 4096 + sizeof(m), *encode_io_req_imm(*layout, id, 4096));
+  }
+  std::vector<ServerRequest*> wait_held(size_t n) {
+    std::vector<ServerRequest*> got;
+    for (int i = 0; i < 300 && got.size() < n; ++i) {
+      auto h = vol_.take_held();
+      got.insert(got.end(), h.begin(), h.end());
+      if (got.size() < n) std::this_thread::sleep_for(10ms);
+    }
+    return got;
+  }
+
+  // Case (issue 13, class 2): a second session writes into the first session's chunks with the
+  // keys the first session was given: the key of the chunk whose write request the server
+  // holds, and the current key of an idle chunk (with always_invalidate: its own live key).
+  // Expect: each write is refused by the fabric (remote_access_error; the attacker's connection
+  // breaks and the server closes its path); the held request still has the victim's bytes, the
+  // victim's connections stay up, and an honest client works.
+  void another_sessions_key_is_refused() {
+    std::vector<Con> victim;
+    std::vector<ChunkDesc> vchunks;
+    ASSERT_TRUE(establish(victim, vchunks, "victim"));
+    vol_.hold(true);
+    write_request(victim[1], vchunks[0], 0, vchunks[0].key.get(), 'V');
+    auto held = wait_held(1);
+    ASSERT_EQ(held.size(), 1u);
+    for (uint32_t target : {0u, 1u}) {
+      std::vector<Con> attacker;
+      std::vector<ChunkDesc> achunks;
+      sess_ = Uuid16::random();
+      path_ = Uuid16::random();
+      ASSERT_TRUE(establish(attacker, achunks, "attacker"));
+      std::memset(buf_, 'X', 4096);
+      fabric::Sge sx = mr_->sge(0, 4096);
+      fabric::SendWr w{};
+      w.wr_id = 77;
+      w.opcode = Opcode::write;
+      w.sg_list = std::span(&sx, 1);
+      w.remote_addr = vchunks[target].addr.get();
+      w.rkey = vchunks[target].key.get();
+      ASSERT_TRUE(attacker[1].conn->post_send(std::span(&w, 1)).ok());
+      fabric::WcStatus status = fabric::WcStatus::success;
+      bool seen = false;
+      fabric::Completion wc[8];
+      for (int i = 0; i < 300 && !seen; ++i) {
+        size_t n = attacker[1].cq->wait(wc, 10ms);
+        for (size_t k = 0; k < n; ++k) {
+          if (wc[k].wr_id == 77) {
+            seen = true;
+            status = wc[k].status;
+          }
+        }
+      }
+      ASSERT_TRUE(seen) << "chunk " << target;
+      EXPECT_EQ(status, fabric::WcStatus::remote_access_error) << "chunk " << target;
+      EXPECT_TRUE(closed_by_server(attacker)) << "chunk " << target;
+    }
+    auto data = held[0]->data();
+    ASSERT_EQ(data.size(), 4096u);
+    EXPECT_TRUE(std::all_of(data.begin(), data.end(), [](std::byte b) { return b == std::byte{'V'}; }))
+        << "the victim's bytes are its own";
+    for (auto& c : victim) EXPECT_EQ(c.conn->state(), fabric::ConnState::connected);
+    held[0]->complete(0);
+    vol_.hold(false);
+    honest_client_works();
+  }
 
   // An honest client still gets served.
   void honest_client_works() {
@@ -226,38 +304,74 @@ TEST_F(Hostile, IoBeforeTheHandshakeClosesThePath) {
   EXPECT_EQ(vol_.requests_.load(), 0u);
 }
 
+TEST_F(Hostile, AnotherSessionsValidChunkKeyIsRefused) { another_sessions_key_is_refused(); }
+
+// Case (issue 13, class 1, transport side): a write request with a 16-byte user header of 'U'
+// is held by the upper layer; the client then rewrites the whole request area of the chunk -
+// data, user header and message - with 'Z' through its still valid chunk key.
+// Expect: the held request's usr() still reads 'U' (the server's copy; only the payload is the
+// client's to change), and the path stays up (the write was allowed).
+TEST_F(Hostile, AUserHeaderRewrittenInTheChunkAfterArrivalChangesNothing) {
+  std::vector<Con> cons;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(cons, chunks));
+  vol_.hold(true);
+  std::memset(buf_, 'D', 4096);
+  std::memset(buf_ + 4096, 'U', 16);
+  WriteMsg m{};
+  m.type.set(static_cast<uint16_t>(MsgType::write));
+  m.usr_len.set(16);
+  m.data_len.set(4096);
+  std::memcpy(buf_ + 4096 + 16, &m, sizeof(m));
+  auto layout = imm_layout(48, 128 * 1024);
+  send_io(cons[1], chunks[2], 4096 + 16 + sizeof(m), *encode_io_req_imm(*layout, 2, 4096 + 16));
+  auto held = wait_held(1);
+  ASSERT_EQ(held.size(), 1u);
+  ASSERT_EQ(held[0]->usr().size(), 16u);
+  std::memset(buf_, 'Z', 4096 + 16 + sizeof(m));
+  fabric::Sge sz = mr_->sge(0, 4096 + 16 + sizeof(m));
+  fabric::SendWr w{};
+  w.wr_id = 5;
+  w.opcode = Opcode::write;
+  w.sg_list = std::span(&sz, 1);
+  w.remote_addr = chunks[2].addr.get();
+  w.rkey = chunks[2].key.get();
+  ASSERT_TRUE(cons[1].conn->post_send(std::span(&w, 1)).ok());
+  fabric::Completion wc[8];
+  bool done = false;
+  for (int i = 0; i < 300 && !done; ++i) {
+    size_t n = cons[1].cq->wait(wc, 10ms);
+    for (size_t k = 0; k < n; ++k) {
+      if (wc[k].wr_id == 5) {
+        EXPECT_EQ(wc[k].status, fabric::WcStatus::success);
+        done = true;
+      }
+    }
+  }
+  ASSERT_TRUE(done);
+  ASSERT_EQ(held[0]->data()[0], std::byte{'Z'}) << "the rewrite reached the chunk";
+  auto usr = held[0]->usr();
+  EXPECT_TRUE(std::all_of(usr.begin(), usr.end(), [](std::byte b) { return b == std::byte{'U'}; }))
+      << "usr() is the server's copy, not the chunk";
+  held[0]->complete(0);
+  vol_.hold(false);
+  for (auto& c : cons) EXPECT_EQ(c.conn->state(), fabric::ConnState::connected);
+}
+
 class HostileInvalidate : public Hostile {
  protected:
   bool always_invalidate() const override { return true; }
-
-  // A write request of 4096 bytes of `fill` into chunk `id` with `key`.
-  void write_request(Con& io, const ChunkDesc& chunk, uint32_t id, uint32_t key, char fill) {
-    std::memset(buf_, fill, 4096);
-    WriteMsg m{};
-    m.type.set(static_cast<uint16_t>(MsgType::write));
-    m.usr_len.set(0);
-    m.data_len.set(4096);
-    std::memcpy(buf_ + 4096, &m, sizeof(m));
-    ChunkDesc d = chunk;
-    d.key.set(key);
-    auto layout = imm_layout(48, 128 * 1024);
-    send_io(io, d, 4096 + sizeof(m), *encode_io_req_imm(*layout, id, 4096));
-  }
-  std::vector<ServerRequest*> wait_held(size_t n) {
-    std::vector<ServerRequest*> got;
-    for (int i = 0; i < 300 && got.size() < n; ++i) {
-      auto h = vol_.take_held();
-      got.insert(got.end(), h.begin(), h.end());
-      if (got.size() < n) std::this_thread::sleep_for(10ms);
-    }
-    return got;
-  }
 };
 
+TEST_F(HostileInvalidate, AnotherSessionsValidChunkKeyIsRefused) {
+  another_sessions_key_is_refused();
+}
+
 // Case: the server runs with always_invalidate; a request is held by the upper layer and the
-// client writes into its chunk again with the key it was given. Expect: the response brings a
-// new key for the chunk (RKEY_RSP, then IO_RSP_W_INV), and a write while the next request is
-// served is refused by the fabric: the path breaks and the served bytes are the request's own.
+// client writes into its chunk again with the key it was given. Expect: the response makes the
+// chunk reachable again - with the same key on the software fabrics (a plain IO_RSP), or a new
+// one (RKEY_RSP, then IO_RSP_W_INV) - and a write while the next request is served is refused
+// by the fabric: the path breaks and the served bytes are the request's own.
 TEST_F(HostileInvalidate, AChunkCannotBeRewrittenWhileItsRequestIsServed) {
   std::vector<Con> cons;
   std::vector<ChunkDesc> chunks;
@@ -284,14 +398,18 @@ TEST_F(HostileInvalidate, AChunkCannotBeRewrittenWhileItsRequestIsServed) {
         EXPECT_EQ(m.buf_id.get(), 0u);
         new_key = m.rkey.get();
       } else if (wc[k].opcode == Opcode::recv_rdma_with_imm) {
-        EXPECT_EQ(imm_type(wc[k].imm), ImmType::io_rsp_w_inv);
-        EXPECT_NE(new_key, 0u) << "the new key comes before the response";
+        // IO_RSP_W_INV exactly when a new key came first.
+        EXPECT_EQ(imm_type(wc[k].imm), new_key != 0 ? ImmType::io_rsp_w_inv : ImmType::io_rsp);
         rsp = true;
       }
     }
   }
   ASSERT_TRUE(rsp);
-  EXPECT_NE(new_key, first_key);
+  if (new_key != 0) {
+    EXPECT_NE(new_key, first_key);
+  } else {
+    new_key = first_key;  // restored in place: the key the client holds works again
+  }
 
   write_request(cons[1], chunks[0], 0, new_key, 'B');
   held = wait_held(1);

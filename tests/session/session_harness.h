@@ -150,6 +150,13 @@ inline FabricKind fabric_from_args(int argc, char** argv) {
   return fabric_arg(argc, argv).value_or(FabricKind::loopback);
 }
 
+// The fabric of a hostile-peer test binary (session_hostile: hostile_test.cc and
+// hostile_server_test.cc): loopback unless its main saw --fabric=tcp.
+inline FabricKind& hostile_fabric() {
+  static FabricKind kind = FabricKind::loopback;
+  return kind;
+}
+
 inline bool wait_until(const std::function<bool()>& pred,
                        std::chrono::milliseconds t = std::chrono::seconds(20)) {
   auto end = std::chrono::steady_clock::now() + t;

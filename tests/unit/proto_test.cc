@@ -382,30 +382,76 @@ class IoReqTest : public ::testing::Test {
   bool inside(std::span<const std::byte> s) const {
     return s.empty() || (s.data() >= chunk.data() && s.data() + s.size() <= chunk.data() + chunk.size());
   }
+  bool in_copy(std::span<const std::byte> s) const {
+    return s.empty() || (s.data() >= copy.data() && s.data() + s.size() <= copy.data() + copy.size());
+  }
+  std::vector<std::byte> copy = std::vector<std::byte>(8192);
 };
 
 TEST_F(IoReqTest, WriteSplitsDataAndUserHeader) {
   uint32_t off = put_write(4000, 24);
   std::string why;
-  auto r = parse_io_req(chunk, off, 4096, &why);
+  auto r = parse_io_req(chunk, off, 4096, copy, &why);
   ASSERT_TRUE(r.ok()) << why;
   EXPECT_EQ(r->kind, IoKind::write);
   EXPECT_EQ(r->write.data.size(), 4000u);
   EXPECT_EQ(r->write.usr.size(), 24u);
-  EXPECT_EQ(r->write.usr.data(), chunk.data() + 4000);
-  EXPECT_TRUE(inside(r->write.data) && inside(r->write.usr));
+  EXPECT_EQ(r->write.data.data(), chunk.data()) << "the payload stays in the chunk";
+  EXPECT_TRUE(inside(r->write.data));
+  EXPECT_TRUE(in_copy(r->write.usr)) << "the user header is the server's copy";
+  EXPECT_EQ(0, std::memcmp(r->write.usr.data(), chunk.data() + 4000, 24));
 }
 
 TEST_F(IoReqTest, ReadCarriesDescriptors) {
   uint32_t off = put_read(32, 3);
   std::string why;
-  auto r = parse_io_req(chunk, off, 4096, &why);
+  auto r = parse_io_req(chunk, off, 4096, copy, &why);
   ASSERT_TRUE(r.ok()) << why;
   EXPECT_EQ(r->kind, IoKind::read);
   EXPECT_EQ(r->read.usr.size(), 32u);
   EXPECT_EQ(r->read.descs.size(), 3u);
   EXPECT_EQ(r->read.total_len, 3u * 4096);
   EXPECT_EQ(r->read.descs[2].addr.get(), 0x5000u + 2 * 4096);
+  EXPECT_TRUE(in_copy(r->read.usr));
+  EXPECT_TRUE(in_copy(std::as_bytes(r->read.descs)));
+}
+
+// Case: a read and a write parsed, then the client rewrites every byte of the chunk (as it can
+// at any time: the chunk is remotely writable) with 0xff.
+// Expect: what the parse returned - user header, descriptors, lengths - is unchanged: it was
+// copied once and the chunk is never read again (issue 13, class 1).
+TEST_F(IoReqTest, TheChunkRewrittenAfterTheParseChangesNothing) {
+  uint32_t off = put_read(32, 3);
+  for (uint32_t i = 0; i < 32; ++i) chunk[i] = std::byte{static_cast<uint8_t>(i)};
+  auto r = parse_io_req(chunk, off, 4096, copy, nullptr);
+  ASSERT_TRUE(r.ok());
+  std::fill(chunk.begin(), chunk.end(), std::byte{0xff});
+  EXPECT_EQ(r->read.descs.size(), 3u);
+  EXPECT_EQ(r->read.total_len, 3u * 4096);
+  for (const BufDesc& d : r->read.descs) {
+    EXPECT_EQ(d.len.get(), 4096u);
+    EXPECT_EQ(d.key.get(), 9u);
+  }
+  for (uint32_t i = 0; i < 32; ++i) EXPECT_EQ(r->read.usr[i], std::byte{static_cast<uint8_t>(i)});
+
+  std::fill(chunk.begin(), chunk.end(), std::byte{0});
+  off = put_write(100, 16);
+  for (uint32_t i = 0; i < 16; ++i) chunk[100 + i] = std::byte{static_cast<uint8_t>(0x40 + i)};
+  auto w = parse_io_req(chunk, off, 4096, copy, nullptr);
+  ASSERT_TRUE(w.ok());
+  std::fill(chunk.begin(), chunk.end(), std::byte{0xff});
+  ASSERT_EQ(w->write.usr.size(), 16u);
+  for (uint32_t i = 0; i < 16; ++i)
+    EXPECT_EQ(w->write.usr[i], std::byte{static_cast<uint8_t>(0x40 + i)});
+}
+
+// Case: a copy buffer smaller than max_hdr_size. Expect: EINVAL, nothing parsed.
+TEST_F(IoReqTest, ACopyBufferSmallerThanTheHeaderLimitIsRefused) {
+  uint32_t off = put_write(100, 16);
+  std::vector<std::byte> small(100);
+  auto r = parse_io_req(chunk, off, 4096, small, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.error(), errc(EINVAL));
 }
 
 // Case: IO messages that lie about their sizes or sit where the immediate says nothing is.
@@ -425,36 +471,36 @@ TEST_F(IoReqTest, RefusesHostileMessages) {
   cases.push_back({"offset past the end", kChunk + 100});
   for (auto& c : cases) {
     std::string why;
-    EXPECT_FALSE(parse_io_req(chunk, c.offset, 4096, &why).ok()) << c.name;
+    EXPECT_FALSE(parse_io_req(chunk, c.offset, 4096, copy, &why).ok()) << c.name;
     EXPECT_FALSE(why.empty()) << c.name;
   }
 
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
   off = put_write(0, 4090);
-  EXPECT_FALSE(parse_io_req(chunk, off, 4096, nullptr).ok()) << "user header over max_hdr_size";
+  EXPECT_FALSE(parse_io_req(chunk, off, 4096, copy, nullptr).ok()) << "user header over max_hdr_size";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
   off = put_write(kChunk - 8, 0);  // message would end exactly at the chunk end: fine
-  EXPECT_TRUE(parse_io_req(chunk, off, 4096, nullptr).ok());
+  EXPECT_TRUE(parse_io_req(chunk, off, 4096, copy, nullptr).ok());
 
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
-  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 0), 4096, nullptr).ok()) << "no descriptors";
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 0), 4096, copy, nullptr).ok()) << "no descriptors";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
-  EXPECT_FALSE(parse_io_req(chunk, put_read(0, kMaxReadDescs + 1), 8192, nullptr).ok()) << "too many";
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, kMaxReadDescs + 1), 8192, copy, nullptr).ok()) << "too many";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
-  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 2, 0), 4096, nullptr).ok()) << "empty descriptor";
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 2, 0), 4096, copy, nullptr).ok()) << "empty descriptor";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
-  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 1, 4096, 0x40), 4096, nullptr).ok()) << "flags";
+  EXPECT_FALSE(parse_io_req(chunk, put_read(0, 1, 4096, 0x40), 4096, copy, nullptr).ok()) << "flags";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
   off = put_read(16, 1);
   chunk[off + 2] = std::byte{0xff};  // usr_len low byte 16 -> 255, more than the offset
-  EXPECT_FALSE(parse_io_req(chunk, off, 4096, nullptr).ok()) << "user header before the chunk";
+  EXPECT_FALSE(parse_io_req(chunk, off, 4096, copy, nullptr).ok()) << "user header before the chunk";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
   off = put_read(0, 2);
-  EXPECT_FALSE(parse_io_req(std::span(chunk).first(off + 8 + 16), off, 4096, nullptr).ok())
+  EXPECT_FALSE(parse_io_req(std::span(chunk).first(off + 8 + 16), off, 4096, copy, nullptr).ok())
       << "descriptors past the chunk";
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
   chunk[0] = std::byte{42};
-  EXPECT_FALSE(parse_io_req(chunk, 0, 4096, nullptr).ok()) << "unknown type";
+  EXPECT_FALSE(parse_io_req(chunk, 0, 4096, copy, nullptr).ok()) << "unknown type";
 }
 
 }  // namespace

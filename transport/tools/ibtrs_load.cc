@@ -143,6 +143,9 @@ const char kUsage[] =
     "      wants a fresh server. --control FIFO takes lines while running: disconnect NAME,\n"
     "      reconnect NAME, remove NAME, add SPEC, policy P.\n"
     "      Exit status 0 only without IO errors and verify errors.\n"
+    "  ibtrs-load local [server options] -- [client options]\n"
+    "      Server and client in one process (what the loopback fabric needs: its connections do\n"
+    "      not leave the process). The client's paths default to the server's addresses.\n"
     "SIZE takes k/m/g suffixes (powers of 1024).\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -177,8 +180,8 @@ std::optional<uint64_t> parse_size(std::string_view s) {
 // Walks argv; each typed getter takes the value after the current flag or stops with usage.
 class Args {
  public:
-  Args(int argc, char** argv, int first) {
-    for (int i = first; i < argc; ++i) v_.emplace_back(argv[i]);
+  Args(int argc, char** argv, int first, int last = -1) {
+    for (int i = first; i < (last < 0 ? argc : last); ++i) v_.emplace_back(argv[i]);
   }
   bool next() {
     if (i_ >= v_.size()) return false;
@@ -406,6 +409,36 @@ bool write_ready_file(const std::string& path, const std::string& text) {
   return true;
 }
 
+// The server's options; `keys` (which must outlive the server) holds --host-key's host. EINVAL
+// (said on stderr) for a bad key file.
+ibtrs::Result<ibtrs::ServerOptions> server_options(const ServerConfig& c, ibtrs::ServerHandler* handler,
+                                                   ibtrs::KeyTable& keys) {
+  ibtrs::ServerOptions o;
+  o.listen = c.listen;
+  o.queue_depth = static_cast<uint16_t>(c.queue_depth);
+  o.chunk_size = c.chunk_size;
+  o.io_threads = c.io_threads;
+  if (c.hb_interval_ms) o.heartbeat.interval = std::chrono::milliseconds(*c.hb_interval_ms);
+  if (c.hb_missed) o.heartbeat.missed_max = *c.hb_missed;
+  o.busy_poll = c.busy_poll;
+  o.always_invalidate = c.always_invalidate;
+  o.handler = handler;
+  if (!c.host_key.empty()) {
+    std::string why;
+    auto k = ibtrs::load_key_file(c.host_key, &why);
+    if (!k || k->host.empty()) {
+      warn("--host-key: %s", k ? "the key file has no host line" : why.c_str());
+      return ibtrs::errc(EINVAL);
+    }
+    (void)keys.set(k->host, ibtrs::HostKeys{{k->key}, k->server_key});
+    o.authenticator = &keys;
+  } else {
+    warn("no --host-key: any client may connect, without authentication");
+    o.allow_any_host = true;
+  }
+  return o;
+}
+
 int run_server(const ServerConfig& c) {
   sigset_t stop = block_stop_signals();
 
@@ -418,33 +451,13 @@ int run_server(const ServerConfig& c) {
   }
   RamVolume volume(static_cast<std::byte*>(mem), c.size);
 
-  ibtrs::ServerOptions o;
-  o.listen = c.listen;
-  o.queue_depth = static_cast<uint16_t>(c.queue_depth);
-  o.chunk_size = c.chunk_size;
-  o.io_threads = c.io_threads;
-  if (c.hb_interval_ms) o.heartbeat.interval = std::chrono::milliseconds(*c.hb_interval_ms);
-  if (c.hb_missed) o.heartbeat.missed_max = *c.hb_missed;
-  o.busy_poll = c.busy_poll;
-  o.always_invalidate = c.always_invalidate;
-  o.handler = &volume;
   ibtrs::KeyTable keys;
-  if (!c.host_key.empty()) {
-    std::string why;
-    auto k = ibtrs::load_key_file(c.host_key, &why);
-    if (!k || k->host.empty()) {
-      warn("--host-key: %s", k ? "the key file has no host line" : why.c_str());
-      munmap(mem, c.size);
-      return 2;
-    }
-    (void)keys.set(k->host, ibtrs::HostKeys{{k->key}, k->server_key});
-    o.authenticator = &keys;
-  } else {
-    warn("no --host-key: any client may connect, without authentication");
-    o.allow_any_host = true;
+  auto opts = server_options(c, &volume, keys);
+  if (!opts) {
+    munmap(mem, c.size);
+    return 2;
   }
-
-  auto started = ibtrs::Server::start(std::move(o));
+  auto started = ibtrs::Server::start(std::move(*opts));
   if (!started) {
     warn("server start: %s", errtext(started.error()).c_str());
     munmap(mem, c.size);
@@ -510,7 +523,7 @@ struct ClientConfig {
   std::string host_key;
 };
 
-ClientConfig parse_client(Args& a) {
+ClientConfig parse_client(Args& a, bool paths_required = true) {
   ClientConfig c;
   while (a.next()) {
     auto f = a.flag();
@@ -573,7 +586,7 @@ ClientConfig parse_client(Args& a) {
     }
   }
   if (c.session.empty()) usage_error("client: --session NAME is required");
-  if (c.paths.empty()) usage_error("client: at least one --path SPEC");
+  if (c.paths.empty() && paths_required) usage_error("client: at least one --path SPEC");
   for (size_t i = 0; i < c.paths.size(); ++i)
     for (size_t j = 0; j < i; ++j)
       if (c.paths[i].name() == c.paths[j].name())
@@ -1087,11 +1100,14 @@ int run_client(const ClientConfig& c) {
         e.path.c_str(), e.reason ? ": " : "", e.reason ? errtext(e.reason).c_str() : "");
   };
 
+  const int64_t open_t0 = now_ns();
   auto opened = ibtrs::ClientSession::open(std::move(o));
   if (!opened) {
     warn("session %s: open: %s", c.session.c_str(), errtext(opened.error()).c_str());
     return 1;
   }
+  // Session setup as the caller sees it: every path connected, the INFO exchange done.
+  const double open_ms = static_cast<double>(now_ns() - open_t0) / 1e6;
   std::unique_ptr<ibtrs::ClientSession> sess = std::move(opened).value();
 
   if (c.bs > sess->max_io_size()) {
@@ -1205,10 +1221,11 @@ int run_client(const ClientConfig& c) {
     std::snprintf(buf2, sizeof(buf2),
                   "{\"rw\":%s,\"bs\":%" PRIu64 ",\"qd\":%u,\"seconds\":%.3f,\"ops\":%" PRIu64 ",\"iops\":%.1f,"
                   "\"mib_s\":%.2f,\"errors\":%" PRIu64 ",\"verify_errors\":%" PRIu64 ",\"lat_p50_us\":%.1f,"
-                  "\"lat_p99_us\":%.1f,\"lat_p999_us\":%.1f,\"lat_max_us\":%.1f,\"max_pause_ms\":%.3f,\"paths\":[",
+                  "\"lat_p99_us\":%.1f,\"lat_p999_us\":%.1f,\"lat_max_us\":%.1f,\"max_pause_ms\":%.3f,"
+                  "\"open_ms\":%.3f,\"paths\":[",
                   json_str(c.rw_name).c_str(), c.bs, c.qd, secs, ops, iops, mibs, load.errors(), load.verify_errors(),
                   us(lat.percentile(0.5)), us(lat.percentile(0.99)), us(lat.percentile(0.999)), us(lat.max()),
-                  static_cast<double>(load.max_pause_ns()) / 1e6);
+                  static_cast<double>(load.max_pause_ns()) / 1e6, open_ms);
     j = buf2;
     for (size_t i = 0; i < paths.size(); ++i) {
       const auto& p = paths[i];
@@ -1225,6 +1242,34 @@ int run_client(const ClientConfig& c) {
   return load.errors() == 0 && load.verify_errors() == 0 ? 0 : 1;
 }
 
+// `local`: the server of `sc` and then the client of `cc` in this process.
+int run_local(const ServerConfig& sc, ClientConfig cc) {
+  void* mem = mmap(nullptr, sc.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (mem == MAP_FAILED) {
+    warn("mmap of a %" PRIu64 "-byte volume: %s", sc.size, errtext(errno).c_str());
+    return 1;
+  }
+  int rc = 1;
+  {
+    RamVolume volume(static_cast<std::byte*>(mem), sc.size);
+    ibtrs::KeyTable keys;
+    auto opts = server_options(sc, &volume, keys);
+    auto started = opts ? ibtrs::Server::start(std::move(*opts)) : ibtrs::Result<std::unique_ptr<ibtrs::Server>>(opts.error());
+    if (!started) {
+      warn("server start: %s", errtext(started.error()).c_str());
+    } else {
+      std::unique_ptr<ibtrs::Server> server = std::move(started).value();
+      if (cc.paths.empty()) {
+        for (const auto& a : server->addresses()) cc.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
+      }
+      rc = run_client(cc);
+      server.reset();
+    }
+  }
+  munmap(mem, sc.size);
+  return rc;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2) usage_error("server or client?");
   std::string_view mode = argv[1];
@@ -1235,6 +1280,14 @@ int run(int argc, char** argv) {
   Args args(argc, argv, 2);
   if (mode == "server") return run_server(parse_server(args));
   if (mode == "client") return run_client(parse_client(args));
+  if (mode == "local") {
+    int split = 2;
+    while (split < argc && std::string_view(argv[split]) != "--") ++split;
+    Args sargs(argc, argv, 2, split);
+    Args cargs(argc, argv, split < argc ? split + 1 : argc);
+    ServerConfig sc = parse_server(sargs);
+    return run_local(sc, parse_client(cargs, false));
+  }
   usage_error("unknown mode '" + std::string(mode) + "'");
 }
 

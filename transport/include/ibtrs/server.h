@@ -72,6 +72,9 @@ class ServerSession {
 class ServerRequest {
  public:
   IoDir dir() const { return dir_; }
+  // The user header: the server's own copy, taken out of the client's chunk once when the
+  // request arrived and validated there; the client cannot change it any more. Valid until
+  // complete().
   std::span<const std::byte> usr() const { return usr_; }
   // write: the data the client sent; read: where the reply data goes (length = the bytes the
   // client asked for, at most max_io_size). Valid until complete().
@@ -133,8 +136,19 @@ struct ServerOptions {
   bool busy_poll = false;
   // The kernel's always_invalidate: a chunk's remote key is revoked when a request in it arrives
   // and a new one goes to the client with the response (RKEY_RSP), so a client cannot change a
-  // request's bytes while the server serves it. Costs a registration per IO (docs/benchmarks.md).
+  // request's write data while the server serves it. Off by default: with a protection domain
+  // per session only the session's own client holds its chunk keys, and the header bytes are
+  // copied out of the chunk anyway (usr()); what it adds is the client's own payload frozen
+  // during the write (docs/security.d/isolation.md). Costs two key flips per IO on the software
+  // providers, where the chunk's key comes back as it was (no RKEY_RSP), and a deregistration,
+  // a registration and an RKEY_RSP per IO on rdma.
   bool always_invalidate = false;
+  // Keys (memory registrations) one session may hold in its protection domain on a device: its
+  // share of the device's key table. The session's chunks take one, each path one (service
+  // buffers) and, with always_invalidate, queue_depth more. A path that would exceed it is
+  // refused with ENOMEM at connect. Default 8192: 15 paths with always_invalidate at the
+  // default queue depth. 0: the provider's largest (software providers: 65535).
+  uint32_t session_max_keys = 8192;
   ServerHandler* handler = nullptr;       // required; must outlive the server
 
   // Bounds on what peers can make the server hold (docs/security.d/bounds.md). A connection

@@ -35,7 +35,7 @@ namespace client {
 namespace {
 
 // Work request ids: the low 3 bits say what completed.
-enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3 };
+enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3, kWrInv = 4 };
 constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
 
 constexpr uint32_t kSvcRecvs = 16;      // service connection: AUTH_*, INFO_RSP + heartbeats
@@ -168,7 +168,9 @@ void Con::repost_recvs() {
 bool Con::take_rkey(uint32_t slot, uint32_t len) {
   Session& s = *path->s;
   if (!rkeys || slot >= recv_depth || len < sizeof(proto::RkeyRsp)) return false;
-  const proto::RkeyRsp& m = rkeys[slot];
+  // What the server wrote is copied out once and only the copy is looked at.
+  proto::RkeyRsp m;
+  std::memcpy(&m, &rkeys[slot], sizeof(m));
   const uint16_t id = m.buf_id.get();
   if (m.type.get() != static_cast<uint16_t>(proto::MsgType::rkey_rsp) || id >= s.geo.queue_depth)
     return false;
@@ -192,6 +194,13 @@ void Con::on_completions(std::span<Completion> wcs) {
       continue;
     }
     if (down) continue;  // leftovers of a torn-down incarnation
+    if (wc.opcode == Opcode::local_inv) {
+      // A read's window revoked (rdma): the last one lets its callback run.
+      if ((wc.wr_id & 7) == kWrInv && s.geo_set.load(std::memory_order_acquire) &&
+          (wc.wr_id >> 3) < s.geo.queue_depth)
+        on_inv_done(static_cast<uint32_t>(wc.wr_id >> 3), shard);
+      continue;
+    }
     if (wc.opcode == Opcode::recv_rdma_with_imm) {
       ++recv_missing;
       const uint32_t imm = wc.imm;
@@ -207,11 +216,7 @@ void Con::on_completions(std::span<Completion> wcs) {
             why = errc(EPROTO);
             break;
           }
-          Req& r = s.reqs[rsp.permit_id];
-          Con* expected = this;
-          // A response of an incarnation we already failed over from finds the request gone.
-          if (r.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel))
-            s.finish(rsp.permit_id, rsp.err, shard);
+          on_io_rsp(rsp.permit_id, rsp.err, shard);
           break;
         }
         case proto::ImmType::hb_msg: {
@@ -278,14 +283,19 @@ void Con::go_down(std::error_code why) {
     for (size_t n; (n = cq->poll(std::span(wcs, 32))) > 0;) {
       for (size_t i = 0; i < n; ++i) {
         const Completion& wc = wcs[i];
-        if (wc.status != WcStatus::success || wc.opcode != Opcode::recv_rdma_with_imm) continue;
+        if (wc.status != WcStatus::success || cid == 0 || !s.geo_set.load()) continue;
+        if (wc.opcode == Opcode::local_inv && (wc.wr_id & 7) == kWrInv &&
+            (wc.wr_id >> 3) < s.geo.queue_depth) {
+          on_inv_done(static_cast<uint32_t>(wc.wr_id >> 3), poller->index());
+          continue;
+        }
+        if (wc.opcode != Opcode::recv_rdma_with_imm) continue;
         auto t = proto::imm_type(wc.imm);
         if (t != proto::ImmType::io_rsp && t != proto::ImmType::io_rsp_w_inv) continue;
         auto rsp = proto::decode_io_rsp_imm(wc.imm);
-        if (cid == 0 || !s.geo_set.load() || rsp.permit_id >= s.geo.queue_depth) continue;
-        Con* expected = this;
-        if (s.reqs[rsp.permit_id].con.compare_exchange_strong(expected, nullptr))
-          s.finish(rsp.permit_id, rsp.err, poller->index());
+        if (rsp.permit_id >= s.geo.queue_depth) continue;
+        // The connection is down: the windows are revoked on return.
+        on_io_rsp(rsp.permit_id, rsp.err, poller->index());
       }
     }
     down = true;
@@ -293,10 +303,22 @@ void Con::go_down(std::error_code why) {
   if (cid != 0 && s.geo_set.load(std::memory_order_acquire)) {
     for (uint32_t p = 0; p < s.geo.queue_depth; ++p) {
       Req& r = s.reqs[p];
+      Con* inv = this;
+      if (r.inv_con.load(std::memory_order_acquire) == this &&
+          r.inv_con.compare_exchange_strong(inv, nullptr, std::memory_order_acq_rel)) {
+        // Answered, its LOCAL_INVs cut short by the break: revoked now (the connection is
+        // down, so on return), then the caller learns the answer.
+        (void)s.revoke_windows(p);
+        s.finish(p, r.rsp_err, poller->index());
+        continue;
+      }
       Con* expected = this;
       if (r.con.load(std::memory_order_acquire) != this ||
           !r.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel))
         continue;
+      // Whatever happens to the request next, the server of this connection can no longer
+      // write its buffers.
+      if (r.nwin > 0) (void)s.revoke_windows(p);
       path->inflight.fetch_sub(1, std::memory_order_relaxed);
       path->stats.on_failover(poller->index());
       if (s.closing.load(std::memory_order_acquire)) {
@@ -310,6 +332,82 @@ void Con::go_down(std::error_code why) {
   const uint64_t gen = path->gen.load(std::memory_order_acquire);
   Path* p = path;
   s.worker->post([&s, p, gen, why] { s.path_failed(p, gen, why); });
+}
+
+void Con::on_io_rsp(uint32_t p, int err, uint32_t shard) {
+  Session& s = *path->s;
+  Req& r = s.reqs[p];
+  Con* expected = this;
+  // A response of an incarnation we already failed over from finds the request gone.
+  if (!r.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel)) return;
+  if (r.nwin > 0) {
+    // The read's data is in: close its windows before the caller sees it.
+    if (const uint32_t left = s.revoke_windows(p); left > 0) {
+      r.rsp_err = err;
+      r.inv_left = left;
+      r.inv_con.store(this, std::memory_order_release);
+      return;
+    }
+  }
+  s.finish(p, err, shard);
+}
+
+void Con::on_inv_done(uint32_t p, uint32_t shard) {
+  Session& s = *path->s;
+  Req& r = s.reqs[p];
+  if (r.inv_con.load(std::memory_order_acquire) != this || --r.inv_left > 0) return;
+  r.nwin = 0;
+  r.inv_con.store(nullptr, std::memory_order_relaxed);
+  s.finish(p, r.rsp_err, shard);
+}
+
+// ------------------------------------------------------------------------------------------
+// Read windows
+
+Status Session::bind_windows(uint32_t p, Con* c, uint32_t dom, uint32_t* keys) {
+  Req& q = reqs[p];
+  q.win_con = c;
+  q.win_dom = dom;
+  q.nwin = 0;
+  std::unique_ptr<fabric::MemoryWindow>* table =
+      wins[dom].get() + size_t{p} * ClientSession::kMaxSegments;
+  for (uint32_t i = 0; i < q.nseg; ++i) {
+    if (!table[i]) {
+      // Beyond a permit's first window: made on first use, kept for the session's life.
+      IBTRS_ASSIGN_OR_RETURN(table[i], pds[dom]->alloc_mw());
+    }
+    auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+    if (mr == nullptr) return errc(EINVAL);
+    IBTRS_ASSIGN_OR_RETURN(keys[i], c->conn->bind_mw(*table[i], *mr,
+                                                     reinterpret_cast<uint64_t>(q.segs[i].addr),
+                                                     q.segs[i].len, fabric::kRemoteWrite));
+    q.wins[q.nwin++] = table[i].get();
+  }
+  return {};
+}
+
+uint32_t Session::revoke_windows(uint32_t p) {
+  Req& q = reqs[p];
+  uint32_t left = 0;
+  for (uint32_t i = 0; i < q.nwin; ++i) {
+    auto r = q.win_con->conn->invalidate_mw(*q.wins[i], wr_id(kWrInv, p));
+    if (!r.ok()) {
+      IBTRS_LOG(warn, "session %s: revoking a read window of permit %u: %s",
+                opts.session_name.c_str(), p, r.error().message().c_str());
+      continue;
+    }
+    if (!*r) ++left;
+  }
+  if (left == 0) q.nwin = 0;
+  return left;
+}
+
+void Session::release_windows_now(uint32_t p, Con* c) {
+  if (reqs[p].nwin == 0 || revoke_windows(p) == 0) return;
+  IBTRS_LOG(warn, "path %s: read windows of an unposted request still bound: disconnecting",
+            c->path->name.c_str());
+  c->conn->disconnect();
+  (void)revoke_windows(p);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -439,18 +537,35 @@ bool Session::post(uint32_t p, Path* skip) {
       offset = q.data_len + q.usr_len;
       nsge = q.nseg;
     } else {
+      // The server writes the data through a window per segment, opened here for this read
+      // on this connection and closed when its response arrives.
+      uint32_t keys[ClientSession::kMaxSegments];
+      const bool windowed = use_windows[dom];
+      if (windowed) {
+        if (auto st = bind_windows(p, c, dom, keys); !st.ok()) {
+          IBTRS_LOG(warn, "path %s: cannot open read windows: %s", pa->name.c_str(),
+                    st.error().message().c_str());
+          release_windows_now(p, c);
+          c->gate.exit();
+          continue;
+        }
+      } else {
+        for (uint32_t i = 0; i < q.nseg; ++i) {
+          auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+          keys[i] = mr ? mr->rkey() : 0;
+        }
+      }
       proto::ReadMsgHeader h{};
       h.type.set(static_cast<uint16_t>(proto::MsgType::read));
       h.usr_len.set(q.usr_len);
-      h.flags.set(0);
+      h.flags.set(windowed ? proto::kReadNeedInvalidate : 0);
       h.sg_cnt.set(q.nseg);
       std::memcpy(u + q.usr_len, &h, sizeof(h));
       auto* d = u + q.usr_len + sizeof(h);
       for (uint32_t i = 0; i < q.nseg; ++i) {
-        auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
         proto::BufDesc bd{};
         bd.addr.set(reinterpret_cast<uint64_t>(q.segs[i].addr));
-        bd.key.set(mr ? mr->rkey() : 0);
+        bd.key.set(keys[i]);
         bd.len.set(q.segs[i].len);
         std::memcpy(d + i * sizeof(bd), &bd, sizeof(bd));
       }
@@ -481,8 +596,8 @@ bool Session::post(uint32_t p, Path* skip) {
     q.con.store(c, std::memory_order_release);
     auto st = plug_con(*this, c) ? c->conn->post_send_deferred(std::span(&wr, 1))
                                  : c->conn->post_send(std::span(&wr, 1));
-    c->gate.exit();
     if (st.ok()) {
+      c->gate.exit();
       // Counted after the post: a completion racing ahead only makes inflight briefly negative.
       pa->stats.on_submit(sub_shard, is_write, bytes, nseg);
       return true;
@@ -490,7 +605,12 @@ bool Session::post(uint32_t p, Path* skip) {
     // Not posted (the connection broke or its queue is full): take the request back unless the
     // connection's failover already did.
     Con* expected = c;
-    if (!q.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel)) return true;
+    if (!q.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel)) {
+      c->gate.exit();
+      return true;
+    }
+    release_windows_now(p, c);
+    c->gate.exit();
     pa->inflight.fetch_sub(1, std::memory_order_relaxed);
   }
   return false;
@@ -547,36 +667,69 @@ void Session::run_pending(bool fail_all, int err) {
 // ------------------------------------------------------------------------------------------
 // Establishment (worker)
 
+uint32_t Session::user_access(uint32_t slot) const {
+  // With windows the user's memory is never remotely writable through its own key.
+  return fabric::kLocalWrite | (use_windows[slot] ? fabric::kMwBind : fabric::kRemoteWrite);
+}
+
 Result<uint32_t> Session::domain_slot(fabric::Domain* d) {
   std::lock_guard lock(mem_mu);
   for (uint32_t i = 0; i < kMaxDomains; ++i) {
-    if (domains[i].load() == d) return i;
+    if (devices[i].load() == d) return i;
   }
   uint32_t slot = kMaxDomains;
   for (uint32_t i = 0; i < kMaxDomains; ++i) {
-    if (domains[i].load() == nullptr) {
+    if (devices[i].load() == nullptr) {
       slot = i;
       break;
     }
   }
   if (slot == kMaxDomains) return errc(ENOSPC);
-  // Everything a request may point at must be registered on the device before a path on it
-  // carries IO: the permit IUs and every user registration.
-  IBTRS_ASSIGN_OR_RETURN(auto iu_mr, d->register_memory(iu, iu_len, fabric::kLocalWrite));
+  // The session's own protection domain on the device: no other session's server reaches it.
+  IBTRS_ASSIGN_OR_RETURN(auto pd, d->alloc_pd(fabric::PdAttr{}));
+  {
+    auto probe = pd->alloc_mw();
+    use_windows[slot] = probe.ok();
+    if (!probe.ok()) {
+      IBTRS_LOG(warn, "session %s: device %s has no memory windows (%s): read buffers stay "
+                "remotely writable while registered", opts.session_name.c_str(),
+                d->device_name().c_str(), probe.error().message().c_str());
+    }
+  }
+  // Everything a request may point at must be registered in the domain before a path on it
+  // carries IO: every user registration now, the permit IUs once the geometry is known.
   std::vector<std::unique_ptr<fabric::MemoryRegion>> regs;
   for (auto* r : regions) {
-    IBTRS_ASSIGN_OR_RETURN(auto mr, d->register_memory(r->addr, r->size,
-                                                       fabric::kLocalWrite | fabric::kRemoteWrite));
+    IBTRS_ASSIGN_OR_RETURN(auto mr, pd->register_memory(r->addr, r->size, user_access(slot)));
     regs.push_back(std::move(mr));
   }
   for (size_t i = 0; i < regions.size(); ++i) {
     regions[i]->mrs[slot].store(regs[i].get(), std::memory_order_release);
     regions[i]->keep.push_back(std::move(regs[i]));
   }
-  iu_lkey[slot].store(iu_mr->lkey(), std::memory_order_release);
-  iu_mrs[slot] = std::move(iu_mr);
-  domains[slot].store(d, std::memory_order_release);
+  pds[slot] = std::move(pd);
+  devices[slot].store(d, std::memory_order_release);
   return slot;
+}
+
+Status Session::slot_io_setup(uint32_t slot) {
+  std::lock_guard lock(mem_mu);
+  fabric::Domain& pd = *pds[slot];
+  if (!iu_mrs[slot]) {
+    IBTRS_ASSIGN_OR_RETURN(auto iu_mr, pd.register_memory(iu, iu_len, fabric::kLocalWrite));
+    iu_lkey[slot].store(iu_mr->lkey(), std::memory_order_release);
+    iu_mrs[slot] = std::move(iu_mr);
+  }
+  if (use_windows[slot] && !wins[slot]) {
+    // A permit's first window is made here, so that one-segment reads allocate nothing.
+    const size_t n = size_t{geo.queue_depth} * ClientSession::kMaxSegments;
+    auto table = std::make_unique<std::unique_ptr<fabric::MemoryWindow>[]>(n);
+    for (uint32_t p = 0; p < geo.queue_depth; ++p) {
+      IBTRS_ASSIGN_OR_RETURN(table[size_t{p} * ClientSession::kMaxSegments], pd.alloc_mw());
+    }
+    wins[slot] = std::move(table);
+  }
+  return {};
 }
 
 Status Session::set_geometry(const proto::ConRsp& rsp) {
@@ -619,6 +772,10 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
     caps.max_recv_sge = 1;
   } else {
     caps.max_send_wr = geo.queue_depth + kSignalEvery + 16;
+    // Where a window bind and a LOCAL_INV take a send-queue slot (rdma), every permit may hold
+    // a bind and a LOCAL_INV per segment besides its request.
+    const uint32_t mw_slots = use_windows[path->dom] ? path->domain->mw_send_slots() : 0;
+    caps.max_send_wr += mw_slots * 2u * ClientSession::kMaxSegments * geo.queue_depth;
     // With per-IO invalidation a response is two messages (RKEY_RSP, then IO_RSP_W_INV).
     const bool inv = (geo.flags & proto::kConRspInvalidatePerIo) != 0;
     caps.max_recv_wr = geo.queue_depth * (inv ? 2u : 1u) + kRepostBatch + 16;
@@ -713,9 +870,12 @@ Status Session::establish(Path* path) {
     if (opts.auth.enabled()) path->auth.state = AuthState::pending;
   }
   IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(path->spec.destination.fabric, opts.busy_poll));
-  IBTRS_ASSIGN_OR_RETURN(path->domain,
+  IBTRS_ASSIGN_OR_RETURN(auto* device,
                          fab->domain_for(path->spec.destination,
                                          path->spec.source ? &*path->spec.source : nullptr));
+  // The path's connections and everything they use live in the session's domain there.
+  IBTRS_ASSIGN_OR_RETURN(path->dom, domain_slot(device));
+  path->domain = pds[path->dom].get();
   const uint16_t cid_num = static_cast<uint16_t>(nio + 1);
   for (uint16_t cid = 0; cid < cid_num; ++cid) {
     auto req = proto::make_con_req(cid, cid_num, path->recon_cnt, cid == 0, uuid_bytes, path->uuid,
@@ -723,8 +883,8 @@ Status Session::establish(Path* path) {
     IBTRS_TRY(connect_con(path, path->cons[cid].get(), proto::as_bytes_of(req)));
     if (cid == 0) {
       // The geometry is known from the first CON_RSP: IO connections are sized by it, and the
-      // device needs the IUs and user registrations.
-      IBTRS_ASSIGN_OR_RETURN(path->dom, domain_slot(path->domain));
+      // domain needs the IUs and the read windows.
+      IBTRS_TRY(slot_io_setup(path->dom));
       path->chunks = std::make_unique<client::ChunkRemote[]>(geo.queue_depth);
     }
   }
@@ -1160,8 +1320,10 @@ Session::~Session() {
   io_pollers.clear();
   svc_poller.reset();
   {
+    // Every connection is gone; what lived in the session's domains goes before them.
     std::lock_guard lock(mem_mu);
     for (auto& mr : iu_mrs) mr.reset();
+    for (auto& w : wins) w.reset();
   }
   if (iu != nullptr) ::munmap(iu, iu_len);
   if (cancel_fd >= 0) ::close(cancel_fd);
@@ -1456,10 +1618,9 @@ Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* a
   mi->size = size;
   std::lock_guard lock(impl_->mem_mu);
   for (uint32_t i = 0; i < kMaxDomains; ++i) {
-    fabric::Domain* d = impl_->domains[i].load();
-    if (d == nullptr) continue;
+    if (impl_->devices[i].load() == nullptr) continue;
     IBTRS_ASSIGN_OR_RETURN(auto mr,
-                           d->register_memory(addr, size, fabric::kLocalWrite | fabric::kRemoteWrite));
+                           impl_->pds[i]->register_memory(addr, size, impl_->user_access(i)));
     mi->mrs[i].store(mr.get(), std::memory_order_release);
     mi->keep.push_back(std::move(mr));
   }

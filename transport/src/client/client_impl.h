@@ -14,6 +14,12 @@
 // a removed path is kept as a dead shell, so the IO path may hold a raw pointer to either without
 // reference counting. What changes per incarnation (the fabric connection and CQ) is guarded by
 // the connection's gate.
+//
+// Isolation: the session has its own protection domain per device; its connections, its IUs
+// and the user's registrations live there, so no other session's server can reach them. User
+// memory is registered without remote access: a read gives the server a memory window per
+// segment, bound on the connection the read is posted on with a fresh key, and revoked when the
+// response arrives, before the caller's callback runs (docs/protocol.md, "Read invalidation").
 #pragma once
 
 #include <array>
@@ -50,7 +56,8 @@ struct RegisteredMemory::Impl {
   void* addr = nullptr;
   size_t size = 0;
   bool owned = false;  // alloc_buffer: free the memory with the handle
-  // Per domain slot of the session; set before any path on that domain carries IO.
+  // Per domain slot of the session (its protection domain on one device); set before any path
+  // on that device carries IO.
   std::array<std::atomic<fabric::MemoryRegion*>, kMaxDomains> mrs{};
   std::vector<std::unique_ptr<fabric::MemoryRegion>> keep;  // owners of mrs (under mem_mu)
 };
@@ -88,6 +95,10 @@ struct Con final : core::CqHandler {
   void on_completions(std::span<fabric::Completion> wcs) override;
   // Lease holder: the connection is broken; disconnect, take what completed, fail over the rest.
   void go_down(std::error_code why);
+  // Lease holder: the response of permit `p` arrived here. Finishes the request once its read
+  // windows are revoked (at once, or when their LOCAL_INVs complete: on_inv_done).
+  void on_io_rsp(uint32_t p, int err, uint32_t shard);
+  void on_inv_done(uint32_t p, uint32_t shard);
   void repost_recvs();
   // The next RECV to post; `sge` backs its scatter list.
   fabric::RecvWr next_recv(fabric::Sge& sge);
@@ -152,6 +163,18 @@ struct Req {
   uint32_t ci = 0;                 // IO connection index (same on every path)
   Path* path = nullptr;            // path of the current post (inflight accounting)
   int64_t pending_deadline_ns = 0;
+  // Read windows of the current post: one per segment, bound on win_con (the connection the
+  // read went to) in domain slot win_dom. Touched only by the request's current owner: the
+  // poster, then the lease holder of win_con.
+  uint8_t nwin = 0;
+  uint32_t win_dom = 0;
+  Con* win_con = nullptr;
+  fabric::MemoryWindow* wins[ClientSession::kMaxSegments] = {};
+  // The response arrived and LOCAL_INVs of its windows are on their way (rdma): the connection
+  // that completes them, how many are left, and the response's errno.
+  std::atomic<Con*> inv_con{nullptr};
+  uint32_t inv_left = 0;
+  int rsp_err = 0;
 };
 
 // A reaper's side that the session can reach (ClientSession::make_reaper): shared, so that a
@@ -196,12 +219,21 @@ struct Session {
   std::byte* iu = nullptr;  // queue_depth x max_hdr_size: user header + IO message per permit
   size_t iu_len = 0;
 
-  // Domains and registrations (mem_mu for changes; the IO path reads the atomics).
+  // Domains and registrations (mem_mu for changes; the IO path reads the atomics, and the rest
+  // of a slot only through a path on it, which the worker opens after setting the slot up).
+  // A slot is one device (the fabric's domain for it) and the session's own protection domain
+  // there, which holds everything the session registers on that device.
   std::mutex mem_mu;
-  std::array<std::atomic<fabric::Domain*>, kMaxDomains> domains{};
+  std::array<std::atomic<fabric::Domain*>, kMaxDomains> devices{};
+  std::array<std::unique_ptr<fabric::Domain>, kMaxDomains> pds;
   std::array<std::unique_ptr<fabric::MemoryRegion>, kMaxDomains> iu_mrs;
   std::array<std::atomic<uint32_t>, kMaxDomains> iu_lkey{};
   std::vector<RegisteredMemory::Impl*> regions;
+  // Read windows per slot, where the device has them (else user memory is registered for
+  // remote write, as before windows): queue_depth x kMaxSegments, the first of each permit made
+  // with the slot, the others on first use.
+  std::array<bool, kMaxDomains> use_windows{};
+  std::array<std::unique_ptr<std::unique_ptr<fabric::MemoryWindow>[]>, kMaxDomains> wins;
 
   // Paths: slots read by the IO path; changed by the worker.
   std::array<std::atomic<Path*>, ClientSession::kMaxPaths> paths{};
@@ -248,7 +280,22 @@ struct Session {
   void refused(Path* path, std::error_code why);
   Status connect_con(Path* path, Con* con, std::span<const std::byte> pd);
   Status set_geometry(const proto::ConRsp& rsp);
+  // The slot of device `d`, set up on first use: the session's protection domain there and
+  // the user's registrations in it.
   Result<uint32_t> domain_slot(fabric::Domain* d);
+  // Once the geometry is known: the IUs and the first read window of each permit in `slot`.
+  Status slot_io_setup(uint32_t slot);
+  // Access of user registrations in `slot`.
+  uint32_t user_access(uint32_t slot) const;
+  // ---- read windows (the request's owner) ----
+  // Binds a window over each read segment of permit `p` on `c` (of slot `dom`); fills `keys`.
+  Status bind_windows(uint32_t p, Con* c, uint32_t dom, uint32_t* keys);
+  // Revokes the windows of permit `p`'s last post: 0 when done, else how many LOCAL_INVs are
+  // on their way (wr_id kWrInv) on its connection.
+  uint32_t revoke_windows(uint32_t p);
+  // Revokes them at once for a read that was not posted after all (under c's gate): should
+  // the revocation be asynchronous, the connection is broken first, since the request moves on.
+  void release_windows_now(uint32_t p, Con* c);
   void teardown(Path* path);
   // Gives a borrowed CQ back to its poller: arms it, takes what completed meanwhile, unmutes it.
   // The caller holds the lease (lent).

@@ -28,6 +28,7 @@ std::string_view to_string(Opcode o) {
     case Opcode::write_with_imm: return "write_with_imm";
     case Opcode::recv: return "recv";
     case Opcode::recv_rdma_with_imm: return "recv_rdma_with_imm";
+    case Opcode::local_inv: return "local_inv";
   }
   return "?";
 }

@@ -4,8 +4,10 @@
 //
 // The model is the verbs model, reduced to what IBTRS uses:
 //   Fabric      a provider instance (rdma_cm event channel + devices; tcp engine; loopback world)
-//   Domain      a protection domain on one device; memory regions, CQs and connections live in one
+//   Domain      a protection domain (PD) on one device; memory regions, windows and connections
+//               live in one; CQs belong to the device (see "Protection domains" below)
 //   MemoryRegion registered memory: address, length, lkey/rkey, access; deregistered on destruction
+//   MemoryWindow a remotely accessible range of a region with a key of its own (verbs type 2B)
 //   CompletionQueue  completions of one or more connections, polled in batches; a waitable fd
 //   Connection  a reliable-connected queue pair: post SEND, RECV, RDMA WRITE, WRITE_WITH_IMM
 //   Listener    accepts connection requests carrying private data
@@ -26,6 +28,22 @@
 //     outstanding work request, send or receive, signalled or not, completes with
 //     WcStatus::flush_error. Nothing hangs.
 //   - Private data on connect / accept / reject is limited to kMaxPrivateData bytes.
+//
+// Protection domains (verbs semantics). Fabric::domain_for() gives a device's default domain;
+// Domain::alloc_pd() gives further domains on the same device, each with a key space of its own.
+//   - A connection belongs to one domain: the one that connect() was called on, or the one
+//     passed to ConnectRequest::accept(). Its local SGEs are checked against that domain's
+//     regions only (EINVAL at post on the software providers, local_protection_error on rdma),
+//     and a remote WRITE arriving on it is checked against that domain's regions and windows
+//     only: a valid key of another domain, even of the same device and process, is
+//     remote_access_error at the writer, the connection goes to error and no byte is placed.
+//   - CompletionQueues belong to the device: create_cq() on any domain of a device gives a CQ
+//     that connections of every domain of that device may share.
+//   - A domain must outlive its regions, windows and connections; it holds at most
+//     PdAttr::max_keys keys (regions and windows) at once, beyond that ENOMEM.
+//   - Keys are unpredictable: every registration, bind and rekey carries random key bits, as
+//     many as the provider allows (software providers: mr_table.h; rdma: whatever the HCA draws,
+//     8 bits of key on Soft-RoCE beside the index, and a random 8-bit key for every window bind).
 //
 // Progress: the rdma provider progresses in hardware. The software providers progress when the
 // CompletionQueue a connection is attached to is polled (or armed and waited on): the owner of a
@@ -58,6 +76,7 @@ enum Access : uint32_t {
   kLocalWrite = 1u << 0,
   kRemoteWrite = 1u << 1,
   kRemoteRead = 1u << 2,
+  kMwBind = 1u << 3,  // memory windows may be bound over the region (IBV_ACCESS_MW_BIND)
 };
 
 // Completion status. Names follow ibv_wc_status.
@@ -80,6 +99,7 @@ enum class Opcode : uint8_t {
   write_with_imm,        // RDMA WRITE WITH IMMEDIATE: placed, then consumes a RECV at the peer
   recv,                  // completion of a RECV consumed by a SEND
   recv_rdma_with_imm,    // completion of a RECV consumed by a WRITE_WITH_IMM (byte_len = write size)
+  local_inv,             // completion of an asynchronous window revocation (invalidate_mw)
 };
 std::string_view to_string(Opcode o);
 
@@ -136,9 +156,27 @@ class MemoryRegion {
     return reinterpret_cast<uint64_t>(static_cast<char*>(addr_) + offset);
   }
 
+  // Per-use keys of one region (the server's always_invalidate of a chunk). revoke(): both keys
+  // fail for every access from the return on, until restore() or rekey(). restore(): the region
+  // is reachable again and the rkey is returned: the revoked keys themselves where the provider
+  // can bring them back (software providers: the table entry comes back to life, so the peer
+  // needs no new key), else new ones (rdma). rekey(): new keys in any case (the old ones, if
+  // still valid, fail from the return on). Each returns after every placement through the old
+  // keys has finished. Owner only, while no posted work request uses the region's keys.
+  // Software providers: a key flip in the domain's table, no system call; rdma: deregistration
+  // and registration (verbs cannot change a region's keys in place on every device). Errors:
+  // ENOMEM (rdma: the registration failed; the region has no valid key).
+  virtual ibtrs::Status revoke() = 0;
+  virtual Result<uint32_t> restore() = 0;
+  virtual Result<uint32_t> rekey() = 0;
+
  protected:
   MemoryRegion(void* addr, size_t length, uint32_t lkey, uint32_t rkey, uint32_t access)
       : addr_(addr), length_(length), lkey_(lkey), rkey_(rkey), access_(access) {}
+  void set_keys(uint32_t lkey, uint32_t rkey) {
+    lkey_ = lkey;
+    rkey_ = rkey;
+  }
 
  private:
   void* addr_;
@@ -146,6 +184,26 @@ class MemoryRegion {
   uint32_t lkey_;
   uint32_t rkey_;
   uint32_t access_;
+};
+
+// A memory window (verbs type 2B): a remotely accessible range of one memory region with a key
+// of its own, bound and revoked through a connection (Connection::bind_mw / invalidate_mw)
+// without registering anything. Once bound it answers only remote accesses that arrive on the
+// connection it was bound on. From Domain::alloc_mw(); destruction revokes and frees it, and
+// must come before the destruction of its domain. A region must not be deregistered while a
+// window is bound over it (verbs refuses, and rdma would leak the region); the software
+// providers revoke such windows with their region.
+class MemoryWindow {
+ public:
+  virtual ~MemoryWindow() = default;
+  MemoryWindow(const MemoryWindow&) = delete;
+  MemoryWindow& operator=(const MemoryWindow&) = delete;
+  // The key of the current or last binding; 0 before the first.
+  uint32_t rkey() const { return rkey_; }
+
+ protected:
+  MemoryWindow() = default;
+  uint32_t rkey_ = 0;
 };
 
 // Completions of the connections attached to it.
@@ -226,6 +284,27 @@ class Connection {
   virtual void ring() {}
   virtual ibtrs::Status post_recv(std::span<const RecvWr> wrs) = 0;
 
+  // Binds the unbound window `mw` to [addr, addr + len) of `mr` with `access` (kRemoteWrite
+  // and/or kRemoteRead) and returns its new key, which answers only remote accesses arriving on
+  // this connection. `mw` and `mr` must be of this connection's domain and `mr` registered with
+  // kMwBind (and kLocalWrite for kRemoteWrite). The binding takes effect before any work
+  // request posted on this connection after the call: a peer told the key by a later SEND or
+  // WRITE_WITH_IMM can use it. Costs on rdma an unsignalled BIND_MW work request (a send-queue
+  // slot until a later completion retires it: Domain::mw_send_slots()); on the software
+  // providers a table entry, no system call. Errors: EINVAL (bound window, region or range not
+  // allowed, another domain's objects), ENOTCONN, ENOMEM (send queue full).
+  virtual Result<uint32_t> bind_mw(MemoryWindow& mw, const MemoryRegion& mr, uint64_t addr,
+                                   uint64_t len, uint32_t access) = 0;
+  // Revokes the key of `mw`, bound on this connection (a window bound elsewhere or not at all:
+  // EINVAL). true: revoked when this returns, every placement through it finished (software
+  // providers always; rdma when the connection is no longer connected: the window is then
+  // replaced by a fresh one). false (rdma, connected): a signalled LOCAL_INV was posted, and
+  // the key is revoked when a completion with `wr_id` and Opcode::local_inv arrives on this
+  // connection's CQ. Should the connection break first, that completion is a flush_error and
+  // the window stays bound to the dead connection, where nothing can reach it; call
+  // invalidate_mw again to unbind it (then true). Afterwards the window may be bound again.
+  virtual Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t wr_id) = 0;
+
   // Moves the connection to error and tells the peer; outstanding requests flush. Idempotent.
   virtual void disconnect() = 0;
 
@@ -265,10 +344,20 @@ class ConnectRequest {
   // The domain the request arrived on: register memory and create the CQ there before accept.
   virtual class Domain& domain() = 0;
 
-  // Accepts: the connection is usable when this returns (posting RECVs first is still advised).
-  virtual Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+  // Accepts into protection domain `pd`: domain() or a domain allocated on its device with
+  // Domain::alloc_pd() (EINVAL for any other). The connection is usable when this returns
+  // (posting RECVs first is still advised); remote writes arriving on it are checked against
+  // `pd`'s keys only. `cq` may come from any domain of the device.
+  virtual Result<std::unique_ptr<Connection>> accept(class Domain& pd, CompletionQueue& cq,
+                                                     const QueueCaps& caps,
                                                      std::span<const std::byte> private_data,
                                                      ConnectionEvents events) = 0;
+  // Accepts into the request's own domain().
+  Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+                                             std::span<const std::byte> private_data,
+                                             ConnectionEvents events) {
+    return accept(domain(), cq, caps, private_data, std::move(events));
+  }
   // Rejects; the connecting side's connect() fails with ECONNREFUSED and gets the data.
   virtual ibtrs::Status reject(std::span<const std::byte> private_data) = 0;
 };
@@ -316,19 +405,40 @@ struct ConnectResult {
   std::vector<std::byte> private_data;  // the peer's accept private data
 };
 
-// A protection domain on one device.
+struct PdAttr {
+  // Keys (regions and windows) the domain holds at once; 0: as many as the provider allows
+  // (software providers: MrTable::kMaxCapacity; rdma: the device's limits). Beyond it
+  // register_memory() and alloc_mw() fail with ENOMEM. On the software providers a smaller cap
+  // also widens the random part of every key (mr_table.h).
+  uint32_t max_keys = 0;
+};
+
+// A protection domain on one device (see "Protection domains" above).
 // Threading: all methods thread-safe.
 class Domain {
  public:
   virtual ~Domain() = default;
   virtual std::string device_name() const = 0;
 
-  // Errors: EINVAL (null/zero length, unknown access bits), ENOMEM.
+  // A new protection domain on this domain's device, with its own key space. It must outlive
+  // everything created in it and be destroyed before the Fabric. Errors: ENOMEM, EINVAL.
+  virtual Result<std::unique_ptr<Domain>> alloc_pd(const PdAttr& attr) = 0;
+
+  // Errors: EINVAL (null/zero length, unknown access bits), ENOMEM (also: the domain's
+  // max_keys reached).
   virtual Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length,
                                                                 uint32_t access) = 0;
+  // A memory window of this domain, unbound. Errors: ENOTSUP (the device has no type 2 memory
+  // windows), ENOMEM (also: max_keys reached).
+  virtual Result<std::unique_ptr<MemoryWindow>> alloc_mw() = 0;
+  // Send-queue slots a bind_mw or an asynchronous invalidate_mw takes on this device's
+  // connections until a later completion retires it (QueueCaps sizing): 1 on rdma, 0 where
+  // windows are table entries.
+  virtual uint32_t mw_send_slots() const { return 0; }
+  // A CQ of the device: connections of any domain of the device may use it.
   virtual Result<std::unique_ptr<CompletionQueue>> create_cq(uint32_t capacity) = 0;
 
-  // Connects (blocking up to params.timeout). Errors: ECONNREFUSED (rejected: reject data in
+  // Connects (blocking up to params.timeout); the connection belongs to this domain. Errors: ECONNREFUSED (rejected: reject data in
   // `reject_data` if non-null), ETIMEDOUT, EHOSTUNREACH/ENETUNREACH, EINVAL (bad params),
   // ENOSPC (the CQ's capacity cannot take this connection's queues).
   virtual Result<ConnectResult> connect(const ConnectParams& params,

@@ -151,43 +151,53 @@ Result<std::span<const ChunkDesc>> parse_info_rsp(std::span<const std::byte> msg
 }
 
 Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
-                           uint32_t max_hdr_size, std::string* why) {
+                           uint32_t max_hdr_size, std::span<std::byte> copy, std::string* why) {
+  static_assert(sizeof(WriteMsg) == sizeof(ReadMsgHeader), "one fixed message header size");
+  constexpr size_t kHdr = sizeof(WriteMsg);
+  if (copy.size() < max_hdr_size || max_hdr_size < kHdr)
+    return fail<IoReq>(why, "copy buffer smaller than max_hdr_size", EINVAL);
   const uint64_t size = chunk.size();
-  if (uint64_t{offset} + 2 > size) return fail<IoReq>(why, "IO message offset past the chunk");
-  const uint16_t type = load<le16>(chunk, offset).get();
+  if (uint64_t{offset} + kHdr > size) return fail<IoReq>(why, "IO message past the chunk");
+  // The fixed header is read once, into server memory; every length below comes from it.
+  std::byte hdr[kHdr];
+  std::memcpy(hdr, chunk.data() + offset, kHdr);
+  const uint16_t type = load<le16>(hdr).get();
   IoReq r{};
   if (type == static_cast<uint16_t>(MsgType::write)) {
-    if (uint64_t{offset} + sizeof(WriteMsg) > size) return fail<IoReq>(why, "write message past the chunk");
-    auto m = load<WriteMsg>(chunk, offset);
+    auto m = load<WriteMsg>(hdr);
     const uint64_t usr = m.usr_len.get();
     const uint64_t data = m.data_len.get();
-    if (usr + sizeof(WriteMsg) > max_hdr_size) return fail<IoReq>(why, "write: user header too large");
+    if (usr + kHdr > max_hdr_size) return fail<IoReq>(why, "write: user header too large");
     if (data + usr != offset) return fail<IoReq>(why, "write: lengths do not add up to the offset");
+    std::memcpy(copy.data(), chunk.data() + data, usr);
     r.kind = IoKind::write;
     r.write.data = chunk.subspan(0, data);
-    r.write.usr = chunk.subspan(data, usr);
+    r.write.usr = copy.first(usr);
     return r;
   }
   if (type == static_cast<uint16_t>(MsgType::read)) {
-    if (uint64_t{offset} + sizeof(ReadMsgHeader) > size) return fail<IoReq>(why, "read message past the chunk");
-    auto h = load<ReadMsgHeader>(chunk, offset);
+    auto h = load<ReadMsgHeader>(hdr);
     const uint64_t usr = h.usr_len.get();
     const uint64_t cnt = h.sg_cnt.get();
-    if (cnt == 0 || cnt > kMaxReadDescs) return fail<IoReq>(why, "read: descriptor count out of range");
+    if (cnt == 0 || cnt > kMaxReadDescs)
+      return fail<IoReq>(why, "read: descriptor count out of range");
     if ((h.flags.get() & ~kReadNeedInvalidate) != 0) return fail<IoReq>(why, "read: unknown flags");
-    const uint64_t msg_len = sizeof(ReadMsgHeader) + cnt * sizeof(BufDesc);
-    if (uint64_t{offset} + msg_len > size) return fail<IoReq>(why, "read descriptors past the chunk");
+    const uint64_t desc_len = cnt * sizeof(BufDesc);
+    if (uint64_t{offset} + kHdr + desc_len > size)
+      return fail<IoReq>(why, "read descriptors past the chunk");
     if (usr > offset) return fail<IoReq>(why, "read: user header before the chunk start");
-    if (usr + msg_len > max_hdr_size) return fail<IoReq>(why, "read: header too large");
-    std::span<const BufDesc> descs(
-        reinterpret_cast<const BufDesc*>(chunk.data() + offset + sizeof(ReadMsgHeader)), cnt);
+    if (usr + kHdr + desc_len > max_hdr_size) return fail<IoReq>(why, "read: header too large");
+    // The copy: [user header][descriptors]; the header was taken above.
+    std::memcpy(copy.data(), chunk.data() + offset - usr, usr);
+    std::memcpy(copy.data() + usr, chunk.data() + offset + kHdr, desc_len);
+    std::span<const BufDesc> descs(reinterpret_cast<const BufDesc*>(copy.data() + usr), cnt);
     uint64_t total = 0;
     for (const BufDesc& d : descs) {
       if (d.len.get() == 0) return fail<IoReq>(why, "read: empty descriptor");
       total += d.len.get();
     }
     r.kind = IoKind::read;
-    r.read.usr = chunk.subspan(offset - usr, usr);
+    r.read.usr = copy.first(usr);
     r.read.flags = h.flags.get();
     r.read.descs = descs;
     r.read.total_len = total;

@@ -235,7 +235,10 @@ struct WriteMsg {
 IBTRS_WIRE_STRUCT(WriteMsg, 8);
 
 // ReadMsg flags
-inline constexpr uint16_t kReadNeedInvalidate = 1u << 0;  // client asks to invalidate its key
+// The descriptors' keys are single-use: the client revokes them when the response arrives (a
+// window per descriptor), so the server must not write them after its response. Set on every
+// read by this client (docs/protocol.md, "Read invalidation").
+inline constexpr uint16_t kReadNeedInvalidate = 1u << 0;
 
 // Where the server writes read data: the client's registered buffer, in up to kMaxReadDescs
 // pieces.
@@ -344,13 +347,13 @@ Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::
 
 // A request found in a chunk: the chunk's bytes, the immediate's offset of the IO message.
 struct WriteReq {
-  std::span<const std::byte> data;
-  std::span<const std::byte> usr;
+  std::span<const std::byte> data;  // in the chunk
+  std::span<const std::byte> usr;   // in the copy
 };
 struct ReadReq {
-  std::span<const std::byte> usr;
+  std::span<const std::byte> usr;   // in the copy
   uint16_t flags;
-  std::span<const BufDesc> descs;
+  std::span<const BufDesc> descs;   // in the copy
   uint64_t total_len;  // sum of the descriptors' lengths
 };
 enum class IoKind : uint8_t { write, read };
@@ -359,10 +362,14 @@ struct IoReq {
   WriteReq write;
   ReadReq read;
 };
-// Validates an IO message at `offset` of `chunk` (the whole chunk) against the session limits.
-// Every span returned lies inside `chunk`.
+// Takes an IO request out of `chunk` (the whole chunk, which the client can rewrite at any
+// time) at the immediate's `offset`: its header bytes - the IO message, the user header and the
+// read descriptors - are copied into `copy` (at least max_hdr_size bytes, server memory) once,
+// each byte read once, and only the copy is validated against the session limits and returned.
+// The write payload is the one part left in the chunk (write.data): the server hands it on as
+// the client's data. EINVAL when `copy` is smaller than max_hdr_size.
 Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
-                           uint32_t max_hdr_size, std::string* why);
+                           uint32_t max_hdr_size, std::span<std::byte> copy, std::string* why);
 
 // Builders (our own output).
 ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool first_conn,

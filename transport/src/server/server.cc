@@ -8,6 +8,12 @@
 // Lifetimes: a session lives while it has a path or a request the upper layer has not completed;
 // its path and connection objects live as long as it does (a closed path stays as a shell), so
 // a completion from any thread reaches valid memory and finds the connection's gate closed.
+//
+// Isolation: every session has its own protection domain per device (fabric.h), holding its
+// chunks, its service buffers and (always_invalidate) its per-chunk regions, and its paths'
+// connections are accepted into it: a key of one session is nothing on another's connections.
+// A request's header bytes are copied out of the chunk once, into the request's own buffer,
+// and only that copy is validated and used (ServerRequest::usr() points at it).
 #include "ibtrs/server.h"
 
 #include <poll.h>
@@ -147,11 +153,13 @@ struct Path {
   std::vector<std::unique_ptr<Con>> cons;
   std::string name;
   Address local, peer;
-  fabric::Domain* domain = nullptr;
+  fabric::Domain* device = nullptr;  // the device's domain the connections arrived on
+  fabric::Domain* domain = nullptr;  // the session's protection domain on that device
   uint32_t chunk_lkey = 0, chunk_rkey = 0;
-  // always_invalidate: one remotely writable region per chunk, on this path's device. Dropped
-  // (the key revoked) when a request in the chunk starts, registered anew when it completes;
-  // both under a connection's gate, so a closed path's regions are never touched.
+  // always_invalidate: one remotely writable region per chunk, in the session's domain on this
+  // path's device. Its key is revoked when a request in the chunk starts and a new one issued
+  // when it completes (MemoryRegion::rekey: a key flip on the software providers); both under
+  // a connection's gate, so a closed path's regions are never touched.
   std::vector<std::unique_ptr<fabric::MemoryRegion>> chunk_mrs;
   core::Heartbeat hb;
   core::PathStats stats;
@@ -172,17 +180,21 @@ struct Req final : ServerRequest {
   std::atomic<uint32_t> state{0};  // 0 idle, 1 being served, 2 served and another one waiting
   Con* deferred_con = nullptr;
   uint32_t deferred_offset = 0;
-  uint16_t ndesc = 0;
-  proto::BufDesc descs[proto::kMaxReadDescs];
+  // The request's header bytes (user header, read descriptors), copied out of the chunk once
+  // when it starts: max_hdr bytes of the session's copy area, server memory no peer can write.
+  std::span<std::byte> copy;
+  std::span<const proto::BufDesc> descs;  // read: in `copy`
   int64_t start_ns = 0;
   uint32_t shard = 0;
   uint64_t bytes = 0;
 
   void complete(int err) override;
   void start(Con* c, uint32_t offset);
-  // always_invalidate, under the connection's gate: registers the chunk anew on the path and
-  // fills `wr` with the RKEY_RSP SEND that carries the new key. False: the path is failed.
-  bool rekey(Con* c, SendWr& wr, Sge& sge);
+  // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
+  // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
+  // sets `*changed`; where the revoked key itself comes back (software providers) the client's
+  // key is right as it is. False: the path is failed.
+  bool restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed);
   using ServerRequest::chunk_id_;
   using ServerRequest::data_;
   using ServerRequest::dir_;
@@ -206,8 +218,13 @@ struct Session final : ServerSession {
   size_t chunks_len = 0;            // the chunks, then (always_invalidate) the RKEY_RSP slots
   bool invalidate = false;          // always_invalidate
   proto::RkeyRsp* rkey_msgs = nullptr;  // per chunk: the RKEY_RSP its next response sends
+  std::byte* copies = nullptr;      // qd x max_hdr: each request's copy of its header bytes
+  size_t copies_len = 0;
   std::unique_ptr<Req[]> reqs;
-  std::map<fabric::Domain*, std::unique_ptr<fabric::MemoryRegion>> mrs;  // worker
+  // Worker. By the device's domain: the session's protection domain there, and its chunks
+  // registered in it. Destroyed after every path's connections and regions (~Session).
+  std::map<fabric::Domain*, std::unique_ptr<fabric::Domain>> pds;
+  std::map<fabric::Domain*, std::unique_ptr<fabric::MemoryRegion>> mrs;
 
   mutable std::mutex mu;  // paths lists and name
   std::vector<Path*> live;
@@ -224,7 +241,9 @@ struct Session final : ServerSession {
 
   ~Session() override {
     mrs.clear();
+    pds.clear();
     if (chunks != nullptr) ::munmap(chunks, chunks_len);
+    if (copies != nullptr) ::munmap(copies, copies_len);
   }
   const std::string& name() const override { return name_; }
   const Uuid16& uuid() const override { return uuid_; }
@@ -401,11 +420,11 @@ void Req::start(Con* c, uint32_t offset) {
       state.store(0, std::memory_order_release);
       return;
     }
-    c->path->chunk_mrs[chunk_id_].reset();
+    (void)c->path->chunk_mrs[chunk_id_]->revoke();
     c->gate.exit();
   }
   std::string why;
-  auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, &why);
+  auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, copy, &why);
   const uint32_t max_io = ss.chunk_size - ss.max_hdr;
   if (io.ok() && io->kind == proto::IoKind::read && io->read.total_len > max_io) {
     io = errc(EPROTO);
@@ -428,18 +447,17 @@ void Req::start(Con* c, uint32_t offset) {
     usr_ = io->write.usr;
     const size_t off = static_cast<size_t>(io->write.data.data() - chunk.data());
     data_ = chunk.subspan(off, io->write.data.size());
-    ndesc = 0;
+    descs = {};
   } else {
     dir_ = IoDir::read;
     usr_ = io->read.usr;
-    ndesc = static_cast<uint16_t>(io->read.descs.size());
-    // A failed-over copy may overwrite the chunk's header area while this one is served.
-    std::memcpy(descs, io->read.descs.data(), ndesc * sizeof(proto::BufDesc));
+    descs = io->read.descs;
     data_ = chunk.subspan(ss.max_hdr, static_cast<size_t>(io->read.total_len));
   }
   bytes = data_.size();
   ss.inflight.fetch_add(1, std::memory_order_acq_rel);
-  c->path->stats.on_submit(shard, dir_ == IoDir::write, bytes, dir_ == IoDir::read ? ndesc : 1);
+  c->path->stats.on_submit(shard, dir_ == IoDir::write, bytes,
+                           dir_ == IoDir::read ? static_cast<uint32_t>(descs.size()) : 1);
   ss.srv->opts.handler->on_request(*this);
 }
 
@@ -454,7 +472,7 @@ void Req::complete(int err) {
   size_t n = 0;
   if (dir_ == IoDir::read && err == 0) {
     uint64_t off = 0;
-    for (uint16_t i = 0; i < ndesc; ++i) {
+    for (size_t i = 0; i < descs.size(); ++i) {
       const uint32_t len = descs[i].len.get();
       sges[i] = Sge{reinterpret_cast<uint64_t>(data_.data() + off), len, p->chunk_lkey};
       SendWr& w = wrs[n++];
@@ -475,7 +493,8 @@ void Req::complete(int err) {
   rsp.wr_id = wr_id(kWrIo, chunk_id_);
   rsp.opcode = Opcode::write_with_imm;
   auto imm = proto::encode_io_rsp_imm(chunk_id_, err);
-  rsp.imm = imm.ok() ? *imm : 0;
+  const uint32_t plain_imm = imm.ok() ? *imm : 0;
+  rsp.imm = plain_imm;
   if (ss.invalidate) rsp.imm = proto::make_imm(proto::ImmType::io_rsp_w_inv, proto::imm_payload(rsp.imm));
   rsp.signaled = c->sig.fetch_add(1, std::memory_order_relaxed) % kSignalEvery == 0;
 
@@ -494,7 +513,16 @@ void Req::complete(int err) {
     // not fit, this completion is what retries it.
     if (c->conn->send_queue_free() < 2 * n + kSignalEvery) rsp.signaled = true;
     Sge rkey_sge;
-    if (!ss.invalidate || rekey(c, wrs[rkey_at], rkey_sge)) c->post_or_backlog(std::span(wrs, n));
+    bool changed = true;
+    if (!ss.invalidate || restore_key(c, wrs[rkey_at], rkey_sge, &changed)) {
+      if (!changed) {
+        // The client's key is valid again as it is: no RKEY_RSP, a plain response.
+        wrs[rkey_at] = wrs[n - 1];
+        wrs[rkey_at].imm = plain_imm;
+        --n;
+      }
+      c->post_or_backlog(std::span(wrs, n));
+    }
     c->gate.exit();
   }
   if (next != nullptr) {
@@ -507,24 +535,28 @@ void Req::complete(int err) {
   ss.request_done();
 }
 
-bool Req::rekey(Con* c, SendWr& wr, Sge& sge) {
+bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
   Session& ss = *s;
   Path* p = c->path;
-  auto mr = p->domain->register_memory(ss.chunk(chunk_id_).data(), ss.chunk_size,
-                                       fabric::kLocalWrite | fabric::kRemoteWrite);
-  if (!mr.ok()) {
+  fabric::MemoryRegion& mr = *p->chunk_mrs[chunk_id_];
+  // The key the client holds: still the region's on the software providers, where revoke()
+  // keeps it; 0 on rdma, where it deregistered the region.
+  const uint32_t before = mr.rkey();
+  auto key = mr.restore();
+  if (!key.ok()) {
     // Without a key the client cannot use the chunk on this path: let it fail over.
-    IBTRS_LOG(warn, "session %s path %s: cannot re-register chunk %u: %s", ss.name_.c_str(),
-              p->name.c_str(), chunk_id_, mr.error().message().c_str());
+    IBTRS_LOG(warn, "session %s path %s: cannot re-key chunk %u: %s", ss.name_.c_str(),
+              p->name.c_str(), chunk_id_, key.error().message().c_str());
     c->failed.store(true, std::memory_order_release);
     c->conn->disconnect();
     return false;
   }
+  *changed = *key != before;
+  if (!*changed) return true;
   proto::RkeyRsp& m = ss.rkey_msgs[chunk_id_];
   m.type.set(static_cast<uint16_t>(proto::MsgType::rkey_rsp));
   m.buf_id.set(static_cast<uint16_t>(chunk_id_));
-  m.rkey.set((*mr)->rkey());
-  p->chunk_mrs[chunk_id_] = std::move(*mr);
+  m.rkey.set(*key);
   sge = Sge{reinterpret_cast<uint64_t>(&m), sizeof(m), p->chunk_lkey};
   wr = SendWr{};
   wr.wr_id = wr_id(kWrIo, chunk_id_);
@@ -840,11 +872,18 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr, std::string_view* re
   if (m == MAP_FAILED) return errc(ENOMEM);
   s->chunks = static_cast<std::byte*>(m);
   if (s->invalidate) s->rkey_msgs = reinterpret_cast<proto::RkeyRsp*>(s->chunks + chunk_bytes);
+  // Never registered: no peer can write the copies. Lazily backed like the chunks.
+  s->copies_len = size_t{s->qd} * s->max_hdr;
+  void* cm = ::mmap(nullptr, s->copies_len, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (cm == MAP_FAILED) return errc(ENOMEM);
+  s->copies = static_cast<std::byte*>(cm);
   s->reqs = std::make_unique<Req[]>(s->qd);
   for (uint32_t i = 0; i < s->qd; ++i) {
     s->reqs[i].s = s.get();
     s->reqs[i].chunk_id_ = i;
     s->reqs[i].session_ = s.get();
+    s->reqs[i].copy = {s->copies + size_t{i} * s->max_hdr, s->max_hdr};
   }
   chunk_memory.fetch_add(chunk_bytes);
   Session* raw = s.get();
@@ -949,13 +988,24 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
 
 Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::ConnectRequest& req) {
   const uint16_t cid = cr.cid.get();
-  fabric::Domain& d = req.domain();
-  if (p->domain != nullptr && p->domain != &d) {
+  fabric::Domain& dev = req.domain();
+  if (p->device != nullptr && p->device != &dev) {
     reject(req, EINVAL, refusal::kBadConnectRequest, "connections of one path on different devices");
     return errc(EINVAL);
   }
+  p->device = &dev;
+  auto pd_it = s->pds.find(&dev);
+  if (pd_it == s->pds.end()) {
+    auto pd = dev.alloc_pd(fabric::PdAttr{opts.session_max_keys});
+    if (!pd.ok()) {
+      reject(req, ENOMEM, refusal::kNoResources, "cannot allocate the session's protection domain");
+      return pd.error();
+    }
+    pd_it = s->pds.emplace(&dev, std::move(*pd)).first;
+  }
+  fabric::Domain& d = *pd_it->second;
   p->domain = &d;
-  auto it = s->mrs.find(&d);
+  auto it = s->mrs.find(&dev);
   if (it == s->mrs.end()) {
     // With always_invalidate the session-wide region is only the server's own (local) view.
     const uint32_t access = fabric::kLocalWrite | (s->invalidate ? 0u : uint32_t{fabric::kRemoteWrite});
@@ -964,7 +1014,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
       reject(req, ENOMEM, refusal::kNoResources, "cannot register the session's chunks");
       return mr.error();
     }
-    it = s->mrs.emplace(&d, std::move(*mr)).first;
+    it = s->mrs.emplace(&dev, std::move(*mr)).first;
   }
   p->chunk_lkey = it->second->lkey();
   p->chunk_rkey = it->second->rkey();
@@ -995,7 +1045,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
     caps.max_send_sge = 1;
     caps.max_recv_sge = 1;
   }
-  auto cq = d.create_cq(caps.max_send_wr + caps.max_recv_wr);
+  auto cq = dev.create_cq(caps.max_send_wr + caps.max_recv_wr);
   if (!cq.ok()) {
     reject(req, ENOMEM, refusal::kNoResources, "cannot create a completion queue");
     return cq.error();
@@ -1017,7 +1067,8 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   ev.on_disconnected = [c](std::error_code) { c->failed.store(true, std::memory_order_release); };
   auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr,
                                  s->invalidate ? proto::kConRspInvalidatePerIo : 0);
-  IBTRS_ASSIGN_OR_RETURN(c->conn, req.accept(*c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
+  IBTRS_ASSIGN_OR_RETURN(c->conn,
+                         req.accept(d, *c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
   std::vector<fabric::RecvWr> rw(caps.max_recv_wr);
   std::vector<Sge> sg(caps.max_recv_wr);
   for (uint32_t i = 0; i < caps.max_recv_wr; ++i) {

@@ -210,12 +210,15 @@ class LbCq final : public CompletionQueue {
   }
 };
 
+// Connection ids, never reused: the owner a memory window bound on a connection carries.
+std::atomic<uint64_t> g_next_conn_id{1};
+
 class LbConnection final : public Connection {
  public:
   LbConnection(LbCq& cq, std::shared_ptr<MrTable> mrs, const QueueCaps& caps,
                ConnectionEvents events, Address local, Address peer, std::string endpoint,
                bool server_side)
-      : cq_(cq), mrs_(std::move(mrs)), caps_(caps), events_(std::move(events)),
+      : id_(g_next_conn_id.fetch_add(1, std::memory_order_relaxed)), cq_(cq), mrs_(std::move(mrs)), caps_(caps), events_(std::move(events)),
         local_(std::move(local)), peer_addr_(std::move(peer)), endpoint_(std::move(endpoint)),
         server_side_(server_side) {
     cq_.conns.push_back(this);
@@ -229,6 +232,16 @@ class LbConnection final : public Connection {
 
   ibtrs::Status post_send(std::span<const SendWr> wrs) override;
   ibtrs::Status post_recv(std::span<const RecvWr> wrs) override;
+  Result<uint32_t> bind_mw(MemoryWindow& mw, const MemoryRegion& mr, uint64_t addr, uint64_t len,
+                           uint32_t access) override {
+    std::lock_guard lock(world_mu());
+    if (state_ != ConnState::connected) return errc(ENOTCONN);
+    return soft_bind_mw(*mrs_, id_, mw, mr, addr, len, access);
+  }
+  Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t) override {
+    IBTRS_TRY(soft_invalidate_mw(*mrs_, id_, mw));
+    return true;
+  }
   void disconnect() override {
     std::lock_guard lock(world_mu());
     if (state_ == ConnState::connected) break_link(errc(ECONNABORTED));
@@ -280,10 +293,12 @@ class LbConnection final : public Connection {
     if (f.signaled || st != WcStatus::success)
       cq_.push(Completion{f.wr_id, st, f.op, static_cast<uint32_t>(f.total), 0, false});
   }
-  // Copies the frame's gathered bytes into the peer's destination segments.
-  bool copy_out(const Frame& f, const MrTable& dst_table, const Sge* dst, uint32_t ndst,
-                uint32_t access);
+  // Copies the frame's gathered bytes into the peer's destination segments, looked up in the
+  // peer's table for the peer connection `dst_conn`.
+  bool copy_out(const Frame& f, const MrTable& dst_table, uint64_t dst_conn, const Sge* dst,
+                uint32_t ndst, uint32_t access);
 
+  const uint64_t id_;
   LbCq& cq_;
   std::shared_ptr<MrTable> mrs_;
   QueueCaps caps_;
@@ -373,8 +388,8 @@ ibtrs::Status LbConnection::post_recv(std::span<const RecvWr> wrs) {
   return {};
 }
 
-bool LbConnection::copy_out(const Frame& f, const MrTable& dst_table, const Sge* dst,
-                            uint32_t ndst, uint32_t access) {
+bool LbConnection::copy_out(const Frame& f, const MrTable& dst_table, uint64_t dst_conn,
+                            const Sge* dst, uint32_t ndst, uint32_t access) {
   uint32_t si = 0, di = 0;
   uint64_t soff = 0, doff = 0;
   uint64_t left = f.total;
@@ -384,7 +399,8 @@ bool LbConnection::copy_out(const Frame& f, const MrTable& dst_table, const Sge*
     if (di >= ndst) return false;
     uint64_t n = std::min({left, f.sges[si].length - soff, dst[di].length - doff});
     MrTable::Ref src = mrs_->acquire(f.sges[si].lkey, f.sges[si].addr + soff, n, 0, nullptr);
-    MrTable::Ref to = dst_table.acquire(dst[di].lkey, dst[di].addr + doff, n, access, nullptr);
+    MrTable::Ref to =
+        dst_table.acquire(dst[di].lkey, dst[di].addr + doff, n, access, nullptr, dst_conn);
     if (!src || !to) return false;
     std::memcpy(to.ptr(), src.ptr(), n);
     soff += n;
@@ -416,7 +432,7 @@ void LbConnection::deliver(Clock::time_point now) {
         break_link(errc(EMSGSIZE));
         return;
       }
-      if (!copy_out(f, *p.mrs_, r.sges, r.nsge, kLocalWrite)) {
+      if (!copy_out(f, *p.mrs_, p.id_, r.sges, r.nsge, kLocalWrite)) {
         p.cq_.push(Completion{r.wr_id, WcStatus::local_protection_error, Opcode::recv, 0, 0, false});
         p.rq_.pop_front();
         f.fail = WcStatus::remote_operation_error;
@@ -428,14 +444,15 @@ void LbConnection::deliver(Clock::time_point now) {
       p.rq_.pop_front();
     } else {
       if (f.total > 0) {
-        // Whole window checked before a byte moves; zero-length writes touch no memory.
-        if (!p.mrs_->check(f.rkey, f.remote_addr, f.total, kRemoteWrite)) {
+        // Whole window checked before a byte moves, in the table of the receiving connection's
+        // domain and for that connection (windows); zero-length writes touch no memory.
+        if (!p.mrs_->acquire(f.rkey, f.remote_addr, f.total, kRemoteWrite, nullptr, p.id_)) {
           f.fail = WcStatus::remote_access_error;
           break_link(errc(EACCES));
           return;
         }
         Sge target{f.remote_addr, static_cast<uint32_t>(f.total), f.rkey};
-        if (f.total > UINT32_MAX || !copy_out(f, *p.mrs_, &target, 1, kRemoteWrite)) {
+        if (f.total > UINT32_MAX || !copy_out(f, *p.mrs_, p.id_, &target, 1, kRemoteWrite)) {
           f.fail = WcStatus::remote_access_error;
           break_link(errc(EACCES));
           return;
@@ -578,12 +595,21 @@ class LbListener final : public Listener {
 
 class LbDomain final : public Domain {
  public:
-  LbDomain() : mrs_(std::make_shared<MrTable>()) {}
+  // `device`: what makes domains one device (the fabric).
+  LbDomain(const void* device, uint32_t max_keys)
+      : device_(device), mrs_(std::make_shared<MrTable>(max_keys)) {}
   std::string device_name() const override { return "loopback"; }
+  Result<std::unique_ptr<Domain>> alloc_pd(const PdAttr& attr) override {
+    return std::unique_ptr<Domain>(new LbDomain(device_, attr.max_keys));
+  }
   Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length,
                                                         uint32_t access) override {
     return SoftMemoryRegion::create(mrs_, addr, length, access);
   }
+  Result<std::unique_ptr<MemoryWindow>> alloc_mw() override {
+    return SoftMemoryWindow::create(mrs_);
+  }
+  const void* device() const { return device_; }
   Result<std::unique_ptr<CompletionQueue>> create_cq(uint32_t capacity) override {
     return LbCq::create(capacity);
   }
@@ -592,6 +618,7 @@ class LbDomain final : public Domain {
   uint64_t next_client_id() { return ++clients_; }
 
  private:
+  const void* device_;
   std::shared_ptr<MrTable> mrs_;
   std::atomic<uint64_t> clients_{0};
 };
@@ -606,12 +633,16 @@ class LbConnectRequest final : public ConnectRequest {
   std::span<const std::byte> private_data() const override { return p_->pd; }
   const Address& peer_address() const override { return p_->client_addr; }
   const Address& local_address() const override { return listener_.address(); }
-  Domain& domain() override { return listener_.domain(); }
+  Domain& domain() override;
 
-  Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+  using ConnectRequest::accept;
+  Result<std::unique_ptr<Connection>> accept(Domain& pd, CompletionQueue& cq,
+                                             const QueueCaps& caps,
                                              std::span<const std::byte> private_data,
                                              ConnectionEvents events) override {
-    if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
+    auto* lpd = dynamic_cast<LbDomain*>(&pd);
+    if (private_data.size() > kMaxPrivateData || lpd == nullptr || !same_device(*lpd))
+      return errc(EINVAL);
     IBTRS_TRY(check_caps(caps, UINT32_MAX, kMaxSge));
     auto* scq = dynamic_cast<LbCq*>(&cq);
     if (scq == nullptr) return errc(EINVAL);
@@ -625,7 +656,7 @@ class LbConnectRequest final : public ConnectRequest {
       return errc(ECONNRESET);
     }
     const std::string ep = listener_.address().name;
-    auto server = std::make_unique<LbConnection>(*scq, listener_.domain().mrs(), caps,
+    auto server = std::make_unique<LbConnection>(*scq, lpd->mrs(), caps,
                                                  std::move(events), listener_.address(),
                                                  p_->client_addr, ep, true);
     auto client = std::make_unique<LbConnection>(*ccq, p_->client_mrs, p_->caps, p_->events,
@@ -656,9 +687,12 @@ class LbConnectRequest final : public ConnectRequest {
     }
     p_.reset();
   }
+  bool same_device(const LbDomain& d) const { return d.device() == listener_.domain().device(); }
   LbListener& listener_;
   std::shared_ptr<PendingConnect> p_;
 };
+
+Domain& LbConnectRequest::domain() { return listener_.domain(); }
 
 Result<std::unique_ptr<ConnectRequest>> LbListener::get_request(std::chrono::milliseconds timeout) {
   std::unique_lock lock(world_mu());
@@ -706,6 +740,7 @@ Result<ConnectResult> LbDomain::connect(const ConnectParams& p, std::vector<std:
 
 class LbFabric final : public Fabric {
  public:
+  LbFabric() : domain_(this, 0) {}
   FabricKind kind() const override { return FabricKind::loopback; }
   Result<Domain*> domain_for(const Address& remote, const Address*) override {
     if (remote.fabric != FabricKind::loopback) return errc(EINVAL);

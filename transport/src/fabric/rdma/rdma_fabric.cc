@@ -23,6 +23,14 @@
 // the window in which a freed id's address could be reused by a new connection while a stale
 // event still names it.
 //
+// Protection domains and windows. Every Domain is one ibv_pd: the device's default one (made on
+// first use of the device, alongside its async-event fd) and those of alloc_pd(). CQs belong to
+// the device (ibv_cq has no PD), so any domain's connections may share them. Memory windows are
+// verbs type 2 (ibv_alloc_mw, IBV_WR_BIND_MW, IBV_WR_LOCAL_INV): a bind and a revocation are
+// work requests on the connection's send queue, in its ring like any other. The key of a bind
+// is the window's index with a fresh random low byte (the 8 key bits verbs lets the consumer
+// choose).
+//
 // Completions. The wr_id given to verbs is not the user's: it is a per-connection sequence
 // number (bit 63 set for receives), and the user's wr_id and opcode sit in a ring indexed by it.
 // That gives exact send-queue accounting under selective signalling (a completion for sequence s
@@ -51,6 +59,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "common/secure_random.h"
 #include "fabric/providers.h"
 #include "fabric/rdma/rdma_private_data.h"
 
@@ -241,6 +250,9 @@ class ConnCore : public std::enable_shared_from_this<ConnCore> {
 
   ibtrs::Status post_send(std::span<const SendWr> wrs);
   ibtrs::Status post_recv(std::span<const RecvWr> wrs);
+  Result<uint32_t> bind_mw(MemoryWindow& mw, const MemoryRegion& mr, uint64_t addr, uint64_t len,
+                           uint32_t access);
+  Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t wr_id);
   // Translate one work completion of this QP; false when it is stale.
   bool complete(const ibv_wc& wc, Completion& out);
 
@@ -271,6 +283,8 @@ class ConnCore : public std::enable_shared_from_this<ConnCore> {
 
  private:
   void send_disconnect_locked();
+  // Posts one local work request (a bind or a LOCAL_INV) through the send ring.
+  ibtrs::Status post_local(ibv_send_wr& wr, uint64_t user_wr_id);
 
   RdmaFabric& fabric_;
   RdmaDomain& domain_;
@@ -320,20 +334,64 @@ class RdmaMr final : public MemoryRegion {
  public:
   RdmaMr(RdmaDomain& domain, ibv_mr* mr, uint32_t access);
   ~RdmaMr() override;
+  ibtrs::Status revoke() override;
+  Result<uint32_t> restore() override;
+  Result<uint32_t> rekey() override;
+
+  ibv_mr* mr() const { return mr_; }
+  RdmaDomain& domain() const { return domain_; }
+
+ private:
+  void release();
+  RdmaDomain& domain_;
+  ibv_mr* mr_;  // null while revoked
+};
+
+class RdmaMw final : public MemoryWindow {
+ public:
+  RdmaMw(RdmaDomain& domain, ibv_mw* mw) : domain_(domain), mw_(mw) {}
+  ~RdmaMw() override;
+
+  RdmaDomain& domain() const { return domain_; }
+  ibv_mw* mw() const { return mw_; }
+  // The next key: the window's index with a fresh random key byte.
+  uint32_t next_key() const {
+    uint32_t key = secure_random_u32() & 0xff;
+    if (key == (rkey_ & 0xff)) key ^= 1;
+    return (mw_->rkey & ~0xffu) | key;
+  }
+  void bound(const ConnCore* on, uint32_t key) {
+    bound_on_ = on;
+    rkey_ = key;
+    state = State::bound;
+  }
+  // unbound; bound; invalidating: a LOCAL_INV is posted. A window may be bound when unbound or
+  // invalidating: a bind on the queue pair of the LOCAL_INV runs after it (send queue order).
+  enum class State : uint8_t { unbound, bound, invalidating };
+  State state = State::unbound;
+  const ConnCore* bound_on() const { return bound_on_; }
+  // Swaps in a fresh ibv_mw: what unbinds a window whose connection can no longer run a
+  // LOCAL_INV (deallocating a bound type 2 window revokes it).
+  ibtrs::Status replace();
 
  private:
   RdmaDomain& domain_;
-  ibv_mr* mr_;
+  ibv_mw* mw_;
+  const ConnCore* bound_on_ = nullptr;  // the connection of the current or last binding
 };
 
 class RdmaDomain final : public Domain {
  public:
-  RdmaDomain(RdmaFabric& fabric, ibv_context* ctx, ibv_pd* pd) : fabric_(fabric), ctx_(ctx), pd_(pd) {}
+  RdmaDomain(RdmaFabric& fabric, ibv_context* ctx, ibv_pd* pd, uint32_t max_keys)
+      : fabric_(fabric), ctx_(ctx), pd_(pd), max_keys_(max_keys == 0 ? UINT32_MAX : max_keys) {}
   ~RdmaDomain() override { ibv_dealloc_pd(pd_); }
 
   std::string device_name() const override { return ibv_get_device_name(ctx_->device); }
+  Result<std::unique_ptr<Domain>> alloc_pd(const PdAttr& attr) override;
   Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length,
                                                         uint32_t access) override;
+  Result<std::unique_ptr<MemoryWindow>> alloc_mw() override;
+  uint32_t mw_send_slots() const override { return 1; }
   Result<std::unique_ptr<CompletionQueue>> create_cq(uint32_t capacity) override;
   Result<ConnectResult> connect(const ConnectParams& params,
                                 std::vector<std::byte>* reject_data) override;
@@ -348,6 +406,17 @@ class RdmaDomain final : public Domain {
   bool covers(std::span<const Sge> sges) const;
   void track(const ibv_mr* mr);
   void untrack(const ibv_mr* mr);
+  // Counts a key (region or window) against max_keys: ENOMEM when the domain is full.
+  ibtrs::Status take_key() {
+    uint32_t n = keys_.load(std::memory_order_relaxed);
+    do {
+      if (n >= max_keys_) return errc(ENOMEM);
+    } while (!keys_.compare_exchange_weak(n, n + 1, std::memory_order_relaxed));
+    return {};
+  }
+  void put_key() { keys_.fetch_sub(1, std::memory_order_relaxed); }
+  // ibv_reg_mr with our access bits.
+  Result<ibv_mr*> reg(void* addr, size_t length, uint32_t access);
 
  private:
   struct Range {
@@ -357,14 +426,16 @@ class RdmaDomain final : public Domain {
   RdmaFabric& fabric_;
   ibv_context* ctx_;
   ibv_pd* pd_;
+  const uint32_t max_keys_;
+  std::atomic<uint32_t> keys_{0};
   mutable std::shared_mutex mr_mu_;
   std::unordered_map<uint32_t, Range> mrs_;  // by lkey
 };
 
 class RdmaCq final : public CompletionQueue {
  public:
-  RdmaCq(RdmaDomain& domain, ibv_comp_channel* channel, ibv_cq* cq, uint32_t capacity)
-      : CompletionQueue(capacity), domain_(domain), channel_(channel), cq_(cq) {}
+  RdmaCq(ibv_context* ctx, ibv_comp_channel* channel, ibv_cq* cq, uint32_t capacity)
+      : CompletionQueue(capacity), ctx_(ctx), channel_(channel), cq_(cq) {}
   ~RdmaCq() override {
     ack_events();  // ibv_destroy_cq waits until every event read from the channel is acked
     ibv_destroy_cq(cq_);
@@ -385,7 +456,8 @@ class RdmaCq final : public CompletionQueue {
     if (n > 0) ibv_ack_cq_events(cq_, n);
   }
 
-  RdmaDomain& domain() { return domain_; }
+  // The device: connections of every domain on it may use this CQ.
+  ibv_context* context() const { return ctx_; }
   ibv_cq* cq() const { return cq_; }
 
   void detach(uint32_t qp_num, const QueueCaps& caps) {
@@ -415,7 +487,7 @@ class RdmaCq final : public CompletionQueue {
   }
 
  private:
-  RdmaDomain& domain_;
+  ibv_context* ctx_;
   ibv_comp_channel* channel_;
   ibv_cq* cq_;
   // Held across a whole poll(): detach() takes it, so a core found in qps_ stays alive until poll
@@ -434,6 +506,13 @@ class RdmaConnection final : public Connection {
 
   ibtrs::Status post_send(std::span<const SendWr> wrs) override { return core_->post_send(wrs); }
   ibtrs::Status post_recv(std::span<const RecvWr> wrs) override { return core_->post_recv(wrs); }
+  Result<uint32_t> bind_mw(MemoryWindow& mw, const MemoryRegion& mr, uint64_t addr, uint64_t len,
+                           uint32_t access) override {
+    return core_->bind_mw(mw, mr, addr, len, access);
+  }
+  Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t wr_id) override {
+    return core_->invalidate_mw(mw, wr_id);
+  }
   void disconnect() override { core_->to_error(ConnState::closed, ECONNABORTED); }
   ConnState state() const override { return core_->state(); }
   const QueueCaps& caps() const override { return core_->caps(); }
@@ -468,7 +547,9 @@ class RdmaConnectRequest final : public ConnectRequest {
   const Address& peer_address() const override { return peer_; }
   const Address& local_address() const override { return local_; }
   Domain& domain() override;
-  Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+  using ConnectRequest::accept;
+  Result<std::unique_ptr<Connection>> accept(Domain& pd, CompletionQueue& cq,
+                                             const QueueCaps& caps,
                                              std::span<const std::byte> private_data,
                                              ConnectionEvents events) override;
   ibtrs::Status reject(std::span<const std::byte> private_data) override;
@@ -763,6 +844,78 @@ ibtrs::Status ConnCore::post_send(std::span<const SendWr> wrs) {
   return {};
 }
 
+ibtrs::Status ConnCore::post_local(ibv_send_wr& wr, uint64_t user_wr_id) {
+  std::lock_guard lk(send_mu_);
+  if (state() != ConnState::connected) return errc(ENOTCONN);
+  const uint64_t posted = sq_posted_.load(std::memory_order_relaxed);
+  if (posted - sq_completed_.load(std::memory_order_acquire) >= caps_.max_send_wr)
+    return errc(ENOMEM);
+  // Completes (when signalled, or in error) as local_inv with the caller's wr_id; an
+  // unsignalled bind is retired by a later completion like any unsignalled request.
+  send_ring_[posted % caps_.max_send_wr] = SendSlot{user_wr_id, Opcode::local_inv};
+  wr.wr_id = posted;
+  wr.next = nullptr;
+  ibv_send_wr* bad = nullptr;
+  if (int rc = ibv_post_send(qp_, &wr, &bad); rc != 0) return errc(rc);
+  sq_posted_.store(posted + 1, std::memory_order_release);
+  return {};
+}
+
+Result<uint32_t> ConnCore::bind_mw(MemoryWindow& mw_base, const MemoryRegion& mr_base,
+                                   uint64_t addr, uint64_t len, uint32_t access) {
+  auto* mw = dynamic_cast<RdmaMw*>(&mw_base);
+  auto* mr = dynamic_cast<const RdmaMr*>(&mr_base);
+  if (mw == nullptr || mr == nullptr || &mw->domain() != &domain_ || &mr->domain() != &domain_ ||
+      mr->mr() == nullptr || mw->mw() == nullptr || mw->state == RdmaMw::State::bound)
+    return errc(EINVAL);
+  constexpr uint32_t kRemote = kRemoteWrite | kRemoteRead;
+  if (len == 0 || access == 0 || (access & ~kRemote) != 0 || (mr->access() & kMwBind) == 0)
+    return errc(EINVAL);
+  const uint64_t base = mr->remote_addr();
+  if (addr < base || addr - base > mr->length() || len > mr->length() - (addr - base))
+    return errc(EINVAL);
+  const uint32_t key = mw->next_key();
+  ibv_send_wr wr{};
+  wr.opcode = IBV_WR_BIND_MW;
+  wr.bind_mw.mw = mw->mw();
+  wr.bind_mw.rkey = key;
+  wr.bind_mw.bind_info.mr = mr->mr();
+  wr.bind_mw.bind_info.addr = addr;
+  wr.bind_mw.bind_info.length = len;
+  wr.bind_mw.bind_info.mw_access_flags =
+      ((access & kRemoteWrite) ? IBV_ACCESS_REMOTE_WRITE : 0) |
+      ((access & kRemoteRead) ? IBV_ACCESS_REMOTE_READ : 0);
+  IBTRS_TRY(post_local(wr, 0));
+  // For type 2 windows the consumer keeps ibv_mw::rkey current: the next bind names the window
+  // by it (rxe refuses a bind whose window key is not the current one).
+  mw->mw()->rkey = key;
+  mw->bound(this, key);
+  return key;
+}
+
+Result<bool> ConnCore::invalidate_mw(MemoryWindow& mw_base, uint64_t wr_id) {
+  auto* mw = dynamic_cast<RdmaMw*>(&mw_base);
+  if (mw == nullptr || &mw->domain() != &domain_ || mw->bound_on() != this) return errc(EINVAL);
+  if (mw->state == RdmaMw::State::unbound) return true;
+  if (state() == ConnState::connected) {
+    // A LOCAL_INV already on its way answers for this call too.
+    if (mw->state == RdmaMw::State::invalidating) return false;
+    ibv_send_wr wr{};
+    wr.opcode = IBV_WR_LOCAL_INV;
+    wr.invalidate_rkey = mw->rkey();
+    wr.send_flags = IBV_SEND_SIGNALED;
+    auto st = post_local(wr, wr_id);
+    if (st.ok()) {
+      mw->state = RdmaMw::State::invalidating;
+      return false;
+    }
+    if (st.error() != errc(ENOTCONN)) return st.error();
+  }
+  // No LOCAL_INV can run on this queue pair any more: deallocating the window revokes it.
+  IBTRS_TRY(mw->replace());
+  return true;
+}
+
 ibtrs::Status ConnCore::post_recv(std::span<const RecvWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
   if (wrs.empty()) return {};
@@ -844,8 +997,51 @@ RdmaMr::RdmaMr(RdmaDomain& domain, ibv_mr* mr, uint32_t access)
 }
 
 RdmaMr::~RdmaMr() {
+  release();
+  domain_.put_key();
+}
+
+void RdmaMr::release() {
+  if (mr_ == nullptr) return;
   domain_.untrack(mr_);
   ibv_dereg_mr(mr_);
+  mr_ = nullptr;
+  set_keys(0, 0);
+}
+
+ibtrs::Status RdmaMr::revoke() {
+  release();
+  return {};
+}
+
+Result<uint32_t> RdmaMr::restore() {
+  // A revoked region was deregistered: it comes back registered, with the HCA's new keys.
+  if (mr_ != nullptr) return mr_->rkey;
+  return rekey();
+}
+
+Result<uint32_t> RdmaMr::rekey() {
+  // ibv_rereg_mr keeps the keys on Soft-RoCE (and may elsewhere): a new registration is what
+  // gives new ones.
+  release();
+  IBTRS_ASSIGN_OR_RETURN(mr_, domain_.reg(addr(), length(), access()));
+  domain_.track(mr_);
+  set_keys(mr_->lkey, mr_->rkey);
+  return mr_->rkey;
+}
+
+RdmaMw::~RdmaMw() {
+  if (mw_ != nullptr) ibv_dealloc_mw(mw_);
+  domain_.put_key();
+}
+
+ibtrs::Status RdmaMw::replace() {
+  if (mw_ != nullptr) ibv_dealloc_mw(mw_);
+  state = State::unbound;
+  errno = 0;
+  mw_ = ibv_alloc_mw(domain_.pd(), IBV_MW_TYPE_2);
+  if (mw_ == nullptr) return last_error(ENOMEM);
+  return {};
 }
 
 bool RdmaDomain::covers(std::span<const Sge> sges) const {
@@ -871,19 +1067,50 @@ void RdmaDomain::untrack(const ibv_mr* mr) {
   mrs_.erase(mr->lkey);
 }
 
-Result<std::unique_ptr<MemoryRegion>> RdmaDomain::register_memory(void* addr, size_t length,
-                                                                  uint32_t access) {
-  constexpr uint32_t kKnown = kLocalWrite | kRemoteWrite | kRemoteRead;
-  if (addr == nullptr || length == 0 || (access & ~kKnown) != 0) return errc(EINVAL);
+Result<ibv_mr*> RdmaDomain::reg(void* addr, size_t length, uint32_t access) {
   int flags = 0;
   // Verbs refuses REMOTE_WRITE without LOCAL_WRITE: the HCA writes the memory either way.
   if (access & (kLocalWrite | kRemoteWrite)) flags |= IBV_ACCESS_LOCAL_WRITE;
   if (access & kRemoteWrite) flags |= IBV_ACCESS_REMOTE_WRITE;
   if (access & kRemoteRead) flags |= IBV_ACCESS_REMOTE_READ;
+  if (access & kMwBind) flags |= IBV_ACCESS_MW_BIND;
   errno = 0;
   ibv_mr* mr = ibv_reg_mr(pd_, addr, length, flags);
   if (mr == nullptr) return errno == EFAULT ? errc(EINVAL) : last_error(ENOMEM);
-  return std::unique_ptr<MemoryRegion>(new RdmaMr(*this, mr, access));
+  return mr;
+}
+
+Result<std::unique_ptr<MemoryRegion>> RdmaDomain::register_memory(void* addr, size_t length,
+                                                                  uint32_t access) {
+  constexpr uint32_t kKnown = kLocalWrite | kRemoteWrite | kRemoteRead | kMwBind;
+  if (addr == nullptr || length == 0 || (access & ~kKnown) != 0) return errc(EINVAL);
+  IBTRS_TRY(take_key());
+  auto mr = reg(addr, length, access);
+  if (!mr) {
+    put_key();
+    return mr.error();
+  }
+  return std::unique_ptr<MemoryRegion>(new RdmaMr(*this, *mr, access));
+}
+
+Result<std::unique_ptr<MemoryWindow>> RdmaDomain::alloc_mw() {
+  IBTRS_TRY(take_key());
+  errno = 0;
+  ibv_mw* mw = ibv_alloc_mw(pd_, IBV_MW_TYPE_2);
+  if (mw == nullptr) {
+    put_key();
+    if (errno == EOPNOTSUPP || errno == ENOSYS || errno == EINVAL || errno == 0)
+      return errc(ENOTSUP);
+    return last_error(ENOMEM);
+  }
+  return std::unique_ptr<MemoryWindow>(new RdmaMw(*this, mw));
+}
+
+Result<std::unique_ptr<Domain>> RdmaDomain::alloc_pd(const PdAttr& attr) {
+  errno = 0;
+  ibv_pd* pd = ibv_alloc_pd(ctx_);
+  if (pd == nullptr) return last_error(ENOMEM);
+  return std::unique_ptr<Domain>(new RdmaDomain(fabric_, ctx_, pd, attr.max_keys));
 }
 
 Result<std::unique_ptr<CompletionQueue>> RdmaDomain::create_cq(uint32_t capacity) {
@@ -901,7 +1128,7 @@ Result<std::unique_ptr<CompletionQueue>> RdmaDomain::create_cq(uint32_t capacity
     ibv_destroy_comp_channel(channel);
     return err;
   }
-  return std::unique_ptr<CompletionQueue>(new RdmaCq(*this, channel, cq, capacity));
+  return std::unique_ptr<CompletionQueue>(new RdmaCq(ctx_, channel, cq, capacity));
 }
 
 // Verbs devices cap depths and SGEs per QP themselves (ibv_create_qp fails past them); these are
@@ -913,7 +1140,7 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
                                           std::vector<std::byte>* reject_data) {
   if (reject_data != nullptr) reject_data->clear();
   auto* cq = dynamic_cast<RdmaCq*>(params.cq);
-  if (cq == nullptr || &cq->domain() != this) return errc(EINVAL);
+  if (cq == nullptr || cq->context() != ctx_) return errc(EINVAL);
   if (params.private_data.size() > kMaxPrivateData) return errc(EINVAL);
   if (!valid_ip_address(params.remote)) return errc(EINVAL);
   if (params.source != nullptr && !valid_ip_address(*params.source)) return errc(EINVAL);
@@ -1042,17 +1269,20 @@ size_t RdmaCq::poll(std::span<Completion> out) {
 
 Domain& RdmaConnectRequest::domain() { return domain_; }
 
-Result<std::unique_ptr<Connection>> RdmaConnectRequest::accept(CompletionQueue& cq_base,
-                                                               const QueueCaps& caps,
-                                                               std::span<const std::byte> private_data,
-                                                               ConnectionEvents events) {
+Result<std::unique_ptr<Connection>> RdmaConnectRequest::accept(
+    Domain& pd_base, CompletionQueue& cq_base, const QueueCaps& caps,
+    std::span<const std::byte> private_data, ConnectionEvents events) {
   if (!id_) return errc(EINVAL);  // already accepted or rejected
+  auto* pd = dynamic_cast<RdmaDomain*>(&pd_base);
   auto* cq = dynamic_cast<RdmaCq*>(&cq_base);
-  if (cq == nullptr || &cq->domain() != &domain_) return errc(EINVAL);
+  // The queue pair is created in `pd`, on the device the request arrived on.
+  if (pd == nullptr || pd->context() != domain_.context() || cq == nullptr ||
+      cq->context() != domain_.context())
+    return errc(EINVAL);
   if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
   IBTRS_TRY(check_caps(caps, kMaxQueueDepth, kMaxSgePerWr));
 
-  auto core = std::make_shared<ConnCore>(fabric_, domain_, *cq, caps, std::move(events));
+  auto core = std::make_shared<ConnCore>(fabric_, *pd, *cq, caps, std::move(events));
   IBTRS_TRY(core->init(std::move(id_)));
   auto fail = [&](std::error_code ec) -> Result<std::unique_ptr<Connection>> {
     core->destroy();
@@ -1152,7 +1382,7 @@ Result<RdmaDomain*> RdmaFabric::domain_for_context(ibv_context* ctx) {
   if (pd == nullptr) return last_error(ENOMEM);
   // The event thread reads async events without blocking; nobody else reads this fd.
   set_nonblock(ctx->async_fd);
-  auto* d = new RdmaDomain(*this, ctx, pd);
+  auto* d = new RdmaDomain(*this, ctx, pd, 0);
   domains_.emplace(ctx, std::unique_ptr<RdmaDomain>(d));
   ++domains_gen_;
   wake();

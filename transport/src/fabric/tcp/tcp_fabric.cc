@@ -167,6 +167,10 @@ uint64_t this_thread_id() {
 
 class TcpConnection;
 
+// Connection ids, never reused in the process: the owner a memory window bound on a connection
+// carries, so that only that connection's placements can use it (verbs type 2B).
+std::atomic<uint64_t> g_next_conn_id{1};
+
 // ---------------------------------------------------------------------------------------------
 class TcpCq final : public CompletionQueue {
  public:
@@ -286,7 +290,8 @@ class TcpConnection final : public Connection, private RxHooks {
  public:
   TcpConnection(TcpCq& cq, int sock, const QueueCaps& caps, ConnectionEvents events,
                 std::shared_ptr<MrTable> mrs)
-      : cq_(cq),
+      : id_(g_next_conn_id.fetch_add(1, std::memory_order_relaxed)),
+        cq_(cq),
         sock_(sock),
         caps_(caps),
         events_(std::move(events)),
@@ -296,7 +301,7 @@ class TcpConnection final : public Connection, private RxHooks {
         sq_(caps.max_send_wr),
         sq_sges_(static_cast<size_t>(caps.max_send_wr) * caps.max_send_sge),
         rq_(caps.max_recv_wr),
-        rx_(*mrs_) {}
+        rx_(*mrs_, kDefaultStaging, id_) {}
 
   // Attaching is separate from construction so that nothing can poll a half-built object.
   void attach() { cq_id_ = cq_.attach(this, sock_); }
@@ -316,6 +321,15 @@ class TcpConnection final : public Connection, private RxHooks {
     ring_deferred();
   }
   ibtrs::Status post_recv(std::span<const RecvWr> wrs) override;
+  Result<uint32_t> bind_mw(MemoryWindow& mw, const MemoryRegion& mr, uint64_t addr, uint64_t len,
+                           uint32_t access) override {
+    if (state() != ConnState::connected) return errc(ENOTCONN);
+    return soft_bind_mw(*mrs_, id_, mw, mr, addr, len, access);
+  }
+  Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t) override {
+    IBTRS_TRY(soft_invalidate_mw(*mrs_, id_, mw));
+    return true;
+  }
   void disconnect() override {
     {
       // Requests posted before disconnect() go out before the DISCONNECT frame (which preempts
@@ -412,6 +426,7 @@ class TcpConnection final : public Connection, private RxHooks {
   // on_disconnected once. Poller only.
   void enter_error(std::error_code why, Ctrl tell_peer, WcStatus nak_status = WcStatus::success);
 
+  const uint64_t id_;
   TcpCq& cq_;
   int sock_;
   uint64_t cq_id_ = 0;
@@ -995,7 +1010,9 @@ class TcpConnectRequest final : public ConnectRequest {
   const Address& peer_address() const override { return peer_; }
   const Address& local_address() const override { return local_; }
   Domain& domain() override;
-  Result<std::unique_ptr<Connection>> accept(CompletionQueue& cq, const QueueCaps& caps,
+  using ConnectRequest::accept;
+  Result<std::unique_ptr<Connection>> accept(Domain& pd, CompletionQueue& cq,
+                                             const QueueCaps& caps,
                                              std::span<const std::byte> private_data,
                                              ConnectionEvents events) override;
   ibtrs::Status reject(std::span<const std::byte> private_data) override {
@@ -1071,17 +1088,27 @@ class TcpListener final : public Listener {
 
 class TcpDomain final : public Domain {
  public:
-  TcpDomain(std::shared_ptr<MrTable> mrs, bool busy) : mrs_(std::move(mrs)), busy_poll_(busy) {}
+  // `device`: what makes domains one device (the fabric): they share CQs and accept into
+  // each other.
+  TcpDomain(const void* device, uint32_t max_keys, bool busy)
+      : device_(device), mrs_(std::make_shared<MrTable>(max_keys)), busy_poll_(busy) {}
   std::string device_name() const override { return "tcp"; }
+  Result<std::unique_ptr<Domain>> alloc_pd(const PdAttr& attr) override {
+    return std::unique_ptr<Domain>(new TcpDomain(device_, attr.max_keys, busy_poll_));
+  }
   Result<std::unique_ptr<MemoryRegion>> register_memory(void* addr, size_t length,
                                                         uint32_t access) override {
     return SoftMemoryRegion::create(mrs_, addr, length, access);
+  }
+  Result<std::unique_ptr<MemoryWindow>> alloc_mw() override {
+    return SoftMemoryWindow::create(mrs_);
   }
   Result<std::unique_ptr<CompletionQueue>> create_cq(uint32_t capacity) override {
     return TcpCq::create(capacity, busy_poll_);
   }
   Result<ConnectResult> connect(const ConnectParams& p, std::vector<std::byte>* reject_data) override;
 
+  const void* device() const { return device_; }
   // Builds the connection on an established, handshaken socket. Takes the socket on success.
   Result<std::unique_ptr<Connection>> make_connection(CompletionQueue& cq, int sock,
                                                       const QueueCaps& caps,
@@ -1094,18 +1121,21 @@ class TcpDomain final : public Domain {
   }
 
  private:
+  const void* device_;
   std::shared_ptr<MrTable> mrs_;
   bool busy_poll_;
 };
 
 Domain& TcpConnectRequest::domain() { return domain_; }
 
-Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(CompletionQueue& cq,
-                                                              const QueueCaps& caps,
-                                                              std::span<const std::byte> private_data,
-                                                              ConnectionEvents events) {
-  if (sock_ < 0 || private_data.size() > kMaxPrivateData) return errc(EINVAL);
-  IBTRS_TRY(domain_.reserve(cq, caps));
+Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(
+    Domain& pd_base, CompletionQueue& cq, const QueueCaps& caps,
+    std::span<const std::byte> private_data, ConnectionEvents events) {
+  auto* pd = dynamic_cast<TcpDomain*>(&pd_base);
+  if (sock_ < 0 || private_data.size() > kMaxPrivateData || pd == nullptr ||
+      pd->device() != domain_.device())
+    return errc(EINVAL);
+  IBTRS_TRY(pd->reserve(cq, caps));
   // The response goes out before the connection is attached: the client sends nothing before
   // it has read the response, and its frames wait in the socket until we attach.
   HandshakeFrame f = make_handshake(FrameType::connect_rsp, 1, private_data);
@@ -1114,7 +1144,8 @@ Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(CompletionQueue& c
     static_cast<TcpCq&>(cq).unreserve(caps.max_send_wr + caps.max_recv_wr);
     return st.error();
   }
-  auto conn = domain_.make_connection(cq, sock_, caps, std::move(events));
+  // The connection is the domain's: its peer's writes are checked against pd's keys only.
+  auto conn = pd->make_connection(cq, sock_, caps, std::move(events));
   sock_ = -1;
   return conn;
 }
@@ -1337,8 +1368,7 @@ Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::mi
 
 class TcpFabric final : public Fabric {
  public:
-  explicit TcpFabric(const FabricOptions& o)
-      : domain_(std::make_shared<MrTable>(), o.busy_poll) {}
+  explicit TcpFabric(const FabricOptions& o) : domain_(this, 0, o.busy_poll) {}
   FabricKind kind() const override { return FabricKind::tcp; }
   Result<Domain*> domain_for(const Address& remote, const Address*) override {
     if (remote.fabric != FabricKind::tcp) return errc(EINVAL);

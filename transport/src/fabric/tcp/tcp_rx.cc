@@ -8,8 +8,9 @@
 
 namespace ibtrs::fabric::tcp {
 
-RxEngine::RxEngine(const MrTable& mrs, size_t staging_bytes)
+RxEngine::RxEngine(const MrTable& mrs, size_t staging_bytes, uint64_t conn)
     : mrs_(mrs),
+      conn_(conn),
       stage_(new std::byte[std::max(staging_bytes, 2 * sizeof(FrameHeader))]),
       stage_cap_(std::max(staging_bytes, 2 * sizeof(FrameHeader))) {}
 
@@ -163,8 +164,8 @@ RxEngine::Step RxEngine::on_header(RxHooks& hooks, RxResult& out) {
         // The check's hold is kept for the rest of this pass, so that a payload already
         // staged behind its header is placed without acquiring the region a second time.
         MrTable::Fault fault = MrTable::Fault::none;
-        frame_ref_ =
-            mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite, &fault);
+        frame_ref_ = mrs_.acquire(hdr_.rkey.get(), hdr_.remote_addr.get(), len, kRemoteWrite,
+                                  &fault, conn_);
         if (!frame_ref_) {
           out = fail(WcStatus::remote_access_error,
                      fault == MrTable::Fault::out_of_bounds ? EFAULT : EACCES);
@@ -252,7 +253,8 @@ bool RxEngine::place_from_staging(size_t n) {
       DmaScope dma;  // into registered memory, as an HCA's DMA would
       std::memcpy(frame_ref_.ptr() + seg_off_, src, chunk);
     } else {
-      MrTable::Ref ref = mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr);
+      MrTable::Ref ref =
+          mrs_.acquire(sg.key, sg.addr + seg_off_, chunk, need_access_, nullptr, conn_);
       if (!ref) return false;
       DmaScope dma;
       std::memcpy(ref.ptr(), src, chunk);
@@ -274,7 +276,7 @@ int RxEngine::payload_iov(iovec* iov, int max) {
   while (idx < nsegs_ && cnt < max) {
     const Segment& sg = segs_[idx];
     uint64_t len = sg.len - off;
-    refs_[cnt] = mrs_.acquire(sg.key, sg.addr + off, len, need_access_, nullptr);
+    refs_[cnt] = mrs_.acquire(sg.key, sg.addr + off, len, need_access_, nullptr, conn_);
     if (!refs_[cnt]) {
       for (auto& r : refs_) r.reset();
       return 0;

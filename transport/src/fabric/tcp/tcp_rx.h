@@ -73,7 +73,9 @@ enum class RxResult : uint8_t {
 
 class RxEngine {
  public:
-  explicit RxEngine(const MrTable& mrs, size_t staging_bytes = kDefaultStaging);
+  // `mrs`: the key table of the connection's protection domain; `conn`: the connection's id,
+  // which memory windows bound on it carry as their owner.
+  explicit RxEngine(const MrTable& mrs, size_t staging_bytes = kDefaultStaging, uint64_t conn = 0);
   RxEngine(const RxEngine&) = delete;
   RxEngine& operator=(const RxEngine&) = delete;
 
@@ -123,6 +125,7 @@ class RxEngine {
   size_t staged() const { return s_end_ - s_begin_; }
 
   const MrTable& mrs_;
+  const uint64_t conn_;
   std::unique_ptr<std::byte[]> stage_;
   size_t stage_cap_;
   size_t s_begin_ = 0;
