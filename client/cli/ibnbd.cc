@@ -24,6 +24,7 @@
 
 #include "ibnbd/types.h"
 #include "ibtrs/auth.h"
+#include "ibtrs/tls.h"
 #include "output.h"
 
 namespace {
@@ -45,11 +46,14 @@ const char kUsage[] =
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
     "  device io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]\n"
     "         writes a pattern and reads it back through the mapped device (progress on stderr)\n"
-    "  device export <device> [unix PATH [mode MODE] [group GROUP]] [tcp [HOST:]PORT insecure]\n"
-    "         [name NAME] [remote]\n"
-    "         serves the mapped device over NBD, which authenticates nobody: the unix socket is\n"
-    "         owner-only unless mode (octal) / group say more; tcp has no TLS yet and needs the\n"
-    "         word insecure (any local user can connect), and 'remote' beyond loopback; port 0\n"
+    "  device export <device> [unix PATH [mode MODE] [group GROUP]] [tcp [HOST:]PORT]\n"
+    "         [tls-psk FILE | tls-cert FILE tls-key FILE [tls-ca FILE]] [insecure] [name NAME]\n"
+    "         [remote]\n"
+    "         serves the mapped device over NBD. The unix socket is owner-only unless mode\n"
+    "         (octal) / group say more. tls-psk (psktool's identity:hexkey lines; ibnbd key psk)\n"
+    "         or tls-cert/tls-key make every client use TLS 1.3 with those credentials (nbds://,\n"
+    "         nbdkit --tls=require). tcp without TLS authenticates nobody: it needs the word\n"
+    "         insecure (any local user can connect), and 'remote' beyond loopback; port 0\n"
     "         picks one | unexport <device> | exports\n"
     "  session list | show <session> | reconnect <session> | disconnect <session>\n"
     "  session recover [<session>]   reconnect paths that are down, re-open closed devices\n"
@@ -75,6 +79,8 @@ const char kUsage[] =
     "         a DHHC-1 secret and with server-key one for the server to prove; to FILE\n"
     "         (created with mode 0600) or stdout. Copy it to the client and the server.\n"
     "  key show FILE   the host and the keys' fingerprints (never the secrets)\n"
+    "  key psk IDENTITY [out FILE]   a TLS pre-shared key for NBD exports (identity:hexkey,\n"
+    "         the psktool format nbdkit and libnbd read; FILE mode 0600)\n"
     "migrate (runs ibnbd-migrate; `ibnbd migrate --help`):\n"
     "  migrate save|restore|list|verify|delete <volume> from <server>... [image <name>] ...\n"
     "  migrate ... <volume> nbd <socket> ...   (through a daemon's export of its mapping)\n"
@@ -535,6 +541,8 @@ int run_client(const Cli& c) {
       const std::string& k = c.args[i];
       if (k == "remote" || k == "insecure") req[k] = true;
       else if (k == "unix" || k == "tcp" || k == "name" || k == "mode" || k == "group") req[k] = c.arg(++i, "a value");
+      else if (k == "tls-psk" || k == "tls-cert" || k == "tls-key" || k == "tls-ca")
+        req["tls_" + k.substr(4)] = absolute(c.arg(++i, "a file"));  // the daemon's cwd is not ours
       else fail(22, "export: unknown word '" + k + "'");
     }
   } else if (c.object == "device" && cmd == "unexport") {
@@ -631,7 +639,28 @@ int run_key(const std::vector<std::string>& a) {
                 k->server_key ? k->server_key->fingerprint().c_str() : "(none)");
     return 0;
   }
-  fail(22, "key generate | key show FILE\n" + std::string(kUsage));
+  if (cmd == "psk") {
+    // key psk IDENTITY [out FILE]: a TLS pre-shared key for NBD exports (psktool's format, which
+    // nbdkit --tls-psk and libnbd's tls-psk-file= read).
+    auto p = ibtrs::tls::generate_psk(arg(1, "an identity"));
+    if (!p) fail(22, "identity: 1..255 printable characters, no spaces");
+    if (a.size() > 2) {
+      if (a[2] != "out" || a.size() != 4) fail(22, "key psk IDENTITY [out FILE]");
+      auto st = ibtrs::tls::write_psk_file(a[3], *p);
+      if (!st.ok()) fail(st.error().value(), a[3] + ": " + st.error().message());
+      std::printf("%s: TLS PSK of %s\n", a[3].c_str(), p->identity.c_str());
+      return 0;
+    }
+    std::string line = p->identity + ":";
+    static const char kHex[] = "0123456789abcdef";
+    for (std::byte b : p->key) {
+      line += kHex[static_cast<uint8_t>(b) >> 4];
+      line += kHex[static_cast<uint8_t>(b) & 15];
+    }
+    std::puts(line.c_str());
+    return 0;
+  }
+  fail(22, "key generate | key show FILE | key psk IDENTITY [out FILE]\n" + std::string(kUsage));
 }
 
 int main(int argc, char** argv) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ibnbd/nbd_device_export.h"
+#include "ibtrs/tls.h"
 
 namespace ibnbd {
 
@@ -23,6 +24,7 @@ namespace {
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
+namespace tls = ibtrs::tls;
 
 json err(int e, const std::string& text = {}) { return ControlSocket::error(e, text); }
 json err(std::error_code ec, const std::string& what) {
@@ -746,15 +748,50 @@ std::string ClientDaemon::export_addresses(const std::string& dev) const {
 }
 
 // nbd_export {device, unix?: PATH, mode?: "0660", group?: NAME|GID, tcp?: "HOST:PORT",
-// insecure?, name?, remote?}: serves a mapped device over NBD, which authenticates nobody, so
-// every way in is explicit. The unix socket is owner-only unless `mode` / `group` say who else
-// may connect. TCP (no TLS yet) needs `insecure`: any local user can connect to a loopback port
-// and read and write the device. Beyond loopback it needs `remote` as well.
+// insecure?, name?, remote?, tls_psk?: FILE, tls_cert?: FILE, tls_key?: FILE, tls_ca?: FILE}:
+// serves a mapped device over NBD, whose plain protocol authenticates nobody, so every way in is
+// explicit. The unix socket is owner-only unless `mode` / `group` say who else may connect.
+// With TLS (a PSK file of "identity:hexkey" lines, or a certificate and key, plus a CA to
+// require client certificates) every client must complete STARTTLS with those credentials
+// before it sees the export (nbdkit's --tls=require). Without TLS, tcp needs `insecure`: any
+// local user can connect to a loopback port and read and write the device; beyond loopback it
+// needs `remote` as well.
 json ClientDaemon::nbd_export(const json& req) {
   const std::string dev = str_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   nbd::NbdServerOptions o;
+  const bool psk = req.contains("tls_psk"), cert = req.contains("tls_cert") || req.contains("tls_key");
+  if (psk && cert) return err(EINVAL, "tls_psk or tls_cert/tls_key, not both");
+  if (req.contains("tls_ca") && !cert) return err(EINVAL, "tls_ca goes with tls_cert and tls_key");
+  if (psk || cert) {
+    tls::Config tc;
+    tc.role = tls::Role::server;
+    if (psk) {
+      const std::string f = str_arg(req, "tls_psk");
+      auto entries = tls::read_psk_entries(f);
+      if (!entries.ok())
+        return err(entries.error(), "tls_psk " + f +
+                                        (entries.error() == std::errc::permission_denied
+                                             ? ": readable by others (chmod 600)"
+                                             : ": lines of identity:hexkey (32..64-byte keys), each identity once"));
+      auto table = std::make_shared<std::vector<tls::Psk>>(std::move(*entries));
+      tc.psk_lookup = [table](std::string_view id) -> std::optional<std::vector<std::byte>> {
+        for (const auto& e : *table)
+          if (e.identity == id) return e.key;
+        return std::nullopt;
+      };
+    } else {
+      if (!req.contains("tls_cert") || !req.contains("tls_key")) return err(EINVAL, "tls_cert and tls_key go together");
+      tc.cert_file = str_arg(req, "tls_cert");
+      tc.key_file = str_arg(req, "tls_key");
+      if (req.contains("tls_ca")) tc.ca_file = str_arg(req, "tls_ca");
+    }
+    auto ctx = tls::Context::create(std::move(tc));
+    if (!ctx.ok()) return err(ctx.error(), "TLS credentials: unreadable or mismatched certificate, key or CA file");
+    o.tls = std::move(*ctx);
+    o.tls_required = true;
+  }
   if (req.contains("unix")) {
     nbd::ListenSpec l = nbd::ListenSpec::unix_socket(str_arg(req, "unix"));
     if (req.contains("mode")) {
@@ -778,11 +815,12 @@ json ClientDaemon::nbd_export(const json& req) {
     const std::string a = str_arg(req, "tcp");
     auto l = nbd::ListenSpec::parse_tcp(a.empty() ? "127.0.0.1:0" : a);
     if (!l.ok()) return err(EINVAL, "tcp '" + a + "': HOST:PORT with a numeric address");
-    if (!req.value("insecure", false))
-      return err(EPERM, "tcp " + l->to_string() + ": NBD over tcp has neither TLS nor authentication: " +
+    if (!o.tls && !req.value("insecure", false))
+      return err(EPERM, "tcp " + l->to_string() + ": NBD over tcp without TLS authenticates nobody: " +
                             "anyone who can connect (any local user, on loopback) reads and writes " + dev +
-                            "; pass insecure to serve it in the clear anyway, or use a unix socket");
-    if (!l->is_local() && !req.value("remote", false))
+                            "; give tls-psk FILE (or tls-cert/tls-key), or pass insecure to serve it in the " +
+                            "clear anyway, or use a unix socket");
+    if (!o.tls && !l->is_local() && !req.value("remote", false))
       return err(EPERM, "tcp " + l->to_string() + " is not a loopback address; NBD has no " +
                             "authentication: pass remote to listen there anyway");
     o.listen.push_back(*l);
@@ -793,9 +831,10 @@ json ClientDaemon::nbd_export(const json& req) {
   if (name.size() > 4096 || name.find('\0') != std::string::npos) return err(EINVAL, "bad export name");
   o.exports.emplace_back(name, std::make_shared<nbd::DeviceExport>(d));
   o.log = [dev](const std::string& m) { std::fprintf(stderr, "ibnbd-client: %s: %s\n", dev.c_str(), m.c_str()); };
+  const bool with_tls = o.tls != nullptr;
   auto srv = nbd::NbdServer::start(std::move(o));
   if (!srv.ok()) return err(srv.error(), "nbd export of " + dev);
-  exports_[dev] = NbdExport{name, std::move(*srv)};
+  exports_[dev] = NbdExport{name, std::move(*srv), with_tls};
   json rsp = nbd_list(json{{"device", dev}});
   for (auto& l : exports_[dev].server->listening()) {
     if (l.kind == nbd::ListenSpec::Kind::unix_socket) rsp["unix"] = l.path;
@@ -823,10 +862,11 @@ json ClientDaemon::nbd_list(const json& req) {
     for (auto& l : e.server->listening()) {
       if (l.kind == nbd::ListenSpec::Kind::unix_socket) {
         unix_path = l.path;
-        uris += (uris.empty() ? "" : " ") + ("nbd+unix:///" + e.name + "?socket=" + l.path);
+        // TLS: libnbd's nbds schemes (the client adds its tls-psk-file= or certificates).
+        uris += (uris.empty() ? "" : " ") + ((e.tls ? "nbds+unix:///" : "nbd+unix:///") + e.name + "?socket=" + l.path);
       } else {
         tcp = l.to_string().substr(4);
-        uris += (uris.empty() ? "" : " ") + ("nbd://" + tcp + "/" + e.name);
+        uris += (uris.empty() ? "" : " ") + ((e.tls ? "nbds://" : "nbd://") + tcp + "/" + e.name);
       }
     }
     const auto st = e.server->stats();

@@ -114,6 +114,7 @@ class ClientDaemon {
   struct NbdExport {
     std::string name;  // the NBD export name
     std::unique_ptr<nbd::NbdServer> server;
+    bool tls = false;  // STARTTLS required
   };
   std::map<std::string, NbdExport, std::less<>> exports_;
   // ublk devices by device name, and the directory of their records.

@@ -283,6 +283,36 @@ fi
 check_cmd "unexport ro.img" c device unexport ro.img
 [ ! -e "$work/ro.sock" ] && ok "unexport removes the socket" || not_ok "unexport removes the socket" "still there"
 expect_fail "unexport of a device not exported is ENOENT" 2 c device unexport ro.img
+
+# Case: a TLS export (STARTTLS, PSK) over tcp, without the word insecure: a key made by `ibnbd
+# key psk`; nbdinfo and nbdcopy with libnbd's tls-psk-file. Expect: the key file is 0600; the
+# export lists nbds:// URIs; nbdinfo over TLS sees the read-only device; nbdcopy reads it out
+# byte-equal to the server's file; plaintext, a wrong key and an unknown identity are refused; a
+# PSK file readable by others is refused (EACCES).
+check_cmd "key psk" "$ibnbd" key psk alice out "$work/alice.psk"
+[ "$(stat -c %a "$work/alice.psk")" = 600 ] && ok "the PSK file is 0600" || not_ok "the PSK file is 0600" "$(stat -c %a "$work/alice.psk")"
+"$ibnbd" key psk alice out "$work/wrong.psk" >/dev/null && "$ibnbd" key psk mallory out "$work/mallory.psk" >/dev/null
+cp "$work/alice.psk" "$work/open.psk" && chmod 644 "$work/open.psk"
+expect_fail "a PSK file readable by others is EACCES" 13 c device export ro.img tcp 127.0.0.1:0 tls-psk "$work/open.psk"
+check_cmd "export ro.img over tcp with TLS (no insecure)" c device export ro.img tcp 127.0.0.1:0 tls-psk "$work/alice.psk"
+tls_tcp=$(c -f json device exports | jq -r '.[] | select(.device == "ro.img") | .tcp')
+c -f json device exports | jq -r '.[] | select(.device == "ro.img") | .uris' | grep -q "^nbds://$tls_tcp/ro.img" &&
+  ok "the export lists an nbds:// URI" || not_ok "the export lists an nbds:// URI" "$(c device exports)"
+tls_uri="nbds://alice@$tls_tcp/ro.img?tls-psk-file=$work/alice.psk"
+t nbdinfo --json "$tls_uri" 2>"$work/err" | jq -e '.exports[0].is_read_only == true and .exports[0]."export-size" == 8388608' >/dev/null &&
+  ok "nbdinfo over TLS" || not_ok "nbdinfo over TLS" "$(cat "$work/err")"
+if t nbdcopy "$tls_uri" "$work/ro-tls.bin" 2>"$work/err" && cmp -s "$work/ro-tls.bin" "$work/export/ro.img"; then
+  ok "nbdcopy over TLS: byte-equal to the server's file"
+else
+  not_ok "nbdcopy over TLS" "$(cat "$work/err")"
+fi
+refused() {  # refused NAME URI: nbdinfo must fail
+  if t nbdinfo "$2" >/dev/null 2>&1; then not_ok "$1" "nbdinfo connected"; else ok "$1"; fi
+}
+refused "plaintext to the TLS export is refused" "nbd://$tls_tcp/ro.img"
+refused "a wrong key is refused" "nbds://alice@$tls_tcp/ro.img?tls-psk-file=$work/wrong.psk"
+refused "an unknown identity is refused" "nbds://mallory@$tls_tcp/ro.img?tls-psk-file=$work/mallory.psk"
+check_cmd "unexport the TLS export" c device unexport ro.img
 check_cmd "unmap a.img with the export up" c device unmap a.img
 [ ! -e "$sock" ] && ok "unmap stopped the export" || not_ok "unmap stopped the export" "socket still there"
 if t nbdinfo "$tcp_uri" >/dev/null 2>&1; then not_ok "nothing listens after unmap" "nbdinfo connected"; else ok "nothing listens after unmap"; fi

@@ -132,10 +132,15 @@ bool kernel_tls_available();
 // listener that requires TLS tell a plaintext peer from a TLS one by its first bytes.
 bool looks_like_tls(std::span<const std::byte> first);
 
-// Reads a PSK file line "identity:hexkey" (the GnuTLS psktool format nbdkit and libnbd take).
-// Errors: ENOENT, EACCES (the file is readable by group or others), EINVAL (format).
+// PSK files: lines "identity:hexkey" (the GnuTLS psktool format nbdkit and libnbd take; blank
+// lines and '#' comments skipped). Errors: ENOENT, EACCES (the file is readable by group or
+// others), EINVAL (format, an identity twice, no entry).
+Result<std::vector<Psk>> read_psk_entries(const std::string& path);
+// The first entry (a client's file).
 Result<Psk> read_psk_file(const std::string& path);
-// Writes one, mode 0600 (EEXIST unless `overwrite`).
+// Writes one entry, mode 0600 (EEXIST unless `overwrite`).
 Status write_psk_file(const std::string& path, const Psk& psk, bool overwrite = false);
+// A fresh 32-byte key from OpenSSL's CSPRNG for `identity`. EINVAL for a bad identity.
+Result<Psk> generate_psk(std::string identity);
 
 }  // namespace ibtrs::tls

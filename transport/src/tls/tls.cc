@@ -17,6 +17,7 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/kdf.h>
+#include <openssl/rand.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
@@ -806,33 +807,62 @@ bool looks_like_tls(std::span<const std::byte> first) {
          static_cast<uint8_t>(first[2]) <= 4;
 }
 
-Result<Psk> read_psk_file(const std::string& path) {
+Result<std::vector<Psk>> read_psk_entries(const std::string& path) {
   struct stat st{};
   if (::stat(path.c_str(), &st) != 0) return errc(errno);
   if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) return errc(EACCES);
   std::ifstream in(path);
   if (!in) return errc(errno != 0 ? errno : EIO);
+  auto nib = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::vector<Psk> out;
   std::string line;
-  std::getline(in, line);
-  while (!line.empty() && (line.back() == '\n' || line.back() == '\r' || line.back() == ' ')) line.pop_back();
-  const size_t colon = line.rfind(':');
-  if (colon == std::string::npos) return errc(EINVAL);
-  Psk p;
-  p.identity = line.substr(0, colon);
-  const std::string hex = line.substr(colon + 1);
-  if (hex.size() % 2 != 0) return errc(EINVAL);
-  for (size_t i = 0; i < hex.size(); i += 2) {
-    auto nib = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-      return -1;
-    };
-    const int hi = nib(hex[i]), lo = nib(hex[i + 1]);
-    if (hi < 0 || lo < 0) return errc(EINVAL);
-    p.key.push_back(static_cast<std::byte>(hi << 4 | lo));
+  Status bad;
+  while (std::getline(in, line)) {
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+    if (line.empty() || line[0] == '#') continue;
+    const size_t colon = line.rfind(':');
+    Psk p;
+    if (colon != std::string::npos) p.identity = line.substr(0, colon);
+    const std::string_view hex = colon == std::string::npos ? std::string_view{} : std::string_view(line).substr(colon + 1);
+    bool ok = colon != std::string::npos && hex.size() % 2 == 0;
+    for (size_t i = 0; ok && i < hex.size(); i += 2) {
+      const int hi = nib(hex[i]), lo = nib(hex[i + 1]);
+      ok = hi >= 0 && lo >= 0;
+      p.key.push_back(static_cast<std::byte>(hi << 4 | lo));
+    }
+    OPENSSL_cleanse(line.data(), line.size());
+    ok = ok && valid_psk(p) &&
+         std::none_of(out.begin(), out.end(), [&](const Psk& q) { return q.identity == p.identity; });
+    if (!ok) {
+      OPENSSL_cleanse(p.key.data(), p.key.size());
+      bad = errc(EINVAL);
+      break;
+    }
+    out.push_back(std::move(p));
   }
-  OPENSSL_cleanse(line.data(), line.size());
+  if (bad.ok() && out.empty()) bad = errc(EINVAL);
+  if (!bad.ok()) {
+    for (auto& p : out) OPENSSL_cleanse(p.key.data(), p.key.size());
+    return bad.error();
+  }
+  return out;
+}
+
+Result<Psk> read_psk_file(const std::string& path) {
+  IBTRS_ASSIGN_OR_RETURN(auto all, read_psk_entries(path));
+  for (size_t i = 1; i < all.size(); ++i) OPENSSL_cleanse(all[i].key.data(), all[i].key.size());
+  return std::move(all.front());
+}
+
+Result<Psk> generate_psk(std::string identity) {
+  Psk p{std::move(identity), std::vector<std::byte>(32)};
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(p.key.data()), static_cast<int>(p.key.size())) != 1)
+    return errc(EIO);
   if (!valid_psk(p)) return errc(EINVAL);
   return p;
 }
