@@ -233,8 +233,9 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     return {};
   }
 
-  // May the session's host open `rel` (its path under the search root) in `mode`?
-  Status check_access(const Sess& s, const std::string& rel, AccessMode mode) {
+  // May the session's host open `rel` (its path under the search root) in `mode`? `shown` names
+  // it in the log when it is not `rel` itself.
+  Status check_access(const Sess& s, const std::string& rel, AccessMode mode, const std::string& shown = {}) {
     Status st;
     {
       std::lock_guard l(acl_mu);
@@ -242,7 +243,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     }
     if (st.ok()) return st;
     (st.error().value() == EPERM ? acl_eperm : acl_eacces).fetch_add(1, std::memory_order_relaxed);
-    log_warn("OPEN refused:", rel,
+    log_warn("OPEN refused:", shown.empty() ? rel : shown,
              "host '" + (s.host.empty() ? std::string("(anonymous)") : s.host) + "' of session " + s.name +
                  (st.error().value() == EPERM ? " may not open it " + std::string(to_string(mode))
                                               : " may not open it"));
@@ -478,6 +479,10 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     // The grants first, on the resolved name -- or, when it did not resolve, on the name as
     // asked (lexically cleaned): a host learns nothing of what exists where it may not look.
     IBTRS_TRY(check_access(s, target.ok() ? target->rel_path : lexical_name(m.dev_name), m.mode));
+    // And on the file it leads to: a symlink in a directory the host may open from (its own)
+    // into one it may not (another host's) opens nothing there.
+    if (target.ok() && target->real_path != target->rel_path)
+      IBTRS_TRY(check_access(s, target->real_path, m.mode, target->rel_path + " -> " + target->real_path));
     if (!target.ok()) {
       log_warn("OPEN refused:", m.dev_name, why.empty() ? target.error().message() : why);
       return target.error();

@@ -198,6 +198,28 @@ TEST_F(ExportTest, AliasesResolveToOneFileId) {
   EXPECT_EQ((*b)->id(), t->id);
 }
 
+// Case: names with and without symlinks on the way: a file, a link to a file in another
+// directory, a link to a directory, all reached through a search root that is itself a symlink.
+// Expect: real_path is where each leads under the root (rel_path when no symlink is on the way):
+// what the server's access rules check besides the name (docs/security.d/auth.md).
+TEST_F(ExportTest, RealPathIsWhereTheNameLeads) {
+  ASSERT_EQ(::mkdir((root_ + "/a").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink("../sub/b.img", (root_ + "/a/link.img").c_str()), 0);
+  ASSERT_EQ(::symlink("../sub", (root_ + "/a/dir").c_str()), 0);
+  const std::string via = *dir_ / "via";
+  ASSERT_EQ(::symlink(root_.c_str(), via.c_str()), 0);
+  const std::pair<const char*, const char*> cases[] = {
+      {"disk.img", "disk.img"}, {"sub/b.img", "sub/b.img"}, {"a/link.img", "sub/b.img"}, {"a/dir/b.img", "sub/b.img"}};
+  for (auto [name, real] : cases) {
+    for (const std::string& root : {root_, via}) {
+      auto t = resolve_export(root, "s", name);
+      ASSERT_TRUE(t.ok()) << root << " " << name << ": " << t.error().message();
+      EXPECT_EQ(t->rel_path, std::string(name)) << root;
+      EXPECT_EQ(t->real_path, std::string(real)) << root << " " << name;
+    }
+  }
+}
+
 // Case: the file behind a resolved name is replaced (rename over it) before the backend opens
 // it. Expect: ESTALE -- the access rules judged the old file; the backend must not serve a new
 // one under its key.

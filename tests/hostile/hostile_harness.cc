@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 extern char** environ;
 
 namespace ibnbd::hostile {
@@ -200,12 +202,13 @@ ServerUnderTest::ServerUnderTest(const std::vector<std::string>& extra_args) {
     why_ = "mkdtemp failed";
     return;
   }
-  fs::create_directories(export_dir());
-  std::vector<std::string> argv{server_bin(),         "--listen",          "tcp:127.0.0.1:0",
-                                "--dev-search-path",  export_dir(),        "--control-socket",
-                                control_socket(),     "--ready-file",      dir() + "/srv.ready",
-                                "--queue-depth",      "32",                "--io-threads",
-                                "2"};
+  for (const char* d : {"honest", "mallory", "shared"}) fs::create_directories(export_dir() + "/" + d);
+  if (!write_hosts()) return;
+  std::vector<std::string> argv{server_bin(),        "--listen",         "tcp:127.0.0.1:0",
+                                "--dev-search-path", export_dir(),       "--control-socket",
+                                control_socket(),    "--ready-file",     dir() + "/srv.ready",
+                                "--queue-depth",     "32",               "--io-threads",
+                                "2",                 "--config",         dir() + "/hosts.json"};
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   daemon_ = Daemon::spawn(argv, dir() + "/srv.log");
   if (daemon_ == nullptr) {
@@ -227,6 +230,41 @@ ServerUnderTest::ServerUnderTest(const std::vector<std::string>& extra_args) {
 
 ibtrs::Address ServerUnderTest::address() const { return *ibtrs::Address::parse(addr_); }
 
+bool ServerUnderTest::write_hosts() {
+  struct Grants {
+    const char* host;
+    const char* access;  // the config's JSON array
+  };
+  const Grants grants[] = {
+      {kHonest, R"([{"devices": "honest/**", "mode": "rw"}])"},
+      {kMallory, R"([{"devices": "mallory/**", "mode": "migration"}, {"devices": "shared/**", "mode": "ro"}])"},
+  };
+  std::string cfg = "{\"hosts\": [";
+  for (const auto& g : grants) {
+    auto key = ibtrs::Secret::generate();
+    std::string why;
+    if (!key.ok() || !ibtrs::save_key_file(key_file(g.host), ibtrs::KeyFile{g.host, *key, std::nullopt}).ok()) {
+      why_ = std::string("cannot write the key file of ") + g.host;
+      return false;
+    }
+    auto auth = ibtrs::client_auth_from_key_file(key_file(g.host), {}, &why);
+    if (!auth.ok()) {
+      why_ = key_file(g.host) + ": " + why;
+      return false;
+    }
+    hosts_[g.host] = std::move(*auth);
+    if (cfg.back() != '[') cfg += ", ";
+    cfg += "{\"key_file\": \"" + key_file(g.host) + "\", \"access\": " + g.access + "}";
+  }
+  std::ofstream(dir() + "/hosts.json") << cfg << "]}\n";
+  return true;
+}
+
+ibtrs::ClientAuth ServerUnderTest::credentials(const std::string& host) const {
+  auto it = hosts_.find(host);
+  return it == hosts_.end() ? ibtrs::ClientAuth{} : it->second;
+}
+
 void ServerUnderTest::make_file(const std::string& name, uint64_t size) const {
   const std::string p = export_dir() + "/" + name;
   fs::create_directories(fs::path(p).parent_path());
@@ -237,6 +275,42 @@ void ServerUnderTest::make_file(const std::string& name, uint64_t size) const {
 CommandResult ServerUnderTest::session_list(Ms deadline) const {
   return run_command({cli_bin(), "--socket", control_socket(), "-f", "json", "server", "session", "list"},
                      deadline);
+}
+
+namespace {
+
+// The JSON a CLI command printed, or null.
+nlohmann::json json_of(const CommandResult& r) {
+  if (r.exit_code != 0) return nullptr;
+  return nlohmann::json::parse(r.out, nullptr, false);  // discarded on error: not an object
+}
+
+}  // namespace
+
+// The CLI prints listings as an array of rows, one object per row keyed by column.
+std::optional<std::vector<SessionSeen>> ServerUnderTest::sessions(Ms deadline) const {
+  const auto rows = json_of(session_list(deadline));
+  if (!rows.is_array()) return std::nullopt;
+  std::vector<SessionSeen> out;
+  for (const auto& r : rows) {
+    if (!r.is_object() || !r.contains("sessname")) return std::nullopt;
+    SessionSeen v;
+    v.name = r.value("sessname", "");
+    v.host = r.value("host", "");
+    v.paths = r.value("path_cnt", size_t{0});
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> ServerUnderTest::auth_stats(Ms deadline) const {
+  const auto rows = json_of(
+      run_command({cli_bin(), "--socket", control_socket(), "-f", "json", "server", "host", "stats"}, deadline));
+  std::map<std::string, uint64_t> out;
+  if (!rows.is_array()) return out;
+  for (const auto& r : rows)
+    if (r.is_object()) out[r.value("counter", std::string())] = r.value("value", uint64_t{0});
+  return out;
 }
 
 std::vector<std::byte> ServerUnderTest::file_bytes(const std::string& name, uint64_t off, size_t len) const {
@@ -290,10 +364,11 @@ std::mutex g_abandoned_mu;
 
 }  // namespace
 
-Result<std::unique_ptr<HonestSession>> HonestSession::open(const ibtrs::Address& a, const std::string& name,
-                                                           Ms deadline) {
+Result<std::unique_ptr<HonestSession>> HonestSession::open(const ibtrs::Address& a, const ibtrs::ClientAuth& auth,
+                                                           const std::string& name, Ms deadline) {
   BlockSessionOptions o;
   o.transport.session_name = name;
+  o.transport.auth = auth;
   o.transport.paths.push_back(ibtrs::PathSpec{std::nullopt, a});
   o.transport.io_threads = 1;
   o.transport.connect_timeout = deadline;
@@ -357,8 +432,8 @@ int HonestSession::write_verify(RemoteDevice& d, uint64_t off, size_t len, uint3
   return verify(d, off, len, seed);
 }
 
-HonestResult honest_round_trip(const ibtrs::Address& a, const std::string& session, const std::string& dev,
-                               uint32_t seed, Ms deadline) {
+HonestResult honest_round_trip(const ibtrs::Address& a, const ibtrs::ClientAuth& auth, const std::string& session,
+                               const std::string& dev, uint32_t seed, Ms deadline) {
   HonestResult r;
   const auto t0 = Clock::now();
   auto fail = [&](int e, std::string what) {
@@ -367,7 +442,7 @@ HonestResult honest_round_trip(const ibtrs::Address& a, const std::string& sessi
     r.took = since(t0);
     return r;
   };
-  auto s = HonestSession::open(a, session, deadline);
+  auto s = HonestSession::open(a, auth, session, deadline);
   if (!s.ok()) return fail(s.error().value(), "open session " + session);
   auto d = (*s)->map(dev, AccessMode::rw);
   if (!d.ok()) return fail(d.error().value(), "map " + dev);

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
+#include "auth/chap.h"
 #include "core/fabrics.h"
 #include "fabric/tcp/tcp_wire.h"
 
@@ -39,12 +41,64 @@ Ms left(Clock::time_point end) {
   return std::max(Ms(0), std::chrono::duration_cast<Ms>(end - Clock::now()));
 }
 
-// Receive slots: the service connection gets room for INFO_RSP, the IO connections 64-byte
-// slots (RKEY_RSP is 8 bytes; responses are immediates).
+// Receive slots: the service connection gets room for INFO_RSP and the authentication
+// messages before it (never re-posted: 8 outlast a case), the IO connections 64-byte slots
+// (RKEY_RSP is 8 bytes; responses are immediates).
 constexpr uint32_t kServiceSlot = 64 * 1024;
-constexpr uint32_t kServiceSlots = 4;
+constexpr uint32_t kServiceSlots = 8;
 constexpr uint32_t kIoSlot = 64;
 constexpr uint32_t kIoSlots = 64;
+
+// What a path's response is bound to (auth/chap.h, Transcript): who we said we are in CON_REQ
+// and INFO_REQ.
+struct Binding {
+  const ibtrs::Uuid16& session;
+  const ibtrs::Uuid16& path;
+  const std::string& sessname;
+  const std::string& pathname;
+};
+
+// The host's side of the exchange after INFO_REQ (docs/protocol.md, "Authentication"), as an
+// honest client computes it: the challenge, AUTH_REPLY with R1 from `a`'s key, the verdict.
+// `recv` gives the service connection's next message (empty: it closed or stayed silent).
+// EACCES, or the AUTH_FAILURE's reason, when refused; EPROTO for anything unexpected.
+Status authenticate(const ibtrs::ClientAuth& a, const Binding& b,
+                    const std::function<Status(std::span<const std::byte>)>& send,
+                    const std::function<std::vector<std::byte>()>& recv) {
+  auto refused = [](const std::vector<std::byte>& m) -> std::optional<std::error_code> {
+    if (m.empty()) return errc(ECONNRESET);
+    auto t = iproto::peek_msg_type(m);
+    if (!t.ok() || *t != iproto::MsgType::auth_failure) return std::nullopt;
+    auto f = iproto::parse_auth_failure(m, nullptr);
+    return errc(f.ok() && f->reason != 0 ? f->reason : EPROTO);
+  };
+  const auto challenge = recv();
+  if (auto e = refused(challenge)) return *e;
+  auto c = iproto::parse_auth_challenge(challenge, nullptr);
+  if (!c.ok()) return errc(EPROTO);
+  IBTRS_ASSIGN_OR_RETURN(auto dh, ibtrs::auth::X25519::generate());
+  IBTRS_ASSIGN_OR_RETURN(auto z, dh.derive(c->dh_public));
+  ibtrs::auth::Transcript t;
+  t.tid = c->tid;
+  std::memcpy(t.sess_uuid.data(), b.session.bytes, 16);
+  std::memcpy(t.path_uuid.data(), b.path.bytes, 16);
+  t.sessname = b.sessname;
+  t.pathname = b.pathname;
+  t.host = a.host_id;
+  iproto::AuthReplyView v;
+  v.tid = c->tid;
+  v.host = a.host_id;
+  v.dh_public = dh.public_key();
+  IBTRS_ASSIGN_OR_RETURN(v.response,
+                         ibtrs::auth::response(ibtrs::auth::Role::host, *a.key, z, c->nonce, c->seqnum, t));
+  IBTRS_ASSIGN_OR_RETURN(auto reply, iproto::make_auth_reply(v));
+  IBTRS_TRY(send(iproto::as_bytes_of(reply)));
+  const auto verdict = recv();
+  if (auto e = refused(verdict)) return *e;
+  auto ok = iproto::parse_auth_success(verdict, nullptr);
+  if (!ok.ok() || ok->tid != c->tid) return errc(EPROTO);
+  return {};
+}
 
 }  // namespace
 
@@ -91,11 +145,14 @@ Result<std::unique_ptr<RawFabricPeer>> RawFabricPeer::connect(const ibtrs::Addre
   p->buf_ = std::make_unique<std::byte[]>(kBufSize);
   IBTRS_ASSIGN_OR_RETURN(p->mr_, p->dom_->register_memory(p->buf_.get(), kBufSize,
                                                            fabric::kLocalWrite | fabric::kRemoteWrite));
+  if (o.claim_auth && !o.auth.enabled() && o.info) return errc(EINVAL);  // no answer to a challenge
+  const bool auth = o.auth.enabled() || o.claim_auth;
   const uint16_t ncon = o.connect == 0 ? o.cid_num : std::min(o.connect, o.cid_num);
   for (uint16_t cid = 0; cid < ncon; ++cid) {
     Con c;
     IBTRS_ASSIGN_OR_RETURN(c.cq, p->dom_->create_cq(1024));
-    const auto req = iproto::make_con_req(cid, o.cid_num, 0, cid == 0, to_uuid(o.session), to_uuid(o.path));
+    const auto req =
+        iproto::make_con_req(cid, o.cid_num, 0, cid == 0, to_uuid(o.session), to_uuid(o.path), auth);
     fabric::ConnectParams cp;
     cp.remote = a;
     cp.cq = c.cq.get();
@@ -128,31 +185,45 @@ Result<std::unique_ptr<RawFabricPeer>> RawFabricPeer::connect(const ibtrs::Addre
   }
   if (!o.info) return p;
 
-  auto info = iproto::make_info_req(o.session_name, "raw@server");
-  if (!info.ok()) return info.error();
-  std::memcpy(p->buf_.get() + kDataOff, &*info, sizeof(*info));
-  fabric::Sge s = p->mr_->sge(kDataOff, sizeof(*info));
+  const std::string pathname = "raw@server";
+  IBTRS_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(o.session_name, pathname));
+  IBTRS_TRY(p->svc_send(iproto::as_bytes_of(info), 0));
+  if (o.auth.enabled()) {
+    IBTRS_TRY(authenticate(
+        o.auth, Binding{o.session, o.path, o.session_name, pathname},
+        [&](std::span<const std::byte> m) { return p->svc_send(m, 1); }, [&] { return p->svc_recv(Ms(5000)); }));
+  }
+  const auto rsp = p->svc_recv(Ms(5000));
+  if (rsp.empty()) return errc(ETIMEDOUT);
+  auto d = iproto::parse_info_rsp(rsp, p->qd_, p->chunk_size_, nullptr);
+  if (!d.ok()) return errc(EPROTO);
+  p->chunks_.assign(d->begin(), d->end());
+  IBTRS_ASSIGN_OR_RETURN(p->layout_, iproto::imm_layout(p->qd_, p->chunk_size_));
+  return p;
+}
+
+Status RawFabricPeer::svc_send(std::span<const std::byte> m, uint32_t slot) {
+  if (m.size() > 1024 || slot >= 16) return errc(EINVAL);
+  const size_t off = kDataOff + size_t{slot} * 1024;
+  std::memcpy(buf_.get() + off, m.data(), m.size());
+  fabric::Sge s = mr_->sge(off, static_cast<uint32_t>(m.size()));
   fabric::SendWr w{};
   w.opcode = fabric::Opcode::send;
   w.sg_list = std::span(&s, 1);
-  IBTRS_TRY(p->cons_[0].conn->post_send(std::span(&w, 1)));
-  const auto end = Clock::now() + Ms(5000);
-  fabric::Completion wc[16];
+  return cons_[0].conn->post_send(std::span(&w, 1));
+}
+
+std::vector<std::byte> RawFabricPeer::svc_recv(Ms t) {
+  const auto end = Clock::now() + t;
+  fabric::Completion wc[1];  // one at a time: a second message stays queued for the next call
   while (Clock::now() < end) {
-    const size_t n = p->cons_[0].cq->wait(wc, Ms(50));
-    for (size_t k = 0; k < n; ++k) {
-      if (wc[k].status != fabric::WcStatus::success) return errc(ECONNRESET);
-      if (wc[k].opcode != fabric::Opcode::recv) continue;
-      std::string why;
-      auto d = iproto::parse_info_rsp(std::span(p->buf_.get() + wc[k].wr_id, wc[k].byte_len), p->qd_,
-                                      p->chunk_size_, &why);
-      if (!d.ok()) return errc(EPROTO);
-      p->chunks_.assign(d->begin(), d->end());
-      IBTRS_ASSIGN_OR_RETURN(p->layout_, iproto::imm_layout(p->qd_, p->chunk_size_));
-      return p;
-    }
+    if (cons_[0].cq->wait(wc, std::min(left(end), Ms(50))) == 0) continue;
+    if (wc[0].status != fabric::WcStatus::success) return {};
+    if (wc[0].opcode != fabric::Opcode::recv) continue;  // our sends
+    const std::byte* m = buf_.get() + wc[0].wr_id;
+    return std::vector<std::byte>(m, m + wc[0].byte_len);
   }
-  return errc(ETIMEDOUT);
+  return {};
 }
 
 RawFabricPeer::~RawFabricPeer() {
@@ -358,7 +429,13 @@ Result<std::unique_ptr<RawTcpPeer>> RawTcpPeer::connect(uint16_t port, const ipr
     return errc(EPROTO);
   tcp::ConnectBody rb{};
   IBTRS_TRY(p->recv_all(&rb, sizeof(rb), Ms(5000)));
-  if (rb.verdict != 1) return errc(ECONNREFUSED);
+  if (rb.verdict != 1) {
+    std::string why;
+    auto refusal = iproto::parse_con_rsp(std::span(reinterpret_cast<const std::byte*>(rb.private_data),
+                                                   std::min<size_t>(rb.private_len, sizeof(rb.private_data))),
+                                         &why);
+    return errc(refusal.ok() && refusal->errno_.get() != 0 ? refusal->errno_.get() : ECONNREFUSED);
+  }
   if (rsp != nullptr) std::memcpy(rsp, rb.private_data, sizeof(*rsp));
   return p;
 }
@@ -367,9 +444,15 @@ RawTcpPeer::~RawTcpPeer() { ::close(fd_); }
 
 Status RawTcpPeer::send_all(const void* p, size_t n) {
   const auto* c = static_cast<const char*>(p);
+  const auto end = Clock::now() + kSendStall;
   while (n > 0) {
-    const ssize_t w = ::send(fd_, c, n, MSG_NOSIGNAL);
+    const ssize_t w = ::send(fd_, c, n, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd pf{fd_, POLLOUT, 0};
+      if (::poll(&pf, 1, static_cast<int>(left(end).count())) == 0) return errc(ETIMEDOUT);
+      continue;
+    }
     if (w <= 0) return errc(w < 0 ? errno : EPIPE);
     c += w;
     n -= static_cast<size_t>(w);
@@ -429,22 +512,33 @@ Result<RawTcpPeer::Frame> RawTcpPeer::read_frame(uint8_t type, Ms t) {
 
 // ---- RawTcpSession ----
 
-Result<std::unique_ptr<RawTcpSession>> RawTcpSession::connect(uint16_t port, const std::string& name) {
+Result<std::unique_ptr<RawTcpSession>> RawTcpSession::connect(uint16_t port, const std::string& name,
+                                                              const ibtrs::ClientAuth& auth) {
   const auto sess = ibtrs::Uuid16::random(), path = ibtrs::Uuid16::random();
+  const bool a = auth.enabled();
   std::unique_ptr<RawTcpSession> s(new RawTcpSession());
   iproto::ConRsp rsp{};
   IBTRS_ASSIGN_OR_RETURN(s->svc_, RawTcpPeer::connect(port, iproto::make_con_req(0, 2, 0, true, to_uuid(sess),
-                                                                                to_uuid(path)),
+                                                                                to_uuid(path), a),
                                                       &rsp));
   IBTRS_ASSIGN_OR_RETURN(s->io_, RawTcpPeer::connect(port, iproto::make_con_req(1, 2, 0, false, to_uuid(sess),
-                                                                               to_uuid(path)),
+                                                                               to_uuid(path), a),
                                                      nullptr));
   s->qd_ = rsp.queue_depth.get();
   const uint32_t chunk = rsp.chunk_size.get();
-  IBTRS_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(name, "raw@server"));
+  const std::string pathname = "raw@server";
+  IBTRS_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(name, pathname));
   IBTRS_TRY(s->svc_->send(iproto::as_bytes_of(info)));
-  IBTRS_ASSIGN_OR_RETURN(auto frame,
-                         s->svc_->read_frame(static_cast<uint8_t>(fabric::tcp::FrameType::send), Ms(5000)));
+  const auto send_frame = static_cast<uint8_t>(fabric::tcp::FrameType::send);
+  if (a) {
+    IBTRS_TRY(authenticate(
+        auth, Binding{sess, path, name, pathname}, [&](std::span<const std::byte> m) { return s->svc_->send(m); },
+        [&] {
+          auto f = s->svc_->read_frame(send_frame, Ms(5000));
+          return f.ok() ? std::move(f->payload) : std::vector<std::byte>{};
+        }));
+  }
+  IBTRS_ASSIGN_OR_RETURN(auto frame, s->svc_->read_frame(send_frame, Ms(5000)));
   std::string why;
   auto descs = iproto::parse_info_rsp(frame.payload, s->qd_, chunk, &why);
   if (!descs.ok()) return errc(EPROTO);

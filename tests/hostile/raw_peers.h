@@ -1,11 +1,16 @@
 // The hostile-peer suite's attackers: clients of the documented wire formats that obey only what
 // the server enforces.
 //
-//   RawFabricPeer  IBTRS by hand over the fabric layer (docs/protocol.md): CON_REQ, INFO, and
-//                  requests written into the server's chunks with WRITE_WITH_IMM, plus plain
-//                  RDMA writes anywhere with any key. What a client holding a chunk key can do.
+//   RawFabricPeer  IBTRS by hand over the fabric layer (docs/protocol.md): CON_REQ, INFO, the
+//                  authentication exchange, and requests written into the server's chunks with
+//                  WRITE_WITH_IMM, plus plain RDMA writes anywhere with any key. What a client
+//                  holding a chunk key can do.
 //   RawTcpPeer     the tcp provider's framing by hand over a socket (docs/fabric.md), for what
 //                  the fabric code would not do: never acknowledging, never reading.
+//
+// Those that get a session authenticate by hand (DH-HMAC-CHAP, auth/chap.h) with credentials
+// they are given -- in the suite an insider's, a host the server knows with grants of its own --
+// or come without credentials, as an outsider.
 //
 // Threading: one thread per peer. None of them answers heartbeats: cases stay well under the
 // server's missed-heartbeat limit (5 x 5 s).
@@ -22,6 +27,7 @@
 #include <vector>
 
 #include "fabric/fabric.h"
+#include "ibtrs/auth.h"
 #include "ibtrs/address.h"
 #include "ibtrs/path_spec.h"
 #include "proto/ibnbd_proto.h"
@@ -48,8 +54,17 @@ class RawFabricPeer {
     uint16_t cid_num = 2;  // service + one IO connection
     bool info = true;      // false: stop after the CON_REQs, a half-open path
     uint16_t connect = 0;  // connections to make (of cid_num); 0: all
+    // Credentials. With a key every CON_REQ carries the auth flag and the path authenticates
+    // after INFO_REQ as the key's host. Without one the CON_REQs carry no flag (an anonymous
+    // client, which a server admitting only hosts refuses at its first connection), unless
+    // `claim_auth`: the flag without credentials, for paths that never reach the challenge
+    // (info = false).
+    ibtrs::ClientAuth auth;
+    bool claim_auth = false;
   };
-  // Errors: the fabric's connect errors; EPROTO for an INFO_RSP we cannot read; ETIMEDOUT.
+  // Errors: the fabric's connect errors, or the errno of the server's CON_RSP refusal (EACCES:
+  // no credentials); the AUTH_FAILURE's reason (EACCES: an unknown host, a wrong key, a host
+  // other than the session's); EPROTO for an answer we cannot read; ETIMEDOUT.
   static Result<std::unique_ptr<RawFabricPeer>> connect(const ibtrs::Address& a, const Options& o);
   ~RawFabricPeer();
   RawFabricPeer(const RawFabricPeer&) = delete;
@@ -90,6 +105,10 @@ class RawFabricPeer {
   };
   RawFabricPeer() = default;
   Status post_recvs(Con& c, size_t area_off, uint32_t slot, uint32_t n);
+  // The next message on the service connection; empty when it broke or after `t`.
+  std::vector<std::byte> svc_recv(Ms t);
+  // SENDs `m` on the service connection from the data area's `slot`-th KiB.
+  Status svc_send(std::span<const std::byte> m, uint32_t slot);
   Status post_request(uint32_t chunk, uint32_t len, uint32_t offset, size_t stage_off);
   // The errno of the answer for `chunk` (others' are dropped), or minus a failure of the post or
   // the wait.
@@ -119,14 +138,18 @@ class RawFabricPeer {
 // acknowledge anything the server sends.
 class RawTcpPeer {
  public:
-  // Connects and sends CONNECT_REQ with `con_req`; reads CONNECT_RSP. ECONNREFUSED on a reject.
+  // Connects and sends CONNECT_REQ with `con_req`; reads CONNECT_RSP. On a reject the errno of
+  // its CON_RSP (EACCES: a client without credentials), or ECONNREFUSED.
   static Result<std::unique_ptr<RawTcpPeer>> connect(uint16_t port, const ibtrs::proto::ConReq& con_req,
                                                      ibtrs::proto::ConRsp* rsp);
   ~RawTcpPeer();
   RawTcpPeer(const RawTcpPeer&) = delete;
   RawTcpPeer& operator=(const RawTcpPeer&) = delete;
 
-  // Data frames. Non-blocking writes are not used: the server reads what we send.
+  // Data frames. A send the socket cannot take for kSendStall gives up with ETIMEDOUT (what is
+  // left of the frame unsent: the stream is of no further use): the server stops reading a peer
+  // that does not acknowledge, and disconnects it only after its ack timeout (30 s).
+  static constexpr Ms kSendStall{1000};
   Status send(std::span<const std::byte> payload);
   Status write_imm(uint64_t addr, uint32_t rkey, uint32_t imm, std::span<const std::byte> payload);
   // Reads frames until one of `type` arrives (its header and payload), skipping others. ETIMEDOUT.
@@ -149,8 +172,10 @@ class RawTcpPeer {
 // never acknowledges a frame.
 class RawTcpSession {
  public:
-  // Through INFO_RSP. The connect errors; EPROTO for an INFO_RSP we cannot read.
-  static Result<std::unique_ptr<RawTcpSession>> connect(uint16_t port, const std::string& name);
+  // Through INFO_RSP, authenticating with `auth` when it holds a key (as RawFabricPeer). The
+  // connect and authentication errors; EPROTO for an INFO_RSP we cannot read.
+  static Result<std::unique_ptr<RawTcpSession>> connect(uint16_t port, const std::string& name,
+                                                        const ibtrs::ClientAuth& auth);
   uint16_t queue_depth() const { return qd_; }
   // A READ request into chunk `c`: [usr][ReadMsg][BufDesc x ndesc], `len` bytes split evenly
   // over the descriptors, which name a buffer nobody registered (the server writes it anyway).

@@ -62,6 +62,9 @@ struct ExportTarget {
   UniqueFd root;          // the search root, O_PATH | O_DIRECTORY
   std::string root_path;  // the search path with %SESSNAME% substituted (for logs)
   std::string rel_path;   // dev_name as a clean relative path under root ("a/b.img")
+  // Where the name leads under root, symlinks resolved ("c/d.img" for a link a/b.img ->
+  // ../c/d.img; rel_path when no symlink is on the way): access rules hold for both.
+  std::string real_path;
   Kind kind = Kind::file;
   // What the name led to when it was resolved: the server's key of the device (every alias of
   // one store resolves to the same id). Backend::open() refuses (ESTALE) when the store it

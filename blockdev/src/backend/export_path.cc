@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <linux/limits.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <string>
@@ -39,6 +40,17 @@ bool split_components(std::string_view p, std::vector<std::string_view>& out) {
     out.push_back(c);
   }
   return true;
+}
+
+// The path an open descriptor stands for, as the kernel names it (/proc/self/fd/N).
+Result<std::string> fd_path(int fd) {
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  std::string out(PATH_MAX, '\0');
+  const ssize_t n = ::readlink(link.c_str(), out.data(), out.size());
+  if (n < 0) return errc(errno);
+  if (n == 0 || static_cast<size_t>(n) >= out.size()) return errc(ENAMETOOLONG);
+  out.resize(static_cast<size_t>(n));
+  return out;
 }
 
 std::string join(const std::vector<std::string_view>& parts, bool absolute) {
@@ -134,6 +146,17 @@ Result<ExportTarget> resolve_export(std::string_view search_path_template,
   } else {
     return refuse(why, ENOTBLK, rel + " is neither a regular file nor a block device");
   }
+  // 4. Where the name leads beneath the root: a symlink inside the root may point anywhere else
+  // in it (another host's directory), and the access rules must hold for that file too.
+  auto root_real = fd_path(root_fd.get());
+  auto file_real = fd_path(target->get());
+  if (!root_real.ok() || !file_real.ok())
+    return refuse(why, (root_real.ok() ? file_real : root_real).error().value(),
+                  "cannot tell where " + rel + " leads (/proc/self/fd)");
+  const std::string prefix = *root_real == "/" ? "/" : *root_real + "/";
+  if (file_real->size() <= prefix.size() || file_real->compare(0, prefix.size(), prefix) != 0)
+    return refuse(why, EXDEV, rel + " leads outside " + root_clean);
+  t.real_path = file_real->substr(prefix.size());
   t.root = std::move(root_fd);
   t.root_path = root_clean;
   t.rel_path = std::move(rel);
