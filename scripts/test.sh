@@ -57,7 +57,7 @@ stage asan bash -c "$(declare -f configure_build host_tests); jobs=$jobs; config
 stage tsan bash -c "$(declare -f configure_build host_tests); jobs=$jobs; configure_build build-tsan -DIBTRS_SANITIZE=thread -DIBTRS_RDMA=ON && host_tests build-tsan '^(rdma|vm|netns)\$'"
 # The fuzz stage builds only what it runs: clang 14 (bookworm) lacks C++20 pieces some tests
 # use (structured bindings captured by lambdas), and every other stage builds all with g++.
-stage fuzz bash -c "CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DIBTRS_WERROR=ON -DIBTRS_FUZZ=ON -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON >build-fuzz.configure.log 2>&1 && ninja -C build-fuzz -j $jobs fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto && ctest --test-dir build-fuzz -L fuzz --output-on-failure"
+stage fuzz bash -c "CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DIBTRS_WERROR=ON -DIBTRS_FUZZ=ON -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON >build-fuzz.configure.log 2>&1 && ninja -C build-fuzz -j $jobs fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto fuzz_auth && ctest --test-dir build-fuzz -L fuzz --output-on-failure"
 
 echo
 if [ "$failed" -ne 0 ]; then

@@ -313,6 +313,16 @@ std::map<std::string, uint64_t> ServerUnderTest::auth_stats(Ms deadline) const {
   return out;
 }
 
+std::map<std::string, uint64_t> ServerUnderTest::refusals(Ms deadline) const {
+  const auto rows = json_of(
+      run_command({cli_bin(), "--socket", control_socket(), "-f", "json", "server", "refusals", "list"}, deadline));
+  std::map<std::string, uint64_t> out;
+  if (!rows.is_array()) return out;
+  for (const auto& r : rows)
+    if (r.is_object()) out[r.value("reason", std::string())] = r.value("count", uint64_t{0});
+  return out;
+}
+
 std::vector<std::byte> ServerUnderTest::file_bytes(const std::string& name, uint64_t off, size_t len) const {
   std::vector<std::byte> out(len);
   std::ifstream in(export_dir() + "/" + name, std::ios::binary);

@@ -138,6 +138,9 @@ class ServerUnderTest {
   // refused_no_credentials, refused_unknown_host, refused_bad_response, refused_host_mismatch,
   // open_refused_eacces, open_refused_eperm, ...); empty when the command failed.
   std::map<std::string, uint64_t> auth_stats(Ms deadline) const;
+  // `ibnbd server refusals list`: the count of each reason (docs/security.d/bounds.md); empty
+  // when the command failed.
+  std::map<std::string, uint64_t> refusals(Ms deadline) const;
   // The file's bytes as the server stored them.
   std::vector<std::byte> file_bytes(const std::string& name, uint64_t off, size_t len) const;
 
