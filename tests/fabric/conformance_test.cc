@@ -1,5 +1,5 @@
 // Provider conformance: the semantics fabric.h promises, checked the same way on every provider.
-// Run as `fabric_conformance --fabric=loopback|tcp|rdma [--busy-poll]`.
+// Run as `fabric_conformance --fabric=loopback|tcp|rdma [--busy-poll] [--tls|--tls=user]`.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -109,6 +109,7 @@ TEST_F(Conformance, PrivateDataAboveLimitIsRefused) {
   p.cq = cli_.cq.get();
   p.private_data = big;
   p.timeout = 2s;
+  with_tested_tls(p);
   auto r = client_domain_->connect(p);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.error(), errc(EINVAL));
@@ -131,6 +132,7 @@ TEST_F(Conformance, RejectDeliversPrivateData) {
   p.cq = cli_.cq.get();
   p.private_data = hello;
   p.timeout = 10s;
+  with_tested_tls(p);
   std::vector<std::byte> got;
   auto r = client_domain_->connect(p, &got);
   srv.join();
@@ -148,6 +150,7 @@ TEST_F(Conformance, ConnectToNoListenerFails) {
   p.source = ep_.client_source ? &*ep_.client_source : nullptr;
   p.cq = cli_.cq.get();
   p.timeout = 5s;
+  with_tested_tls(p);
   auto r = client_domain_->connect(p);
   EXPECT_FALSE(r.ok());
 }
@@ -1030,6 +1033,7 @@ TEST_F(Isolation, AcceptIntoADomainOfAnotherDeviceIsRefused) {
   p.cq = cli_.cq.get();
   p.events = cli_.events();
   p.timeout = 10s;
+  with_tested_tls(p);
   auto c = client_domain_->connect(p);
   auto s = accepted.get();
   ASSERT_TRUE(c.ok()) << c.error().message();
@@ -1353,11 +1357,18 @@ class RawSocket {
     EXPECT_EQ(::send(fd_, b.data(), b.size(), MSG_NOSIGNAL), static_cast<ssize_t>(b.size()));
   }
   // Whether the listener closed it (EOF within `t`).
+  // Whether the peer closes within `t`; what it says before (a listener that requires TLS
+  // tells a plaintext peer so) is read and dropped.
   bool closed_within(std::chrono::milliseconds t) {
-    pollfd pfd{fd_, POLLIN, 0};
-    if (::poll(&pfd, 1, static_cast<int>(t.count())) != 1) return false;
-    char c;
-    return ::recv(fd_, &c, 1, MSG_DONTWAIT) == 0;
+    const auto end = std::chrono::steady_clock::now() + t;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+      pollfd pfd{fd_, POLLIN, 0};
+      if (left.count() < 0 || ::poll(&pfd, 1, static_cast<int>(left.count())) != 1) return false;
+      char buf[256];
+      const ssize_t n = ::recv(fd_, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) return true;
+    }
   }
 
  private:
@@ -1379,12 +1390,23 @@ std::thread accept_one(Listener& l, Side& srv, std::chrono::milliseconds deadlin
   });
 }
 
+// A connect without TLS, whatever the run's.
+Result<ConnectResult> connect_to_plain(Domain& d, Side& cli, const Address& to, std::chrono::milliseconds t) {
+  ConnectParams p;
+  p.remote = to;
+  p.cq = &cli.queue();
+  p.events = cli.events();
+  p.timeout = t;
+  return d.connect(p);
+}
+
 Result<ConnectResult> connect_to(Domain& d, Side& cli, const Address& to, std::chrono::milliseconds t) {
   ConnectParams p;
   p.remote = to;
   p.cq = &cli.queue();
   p.events = cli.events();
   p.timeout = t;
+  p.tls = tested_tls().client;
   return d.connect(p);
 }
 
@@ -1416,7 +1438,11 @@ TEST_F(Conformance, IdlePeersDoNotDelayAnHonestConnect) {
 // client, newest of all, is accepted.
 TEST_F(Conformance, PendingPeersPastTheBacklogDropTheOldest) {
   if (kind_ != FabricKind::tcp) GTEST_SKIP() << "only the tcp provider keeps pending handshakes";
-  auto l = server_fabric_->listen(ep_.server, 4);
+  Fabric::ListenOptions lo;
+  lo.backlog = 4;
+  lo.tls = tested_tls().server;
+  lo.tls_required = tested_tls().on;
+  auto l = server_fabric_->listen(ep_.server, lo);
   ASSERT_TRUE(l.ok());
   std::vector<std::unique_ptr<RawSocket>> idle;
   for (int i = 0; i < 6; ++i) {
@@ -1445,9 +1471,11 @@ TEST_F(Conformance, MalformedAndSilentPeersAreDropped) {
   bad.send_bytes(std::vector<std::byte>(96, std::byte{0x41}));
   const auto t0 = std::chrono::steady_clock::now();
   RawSocket silent(listener_->address());
-  for (int i = 0; i < 100 && listener_->drops().invalid == 0; ++i)
+  // With TLS required, bytes that are not a TLS record make a plaintext peer.
+  auto bad_ones = [&] { return tested_tls().on ? listener_->drops().plaintext : listener_->drops().invalid; };
+  for (int i = 0; i < 100 && bad_ones() == 0; ++i)
     EXPECT_FALSE(listener_->get_request(20ms).ok());
-  EXPECT_EQ(listener_->drops().invalid, 1u);
+  EXPECT_EQ(bad_ones(), 1u);
   EXPECT_TRUE(bad.closed_within(1s));
   // The waiter sleeps on fd() only, as the server's accept loop does.
   for (;;) {
@@ -1459,6 +1487,188 @@ TEST_F(Conformance, MalformedAndSilentPeersAreDropped) {
   }
   EXPECT_GE(std::chrono::steady_clock::now() - t0, Listener::kHandshakeTimeout);
   EXPECT_TRUE(silent.closed_within(1s));
+}
+
+// ---------------------------------------------------------------------------------------------
+// TLS (tcp; the run's own with --tls, and listeners of their own here)
+
+// A listener of the provider's with `tls` (server context) and `required`.
+Result<std::unique_ptr<Listener>> tls_listener(Fabric& f, const Address& at, std::shared_ptr<tls::Context> ctx,
+                                               bool required) {
+  Fabric::ListenOptions lo;
+  lo.tls = std::move(ctx);
+  lo.tls_required = required;
+  return f.listen(at, lo);
+}
+
+// Drives a listener (its pending handshakes progress inside get_request) until destroyed,
+// counting the requests it hands out (rejected at once).
+class ListenerPump {
+ public:
+  explicit ListenerPump(Listener& l)
+      : t_([this, &l] {
+          while (!stop_.load()) {
+            auto r = l.get_request(20ms);
+            if (r.ok()) {
+              requests_.fetch_add(1);
+              (void)(*r)->reject({});
+            }
+          }
+        }) {}
+  ~ListenerPump() {
+    stop_.store(true);
+    t_.join();
+  }
+  int requests() const { return requests_.load(); }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<int> requests_{0};
+  std::thread t_;
+};
+
+// A PSK context of `role` for `psk` (server: knows only that identity and key).
+std::shared_ptr<tls::Context> psk_context(tls::Role role, const tls::Psk& psk) {
+  tls::Config c;
+  c.role = role;
+  if (role == tls::Role::client) {
+    c.psk = psk;
+  } else {
+    c.psk_lookup = [psk](std::string_view id) -> std::optional<std::vector<std::byte>> {
+      if (id != psk.identity) return std::nullopt;
+      return psk.key;
+    };
+  }
+  auto r = tls::Context::create(c);
+  EXPECT_TRUE(r.ok()) << r.error().message();
+  return r.ok() ? *r : nullptr;
+}
+
+// Case: providers without TLS (loopback, rdma) are asked to listen or connect with it.
+// Expect: EPROTONOSUPPORT from both, never a plaintext connection that looks encrypted.
+TEST_F(Conformance, TlsOnlyWhereTheProviderHasIt) {
+  if (kind_ == FabricKind::tcp) GTEST_SKIP() << "tcp has TLS (the cases below)";
+  auto psk = tls::generate_psk("conformance/other");
+  ASSERT_TRUE(psk.ok());
+  auto l = tls_listener(*server_fabric_, ep_.server, psk_context(tls::Role::server, *psk), false);
+  EXPECT_EQ(l.error(), errc(EPROTONOSUPPORT));
+  ConnectParams p;
+  p.remote = listener_->address();
+  p.source = ep_.client_source ? &*ep_.client_source : nullptr;
+  p.cq = cli_.cq.get();
+  p.timeout = 2s;
+  p.tls = psk_context(tls::Role::client, *psk);
+  EXPECT_EQ(client_domain_->connect(p).error(), errc(EPROTONOSUPPORT));
+}
+
+// Case: over TLS, a connection reports what protects it.
+// Expect: both ends say TLS on with the same TLS 1.3 cipher; the server's request and
+// connection name the client's PSK identity; data moves (the suite's other cases).
+TEST_F(Conformance, TlsConnectionsSayWhatProtectsThem) {
+  if (!tested_tls().on) GTEST_SKIP() << "run with --tls";
+  std::string seen_identity;
+  std::thread srv([&] {
+    auto req = listener_->get_request(10s);
+    ASSERT_TRUE(req.ok()) << req.error().message();
+    seen_identity = (*req)->tls_identity();
+    auto c = (*req)->accept(srv_.queue(), {}, {}, srv_.events());
+    ASSERT_TRUE(c.ok()) << c.error().message();
+    srv_.conn = std::move(*c);
+  });
+  auto c = connect_to(*client_domain_, cli_, listener_->address(), 10s);
+  srv.join();
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  cli_.conn = std::move(c->connection);
+  ASSERT_TRUE(srv_.conn != nullptr);
+  EXPECT_EQ(seen_identity, tested_tls().psk.identity);
+  const tls::Info ci = cli_.conn->tls(), si = srv_.conn->tls();
+  EXPECT_TRUE(ci.on);
+  EXPECT_TRUE(si.on);
+  EXPECT_EQ(si.peer, tested_tls().psk.identity);
+  EXPECT_FALSE(ci.cipher.empty());
+  EXPECT_EQ(ci.cipher, si.cipher);
+  std::cerr << "tls: " << ci.cipher << ", kernel tx/rx client " << ci.kernel_tx << "/" << ci.kernel_rx
+            << ", server " << si.kernel_tx << "/" << si.kernel_rx << "\n";
+}
+
+// Case: a client without TLS connects to a listener that requires it; then one that offers a
+// key the server does not know, and one with the right identity but a wrong key.
+// Expect: the first fails with EPROTONOSUPPORT (told so in plaintext) and counts as plaintext;
+// the others fail with EACCES and count as tls_failed; the listener hands out no request.
+TEST_F(Conformance, TlsRequiredRefusesPlaintextAndWrongKeys) {
+  if (kind_ != FabricKind::tcp) GTEST_SKIP() << "TLS is the tcp provider's";
+  auto psk = tls::generate_psk("conformance/host-a");
+  ASSERT_TRUE(psk.ok());
+  auto l = tls_listener(*server_fabric_, ep_.server, psk_context(tls::Role::server, *psk), true);
+  ASSERT_TRUE(l.ok()) << l.error().message();
+  const Address at = (*l)->address();
+  ListenerPump pump(**l);
+  auto plain = connect_to_plain(*client_domain_, cli_, at, 5s);
+  EXPECT_EQ(plain.error(), errc(EPROTONOSUPPORT));
+  auto stranger = tls::generate_psk("conformance/stranger");
+  tls::Psk wrong_key = *tls::generate_psk("conformance/host-a");
+  for (const tls::Psk& k : {*stranger, wrong_key}) {
+    ConnectParams p;
+    p.remote = at;
+    p.cq = cli_.cq.get();
+    p.timeout = 5s;
+    p.tls = psk_context(tls::Role::client, k);
+    EXPECT_EQ(client_domain_->connect(p).error(), errc(EACCES)) << k.identity;
+  }
+  for (int i = 0; i < 50 && (*l)->drops().plaintext + (*l)->drops().tls_failed < 3; ++i)
+    std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(pump.requests(), 0);
+  EXPECT_EQ((*l)->drops().plaintext, 1u);
+  EXPECT_EQ((*l)->drops().tls_failed, 2u);
+  EXPECT_EQ((*l)->drops().invalid, 0u);
+}
+
+// Case: a listener that offers TLS (not required) gets a plaintext client and a TLS client; a
+// TLS client reaches a plaintext listener.
+// Expect: both are accepted by the first, the plaintext one reporting TLS off; the last fails
+// (the listener reads a ClientHello as a malformed request) without a request.
+TEST_F(Conformance, TlsOfferedTakesBothAndPlaintextListenersRefuseTls) {
+  if (kind_ != FabricKind::tcp) GTEST_SKIP() << "TLS is the tcp provider's";
+  auto psk = tls::generate_psk("conformance/host-b");
+  ASSERT_TRUE(psk.ok());
+  auto l = tls_listener(*server_fabric_, ep_.server, psk_context(tls::Role::server, *psk), false);
+  ASSERT_TRUE(l.ok()) << l.error().message();
+  for (bool with_tls : {false, true}) {
+    Side cli, srv;
+    cli.domain = client_domain_;
+    srv.domain = server_domain_;
+    cli.cq = std::move(client_domain_->create_cq(256)).value();
+    srv.cq = std::move(server_domain_->create_cq(256)).value();
+    std::thread t = accept_one(**l, srv, 10s);
+    ConnectParams p;
+    p.remote = (*l)->address();
+    p.cq = cli.cq.get();
+    p.events = cli.events();
+    p.timeout = 10s;
+    if (with_tls) p.tls = psk_context(tls::Role::client, *psk);
+    auto c = client_domain_->connect(p);
+    t.join();
+    ASSERT_TRUE(c.ok()) << (with_tls ? "tls: " : "plaintext: ") << c.error().message();
+    EXPECT_EQ(c->connection->tls().on, with_tls);
+    ASSERT_TRUE(srv.conn != nullptr);
+    EXPECT_EQ(srv.conn->tls().on, with_tls);
+  }
+  auto plain_listener = server_fabric_->listen(ep_.server);
+  ASSERT_TRUE(plain_listener.ok());
+  ListenerPump pump(**plain_listener);
+  ConnectParams p;
+  p.remote = (*plain_listener)->address();
+  p.cq = cli_.cq.get();
+  p.timeout = 5s;
+  p.tls = psk_context(tls::Role::client, *psk);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = client_domain_->connect(p);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.error(), errc(ETIMEDOUT)) << "refused at once, not left to time out";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s);
+  for (int i = 0; i < 50 && (*plain_listener)->drops().invalid == 0; ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_EQ(pump.requests(), 0);
+  EXPECT_EQ((*plain_listener)->drops().invalid, 1u);
 }
 
 }  // namespace
@@ -1477,6 +1687,8 @@ int main(int argc, char** argv) {
       ibtrs::fabric::testing::tested_kind() = *k;
     } else if (a == "--busy-poll") {
       ibtrs::fabric::testing::tested_options().busy_poll = true;
+    } else if (a == "--tls" || a == "--tls=user") {
+      if (!ibtrs::fabric::testing::enable_tested_tls(a == "--tls")) return 2;
     }
   }
   return RUN_ALL_TESTS();

@@ -14,6 +14,43 @@ FabricOptions& tested_options() {
   return o;
 }
 
+TestedTls& tested_tls() {
+  static TestedTls t;
+  return t;
+}
+
+bool enable_tested_tls(bool kernel) {
+  auto psk = tls::generate_psk("conformance/run");
+  if (!psk) {
+    std::fprintf(stderr, "generate_psk: %s\n", psk.error().message().c_str());
+    return false;
+  }
+  TestedTls& t = tested_tls();
+  t.psk = *psk;
+  tls::Config c;
+  c.role = tls::Role::client;
+  c.psk = t.psk;
+  c.kernel = kernel;
+  auto cc = tls::Context::create(c);
+  tls::Config sc;
+  sc.role = tls::Role::server;
+  sc.kernel = kernel;
+  sc.psk_lookup = [key = t.psk.key, id = t.psk.identity](std::string_view identity)
+      -> std::optional<std::vector<std::byte>> {
+    if (identity != id) return std::nullopt;
+    return key;
+  };
+  auto sctx = tls::Context::create(sc);
+  if (!cc || !sctx) {
+    std::fprintf(stderr, "tls context: %s\n", (!cc ? cc.error() : sctx.error()).message().c_str());
+    return false;
+  }
+  t.client = *cc;
+  t.server = *sctx;
+  t.on = true;
+  return true;
+}
+
 Result<Endpoints> endpoints_for(FabricKind kind, const std::string& tag) {
   Endpoints e;
   switch (kind) {
@@ -65,7 +102,10 @@ void FabricTest::SetUp() {
   ASSERT_TRUE(ep.ok()) << ep.error().message();
   ep_ = *ep;
 
-  auto l = server_fabric_->listen(ep_.server);
+  Fabric::ListenOptions lo;
+  lo.tls = tested_tls().server;
+  lo.tls_required = tested_tls().on;
+  auto l = server_fabric_->listen(ep_.server, lo);
   ASSERT_TRUE(l.ok()) << "listen " << ep_.server.to_string() << ": " << l.error().message();
   listener_ = std::move(l).value();
 
@@ -111,6 +151,7 @@ void FabricTest::connect_pair(Side& client, Side& server, const QueueCaps& caps,
   p.private_data = req_pd;
   p.events = client.events();
   p.timeout = 10s;
+  with_tested_tls(p);
   auto c = client.domain->connect(p);
   auto s = accepted.get();
   ASSERT_TRUE(c.ok()) << "connect: " << c.error().message();

@@ -25,6 +25,18 @@ FabricKind& tested_kind();
 // Provider options of the run (--busy-poll).
 FabricOptions& tested_options();
 
+// TLS of the run (--tls, tcp only; --tls=user keeps the record layer in userspace even where the
+// kernel has kTLS): every listener of the suite requires TLS and every connect runs it, with a
+// pre-shared key made for the run. Empty contexts when off.
+struct TestedTls {
+  bool on = false;
+  tls::Psk psk;
+  std::shared_ptr<tls::Context> client, server;
+};
+TestedTls& tested_tls();
+// Makes tested_tls() for `kernel` (false: userspace record layer); false with a message on error.
+bool enable_tested_tls(bool kernel);
+
 // Addresses for the tested provider: server listen address (port 0) and client source.
 struct Endpoints {
   Address server;
@@ -76,6 +88,8 @@ struct Side {
 class FabricTest : public ::testing::Test {
  protected:
   void SetUp() override;
+  // Fills the provider's part of `p`: TLS when the run has it.
+  static void with_tested_tls(ConnectParams& p) { p.tls = tested_tls().client; }
   void TearDown() override;
 
   // Connects client -> server with private data both ways; fails the test on error.

@@ -65,6 +65,7 @@ class AuthSession : public ::testing::Test {
     so.handler = &vol_;
     so.authenticator = &keys_;
     so.allow_any_host = allow_any_host;
+    so.tls.mode = server_tls_;
     auto s = Server::start(so);
     ASSERT_TRUE(s.ok()) << s.error().message();
     server_ = std::move(*s);
@@ -113,6 +114,7 @@ class AuthSession : public ::testing::Test {
   }
 
   RamVolume vol_{1 << 20};
+  tls::Options::Mode server_tls_ = tls::Options::Mode::off;  // start()'s tcp listeners
   KeyTable keys_;
   Secret key_a_, key_b_, server_key_a_;
   std::unique_ptr<Server> server_;
@@ -275,6 +277,7 @@ class RawAuth : public AuthSession {
     Uuid sess{}, path{};
     std::vector<Con> cons;
     std::string sessname = "raw", pathname = "raw@server";
+    std::shared_ptr<tls::Context> tls;  // TLS on its connections (tcp)
     std::vector<std::vector<std::byte>> sent;  // what we sent, in order (to play back)
     std::deque<std::vector<std::byte>> inbox;  // received, not yet taken by recv()
     bool broken = false;
@@ -297,6 +300,7 @@ class RawAuth : public AuthSession {
       p.caps.max_send_wr = 16;
       p.private_data = as_bytes_of(req);
       p.timeout = 5s;
+      p.tls = r.tls;
       IBTRS_ASSIGN_OR_RETURN(auto res, dom_->connect(p, nullptr));
       c.conn = std::move(res.connection);
       if (cid == 0) {
@@ -546,6 +550,88 @@ TEST_F(RawAuth, OutOfOrderAndMalformedMessages) {
   auto c = ClientSession::open(client("after", key_a_));
   ASSERT_TRUE(c.ok());
   io_works(**c);
+}
+
+// ---------------------------------------------------------------------------------------------
+// TLS on tcp paths, keyed by the host keys (ServerOptions::tls required)
+
+class TlsAuth : public RawAuth {
+ protected:
+  void SetUp() override {
+    if (g_kind != FabricKind::tcp) GTEST_SKIP() << "TLS is the tcp fabric's";
+    server_tls_ = tls::Options::Mode::required;
+    RawAuth::SetUp();
+  }
+  ClientOptions tls_client(const std::string& name, std::optional<Secret> key, const std::string& host = kHostA) {
+    ClientOptions co = client(name, std::move(key), host);
+    co.tls.mode = tls::Options::Mode::on;
+    return co;
+  }
+  uint64_t refused(std::string_view reason) const { return server_->refusals().count(reason); }
+};
+
+// Case: host A maps with TLS on, its PSK derived from its DH-HMAC-CHAP key.
+// Expect: IO works; both ends report TLS on with the same cipher, the server naming A's PSK
+// identity; the path is also authenticated as A.
+TEST_F(TlsAuth, HostKeyPskCarriesTheSession) {
+  auto c = ClientSession::open(tls_client("t1", key_a_));
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  io_works(**c);
+  auto paths = (*c)->paths();
+  ASSERT_EQ(paths.size(), 1u);
+  EXPECT_TRUE(paths[0].tls.on);
+  EXPECT_FALSE(paths[0].tls.cipher.empty());
+  EXPECT_EQ(paths[0].auth.state, AuthState::authenticated);
+  std::vector<ServerPathInfo> sp;
+  ASSERT_TRUE(server_->with_session("t1", [&](ServerSession& s) { sp = s.paths(); }).ok());
+  ASSERT_EQ(sp.size(), 1u);
+  EXPECT_TRUE(sp[0].tls.on);
+  EXPECT_EQ(sp[0].tls.cipher, paths[0].tls.cipher);
+  EXPECT_EQ(sp[0].tls.peer, tls_psk_of(kHostA, key_a_)->identity);
+  EXPECT_EQ(sp[0].auth.host, kHostA);
+}
+
+// Case: a client without TLS; one with TLS whose host the server does not know; one with host
+// A's id and a key that is not A's; one that asks for TLS with no host key to derive a PSK from.
+// Expect: EPROTONOSUPPORT at once (not retried until the connect timeout), EACCES twice (the
+// TLS handshake fails before any session exists), EINVAL before connecting; the server counts
+// one plaintext peer and two failed handshakes, and lists no session.
+TEST_F(TlsAuth, PlaintextAndForeignPsksAreRefusedForGood) {
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(open_err(client("plain", key_a_)), EPROTONOSUPPORT);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s) << "a plaintext client is not left to retry";
+  EXPECT_EQ(open_err(tls_client("stranger", *Secret::generate(), "nqn.2014-08.org.example:stranger")), EACCES);
+  EXPECT_EQ(open_err(tls_client("wrong-key", *Secret::generate())), EACCES);
+  EXPECT_EQ(open_err(tls_client("no-key", std::nullopt)), EINVAL);
+  EXPECT_TRUE(wait_until([&] { return refused(refusal::kListenPlaintext) >= 1 && refused(refusal::kListenTlsFailed) >= 2; }, 5s))
+      << refused(refusal::kListenPlaintext) << " plaintext, " << refused(refusal::kListenTlsFailed) << " tls failed";
+  EXPECT_EQ(server_->auth_counters().authenticated, 0u);
+  for (const char* n : {"plain", "stranger", "wrong-key", "no-key"})
+    EXPECT_FALSE(server_->with_session(n, [](ServerSession&) {}).ok()) << n;
+}
+
+// Case: a raw client runs TLS with host B's PSK (it holds B's key) and then answers the
+// DH-HMAC-CHAP challenge as host A with A's key.
+// Expect: AUTH_FAILURE (EACCES), counted as a host mismatch, never an INFO_RSP: one path proves
+// one host, in TLS and in DH-HMAC-CHAP alike.
+TEST_F(TlsAuth, TlsIdentityMustBeTheAuthenticatedHost) {
+  Raw r;
+  r.sess = random_uuid();
+  r.path = random_uuid();
+  tls::Config tc;
+  tc.role = tls::Role::client;
+  tc.psk = *tls_psk_of(kHostB, key_b_);
+  r.tls = *tls::Context::create(tc);
+  ASSERT_TRUE(connect(r, true).ok());
+  send_info(r);
+  auto ch = recv(r);
+  ASSERT_EQ(type_of(ch), MsgType::auth_challenge);
+  send(r, as_bytes_of(reply_to(r, ch, kHostA, key_a_)));
+  auto verdict = recv(r);
+  ASSERT_EQ(type_of(verdict), MsgType::auth_failure);
+  EXPECT_EQ(failure_reason(verdict), EACCES);
+  EXPECT_EQ(server_->auth_counters().refused_host_mismatch, 1u);
+  EXPECT_TRUE(recv(r).empty()) << "closed, no INFO_RSP";
 }
 
 }  // namespace

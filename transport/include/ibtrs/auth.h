@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "ibtrs/result.h"
+#include "ibtrs/tls.h"
 
 namespace ibtrs {
 
@@ -150,5 +151,18 @@ struct PathAuthInfo {
   bool bidirectional = false;    // the server proved its secret to the client too
   std::string method;            // "dhchap-sha256-x25519" when authenticated
 };
+
+// TLS pre-shared keys from host keys (the tcp fabric's TLS, docs/security.md): a host that has
+// a DH-HMAC-CHAP secret also has a TLS 1.3 PSK, as NVMe/TCP derives its retained PSK from the
+// configured one. Identity "<host id>/<the key's fingerprint>" (the fingerprint names which of
+// a host's keys during a rotation), key HMAC-SHA-256(Kh, "IBNBD TLS PSK 1" || host id) with Kh
+// the secret transformed for the host id as DH-HMAC-CHAP uses it. Errors: EINVAL (a bad host
+// id, an empty secret).
+Result<tls::Psk> tls_psk_of(std::string_view host, const Secret& key);
+// The server's side: the key for a PSK identity, from the host's keys in `a` (nullopt: not an
+// identity of ours, an unknown host, or no key of the host with that fingerprint).
+std::optional<std::vector<std::byte>> tls_psk_lookup(const Authenticator& a, std::string_view identity);
+// The host id a PSK identity names ("" when it is not one of ours).
+std::string tls_psk_host(std::string_view identity);
 
 }  // namespace ibtrs

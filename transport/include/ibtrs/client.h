@@ -42,6 +42,7 @@
 
 #include "ibtrs/address.h"
 #include "ibtrs/auth.h"
+#include "ibtrs/tls.h"
 #include "ibtrs/path_spec.h"
 #include "ibtrs/result.h"
 #include "ibtrs/types.h"
@@ -129,6 +130,11 @@ struct ClientOptions {
   // path the server refuses (or that fails to prove the server) fails with EACCES and is not
   // retried on its own: it stays CLOSED until reconnect_path() (a new key needs a new session).
   ClientAuth auth;
+  // TLS on the tcp paths (ibtrs/tls.h): every tcp connection of the session runs TLS 1.3 before
+  // anything else, with a PSK derived from `auth`'s key (which it then needs) or with
+  // certificates. A server that requires TLS refuses a session without it (EPROTONOSUPPORT); a
+  // server that refuses our credentials fails the path with EACCES. rdma paths are unaffected.
+  tls::Options tls;
 };
 
 struct ClientPathInfo {
@@ -142,6 +148,7 @@ struct ClientPathInfo {
   std::optional<std::chrono::nanoseconds> latency;  // last heartbeat round trip
   uint32_t inflight = 0;
   PathAuthInfo auth;          // how the path authenticated, in its last establishment
+  tls::Info tls;              // its service connection's TLS (tcp with ClientOptions::tls)
   std::error_code last_error; // why the path last failed or went down (EACCES: refused)
   PathStatsSnapshot stats;
 };

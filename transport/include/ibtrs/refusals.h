@@ -86,6 +86,8 @@ inline constexpr std::string_view kListenTimeout = "listen_timeout";
 inline constexpr std::string_view kListenOverflow = "listen_overflow";
 inline constexpr std::string_view kListenInvalid = "listen_invalid";
 inline constexpr std::string_view kListenError = "listen_error";  // accept failed (EMFILE, ...)
+inline constexpr std::string_view kListenPlaintext = "listen_plaintext";  // no TLS, TLS required
+inline constexpr std::string_view kListenTlsFailed = "listen_tls_failed";  // TLS handshake failed
 }  // namespace refusal
 
 }  // namespace ibtrs

@@ -31,6 +31,7 @@
 #include "ibtrs/path_spec.h"
 #include "ibtrs/refusals.h"
 #include "ibtrs/result.h"
+#include "ibtrs/tls.h"
 #include "ibtrs/types.h"
 
 namespace ibtrs {
@@ -45,6 +46,7 @@ struct ServerPathInfo {
   uint16_t recon_cnt = 0;
   uint16_t cid_num = 0;
   PathAuthInfo auth;      // how the path authenticated (ibtrs/auth.h)
+  tls::Info tls;          // its service connection's TLS (tcp listeners with ServerOptions::tls)
   PathStatsSnapshot stats;
 };
 
@@ -182,6 +184,13 @@ struct ServerOptions {
   // its first connection. start() refuses a server with neither (EINVAL): it would admit nobody.
   const Authenticator* authenticator = nullptr;  // must outlive the server
   bool allow_any_host = false;
+  // TLS on the tcp listeners (ibtrs/tls.h): offered (on) or required (a plaintext client is
+  // refused: its connect fails with EPROTONOSUPPORT). Certificates when cert_file and key_file
+  // are given (and ca_file to require client certificates), else PSKs derived from the host
+  // keys of `authenticator` (ibtrs/auth.h, tls_psk_of), which it then needs. With a PSK the
+  // host a path proves in DH-HMAC-CHAP must be the host of its TLS identity (EACCES otherwise).
+  // rdma listeners are not encrypted.
+  tls::Options tls;
 };
 
 // What peers hold right now, against ServerOptions' caps.

@@ -124,6 +124,32 @@ class Session {
   std::unique_ptr<Impl> impl_;
 };
 
+// What a connection's TLS is, for listings and stats.
+struct Info {
+  bool on = false;
+  bool kernel_tx = false, kernel_rx = false;  // the kernel carries the record layer (kTLS)
+  std::string cipher;                         // "TLS_AES_128_GCM_SHA256"
+  std::string peer;                           // the peer's PSK identity or certificate subject
+};
+
+// How a client session's tcp paths, or a server's tcp listeners, use TLS (ClientOptions::tls,
+// ServerOptions::tls). TLS is the tcp fabric's: rdma paths are not encrypted (NVMe/RDMA has no
+// TLS either), loopback needs none.
+struct Options {
+  // client: off, or on (TLS on every tcp path). server: off, on (offered: a client may use it),
+  // required (a plaintext client is refused with EPROTONOSUPPORT).
+  enum class Mode : uint8_t { off, on, required };
+  Mode mode = Mode::off;
+  // Certificates (PEM; Config says what each role needs). Without them, PSKs derived from the
+  // host keys of authentication (ibtrs/auth.h, tls_psk_of): the client needs its key, the
+  // server its Authenticator.
+  std::string cert_file, key_file, ca_file, server_name;
+  bool kernel = true;  // Config::kernel
+};
+// "off", "on", "required"; EINVAL for anything else.
+Result<Options::Mode> parse_mode(std::string_view s);
+std::string_view to_string(Options::Mode m);
+
 // Whether this kernel has TLS record offload (TCP_ULP "tls"); probed once per process on a
 // loopback socket pair.
 bool kernel_tls_available();

@@ -32,6 +32,31 @@ struct ClientSession::Impl final : client::Session {};
 
 namespace client {
 
+// Refusals that the same credentials and settings meet again on every retry: the server refused
+// our host or key (EACCES), or requires TLS we do not speak (EPROTONOSUPPORT).
+bool refused_for_good(std::error_code e) {
+  return e == std::errc::permission_denied || e == std::errc::protocol_not_supported;
+}
+
+// The client-role TLS context of ClientOptions::tls: certificates when a CA is given, else the
+// PSK of the host key. EINVAL: PSK mode without a host key, unreadable PEM files.
+Result<std::shared_ptr<tls::Context>> make_tls_context(const ClientOptions& o) {
+  tls::Config c;
+  c.role = tls::Role::client;
+  c.kernel = o.tls.kernel;
+  if (!o.tls.ca_file.empty()) {
+    c.ca_file = o.tls.ca_file;
+    c.server_name = o.tls.server_name;
+    c.cert_file = o.tls.cert_file;
+    c.key_file = o.tls.key_file;
+  } else {
+    if (!o.auth.enabled() || !o.tls.cert_file.empty() || !o.tls.key_file.empty()) return errc(EINVAL);
+    IBTRS_ASSIGN_OR_RETURN(auto psk, tls_psk_of(o.auth.host_id, *o.auth.key));
+    c.psk = std::move(psk);
+  }
+  return tls::Context::create(std::move(c));
+}
+
 namespace {
 
 // Work request ids: the low 3 bits say what completed.
@@ -798,6 +823,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   params.private_data = pd;
   params.timeout = opts.connect_timeout;
   params.cancel_fd = cancel_fd;
+  if (params.remote.fabric == FabricKind::tcp) params.tls = tls_ctx;
   params.events.on_disconnected = [c](std::error_code) {
     c->failed.store(true, std::memory_order_release);
   };
@@ -916,6 +942,7 @@ Status Session::establish(Path* path) {
   {
     std::lock_guard lock(path->meta_mu);
     path->hca_name = svc->conn->device_name();
+    path->tls = svc->conn->tls();
     path->hca_port = svc->conn->port_num();
   }
   for (auto& c : path->cons) c->gate.open();
@@ -1164,7 +1191,7 @@ void Session::reconnect_attempt(Path* path) {
   IBTRS_LOG(info, "path %s: reconnect failed: %s", path->name.c_str(), errstr(st.error()).c_str());
   teardown(path);
   (void)path->state.change(ClientPathState::connecting_err);
-  if (st.error() == std::errc::permission_denied) return refused(path, st.error());
+  if (refused_for_good(st.error())) return refused(path, st.error());
   (void)path->state.change(ClientPathState::reconnecting);
   schedule_reconnect(path);
 }
@@ -1244,7 +1271,7 @@ Status Session::open_paths() {
       std::lock_guard meta_lock(p->meta_mu);
       e = p->last_error;
     }
-    if (e == std::errc::permission_denied) {
+    if (refused_for_good(e)) {
       refused(p, e);
       continue;
     }
@@ -1369,6 +1396,9 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
     return errc(EINVAL);
   auto impl = std::make_unique<Impl>();
   impl->opts = std::move(options);
+  if (impl->opts.tls.mode != tls::Options::Mode::off) {
+    IBTRS_ASSIGN_OR_RETURN(impl->tls_ctx, client::make_tls_context(impl->opts));
+  }
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
   if (impl->nio > 64) return errc(EINVAL);
@@ -1765,6 +1795,7 @@ std::vector<ClientPathInfo> ClientSession::paths() const {
       i.hca_name = p->hca_name;
       i.hca_port = p->hca_port;
       i.auth = p->auth;
+      i.tls = p->tls;
       i.last_error = p->last_error;
     }
     i.recon_cnt = p->recon_cnt;

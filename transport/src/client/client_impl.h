@@ -136,6 +136,7 @@ struct Path {
   std::error_code last_error;
 
   PathAuthInfo auth;  // under meta_mu
+  tls::Info tls;      // under meta_mu: the service connection's, as established
 
   // Service messages (AUTH_*, INFO_RSP) handed from the service poller to the worker during
   // establishment, each copied once out of its RECV buffer.
@@ -202,6 +203,8 @@ struct Geometry {
 
 struct Session {
   ClientOptions opts;
+  // TLS of the tcp paths (opts.tls), made once at open; null when off.
+  std::shared_ptr<tls::Context> tls_ctx;
   uint32_t nio = 1;  // IO threads = IO connections per path
   Uuid16 uuid;
   proto::Uuid uuid_bytes{};

@@ -63,6 +63,7 @@
 
 #include "ibtrs/address.h"
 #include "ibtrs/result.h"
+#include "ibtrs/tls.h"
 
 namespace ibtrs::fabric {
 
@@ -318,6 +319,10 @@ class Connection {
   // Device and port the connection runs on ("rxe0", 1), as the kernel's hca_name/hca_port.
   virtual std::string device_name() const = 0;
   virtual uint8_t port_num() const = 0;
+
+  // Encryption of the connection's stream (tcp with TLS; other providers and plaintext tcp
+  // say off). For listings and stats.
+  virtual tls::Info tls() const { return {}; }
 };
 
 struct ConnectParams {
@@ -331,6 +336,11 @@ struct ConnectParams {
   // Optional: when this fd becomes readable (e.g. an eventfd the owner writes on shutdown) the
   // connect gives up at once with ECANCELED instead of waiting out `timeout`.
   int cancel_fd = -1;
+  // TLS 1.3 on the connection (a client-role context; tcp only, EPROTONOSUPPORT elsewhere):
+  // the handshake runs before the provider's own, within `timeout`. EACCES: the server refused
+  // our credentials or we refused its; EPROTONOSUPPORT: a listener that requires TLS refused a
+  // connect without it.
+  std::shared_ptr<tls::Context> tls;
 };
 
 
@@ -360,6 +370,9 @@ class ConnectRequest {
   }
   // Rejects; the connecting side's connect() fails with ECONNREFUSED and gets the data.
   virtual ibtrs::Status reject(std::span<const std::byte> private_data) = 0;
+  // The identity the peer proved with TLS (its PSK identity or certificate subject), or empty
+  // for a connection without TLS.
+  virtual std::string tls_identity() const { return {}; }
 };
 
 // Listens on one address.
@@ -383,6 +396,8 @@ class Listener {
     uint64_t timed_out = 0;  // no complete request within kHandshakeTimeout
     uint64_t overflow = 0;   // the oldest of `backlog` pending peers, pushed out by a newer one
     uint64_t invalid = 0;    // a malformed request, or closed before completing it
+    uint64_t plaintext = 0;  // a peer without TLS on a listener that requires it
+    uint64_t tls_failed = 0; // a TLS handshake that failed (credentials refused, not TLS 1.3)
   };
   static constexpr std::chrono::milliseconds kHandshakeTimeout{5000};
 
@@ -460,8 +475,21 @@ class Fabric {
   virtual Result<Domain*> domain_for(const Address& remote, const Address* source = nullptr) = 0;
 
   // Listens on `local` (port 0 picks a free one). `backlog` bounds pending requests: the
-  // kernel's accept queue and the peers still sending their request (Listener).
-  virtual Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog = 128) = 0;
+  // kernel's accept queue and the peers still sending their request (Listener). With `tls` (a
+  // server-role context; tcp only, EPROTONOSUPPORT elsewhere) peers may run TLS 1.3 before
+  // their request, and with `tls_required` they must: a plaintext peer is refused (its connect
+  // fails with EPROTONOSUPPORT) and counted in Listener::drops().
+  struct ListenOptions {
+    int backlog = 128;
+    std::shared_ptr<tls::Context> tls;
+    bool tls_required = false;
+  };
+  virtual Result<std::unique_ptr<Listener>> listen(const Address& local, const ListenOptions& options) = 0;
+  Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog = 128) {
+    ListenOptions o;
+    o.backlog = backlog;
+    return listen(local, o);
+  }
 };
 
 // Checks shared by every provider, so the contract of post_send/post_recv and of QueueCaps is

@@ -55,6 +55,24 @@ using fabric::Sge;
 using fabric::WcStatus;
 
 namespace server {
+
+// The server-role TLS context of ServerOptions::tls: certificates when given, else PSKs looked
+// up through the authenticator. EINVAL: neither, or unreadable PEM files.
+Result<std::shared_ptr<tls::Context>> make_tls_context(const ServerOptions& o) {
+  tls::Config c;
+  c.role = tls::Role::server;
+  c.kernel = o.tls.kernel;
+  if (!o.tls.cert_file.empty() || !o.tls.key_file.empty()) {
+    c.cert_file = o.tls.cert_file;
+    c.key_file = o.tls.key_file;
+    c.ca_file = o.tls.ca_file;
+  } else {
+    const Authenticator* a = o.authenticator;
+    if (a == nullptr || !o.tls.ca_file.empty()) return errc(EINVAL);
+    c.psk_lookup = [a](std::string_view identity) { return tls_psk_lookup(*a, identity); };
+  }
+  return tls::Context::create(std::move(c));
+}
 namespace {
 
 enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3, kWrSvcRecv = 4 };
@@ -155,6 +173,8 @@ struct Path {
   Address local, peer;
   fabric::Domain* device = nullptr;  // the device's domain the connections arrived on
   fabric::Domain* domain = nullptr;  // the session's protection domain on that device
+  // The identity the path's connections proved with TLS (all the same; "" without TLS).
+  std::optional<std::string> tls_identity;
   uint32_t chunk_lkey = 0, chunk_rkey = 0;
   // always_invalidate: one remotely writable region per chunk, in the session's domain on this
   // path's device. Its key is revoked when a request in the chunk starts and a new one issued
@@ -332,6 +352,7 @@ ServerPathInfo Path::info() const {
   if (!cons.empty() && cons[0]->conn) {
     i.hca_name = cons[0]->conn->device_name();
     i.hca_port = cons[0]->conn->port_num();
+    i.tls = cons[0]->conn->tls();
   }
   i.recon_cnt = recon_cnt;
   i.cid_num = cid_num;
@@ -994,6 +1015,14 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
     return errc(EINVAL);
   }
   p->device = &dev;
+  // Every connection of a path carries the same TLS identity (none, or the same host's PSK or
+  // certificate): the service connection's authentication then speaks for all of them.
+  const std::string tls_id = req.tls_identity();
+  if (p->tls_identity && *p->tls_identity != tls_id) {
+    reject(req, EACCES, refusal::kAuthHostMismatch, "connections of one path with different TLS identities");
+    return errc(EACCES);
+  }
+  p->tls_identity = tls_id;
   auto pd_it = s->pds.find(&dev);
   if (pd_it == s->pds.end()) {
     auto pd = dev.alloc_pd(fabric::PdAttr{opts.session_max_keys});
@@ -1223,6 +1252,13 @@ void Impl::handle_auth_reply(Path* p, std::span<const std::byte> msg) {
   if (!bind_host(p, host))
     return auth_failed(p, EACCES, auth_count.host_mismatch,
                        "host " + host + ": the session belongs to host " + s->host_);
+  // A TLS PSK is a host's key too: the path must prove the same host in both. (With
+  // certificates the identity is a subject, which names no host of ours.)
+  const bool psk_mode = opts.tls.cert_file.empty();
+  if (const std::string tls_host = psk_mode ? tls_psk_host(p->tls_identity.value_or("")) : std::string();
+      !tls_host.empty() && tls_host != host)
+    return auth_failed(p, EACCES, auth_count.host_mismatch,
+                       "host " + host + ": its TLS PSK is host " + tls_host + "'s");
   proto::AuthSuccessView ok;
   ok.tid = a.tid;
   if (r->bidirectional) {
@@ -1448,6 +1484,11 @@ void Impl::count_listener_drops(size_t i) {
   refusals.refuse(refusal::kListenInvalid,
                   where + "sockets dropped for a malformed or unfinished connection request",
                   now.invalid - seen.invalid);
+  refusals.refuse(refusal::kListenPlaintext, where + "peers without TLS refused (TLS required)",
+                  now.plaintext - seen.plaintext);
+  refusals.refuse(refusal::kListenTlsFailed,
+                  where + "TLS handshakes failed (credentials refused, or not TLS 1.3)",
+                  now.tls_failed - seen.tls_failed);
   seen = now;
 }
 
@@ -1539,12 +1580,19 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
                           r::kHandshakeTimeout, r::kHandshakeEvicted, r::kAckTimeout,
                           r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError,
                           r::kAuthNoCredentials, r::kAuthUnknownHost, r::kAuthBadResponse,
-                          r::kAuthHostMismatch, r::kAuthProtocol});
+                          r::kAuthHostMismatch, r::kAuthProtocol, r::kListenPlaintext,
+                          r::kListenTlsFailed});
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
+  fabric::Fabric::ListenOptions lo;
+  if (impl->opts.tls.mode != tls::Options::Mode::off) {
+    IBTRS_ASSIGN_OR_RETURN(lo.tls, server::make_tls_context(impl->opts));
+    lo.tls_required = impl->opts.tls.mode == tls::Options::Mode::required;
+  }
   for (const Address& a : impl->opts.listen) {
     IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(a.fabric, impl->opts.busy_poll));
-    IBTRS_ASSIGN_OR_RETURN(auto l, fab->listen(a));
+    // TLS is the tcp fabric's: other listeners ignore it (rdma is not encrypted).
+    IBTRS_ASSIGN_OR_RETURN(auto l, fab->listen(a, a.fabric == FabricKind::tcp ? lo : fabric::Fabric::ListenOptions{}));
     impl->listeners.push_back(std::move(l));
   }
   for (uint32_t i = 0; i < impl->nio; ++i) {

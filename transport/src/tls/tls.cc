@@ -801,6 +801,22 @@ bool kernel_tls_available() {
   return available;
 }
 
+Result<Options::Mode> parse_mode(std::string_view s) {
+  if (s == "off") return Options::Mode::off;
+  if (s == "on") return Options::Mode::on;
+  if (s == "required") return Options::Mode::required;
+  return errc(EINVAL);
+}
+
+std::string_view to_string(Options::Mode m) {
+  switch (m) {
+    case Options::Mode::off: return "off";
+    case Options::Mode::on: return "on";
+    case Options::Mode::required: return "required";
+  }
+  return "?";
+}
+
 bool looks_like_tls(std::span<const std::byte> first) {
   if (first.size() < 3) return false;
   return static_cast<uint8_t>(first[0]) == kHandshake && static_cast<uint8_t>(first[1]) == 3 &&

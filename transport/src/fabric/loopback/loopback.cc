@@ -705,6 +705,7 @@ Result<std::unique_ptr<ConnectRequest>> LbListener::get_request(std::chrono::mil
 }
 
 Result<ConnectResult> LbDomain::connect(const ConnectParams& p, std::vector<std::byte>* reject_data) {
+  if (p.tls) return errc(EPROTONOSUPPORT);
   if (p.cq == nullptr || dynamic_cast<LbCq*>(p.cq) == nullptr ||
       p.private_data.size() > kMaxPrivateData || p.remote.fabric != FabricKind::loopback)
     return errc(EINVAL);
@@ -746,7 +747,9 @@ class LbFabric final : public Fabric {
     if (remote.fabric != FabricKind::loopback) return errc(EINVAL);
     return static_cast<Domain*>(&domain_);
   }
-  Result<std::unique_ptr<Listener>> listen(const Address& local, int) override {
+  using Fabric::listen;
+  Result<std::unique_ptr<Listener>> listen(const Address& local, const ListenOptions& o) override {
+    if (o.tls || o.tls_required) return errc(EPROTONOSUPPORT);
     if (local.fabric != FabricKind::loopback || local.name.empty()) return errc(EINVAL);
     int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (efd < 0) return errc(errno);

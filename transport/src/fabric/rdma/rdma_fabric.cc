@@ -609,7 +609,8 @@ class RdmaFabric final : public Fabric {
 
   FabricKind kind() const override { return FabricKind::rdma; }
   Result<Domain*> domain_for(const Address& remote, const Address* source) override;
-  Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog) override;
+  using Fabric::listen;
+  Result<std::unique_ptr<Listener>> listen(const Address& local, const ListenOptions& o) override;
 
   rdma_event_channel* channel() const { return channel_.get(); }
   // The domain of a device, created on first use.
@@ -1139,6 +1140,7 @@ constexpr uint32_t kMaxSgePerWr = 32;
 Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
                                           std::vector<std::byte>* reject_data) {
   if (reject_data != nullptr) reject_data->clear();
+  if (params.tls) return errc(EPROTONOSUPPORT);
   auto* cq = dynamic_cast<RdmaCq*>(params.cq);
   if (cq == nullptr || cq->context() != ctx_) return errc(EINVAL);
   if (params.private_data.size() > kMaxPrivateData) return errc(EINVAL);
@@ -1447,7 +1449,10 @@ Result<Domain*> RdmaFabric::domain_for(const Address& remote, const Address* sou
   return static_cast<Domain*>(d);
 }
 
-Result<std::unique_ptr<Listener>> RdmaFabric::listen(const Address& local, int backlog) {
+Result<std::unique_ptr<Listener>> RdmaFabric::listen(const Address& local, const ListenOptions& o) {
+  // RDMA has no TLS: its traffic is not encrypted (as NVMe/RDMA's is not).
+  if (o.tls || o.tls_required) return errc(EPROTONOSUPPORT);
+  const int backlog = o.backlog;
   if (!valid_ip_address(local) || backlog <= 0) return errc(EINVAL);
   IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   rdma_cm_id* raw = nullptr;

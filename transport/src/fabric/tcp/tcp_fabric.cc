@@ -83,13 +83,19 @@ int wait_fd(int fd, short events, Clock::time_point deadline, int cancel_fd) {
   }
 }
 
-// Blocking-with-deadline helpers for the handshake (the only blocking socket use).
+// Blocking-with-deadline helpers for the handshake (the only blocking socket use). With a TLS
+// session the bytes go through it (its record layer, in the kernel or in userspace).
 ibtrs::Status io_all(int fd, void* buf, size_t len, bool sending, Clock::time_point deadline,
-                     int cancel_fd = -1) {
+                     int cancel_fd = -1, tls::Session* tls = nullptr) {
   auto* p = static_cast<char*>(buf);
   while (len > 0) {
-    ssize_t n = sending ? ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT)
-                        : ::recv(fd, p, len, MSG_DONTWAIT);
+    ssize_t n;
+    if (tls != nullptr) {
+      iovec iov{p, len};
+      n = sending ? tls->writev(&iov, 1) : tls->readv(&iov, 1);
+    } else {
+      n = sending ? ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT) : ::recv(fd, p, len, MSG_DONTWAIT);
+    }
     if (n > 0) {
       p += n;
       len -= static_cast<size_t>(n);
@@ -128,7 +134,7 @@ bool handshake_valid(const HandshakeFrame& f, FrameType want) {
   return header_is_valid(f.hdr) && static_cast<FrameType>(f.hdr.type) == want &&
          f.hdr.ack.get() == 0 && f.body.magic.get() == kMagic &&
          f.body.version.get() == kVersion && f.body.private_len <= kMaxPrivateData &&
-         f.body.verdict <= 1;
+         f.body.verdict <= (want == FrameType::connect_rsp ? kVerdictTlsRequired : kVerdictReject);
 }
 
 Address address_of(int fd, bool peer) {
@@ -289,10 +295,12 @@ class TcpCq final : public CompletionQueue {
 class TcpConnection final : public Connection, private RxHooks {
  public:
   TcpConnection(TcpCq& cq, int sock, const QueueCaps& caps, ConnectionEvents events,
-                std::shared_ptr<MrTable> mrs)
+                std::shared_ptr<MrTable> mrs, std::unique_ptr<tls::Session> tls)
       : id_(g_next_conn_id.fetch_add(1, std::memory_order_relaxed)),
         cq_(cq),
         sock_(sock),
+        tls_(std::move(tls)),
+        tls_user_(tls_ != nullptr && !(tls_->kernel_tx() && tls_->kernel_rx())),
         caps_(caps),
         events_(std::move(events)),
         mrs_(std::move(mrs)),
@@ -353,6 +361,10 @@ class TcpConnection final : public Connection, private RxHooks {
   const Address& peer_address() const override { return peer_; }
   std::string device_name() const override { return "tcp"; }
   uint8_t port_num() const override { return 1; }
+  tls::Info tls() const override {
+    if (tls_ == nullptr) return {};
+    return tls::Info{true, tls_->kernel_tx(), tls_->kernel_rx(), std::string(tls_->cipher()), tls_->peer_identity()};
+  }
 
   // Poller side, with the CQ lock held.
   void on_events(uint32_t events);
@@ -382,8 +394,35 @@ class TcpConnection final : public Connection, private RxHooks {
 
   // RxHooks (poller).
   ssize_t read(const iovec* iov, int iovcnt) override {
-    ssize_t n = ::readv(sock_, iov, iovcnt);
+    ssize_t n;
+    if (tls_ == nullptr) {
+      n = ::readv(sock_, iov, iovcnt);
+    } else if (!tls_user_) {
+      n = tls_->readv(iov, iovcnt);  // the kernel's record layer: a readv of the socket
+    } else {
+      std::lock_guard lock(tls_mu_);
+      n = tls_->readv(iov, iovcnt);
+    }
     return n < 0 ? -errno : n;
+  }
+  // Transmits like sendmsg(MSG_DONTWAIT): through TLS when the connection has it.
+  ssize_t send_iov(const iovec* iov, int iovcnt) {
+    if (tls_ == nullptr) {
+      msghdr msg{};
+      msg.msg_iov = const_cast<iovec*>(iov);
+      msg.msg_iovlen = static_cast<size_t>(iovcnt);
+      return ::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    }
+    if (!tls_user_) return tls_->writev(iov, iovcnt);
+    std::lock_guard lock(tls_mu_);
+    return tls_->writev(iov, iovcnt);
+  }
+  // Userspace TLS may hold received bytes the socket no longer shows: the CQ is woken so that
+  // its owner reads them (the level-triggered promise of TcpCq).
+  bool tls_read_pending() {
+    if (!tls_user_) return false;
+    std::lock_guard lock(tls_mu_);
+    return tls_->read_pending();
   }
   // The poller alone advances the head, so it reads the queue without the lock: the tail's
   // release store publishes entries written by post_recv.
@@ -429,6 +468,12 @@ class TcpConnection final : public Connection, private RxHooks {
   const uint64_t id_;
   TcpCq& cq_;
   int sock_;
+  // TLS on the stream. With both directions in the kernel it is plain socket IO; with either in
+  // userspace the reader (poller) and the writers share one OpenSSL object: tls_mu_, a leaf lock
+  // taken inside the CQ lock (reads) and tx_mu_ (writes).
+  std::unique_ptr<tls::Session> tls_;
+  const bool tls_user_;
+  std::mutex tls_mu_;
   uint64_t cq_id_ = 0;
   QueueCaps caps_;
   ConnectionEvents events_;
@@ -665,10 +710,7 @@ void TcpConnection::flush_tx() {
       set_epollout(false);
       return;
     }
-    msghdr msg{};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = static_cast<size_t>(cnt);
-    ssize_t n = ::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    ssize_t n = send_iov(iov, cnt);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
@@ -754,6 +796,7 @@ void TcpConnection::pump() {
       return;
   }
   if (rx_.take_ack_request()) cq_.owe_ack(this);
+  if (rx_enabled_ && tls_read_pending()) cq_.wake();
 }
 
 void TcpConnection::on_events(uint32_t events) {
@@ -787,6 +830,7 @@ void TcpConnection::on_wakeup() {
       pump();
     }
   }
+  if (!dead_ && rx_enabled_ && tls_read_pending()) pump();
 }
 
 void TcpConnection::enter_error(std::error_code why, Ctrl tell_peer, WcStatus nak_status) {
@@ -1000,12 +1044,14 @@ class TcpDomain;
 
 class TcpConnectRequest final : public ConnectRequest {
  public:
-  TcpConnectRequest(TcpDomain& d, int sock, std::vector<std::byte> pd)
+  TcpConnectRequest(TcpDomain& d, int sock, std::vector<std::byte> pd, std::unique_ptr<tls::Session> tls)
       : domain_(d), sock_(sock), pd_(std::move(pd)), local_(address_of(sock, false)),
-        peer_(address_of(sock, true)) {}
+        peer_(address_of(sock, true)), tls_(std::move(tls)) {}
   ~TcpConnectRequest() override {
+    tls_.reset();
     if (sock_ >= 0) ::close(sock_);
   }
+  std::string tls_identity() const override { return tls_ != nullptr ? tls_->peer_identity() : std::string(); }
   std::span<const std::byte> private_data() const override { return pd_; }
   const Address& peer_address() const override { return peer_; }
   const Address& local_address() const override { return local_; }
@@ -1018,8 +1064,9 @@ class TcpConnectRequest final : public ConnectRequest {
   ibtrs::Status reject(std::span<const std::byte> private_data) override {
     if (sock_ < 0) return errc(EINVAL);
     if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
-    HandshakeFrame f = make_handshake(FrameType::connect_rsp, 0, private_data);
-    auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout);
+    HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictReject, private_data);
+    auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout, -1, tls_.get());
+    tls_.reset();
     ::close(sock_);
     sock_ = -1;
     return st;
@@ -1031,6 +1078,7 @@ class TcpConnectRequest final : public ConnectRequest {
   std::vector<std::byte> pd_;
   Address local_;
   Address peer_;
+  std::unique_ptr<tls::Session> tls_;
 };
 
 // The listener reads the handshakes of new sockets without blocking: fd() is an epoll set of
@@ -1039,14 +1087,16 @@ class TcpConnectRequest final : public ConnectRequest {
 // return or to expire (fabric.h, Listener).
 class TcpListener final : public Listener {
  public:
-  static Result<std::unique_ptr<Listener>> create(TcpDomain& d, int sock, size_t max_pending);
+  static Result<std::unique_ptr<Listener>> create(TcpDomain& d, int sock, size_t max_pending,
+                                                  std::shared_ptr<tls::Context> tls, bool tls_required);
   ~TcpListener() override;
   Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) override;
   int fd() const override { return epfd_; }
   const Address& address() const override { return addr_; }
   Drops drops() const override {
     return {timed_out_.load(std::memory_order_relaxed), overflow_.load(std::memory_order_relaxed),
-            invalid_.load(std::memory_order_relaxed)};
+            invalid_.load(std::memory_order_relaxed), plaintext_.load(std::memory_order_relaxed),
+            tls_failed_.load(std::memory_order_relaxed)};
   }
 
  private:
@@ -1055,14 +1105,25 @@ class TcpListener final : public Listener {
   struct Pending {
     int sock;
     Clock::time_point deadline;
+    // first: telling TLS from plaintext by the first bytes; tls: its handshake; frame: the
+    // CONNECT_REQ (through TLS when the peer started it).
+    enum class Stage : uint8_t { first, tls, frame } stage = Stage::first;
+    std::unique_ptr<tls::Session> tls;
     size_t got = 0;
     HandshakeFrame frame;
   };
   using PendingMap = std::map<uint64_t, Pending>;
 
-  TcpListener(TcpDomain& d, int sock, int epfd, int tfd, size_t max_pending)
+  TcpListener(TcpDomain& d, int sock, int epfd, int tfd, size_t max_pending,
+              std::shared_ptr<tls::Context> tls, bool tls_required)
       : domain_(d), sock_(sock), epfd_(epfd), tfd_(tfd), addr_(address_of(sock, false)),
-        max_pending_(max_pending) {}
+        max_pending_(max_pending), tls_(std::move(tls)), tls_required_(tls_required) {}
+  // The stage of pending socket `it` that decides between TLS and plaintext. False: not yet
+  // decided (or dropped: `it` is then gone).
+  bool classify(PendingMap::iterator it);
+  // One step of its TLS handshake. False: not done (or dropped).
+  bool tls_step(PendingMap::iterator it);
+  void watch(int sock, uint64_t id, uint32_t events);
   // Takes every socket the kernel queued. A resource error pauses accepting (kAcceptPause) and
   // is returned.
   ibtrs::Status accept_new(Clock::time_point now);
@@ -1083,7 +1144,9 @@ class TcpListener final : public Listener {
   uint64_t next_id_ = kFirstPendingId;
   PendingMap pending_;  // by id: arrival order, which is also deadline order
   std::optional<Clock::time_point> accept_paused_until_;
-  std::atomic<uint64_t> timed_out_{0}, overflow_{0}, invalid_{0};
+  std::shared_ptr<tls::Context> tls_;
+  bool tls_required_;
+  std::atomic<uint64_t> timed_out_{0}, overflow_{0}, invalid_{0}, plaintext_{0}, tls_failed_{0};
 };
 
 class TcpDomain final : public Domain {
@@ -1109,10 +1172,12 @@ class TcpDomain final : public Domain {
   Result<ConnectResult> connect(const ConnectParams& p, std::vector<std::byte>* reject_data) override;
 
   const void* device() const { return device_; }
-  // Builds the connection on an established, handshaken socket. Takes the socket on success.
+  // Builds the connection on an established, handshaken socket (and its TLS session, if any).
+  // Takes the socket on success.
   Result<std::unique_ptr<Connection>> make_connection(CompletionQueue& cq, int sock,
                                                       const QueueCaps& caps,
-                                                      ConnectionEvents events);
+                                                      ConnectionEvents events,
+                                                      std::unique_ptr<tls::Session> tls = nullptr);
   ibtrs::Status reserve(CompletionQueue& cq, const QueueCaps& caps) {
     auto* tcq = dynamic_cast<TcpCq*>(&cq);
     if (tcq == nullptr) return errc(EINVAL);
@@ -1138,31 +1203,32 @@ Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(
   IBTRS_TRY(pd->reserve(cq, caps));
   // The response goes out before the connection is attached: the client sends nothing before
   // it has read the response, and its frames wait in the socket until we attach.
-  HandshakeFrame f = make_handshake(FrameType::connect_rsp, 1, private_data);
-  auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout);
+  HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictAccept, private_data);
+  auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout, -1, tls_.get());
   if (!st) {
     static_cast<TcpCq&>(cq).unreserve(caps.max_send_wr + caps.max_recv_wr);
     return st.error();
   }
   // The connection is the domain's: its peer's writes are checked against pd's keys only.
-  auto conn = pd->make_connection(cq, sock_, caps, std::move(events));
+  auto conn = pd->make_connection(cq, sock_, caps, std::move(events), std::move(tls_));
   sock_ = -1;
   return conn;
 }
 
 Result<std::unique_ptr<Connection>> TcpDomain::make_connection(CompletionQueue& cq, int sock,
                                                                const QueueCaps& caps,
-                                                               ConnectionEvents events) {
+                                                               ConnectionEvents events,
+                                                               std::unique_ptr<tls::Session> tls) {
   set_nodelay(sock);
   auto c = std::make_unique<TcpConnection>(static_cast<TcpCq&>(cq), sock, caps, std::move(events),
-                                           mrs_);
+                                           mrs_, std::move(tls));
   c->attach();
   return std::unique_ptr<Connection>(std::move(c));
 }
 
 Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std::byte>* reject_data) {
   if (p.cq == nullptr || p.private_data.size() > kMaxPrivateData ||
-      p.remote.fabric != FabricKind::tcp)
+      p.remote.fabric != FabricKind::tcp || (p.tls && p.tls->role() != tls::Role::client))
     return errc(EINVAL);
   IBTRS_TRY(reserve(*p.cq, p.caps));
   const uint32_t reserved = p.caps.max_send_wr + p.caps.max_recv_wr;
@@ -1192,25 +1258,43 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
     if (err != 0) return close_fail(err);
   }
   set_nodelay(sock);
+  std::unique_ptr<tls::Session> session;
+  if (p.tls) {
+    // TLS first: the provider's own handshake, and everything after it, goes through it.
+    auto ts = tls::Session::create(p.tls, sock);
+    if (!ts.ok()) return close_fail(ts.error().value());
+    session = std::move(*ts);
+    if (auto st = session->handshake(deadline, p.cancel_fd); !st) {
+      session.reset();
+      return close_fail(st.error().value());
+    }
+  }
+  // Closing the socket ends the session first (it does not own the socket).
+  auto tls_fail = [&](int e) {
+    session.reset();
+    return close_fail(e);
+  };
   HandshakeFrame req = make_handshake(FrameType::connect_req, 0, p.private_data);
-  if (auto st = io_all(sock, &req, sizeof(req), true, deadline, p.cancel_fd); !st)
-    return close_fail(st.error().value());
+  if (auto st = io_all(sock, &req, sizeof(req), true, deadline, p.cancel_fd, session.get()); !st)
+    return tls_fail(st.error().value());
   HandshakeFrame rsp;
-  if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline, p.cancel_fd); !st)
-    return close_fail(st.error().value());
-  if (!handshake_valid(rsp, FrameType::connect_rsp)) return close_fail(EPROTO);
+  if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline, p.cancel_fd, session.get()); !st)
+    return tls_fail(st.error().value());
+  if (!handshake_valid(rsp, FrameType::connect_rsp)) return tls_fail(EPROTO);
   std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(rsp.body.private_data),
                             reinterpret_cast<const std::byte*>(rsp.body.private_data) +
                                 rsp.body.private_len);
-  if (rsp.body.verdict == 0) {
+  if (rsp.body.verdict == kVerdictTlsRequired) return tls_fail(EPROTONOSUPPORT);
+  if (rsp.body.verdict != kVerdictAccept) {
     if (reject_data != nullptr) *reject_data = std::move(pd);
-    return close_fail(ECONNREFUSED);
+    return tls_fail(ECONNREFUSED);
   }
-  auto c = make_connection(*p.cq, sock, p.caps, p.events);
+  auto c = make_connection(*p.cq, sock, p.caps, p.events, std::move(session));
   return ConnectResult{std::move(c).value(), std::move(pd)};
 }
 
-Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, int sock, size_t max_pending) {
+Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, int sock, size_t max_pending,
+                                                      std::shared_ptr<tls::Context> tls, bool tls_required) {
   int ep = ::epoll_create1(EPOLL_CLOEXEC);
   if (ep < 0) return errc(errno);
   int tfd = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
@@ -1220,7 +1304,7 @@ Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, int sock, si
     return errc(e);
   }
   // From here the listener owns the three fds.
-  std::unique_ptr<TcpListener> l(new TcpListener(d, sock, ep, tfd, max_pending));
+  std::unique_ptr<TcpListener> l(new TcpListener(d, sock, ep, tfd, max_pending, std::move(tls), tls_required));
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = kListenId;
@@ -1231,7 +1315,10 @@ Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, int sock, si
 }
 
 TcpListener::~TcpListener() {
-  for (auto& [id, p] : pending_) ::close(p.sock);
+  for (auto& [id, p] : pending_) {
+    p.tls.reset();
+    ::close(p.sock);
+  }
   ::close(tfd_);
   ::close(epfd_);
   ::close(sock_);
@@ -1239,6 +1326,7 @@ TcpListener::~TcpListener() {
 
 void TcpListener::drop(PendingMap::iterator it, std::atomic<uint64_t>& counter) {
   // Closing removes the socket from the epoll set.
+  it->second.tls.reset();
   ::close(it->second.sock);
   pending_.erase(it);
   counter.fetch_add(1, std::memory_order_relaxed);
@@ -1305,20 +1393,91 @@ ibtrs::Status TcpListener::accept_new(Clock::time_point now) {
   }
 }
 
+void TcpListener::watch(int sock, uint64_t id, uint32_t events) {
+  epoll_event ev{};
+  ev.events = events | EPOLLRDHUP;
+  ev.data.u64 = id;
+  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, sock, &ev);
+}
+
+bool TcpListener::classify(PendingMap::iterator it) {
+  Pending& p = it->second;
+  // A TLS ClientHello starts with a handshake record header; our CONNECT_REQ with its frame
+  // type (1). Three bytes tell them apart without consuming anything.
+  std::byte first[3];
+  ssize_t n = ::recv(p.sock, first, sizeof(first), MSG_PEEK | MSG_DONTWAIT);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+  if (n <= 0) {
+    drop(it, invalid_);
+    return false;
+  }
+  if (static_cast<size_t>(n) < sizeof(first) && static_cast<uint8_t>(first[0]) == 22) return false;  // wait
+  if (tls_ != nullptr && tls::looks_like_tls(std::span(first, static_cast<size_t>(n)))) {
+    auto ts = tls::Session::create(tls_, p.sock);
+    if (!ts.ok()) {
+      drop(it, tls_failed_);
+      return false;
+    }
+    p.tls = std::move(*ts);
+    p.stage = Pending::Stage::tls;
+    return true;
+  }
+  if (tls_required_) {
+    // Said in plaintext, best effort (the socket is new: 96 bytes fit its buffer): the peer's
+    // connect fails with EPROTONOSUPPORT instead of a bare reset.
+    // What it sent is read first: a socket closed with unread bytes resets the connection,
+    // and the reset may overtake the answer.
+    std::byte sink[512];
+    while (::recv(p.sock, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+    }
+    HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictTlsRequired, {});
+    [[maybe_unused]] ssize_t w = ::send(p.sock, &f, sizeof(f), MSG_NOSIGNAL | MSG_DONTWAIT);
+    drop(it, plaintext_);
+    return false;
+  }
+  p.stage = Pending::Stage::frame;
+  return true;
+}
+
+bool TcpListener::tls_step(PendingMap::iterator it) {
+  Pending& p = it->second;
+  auto st = p.tls->handshake_step();
+  if (st.ok()) {
+    watch(p.sock, it->first, EPOLLIN);
+    p.stage = Pending::Stage::frame;
+    return true;
+  }
+  if (st.error() == std::errc::resource_unavailable_try_again) {
+    watch(p.sock, it->first, p.tls->want() == POLLOUT ? EPOLLOUT : EPOLLIN);
+    return false;
+  }
+  drop(it, tls_failed_);
+  return false;
+}
+
 std::unique_ptr<ConnectRequest> TcpListener::read_pending(uint64_t id) {
   auto it = pending_.find(id);
   if (it == pending_.end()) return nullptr;  // dropped in this pass
   Pending& p = it->second;
+  if (p.stage == Pending::Stage::first && !classify(it)) return nullptr;
+  if (p.stage == Pending::Stage::tls && !tls_step(it)) return nullptr;
   // Exactly the frame: the peer sends nothing more before it has read our response.
-  ssize_t n = ::recv(p.sock, reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got,
-                     MSG_DONTWAIT);
-  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return nullptr;
-  if (n <= 0) {
-    drop(it, invalid_);
-    return nullptr;
+  for (;;) {
+    ssize_t n;
+    if (p.tls != nullptr) {
+      iovec iov{reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got};
+      n = p.tls->readv(&iov, 1);
+    } else {
+      n = ::recv(p.sock, reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got, MSG_DONTWAIT);
+    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return nullptr;
+    if (n <= 0) {
+      drop(it, invalid_);
+      return nullptr;
+    }
+    p.got += static_cast<size_t>(n);
+    if (p.got == sizeof(p.frame)) break;
   }
-  p.got += static_cast<size_t>(n);
-  if (p.got < sizeof(p.frame)) return nullptr;
   if (!handshake_valid(p.frame, FrameType::connect_req)) {
     drop(it, invalid_);
     return nullptr;
@@ -1329,8 +1488,9 @@ std::unique_ptr<ConnectRequest> TcpListener::read_pending(uint64_t id) {
                                 p.frame.body.private_len);
   epoll_event ev{};
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, s, &ev);
+  auto session = std::move(p.tls);
   pending_.erase(it);
-  return std::make_unique<TcpConnectRequest>(domain_, s, std::move(pd));
+  return std::make_unique<TcpConnectRequest>(domain_, s, std::move(pd), std::move(session));
 }
 
 Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::milliseconds timeout) {
@@ -1374,8 +1534,12 @@ class TcpFabric final : public Fabric {
     if (remote.fabric != FabricKind::tcp) return errc(EINVAL);
     return static_cast<Domain*>(&domain_);
   }
-  Result<std::unique_ptr<Listener>> listen(const Address& local, int backlog) override {
-    if (local.fabric != FabricKind::tcp || backlog <= 0) return errc(EINVAL);
+  using Fabric::listen;
+  Result<std::unique_ptr<Listener>> listen(const Address& local, const ListenOptions& o) override {
+    const int backlog = o.backlog;
+    if (local.fabric != FabricKind::tcp || backlog <= 0 || (o.tls_required && !o.tls) ||
+        (o.tls && o.tls->role() != tls::Role::server))
+      return errc(EINVAL);
     int s = ::socket(local.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (s < 0) return errc(errno);
     int one = 1;
@@ -1385,7 +1549,7 @@ class TcpFabric final : public Fabric {
       ::close(s);
       return errc(e);
     }
-    return TcpListener::create(domain_, s, static_cast<size_t>(backlog));
+    return TcpListener::create(domain_, s, static_cast<size_t>(backlog), o.tls, o.tls_required);
   }
 
  private:

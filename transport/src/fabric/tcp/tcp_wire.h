@@ -57,10 +57,16 @@ struct ConnectBody {
   le32 magic;                          // kMagic
   le16 version;                        // kVersion; a server refuses other major versions
   uint8_t private_len;                 // valid bytes of private_data, <= kMaxPrivateData
-  uint8_t verdict;                     // connect_rsp: 1 accept, 0 reject; connect_req: 0
+  uint8_t verdict;                     // connect_rsp: kVerdict*; connect_req: 0
   uint8_t private_data[kMaxPrivateData];  // the user's private data, zero padded
 };
 IBTRS_WIRE_STRUCT(ConnectBody, 64);
+
+// CONNECT_RSP verdicts. kVerdictTlsRequired goes in plaintext to a peer that did not start TLS
+// on a listener that requires it (its connect fails with EPROTONOSUPPORT).
+inline constexpr uint8_t kVerdictReject = 0;
+inline constexpr uint8_t kVerdictAccept = 1;
+inline constexpr uint8_t kVerdictTlsRequired = 2;
 
 inline bool is_data_frame(FrameType t) {
   return t == FrameType::send || t == FrameType::write || t == FrameType::write_imm;
