@@ -39,8 +39,9 @@ const char kUsage[] =
     "\n"
     "client (default):\n"
     "  device map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]\n"
-    "         [host-key FILE] [host ID] [--ublk [--ublk-queue-depth N]]\n"
+    "         [host-key FILE] [host ID] [tls on|off] [--ublk [--ublk-queue-depth N]]\n"
     "         host-key: authenticate with this key file instead of the daemon's --host-key\n"
+    "         tls: TLS 1.3 on the session's tcp paths or not, instead of the daemon's --tls\n"
     "         --ublk: also serve it as the block device /dev/ublkbN (ublk_drv); it survives a\n"
     "         crash of ibnbd-client (a restarted daemon takes it back) and goes with unmap\n"
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
@@ -259,7 +260,7 @@ Listing server_sessions(const json& sessions, const std::string& only) {
 
 Listing server_paths(const json& sessions, const std::string& only) {
   Listing l{{{"sessname"}, {"pathname"}, {"src_addr"}, {"dst_addr"}, {"hca_name"}, {"hca_port", true},
-             {"state"}, {"auth"}, {"rx_bytes", true}, {"tx_bytes", true}, {"inflights", true}},
+             {"state"}, {"auth"}, {"tls"}, {"rx_bytes", true}, {"tx_bytes", true}, {"inflights", true}},
             {}};
   for (auto& s : sessions) {
     if (!only.empty() && str(s, "name") != only) continue;
@@ -267,7 +268,7 @@ Listing server_paths(const json& sessions, const std::string& only) {
       l.rows.push_back({str(s, "name"), str(p, "name"), str(p, "src_addr"), str(p, "dst_addr"),
                         str(p, "hca_name"), num(p, "hca_port"), str(p, "state"),
                         str(p, "auth") + (p.value("auth_bidirectional", false) ? "+server" : ""),
-                        Bytes{unum(p, "write_bytes")}, Bytes{unum(p, "read_bytes")}, num(p, "inflight")});
+                        p.contains("tls") ? str(p, "tls") : std::string("-"), Bytes{unum(p, "write_bytes")}, Bytes{unum(p, "read_bytes")}, num(p, "inflight")});
   }
   return l;
 }
@@ -509,6 +510,7 @@ int run_client(const Cli& c) {
       else if (a == "session") req["session"] = c.arg(++i, "<session name>");
       else if (a == "host-key") req["host_key"] = absolute(c.arg(++i, "a key file"));
       else if (a == "host") req["host"] = c.arg(++i, "a host id");
+      else if (a == "tls") req["tls"] = c.arg(++i, "on or off");
       else if (a == "--ublk" || a == "ublk") req["ublk"] = true;
       else if (a == "--ublk-queue-depth") {
         auto n = parse_size(c.arg(++i, "a queue depth"));

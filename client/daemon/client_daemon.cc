@@ -186,6 +186,7 @@ json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
   return json::array({sess, p.name, p.spec.source ? p.spec.source->to_string() : "",
                       p.spec.destination.to_string(), p.hca_name, p.hca_port,
                       std::string(ibtrs::to_string(p.state)), auth_word(p.auth), p.auth.host,
+                      ibtrs::tls::describe(p.tls),
                       bytes(p.stats.read_bytes), bytes(p.stats.write_bytes), p.inflight,
                       p.stats.reconnects_ok, p.latency ? static_cast<int64_t>(p.latency->count()) : -1,
                       p.last_error ? p.last_error.message() : ""});
@@ -295,8 +296,14 @@ Result<ibtrs::ClientAuth> ClientDaemon::credentials(const std::string& key_file,
 Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
                                                        const std::vector<ibtrs::PathSpec>& paths,
                                                        const std::string& host_key,
-                                                       const std::string& host, std::string* why) {
+                                                       const std::string& host, const std::string& tls,
+                                                       std::string* why) {
   Sess* s = find_session(sname);
+  if (s != nullptr && s->tls != tls) {
+    *why = "session " + sname + " was opened with " + (s->tls.empty() ? "the daemon's TLS setting" : "tls " + s->tls) +
+           ": map through it with the same, or another session";
+    return errc(EINVAL);
+  }
   if (s != nullptr && (s->host_key != host_key || s->host != host)) {
     // Every path of a session authenticates as one host with one key.
     *why = "session " + sname + " authenticates with " +
@@ -315,6 +322,13 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
     o.transport.reconnect = opts_.reconnect;
     o.transport.connect_timeout = opts_.connect_timeout;
     o.transport.policy = opts_.policy;
+    o.transport.tls = opts_.tls;
+    if (!tls.empty()) o.transport.tls.mode = tls == "on" ? ibtrs::tls::Options::Mode::on : ibtrs::tls::Options::Mode::off;
+    if (o.transport.tls.mode != ibtrs::tls::Options::Mode::off && o.transport.tls.ca_file.empty() &&
+        !o.transport.auth.enabled()) {
+      *why = "TLS with a pre-shared key derives it from the host key: give the daemon --host-key (or map host-key FILE), or --tls-ca for certificates";
+      return errc(EINVAL);
+    }
     // NBD exports go through the copy variants: one bounce slot (one transport chunk, 128 KiB
     // by default) per request in flight, so the default of 8 would cap an NBD client's queue
     // depth at 8. 64 covers fio / qemu / nbdcopy queue depths for 8 MiB of registered memory.
@@ -323,12 +337,15 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
     if (!bs.ok()) {
       if (bs.error() == std::errc::permission_denied)
         *why = "the server refused the host or its key (ibnbd server host list on the server)";
+      if (bs.error() == std::errc::protocol_not_supported)
+        *why = "the server requires TLS on tcp paths (map with tls on, or start the daemon with --tls on)";
       return bs.error();
     }
     s = &sessions_[sname];
     s->s = std::move(*bs);
     s->host_key = host_key;
     s->host = host;
+    s->tls = tls;
   } else {
     // Paths named here that the session lacks are added, as map_device with more paths would.
     auto have = s->s->transport().paths();
@@ -370,8 +387,10 @@ json ClientDaemon::device_map(const json& req) {
   if (old_d && req.value("exclusive", false)) return err(EEXIST, "device " + dev + " is already mapped");
   std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
   const std::string host = req.contains("host") ? str_arg(req, "host") : "";
+  const std::string tls = req.contains("tls") ? str_arg(req, "tls") : "";
+  if (!tls.empty() && tls != "on" && tls != "off") return err(EINVAL, "tls: on or off");
   std::string why;
-  auto s = open_session(sname, paths, host_key, host, &why);
+  auto s = open_session(sname, paths, host_key, host, tls, &why);
   if (!s.ok()) return err(s.error().value(), "session " + sname + ": " + (why.empty() ? s.error().message() : why));
   auto d = (*s)->s->map(dev, mode);
   if (!d.ok()) {
@@ -382,7 +401,7 @@ json ClientDaemon::device_map(const json& req) {
     return err(d.error(), "map " + dev + hint);
   }
   if (want_ublk) {
-    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode, host_key, host},
+    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode, host_key, host, tls},
                         static_cast<uint16_t>(depth));
     if (!e.is_null()) {
       // Roll back what this command did: a device that was mapped before stays mapped.
@@ -480,7 +499,7 @@ json ClientDaemon::recover_ublk() {
       continue;
     }
     std::string why;
-    auto s = open_session(r.session, paths, r.host_key, r.host, &why);
+    auto s = open_session(r.session, paths, r.host_key, r.host, r.tls, &why);
     if (!s.ok()) {
       fail("session " + r.session + ": " + (why.empty() ? s.error().message() : why), false);
       continue;
@@ -695,7 +714,7 @@ json ClientDaemon::path_list(const json& req) {
   return {{"ok", true},
           {"columns", json::array({col("sessname"), col("pathname"), col("src_addr"), col("dst_addr"),
                                    col("hca_name"), col("hca_port", true), col("state"), col("auth"),
-                                   col("host"), col("rx_bytes", true), col("tx_bytes", true),
+                                   col("host"), col("tls"), col("rx_bytes", true), col("tx_bytes", true),
                                    col("inflights", true), col("reconnects", true),
                                    col("cur_latency_ns", true), col("last_error")})},
           {"rows", rows}};

@@ -40,6 +40,9 @@ struct ClientDaemonOptions {
   // No key file: sessions are anonymous, which only a server with allow_any_host admits.
   std::string host_key;
   std::string host_id;
+  // TLS on the sessions' tcp paths (ibtrs/tls.h; mode off or on) unless device map says: a PSK
+  // derived from the host key, or certificates (ca_file to verify the server).
+  ibtrs::tls::Options tls;
 };
 
 class ClientDaemon {
@@ -63,6 +66,7 @@ class ClientDaemon {
     std::unique_ptr<BlockSession> s;
     std::unique_ptr<ibtrs::RegisteredMemory> io_buf;  // for device_io
     std::string host_key, host;  // the credentials it was opened with (as map named them)
+    std::string tls;             // "on", "off" as map named it, "" for the daemon's default
   };
   // Credentials from a key file and a host id (either may be "": the daemon's defaults). Errors
   // (EPERM for a key file others may read, EINVAL, ...) with a reason in `why`.
@@ -99,7 +103,8 @@ class ClientDaemon {
   // With credentials as credentials() takes them; EINVAL (and `why`) when a session of that name
   // exists with other credentials.
   Result<Sess*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths,
-                             const std::string& host_key, const std::string& host, std::string* why);
+                             const std::string& host_key, const std::string& host, const std::string& tls,
+                             std::string* why);
   // Serves a mapped device as /dev/ublkbN and records it. The answer is an error or null.
   nlohmann::json ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                             uint16_t queue_depth);

@@ -42,6 +42,7 @@ json ClientDaemon::path_stats(const json& req) {
                    {"auth_host", p.auth.host},
                    {"auth_bidirectional", p.auth.bidirectional},
                    {"auth_method", p.auth.method},
+                   {"tls", ibtrs::tls::describe(p.tls)},
                    {"last_error", p.last_error ? p.last_error.message() : ""},
                    {"inflight", p.inflight},
                    {"stats", stats_to_json(p.stats)}});

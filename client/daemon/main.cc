@@ -33,6 +33,8 @@ const char kUsage[] =
     "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
     "                    [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]\n"
     "                    [--host-key FILE] [--host-id ID] [--config FILE]\n"
+    "                    [--tls off|on [--tls-ca FILE [--tls-cert FILE --tls-key FILE]\n"
+    "                     [--tls-server-name NAME]]]\n"
     "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too). PATH.lock\n"
     "    beside it (flock) keeps a second daemon off a live socket; a dead daemon's is reused.\n"
     "  --ready-file: written once the control socket accepts commands (after the ublk\n"
@@ -47,6 +49,11 @@ const char kUsage[] =
     "         unless device map names another; without one sessions are anonymous, which only\n"
     "         a server with allow_any_host admits. --host-id: the host to authenticate as\n"
     "         (default: the key file's host line).\n"
+    "  --tls on: TLS 1.3 on the sessions' tcp paths unless device map says (docs/security.md):\n"
+    "         a pre-shared key derived from the host key, or with --tls-ca (PEM) the server's\n"
+    "         certificate verified (--tls-server-name: the DNS name or IP address it must\n"
+    "         carry; without it any certificate the CA signed is taken) and --tls-cert and\n"
+    "         --tls-key a client certificate presented.\n"
     "  --config FILE: JSON with the options' names, e.g. {\"host_key\": \"/etc/ibnbd/host.key\",\n"
     "         \"io_threads\": 4}; options on the command line win.\n";
 
@@ -79,6 +86,14 @@ void apply(ibnbd::ClientDaemonOptions& o, std::string& socket_path, std::string&
   else if (a == "--connect-timeout-ms") o.connect_timeout = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
   else if (a == "--host-key") o.host_key = v;
   else if (a == "--host-id") o.host_id = v;
+  else if (a == "--tls") {
+    auto m = ibtrs::tls::parse_mode(v);
+    if (!m || *m == ibtrs::tls::Options::Mode::required) die("--tls: off or on");
+    o.tls.mode = *m;
+  } else if (a == "--tls-ca") o.tls.ca_file = v;
+  else if (a == "--tls-cert") o.tls.cert_file = v;
+  else if (a == "--tls-key") o.tls.key_file = v;
+  else if (a == "--tls-server-name") o.tls.server_name = v;
   else if (a == "--policy") {
     auto p = ibtrs::parse_mp_policy(v);
     if (!p) die("--policy: round-robin, min-inflight or min-latency");
@@ -131,6 +146,8 @@ int main(int argc, char** argv) {
   }
   for (auto* list : {&config, &cli})
     for (auto& [a, v] : *list) apply(o, socket_path, ready_file, sysfs_dir, a, v.c_str());
+  if (o.tls.cert_file.empty() != o.tls.key_file.empty()) die("--tls-cert and --tls-key go together");
+  if (!o.tls.cert_file.empty() && o.tls.ca_file.empty()) die("--tls-cert needs --tls-ca (the server's CA)");
   if (!o.host_key.empty()) {
     // A key file that is not usable stops the daemon now, not at the first map.
     std::string why;

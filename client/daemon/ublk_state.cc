@@ -56,6 +56,7 @@ nlohmann::json to_json(const UblkRecord& r) {
                       {"paths", r.paths},    {"device", r.device},   {"access_mode", std::string(to_string(r.access_mode))}};
   if (!r.host_key.empty()) j["host_key"] = r.host_key;
   if (!r.host.empty()) j["host"] = r.host;
+  if (!r.tls.empty()) j["tls"] = r.tls;
   return j;
 }
 
@@ -79,11 +80,12 @@ Result<UblkRecord> ublk_record_from_json(const nlohmann::json& j) {
     if (!p.is_string()) return errc(EINVAL);
     r.paths.push_back(p.get<std::string>());
   }
-  for (auto [k, field] : {std::pair{"host_key", &r.host_key}, std::pair{"host", &r.host}}) {
+  for (auto [k, field] : {std::pair{"host_key", &r.host_key}, std::pair{"host", &r.host}, std::pair{"tls", &r.tls}}) {
     if (!j.contains(k)) continue;
     if (!j[k].is_string()) return errc(EINVAL);
     *field = j[k].get<std::string>();
   }
+  if (!r.tls.empty() && r.tls != "on" && r.tls != "off") return errc(EINVAL);
   return r;
 }
 

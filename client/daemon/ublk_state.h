@@ -4,8 +4,9 @@
 // ublk device number). /run is a tmpfs: records do not outlive a reboot, nor do ublk devices.
 //
 //   <dir>/ublk-<id>.json   {"version": 1, "ublk_id": N, "session": S, "paths": [...],
-//                           "device": D, "access_mode": "rw", "host_key"?: F, "host"?: H}
-//   (host_key / host: the credentials device map named; absent: the daemon's default)
+//                           "device": D, "access_mode": "rw", "host_key"?: F, "host"?: H,
+//                           "tls"?: "on"|"off"}
+//   (host_key / host / tls: what device map named; absent: the daemon's default)
 //
 // Files are replaced atomically (written to a temporary file, fsync'd, renamed over the old one,
 // the directory fsync'd), so a crash at any moment leaves the old record or the new one.
@@ -30,6 +31,7 @@ struct UblkRecord {
   AccessMode access_mode = AccessMode::rw;
   std::string host_key;  // key file path, "" for the daemon's default
   std::string host;      // host id override, "" for the key file's
+  std::string tls;       // "on" / "off" as map named it, "" for the daemon's default
   bool operator==(const UblkRecord&) const = default;
 };
 

@@ -41,6 +41,7 @@ const char kUsage[] =
     "                    [--handshake-timeout-ms N] [--ack-timeout-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "                    [--allow-any-host]\n"
+    "                    [--tls off|on|required [--tls-cert FILE --tls-key FILE [--tls-ca FILE]]]\n"
     "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
     "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
@@ -62,7 +63,11 @@ const char kUsage[] =
     "         \"nqn...:host-a\", \"key_file\": \"/etc/ibnbd/host-a.key\", \"access\": [{\"devices\":\n"
     "         \"a/**\", \"mode\": \"rw\"}]}]; at run time `ibnbd server host add|list|remove`.\n"
     "  --allow-any-host: anyone who reaches the port opens any device rw, without credentials\n"
-    "         (the kernel's RNBD). Off by default; the server warns when it is on.\n";
+    "         (the kernel's RNBD). Off by default; the server warns when it is on.\n"
+    "  --tls: TLS 1.3 on the tcp listeners (docs/security.md): on offers it, required refuses\n"
+    "         plaintext clients. Keys: PSKs derived from the hosts' keys, or with --tls-cert and\n"
+    "         --tls-key (PEM) a certificate, and --tls-ca to require client certificates.\n"
+    "         rdma listeners are not encrypted.\n";
 
 [[noreturn]] void die(const std::string& msg) {
   std::fprintf(stderr, "ibnbd-server: %s\n", msg.c_str());
@@ -146,6 +151,16 @@ void apply(Config& c, const std::string& key, const json& v) {
     c.sysfs_dir = text();
   } else if (key == "allow_any_host") {
     c.o.allow_any_host = flag();
+  } else if (key == "tls") {
+    auto m = ibtrs::tls::parse_mode(text());
+    if (!m) die("tls: off, on or required");
+    t.tls.mode = *m;
+  } else if (key == "tls_cert") {
+    t.tls.cert_file = text();
+  } else if (key == "tls_key") {
+    t.tls.key_file = text();
+  } else if (key == "tls_ca") {
+    t.tls.ca_file = text();
   } else if (key == "hosts") {
     if (!v.is_array()) die("hosts: a list of {\"host\", \"key_file\" | \"key\", \"access\": [...]}");
     for (auto& h : v) {
@@ -205,6 +220,12 @@ Config parse(int argc, char** argv) {
   }
   for (auto& [k, v] : cli) apply(c, k, v);
   if (c.o.transport.listen.empty()) die("at least one --listen ADDR\n" + std::string(kUsage));
+  const auto& tls = c.o.transport.tls;
+  if (tls.cert_file.empty() != tls.key_file.empty()) die("--tls-cert and --tls-key go together");
+  if (!tls.ca_file.empty() && tls.cert_file.empty())
+    die("--tls-ca verifies client certificates: it needs the server's own --tls-cert and --tls-key");
+  if (tls.mode == ibtrs::tls::Options::Mode::off && !tls.cert_file.empty())
+    die("--tls-cert without --tls on|required");
   return c;
 }
 

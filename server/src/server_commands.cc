@@ -24,6 +24,7 @@ json path_json(const ibtrs::ServerPathInfo& p) {
           {"auth_host", p.auth.host},
           {"auth_bidirectional", p.auth.bidirectional},
           {"auth_method", p.auth.method},
+          {"tls", ibtrs::tls::describe(p.tls)},
           {"src_addr", p.peer.to_string()},
           {"dst_addr", p.local.to_string()},
           {"state", std::string(ibtrs::to_string(p.state))},

@@ -173,5 +173,33 @@ expect "an anonymous client maps rw there" 0 "$ibnbd" --socket "$work/anon.sock"
 aauth=$("$ibnbd" --socket "$work/anon.sock" client -f json path list sany | jq -r '.[0].auth')
 [ "$aauth" = none ] && ok "... on an unauthenticated path" || not_ok "... on an unauthenticated path" "'$aauth'"
 
+# Case: a server that requires TLS on its tcp listeners (PSKs derived from the hosts' keys).
+# Expect: A's session without TLS is refused for good with EPROTONOSUPPORT (93) saying so, and
+# counted; with tls on it maps, IO verifies, and both sides list the path's TLS; a client daemon
+# asking for TLS without a host key is EINVAL before connecting.
+"$srv" --config "$work/srv.json" --listen tcp:127.0.0.1:0 --tls required --dev-search-path "$work/export" \
+  --control-socket "$work/tls.sock" --ready-file "$work/tls.ready" >"$work/tls.log" 2>&1 &
+pids+=($!)
+wait_for "$work/tls.ready" || not_ok "TLS server start" "$(cat "$work/tls.log")"
+tls_addr=$(sed -n "s/^listening //p" "$work/tls.ready")
+st() { "$ibnbd" --socket "$work/tls.sock" server "$@"; }
+truncate -s 16M "$work/export/a/tls.img"
+start_client ct --host-key "$work/a.key"
+ct() { "$ibnbd" --socket "$work/ct.sock" client "$@"; }
+expect "plaintext to a TLS-required server is EPROTONOSUPPORT" 93 ct device map a/tls.img from "$tls_addr" rw session st-plain
+grep -q "requires TLS" "$work/err" && ok "... saying the server requires TLS" || not_ok "... saying so" "$(cat "$work/err")"
+n=$(st -f json refusals list | jq -r '.[] | select(.reason == "listen_plaintext") | .count')
+[ "${n:-0}" -ge 1 ] && ok "the server counts the plaintext client ($n)" || not_ok "listen_plaintext counted" "'$n'"
+expect "A maps over TLS" 0 ct device map a/tls.img from "$tls_addr" rw session st tls on
+expect "A writes and verifies over TLS" 0 ct device io a/tls.img size 4M bs 256K qd 4
+ctls=$(ct -f json path list st | jq -r '.[0].tls')
+case "$ctls" in kTLS\ TLS_*|user\ TLS_*) ok "client lists the path's TLS ($ctls)" ;; *) not_ok "client lists TLS" "'$ctls'" ;; esac
+stls=$(st -f json path list st | jq -r '.[0].tls')
+[ "$stls" = "$ctls" ] && ok "server lists the same ($stls)" || not_ok "server lists TLS" "'$stls' vs '$ctls'"
+expect "the same session without TLS is EINVAL" 22 ct device map shared/base.img from "$tls_addr" ro session st tls off
+expect "TLS without a host key is EINVAL" 22 "$ibnbd" --socket "$work/anon.sock" client device map a/tls.img from "$tls_addr" ro session st-anon tls on
+grep -q "host key" "$work/err" && ok "... naming the host key" || not_ok "... naming the host key" "$(cat "$work/err")"
+expect "unmap the TLS device" 0 ct device unmap a/tls.img
+
 expect "server still answers" 0 s session list
 exit $failed

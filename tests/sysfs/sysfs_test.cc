@@ -194,6 +194,7 @@ struct FakeDaemon {
               {"stats", ibnbd::stats_to_json(st)}};
       json p2 = p1;
       p2["name"] = "tcp:0.0.0.0@tcp:127.0.0.1:4000";
+      p2["tls"] = "kTLS TLS_AES_128_GCM_SHA256";
       p2["fabric"] = "tcp";
       p2["hca_name"] = "tcp";
       p2["dst_port"] = 4000;
@@ -253,7 +254,9 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/auth").c_str()),
             "authenticated nqn.2014-08.org.example:h bidirectional\n");
   EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/stats/rdma").c_str()), "0 0 3 0 0 0\n");
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/tls").c_str()), "-\n") << "no tls field: none";
   const char* tcp_path = "/ibtrs-client/s1/paths/tcp:0.0.0.0@tcp:127.0.0.1:4000";
+  EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/tls").c_str()), "kTLS TLS_AES_128_GCM_SHA256\n");
   EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/hca_name").c_str()), "tcp\n");
   EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/hca_port").c_str()), "4000\n") << "tcp: the port";
   EXPECT_EQ(write_at(root, (std::string(tcp_path) + "/stats/rdma_lat").c_str(), "0\n"), 0);

@@ -348,7 +348,7 @@ UblkRecord record(uint32_t id) {
   return UblkRecord{id, "sess-" + std::to_string(id), {"rdma:198.18.0.1@rdma:198.18.0.2:1234", "tcp:10.0.0.2"},
                     "sub/vol" + std::to_string(id) + ".img", id % 2 ? AccessMode::ro : AccessMode::rw,
                     // Odd records carry the credentials device map named; even ones use the default.
-                    id % 2 ? "/etc/ibnbd/host.key" : "", id % 2 ? "nqn.2014-08.org.example:h" : ""};
+                    id % 2 ? "/etc/ibnbd/host.key" : "", id % 2 ? "nqn.2014-08.org.example:h" : "", id % 3 == 0 ? "on" : ""};
 }
 
 // Case: save, load, overwrite, remove. Expect: the same records back, a private directory,

@@ -94,9 +94,11 @@ std::string auth_line(const json& p) {
   return line(state + " " + p.value("auth_host", "") + (p.value("auth_bidirectional", false) ? " bidirectional" : ""));
 }
 
-// hca_name, hca_port, src_addr, dst_addr, auth: the same files on both sides.
+// hca_name, hca_port, src_addr, dst_addr, auth, tls: the same files on both sides. tls (ours):
+// "-" without TLS, else where the record layer runs (kTLS or user) and the cipher.
 void add_address_files(Node& d, const PathInfo& info) {
   d.add("auth", path_field(info, auth_line));
+  d.add("tls", path_field(info, [](const json& p) { return line(p.value("tls", std::string("-"))); }));
   d.add("hca_name", path_field(info, [](const json& p) { return line(str(p.at("hca_name"))); }));
   d.add("hca_port", path_field(info, hca_port));
   d.add("src_addr", path_field(info, [](const json& p) { return line(str(p.at("src_host"))); }));

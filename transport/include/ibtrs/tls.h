@@ -132,6 +132,10 @@ struct Info {
   std::string peer;                           // the peer's PSK identity or certificate subject
 };
 
+// For listings: "-" without TLS, "kTLS CIPHER" when the kernel carries both directions, "user
+// CIPHER" when userspace does (either direction).
+std::string describe(const Info& i);
+
 // How a client session's tcp paths, or a server's tcp listeners, use TLS (ClientOptions::tls,
 // ServerOptions::tls). TLS is the tcp fabric's: rdma paths are not encrypted (NVMe/RDMA has no
 // TLS either), loopback needs none.

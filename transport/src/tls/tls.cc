@@ -801,6 +801,11 @@ bool kernel_tls_available() {
   return available;
 }
 
+std::string describe(const Info& i) {
+  if (!i.on) return "-";
+  return std::string(i.kernel_tx && i.kernel_rx ? "kTLS " : "user ") + i.cipher;
+}
+
 Result<Options::Mode> parse_mode(std::string_view s) {
   if (s == "off") return Options::Mode::off;
   if (s == "on") return Options::Mode::on;
