@@ -125,18 +125,21 @@ const char kUsage[] =
     "  ibtrs-load server --listen ADDR [--listen ADDR ...] [--queue-depth N] [--chunk-size SIZE]\n"
     "                    [--io-threads N] [--hb-interval-ms N] [--hb-missed N] [--size SIZE]\n"
     "                    [--ready-file PATH] [--busy-poll] [--always-invalidate] [--host-key FILE]\n"
+    "                    [--tls on|required] [--tls-user]\n"
     "      Serves a RAM volume (default 1G) until SIGINT/SIGTERM. ADDR: tcp:127.0.0.1:1234,\n"
     "      rdma:198.18.0.2:1234, loopback:NAME; port 0 picks a free port. Prints `listening ADDR`\n"
     "      per bound address and writes the same lines to --ready-file (removed on exit).\n"
     "      --host-key FILE (ibnbd key generate): only that host may connect, authenticated;\n"
     "      without it any client may (a test volume; the server says so at start).\n"
+    "      --tls: TLS 1.3 on tcp listeners, PSK derived from --host-key (which it needs);\n"
+    "      --tls-user keeps the record layer in userspace where the kernel has kTLS.\n"
     "  ibtrs-load client --session NAME --path SPEC [--path SPEC ...]\n"
     "                    [--policy round-robin|min-inflight|min-latency]\n"
     "                    [--rw randread|randwrite|read|write|randrw] [--bs SIZE] [--qd N]\n"
     "                    [--seconds S] [--count N] [--size SIZE] [--verify] [--io-threads N]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--pending-timeout-ms N] [--busy-poll] [--json] [--interval-ms N]\n"
-    "                    [--control FIFO] [--host-key FILE]\n"
+    "                    [--control FIFO] [--host-key FILE] [--tls on] [--tls-user]\n"
     "      SPEC: [src@]dst, e.g. tcp:127.0.0.1:1234 or tcp:127.0.0.2@tcp:127.0.0.1:1234.\n"
     "      Runs --seconds (default 5 unless --count is given). --verify checks every read against\n"
     "      the last write of its block; blocks this client never wrote must read as zeros, so it\n"
@@ -257,7 +260,23 @@ struct ServerConfig {
   bool busy_poll = false;
   bool always_invalidate = false;
   std::string host_key;
+  ibtrs::tls::Options tls;
 };
+
+// --tls MODE and --tls-user, for both sides (the client takes on only).
+bool parse_tls_flag(Args& a, std::string_view f, ibtrs::tls::Options& t, bool server) {
+  if (f == "--tls-user") {
+    t.kernel = false;
+    return true;
+  }
+  if (f != "--tls") return false;
+  std::string_view v = a.str();
+  auto m = ibtrs::tls::parse_mode(v);
+  if (!m || (!server && *m == ibtrs::tls::Options::Mode::required))
+    usage_error("--tls '" + std::string(v) + "': " + (server ? "off, on or required" : "off or on"));
+  t.mode = *m;
+  return true;
+}
 
 ServerConfig parse_server(Args& a) {
   ServerConfig c;
@@ -288,7 +307,7 @@ ServerConfig parse_server(Args& a) {
       c.always_invalidate = true;
     } else if (f == "--host-key") {
       c.host_key = std::string(a.str());
-    } else {
+    } else if (!parse_tls_flag(a, f, c.tls, true)) {
       a.unknown();
     }
   }
@@ -422,6 +441,7 @@ ibtrs::Result<ibtrs::ServerOptions> server_options(const ServerConfig& c, ibtrs:
   if (c.hb_missed) o.heartbeat.missed_max = *c.hb_missed;
   o.busy_poll = c.busy_poll;
   o.always_invalidate = c.always_invalidate;
+  o.tls = c.tls;
   o.handler = handler;
   if (!c.host_key.empty()) {
     std::string why;
@@ -521,6 +541,7 @@ struct ClientConfig {
   uint32_t interval_ms = 0;
   std::string control;
   std::string host_key;
+  ibtrs::tls::Options tls;
 };
 
 ClientConfig parse_client(Args& a, bool paths_required = true) {
@@ -581,7 +602,7 @@ ClientConfig parse_client(Args& a, bool paths_required = true) {
       c.control = std::string(a.str());
     } else if (f == "--host-key") {
       c.host_key = std::string(a.str());
-    } else {
+    } else if (!parse_tls_flag(a, f, c.tls, false)) {
       a.unknown();
     }
   }
@@ -1085,6 +1106,7 @@ int run_client(const ClientConfig& c) {
   if (c.reconnect_delay_ms) o.reconnect.delay = std::chrono::milliseconds(*c.reconnect_delay_ms);
   if (c.pending_timeout_ms) o.pending_timeout = std::chrono::milliseconds(*c.pending_timeout_ms);
   o.busy_poll = c.busy_poll;
+  o.tls = c.tls;
   if (!c.host_key.empty()) {
     std::string why;
     auto a = ibtrs::client_auth_from_key_file(c.host_key, {}, &why);
@@ -1231,9 +1253,10 @@ int run_client(const ClientConfig& c) {
       const auto& p = paths[i];
       std::snprintf(buf2, sizeof(buf2),
                     "%s{\"name\":%s,\"state\":%s,\"reads\":%" PRIu64 ",\"writes\":%" PRIu64 ",\"failovered\":%" PRIu64
-                    ",\"reconnects_ok\":%" PRIu64 "}",
+                    ",\"reconnects_ok\":%" PRIu64 ",\"tls\":%s}",
                     i ? "," : "", json_str(p.name).c_str(), json_str(ibtrs::to_string(p.state)).c_str(),
-                    p.stats.read_cnt, p.stats.write_cnt, p.stats.failovered, p.stats.reconnects_ok);
+                    p.stats.read_cnt, p.stats.write_cnt, p.stats.failovered, p.stats.reconnects_ok,
+                    json_str(ibtrs::tls::describe(p.tls)).c_str());
       j += buf2;
     }
     j += "]}";
