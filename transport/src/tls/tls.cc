@@ -258,6 +258,7 @@ struct Session::Impl {
     uint64_t plain_end;   // plaintext offset just past this record's plaintext
   };
   std::deque<Rec> recs;
+  unsigned char stage[kMaxPlain];  // the plaintext of one record gathered from an iovec
 
   ~Impl() {
     if (ssl != nullptr) SSL_free(ssl);
@@ -479,16 +480,36 @@ struct Session::Impl {
         ++idx;
       }
       in = static_cast<size_t>(skip);
-      while (idx < static_cast<size_t>(iovcnt) && tx_pending() < kMaxSealedAhead) {
-        const size_t n = std::min(iov[idx].iov_len - in, kMaxPlain);
-        if (n == 0) {
+      // One record per up to 16 KiB of the caller's bytes, whatever its iovec: a frame header
+      // and its payload travel in one record (each record costs its own sealing, 22 bytes of
+      // overhead and the reader's whole-record wait).
+      while (tx_pending() < kMaxSealedAhead) {
+        while (idx < static_cast<size_t>(iovcnt) && in == iov[idx].iov_len) {
           ++idx;
           in = 0;
-          continue;
+        }
+        if (idx == static_cast<size_t>(iovcnt)) break;
+        const unsigned char* from = static_cast<const unsigned char*>(iov[idx].iov_base) + in;
+        size_t n = std::min(iov[idx].iov_len - in, kMaxPlain);
+        if (n == kMaxPlain) {
+          in += n;  // a whole record from one element: sealed in place
+        } else {
+          n = 0;
+          while (idx < static_cast<size_t>(iovcnt) && n < kMaxPlain) {
+            const size_t take = std::min(iov[idx].iov_len - in, kMaxPlain - n);
+            std::memcpy(stage + n, static_cast<const unsigned char*>(iov[idx].iov_base) + in, take);
+            n += take;
+            in += take;
+            if (in == iov[idx].iov_len) {
+              ++idx;
+              in = 0;
+            }
+          }
+          from = stage;
         }
         size_t w = 0;
         ERR_clear_error();
-        if (SSL_write_ex(ssl, static_cast<const unsigned char*>(iov[idx].iov_base) + in, n, &w) != 1 || w != n) {
+        if (SSL_write_ex(ssl, from, n, &w) != 1 || w != n) {
           error = openssl_error_text();
           errno = EIO;
           return -1;
@@ -496,7 +517,6 @@ struct Session::Impl {
         collect_wbio();
         sealed += n;
         recs.push_back(Rec{tx_total, sealed});
-        in += n;
       }
       blocked = !flush_tx();
       if (blocked && errno != EAGAIN && errno != EWOULDBLOCK) return -1;
