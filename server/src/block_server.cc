@@ -456,8 +456,11 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     auto* c = static_cast<IoCtx*>(ctx);
     c->dev->stats.done(c->op, c->bytes, err);
     c->sess->stats.done(c->op, c->bytes, err);
-    c->dev->stats.inflight.fetch_sub(1, std::memory_order_relaxed);
-    c->sess->stats.inflight.fetch_sub(1, std::memory_order_relaxed);
+    // Release: close_device's acquire load of 0 must see every use of the device's backend by
+    // this request (submission read its fd) before it deletes the device (TSan found the
+    // relaxed decrement).
+    c->dev->stats.inflight.fetch_sub(1, std::memory_order_release);
+    c->sess->stats.inflight.fetch_sub(1, std::memory_order_release);
     c->req->complete(err);
   }
 
