@@ -61,6 +61,16 @@ if [ "$IBTRS_VM_VERBOSE" != 0 ]; then
   [ "$IBTRS_VM_VERBOSE" = 2 ] && { PS4='+ ${EPOCHREALTIME} '; set -x; }
 fi
 
+# The rig's self-test (check.sh) makes a boot die or hang here, before the command starts (as
+# early as it can: each such boot costs the self-test its time).
+IBTRS_VM_BOOT_ATTEMPT=1
+# shellcheck source=/dev/null
+[ -r "$CTL/attempt" ] && . "$CTL/attempt"
+case "${IBTRS_VM_TEST_BOOT_FAULT:-}:$IBTRS_VM_BOOT_ATTEMPT" in
+  panic-first:1|panic-always:*) log "test fault: panic before the command"; echo c >/proc/sysrq-trigger ;;
+  hang-first:1) log "test fault: hang before the command"; exec {hang_fd}<> <(:); read -r -u "$hang_fd" ;;
+esac
+
 i=0
 for d in "${vm_rw_shares[@]}"; do
   [ -d "$d" ] || mkdir -p "$d" || setup_error "cannot create mount point $d"
@@ -177,14 +187,6 @@ vm_base_env=(
 ulimit -l unlimited 2>/dev/null # RDMA memory registration
 ulimit -n 65536 2>/dev/null
 [ "$IBTRS_VM_VERBOSE" = 0 ] || log "running:$(printf ' %q' "${vm_cmd[@]}")"
-# The rig's self-test (check.sh) makes a boot die or hang here, before the command starts.
-IBTRS_VM_BOOT_ATTEMPT=1
-# shellcheck source=/dev/null
-[ -r "$CTL/attempt" ] && . "$CTL/attempt"
-case "${IBTRS_VM_TEST_BOOT_FAULT:-}:$IBTRS_VM_BOOT_ATTEMPT" in
-  panic-first:1|panic-always:*) log "test fault: panic before the command"; echo c >/proc/sysrq-trigger ;;
-  hang-first:1) log "test fault: hang before the command"; exec {hang_fd}<> <(:); read -r -u "$hang_fd" ;;
-esac
 # Written before the command starts: a guest that dies after this is not booted again.
 echo started >"$CTL/started" || setup_error "cannot write $CTL/started"
 env -i "${vm_base_env[@]}" "${vm_env[@]}" "${vm_cmd[@]}" </dev/null >>"$OUT" 2>>"$ERR"
