@@ -71,8 +71,8 @@ background_builds() {
   for name in asan tsan fuzz; do
     wanted "$name" || continue
     case $name in
-      asan) configure_build build-asan -Og -DIBTRS_SANITIZE=address -DIBTRS_RDMA=ON ;;
-      tsan) configure_build build-tsan -O1 -DIBTRS_SANITIZE=thread -DIBTRS_RDMA=ON ;;
+      asan) configure_build build-asan -Og -DIBTRS_SANITIZE=address -DIBTRS_RDMA=ON -DIBTRS_BENCH=OFF ;;
+      tsan) configure_build build-tsan -O1 -DIBTRS_SANITIZE=thread -DIBTRS_RDMA=ON -DIBTRS_BENCH=OFF ;;
       fuzz) CXX=clang++ configure_build build-fuzz -O2 -DIBTRS_WERROR=ON -DIBTRS_FUZZ=ON \
               -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON -- \
               fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto fuzz_auth ;;
