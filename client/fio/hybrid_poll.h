@@ -31,7 +31,9 @@ namespace ibnbd::fio {
 struct HybridPollConfig {
   int64_t max_spin_ns = 100'000;   // one wait spins at most this long after its sleep
   int64_t min_sleep_ns = 10'000;   // a shorter sleep is not worth a timer: spin from the start
-  int64_t min_spin_ns = 5'000;     // spin slack beyond the expected arrival
+  // Spin slack beyond the expected arrival (NAPI busy-poll budgets are some 50 us): completions
+  // of a QD32 stream come in bursts around a short average.
+  int64_t min_spin_ns = 20'000;
   int64_t preempt_gap_ns = 50'000; // a spin iteration this long: another task had our CPU
   uint32_t miss_limit = 3;         // consecutive spins without a completion before backing off
   // Preempted spins back off when they come often: each adds preempt_weight to a score that

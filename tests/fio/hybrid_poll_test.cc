@@ -69,12 +69,13 @@ TEST(HybridPoll, BlocksWhileItLearnsThenSleepsHalfTheArrivalAndSpinsPastIt) {
 
 TEST(HybridPoll, ShortArrivalsSpinWithoutSleeping) {
   // Case: completions 15 us after a wait starts: half of that is below min_sleep_ns (10 us).
-  // Expect: no sleep (a timer costs more than it saves); a spin until 22.5 us.
+  // Expect: no sleep (a timer costs more than it saves); a spin until min_spin_ns (20 us) past
+  // the expected arrival.
   Driver d;
   d.learn(15 * us);
   const WaitPlan plan = d.p.plan(d.now);
   EXPECT_EQ(plan.sleep_ns, 0);
-  EXPECT_EQ(plan.spin_ns, 22500);
+  EXPECT_EQ(plan.spin_ns, 35 * us);
 }
 
 TEST(HybridPoll, LongArrivalsSpinNoLongerThanTheCap) {
