@@ -791,10 +791,12 @@ void look(Engine& e) {
   take_done(e);
 }
 
-// Blocks until a completion arrives or `ns` pass: caller mode in the connection's fd (a
-// completion on another thread wakes it through on_done), thread mode on the futex. Spurious
-// returns are fine: the caller looks again.
+// Blocks until a completion arrives or `ns` pass (kForever: with no timeout, so no timer to
+// arm and cancel): caller mode in the connection's fd (a completion on another thread wakes it
+// through on_done), thread mode on the futex. Spurious returns are fine: the caller looks again.
+constexpr int64_t kForever = -1;
 void block_for(Engine& e, int64_t ns) {
+  const bool forever = ns == kForever;
   ns = std::max<int64_t>(ns, 1000);
   // Announce the sleep first, so that a completion on another thread wakes us; seq_cst pairs
   // with on_done: either our look at the stack sees its push, or its load sees us asleep.
@@ -808,11 +810,14 @@ void block_for(Engine& e, int64_t ns) {
   if (reap) {
     t_reaping = &e;
     // A refusal (the session is closing) sends this and every later wait to the futex.
-    e.reaper_ok = e.reaper->reap(std::chrono::microseconds((ns + 999) / 1000)).ok();
+    const auto wait = forever ? (std::chrono::microseconds::max)()
+                              : std::chrono::microseconds((ns + 999) / 1000);
+    e.reaper_ok = e.reaper->reap(wait).ok();
     t_reaping = nullptr;
   } else {
     const timespec rel{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
-    futex(&e.word, FUTEX_WAIT_PRIVATE, w, &rel);  // EAGAIN, EINTR, ETIMEDOUT: look again
+    // EAGAIN, EINTR, ETIMEDOUT: look again
+    futex(&e.word, FUTEX_WAIT_PRIVATE, w, forever ? nullptr : &rel);
   }
   e.sleeping.store(0, std::memory_order_seq_cst);
   take_done(e);
@@ -878,8 +883,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
     }
   }
   while (!done() && now < deadline) {
-    // Untimed: in slices, so that nothing can keep us past a lost wake-up for long.
-    block_for(*e, std::min<int64_t>(deadline - now, 100'000'000));
+    block_for(*e, t != nullptr ? deadline - now : kForever);
     now = now_ns();
   }
   if (!e->adaptive || e->poll.count() > 0) return;

@@ -170,7 +170,7 @@ TEST(HybridPoll, AMissNowAndThenDoesNotBackOff) {
 
 TEST(HybridPoll, ALongRunQueueMakesItBlockUntilItShortens) {
   // Case: 2 CPUs; the other runnable tasks average 2 (stress-ng on both), then 0.3.
-  // Expect: plans block (contended) while others > cpus - 0.5, and spin again once the average
+  // Expect: plans block (contended) while others > cpus - 0.25, and spin again once the average
   // falls below it.
   Driver d;
   d.learn(50 * us);
@@ -187,7 +187,7 @@ TEST(HybridPoll, ALongRunQueueMakesItBlockUntilItShortens) {
 TEST(HybridPoll, OneBusySampleDoesNotStopTheSpinning) {
   // Case: the run queue is mostly the server's thread (1 other task on 2 CPUs) with a burst of
   // 3 others in one sample.
-  // Expect: the average stays below 1.5: not contended.
+  // Expect: the average stays below 1.75: not contended.
   Driver d;
   d.learn(50 * us);
   for (int i = 0; i < 8; ++i) d.p.observe_runnable(1.0, 2);
