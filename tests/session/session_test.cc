@@ -917,6 +917,53 @@ TEST_F(Session, ReaperSeesItsPathBreakAndTheIoFailsOver) {
   rr->reset();
 }
 
+// Case: reap(microseconds::max()) - no timeout, no timer - with one request that the server
+// holds for 100 ms; then with nothing in flight, until another thread calls wake() 100 ms later.
+// Expect: the first wait ends with the request's completion (once, on the caller, no error);
+// the second ends with the wake-up; neither hangs.
+TEST_F(Session, AReapWithNoTimeoutEndsOnACompletionAndOnWake) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  auto& reaper = **rr;
+  vol_.hold(true);
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, 0, 0, t, h, seg).ok());
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+  std::thread srv([&] {
+    std::this_thread::sleep_for(100ms);
+    vol_.hold(false);
+    for (auto* r : vol_.take_held()) vol_.serve(*r);
+  });
+  size_t ran = 0;
+  while (ran == 0) {  // a wait may end early for nothing: the caller looks again
+    auto n = reaper.reap(std::chrono::microseconds::max());
+    ASSERT_TRUE(n.ok());
+    ran += *n;
+  }
+  srv.join();
+  EXPECT_EQ(ran, 1u);
+  EXPECT_EQ(t.calls.load(), 1);
+  EXPECT_EQ(t.err.load(), 0);
+  EXPECT_TRUE(t.on_caller.load());
+  std::atomic<bool> woken{false};
+  std::thread waker([&] {
+    std::this_thread::sleep_for(100ms);
+    woken.store(true);
+    reaper.wake();
+  });
+  while (!woken.load()) {
+    auto n = reaper.reap(std::chrono::microseconds::max());
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 0u);
+  }
+  waker.join();
+  rr->reset();
+}
+
 // Case: the caller is blocked in reap() when a user disconnects the path its requests are on
 // (a teardown that must take the connection back from the caller). Expect: disconnect_path
 // returns (the reaper gave the connection back), the requests fail over and complete once.
