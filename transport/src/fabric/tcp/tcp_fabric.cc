@@ -201,7 +201,9 @@ class TcpCq final : public CompletionQueue {
   // Connection side (any thread).
   ibtrs::Status reserve(uint32_t n);
   void unreserve(uint32_t n);
-  uint64_t attach(TcpConnection* c, int sock);  // after reserve(); returns the epoll id
+  // After reserve(). Stores the epoll id in *id under mu_ before the socket joins the epoll set:
+  // the polling thread may handle the connection (and read its id) before attach() returns.
+  void attach(TcpConnection* c, int sock, uint64_t* id);
   void detach(uint64_t id, int sock);
   void wake() {
     wake_pending_.store(true, std::memory_order_release);
@@ -312,7 +314,7 @@ class TcpConnection final : public Connection, private RxHooks {
         rx_(*mrs_, kDefaultStaging, id_) {}
 
   // Attaching is separate from construction so that nothing can poll a half-built object.
-  void attach() { cq_id_ = cq_.attach(this, sock_); }
+  void attach() { cq_.attach(this, sock_, &cq_id_); }
 
   ~TcpConnection() override {
     // A doorbell still deferred is not rung: as when verbs destroys a QP, requests that never
@@ -902,15 +904,15 @@ void TcpCq::unreserve(uint32_t n) {
   reserved_ -= n;
 }
 
-uint64_t TcpCq::attach(TcpConnection* c, int sock) {
+void TcpCq::attach(TcpConnection* c, int sock, uint64_t* id_out) {
   std::lock_guard lock(mu_);
   uint64_t id = next_id_++;
+  *id_out = id;
   conns_.push_back({id, c});
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.u64 = id;
   ::epoll_ctl(epfd_, EPOLL_CTL_ADD, sock, &ev);
-  return id;
 }
 
 void TcpCq::detach(uint64_t id, int sock) {
