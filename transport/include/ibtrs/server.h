@@ -133,6 +133,13 @@ struct ServerOptions {
   uint16_t queue_depth = 512;             // chunks per session (kernel: sess_queue_depth)
   uint32_t chunk_size = 128 * 1024;       // power of two, 8 KiB..16 MiB (kernel: max_chunk_size)
   uint32_t max_hdr_size = 4096;           // user header + IO message; max_io = chunk - this
+  // Largest data of one request for clients that take chunk sets (protocol 2.2): above
+  // chunk_size - max_hdr_size a request spans consecutive chunks of the session (at most 64,
+  // and at most queue_depth), so a 1 MiB IO is one request without larger chunks and without
+  // more memory per session. Older clients, and always_invalidate (a key per chunk), get
+  // chunk_size - max_hdr_size. 0: chunk_size - max_hdr_size for everyone. Above what
+  // min(queue_depth, 64) chunks hold besides a header, it is that.
+  uint32_t max_io_size = 1u << 20;
   uint32_t io_threads = 0;                // 0: min(hardware threads, 8)
   HeartbeatConfig heartbeat;
   bool busy_poll = false;
@@ -199,6 +206,10 @@ struct ServerUsage {
   uint32_t handshaking_sessions = 0;  // of those, sessions with no path CONNECTED
   uint32_t paths = 0;               // paths connecting or connected
   uint64_t chunk_memory = 0;        // bytes of chunks reserved, sessions being freed included
+  // Of the live sessions' chunk memory, the bytes in RAM now (mincore(2)): chunks are backed
+  // lazily, so what the sessions' requests have touched. On rdma registration pins every chunk,
+  // so it is all of it.
+  uint64_t chunk_resident = 0;
   uint64_t backlog = 0;             // responses waiting for send-queue room, all connections
 };
 
