@@ -12,7 +12,7 @@
 #                                [--server-opts "..."]
 #
 # --sessions: default 200. The server runs with --max-sessions and --max-chunk-memory large
-# enough for N (its defaults are 128 sessions and 8 GiB of chunks; add your own with
+# enough for N (its defaults are 256 sessions and 8 GiB of chunks; add your own with
 # --server-opts). Binaries: $IBTRS_BUILD (default build): ibnbd-server, ibnbd, the fio engine.
 set -euo pipefail
 

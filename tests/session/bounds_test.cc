@@ -413,9 +413,9 @@ TEST_F(Bounds, AnHonestClientWhoseResponsesOverflowTheSendQueueGetsThemAll) {
   buf->reset();
 }
 
-// Case: 16 client sessions of the default geometry (512 chunks of 128 KiB: 64 MiB reserved
+// Case: 16 client sessions of the default geometry (256 chunks of 128 KiB: 32 MiB reserved
 // each) connect and each writes and reads 4 KiB, then idles; then one of them writes 1 MiB.
-// Expect: the server holds the reserved chunk memory in its accounting (16 x 64 MiB) but only
+// Expect: the server holds the reserved chunk memory in its accounting (16 x 32 MiB) but only
 // what the requests touched in RAM: at most 64 KiB of chunks per idle session, and 1 MiB more
 // after the large write. The whole process (servers and clients) grows by less than 8 MiB of
 // RSS per idle session. (rdma: registration pins every chunk, so resident = reserved: skipped.)
@@ -444,6 +444,8 @@ TEST_F(Bounds, IdleSessionsHoldLittleOfTheirChunkMemory) {
   EXPECT_EQ(u.chunk_memory, uint64_t{kSessions} * so.queue_depth * so.chunk_size);
   EXPECT_LE(u.chunk_resident, uint64_t{kSessions} * 64 * 1024) << "idle sessions touched little";
   EXPECT_GT(u.chunk_resident, 0u) << "the requests' pages are counted";
+  RecordProperty("chunk_resident_kib_per_session", static_cast<int>(u.chunk_resident / 1024 / kSessions));
+  RecordProperty("rss_kib_per_session", static_cast<int>((rss_kib() - std::min(rss0, rss_kib())) / kSessions));
   if (kRssMeaningful) {
     const size_t grown = rss_kib() - std::min(rss0, rss_kib());
     EXPECT_LT(grown, size_t{kSessions} * 8 * 1024) << "KiB of RSS for " << kSessions << " sessions";

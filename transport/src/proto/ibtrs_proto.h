@@ -44,7 +44,7 @@ inline constexpr uint8_t kMinorChunkSets = 2;
 inline constexpr uint32_t kDefaultChunkSize = 128 * 1024;  // max_chunk_size, power of two
 inline constexpr uint32_t kMinChunkSize = 8 * 1024;
 inline constexpr uint32_t kMaxChunkSize = 16u << 20;       // bounded by the immediate (below)
-inline constexpr uint16_t kDefaultQueueDepth = 512;        // sess_queue_depth, 1..65535
+inline constexpr uint16_t kDefaultQueueDepth = 256;        // sess_queue_depth (512 in the kernel)
 inline constexpr uint32_t kMaxHdrSize = 4096;              // user header + IO message
 inline constexpr size_t kNameMax = 64;                     // session and path names on the wire
 
