@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # fio benchmark of our stack against its peers, one run, one table. Every target serves the
-# same 1 GiB file on tmpfs (buffered: tmpfs has no real O_DIRECT), so rows differ only by the
-# path to it:
+# same 1 GiB file on tmpfs (buffered: tmpfs has no real O_DIRECT), or with --fs ext4 on ext4 on a
+# loop device over a sparse file in /var/tmp (buffered too; needs root; unmounted and removed at
+# exit), so rows differ only by the path to it:
 #   file            fio io_uring on the file itself: the limit (no network, no server)
 #   nbdkit-unix/-tcp  nbdkit's file plugin (defaults: buffered pread/pwrite on its threads),
 #                   fio's nbd engine over a unix socket / loopback tcp
@@ -37,7 +38,8 @@
 # workload (most IOPS; lowest mean latency), the peers being nbdkit and qemu-nbd.
 # A benchmark, not a test: it asserts nothing.
 #
-#   bash bench/fio.sh [--seconds N]        (default 5 s per run; 66 runs, about 7 minutes)
+#   bash bench/fio.sh [--seconds N] [--fs tmpfs|ext4]   (default 5 s per run and tmpfs; 66 runs,
+#                                                        about 7 minutes)
 #
 # The build directory comes from $IBTRS_BUILD (default build); the binaries are built there if
 # needed (the engine needs the fio headers: scripts/fio-headers.sh). Only loopback addresses and
@@ -47,12 +49,16 @@ set -euo pipefail
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 seconds=5
+fs=tmpfs
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;
-    *) echo "usage: $0 [--seconds N]" >&2; exit 2 ;;
+    --fs) fs=$2; shift 2 ;;
+    *) echo "usage: $0 [--seconds N] [--fs tmpfs|ext4]" >&2; exit 2 ;;
   esac
 done
+case "$fs" in tmpfs | ext4) ;; *) echo "--fs: tmpfs or ext4" >&2; exit 2 ;; esac
+[ "$fs" = tmpfs ] || [ "$(id -u)" = 0 ] || { echo "--fs ext4 needs root (losetup, mount)" >&2; exit 2; }
 case "$seconds" in '' | *[!0-9]* | 0) echo "--seconds takes a whole number above 0" >&2; exit 2 ;; esac
 for t in fio nbdkit qemu-nbd jq python3; do
   command -v "$t" >/dev/null || { echo "$t is missing (scripts/setup.sh installs it)" >&2; exit 1; }
@@ -71,12 +77,16 @@ engine="$build/client/fio/libibnbd-fio.so"
 
 tmp=$(mktemp -d /dev/shm/ibnbd-fio-bench.XXXXXX)
 pids=()
+mnt="" loopdev="" backing=""
 cleanup() {
   # Newest first: the client daemon closes its device while the server still answers.
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
     kill "${pids[i]}" 2>/dev/null || true
     wait "${pids[i]}" 2>/dev/null || true
   done
+  if [ -n "$mnt" ]; then umount "$mnt" 2>/dev/null || umount -l "$mnt" 2>/dev/null || true; rmdir "$mnt" 2>/dev/null || true; fi
+  [ -z "$loopdev" ] || losetup -d "$loopdev" 2>/dev/null || true
+  [ -z "$backing" ] || rm -f "$backing"
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -107,13 +117,25 @@ started() {  # started NAME LOG: the last background process failed to come up
 }
 
 # 1 GiB, written once so that reads find pages (tmpfs holes would read for free).
-mkdir -p "$tmp/export"
-img="$tmp/export/vol.img"
+export_dir="$tmp/export"
+if [ "$fs" = ext4 ]; then
+  # A real file system under the same page cache: a 2 GiB sparse file on /var/tmp's disk.
+  backing=$(mktemp /var/tmp/ibnbd-fio-bench.XXXXXX.img)
+  truncate -s 2G "$backing"
+  loopdev=$(losetup --find --show "$backing")
+  mkfs.ext4 -q -F "$loopdev"
+  mnt=$(mktemp -d /var/tmp/ibnbd-fio-bench-mnt.XXXXXX)
+  mount "$loopdev" "$mnt"
+  export_dir="$mnt/export"
+fi
+mkdir -p "$export_dir"
+img="$export_dir/vol.img"
 dd if=/dev/urandom of="$img" bs=1M count=1024 status=none
+sync "$img"
 
 # --allow-any-host (the server warns): IO is what is measured here, and authentication costs
 # only at connect (docs/security.d/auth-bench.md).
-"$srv" --allow-any-host --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$tmp/export" \
+"$srv" --allow-any-host --listen tcp:127.0.0.1:0 --listen tcp:127.0.0.1:0 --dev-search-path "$export_dir" \
   --control-socket "$tmp/srv.sock" --ready-file "$tmp/srv.ready" >"$tmp/srv.log" 2>&1 &
 pids+=($!)
 srv_pid=$!
@@ -260,7 +282,7 @@ best_peer() {
 
 echo "# fio benchmark ($(date -u +%Y-%m-%d), $(nproc) cores, $(uname -r), load average before: $load_before)"
 echo
-echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, a 1 GiB file on tmpfs; targets and"
+echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, a 1 GiB file on $fs; targets and"
 echo "options: the header of bench/fio.sh. Ratios against the workload's best peer (nbdkit, qemu-nbd):"
 echo "IOPS / its IOPS, mean latency / its mean latency."
 echo

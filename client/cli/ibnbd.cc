@@ -366,6 +366,8 @@ Listing server_limits(const json& rsp) {
                     num(lim, "max_paths_per_session") * num(lim, "max_sessions")});
   l.rows.push_back({"paths_per_session", "-", num(lim, "max_paths_per_session")});
   l.rows.push_back({"chunk_memory", Bytes{unum(use, "chunk_memory")}, Bytes{unum(lim, "max_chunk_memory")}});
+  // Of the reserved chunk memory, what is in RAM (chunks are backed as requests touch them).
+  l.rows.push_back({"chunk_resident", Bytes{unum(use, "chunk_resident")}, "-"});
   l.rows.push_back({"response_backlog", num(use, "backlog"), "-"});
   l.rows.push_back({"handshake_timeout_ms", "-", num(lim, "handshake_timeout_ms")});
   l.rows.push_back({"ack_timeout_ms", "-", num(lim, "ack_timeout_ms")});

@@ -34,7 +34,8 @@ using nlohmann::json;
 
 const char kUsage[] =
     "usage: ibnbd-server [--config FILE] [--listen ADDR ...] [--dev-search-path DIR]\n"
-    "                    [--queue-depth N] [--chunk-size SIZE] [--io-threads N]\n"
+    "                    [--queue-depth N] [--chunk-size SIZE] [--max-io-size SIZE]\n"
+    "                    [--io-threads N]\n"
     "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--busy-poll]\n"
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
@@ -45,11 +46,13 @@ const char kUsage[] =
     "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
     "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
-    "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 512, \"read_only\": false}.\n"
+    "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 256, \"read_only\": false}.\n"
+    "  --max-io-size: the largest request (default 1M) of a client that takes chunk sets: it spans\n"
+    "         consecutive chunks (docs/protocol.md, \"Chunk sets\"); 0: one chunk per request.\n"
     "  --control-socket: default /run/ibnbd-server.sock; PATH.lock beside it (flock) keeps a\n"
     "         second daemon off a live socket. --ready-file: written with one\n"
     "         `listening ADDR` line per address once the server accepts connections.\n"
-    "  Bounds (docs/security.d/bounds.md): --max-sessions (default 128; half-open sessions are\n"
+    "  Bounds (docs/security.d/bounds.md): --max-sessions (default 256; half-open sessions are\n"
     "         evicted first, then EUSERS), --max-paths-per-session (16; EMLINK),\n"
     "         --max-chunk-memory (8G: queue depth x chunk size of all sessions; ENOMEM),\n"
     "         --handshake-timeout-ms (30000: a path not connected by then is closed),\n"
@@ -115,6 +118,8 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.queue_depth = static_cast<uint16_t>(number(1, 65535));
   } else if (key == "chunk_size") {
     t.chunk_size = static_cast<uint32_t>(number(8192, 16u << 20));
+  } else if (key == "max_io_size") {
+    t.max_io_size = static_cast<uint32_t>(number(0, 64u << 20));
   } else if (key == "io_threads") {
     t.io_threads = static_cast<uint32_t>(number(0, 64));
   } else if (key == "direct_io") {

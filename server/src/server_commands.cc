@@ -170,6 +170,7 @@ json handle(BlockServer& srv, const json& req) {
                        {"handshaking_sessions", u.handshaking_sessions},
                        {"paths", u.paths},
                        {"chunk_memory", u.chunk_memory},
+                       {"chunk_resident", u.chunk_resident},
                        {"backlog", u.backlog}}}};
   }
   return ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");

@@ -23,7 +23,9 @@ using ibtrs::IoSeg;
 ibtrs::FabricKind g_kind = ibtrs::FabricKind::loopback;
 
 constexpr uint32_t kChunk = 128 * 1024;
-constexpr uint32_t kMaxIo = kChunk - 4096;  // what one transport request carries
+// What one transport request carries: the server below offers no chunk sets (max_io_size 0),
+// so the split is exercised at one chunk per part (chunk sets: tests/session, tests/integration).
+constexpr uint32_t kMaxIo = kChunk - 4096;
 constexpr uint64_t kVolSize = 16 << 20;
 
 ibtrs::Address listen_addr(const std::string& tag) {
@@ -116,6 +118,7 @@ class Client : public ::testing::Test {
     ibtrs::ServerOptions so;
     so.queue_depth = qd;
     so.chunk_size = kChunk;
+    so.max_io_size = 0;
     so.io_threads = 2;
     so.handler = &srv_;
     so.allow_any_host = true;  // the block client over a fake server; authentication is the transport's

@@ -62,6 +62,30 @@ int proto_one_input(const uint8_t* data, size_t size) {
           if (!inside(r->read.usr, copy) || !inside(std::as_bytes(r->read.descs), copy)) std::abort();
         }
       }
+      // The same bytes as a session's chunks with chunk sets: chunks of 64 << (0..7) bytes,
+      // the lead and offset from the parameter, max_io_size up to four chunks less a header of
+      // at most 64 bytes. Whatever comes back lies in the chunks (data) or the copy (headers),
+      // and a write's data starts at a chunk's start.
+      const uint32_t cs = 64u << ((param >> 20) & 7);
+      const size_t whole = msg.size() / cs * cs;
+      if (whole > 0) {
+        const SetGeometry g{cs, 64, 4 * cs - 64 - ((param >> 23) & 63)};
+        const uint32_t lead = (param >> 26) % static_cast<uint32_t>(whole / cs);
+        auto area = msg.first(whole);
+        auto q = parse_io_req(area, g, lead, (param & 0xfffff) % cs, copy, &why);
+        if (q.ok()) {
+          if (q->kind == IoKind::write) {
+            if (!inside(q->write.data, area) || !inside(q->write.usr, copy) ||
+                q->write.data.size() > g.max_io_size ||
+                (q->write.data.data() - area.data()) % cs != 0)
+              std::abort();
+          } else {
+            if (!inside(q->read.data, area) || !inside(q->read.usr, copy) ||
+                !inside(std::as_bytes(q->read.descs), copy) || q->read.data.size() != q->read.total_len)
+              std::abort();
+          }
+        }
+      }
       break;
     }
   }

@@ -603,6 +603,7 @@ BlockServerOptions Rig::server_options() const {
   o.transport.listen = eps_->addrs();
   o.transport.queue_depth = kQueueDepth;
   o.transport.chunk_size = kChunk;
+  o.transport.max_io_size = kMaxIo;
   o.transport.io_threads = 2;
   o.transport.heartbeat = ibtrs::HeartbeatConfig{500ms, 6};
   o.dev_search_path = file_->root();

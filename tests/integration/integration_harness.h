@@ -41,7 +41,10 @@ using namespace std::chrono_literals;
 extern ibtrs::FabricKind g_kind;
 extern uint64_t g_seed;  // 0: each test's own default
 
-inline constexpr uint32_t kChunk = 64 * 1024;  // server chunk: 60 KiB per transport request
+inline constexpr uint32_t kChunk = 64 * 1024;  // server chunk
+// The largest transport request: a chunk set of three chunks less the header (protocol 2.2),
+// small enough that the loads' larger requests are still split, and each spans 1..3 chunks.
+inline constexpr uint32_t kMaxIo = 3 * kChunk - 4096;
 inline constexpr uint16_t kQueueDepth = 64;    // transport permits per session
 inline constexpr uint64_t kDevSize = 16 << 20; // the exported file
 

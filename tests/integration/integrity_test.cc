@@ -51,7 +51,7 @@ TEST_P(Integrity, RandomMixOfEveryOpMatchesTheModel) {
   auto d = bring_up("mix");
   if (!skip_.empty()) GTEST_SKIP() << skip_;
   ASSERT_NE(d, nullptr);
-  EXPECT_EQ(d->max_part_bytes(), kChunk - 4096) << "the transport's limit, not the file's";
+  EXPECT_EQ(d->max_part_bytes(), kMaxIo) << "the transport's limit (a chunk set), not the file's";
   Model m(d->size_bytes(), d->geometry().logical_block_size);
   LoadOptions o;
   o.seed = test_seed(GetParam() == Store::direct ? 4001 : 4002);

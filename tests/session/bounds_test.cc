@@ -413,6 +413,51 @@ TEST_F(Bounds, AnHonestClientWhoseResponsesOverflowTheSendQueueGetsThemAll) {
   buf->reset();
 }
 
+// Case: 16 client sessions of the default geometry (256 chunks of 128 KiB: 32 MiB reserved
+// each) connect and each writes and reads 4 KiB, then idles; then one of them writes 1 MiB.
+// Expect: the server holds the reserved chunk memory in its accounting (16 x 32 MiB) but only
+// what the requests touched in RAM: at most 64 KiB of chunks per idle session, and 1 MiB more
+// after the large write. The whole process (servers and clients) grows by less than 8 MiB of
+// RSS per idle session. (rdma: registration pins every chunk, so resident = reserved: skipped.)
+TEST_F(Bounds, IdleSessionsHoldLittleOfTheirChunkMemory) {
+  if (g_kind == FabricKind::rdma) GTEST_SKIP() << "rdma registration pins the chunks";
+  ServerOptions so;
+  so.max_chunk_memory = uint64_t{1} << 40;
+  start(so);
+  const size_t rss0 = rss_kib();
+  constexpr int kSessions = 16;
+  std::vector<std::unique_ptr<ClientSession>> cs;
+  std::vector<std::unique_ptr<RegisteredMemory>> bufs;
+  for (int i = 0; i < kSessions; ++i) {
+    auto c = open_client("idle" + std::to_string(i));
+    ASSERT_TRUE(c.ok()) << c.error().message();
+    auto b = (*c)->alloc_buffer(2 << 20);
+    ASSERT_TRUE(b.ok());
+    std::memset((*b)->data(), i, 4096);
+    ASSERT_EQ(sync_io(**c, IoDir::write, **b, (*b)->data(), 4096, 0), 0);
+    ASSERT_EQ(sync_io(**c, IoDir::read, **b, (*b)->data() + 4096, 4096, 0), 0);
+    cs.push_back(std::move(*c));
+    bufs.push_back(std::move(*b));
+  }
+  const ServerUsage u = server_->usage();
+  EXPECT_EQ(u.sessions, uint32_t{kSessions});
+  EXPECT_EQ(u.chunk_memory, uint64_t{kSessions} * so.queue_depth * so.chunk_size);
+  EXPECT_LE(u.chunk_resident, uint64_t{kSessions} * 64 * 1024) << "idle sessions touched little";
+  EXPECT_GT(u.chunk_resident, 0u) << "the requests' pages are counted";
+  RecordProperty("chunk_resident_kib_per_session", static_cast<int>(u.chunk_resident / 1024 / kSessions));
+  RecordProperty("rss_kib_per_session", static_cast<int>((rss_kib() - std::min(rss0, rss_kib())) / kSessions));
+  if (kRssMeaningful) {
+    const size_t grown = rss_kib() - std::min(rss0, rss_kib());
+    EXPECT_LT(grown, size_t{kSessions} * 8 * 1024) << "KiB of RSS for " << kSessions << " sessions";
+  }
+  ASSERT_GE(cs[0]->max_io_size(), 1u << 20);
+  ASSERT_EQ(sync_io(*cs[0], IoDir::write, *bufs[0], bufs[0]->data(), 1 << 20, 0), 0);
+  EXPECT_GE(server_->usage().chunk_resident, u.chunk_resident + (1u << 20) - 8192)
+      << "a 1 MiB write lands in RAM in its chunk set";
+  bufs.clear();
+  cs.clear();
+}
+
 }  // namespace
 }  // namespace ibtrs::test
 

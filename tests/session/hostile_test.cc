@@ -237,6 +237,8 @@ TEST_F(Hostile, LengthsThatDoNotAddUpCloseThePath) {
   EXPECT_EQ(vol_.requests_.load(), 0u);
 }
 
+// Case: a read asking for more than max_io_size (1 MiB: the peer speaks 2.2 and got chunk
+// sets) in chunk 2. Expect: the path is closed, the upper layer sees nothing.
 TEST_F(Hostile, AReadLongerThanTheChunkClosesThePath) {
   std::vector<Con> cons;
   std::vector<ChunkDesc> chunks;
@@ -249,13 +251,51 @@ TEST_F(Hostile, AReadLongerThanTheChunkClosesThePath) {
   for (auto& x : d) {
     x.addr.set(mr_->remote_addr(0));
     x.key.set(mr_->rkey());
-    x.len.set(100 * 1024);  // 200 KiB in all: more than a 128 KiB chunk can hold
+    x.len.set(600 * 1024);  // 1200 KiB in all: more than max_io_size
   }
   std::memcpy(buf_, &h, sizeof(h));
   std::memcpy(buf_ + sizeof(h), d, sizeof(d));
   auto layout = imm_layout(48, 128 * 1024);
   send_io(cons[1], chunks[2], sizeof(h) + sizeof(d), *encode_io_req_imm(*layout, 2, 0));
   EXPECT_TRUE(closed_by_server(cons));
+  EXPECT_EQ(vol_.requests_.load(), 0u);
+  honest_client_works();
+}
+
+// Case: chunk sets that leave the session: a read in the last chunk (47) whose data area would
+// run past it, on one path; a write in chunk 0 whose lengths claim data from a chunk before it,
+// on another. Expect: each path is closed, the upper layer sees neither, an honest client works.
+TEST_F(Hostile, ChunkSetsOutsideTheSessionCloseThePath) {
+  {
+    std::vector<Con> cons;
+    std::vector<ChunkDesc> chunks;
+    ASSERT_TRUE(establish(cons, chunks));
+    ReadMsgHeader h{};
+    h.type.set(static_cast<uint16_t>(MsgType::read));
+    h.sg_cnt.set(1);
+    BufDesc d{};
+    d.addr.set(mr_->remote_addr(0));
+    d.key.set(mr_->rkey());
+    d.len.set(256 * 1024);  // within max_io_size, but two chunks past the last one
+    std::memcpy(buf_, &h, sizeof(h));
+    std::memcpy(buf_ + sizeof(h), &d, sizeof(d));
+    auto layout = imm_layout(48, 128 * 1024);
+    send_io(cons[1], chunks[47], sizeof(h) + sizeof(d), *encode_io_req_imm(*layout, 47, 0));
+    EXPECT_TRUE(closed_by_server(cons));
+  }
+  {
+    std::vector<Con> cons;
+    std::vector<ChunkDesc> chunks;
+    ASSERT_TRUE(establish(cons, chunks));
+    WriteMsg m{};
+    m.type.set(static_cast<uint16_t>(MsgType::write));
+    m.usr_len.set(16);
+    m.data_len.set(128 * 1024);  // offset 16 + one whole chunk: the data would start in chunk -1
+    std::memcpy(buf_ + 16, &m, sizeof(m));
+    auto layout = imm_layout(48, 128 * 1024);
+    send_io(cons[1], chunks[0], 16 + sizeof(m), *encode_io_req_imm(*layout, 0, 16));
+    EXPECT_TRUE(closed_by_server(cons));
+  }
   EXPECT_EQ(vol_.requests_.load(), 0u);
   honest_client_works();
 }

@@ -75,12 +75,16 @@ class RawPeer {
       return r.error();
     }
     c.conn = std::move(r->connection);
+    con_rsp_.assign(r->private_data.begin(), r->private_data.end());
     recv_sge_ = mr_->sge(8192, 8192);
     std::vector<fabric::RecvWr> rw(64);
     for (auto& w : rw) w = fabric::RecvWr{0, std::span(&recv_sge_, 1)};
     IBTRS_TRY(c.conn->post_recv(rw));
     return c;
   }
+
+  // The CON_RSP of the last accepted connection.
+  std::span<const std::byte> last_con_rsp() const { return con_rsp_; }
 
   // The first connection of a new path of a new session, and nothing after: half-open.
   Result<RawCon> half_open() {
@@ -227,6 +231,7 @@ class RawPeer {
   std::vector<std::byte> read_ = std::vector<std::byte>(256 * 1024);
   std::unique_ptr<fabric::MemoryRegion> read_mr_;
   fabric::Sge recv_sge_{};
+  std::vector<std::byte> con_rsp_;
 };
 
 }  // namespace raw

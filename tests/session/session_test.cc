@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "fabric/loopback/loopback.h"
+#include "raw_peer.h"
 #include "session_harness.h"
 
 namespace ibtrs::test {
@@ -226,8 +228,14 @@ TEST_F(Session, WritesAndReadsOfEverySizeComeBackIntact) {
   start_server(1);
   open(options(1));
   const uint32_t max = client_->max_io_size();
-  EXPECT_EQ(max, 128u * 1024 - 4096);
-  for (uint32_t len : {512u, 4096u, 4097u, 65536u, max}) {
+  // Chunk sets (2.2) unless chunks are keyed one by one: 1 MiB in one request.
+  EXPECT_EQ(max, g_invalidate ? 128u * 1024 - 4096 : 1u << 20);
+  const uint32_t one = 128 * 1024 - 4096;  // the most one chunk carries
+  std::vector<uint32_t> lens{512u, 4096u, 4097u, 65536u, one};
+  // Across the boundaries of chunk sets: a write of one chunk's data plus a block is two
+  // chunks (with its header), a read's data area starts max_hdr_size into its first chunk.
+  if (max > one) lens.insert(lens.end(), {one + 1, one + 512, 128u * 1024, 300000u, max - 4096, max});
+  for (uint32_t len : lens) {
     for (uint32_t i = 0; i < len; ++i) buf_->data()[i] = std::byte(i * 31 + len);
     ASSERT_EQ(io(IoDir::write, len, 8192), 0) << len;
     std::memset(buf_->data() + (1 << 20), 0, len);
@@ -236,9 +244,138 @@ TEST_F(Session, WritesAndReadsOfEverySizeComeBackIntact) {
     ASSERT_EQ(std::memcmp(buf_->data(), vol_.mem().data() + 8192, len), 0) << len;
   }
   auto st = client_->stats();
-  EXPECT_EQ(st.write_cnt, 5u);
-  EXPECT_EQ(st.read_cnt, 5u);
+  EXPECT_EQ(st.write_cnt, lens.size());
+  EXPECT_EQ(st.read_cnt, lens.size());
   EXPECT_EQ(st.inflight, 0);
+}
+
+// Case: four threads each write and read back random sizes from 4 KiB to 1 MiB (chunk sets
+// next to single chunks, permits of all sizes taken and given back at once) in their own part
+// of the volume, over two paths.
+// Expect: every read returns what its thread wrote, the volume holds it, nothing fails.
+TEST_F(Session, ChunkSetsAndSingleChunksInterleaveIntact) {
+  start_server(2);
+  open(options(2));
+  auto big = client_->alloc_buffer(16 << 20);
+  ASSERT_TRUE(big.ok());
+  const uint32_t max = client_->max_io_size();
+  constexpr uint32_t kPart = 4 << 20;
+  std::atomic<int> bad{0}, failed{0};
+  std::vector<std::thread> ts;
+  for (uint32_t t = 0; t < 4; ++t) {
+    ts.emplace_back([&, t] {
+      std::mt19937 rng(1234 + t);
+      const std::array<uint32_t, 8> sizes{4096, 65536, 126976, 131072, 135168, 307200, 1u << 19, 1u << 20};
+      std::byte* wbuf = (*big)->data() + size_t{t} * kPart;
+      std::byte* rbuf = wbuf + kPart / 2;
+      for (int i = 0; i < 40; ++i) {
+        const uint32_t len = std::min(sizes[rng() % sizes.size()], max);
+        const uint64_t off = uint64_t{t} * kPart + (rng() % ((kPart - len) / 512)) * 512;
+        for (uint32_t k = 0; k < len; k += 64) wbuf[k] = std::byte(rng());
+        if (sync_io(*client_, IoDir::write, **big, wbuf, len, off) != 0) ++failed;
+        std::memset(rbuf, 0xee, len);
+        if (sync_io(*client_, IoDir::read, **big, rbuf, len, off) != 0) ++failed;
+        if (std::memcmp(wbuf, rbuf, len) != 0) ++bad;
+        std::lock_guard l(vol_.mem_mu_);
+        if (std::memcmp(wbuf, vol_.mem().data() + off, len) != 0) ++bad;
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_EQ(client_->stats().inflight, 0);
+  big->reset();
+}
+
+// Case: a server path with held 1 MiB, 300 KB and 4 KiB writes (chunk sets and a single chunk)
+// is disconnected by the server; the client fails them over to the other path, into the same
+// chunks, where they wait behind the old copies.
+// Expect: each completes once, and the volume holds every byte of each.
+TEST_F(Session, ChunkSetsFailOverIntoTheSameChunks) {
+  start_server(2);
+  auto co = options(2);
+  co.policy = MpPolicy::round_robin;
+  open(co);
+  if (client_->max_io_size() < (1u << 20)) GTEST_SKIP() << "no chunk sets (always_invalidate)";
+  vol_.hold(true);
+  const std::array<uint32_t, 4> lens{1u << 20, 307200, 4096, (1u << 20) - 8192};
+  std::vector<std::unique_ptr<Waiter>> ws;
+  std::vector<VolHdr> hs(lens.size());
+  std::vector<IoSeg> segs(lens.size());
+  uint64_t off = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    hs[i] = VolHdr{off, lens[i], kVolMagic};
+    std::memset(buf_->data() + off, int(i + 1), lens[i]);
+    segs[i] = IoSeg{buf_->data() + off, lens[i], buf_.get()};
+    ws.push_back(std::make_unique<Waiter>());
+    IoRequest r{IoDir::write, std::span(reinterpret_cast<const std::byte*>(&hs[i]), sizeof(VolHdr)),
+                std::span(&segs[i], 1), &Waiter::cb, ws.back().get()};
+    ASSERT_TRUE(client_->request(r).ok());
+    off += lens[i];
+  }
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == lens.size(); }));
+  ASSERT_TRUE(server_
+                  ->with_session("sess",
+                                 [&](ServerSession& s) {
+                                   auto ps = s.paths();
+                                   ASSERT_EQ(ps.size(), 2u);
+                                   EXPECT_TRUE(s.disconnect_path(ps[0].name).ok());
+                                 })
+                  .ok());
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = client_->paths();
+    return ps[0].stats.failovered + ps[1].stats.failovered > 0;
+  }));
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  for (size_t i = 0; i < lens.size(); ++i) EXPECT_EQ(ws[i]->wait(), 0) << i;
+  off = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    EXPECT_EQ(std::memcmp(vol_.mem().data() + off, buf_->data() + off, lens[i]), 0) << "write " << i;
+    off += lens[i];
+  }
+  EXPECT_EQ(client_->stats().inflight, 0);
+}
+
+// Case: geometry with peers that do not use chunk sets: a 2.1 client (its CON_REQ minor
+// version 1), a server whose max_io_size is 0, a server with always_invalidate.
+// Expect: the 2.1 client's CON_RSP has no chunk-set flag and max_io_size = chunk - header (what
+// it can decode); the 2.2 client of a server without sets gets one chunk per request and
+// EMSGSIZE above it.
+TEST_F(Session, PeersWithoutChunkSetsGetOneChunkPerRequest) {
+  start_server(1);
+  raw::RawPeer peer(addrs_[0]);
+  auto req = proto::make_con_req(0, 2, 0, true, raw::to_uuid(Uuid16::random()), raw::to_uuid(Uuid16::random()));
+  req.version.set(0x0201);
+  auto c = peer.connect(req);
+  ASSERT_TRUE(c.ok()) << c.error().message();
+  std::string why;
+  auto rsp = proto::parse_con_rsp(peer.last_con_rsp(), &why);
+  ASSERT_TRUE(rsp.ok()) << why;
+  EXPECT_EQ(rsp->flags.get() & proto::kConRspChunkSets, 0u) << "a 2.1 client would refuse the bit";
+  EXPECT_EQ(rsp->max_io_size.get(), 128u * 1024 - 4096);
+  auto req2 = proto::make_con_req(0, 2, 0, true, raw::to_uuid(Uuid16::random()), raw::to_uuid(Uuid16::random()));
+  auto c2 = peer.connect(req2);
+  ASSERT_TRUE(c2.ok());
+  rsp = proto::parse_con_rsp(peer.last_con_rsp(), &why);
+  ASSERT_TRUE(rsp.ok()) << why;
+  EXPECT_EQ(rsp->flags.get() & proto::kConRspChunkSets, g_invalidate ? 0u : proto::kConRspChunkSets);
+  EXPECT_EQ(rsp->max_io_size.get(), g_invalidate ? 128u * 1024 - 4096 : 1u << 20);
+  c = errc(ECANCELED);
+  c2 = errc(ECANCELED);
+  server_.reset();
+
+  so_ = ServerOptions{};
+  so_.allow_any_host = true;
+  so_.max_io_size = 0;
+  start_server(1);
+  open(options(1));
+  EXPECT_EQ(client_->max_io_size(), 128u * 1024 - 4096);
+  EXPECT_EQ(io(IoDir::write, 128 * 1024, 0), -EMSGSIZE);
+  for (uint32_t i = 0; i < 128 * 1024 - 4096; ++i) buf_->data()[i] = std::byte(i * 7);
+  EXPECT_EQ(io(IoDir::write, 128 * 1024 - 4096, 4096), 0);
+  EXPECT_EQ(std::memcmp(vol_.mem().data() + 4096, buf_->data(), 128 * 1024 - 4096), 0);
 }
 
 TEST_F(Session, ScatterGatherListsOnBothSides) {

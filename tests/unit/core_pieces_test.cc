@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
 #include <set>
 #include <thread>
 #include <vector>
@@ -95,6 +96,78 @@ TEST(Permits, ConcurrentUseNeverDoublesAPermit) {
 }
 
 // ----- policies -----------------------------------------------------------------------------
+
+// Case: runs of permits (chunk sets) next to single permits in a pool of 100 (two words).
+// Expect: a run is consecutive ids in one 64-bit word, taken from the top while singles come
+// from the bottom; no id is handed out twice; put_run gives the whole run back; a run that fits
+// nowhere is EAGAIN although single permits remain; sizes out of range are EINVAL.
+TEST(Permits, RunsAreConsecutiveAndNeverOverlapSingles) {
+  auto pool = PermitPool::create(100).value();
+  std::set<uint32_t> held;
+  auto a = pool->get_run(9, PermitPool::Wait::no);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(*a / 64, (*a + 8) / 64) << "one word";
+  for (uint32_t i = 0; i < 9; ++i) EXPECT_TRUE(held.insert(*a + i).second);
+  auto s = pool->get(PermitPool::Wait::no);
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(held.insert(*s).second);
+  EXPECT_LT(*s, *a) << "singles from the bottom, runs from the top";
+  auto s2 = pool->get(PermitPool::Wait::no);  // word 0 keeps 62 free: 6 runs of 9 and 8 left
+  ASSERT_TRUE(s2.ok());
+  EXPECT_TRUE(held.insert(*s2).second);
+  // Fill what runs of 9 can take, then the rest with singles.
+  std::vector<uint32_t> runs{*a};
+  for (;;) {
+    auto r = pool->get_run(9, PermitPool::Wait::no);
+    if (!r.ok()) {
+      EXPECT_EQ(r.error(), errc(EAGAIN));
+      break;
+    }
+    for (uint32_t i = 0; i < 9; ++i) EXPECT_TRUE(held.insert(*r + i).second) << *r + i;
+    EXPECT_EQ(*r / 64, (*r + 8) / 64);
+    runs.push_back(*r);
+  }
+  EXPECT_GT(pool->depth() - pool->in_use(), 0u) << "singles remain where no run of 9 fits";
+  while (true) {
+    auto r = pool->get(PermitPool::Wait::no);
+    if (!r.ok()) break;
+    EXPECT_TRUE(held.insert(*r).second);
+  }
+  EXPECT_EQ(held.size(), 100u);
+  EXPECT_EQ(pool->in_use(), 100u);
+  pool->put_run(runs.back(), 9);
+  EXPECT_EQ(pool->in_use(), 91u);
+  auto again = pool->get_run(9, PermitPool::Wait::no);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, runs.back());
+  EXPECT_EQ(pool->get_run(1, PermitPool::Wait::no).error(), errc(EINVAL));
+  EXPECT_EQ(pool->get_run(65, PermitPool::Wait::no).error(), errc(EINVAL));
+  EXPECT_EQ(PermitPool::create(4).value()->get_run(5, PermitPool::Wait::no).error(), errc(EINVAL));
+}
+
+// Case: a waiter for a run of 4 while one single permit is also waited for; the permits come
+// back one by one. Expect: both waiters get what they wait for (a put wakes every waiter when a
+// run waits, so the single's wake-up is not spent on the run or the other way round).
+TEST(Permits, RunAndSingleWaitersBothWake) {
+  auto pool = PermitPool::create(8).value();
+  std::vector<uint32_t> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back(pool->get(PermitPool::Wait::no).value());
+  std::promise<Result<uint32_t>> run, single;
+  std::thread tr([&] { run.set_value(pool->get_run(4, PermitPool::Wait::yes, 5s)); });
+  std::thread ts([&] { single.set_value(pool->get(PermitPool::Wait::yes, 5s)); });
+  std::this_thread::sleep_for(20ms);
+  for (uint32_t id : ids) pool->put(id);
+  tr.join();
+  ts.join();
+  auto r = run.get_future().get();
+  auto s = single.get_future().get();
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(*s < *r || *s >= *r + 4) << "the single is not inside the run";
+  pool->put_run(*r, 4);
+  pool->put(*s);
+  EXPECT_EQ(pool->in_use(), 0u);
+}
 
 TEST(Policy, ParsesTheKernelsSpellings) {
   EXPECT_EQ(parse_mp_policy("round-robin\n").value(), MpPolicy::round_robin);

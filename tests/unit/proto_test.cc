@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "proto/ibtrs_proto.h"
@@ -151,6 +152,31 @@ TEST(ConRsp, RefusesImpossibleGeometry) {
     std::string why;
     EXPECT_FALSE(parse_con_rsp(bytes(c), &why).ok()) << name;
   }
+}
+
+// Case: a 2.2 CON_RSP with chunk sets: max_io_size above chunk - header, up to what a set of
+// min(queue depth, 64) chunks holds. Expect: accepted; one chunk more, with per-IO keys, or
+// (without the flag) any max IO beyond one chunk: refused.
+TEST(ConRsp, ChunkSetsAllowALargerMaxIoWithinTheirLimits) {
+  auto sets = make_con_rsp(0, 512, 128 * 1024, 4096, kConRspChunkSets, 1u << 20);
+  std::string why;
+  auto p = parse_con_rsp(bytes(sets), &why);
+  ASSERT_TRUE(p.ok()) << why;
+  EXPECT_EQ(p->max_io_size.get(), 1u << 20);
+  EXPECT_EQ(p->flags.get(), kConRspChunkSets);
+  EXPECT_EQ(set_chunks((1u << 20) + 4096, 128 * 1024), 9u);
+  auto m = sets; m.max_io_size.set(64 * 128 * 1024 - 4096);
+  EXPECT_TRUE(parse_con_rsp(bytes(m), nullptr).ok()) << "64 chunks: the largest set";
+  m = sets; m.max_io_size.set(64 * 128 * 1024 - 4095);
+  EXPECT_FALSE(parse_con_rsp(bytes(m), nullptr).ok()) << "65 chunks";
+  m = sets; m.queue_depth.set(8);
+  EXPECT_FALSE(parse_con_rsp(bytes(m), nullptr).ok()) << "a set larger than the queue depth";
+  m = sets; m.flags.set(kConRspChunkSets | kConRspInvalidatePerIo);
+  EXPECT_FALSE(parse_con_rsp(bytes(m), nullptr).ok()) << "sets need one key over all chunks";
+  m = sets; m.flags.set(0);
+  EXPECT_FALSE(parse_con_rsp(bytes(m), nullptr).ok()) << "a larger max IO without the flag";
+  m = sets; m.max_io_size.set(0);
+  EXPECT_FALSE(parse_con_rsp(bytes(m), nullptr).ok()) << "max IO 0";
 }
 
 // ---- authentication messages ----
@@ -501,6 +527,120 @@ TEST_F(IoReqTest, RefusesHostileMessages) {
   std::fill(chunk.begin(), chunk.end(), std::byte{0});
   chunk[0] = std::byte{42};
   EXPECT_FALSE(parse_io_req(chunk, 0, 4096, copy, nullptr).ok()) << "unknown type";
+}
+
+// Chunk sets: the session's chunks as one area, requests across several of them.
+class SetReqTest : public ::testing::Test {
+ protected:
+  static constexpr uint32_t kChunk = 8192;
+  static constexpr uint32_t kChunks = 8;
+  static constexpr uint32_t kHdr = 1024;
+  std::vector<std::byte> area = std::vector<std::byte>(size_t{kChunks} * kChunk);
+  std::vector<std::byte> copy = std::vector<std::byte>(kHdr);
+  SetGeometry geo{kChunk, kHdr, 4 * kChunk - kHdr};
+
+  // A write whose data starts at chunk `first`: returns the lead chunk and the immediate's offset.
+  std::pair<uint32_t, uint32_t> put_write(uint32_t first, uint32_t data, uint32_t usr) {
+    const size_t end = size_t{first} * kChunk + data + usr;
+    WriteMsg m{};
+    m.type.set(static_cast<uint16_t>(MsgType::write));
+    m.usr_len.set(static_cast<uint16_t>(usr));
+    m.data_len.set(data);
+    std::memcpy(area.data() + end, &m, sizeof(m));
+    return {static_cast<uint32_t>(end / kChunk), static_cast<uint32_t>(end % kChunk)};
+  }
+  uint32_t put_read(uint32_t lead, uint32_t usr, uint32_t len) {
+    ReadMsgHeader h{};
+    h.type.set(static_cast<uint16_t>(MsgType::read));
+    h.usr_len.set(static_cast<uint16_t>(usr));
+    h.sg_cnt.set(1);
+    BufDesc d{};
+    d.addr.set(0x5000);
+    d.key.set(9);
+    d.len.set(len);
+    std::byte* at = area.data() + size_t{lead} * kChunk + usr;
+    std::memcpy(at, &h, sizeof(h));
+    std::memcpy(at + sizeof(h), &d, sizeof(d));
+    return usr;
+  }
+};
+
+// Case: a write whose data fills chunks 2 and 3 and part of 4, its user header straddling the
+// boundary of chunks 4 and 5, its message in chunk 5 (the lead the immediate names).
+// Expect: the data span starts at chunk 2 and has data_len bytes; the user header is the copy of
+// the bytes just before the message.
+TEST_F(SetReqTest, AWriteSpansChunksBeforeItsLead) {
+  const uint32_t data = 3 * kChunk - 10;
+  for (uint32_t i = 0; i < 20; ++i) area[2 * kChunk + data + i] = std::byte{static_cast<uint8_t>(0x30 + i)};
+  auto [lead, off] = put_write(2, data, 20);
+  ASSERT_EQ(lead, 5u);
+  std::string why;
+  auto r = parse_io_req(area, geo, lead, off, copy, &why);
+  ASSERT_TRUE(r.ok()) << why;
+  ASSERT_EQ(r->kind, IoKind::write);
+  EXPECT_EQ(r->write.data.data(), area.data() + 2 * kChunk);
+  EXPECT_EQ(r->write.data.size(), data);
+  ASSERT_EQ(r->write.usr.size(), 20u);
+  EXPECT_EQ(r->write.usr.data(), reinterpret_cast<const std::byte*>(copy.data()));
+  for (uint32_t i = 0; i < 20; ++i) EXPECT_EQ(r->write.usr[i], std::byte{static_cast<uint8_t>(0x30 + i)});
+}
+
+// Case: a read in chunk 3 whose data area (kHdr past the chunk's start) runs into chunk 6.
+// Expect: its data span is there, inside the area.
+TEST_F(SetReqTest, AReadsDataAreaRunsIntoTheChunksAfterItsLead) {
+  const uint32_t len = geo.max_io_size;
+  const uint32_t off = put_read(3, 16, len);
+  std::string why;
+  auto r = parse_io_req(area, geo, 3, off, copy, &why);
+  ASSERT_TRUE(r.ok()) << why;
+  ASSERT_EQ(r->kind, IoKind::read);
+  EXPECT_EQ(r->read.data.data(), area.data() + 3 * kChunk + kHdr);
+  EXPECT_EQ(r->read.data.size(), len);
+}
+
+// Case: requests that lie about where their data is: a write claiming to start before chunk 0,
+// one longer than max_io_size, one whose data would not start at a chunk's start, a read past
+// the last chunk, a read longer than max_io_size, a lead chunk out of range.
+// Expect: each refused with a reason; the single-chunk rules still hold in the lead chunk.
+TEST_F(SetReqTest, RefusesSetsThatLeaveTheAreaOrTheLimits) {
+  std::string why;
+  auto [lead, off] = put_write(0, 2 * kChunk, 8);
+  ASSERT_EQ(lead, 2u);
+  EXPECT_TRUE(parse_io_req(area, geo, lead, off, copy, nullptr).ok());
+  EXPECT_FALSE(parse_io_req(area, geo, lead - 1, off, copy, &why).ok()) << "before chunk 0";
+  std::fill(area.begin(), area.end(), std::byte{0});
+  std::tie(lead, off) = put_write(0, 4 * kChunk, 8);
+  EXPECT_FALSE(parse_io_req(area, geo, lead, off, copy, &why).ok()) << "longer than max_io_size";
+  std::fill(area.begin(), area.end(), std::byte{0});
+  std::tie(lead, off) = put_write(1, kChunk + 100, 8);
+  EXPECT_FALSE(parse_io_req(area, geo, lead, off + 8, copy, &why).ok()) << "data not at a chunk start";
+  EXPECT_FALSE(why.empty());
+  std::fill(area.begin(), area.end(), std::byte{0});
+  EXPECT_FALSE(parse_io_req(area, geo, kChunks - 1, put_read(kChunks - 1, 0, 2 * kChunk), copy, &why).ok())
+      << "read area past the last chunk";
+  std::fill(area.begin(), area.end(), std::byte{0});
+  EXPECT_FALSE(parse_io_req(area, geo, 0, put_read(0, 0, geo.max_io_size + 1), copy, &why).ok())
+      << "read longer than max_io_size";
+  EXPECT_FALSE(parse_io_req(area, geo, kChunks, 0, copy, &why).ok()) << "lead out of range";
+  EXPECT_FALSE(parse_io_req(std::span(area).first(kChunk + 1), geo, 0, 0, copy, &why).ok())
+      << "an area that is not whole chunks";
+}
+
+// Case: the single-chunk geometry (max_io_size = chunk - header) through the set parser.
+// Expect: exactly the single-chunk rules: nothing reaches outside the lead chunk.
+TEST_F(SetReqTest, WithoutSetsEveryRequestStaysInItsChunk) {
+  const SetGeometry one{kChunk, kHdr, kChunk - kHdr};
+  auto [lead, off] = put_write(3, kChunk - kHdr, 16);
+  ASSERT_EQ(lead, 3u);
+  EXPECT_TRUE(parse_io_req(area, one, lead, off, copy, nullptr).ok());
+  std::fill(area.begin(), area.end(), std::byte{0});
+  std::tie(lead, off) = put_write(3, kChunk, 16);
+  EXPECT_FALSE(parse_io_req(area, one, lead, off, copy, nullptr).ok()) << "a chunk of data and more";
+  std::fill(area.begin(), area.end(), std::byte{0});
+  auto r = parse_io_req(area, one, 2, put_read(2, 0, kChunk - kHdr), copy, nullptr);
+  ASSERT_TRUE(r.ok());
+  EXPECT_LE(r->read.data.data() + r->read.data.size(), area.data() + 3 * kChunk);
+  EXPECT_FALSE(parse_io_req(area, one, 2, put_read(2, 0, kChunk - kHdr + 1), copy, nullptr).ok());
 }
 
 }  // namespace

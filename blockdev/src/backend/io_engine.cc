@@ -37,7 +37,11 @@ constexpr uint32_t kCqeBatch = 64;
 // Largest memory-file request done inside submit() (EngineOptions::sync_memory_files). Larger
 // copies go to io_uring's workers: there they overlap with the owner's network work, where on
 // the owner they would stall it (1 MiB sequential reads QD8 through the server: 0.7-0.8x the
-// io_uring way when done inline, on 2 cores).
+// io_uring way when done inline, on 2 cores). Writes too, measured again with chunk sets (one
+// request per 1 MiB; bench/large_io_ab.sh, 2 cores under load 8, medians of 3): inline against
+// io_uring's workers at QD8 on tmpfs 0.64x at 128 KiB, 0.68x at 256 KiB, 0.69x at 1 MiB; on
+// ext4 (a file, where inline would be pwritev2 on the IO thread) no steadier gain, as dirty
+// page throttling dominates there.
 constexpr uint32_t kSyncMaxBytes = 64 * 1024;
 
 uint32_t round_up_pow2(uint32_t v) {

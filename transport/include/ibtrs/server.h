@@ -130,9 +130,19 @@ class ServerHandler {
 
 struct ServerOptions {
   std::vector<Address> listen;            // at least one; port 0 picks a free one
-  uint16_t queue_depth = 512;             // chunks per session (kernel: sess_queue_depth)
+  // Chunks per session (kernel: sess_queue_depth, 512 there). 256: with chunk sets a 1 MiB
+  // request takes 9 chunks, so 256 hold 28 of them or 256 small ones, and a session reserves
+  // 32 MiB (pinned on rdma) instead of 64.
+  uint16_t queue_depth = 256;
   uint32_t chunk_size = 128 * 1024;       // power of two, 8 KiB..16 MiB (kernel: max_chunk_size)
   uint32_t max_hdr_size = 4096;           // user header + IO message; max_io = chunk - this
+  // Largest data of one request for clients that take chunk sets (protocol 2.2): above
+  // chunk_size - max_hdr_size a request spans consecutive chunks of the session (at most 64,
+  // and at most queue_depth), so a 1 MiB IO is one request without larger chunks and without
+  // more memory per session. Older clients, and always_invalidate (a key per chunk), get
+  // chunk_size - max_hdr_size. 0: chunk_size - max_hdr_size for everyone. Above what
+  // min(queue_depth, 64) chunks hold besides a header, it is that.
+  uint32_t max_io_size = 1u << 20;
   uint32_t io_threads = 0;                // 0: min(hardware threads, 8)
   HeartbeatConfig heartbeat;
   bool busy_poll = false;
@@ -148,8 +158,9 @@ struct ServerOptions {
   // Keys (memory registrations) one session may hold in its protection domain on a device: its
   // share of the device's key table. The session's chunks take one, each path one (service
   // buffers) and, with always_invalidate, queue_depth more. A path that would exceed it is
-  // refused with ENOMEM at connect. Default 8192: 15 paths with always_invalidate at the
-  // default queue depth. 0: the provider's largest (software providers: 65535).
+  // refused with ENOMEM at connect. Default 8192: 15 paths with always_invalidate at queue
+  // depth 512, every path (16) at the default 256. 0: the provider's largest (software
+  // providers: 65535).
   uint32_t session_max_keys = 8192;
   ServerHandler* handler = nullptr;       // required; must outlive the server
 
@@ -159,13 +170,13 @@ struct ServerOptions {
   //
   // Sessions, half-open ones included. At the cap (or the chunk memory cap) a new session first
   // evicts the oldest session that never completed a handshake; with none, it is refused: EUSERS.
-  uint32_t max_sessions = 128;
+  uint32_t max_sessions = 256;
   // Paths (connecting or connected) of one session. The client's own limit is
   // ClientSession::kMaxPaths (16). Past it: EMLINK.
   uint32_t max_paths_per_session = 16;
   // queue_depth x chunk_size of every session, counted until the session is freed: what a
-  // session's peer can make the server back with memory by writing its chunks. Default: 128
-  // sessions of the default geometry (64 MiB each). Past it: ENOMEM.
+  // session's peer can make the server back with memory by writing its chunks. Default: 256
+  // sessions of the default geometry (32 MiB each). Past it: ENOMEM.
   uint64_t max_chunk_memory = uint64_t{8} << 30;
   // A path must reach CONNECTED (all its connections accepted and INFO exchanged) this long
   // after its first connection request, or it is closed; a session left without paths is freed.
@@ -199,6 +210,10 @@ struct ServerUsage {
   uint32_t handshaking_sessions = 0;  // of those, sessions with no path CONNECTED
   uint32_t paths = 0;               // paths connecting or connected
   uint64_t chunk_memory = 0;        // bytes of chunks reserved, sessions being freed included
+  // Of the live sessions' chunk memory, the bytes in RAM now (mincore(2)): chunks are backed
+  // lazily, so what the sessions' requests have touched. On rdma registration pins every chunk,
+  // so it is all of it.
+  uint64_t chunk_resident = 0;
   uint64_t backlog = 0;             // responses waiting for send-queue room, all connections
 };
 

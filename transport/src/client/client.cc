@@ -472,18 +472,27 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   if (r.usr.size() + msg > geo.max_hdr_size) return errc(EINVAL);
   if (total > geo.max_io_size) return errc(EMSGSIZE);
 
-  auto permit = permits->get(wait == PermitWait::yes && tl_plug.n == 0 ? core::PermitPool::Wait::yes
-                                                                       : core::PermitPool::Wait::no);
+  // The chunks the request takes: one, or with chunk sets as many as its extent needs.
+  const uint64_t extent = r.dir == IoDir::write ? total + r.usr.size() + msg : geo.max_hdr_size + total;
+  const uint32_t n = extent <= geo.chunk_size ? 1 : proto::set_chunks(extent, geo.chunk_size);
+  auto take = [this, n](core::PermitPool::Wait w) {
+    return n == 1 ? permits->get(w) : permits->get_run(n, w);
+  };
+  auto permit = take(wait == PermitWait::yes && tl_plug.n == 0 ? core::PermitPool::Wait::yes
+                                                               : core::PermitPool::Wait::no);
   if (!permit.ok() && wait == PermitWait::yes && tl_plug.n > 0) {
     // About to sleep for a permit with requests held in this thread's batch: they go to the
     // wire first (the block layer flushes its plug before a task sleeps). Held back, they could
     // be the very requests whose completions would free a permit, and nothing would.
     flush_plug(tl_plug);
-    permit = permits->get(core::PermitPool::Wait::yes);
+    permit = take(core::PermitPool::Wait::yes);
   }
   if (!permit.ok()) return permit.error();
-  const uint32_t p = *permit;
+  const uint32_t first = *permit;
+  const uint32_t p = r.dir == IoDir::write ? first + n - 1 : first;
   Req& q = reqs[p];
+  q.first = first;
+  q.nchunks = n;
   const ThreadSlot ts = thread_slot(*this);
   q.dir = r.dir;
   q.done = r.done;
@@ -507,7 +516,7 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
     return {};
   }
   q.done = nullptr;
-  permits->put(p);
+  permits->put_run(q.first, q.nchunks);
   return errc(ENOTCONN);
 }
 
@@ -559,7 +568,8 @@ bool Session::post(uint32_t p, Path* skip) {
       m.data_len.set(q.data_len);
       std::memcpy(u + q.usr_len, &m, sizeof(m));
       iu_bytes = q.usr_len + static_cast<uint32_t>(sizeof(m));
-      offset = q.data_len + q.usr_len;
+      // The message lies in the set's last chunk (this permit's), the data from the first.
+      offset = q.data_len + q.usr_len - (q.nchunks - 1) * geo.chunk_size;
       nsge = q.nseg;
     } else {
       // The server writes the data through a window per segment, opened here for this read
@@ -605,8 +615,8 @@ bool Session::post(uint32_t p, Path* skip) {
     wr.wr_id = wr_id(kWrIo, p);
     wr.opcode = Opcode::write_with_imm;
     wr.sg_list = std::span(sges, nsge);
-    wr.remote_addr = pa->chunks[p].addr;
-    wr.rkey = pa->chunks[p].key.load(std::memory_order_relaxed);
+    wr.remote_addr = pa->chunks[q.first].addr;
+    wr.rkey = pa->chunks[q.first].key.load(std::memory_order_relaxed);
     wr.imm = imm.ok() ? *imm : 0;
     wr.signaled = c->sig.fetch_add(1, std::memory_order_relaxed) % kSignalEvery == 0;
 
@@ -654,8 +664,8 @@ void Session::finish(uint32_t p, int err, uint32_t shard) {
   void* ctx = q.ctx;
   q.done = nullptr;
   ++tl_finished;
-  // The permit goes back before the callback, so the callback may submit again.
-  permits->put(p);
+  // The permits go back before the callback, so the callback may submit again.
+  permits->put_run(q.first, q.nchunks);
   if (fn != nullptr) fn(ctx, err);
 }
 
@@ -938,6 +948,19 @@ Status Session::establish(Path* path) {
   for (uint32_t i = 0; i < geo.queue_depth; ++i) {
     path->chunks[i].addr = (*descs)[i].addr.get();
     path->chunks[i].key.store((*descs)[i].key.get(), std::memory_order_relaxed);
+  }
+  if ((geo.flags & proto::kConRspChunkSets) != 0) {
+    // A set is written with the first chunk's address and key: the server promised one range
+    // under one key.
+    for (uint32_t i = 1; i < geo.queue_depth; ++i) {
+      if (path->chunks[i].addr != path->chunks[0].addr + uint64_t{i} * geo.chunk_size ||
+          path->chunks[i].key.load(std::memory_order_relaxed) !=
+              path->chunks[0].key.load(std::memory_order_relaxed)) {
+        IBTRS_LOG(warn, "path %s: bad INFO_RSP: chunk sets over chunks that are not one range",
+                  path->name.c_str());
+        return errc(EPROTO);
+      }
+    }
   }
   {
     std::lock_guard lock(path->meta_mu);

@@ -158,6 +158,11 @@ struct Req {
   uint16_t usr_len = 0;
   uint8_t nseg = 0;
   uint32_t data_len = 0;
+  // The request's chunk set (docs/protocol.md, "Chunk sets"): permits first..first+nchunks-1,
+  // all held by it. The request lives in the slot the immediate names: the last of them for a
+  // write (its message follows the data), `first` for a read. One chunk: first is the slot.
+  uint32_t first = 0;
+  uint32_t nchunks = 1;
   IoSeg segs[ClientSession::kMaxSegments];
   int64_t start_ns = 0;
   uint32_t submit_shard = 0;

@@ -28,9 +28,18 @@ class PermitPool {
   // A free permit id (0..depth-1). Errors: EAGAIN (no permit and Wait::no), ETIMEDOUT,
   // ESHUTDOWN (the pool was closed; also wakes every waiter).
   Result<uint32_t> get(Wait wait, std::chrono::milliseconds timeout = std::chrono::hours(24 * 365));
+  // `n` consecutive free permits (2..kMaxRun), the first one's id: a chunk set for one request
+  // (docs/protocol.md, "Chunk sets"). Taken from one 64-bit word of the bitmap in one
+  // compare-and-swap, searched from the top, while get() packs single permits from the bottom.
+  // Errors as get(), and EINVAL for `n` out of range or above the depth.
+  static constexpr uint32_t kMaxRun = 64;
+  Result<uint32_t> get_run(uint32_t n, Wait wait,
+                           std::chrono::milliseconds timeout = std::chrono::hours(24 * 365));
   // Returns a permit. Putting one that is not held is a programming error (asserted in debug,
   // ignored in release).
   void put(uint32_t id);
+  // Returns the run of `n` permits from `first` that get_run() gave.
+  void put_run(uint32_t first, uint32_t n);
   // Refuses further get() calls and wakes waiters; put() still works.
   void close();
 
@@ -40,6 +49,10 @@ class PermitPool {
  private:
   explicit PermitPool(uint32_t depth);
   bool try_take(uint32_t& id);
+  bool try_take_run(uint32_t n, uint32_t& first);
+  template <typename Take>
+  Result<uint32_t> wait_for(Take take, bool run, std::chrono::milliseconds timeout);
+  void release(uint32_t word, uint64_t mask, uint32_t n);
 
   const uint32_t depth_;
   const uint32_t words_;
@@ -47,6 +60,9 @@ class PermitPool {
   std::atomic<uint32_t> hint_{0};                  // word to start looking at
   std::atomic<uint32_t> used_{0};
   std::atomic<uint32_t> waiters_{0};
+  // Of those, waiters for a run: a put() then wakes every waiter, since the one notify_one()
+  // would pick may be a run that still does not fit while a single permit would.
+  std::atomic<uint32_t> run_waiters_{0};
   std::atomic<bool> closed_{false};
   std::mutex mu_;
   std::condition_variable cv_;

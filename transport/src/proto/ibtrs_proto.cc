@@ -101,16 +101,25 @@ Result<ConRsp> parse_con_rsp(std::span<const std::byte> pd, std::string* why) {
   if (m.magic.get() != kMagic) return fail<ConRsp>(why, "CON_RSP: bad magic");
   if (version_major(m.version.get()) != kVersionMajor)
     return fail<ConRsp>(why, "CON_RSP: unsupported protocol major version", EPROTONOSUPPORT);
-  if (!all_zero(m.reserved, sizeof(m.reserved)) || (m.flags.get() & ~kConRspInvalidatePerIo) != 0)
+  const uint32_t flags = m.flags.get();
+  if (!all_zero(m.reserved, sizeof(m.reserved)) || (flags & ~kConRspKnownFlags) != 0)
     return fail<ConRsp>(why, "CON_RSP: reserved bits set");
   if (m.errno_.get() != 0) return m;  // a reject carries only its errno
   const uint32_t chunk = m.chunk_size.get();
   if (m.queue_depth.get() == 0) return fail<ConRsp>(why, "CON_RSP: queue depth 0");
   if (chunk < kMinChunkSize || chunk > kMaxChunkSize || !std::has_single_bit(chunk))
     return fail<ConRsp>(why, "CON_RSP: chunk size not a power of two in range");
-  if (m.max_hdr_size.get() == 0 || m.max_hdr_size.get() >= chunk ||
-      m.max_io_size.get() + uint64_t{m.max_hdr_size.get()} > chunk)
+  const uint64_t extent = m.max_io_size.get() + uint64_t{m.max_hdr_size.get()};
+  if (m.max_hdr_size.get() == 0 || m.max_hdr_size.get() >= chunk || m.max_io_size.get() == 0)
     return fail<ConRsp>(why, "CON_RSP: IO and header sizes do not fit the chunk");
+  if ((flags & kConRspChunkSets) == 0) {
+    if (extent > chunk) return fail<ConRsp>(why, "CON_RSP: IO and header sizes do not fit the chunk");
+  } else {
+    if ((flags & kConRspInvalidatePerIo) != 0)
+      return fail<ConRsp>(why, "CON_RSP: chunk sets with a key per chunk");
+    if (set_chunks(extent, chunk) > std::min<uint32_t>(m.queue_depth.get(), kMaxSetChunks))
+      return fail<ConRsp>(why, "CON_RSP: max IO size spans more chunks than a set may have");
+  }
   if (!imm_layout(m.queue_depth.get(), chunk))
     return fail<ConRsp>(why, "CON_RSP: queue depth and chunk size do not fit the immediate");
   return m;
@@ -150,17 +159,25 @@ Result<std::span<const ChunkDesc>> parse_info_rsp(std::span<const std::byte> msg
   return descs;
 }
 
-Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
-                           uint32_t max_hdr_size, std::span<std::byte> copy, std::string* why) {
+namespace {
+
+// Both request parsers: `chunks` is `nchunks` x `cs` bytes, the message lies in chunk `lead` at
+// `offset`. Writes may start up to kMaxSetChunks - 1 chunks before the lead (0 when lead is 0:
+// the single-chunk rule). `max_io` 0: no length bound (the single-chunk parser leaves it to
+// the caller).
+Result<IoReq> parse_impl(std::span<const std::byte> chunks, uint64_t cs, uint64_t lead,
+                         uint32_t offset, uint32_t max_hdr_size, uint64_t max_io,
+                         std::span<std::byte> copy, std::string* why) {
   static_assert(sizeof(WriteMsg) == sizeof(ReadMsgHeader), "one fixed message header size");
   constexpr size_t kHdr = sizeof(WriteMsg);
   if (copy.size() < max_hdr_size || max_hdr_size < kHdr)
     return fail<IoReq>(why, "copy buffer smaller than max_hdr_size", EINVAL);
-  const uint64_t size = chunk.size();
-  if (uint64_t{offset} + kHdr > size) return fail<IoReq>(why, "IO message past the chunk");
+  const uint64_t lead_at = lead * cs;
+  if (uint64_t{offset} + kHdr > cs) return fail<IoReq>(why, "IO message past the chunk");
+  const std::byte* msg = chunks.data() + lead_at + offset;
   // The fixed header is read once, into server memory; every length below comes from it.
   std::byte hdr[kHdr];
-  std::memcpy(hdr, chunk.data() + offset, kHdr);
+  std::memcpy(hdr, msg, kHdr);
   const uint16_t type = load<le16>(hdr).get();
   IoReq r{};
   if (type == static_cast<uint16_t>(MsgType::write)) {
@@ -168,10 +185,19 @@ Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
     const uint64_t usr = m.usr_len.get();
     const uint64_t data = m.data_len.get();
     if (usr + kHdr > max_hdr_size) return fail<IoReq>(why, "write: user header too large");
-    if (data + usr != offset) return fail<IoReq>(why, "write: lengths do not add up to the offset");
-    std::memcpy(copy.data(), chunk.data() + data, usr);
+    // data_len + usr_len = offset + (chunks before the lead) x chunk size: the data starts at
+    // the start of a chunk, the lead's or one of the chunks before it.
+    const uint64_t ext = data + usr;
+    if (ext < offset || (ext - offset) % cs != 0)
+      return fail<IoReq>(why, "write: lengths do not add up to the offset");
+    const uint64_t before = (ext - offset) / cs;
+    if (before > lead || before >= kMaxSetChunks)
+      return fail<IoReq>(why, "write: data starts before the session's chunks or spans too many");
+    if (max_io != 0 && data > max_io) return fail<IoReq>(why, "write longer than max_io_size");
+    const uint64_t start = lead_at - before * cs;
+    std::memcpy(copy.data(), chunks.data() + start + data, usr);
     r.kind = IoKind::write;
-    r.write.data = chunk.subspan(0, data);
+    r.write.data = chunks.subspan(start, data);
     r.write.usr = copy.first(usr);
     return r;
   }
@@ -183,18 +209,24 @@ Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
       return fail<IoReq>(why, "read: descriptor count out of range");
     if ((h.flags.get() & ~kReadNeedInvalidate) != 0) return fail<IoReq>(why, "read: unknown flags");
     const uint64_t desc_len = cnt * sizeof(BufDesc);
-    if (uint64_t{offset} + kHdr + desc_len > size)
+    if (uint64_t{offset} + kHdr + desc_len > cs)
       return fail<IoReq>(why, "read descriptors past the chunk");
     if (usr > offset) return fail<IoReq>(why, "read: user header before the chunk start");
     if (usr + kHdr + desc_len > max_hdr_size) return fail<IoReq>(why, "read: header too large");
     // The copy: [user header][descriptors]; the header was taken above.
-    std::memcpy(copy.data(), chunk.data() + offset - usr, usr);
-    std::memcpy(copy.data() + usr, chunk.data() + offset + kHdr, desc_len);
+    std::memcpy(copy.data(), msg - usr, usr);
+    std::memcpy(copy.data() + usr, msg + kHdr, desc_len);
     std::span<const BufDesc> descs(reinterpret_cast<const BufDesc*>(copy.data() + usr), cnt);
     uint64_t total = 0;
     for (const BufDesc& d : descs) {
       if (d.len.get() == 0) return fail<IoReq>(why, "read: empty descriptor");
       total += d.len.get();
+    }
+    if (max_io != 0) {
+      if (total > max_io) return fail<IoReq>(why, "read longer than max_io_size");
+      if (lead_at + max_hdr_size + total > chunks.size())
+        return fail<IoReq>(why, "read data area past the session's chunks");
+      r.read.data = chunks.subspan(lead_at + max_hdr_size, total);
     }
     r.kind = IoKind::read;
     r.read.usr = copy.first(usr);
@@ -204,6 +236,23 @@ Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
     return r;
   }
   return fail<IoReq>(why, "unknown IO message type");
+}
+
+}  // namespace
+
+Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
+                           uint32_t max_hdr_size, std::span<std::byte> copy, std::string* why) {
+  if (chunk.empty()) return fail<IoReq>(why, "IO message past the chunk");
+  return parse_impl(chunk, chunk.size(), 0, offset, max_hdr_size, 0, copy, why);
+}
+
+Result<IoReq> parse_io_req(std::span<const std::byte> chunks, const SetGeometry& g, uint32_t lead,
+                           uint32_t offset, std::span<std::byte> copy, std::string* why) {
+  const uint64_t cs = g.chunk_size;
+  if (cs == 0 || chunks.size() % cs != 0 || uint64_t{lead} >= chunks.size() / cs ||
+      g.max_io_size == 0)
+    return fail<IoReq>(why, "chunk geometry out of range", EINVAL);
+  return parse_impl(chunks, cs, lead, offset, g.max_hdr_size, g.max_io_size, copy, why);
 }
 
 Result<MsgType> peek_msg_type(std::span<const std::byte> msg) {
@@ -368,7 +417,7 @@ ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool fir
 }
 
 ConRsp make_con_rsp(int err, uint16_t queue_depth, uint32_t chunk_size, uint32_t max_hdr_size,
-                    uint32_t flags) {
+                    uint32_t flags, uint32_t max_io_size) {
   ConRsp m;
   std::memset(&m, 0, sizeof(m));
   m.magic.set(kMagic);
@@ -378,7 +427,7 @@ ConRsp make_con_rsp(int err, uint16_t queue_depth, uint32_t chunk_size, uint32_t
     m.queue_depth.set(queue_depth);
     m.chunk_size.set(chunk_size);
     m.max_hdr_size.set(max_hdr_size);
-    m.max_io_size.set(chunk_size - max_hdr_size);
+    m.max_io_size.set(max_io_size != 0 ? max_io_size : chunk_size - max_hdr_size);
     m.flags.set(flags);
   }
   return m;

@@ -32,15 +32,19 @@ namespace ibtrs::proto {
 
 inline constexpr uint16_t kMagic = 0x1BBD;       // RTRS's magic
 inline constexpr uint8_t kVersionMajor = 2;      // only the major must match (kernel rule)
-inline constexpr uint8_t kVersionMinor = 1;      // 2.1: host authentication (AUTH_*)
+// 2.1: host authentication (AUTH_*); 2.2: chunk sets (kConRspChunkSets)
+inline constexpr uint8_t kVersionMinor = 2;
 inline constexpr uint16_t kVersion = (kVersionMajor << 8) | kVersionMinor;
 inline constexpr uint16_t version_major(uint16_t v) { return v >> 8; }
+inline constexpr uint16_t version_minor(uint16_t v) { return v & 0xff; }
+// The first minor version whose clients take kConRspChunkSets (older ones refuse the bit).
+inline constexpr uint8_t kMinorChunkSets = 2;
 
 // Server defaults (kernel: rtrs-srv module parameters).
 inline constexpr uint32_t kDefaultChunkSize = 128 * 1024;  // max_chunk_size, power of two
 inline constexpr uint32_t kMinChunkSize = 8 * 1024;
 inline constexpr uint32_t kMaxChunkSize = 16u << 20;       // bounded by the immediate (below)
-inline constexpr uint16_t kDefaultQueueDepth = 512;        // sess_queue_depth, 1..65535
+inline constexpr uint16_t kDefaultQueueDepth = 256;        // sess_queue_depth (512 in the kernel)
 inline constexpr uint32_t kMaxHdrSize = 4096;              // user header + IO message
 inline constexpr size_t kNameMax = 64;                     // session and path names on the wire
 
@@ -73,15 +77,30 @@ IBTRS_WIRE_STRUCT(ConReq, 56);
 
 // CON_RSP flags
 inline constexpr uint32_t kConRspInvalidatePerIo = 1u << 0;  // chunk keys change per IO (rdma)
+// Chunk sets (2.2): a request may span up to kMaxSetChunks consecutive chunks, so max_io_size
+// may exceed chunk_size - max_hdr_size (docs/protocol.md, "Chunk sets"). The chunks are one
+// contiguous range under one key per path. Sent only to a client whose CON_REQ has minor
+// version >= kMinorChunkSets, and never with kConRspInvalidatePerIo (a key per chunk).
+inline constexpr uint32_t kConRspChunkSets = 1u << 1;
+inline constexpr uint32_t kConRspKnownFlags = kConRspInvalidatePerIo | kConRspChunkSets;
+// The most chunks one request may span: a client takes a set's permits from one 64-bit word
+// of its permit bitmap at once.
+inline constexpr uint32_t kMaxSetChunks = 64;
+// The chunks a request's extent (write: data + user header + WriteMsg; read: max_hdr_size +
+// data) takes.
+inline constexpr uint32_t set_chunks(uint64_t extent, uint32_t chunk_size) {
+  return static_cast<uint32_t>((extent + chunk_size - 1) / chunk_size);
+}
 
 struct ConRsp {
   le16 magic;          // kMagic
   le16 version;        // kVersion
   le16 errno_;         // 0 on accept; positive errno on reject
   le16 queue_depth;    // chunks (= client permits) of the session
-  le32 max_io_size;    // largest data part of one request (chunk size - max_hdr_size)
+  le32 max_io_size;    // largest data part of one request (chunk size - max_hdr_size, more
+                       // with kConRspChunkSets)
   le32 max_hdr_size;   // largest user header + IO message
-  le32 flags;          // kConRspInvalidatePerIo
+  le32 flags;          // kConRspInvalidatePerIo, kConRspChunkSets
   le32 chunk_size;     // bytes per chunk (power of two)
   uint8_t reserved[32];  // 0
 };
@@ -351,6 +370,8 @@ struct WriteReq {
   std::span<const std::byte> usr;   // in the copy
 };
 struct ReadReq {
+  std::span<const std::byte> data;  // where the server puts the data (in the chunks; set only
+                                    // by the chunk-set parser)
   std::span<const std::byte> usr;   // in the copy
   uint16_t flags;
   std::span<const BufDesc> descs;   // in the copy
@@ -371,11 +392,27 @@ struct IoReq {
 Result<IoReq> parse_io_req(std::span<const std::byte> chunk, uint32_t offset,
                            uint32_t max_hdr_size, std::span<std::byte> copy, std::string* why);
 
+// The same over a session's chunks with chunk sets (kConRspChunkSets): `chunks` is every chunk
+// of the session (queue depth x chunk_size bytes), `lead` the chunk the immediate names and
+// `offset` the immediate's offset in it. A write's data starts at the start of a chunk and may
+// begin up to kMaxSetChunks - 1 chunks before the lead; a read's data area (max_hdr_size past
+// the lead's start) may run into the chunks after it. Data longer than `max_io_size`, or that
+// leaves the session's chunks, is refused. With `max_io_size` = chunk_size - max_hdr_size and
+// lead's chunk alone this is the single-chunk rule above.
+struct SetGeometry {
+  uint32_t chunk_size = 0;
+  uint32_t max_hdr_size = 0;
+  uint32_t max_io_size = 0;
+};
+Result<IoReq> parse_io_req(std::span<const std::byte> chunks, const SetGeometry& g, uint32_t lead,
+                           uint32_t offset, std::span<std::byte> copy, std::string* why);
+
 // Builders (our own output).
 ConReq make_con_req(uint16_t cid, uint16_t cid_num, uint16_t recon_cnt, bool first_conn,
                     const Uuid& sess, const Uuid& path, bool auth = false);
+// `max_io_size` 0: chunk_size - max_hdr_size (the only value without kConRspChunkSets).
 ConRsp make_con_rsp(int err, uint16_t queue_depth, uint32_t chunk_size, uint32_t max_hdr_size,
-                    uint32_t flags);
+                    uint32_t flags, uint32_t max_io_size = 0);
 // EINVAL when a name does not fit kNameMax - 1 bytes.
 Result<InfoReq> make_info_req(std::string_view sessname, std::string_view pathname);
 

@@ -18,6 +18,7 @@
 
 #include <poll.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -233,6 +234,10 @@ struct Session final : ServerSession {
   uint16_t qd = 0;
   uint32_t chunk_size = 0;
   uint32_t max_hdr = 0;
+  // Data bytes per request: chunk_size - max_hdr, or more with chunk sets (a client of 2.2 or
+  // later and ServerOptions::max_io_size), fixed by the session's first connection request.
+  uint32_t max_io = 0;
+  bool sets = false;
   proto::ImmLayout layout;
   std::byte* chunks = nullptr;
   size_t chunks_len = 0;            // the chunks, then (always_invalidate) the RKEY_RSP slots
@@ -273,6 +278,17 @@ struct Session final : ServerSession {
   Status reset_stats(std::string_view path, StatsGroup group) override;
   Status disconnect_path(std::string_view path) override;
 
+  // Bytes of the chunks in RAM (mincore over the mapping). Control path only: a page vector of
+  // chunks_len / 4 KiB bytes.
+  uint64_t resident_chunk_bytes() const {
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    const size_t len = size_t{qd} * chunk_size;
+    std::vector<unsigned char> v((len + page - 1) / page);
+    if (chunks == nullptr || ::mincore(chunks, len, v.data()) != 0) return 0;
+    uint64_t n = 0;
+    for (unsigned char b : v) n += b & 1;
+    return n * page;
+  }
   std::span<std::byte> chunk(uint32_t id) const {
     return {chunks + size_t{id} * chunk_size, chunk_size};
   }
@@ -445,12 +461,9 @@ void Req::start(Con* c, uint32_t offset) {
     c->gate.exit();
   }
   std::string why;
-  auto io = proto::parse_io_req(ss.chunk(chunk_id_), offset, ss.max_hdr, copy, &why);
-  const uint32_t max_io = ss.chunk_size - ss.max_hdr;
-  if (io.ok() && io->kind == proto::IoKind::read && io->read.total_len > max_io) {
-    io = errc(EPROTO);
-    why = "read longer than max_io_size";
-  }
+  const proto::SetGeometry g{ss.chunk_size, ss.max_hdr, ss.max_io};
+  auto io = proto::parse_io_req(std::span<const std::byte>(ss.chunks, size_t{ss.qd} * ss.chunk_size), g,
+                                chunk_id_, offset, copy, &why);
   if (!io.ok()) {
     ss.srv->protocol_error("session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
                            c->path->name.c_str(), chunk_id_, why.c_str());
@@ -462,18 +475,21 @@ void Req::start(Con* c, uint32_t offset) {
   start_ns = now_ns();
   shard = c->poller->index();
   io_thread_ = shard;
-  auto chunk = ss.chunk(chunk_id_);
+  // The parser's spans lie in the session's chunks (write: the data may start in a chunk before
+  // this one; read: the data area may run into the chunks after it): the same bytes, writable.
+  auto in_chunks = [&ss](std::span<const std::byte> d) {
+    return std::span<std::byte>(ss.chunks + (d.data() - ss.chunks), d.size());
+  };
   if (io->kind == proto::IoKind::write) {
     dir_ = IoDir::write;
     usr_ = io->write.usr;
-    const size_t off = static_cast<size_t>(io->write.data.data() - chunk.data());
-    data_ = chunk.subspan(off, io->write.data.size());
+    data_ = in_chunks(io->write.data);
     descs = {};
   } else {
     dir_ = IoDir::read;
     usr_ = io->read.usr;
     descs = io->read.descs;
-    data_ = chunk.subspan(ss.max_hdr, static_cast<size_t>(io->read.total_len));
+    data_ = in_chunks(io->read.data);
   }
   bytes = data_.size();
   ss.inflight.fetch_add(1, std::memory_order_acq_rel);
@@ -885,6 +901,14 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr, std::string_view* re
   s->max_hdr = opts.max_hdr_size;
   IBTRS_ASSIGN_OR_RETURN(s->layout, proto::imm_layout(s->qd, s->chunk_size));
   s->invalidate = opts.always_invalidate;
+  // Chunk sets for a client that knows them (a 2.1 client refuses the CON_RSP flag), and only
+  // with one key over all chunks.
+  s->max_io = s->chunk_size - s->max_hdr;
+  if (opts.max_io_size > s->max_io && !s->invalidate &&
+      proto::version_minor(cr.version.get()) >= proto::kMinorChunkSets) {
+    s->max_io = opts.max_io_size;
+    s->sets = true;
+  }
   s->chunks_len = chunk_bytes;
   if (s->invalidate) s->chunks_len += (sizeof(proto::RkeyRsp) * s->qd + 4095) & ~size_t{4095};
   // Lazily backed: a session costs only what its requests touch.
@@ -1095,7 +1119,9 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   fabric::ConnectionEvents ev;
   ev.on_disconnected = [c](std::error_code) { c->failed.store(true, std::memory_order_release); };
   auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr,
-                                 s->invalidate ? proto::kConRspInvalidatePerIo : 0);
+                                 (s->invalidate ? proto::kConRspInvalidatePerIo : 0) |
+                                     (s->sets ? proto::kConRspChunkSets : 0),
+                                 s->max_io);
   IBTRS_ASSIGN_OR_RETURN(c->conn,
                          req.accept(d, *c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
   std::vector<fabric::RecvWr> rw(caps.max_recv_wr);
@@ -1572,6 +1598,10 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
       (o.authenticator == nullptr && !o.allow_any_host))
     return errc(EINVAL);
   IBTRS_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
+  // What the largest set (min(queue depth, 64) chunks) holds besides its header, at most.
+  o.max_io_size = static_cast<uint32_t>(std::min<uint64_t>(
+      o.max_io_size,
+      uint64_t{std::min<uint32_t>(o.queue_depth, proto::kMaxSetChunks)} * o.chunk_size - o.max_hdr_size));
   auto impl = std::make_unique<Impl>();
   impl->opts = std::move(o);
   namespace r = refusal;
@@ -1660,6 +1690,7 @@ ServerUsage Server::usage() const {
       for (auto& c : p->cons) u.backlog += c->bl_size.load(std::memory_order_relaxed);
     }
     if (!connected) ++u.handshaking_sessions;
+    u.chunk_resident += s->resident_chunk_bytes();
   }
   return u;
 }
