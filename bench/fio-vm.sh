@@ -60,7 +60,10 @@ engine=$build/client/fio/libibnbd-fio.so
 if [ "${IBTRS_VM:-}" != 1 ]; then
   ninja -C "$build" ibnbd-server ibnbd-client ibnbd ibnbd_fio >/dev/null ||
     { echo "build failed (the engine needs the fio headers: scripts/fio-headers.sh)" >&2; exit 1; }
-  exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --env IBTRS_BUILD="$build" \
+  # The -thread rows add two 256 MiB volumes: the guest's tmpfs (half its memory) needs 1.5 GiB.
+  mem=2048
+  case " ${IBNBD_BENCH_TARGETS:-} " in *-thread\ *) mem=3072 ;; esac
+  exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --mem "$mem" --env IBTRS_BUILD="$build" \
     ${IBNBD_BENCH_TARGETS:+--env "IBNBD_BENCH_TARGETS=$IBNBD_BENCH_TARGETS"} -- \
     bash "$top/bench/fio-vm.sh" --seconds "$seconds"
 fi
