@@ -17,6 +17,14 @@
 #   ibnbd-ublk-tcp     the same over tcp
 #   ibnbd-nbd-kernel   two hops: the client daemon's NBD export (of the rdma mapping) on a unix
 #                      socket, /dev/nbd1 from nbd-client, fio io_uring O_DIRECT on it
+#   ibnbd-ublk-rdma-thread, ibnbd-ublk-tcp-thread  (not in the default set) the ublk rows from a
+#                      second client daemon with --ublk-reap thread (completions through the
+#                      transport's IO threads, as before the queue threads reaped), on volumes
+#                      of their own: the A/B of the queue threads' reaping, interleaved
+# The ublk rows also give the client daemon's context switches per IO (all its threads,
+# voluntary + involuntary, from /proc/PID/task/*/status around the run): a count that the
+# host's load does not move, where IOPS under TCG move with it; and the queue threads' eventfd
+# wake-ups per IO (completions handed over through the inbox, device show's ublk_wakeups).
 # The engine rows open their volume in migration mode (rnbd's rule: one writer plus one
 # migration opener) because the daemon holds it rw for its ublk device the whole run. The rdma
 # and tcp rows use two files, so that each mapping has its own volume.
@@ -52,7 +60,10 @@ engine=$build/client/fio/libibnbd-fio.so
 if [ "${IBTRS_VM:-}" != 1 ]; then
   ninja -C "$build" ibnbd-server ibnbd-client ibnbd ibnbd_fio >/dev/null ||
     { echo "build failed (the engine needs the fio headers: scripts/fio-headers.sh)" >&2; exit 1; }
-  exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --env IBTRS_BUILD="$build" \
+  # The -thread rows add two 256 MiB volumes: the guest's tmpfs (half its memory) needs 1.5 GiB.
+  mem=2048
+  case " ${IBNBD_BENCH_TARGETS:-} " in *-thread\ *) mem=3072 ;; esac
+  exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --mem "$mem" --env IBTRS_BUILD="$build" \
     ${IBNBD_BENCH_TARGETS:+--env "IBNBD_BENCH_TARGETS=$IBNBD_BENCH_TARGETS"} -- \
     bash "$top/bench/fio-vm.sh" --seconds "$seconds"
 fi
@@ -84,8 +95,15 @@ wait_file() { for _ in $(seq 300); do [ -e "$1" ] && return 0; sleep 0.1; done; 
 started() { echo "$1 did not start:" >&2; tail -5 "$2" >&2; exit 1; }
 c() { timeout 120 "$cli" --socket "$tmp/cl.sock" client "$@"; }
 
+peers="nbdkit-fio nbdkit-kernel nbdkit-kernel-tcp"
+targets=${IBNBD_BENCH_TARGETS:-"file $peers ibnbd-engine-rdma ibnbd-engine-tcp ibnbd-ublk-rdma ibnbd-ublk-tcp ibnbd-nbd-kernel"}
+thread_rows=0
+case " $targets " in *-thread\ *) thread_rows=1 ;; esac
+
 mkdir -p "$tmp/export"
-for v in vol-r vol-t; do
+vols="vol-r vol-t"
+[ "$thread_rows" = 1 ] && vols="$vols vol-r2 vol-t2"
+for v in $vols; do
   dd if=/dev/urandom of="$tmp/export/$v.img" bs=1M count=256 status=none
 done
 
@@ -115,12 +133,27 @@ timeout 60 nbd-client "$B" 10809 /dev/nbd2 -b 4096 >"$tmp/nbd2.log" 2>&1 ||
 "$cld" --control-socket "$tmp/cl.sock" --ready-file "$tmp/cl.ready" --state-dir "$tmp/state" \
   >"$tmp/cl.log" 2>&1 &
 pids+=($!)
+cl_pid=$!
 wait_file "$tmp/cl.ready" || started ibnbd-client "$tmp/cl.log"
 c device map vol-r.img from "$rdma_path" rw session r --ublk >/dev/null || started "map (rdma)" "$tmp/cl.log"
 c device map vol-t.img from "$tcp_path" rw session t --ublk >/dev/null || started "map (tcp)" "$tmp/cl.log"
 ublk_r=$(c -f json device show vol-r.img | jq -r '.[0].ublk')
 ublk_t=$(c -f json device show vol-t.img | jq -r '.[0].ublk')
 [ -b "$ublk_r" ] && [ -b "$ublk_t" ] || { echo "no ublk devices ('$ublk_r', '$ublk_t')" >&2; exit 1; }
+cl2_pid=""
+if [ "$thread_rows" = 1 ]; then
+  "$cld" --control-socket "$tmp/cl2.sock" --ready-file "$tmp/cl2.ready" --state-dir "$tmp/state2" \
+    --ublk-reap thread >"$tmp/cl2.log" 2>&1 &
+  pids+=($!)
+  cl2_pid=$!
+  wait_file "$tmp/cl2.ready" || started "ibnbd-client (--ublk-reap thread)" "$tmp/cl2.log"
+  c2() { timeout 120 "$cli" --socket "$tmp/cl2.sock" client "$@"; }
+  c2 device map vol-r2.img from "$rdma_path" rw session r2 --ublk >/dev/null || started "map (rdma, thread)" "$tmp/cl2.log"
+  c2 device map vol-t2.img from "$tcp_path" rw session t2 --ublk >/dev/null || started "map (tcp, thread)" "$tmp/cl2.log"
+  ublk_r2=$(c2 -f json device show vol-r2.img | jq -r '.[0].ublk')
+  ublk_t2=$(c2 -f json device show vol-t2.img | jq -r '.[0].ublk')
+  [ -b "$ublk_r2" ] && [ -b "$ublk_t2" ] || { echo "no ublk devices ('$ublk_r2', '$ublk_t2')" >&2; exit 1; }
+fi
 c device export vol-r.img unix "$tmp/ibnbd-nbd.sock" >/dev/null || started "export" "$tmp/cl.log"
 timeout 60 nbd-client -unix "$tmp/ibnbd-nbd.sock" /dev/nbd1 -N vol-r.img -b 4096 >"$tmp/nbd1.log" 2>&1 ||
   started "nbd-client (ibnbd export)" "$tmp/nbd1.log"
@@ -138,18 +171,44 @@ target_args() {  # target_args TARGET: the fio options that pick the target
     ibnbd-ublk-rdma) echo "--ioengine=io_uring --direct=1 --filename=$ublk_r" ;;
     ibnbd-ublk-tcp) echo "--ioengine=io_uring --direct=1 --filename=$ublk_t" ;;
     ibnbd-nbd-kernel) echo "--ioengine=io_uring --direct=1 --filename=/dev/nbd1" ;;
+    ibnbd-ublk-rdma-thread) echo "--ioengine=io_uring --direct=1 --filename=$ublk_r2" ;;
+    ibnbd-ublk-tcp-thread) echo "--ioengine=io_uring --direct=1 --filename=$ublk_t2" ;;
   esac
+}
+daemon_of() {  # daemon_of TARGET: the pid of the client daemon serving it, if one does
+  case "$1" in
+    *-thread) echo "$cl2_pid" ;;
+    ibnbd-ublk-*) echo "$cl_pid" ;;
+  esac
+}
+ublk_of() {  # ublk_of TARGET: "SOCKET VOLUME" of the ublk device serving it, if one does
+  case "$1" in
+    ibnbd-ublk-rdma) echo "$tmp/cl.sock vol-r.img" ;;
+    ibnbd-ublk-tcp) echo "$tmp/cl.sock vol-t.img" ;;
+    ibnbd-ublk-rdma-thread) echo "$tmp/cl2.sock vol-r2.img" ;;
+    ibnbd-ublk-tcp-thread) echo "$tmp/cl2.sock vol-t2.img" ;;
+  esac
+}
+ublk_wakeups() {  # ublk_wakeups SOCKET VOLUME: the queue threads' eventfd wake-ups so far
+  timeout 60 "$cli" --socket "$1" client -f json device show "$2" | jq -r '.[0].ublk_wakeups // 0'
+}
+ctx_switches() {  # ctx_switches PID: voluntary + involuntary, all threads
+  cat /proc/"$1"/task/*/status 2>/dev/null |
+    awk '/^(non)?voluntary_ctxt_switches:/ { n += $2 } END { print n + 0 }'
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "" }'; }
 
-peers="nbdkit-fio nbdkit-kernel nbdkit-kernel-tcp"
-targets=${IBNBD_BENCH_TARGETS:-"file $peers ibnbd-engine-rdma ibnbd-engine-tcp ibnbd-ublk-rdma ibnbd-ublk-tcp ibnbd-nbd-kernel"}
 declare -A iops_of lat_of
 rows=()
 run() {  # run WORKLOAD TARGET RW BS QD
   local workload=$1 target=$2 rw=$3 bs=$4 qd=$5
   run_no=$((run_no + 1))
-  local out="$tmp/run-$run_no.json" rc=0
+  local out="$tmp/run-$run_no.json" rc=0 dpid cs0=0 ublk wk0=0
+  dpid=$(daemon_of "$target")
+  ublk=$(ublk_of "$target")
+  # shellcheck disable=SC2086
+  [ -n "$ublk" ] && wk0=$(ublk_wakeups $ublk)
+  [ -n "$dpid" ] && cs0=$(ctx_switches "$dpid")
   # shellcheck disable=SC2046
   timeout -k 5 $((seconds + 120)) fio --name="r$run_no" $(target_args "$target") \
     --rw="$rw" --bs="$bs" --iodepth="$qd" --iodepth_batch_submit="$qd" \
@@ -162,12 +221,17 @@ run() {  # run WORKLOAD TARGET RW BS QD
   fi
   local side=read
   case "$rw" in *write*) side="write" ;; esac
-  local iops mibs mean p99 err
-  read -r iops mibs mean p99 err <<<"$(jq -r --arg s "$side" '.jobs[0] as $j | $j[$s] as $d |
-    "\($d.iops) \($d.bw_bytes / 1048576) \($d.lat_ns.mean / 1000) \(($d.clat_ns.percentile["99.000000"] // 0) / 1000) \($j.error)"' "$out")"
+  local iops mibs mean p99 err ios cs="" wk=""
+  read -r iops mibs mean p99 err ios <<<"$(jq -r --arg s "$side" '.jobs[0] as $j | $j[$s] as $d |
+    "\($d.iops) \($d.bw_bytes / 1048576) \($d.lat_ns.mean / 1000) \(($d.clat_ns.percentile["99.000000"] // 0) / 1000) \($j.error) \($d.total_ios)"' "$out")"
+  [ -n "$dpid" ] && cs=$(awk -v a="$cs0" -v b="$(ctx_switches "$dpid")" -v n="$ios" \
+    'BEGIN { if (n > 0) printf "%.2f", (b - a) / n }')
+  # shellcheck disable=SC2086
+  [ -n "$ublk" ] && wk=$(awk -v a="$wk0" -v b="$(ublk_wakeups $ublk)" -v n="$ios" \
+    'BEGIN { if (n > 0) printf "%.2f", (b - a) / n }')
   iops_of[$workload/$target]=$iops
   lat_of[$workload/$target]=$mean
-  rows+=("$workload|$target|$(printf '%.0f|%.1f|%.0f|%.0f' "$iops" "$mibs" "$mean" "$p99")|$err")
+  rows+=("$workload|$target|$(printf '%.0f|%.1f|%.0f|%.0f' "$iops" "$mibs" "$mean" "$p99")|$err|$cs|$wk")
 }
 
 start=$(date +%s)
@@ -188,12 +252,12 @@ echo "header of bench/fio-vm.sh. Ratios: IOPS and mean latency against nbdkit th
 echo "NBD client on a unix socket (the block-device peer), IOPS against the same over tcp and against"
 echo "nbdkit through fio's nbd engine."
 echo
-echo "| workload | target | IOPS | MiB/s | mean us | p99 us | IOPS vs nbdkit-kernel | lat vs nbdkit-kernel | IOPS vs nbdkit-kernel-tcp | IOPS vs nbdkit-fio |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| workload | target | IOPS | MiB/s | mean us | p99 us | IOPS vs nbdkit-kernel | lat vs nbdkit-kernel | IOPS vs nbdkit-kernel-tcp | IOPS vs nbdkit-fio | daemon cs/IO | inbox wake-ups/IO |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for r in "${rows[@]}"; do
-  IFS='|' read -r workload target iops mibs mean p99 err <<<"$r"
+  IFS='|' read -r workload target iops mibs mean p99 err cs wk <<<"$r"
   if [ -z "$mibs" ]; then
-    echo "| $workload | $target | $iops | | | | | | | |"
+    echo "| $workload | $target | $iops | | | | | | | | | |"
     continue
   fi
   rk=$(ratio "$iops" "${iops_of[$workload/nbdkit-kernel]:-}")
@@ -201,7 +265,7 @@ for r in "${rows[@]}"; do
   echo "| $workload | $target | $iops | $mibs | $mean | $p99 | $rk |" \
     "$(ratio "${lat_of[$workload/$target]}" "${lat_of[$workload/nbdkit-kernel]:-}") |" \
     "$(ratio "$iops" "${iops_of[$workload/nbdkit-kernel-tcp]:-}") |" \
-    "$(ratio "$iops" "${iops_of[$workload/nbdkit-fio]:-}") |"
+    "$(ratio "$iops" "${iops_of[$workload/nbdkit-fio]:-}") | $cs | $wk |"
 done
 echo
 echo "the run took $(($(date +%s) - start)) s"

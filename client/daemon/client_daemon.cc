@@ -430,6 +430,7 @@ ublk::UblkOptions ClientDaemon::ublk_options(const RemoteDevice& d, uint16_t que
   o.nr_queues = static_cast<uint16_t>(threads);
   o.queue_depth = queue_depth;
   o.control_path = opts_.ublk_control;
+  o.reap = opts_.ublk_reap;
   o.log = [](const std::string& m) { std::fprintf(stderr, "ibnbd-client: %s\n", m.c_str()); };
   return o;
 }
@@ -541,20 +542,29 @@ json ClientDaemon::device_list(const json& req, bool one) {
     for (auto& d : s.s->devices()) {
       if (one && d->name() != only) continue;
       auto st = d->stats();
-      rows.push_back(json::array({d->name(), n, std::string(to_string(d->access_mode())),
-                                  bytes(d->size_bytes()), std::string(to_string(d->state())),
-                                  d->device_id(), bytes(st.read_bytes), bytes(st.write_bytes),
-                                  st.inflight, st.errors, st.remaps, export_addresses(d->name()),
-                                  ublk_path(d->name())}));
+      json row = json::array({d->name(), n, std::string(to_string(d->access_mode())),
+                              bytes(d->size_bytes()), std::string(to_string(d->state())),
+                              d->device_id(), bytes(st.read_bytes), bytes(st.write_bytes),
+                              st.inflight, st.errors, st.remaps, export_addresses(d->name()),
+                              ublk_path(d->name())});
+      if (one) {
+        // How the ublk queues got their completions: committed by the queue thread that reaped
+        // them, or handed over by the transport's IO threads (eventfd wake-ups).
+        auto it = ublk_.find(d->name());
+        const auto us = it == ublk_.end() ? ublk::UblkStats{} : it->second.dev->stats();
+        for (uint64_t v : {us.requests, us.reaped, us.wakeups}) row.push_back(v);
+      }
+      rows.push_back(std::move(row));
     }
   }
   if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
-  return {{"ok", true},
-          {"columns", json::array({col("device"), col("session"), col("access_mode"), col("size", true),
-                                   col("state"), col("device_id", true), col("rx_bytes", true),
-                                   col("tx_bytes", true), col("inflights", true), col("errors", true),
-                                   col("remaps", true), col("nbd"), col("ublk")})},
-          {"rows", rows}};
+  json cols = json::array({col("device"), col("session"), col("access_mode"), col("size", true),
+                           col("state"), col("device_id", true), col("rx_bytes", true),
+                           col("tx_bytes", true), col("inflights", true), col("errors", true),
+                           col("remaps", true), col("nbd"), col("ublk")});
+  if (one)
+    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups"}) cols.push_back(col(c, true));
+  return {{"ok", true}, {"columns", std::move(cols)}, {"rows", rows}};
 }
 
 json ClientDaemon::device_unmap(const json& req) {

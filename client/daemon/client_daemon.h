@@ -35,6 +35,7 @@ struct ClientDaemonOptions {
   std::string state_dir = "/run/ibnbd-client";
   uint16_t ublk_queue_depth = 128;  // default of device_map's ublk_queue_depth
   std::string ublk_control = "/dev/ublk-control";
+  bool ublk_reap = true;  // UblkOptions::reap: queue threads reap their connections
   // Host authentication (ibtrs/auth.h): the key file sessions authenticate with unless device
   // map names another, and the host id to authenticate as (default: the key file's host line).
   // No key file: sessions are anonymous, which only a server with allow_any_host admits.

@@ -6,8 +6,8 @@
 //   ibnbd-client [--control-socket PATH] [--io-threads N] [--policy P]
 //                [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]
 //                [--connect-timeout-ms N] [--ready-file PATH]
-//                [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]
-//                [--host-key FILE] [--host-id ID] [--config FILE]
+//                [--state-dir DIR] [--ublk-queue-depth N] [--ublk-reap caller|thread]
+//                [--sysfs-dir DIR] [--host-key FILE] [--host-id ID] [--config FILE]
 #include <signal.h>
 #include <unistd.h>
 
@@ -31,8 +31,8 @@ const char kUsage[] =
     "                    [--policy round-robin|min-inflight|min-latency]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--reconnect-delay-ms N]\n"
     "                    [--connect-timeout-ms N] [--ready-file PATH]\n"
-    "                    [--state-dir DIR] [--ublk-queue-depth N] [--sysfs-dir DIR]\n"
-    "                    [--host-key FILE] [--host-id ID] [--config FILE]\n"
+    "                    [--state-dir DIR] [--ublk-queue-depth N] [--ublk-reap caller|thread]\n"
+    "                    [--sysfs-dir DIR] [--host-key FILE] [--host-id ID] [--config FILE]\n"
     "                    [--tls off|on [--tls-ca FILE [--tls-cert FILE --tls-key FILE]\n"
     "                     [--tls-server-name NAME]]]\n"
     "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too). PATH.lock\n"
@@ -42,6 +42,9 @@ const char kUsage[] =
     "  --state-dir: records of ublk devices, for recovery after a crash (default\n"
     "    /run/ibnbd-client).\n"
     "  --ublk-queue-depth: tags per ublk queue unless device map says (default 128).\n"
+    "  --ublk-reap: caller (default): each ublk queue thread reaps its own transport\n"
+    "         connection, one wake-up per completion; thread: completions come from the\n"
+    "         transport's IO threads and wake the queue thread (for comparison).\n"
     "  --sysfs-dir: serves the kernel's control files (DIR/ibtrs-client/<session>/add_path,\n"
     "         mp_policy, paths/<src@dst>/..., DIR/ibnbd-client/ctl/map_device, ...) through FUSE,\n"
     "         e.g. /run/ibnbd-client/sysfs; off by default (sysfs-emu/README.md).\n"
@@ -78,7 +81,11 @@ void apply(ibnbd::ClientDaemonOptions& o, std::string& socket_path, std::string&
   else if (a == "--ready-file") ready_file = v;
   else if (a == "--state-dir") o.state_dir = v;
   else if (a == "--ublk-queue-depth") o.ublk_queue_depth = static_cast<uint16_t>(number(a.c_str(), v, 1, 4096));
-  else if (a == "--sysfs-dir") sysfs_dir = v;
+  else if (a == "--ublk-reap") {
+    const std::string_view m(v);
+    if (m != "caller" && m != "thread") die("--ublk-reap: caller or thread");
+    o.ublk_reap = m == "caller";
+  } else if (a == "--sysfs-dir") sysfs_dir = v;
   else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
   else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
   else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));

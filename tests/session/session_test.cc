@@ -3,6 +3,9 @@
 // loopback; those cases skip elsewhere.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -1262,6 +1265,262 @@ TEST_F(Session, SessionClosedWhileTheCallersConnectionIsLentIdle) {
   auto n = reaper->reap(10ms);
   ASSERT_FALSE(n.ok());
   EXPECT_EQ(n.error().value(), ESHUTDOWN);
+  reaper.reset();
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+}
+
+// ---------------------------------------------------------------------------------------------
+// CompletionReaper::fd(): a caller that waits in its own epoll set (an event loop)
+
+// An event loop of the kind fd() is for: an epoll set over the reaper's fd and an eventfd that
+// callbacks running on other threads signal (the hand-off an event loop keeps for them).
+struct FdLoop {
+  CompletionReaper& reaper;
+  int ep = -1, rfd = -1, handoff = -1;
+  std::atomic<int> handed_off{0};
+  size_t stalls = 0;  // waits of 2 s that nothing ended while requests were outstanding
+
+  explicit FdLoop(CompletionReaper& r) : reaper(r) {
+    ep = ::epoll_create1(EPOLL_CLOEXEC);
+    handoff = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    auto f = reaper.fd();
+    EXPECT_TRUE(f.ok());
+    rfd = f.ok() ? *f : -1;
+    auto again = reaper.fd();
+    EXPECT_TRUE(again.ok() && *again == rfd) << "the same fd every time";
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = 1;
+    EXPECT_EQ(::epoll_ctl(ep, EPOLL_CTL_ADD, rfd, &ev), 0);
+    ev.data.u64 = 2;
+    EXPECT_EQ(::epoll_ctl(ep, EPOLL_CTL_ADD, handoff, &ev), 0);
+  }
+  ~FdLoop() {
+    ::close(ep);
+    ::close(handoff);
+  }
+  // A callback that ran off the loop's thread.
+  void signal() {
+    handed_off.fetch_add(1);
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t r = ::write(handoff, &one, sizeof(one));
+  }
+  // One turn: waits up to 2 s; reaps when the reaper's fd says so, and after a hand-off (the
+  // sign that a connection is not held). False: nothing happened.
+  bool turn() {
+    epoll_event evs[4];
+    const int n = ::epoll_wait(ep, evs, 4, 2000);
+    bool reap = false;
+    for (int i = 0; i < n; ++i) {
+      if (evs[i].data.u64 == 2) {
+        uint64_t v;
+        [[maybe_unused]] ssize_t r = ::read(handoff, &v, sizeof(v));
+      }
+      reap = true;
+    }
+    if (reap) {
+      EXPECT_TRUE(reaper.reap(0us).ok());
+    }
+    return n > 0;
+  }
+  bool run_until(const std::function<bool()>& pred, std::chrono::seconds limit = 10s) {
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (!pred()) {
+      if (std::chrono::steady_clock::now() >= end) return false;
+      if (!turn()) ++stalls;
+    }
+    return true;
+  }
+  // The fd goes quiet once everything is reaped (it must not stay readable: a busy loop).
+  bool settles() {
+    for (int i = 0; i < 20; ++i) {
+      pollfd p{rfd, POLLIN, 0};
+      if (::poll(&p, 1, 100) == 0) return true;
+      (void)reaper.reap(0us);
+    }
+    return false;
+  }
+};
+
+// A Tracked whose callback signals an FdLoop when it runs elsewhere.
+struct LoopTracked : Tracked {
+  FdLoop* loop = nullptr;
+  static void cb(void* ctx, int err) {
+    auto* t = static_cast<LoopTracked*>(ctx);
+    const bool elsewhere = std::this_thread::get_id() != t->caller;
+    FdLoop* l = t->loop;
+    Tracked::cb(ctx, err);
+    if (elsewhere) l->signal();
+  }
+};
+
+Status submit_looped(ClientSession& s, RegisteredMemory& mem, IoDir dir, uint32_t b, uint32_t slot,
+                     LoopTracked& t, FdLoop& loop, VolHdr& h, IoSeg& seg) {
+  h = VolHdr{uint64_t{b} * 4096, 4096, kVolMagic};
+  seg = IoSeg{mem.data() + size_t{slot} * 4096, 4096, &mem};
+  t.caller = std::this_thread::get_id();
+  t.loop = &loop;
+  IoRequest r{dir, std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+              std::span(&seg, 1), &LoopTracked::cb, &t};
+  return s.request(r);
+}
+
+// Case: an event loop waits on the reaper's fd (no blocking reap) while it writes then reads a
+// pattern at depth 16. Expect: every completion wakes the loop (no wait of 2 s runs out while
+// requests are outstanding), nearly all callbacks run on the loop's thread, each exactly once,
+// the data reads back intact, and the fd goes quiet once all is done (no busy loop).
+TEST_F(Session, ReaperFdWakesAnEventLoopForItsCompletions) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok()) << rr.error().message();
+  ASSERT_TRUE((*rr)->reap(0us).ok());  // held before fd(): given back, borrowed again below
+  FdLoop loop(**rr);
+  ASSERT_GE(loop.rfd, 0);
+  ASSERT_TRUE((*rr)->reap(0us).ok());
+  constexpr uint32_t kN = 256, kQd = 16;
+  std::vector<LoopTracked> ts(2 * kN);
+  std::vector<VolHdr> hs(2 * kN);
+  std::vector<IoSeg> segs(2 * kN);
+  for (int phase = 0; phase < 2; ++phase) {
+    const IoDir dir = phase == 0 ? IoDir::write : IoDir::read;
+    uint32_t next = 0;
+    auto done = [&] {
+      uint32_t d = 0;
+      for (uint32_t k = 0; k < kN; ++k) d += ts[phase * kN + k].calls.load() != 0;
+      return d;
+    };
+    while (done() < kN) {
+      for (uint32_t d = done(); next < kN && next - d < kQd; ++next) {
+        const uint32_t i = phase * kN + next;
+        std::byte* p = buf_->data() + size_t{i} * 4096;
+        if (phase == 0) {
+          for (uint32_t k = 0; k < 4096; k += 4) {
+            const uint32_t v = next * 2654435761u ^ k;
+            std::memcpy(p + k, &v, 4);
+          }
+        }
+        ASSERT_TRUE(submit_looped(*client_, *buf_, dir, next, i, ts[i], loop, hs[i], segs[i]).ok());
+      }
+      if (!loop.turn()) ++loop.stalls;
+      ASSERT_LT(loop.stalls, 3u) << "completions did not wake the loop";
+    }
+  }
+  size_t on_caller = 0;
+  for (uint32_t i = 0; i < 2 * kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), 0) << i;
+    on_caller += ts[i].on_caller.load();
+  }
+  EXPECT_EQ(loop.stalls, 0u) << "every completion woke the loop";
+  // As with a blocking reap, a loaded host may leave the connection unreaped past the reclaim.
+  EXPECT_GE(on_caller, 2 * kN * 9 / 10) << "completions ran on the loop's thread";
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(std::memcmp(buf_->data() + size_t{i} * 4096, buf_->data() + size_t{kN + i} * 4096, 4096), 0)
+        << "block " << i << " read back differs";
+  }
+  EXPECT_TRUE(loop.settles()) << "the reaper's fd stays readable with nothing to reap";
+  rr->reset();
+}
+
+// Case: an event loop on the reaper's fd has writes in flight (held by the server) on both
+// paths when the server breaks one. Expect: the requests fail over and complete exactly once
+// with success, the loop never waits 2 s in vain while requests are outstanding, the path comes
+// back, and after a hand-off or two the loop reaps the new connection's completions itself.
+TEST_F(Session, ReaperFdFollowsAPathBreakAndTheReconnect) {
+  start_server(2);
+  auto co = options(2);
+  co.policy = MpPolicy::round_robin;
+  open(co);
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  FdLoop loop(**rr);
+  ASSERT_TRUE((*rr)->reap(0us).ok());  // take the connections now
+  vol_.hold(true);
+  constexpr uint32_t kN = 8;
+  std::vector<LoopTracked> ts(kN);
+  std::vector<VolHdr> hs(kN);
+  std::vector<IoSeg> segs(kN);
+  for (uint32_t i = 0; i < kN; ++i) {
+    std::memset(buf_->data() + i * 4096, static_cast<int>(i + 1), 4096);
+    ASSERT_TRUE(submit_looped(*client_, *buf_, IoDir::write, i, i, ts[i], loop, hs[i], segs[i]).ok());
+  }
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == kN; }));
+  ASSERT_TRUE(server_
+                  ->with_session("sess",
+                                 [&](ServerSession& s) {
+                                   EXPECT_TRUE(s.disconnect_path(s.paths()[0].name).ok());
+                                 })
+                  .ok());
+  EXPECT_TRUE(loop.run_until([&] {
+    auto ps = client_->paths();
+    return ps[0].stats.failovered + ps[1].stats.failovered > 0;
+  })) << "the broken path's requests failed over";
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  EXPECT_TRUE(loop.run_until([&] {
+    for (auto& t : ts)
+      if (t.calls.load() == 0) return false;
+    return true;
+  })) << "every request completes";
+  for (uint32_t i = 0; i < kN; ++i) {
+    EXPECT_EQ(ts[i].calls.load(), 1) << i;
+    EXPECT_EQ(ts[i].err.load(), 0) << i;
+    EXPECT_EQ(vol_.mem()[i * 4096], std::byte(i + 1)) << "write " << i << " landed";
+  }
+  ASSERT_TRUE(wait_until([&] {
+    for (auto& p : client_->paths())
+      if (p.state != ClientPathState::connected) return false;
+    return true;
+  })) << "the broken path reconnects";
+  // Requests on both paths: the new connection's first completions run on its IO thread and
+  // hand off; the reap(0) that follows borrows it, and from then on the loop runs them.
+  constexpr uint32_t kM = 32;
+  std::vector<LoopTracked> more(kM);
+  std::vector<VolHdr> mh(kM);
+  std::vector<IoSeg> ms(kM);
+  for (uint32_t i = 0; i < kM; ++i) {
+    ASSERT_TRUE(submit_looped(*client_, *buf_, IoDir::read, i % kN, 100 + i, more[i], loop, mh[i], ms[i]).ok());
+    EXPECT_TRUE(loop.run_until([&] { return more[i].calls.load() == 1; })) << i;
+    EXPECT_EQ(more[i].err.load(), 0) << i;
+  }
+  size_t late_on_caller = 0;
+  for (uint32_t i = kM / 2; i < kM; ++i) late_on_caller += more[i].on_caller.load();
+  EXPECT_GE(late_on_caller, kM / 2 - 2) << "the loop took the new connection back";
+  EXPECT_EQ(loop.stalls, 0u);
+  EXPECT_TRUE(loop.settles());
+  rr->reset();
+}
+
+// Case: the session is destroyed while an event loop holds its connections lent (idle) and a
+// request is in flight. Expect: the request fails with ECONNABORTED exactly once, reap(0) then
+// says ESHUTDOWN, and the fd stays valid (pollable) until the reaper goes.
+TEST_F(Session, ReaperFdOutlivesItsSessionUntilTheReaperGoes) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  std::unique_ptr<CompletionReaper> reaper = std::move(*rr);
+  auto fd = reaper->fd();
+  ASSERT_TRUE(fd.ok());
+  ASSERT_TRUE(reaper->reap(0us).ok());
+  vol_.hold(true);
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, 0, 0, t, h, seg).ok());
+  ASSERT_TRUE(reaper->reap(0us).ok());
+  buf_.reset();
+  client_.reset();
+  EXPECT_EQ(t.calls.load(), 1);
+  EXPECT_EQ(t.err.load(), ECONNABORTED);
+  auto n = reaper->reap(0us);
+  ASSERT_FALSE(n.ok());
+  EXPECT_EQ(n.error().value(), ESHUTDOWN);
+  pollfd p{*fd, POLLIN, 0};
+  EXPECT_GE(::poll(&p, 1, 0), 0);
+  EXPECT_EQ(p.revents & POLLNVAL, 0) << "the fd is the reaper's until it goes";
   reaper.reset();
   vol_.hold(false);
   for (auto* r : vol_.take_held()) vol_.serve(*r);

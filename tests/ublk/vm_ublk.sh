@@ -7,6 +7,7 @@
 # ibnbd-server exports a 128 MiB file on 198.18.0.2 (rxe1/veth1); ibnbd-client maps it from
 # 198.18.0.1 with --ublk. Then, each step bounded in time:
 #   mkfs.ext4 on /dev/ublkbN, mount, write files; fio (randwrite, verify=crc32c) on a file in it;
+#   a second path, then each path disconnected and reconnected under fio with verify;
 #   kill -9 of ibnbd-client in the middle of a rate-limited fio write run, restart with the same
 #   --state-dir: the daemon takes the device back (USER_RECOVERY), fio finishes with no error and
 #   its verify passes; the files written before are intact; unmount, e2fsck -fn clean; remount
@@ -31,9 +32,10 @@ for t in jq fio mkfs.ext4 e2fsck mount umount timeout sha256sum blkdiscard block
   command -v "$t" >/dev/null || skip "no $t"
 done
 A=$IBTRS_RDMA_ADDR_A B=$IBTRS_RDMA_ADDR_B
+# Two listeners (two ports): the path-cut case adds a second path to the same server.
 case "$fabric" in
-  rdma) listen=(--listen "rdma:$B:0") src="rdma:$A@" ;;
-  tcp) listen=(--listen "tcp:$B:0") src="" ;;  # the client's packets leave through veth0
+  rdma) listen=(--listen "rdma:$B:0" --listen "rdma:$B:0") src="rdma:$A@" ;;
+  tcp) listen=(--listen "tcp:$B:0" --listen "tcp:$B:0") src="" ;;  # the client's packets leave through veth0
   *) echo "fabric must be rdma or tcp" >&2; exit 2 ;;
 esac
 echo "# fabric $fabric"
@@ -83,7 +85,8 @@ ibnbd_auth "$work"
   --ready-file "$work/srv.ready" --hb-interval-ms 300 >"$work/srv.log" 2>&1 &
 srv_pid=$!
 wait_file "$work/srv.ready" || fatal "server start" "$(tail -3 "$work/srv.log")"
-addr=$(sed -n "s/^listening /$src/p" "$work/srv.ready" | head -1)
+addr=$(sed -n "s/^listening /$src/p" "$work/srv.ready" | sed -n 1p)
+addr2=$(sed -n "s/^listening /$src/p" "$work/srv.ready" | sed -n 2p)
 start_client || fatal "client start" "$(tail -3 "$work/cl.log")"
 ok "daemons up ($addr)"
 
@@ -132,6 +135,40 @@ fio_args=(--name=ublk --filename="$work/mnt/fio.dat" --size=24M --ioengine=libai
 # Case: fio with verify. Expect: no error.
 if timeout 180 fio "${fio_args[@]}" --size=8M >"$work/fio0" 2>&1; then ok "fio randwrite + verify"
 else not_ok "fio randwrite + verify" "$(tail -3 "$work/fio0")"; fi
+
+# Case: a second path to the server, then each path cut in turn (disconnect, reconnect) while
+# fio writes with verify: the queue threads reap the connections being torn down, and their
+# requests fail over. Expect: fio ends with no error and its verify passes, the mapping counts
+# no IO error, and the queue threads reaped completions themselves (ublk_reaped > 0).
+paths_of() { c -f json path list u1 | jq -r '.[].pathname'; }
+if c path add u1 "$addr2" >"$work/out" 2>&1 && [ "$(paths_of | wc -l)" = 2 ]; then
+  ok "second path added"
+  p1=$(paths_of | sed -n 1p) p2=$(paths_of | sed -n 2p)
+  timeout 300 fio "${fio_args[@]}" --rate=,4m --randseed=11 >"$work/fio-cut" 2>&1 &
+  fio_pid=$!
+  cut_ok=1
+  for p in "$p1" "$p2"; do
+    sleep 1
+    c path disconnect u1 "$p" >"$work/out" 2>&1 || { cut_ok=0; not_ok "disconnect $p" "$(cat "$work/out")"; }
+    sleep 1
+    c path reconnect u1 "$p" >"$work/out" 2>&1 || { cut_ok=0; not_ok "reconnect $p" "$(cat "$work/out")"; }
+  done
+  kill -0 "$fio_pid" 2>/dev/null || echo "# fio ended before the last reconnect: the cuts were not all under IO"
+  up=$(c -f json path list u1 | jq -r '[.[] | select(.state == "connected")] | length')
+  [ "$up" = 2 ] || { cut_ok=0; not_ok "paths after the cuts" "$up of 2 connected"; }
+  [ "$cut_ok" = 1 ] && ok "each path disconnected and reconnected under fio"
+  if wait "$fio_pid"; then ok "fio across the path cuts: no error, verify passed"
+  else not_ok "fio across the path cuts" "exit $?: $(grep -iE 'err|verify' "$work/fio-cut" | head -5)"; fi
+  fio_pid=""
+  read -r errs reaped reqs <<<"$(c -f json device show vol.img | jq -r '.[0] | "\(.errors) \(.ublk_reaped) \(.ublk_requests)"')"
+  [ "$errs" = 0 ] && ok "no IO errors on the mapping after the cuts" || not_ok "mapping errors after the cuts" "$errs"
+  echo "# ublk: $reqs requests, $reaped completions reaped by the queue threads"
+  [ "${reaped:-0}" -gt 0 ] 2>/dev/null && ok "the queue threads reaped completions" ||
+    not_ok "reaping" "ublk_reaped '$reaped' of $reqs requests"
+  c path delete u1 "$p2" >"$work/out" 2>&1 && ok "second path deleted" || not_ok "path delete" "$(cat "$work/out")"
+else
+  not_ok "path add" "$(cat "$work/out")"
+fi
 
 # Case: the client daemon dies (kill -9) in the middle of a fio write run (rate-limited writes:
 # ~6 s for 24 MiB), and is restarted with the same state dir. Expect: the same /dev/ublkbN taken

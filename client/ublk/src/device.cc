@@ -4,17 +4,30 @@
 //   setup   ring; FETCH_REQ for every tag and a read of the queue's eventfd, one submit; ready.
 //   serve   a tag's CQE (res 0) means a request in its descriptor: decode it, hand it to the
 //           RemoteDevice with the tag as context (the requests of one wake-up in one submission
-//           batch). The completion (a transport thread) writes the
-//           result into the tag and pushes it on the queue's Inbox; the first push onto an empty
-//           inbox writes the eventfd. The eventfd read's CQE makes the thread take the whole
-//           inbox and queue one COMMIT_AND_FETCH_REQ per tag; the next io_uring_enter submits
-//           them all and waits.
+//           batch). Its completion comes back one of two ways:
+//           - reaped (the usual way, UblkOptions::reap): the thread's ibtrs::CompletionReaper
+//             holds the transport connection its requests go to, and the reaper's fd() is
+//             polled in the ring (multishot POLL_ADD). Its CQE makes the thread call reap(0),
+//             which reads the connection and runs the completions right here: each writes its
+//             COMMIT_AND_FETCH_REQ into the SQ at once. One wake-up per completion batch, where
+//             the inbox way costs three (the IO thread's, the eventfd write, ours).
+//           - through the inbox: a completion on another thread (a transport IO thread that
+//             took the connection back after ~10 ms unreaped, a large request spread over the
+//             connections, failover, a request that waited for a path, no reaper) writes the
+//             result into the tag and pushes it on the queue's Inbox; the first push onto an
+//             empty inbox writes the eventfd. Its read's CQE makes the thread take the whole
+//             inbox and queue one COMMIT_AND_FETCH_REQ per tag, then reap(0) once: an IO
+//             thread's completion means the connection went back to it, and reap borrows it
+//             again.
+//           The next io_uring_enter submits the commits and waits.
 //   end     a tag's CQE with -ENODEV (UBLK_IO_RES_ABORT) means the device is going away: the
 //           tag is done. The thread ends when stop is asked (after STOP_DEV) or every tag is
 //           done, and in both cases only once no request of it is with the RemoteDevice (the
-//           completions point into the queue). Leaving the ring cancels fetches still pending.
+//           completions point into the queue). The reaper goes first (its connections back to
+//           the IO threads), then the ring: leaving it cancels fetches still pending.
 #include <fcntl.h>
 #include <liburing.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
@@ -45,6 +58,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kEventfdUserData = ~uint64_t{0};  // user_data of the eventfd read
+constexpr uint64_t kReapUserData = ~uint64_t{1};     // user_data of the reaper fd's poll
+constexpr uint64_t kCancelUserData = ~uint64_t{2};   // user_data of that poll's removal
 constexpr long kPageSize = 4096;
 
 uint64_t page_round(uint64_t v) { return (v + kPageSize - 1) / kPageSize * kPageSize; }
@@ -60,6 +75,10 @@ void sleep_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms
 }  // namespace
 
 struct Queue;
+
+// The queue whose thread this is (nullptr on any other thread): a completion running here may
+// commit its tag itself.
+thread_local Queue* tl_queue = nullptr;
 
 // One tag of a queue: its buffer segment and, while its request is with the RemoteDevice, the
 // result to commit. Only the queue thread touches it, except `result` and `next`, which the
@@ -84,6 +103,7 @@ struct Queue {
   const uapi::ublksrv_io_desc* descs = nullptr;  // the kernel's, read-only
   size_t descs_len = 0;
   std::unique_ptr<ibtrs::RegisteredMemory> buf;
+  ibtrs::ClientSession* transport = nullptr;  // for make_reaper (outlives the device)
   std::vector<Tag> tags;
   Inbox<Tag, &Tag::next> inbox;
   UniqueFd efd;
@@ -99,8 +119,13 @@ struct Queue {
   uint32_t remote = 0;         // requests with the RemoteDevice
   uint32_t kernel_tags = 0;    // tags whose FETCH / COMMIT_AND_FETCH the driver holds
   uint32_t pending_sqes = 0;   // prepared, not yet submitted
+  // The reaper of this thread's connection (null: none, or dropped after an error) and
+  // whether its fd's poll is armed in the ring.
+  std::unique_ptr<ibtrs::CompletionReaper> reaper;
+  bool reap_polled = false;
+  bool need_reap = false;  // call reap(0) once the CQEs of this wake-up are handled
 
-  std::atomic<uint64_t> requests{0}, errors{0}, wakeups{0};
+  std::atomic<uint64_t> requests{0}, errors{0}, wakeups{0}, reaps{0}, reaped{0};
 
   ~Queue() {
     if (descs != nullptr) ::munmap(const_cast<uapi::ublksrv_io_desc*>(descs), descs_len);
@@ -121,6 +146,14 @@ struct Queue {
     auto* t = static_cast<Tag*>(ctx);
     t->result = err != 0 ? -err : t->ok_result;
     Queue* q = t->q;  // read before the push: after it the tag belongs to the queue thread
+    if (q == tl_queue) {
+      // Our own thread (inside reap(), or a completion run inside a submission): commit now,
+      // the next io_uring_enter sends it.
+      q->reaped.fetch_add(1, std::memory_order_relaxed);
+      --q->remote;
+      q->commit(*t, t->result);
+      return;
+    }
     if (q->inbox.push(t)) q->wake();
   }
 
@@ -160,6 +193,63 @@ struct Queue {
     if (!queue_cmd(t, uapi::kUIoCommitAndFetchReq, result)) log("no SQE for a commit (tag lost)");
   }
 
+  // The reaper's fd in the ring: multishot, so it stays armed across completions (re-armed
+  // when the kernel ends it, e.g. on a CQ overflow).
+  bool arm_reap_poll(int fd) {
+    io_uring_sqe* sqe = get_sqe();
+    if (sqe == nullptr) return false;
+    io_uring_prep_poll_multishot(sqe, fd, POLLIN);
+    sqe->user_data = kReapUserData;
+    reap_polled = true;
+    return true;
+  }
+
+  // Makes this thread's reaper (its requests' connection index: the session's choice for this
+  // thread) and arms its fd. Without one (EBUSY: another thread of this process reaps that
+  // index, such as a queue of another device on the same session) the queue runs on the inbox
+  // alone.
+  void setup_reaper() {
+    auto r = transport->make_reaper();
+    if (!r.ok()) {
+      log("no completion reaper (" + r.error().message() + "): completions through the IO threads");
+      return;
+    }
+    auto fd = (*r)->fd();
+    if (!fd.ok()) {
+      log("no completion reaper fd (" + fd.error().message() + "): completions through the IO threads");
+      return;
+    }
+    reaper = std::move(*r);
+    // Borrow the connections now, so the fd watches them before the first request.
+    (void)reaper->reap(std::chrono::microseconds(0));
+    if (!arm_reap_poll(*fd)) drop_reaper("no SQE for its poll");
+  }
+
+  // From here on the inbox carries every completion: the reaper's connections go back to
+  // their IO threads. Its fd's poll, if armed, is cancelled (its CQE is then ignored).
+  void drop_reaper(const std::string& why) {
+    if (!reaper) return;
+    log("completion reaper dropped (" + why + "): completions through the IO threads");
+    if (reap_polled) {
+      io_uring_sqe* sqe = get_sqe();
+      if (sqe != nullptr) {
+        io_uring_prep_poll_remove(sqe, kReapUserData);
+        sqe->user_data = kCancelUserData;
+      }
+      reap_polled = false;
+    }
+    reaper.reset();
+  }
+
+  // Runs what completed on the reaper's connections; their callbacks commit their tags.
+  void reap_now() {
+    need_reap = false;
+    if (!reaper) return;
+    reaps.fetch_add(1, std::memory_order_relaxed);
+    auto r = reaper->reap(std::chrono::microseconds(0));
+    if (!r.ok()) drop_reaper(r.error().message());
+  }
+
   bool arm_eventfd() {
     io_uring_sqe* sqe = get_sqe();
     if (sqe == nullptr) return false;
@@ -184,6 +274,8 @@ struct Queue {
     t.ok_result = success_result(*r);
     t.seg.len = static_cast<uint32_t>(r->op == IoOp::read || r->op == IoOp::write ? r->len : 0);
     const IoDone done{&Queue::on_done, &t};
+    // Counted before: the completion may run on this thread before the call returns.
+    ++remote;
     Status st;
     switch (r->op) {
       case IoOp::read: st = dev->read(r->offset, std::span(&t.seg, 1), done); break;
@@ -195,11 +287,10 @@ struct Queue {
         break;
       default: st = errc(EOPNOTSUPP); break;
     }
-    if (!st.ok()) {
+    if (!st.ok()) {  // the callback does not run
+      --remote;
       commit(t, -st.error().value());
-      return;
     }
-    ++remote;
   }
 
   void handle(const io_uring_cqe* cqe) {
@@ -209,6 +300,21 @@ struct Queue {
       if (cqe->res < 0 && cqe->res != -EINTR && cqe->res != -EAGAIN)
         log("eventfd read: " + std::string(std::strerror(-cqe->res)));
       if (!arm_eventfd()) log("no SQE for the eventfd");
+      return;
+    }
+    if (cqe->user_data == kReapUserData) {
+      if (!reaper) return;  // the poll of a dropped reaper, ending
+      if (cqe->res < 0) {
+        reap_polled = false;
+        drop_reaper("poll: " + std::string(std::strerror(-cqe->res)));
+        return;
+      }
+      need_reap = true;
+      if ((cqe->flags & IORING_CQE_F_MORE) == 0) {
+        reap_polled = false;
+        auto fd = reaper->fd();
+        if (!fd.ok() || !arm_reap_poll(*fd)) drop_reaper("poll not re-armed");
+      }
       return;
     }
     if (cqe->user_data >= tags.size()) return;  // not ours: ignore
@@ -223,18 +329,23 @@ struct Queue {
     }
   }
 
-  void drain_inbox() {
-    for (Tag* t = inbox.take_all(); t != nullptr;) {
+  // Commits what completed on other threads; how many.
+  uint32_t drain_inbox() {
+    uint32_t n = 0;
+    for (Tag* t = inbox.take_all(); t != nullptr; ++n) {
       Tag* next = t->next;
       --remote;
       commit(*t, t->result);
       t = next;
     }
+    return n;
   }
 
   // Waits for the requests still with the RemoteDevice without the ring (it failed): they
   // point into this queue.
   void wait_remote_without_ring() {
+    reap_polled = false;  // the ring is not used any more
+    reaper.reset();       // its connections back to the IO threads: completions via the inbox
     while (remote > 0) {
       uint64_t v;
       if (::read(efd.get(), &v, sizeof(v)) < 0 && errno != EINTR) sleep_ms(1);
@@ -250,9 +361,11 @@ struct Queue {
     // this very device): PR_SET_IO_FLUSHER keeps its allocations from recursing into IO. Needs
     // CAP_SYS_RESOURCE; without it we serve anyway.
     (void)::prctl(PR_SET_IO_FLUSHER, 1, 0, 0, 0);
+    tl_queue = this;
 
-    // SQ: one SQE per tag at most (a FETCH or a COMMIT) plus the eventfd read.
-    const uint32_t entries = round_up_pow2(uint32_t{depth} + 1);
+    // SQ: one SQE per tag at most (a FETCH or a COMMIT) plus the eventfd read, the reaper's
+    // poll and its removal.
+    const uint32_t entries = round_up_pow2(uint32_t{depth} + 3);
     io_uring_params p{};
     p.flags = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER;
     int r = io_uring_queue_init_params(entries, &ring, &p);
@@ -265,9 +378,11 @@ struct Queue {
       return;
     }
     bool ok = arm_eventfd();
+    if (ok && opts->reap) setup_reaper();
     for (auto& t : tags) ok = ok && queue_cmd(t, uapi::kUIoFetchReq, 0);
     r = io_uring_submit(&ring);
     if (!ok || r < 0 || static_cast<uint32_t>(r) != pending_sqes) {
+      reaper.reset();
       io_uring_queue_exit(&ring);
       ready.set_value(errc(r < 0 ? -r : EIO));
       return;
@@ -276,7 +391,10 @@ struct Queue {
     ready.set_value({});
 
     for (;;) {
-      drain_inbox();
+      // A completion that came through an IO thread says the connection may have gone back to
+      // it (left unreaped ~10 ms): reap borrows it again.
+      if (drain_inbox() > 0) need_reap = true;
+      if (need_reap) reap_now();
       if (remote == 0 && (stop.load(std::memory_order_acquire) || kernel_tags == 0)) break;
       r = io_uring_submit_and_wait(&ring, 1);
       if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
@@ -297,10 +415,15 @@ struct Queue {
       }
       dev->end_batch();
       io_uring_cq_advance(&ring, n);
+      // Not inside the batch (reap() refuses it): the requests just started are on the wire,
+      // and what completed meanwhile is committed before the next io_uring_enter.
+      if (need_reap) reap_now();
     }
     if (kernel_tags == 0 && !stop.load()) log("every tag aborted: the device is gone");
-    // Fetches still pending are cancelled by the ring's end (the device is stopped, or the
-    // driver quiesces it as for a dead daemon).
+    // The connections back to their IO threads, then the ring: fetches still pending are
+    // cancelled by its end (the device is stopped, or the driver quiesces it as for a dead
+    // daemon), and so is the reaper fd's poll.
+    reaper.reset();
     io_uring_queue_exit(&ring);
   }
 };
@@ -363,6 +486,7 @@ struct UblkDevice::Impl {
       auto b = session.alloc_buffer(size_t{buf_bytes} * info.queue_depth);
       if (!b.ok()) return b.error();
       queue->buf = std::move(*b);
+      queue->transport = &session.transport();
       queue->tags.resize(info.queue_depth);
       for (uint16_t i = 0; i < info.queue_depth; ++i) {
         Tag& t = queue->tags[i];
@@ -425,6 +549,8 @@ UblkStats UblkDevice::stats() const {
     s.requests += q->requests.load(std::memory_order_relaxed);
     s.errors += q->errors.load(std::memory_order_relaxed);
     s.wakeups += q->wakeups.load(std::memory_order_relaxed);
+    s.reaps += q->reaps.load(std::memory_order_relaxed);
+    s.reaped += q->reaped.load(std::memory_order_relaxed);
   }
   return s;
 }

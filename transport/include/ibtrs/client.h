@@ -281,6 +281,22 @@ class CompletionReaper {
   // Ends a blocking reap() (now, or the next one if none runs: it then returns at once).
   void wake();
 
+  // For a thread that waits in its own poll/epoll set (an event loop that also serves
+  // sockets) instead of inside reap(): a file descriptor that becomes readable (POLLIN) when a
+  // connection this reaper holds has completions, or may have them (spurious wake-ups are
+  // allowed). The thread waits for it with its own fds and, when it is readable, calls
+  // reap(0us), which consumes what made it readable and arms the connections again, so that
+  // the next completion makes it readable again.
+  // It covers the connections this reaper borrowed and still holds (lent between calls). One
+  // left unreaped for CqLease::kReclaimAfter goes back to its IO thread, and one that broke is
+  // replaced by one not borrowed yet; the completions there run on the IO threads as usual. A
+  // completion of the caller's that runs on another thread is thus the sign to call reap(0us),
+  // which borrows them again. wake() does not make the fd readable.
+  // Made on the first call, which gives back the connections held so far so that the set
+  // starts complete: an epoll fd owned by the reaper (never close it), valid until the reaper
+  // is destroyed. From the reaping thread, outside reap(). Errors: EMFILE/ENFILE.
+  Result<int> fd();
+
   struct Impl;
 
  private:

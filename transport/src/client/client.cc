@@ -2,6 +2,7 @@
 // proto/ibtrs_proto.h.
 #include <sys/eventfd.h>
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -1483,6 +1484,28 @@ struct CompletionReaper::Impl {
   // The CQs held during one reap() (one per path at most).
   Con* held[ClientSession::kMaxPaths];
   uint32_t nheld = 0;
+  // fd(): an epoll set over the fds of the CQs this reaper holds, lent or lent_idle. A CQ joins
+  // when it is borrowed from the poller and leaves when it is given back; one the poller
+  // reclaims from lent_idle stays in the set (we are not told), which only costs a spurious
+  // wake-up and a re-borrow, and leaves by itself when the CQ is destroyed (closing an fd takes
+  // it out of every epoll set). -1 until fd() is called: the set costs nothing before.
+  int epfd = -1;
+
+  ~Impl() {
+    if (epfd >= 0) ::close(epfd);
+  }
+
+  void watch(Con* c) {
+    if (epfd < 0) return;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.ptr = c;
+    ::epoll_ctl(epfd, EPOLL_CTL_ADD, c->cq->fd(), &ev);  // EEXIST: still there from before
+  }
+  void give_back(Con* c) {
+    if (epfd >= 0) ::epoll_ctl(epfd, EPOLL_CTL_DEL, c->cq->fd(), nullptr);
+    s->give_back(c);
+  }
 
   // Takes this reaper's CQ of every CONNECTED path: from its idle lease without a system call,
   // or from the poller (then mutes it there). The poller holds a CQ only for one pass over it
@@ -1501,7 +1524,7 @@ struct CompletionReaper::Impl {
         // The gate is closed from teardown until the next incarnation is up: such a CQ goes
         // back (teardown seizes it); the CQ object itself stays valid while we hold the lease.
         if (!c->gate.is_open()) {
-          s->give_back(c);
+          give_back(c);
           continue;
         }
       } else if (c->lease.take(core::CqLease::free, core::CqLease::lent)) {
@@ -1511,6 +1534,7 @@ struct CompletionReaper::Impl {
           continue;
         }
         c->poller->set_muted(c->cq.get(), true);
+        watch(c);
       } else {
         continue;
       }
@@ -1540,12 +1564,22 @@ struct CompletionReaper::Impl {
     for (uint32_t i = 0; i < nheld; ++i) {
       Con* c = held[i];
       if (closing || !c->gate.is_open()) {
-        s->give_back(c);
+        give_back(c);
         continue;
       }
       // Sends what callbacks posted in a batch of ours and acks owed (tcp), and asks for an
       // event (rdma), so that the poller, should it reclaim the CQ, misses nothing.
       (void)c->cq->arm();
+      // The caller waits on fd() next, not inside reap(): what completed between the last poll
+      // and arm() raised no event, so it is looked for now (the verbs protocol's second poll).
+      // A level-triggered CQ's fd says so by itself.
+      if (epfd >= 0 && !c->cq->level_triggered()) {
+        Completion wcs[32];
+        for (size_t n; (n = c->cq->poll(std::span(wcs, 32))) > 0;) {
+          c->on_completions(std::span(wcs, n));
+          (void)c->cq->arm();
+        }
+      }
       c->lease.idle(now);
     }
     nheld = 0;
@@ -1619,6 +1653,12 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   for (uint32_t i = 0; i < m.nheld; ++i) level = level && m.held[i]->cq->level_triggered();
   const bool block = wait.count() > 0;
   const bool forever = wait == std::chrono::microseconds::max();
+  // Waited on through fd(): the events that made it readable are consumed here (a verbs
+  // completion channel stays readable until they are read).
+  if (m.epfd >= 0 && !block) {
+    for (uint32_t i = 0; i < m.nheld; ++i)
+      if (!m.held[i]->cq->level_triggered()) m.held[i]->cq->ack_events();
+  }
   size_t got = block && level ? 0 : m.poll_held();
   if (got == 0 && block) {
     const auto deadline = forever ? core::Clock::time_point::max() : core::Clock::now() + wait;
@@ -1648,6 +1688,29 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
 }
 
 void CompletionReaper::wake() { impl_->port->wake(); }
+
+Result<int> CompletionReaper::fd() {
+  Impl& m = *impl_;
+  if (m.epfd >= 0) return m.epfd;
+  const int fd = ::epoll_create1(EPOLL_CLOEXEC);
+  if (fd < 0) return errc(errno);
+  // CQs held lent_idle from earlier calls never joined the set: back to their pollers, to be
+  // borrowed (and watched) by the next reap().
+  client::ReapPort& port = *m.port;
+  if (!port.closed.load(std::memory_order_acquire)) {
+    std::lock_guard lock(m.s->reap_mu);
+    if (!port.closed.load(std::memory_order_acquire)) {
+      for (auto& slot : m.s->paths) {
+        Path* pa = slot.load(std::memory_order_acquire);
+        if (pa == nullptr) continue;
+        Con* c = pa->io_con(port.ci);
+        if (c->lease.take(core::CqLease::lent_idle, core::CqLease::lent)) m.s->give_back(c);
+      }
+    }
+  }
+  m.epfd = fd;
+  return fd;
+}
 
 Result<std::unique_ptr<CompletionReaper>> ClientSession::make_reaper() {
   Impl* s = impl_.get();

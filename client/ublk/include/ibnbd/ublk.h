@@ -11,10 +11,13 @@
 // The IO path, per request: the driver copies WRITE data into the tag's buffer (READ data out
 // of it after the commit), so the buffer is the IoSeg of RemoteDevice::read / write: all tags of
 // a queue share ONE region registered through BlockSession::alloc_buffer, nothing is copied on
-// our side. Completions arrive on the transport's threads; they are pushed on a lock-free
-// intrusive list (one node per tag, no allocation) and the queue thread is woken through an
-// eventfd that its ring reads, so one wakeup commits every completion that arrived meanwhile,
-// all in one io_uring_enter.
+// our side. Each queue thread reaps its own transport connection (ibtrs::CompletionReaper, its
+// fd polled in the queue's ring): a completion runs on the queue thread and queues its commit
+// at once, one wake-up per batch of completions. Completions that run on the transport's
+// threads anyway (after the connection went back to its IO thread, large requests spread over
+// the connections, failover, UblkOptions::reap off) are pushed on a lock-free intrusive list
+// (one node per tag, no allocation) and the queue thread is woken through an eventfd that its
+// ring reads. Either way every completion of a wake-up is committed in one io_uring_enter.
 //
 // Operations: READ, WRITE (FUA -> kIoFua), FLUSH, DISCARD, WRITE_ZEROES (NOUNMAP -> no_unmap).
 // WRITE_SAME and zone operations get EOPNOTSUPP. A request the kernel should never send (longer
@@ -90,6 +93,12 @@ struct UblkOptions {
   // How long recover() waits for the kernel to notice the dead daemon (state LIVE -> QUIESCED,
   // START_USER_RECOVERY's EBUSY), and create()/recover() for /dev/ublkcN to appear.
   std::chrono::milliseconds wait_timeout{20000};
+  // Each queue thread reaps its own transport connection (see the top of this file). Off: every
+  // completion comes from the transport's IO threads through the inbox and an eventfd (three
+  // wake-ups per request instead of one; for comparison, or if reaping misbehaves). A queue
+  // whose reaper cannot be made (ClientSession::make_reaper's EBUSY: another queue of this
+  // process reaps the same connection index of that session) runs that way too.
+  bool reap = true;
   // Diagnostics (queue thread trouble, refused requests), any thread. May be empty.
   std::function<void(const std::string&)> log;
 };
@@ -97,7 +106,9 @@ struct UblkOptions {
 struct UblkStats {
   uint64_t requests = 0;  // served, all queues
   uint64_t errors = 0;    // committed with an error
-  uint64_t wakeups = 0;   // eventfd wakeups of the queue threads (requests / wakeups = batch)
+  uint64_t wakeups = 0;   // eventfd wakeups of the queue threads (completions via the inbox)
+  uint64_t reaps = 0;     // reap() calls of the queue threads (after a poll wake-up or the inbox)
+  uint64_t reaped = 0;    // completions committed on the queue thread itself (no inbox)
 };
 
 class UblkDevice {
