@@ -506,18 +506,25 @@ void NbdServer::Impl::parse(Conn& c) {
 
 void NbdServer::Impl::on_readable(Conn& c) {
   // A bounded number of reads per wakeup keeps one busy client from starving the others.
+  // A read that returns less than it asked for found the socket empty: parsing what it brought
+  // is the last step, and epoll (level-triggered) says when more arrives, instead of a read
+  // that fails with EAGAIN (one system call per request at queue depth 1).
+  bool drained = false;
   for (int round = 0; round < 16 && !c.rx_closed; ++round) {
     parse(c);
     flush_out(c);
-    if (c.rx_closed || c.paused || (c.tls != nullptr && !c.tls->established())) return;
+    if (drained || c.rx_closed || c.paused || (c.tls != nullptr && !c.tls->established())) return;
     ssize_t n;
+    size_t want;
     if (c.rx_slot && c.in_beg == c.in_end) {
       // A WRITE payload goes straight into its slot, without the input buffer.
       std::byte* dst = c.rx_slot->data + c.rx_got;
-      n = c.recv_into(dst, c.rx_slot->length - c.rx_got);
+      want = c.rx_slot->length - c.rx_got;
+      n = c.recv_into(dst, want);
       if (n > 0) {
         c.rx_got += static_cast<size_t>(n);
         c.last_io = Clock::now();
+        drained = static_cast<size_t>(n) < want;
         continue;
       }
     } else {
@@ -528,10 +535,12 @@ void NbdServer::Impl::on_readable(Conn& c) {
         c.in_beg = 0;
       }
       if (c.in_end == c.in.size()) return;  // cannot happen: one message fits the buffer
-      n = c.recv_into(c.in.data() + c.in_end, c.in.size() - c.in_end);
+      want = c.in.size() - c.in_end;
+      n = c.recv_into(c.in.data() + c.in_end, want);
       if (n > 0) {
         c.in_end += static_cast<size_t>(n);
         c.last_io = Clock::now();
+        drained = static_cast<size_t>(n) < want;
         continue;
       }
     }
