@@ -263,7 +263,9 @@ void NbdServer::Impl::run() {
   std::vector<uint64_t> ids;
   for (;;) {
     if (stop_done && conns.empty()) break;
-    const int timeout = !rx_ready.empty() || local_head != nullptr ? 0 : conns.empty() ? -1 : 500;
+    bool resume = false;  // request memory came back during the last resume: waiters go again
+    for (auto& [e, pool] : pools) resume = resume || pool.resume;
+    const int timeout = !rx_ready.empty() || local_head != nullptr || resume ? 0 : conns.empty() ? -1 : 500;
     const int n = ::epoll_wait(epfd, evs, 64, timeout);
     if (n < 0 && errno != EINTR) break;
     bool poll = false;
