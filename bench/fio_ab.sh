@@ -8,10 +8,12 @@
 # Then the medians over the rounds per workload and variant, with IOPS and mean latency against
 # nbdkit's medians. With --perf, fio runs under `perf stat` and each line ends with the fio
 # process's context switches and system calls per IO (perf needs kernel.perf_event_paranoid
-# <= 1 or root); the medians table leaves them out. A benchmark, not a test.
+# <= 1 or root); the medians table leaves them out. With --load N, `stress-ng --cpu N` runs
+# beside the whole benchmark (a contended host: an adaptive wait must not lose to blocking
+# there). A benchmark, not a test.
 #
 #   bash bench/fio_ab.sh [--seconds N] [--rounds N] [--workloads "rw:bs:qd ..."] [--perf]
-#                        NAME=SO[:OPTS]...
+#                        [--load N] NAME=SO[:OPTS]...
 #
 # Server binary: $IBTRS_BUILD/server/ibnbd-server (default build).
 set -euo pipefail
@@ -22,9 +24,11 @@ rounds=2
 workloads="randread:4k:1 randwrite:4k:1 randread:4k:32 randwrite:4k:32"
 variants=()
 perf=0
+load=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --perf) perf=1; shift ;;
+    --load) load=$2; shift 2 ;;
     --seconds) seconds=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
@@ -33,6 +37,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ "${#variants[@]}" -gt 0 ] || { echo "no variant given" >&2; exit 2; }
+case "$load" in '' | *[!0-9]*) echo "--load takes a number of CPU workers" >&2; exit 2 ;; esac
+if [ "$load" -gt 0 ]; then
+  command -v stress-ng >/dev/null || { echo "stress-ng is missing (scripts/setup.sh installs it)" >&2; exit 1; }
+fi
 build=$(cd "$top/${IBTRS_BUILD:-build}" && pwd)
 srv="$build/server/ibnbd-server"
 
@@ -60,6 +68,14 @@ pids+=("$nbd_pid")
 for _ in $(seq 200); do [ -e "$tmp/srv.ready" ] && [ -e "$tmp/nbdkit.sock" ] && break; sleep 0.05; done
 addr=$(sed -n 's/^listening //p' "$tmp/srv.ready" | head -1)
 [ -n "$addr" ] || { cat "$tmp/srv.log" >&2; exit 1; }
+if [ "$load" -gt 0 ]; then
+  # Bounded like every run here: the benchmark's own length and a minute more.
+  nw=$(wc -w <<<"$workloads")
+  stress-ng --cpu "$load" --timeout $((rounds * nw * (${#variants[@]} + 1) * (seconds + 5) + 60)) \
+    >"$tmp/stress.log" 2>&1 &
+  pids+=($!)
+  sleep 1  # its workers up before the first run
+fi
 
 ticks() {
   local sum=0 p
@@ -96,7 +112,7 @@ one() {
     else echo "$l"; fi; }
 }
 
-echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg); $rounds rounds of ${seconds} s"
+echo "# load average before: $(cut -d' ' -f1-3 /proc/loadavg); $rounds rounds of ${seconds} s$([ "$load" -gt 0 ] && echo "; stress-ng --cpu $load beside")"
 if [ "$perf" = 1 ]; then
   echo "| workload | variant | IOPS | mean us | p99 us | CPU us/IO | fio ctx switches/IO | fio syscalls/IO |"
   echo "| --- | --- | --- | --- | --- | --- | --- | --- |"

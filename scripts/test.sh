@@ -60,7 +60,7 @@ configure_build() {  # configure_build DIR OPT [CMAKE-ARGS...] [-- TARGETS...]
 host_tests() {  # host_tests DIR [EXCLUDE]: every test that needs neither the VM nor real RDMA
   # Three at a time: most tests wait on sockets and timers (the default build's suite keeps
   # under half of two cores busy at two at a time).
-  ctest --test-dir "$1" -LE "${2:-^(rdma|vm)\$}" --output-on-failure -j 3 --timeout 300
+  ctest --test-dir "$1" -LE "${2:-^(rdma|vm|vm_one)\$}" --output-on-failure -j 3 --timeout 300
 }
 
 # The background builds: ASan, TSan, then the fuzz targets (clang 14 builds only what the fuzz
@@ -71,8 +71,8 @@ background_builds() {
   for name in asan tsan fuzz; do
     wanted "$name" || continue
     case $name in
-      asan) configure_build build-asan -Og -DIBTRS_SANITIZE=address -DIBTRS_RDMA=ON ;;
-      tsan) configure_build build-tsan -O1 -DIBTRS_SANITIZE=thread -DIBTRS_RDMA=ON ;;
+      asan) configure_build build-asan -Og -DIBTRS_SANITIZE=address -DIBTRS_RDMA=ON -DIBTRS_BENCH=OFF ;;
+      tsan) configure_build build-tsan -O1 -DIBTRS_SANITIZE=thread -DIBTRS_RDMA=ON -DIBTRS_BENCH=OFF ;;
       fuzz) CXX=clang++ configure_build build-fuzz -O2 -DIBTRS_WERROR=ON -DIBTRS_FUZZ=ON \
               -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON -- \
               fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto fuzz_auth ;;
@@ -95,8 +95,8 @@ wait_build() {  # wait_build NAME: the background build's result, its log's tail
 
 # The sanitizer stages leave out the netns scripts: they drive the same binaries as the host
 # stage through shell, for about a minute each, and find nothing a sanitizer would.
-asan_tests() { wait_build asan && host_tests build-asan '^(rdma|vm|netns)$'; }
-tsan_tests() { wait_build tsan && host_tests build-tsan '^(rdma|vm|netns)$'; }
+asan_tests() { wait_build asan && host_tests build-asan '^(rdma|vm|vm_one|netns)$'; }
+tsan_tests() { wait_build tsan && host_tests build-tsan '^(rdma|vm|vm_one|netns)$'; }
 # Two fuzzers at a time: each is one process on one core.
 fuzz_tests() { wait_build fuzz && ctest --test-dir build-fuzz -L fuzz --output-on-failure -j 2; }
 
@@ -111,7 +111,8 @@ if wanted asan || wanted tsan || wanted fuzz; then
   bg_pid=$!
 fi
 stage host host_tests build
-# Real RDMA (Soft-RoCE) and the tcp provider inside the VM; skips (77) only without QEMU.
+# Real RDMA (Soft-RoCE), ublk, nbd and kTLS inside the VM: the rig's self-test and every VM test
+# in one boot (vm_suite); skips (77) only without QEMU.
 stage vm ctest --test-dir build -L '^vm$' --output-on-failure --timeout 900
 stage asan asan_tests
 stage tsan tsan_tests

@@ -18,13 +18,20 @@
 //   getevents  ibnbd_reap=caller (default): the job thread reaps its own completions
 //              (ibtrs::CompletionReaper): it polls its transport connection - reads the tcp
 //              socket, polls the rdma CQ - and the callbacks run on it, so a round trip wakes the
-//              server's IO thread and this thread, and no transport IO thread in between. It
-//              spins (non-blocking reaps) up to ibnbd_poll_us, then blocks in the connection's
-//              fd. ibnbd_reap=thread: completions run on transport IO threads and are pushed on
-//              a lock-free stack; getevents takes them, spinning up to ibnbd_poll_us before it
-//              sleeps on a futex that only a completion finding it asleep wakes. In caller mode
-//              the requests that complete elsewhere (large ones spread over the connections,
-//              failed-over ones, failures) take that same stack and wake the reaper instead.
+//              server's IO thread and this thread, and no transport IO thread in between.
+//              ibnbd_reap=thread: completions run on transport IO threads and are pushed on a
+//              lock-free stack; getevents takes them, or sleeps on a futex that only a
+//              completion finding it asleep wakes. In caller mode the requests that complete
+//              elsewhere (large ones spread over the connections, failed-over ones, failures)
+//              take that same stack and wake the reaper instead.
+//              How it waits, in both modes: ibnbd_poll=adaptive (default, hybrid_poll.h) sleeps
+//              until shortly before the expected completion (a blocking wait with a timeout,
+//              which a completion ends early), spins (non-blocking looks: a readv per look in
+//              caller mode on tcp) within a budget, then blocks; it blocks from the start while
+//              the CPU is contended (/proc/loadavg's run queue, preempted spins), when spins keep
+//              missing, and when spinning costs more per IO than the blocking waits it probes
+//              now and then. ibnbd_poll=block blocks at once; ibnbd_poll_us spins that long first,
+//              whatever ibnbd_poll says (the fixed spin of before).
 //   cleanup    destroys the session (it fails whatever still waits with ESHUTDOWN first).
 //
 // fio is C: no exception may unwind into it. Every entry point catches at the boundary and turns
@@ -32,6 +39,7 @@
 #include <atomic>  // before fio's headers: arch/arch.h includes it for C++, not inside extern "C"
 #include <linux/futex.h>
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -48,6 +56,7 @@
 #include <string_view>
 #include <vector>
 
+#include "hybrid_poll.h"
 #include "ibnbd/client.h"
 
 extern "C" {
@@ -71,6 +80,9 @@ struct EngineOptions {
   unsigned int poll_us;
   char* reap;
   char* host_key;
+  char* poll;
+  unsigned int poll_stats;
+  unsigned int poll_runnable;
 };
 
 // Non-const because fio's ioengine_ops::options is a plain pointer; fio only reads it.
@@ -135,8 +147,42 @@ fio_option g_options[] = {
         .lname = "IBNBD completion polling",
         .type = FIO_OPT_INT,
         .off1 = offsetof(EngineOptions, poll_us),
-        .help = "Microseconds getevents spins for completions before it sleeps (0: sleeps at once)",
+        .help = "Fixed spin: microseconds getevents spins for completions before it sleeps, "
+                "overriding ibnbd_poll (0: ibnbd_poll decides)",
         .def = "0",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_poll",
+        .lname = "IBNBD completion waiting",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, poll),
+        .help = "How getevents waits: adaptive (default: sleeps until shortly before the expected "
+                "completion, then spins within a budget; blocks when the CPU is contended, spins "
+                "miss or do not pay) or block (sleeps at once)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_poll_stats",
+        .lname = "IBNBD completion waiting statistics",
+        .type = FIO_OPT_BOOL,
+        .off1 = offsetof(EngineOptions, poll_stats),
+        .help = "Print how ibnbd_poll=adaptive waited (hybrid waits and why it blocked) at the end",
+        .def = "0",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
+        .name = "ibnbd_poll_runnable",
+        .lname = "IBNBD run queue check",
+        .type = FIO_OPT_BOOL,
+        .off1 = offsetof(EngineOptions, poll_runnable),
+        .help = "ibnbd_poll=adaptive samples the run queue (/proc/loadavg) and blocks while the "
+                "other runnable tasks leave no CPU idle (0: only preempted spins, misses and the "
+                "cost comparison make it block)",
+        .def = "1",
         .category = FIO_OPT_C_ENGINE,
         .group = FIO_OPT_G_INVALID,
     },
@@ -181,6 +227,7 @@ struct Config {
   std::string device;
   ibnbd::AccessMode mode = ibnbd::AccessMode::ro;
   bool reap_caller = true;
+  bool adaptive = true;
 };
 
 int make_config(thread_data* td, const std::string& name, Config& out) {
@@ -228,6 +275,14 @@ int make_config(thread_data* td, const std::string& name, Config& out) {
     }
     out.reap_caller = r == "caller";
   }
+  if (o->poll != nullptr) {
+    const std::string_view m = o->poll;
+    if (m != "adaptive" && m != "block") {
+      log_err("ibnbd: bad ibnbd_poll '%s' (adaptive, block)\n", o->poll);
+      return EINVAL;
+    }
+    out.adaptive = m == "adaptive";
+  }
   if (o->host_key != nullptr) {
     std::string why;
     auto a = ibtrs::client_auth_from_key_file(o->host_key, {}, &why);
@@ -271,14 +326,40 @@ struct Engine {
 
   // Completions: pushed by transport threads (newest first), taken by getevents.
   std::atomic<Node*> done{nullptr};
-  std::atomic<uint32_t> sleeping{0};  // getevents sleeps (or is about to) on `word`
+  // getevents sleeps (or is about to): kSleepFutex on `word`, kSleepReaper in the reaper.
+  std::atomic<uint32_t> sleeping{0};
   std::atomic<uint32_t> word{0};      // futex word, bumped by a completion that wakes it
   // Job thread only: completions taken off the stack, oldest first, not yet handed to fio
   // (ready[ready_head..]); and what the last getevents handed over, read by ->event.
   std::vector<io_u*> ready;
   size_t ready_head = 0;
   std::vector<io_u*> events;
+
+  // Job thread only: whether waits reap (caller mode, and the reaper has not refused).
+  bool reaper_ok = false;
+  bool reaping() const { return reaper_ok; }
+
+  // ibnbd_poll=adaptive (job thread only).
+  bool adaptive = false;
+  ibnbd::fio::HybridPoll policy;
+  int64_t policy_gap_ns = ibnbd::fio::HybridPollConfig{}.preempt_gap_ns;
+  int loadavg_fd = -1;
+  uint32_t cpus = 1;
+  int64_t runnable_at = 0;    // when the run queue was last sampled
+  int64_t last_wait_end = 0;  // for the time per completion
+  size_t taken = 0;           // completions taken off the stack since then
+  int old_timer_slack = -1;   // restored at cleanup
+  struct Stats {
+    uint64_t waits = 0;
+    uint64_t reason[ibnbd::fio::kBlockReasons] = {};  // by BlockReason (none: a hybrid wait)
+    uint64_t end[3] = {};  // hybrid waits by WaitEnd
+    uint64_t preempted = 0;
+  };
+  std::unique_ptr<Stats> stats;  // ibnbd_poll_stats
 };
+
+constexpr uint32_t kSleepFutex = 1;
+constexpr uint32_t kSleepReaper = 2;
 
 Engine* engine_of(thread_data* td) { return static_cast<Engine*>(td->io_ops_data); }
 
@@ -304,8 +385,10 @@ void on_done(void* ctx, int err) {
     n->next = head;
   } while (!e->done.compare_exchange_weak(head, n, std::memory_order_seq_cst,
                                           std::memory_order_relaxed));
-  if (t_reaping == e || e->sleeping.load(std::memory_order_seq_cst) == 0) return;
-  if (e->reaper) {
+  if (t_reaping == e) return;
+  const uint32_t sleeping = e->sleeping.load(std::memory_order_seq_cst);
+  if (sleeping == 0) return;
+  if (sleeping == kSleepReaper) {
     e->reaper->wake();
     return;
   }
@@ -315,6 +398,8 @@ void on_done(void* ctx, int err) {
 
 // Moves the completed io_us off the stack to the end of `ready`, oldest first. Returns how many.
 size_t take_done(Engine& e) {
+  // A load first: an empty look (most of a spin) then leaves the line shared with the pushers.
+  if (e.done.load(std::memory_order_seq_cst) == nullptr) return 0;
   Node* n = e.done.exchange(nullptr, std::memory_order_seq_cst);
   if (n == nullptr) return 0;
   if (e.ready_head > 0) {  // drop what was handed over, so that iodepth entries always fit
@@ -324,6 +409,7 @@ size_t take_done(Engine& e) {
   const size_t start = e.ready.size();
   for (; n != nullptr; n = n->next) e.ready.push_back(n->u);  // reserved: at most iodepth
   std::reverse(e.ready.begin() + static_cast<std::ptrdiff_t>(start), e.ready.end());
+  e.taken += e.ready.size() - start;
   return e.ready.size() - start;
 }
 
@@ -500,6 +586,7 @@ int eng_init(thread_data* td) noexcept {
       auto r = e->session->transport().make_reaper();
       if (r) {
         e->reaper = std::move(*r);
+        e->reaper_ok = true;
       } else if (r.error() == std::errc::device_or_resource_busy) {
         // Another thread of this process reaps the same connection: completions stay on the
         // IO threads (correct either way, only slower).
@@ -511,6 +598,19 @@ int eng_init(thread_data* td) noexcept {
         return 1;
       }
     }
+    const auto* o = static_cast<const EngineOptions*>(td->eo);
+    e->adaptive = cfg.adaptive && o->poll_us == 0;
+    if (e->adaptive) {
+      // The sleeps are short timed waits: with the default 50 us timer slack a 20 us sleep
+      // could last 70. The job thread's slack goes back at cleanup.
+      e->old_timer_slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
+      ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+      if (o->poll_runnable)  // -1: no run queue check
+        e->loadavg_fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+      const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+      e->cpus = n > 0 ? static_cast<uint32_t>(n) : 1;
+    }
+    if (o->poll_stats) e->stats = std::make_unique<Engine::Stats>();
     // fio numbers its io_us 0..iodepth-1 (io_u->index); at most iodepth requests are out at
     // once, so with room reserved for that many nothing allocates per IO.
     e->nnodes = td->o.iodepth;
@@ -528,6 +628,28 @@ int eng_init(thread_data* td) noexcept {
 void eng_cleanup(thread_data* td) noexcept {
   auto* e = engine_of(td);
   if (e == nullptr) return;
+  if (e->stats) {
+    const auto& st = *e->stats;
+    const auto& r = st.reason;
+    // stderr: fio's log_info of a job process does not reach a JSON run's output.
+    std::fprintf(stderr,
+                 "ibnbd: %llu waits: hybrid %llu (slept %llu, spun %llu, spin missed %llu, "
+                 "preempted %llu); blocked: learning %llu, probe %llu, contended %llu, after "
+                 "preemption %llu, after misses %llu, no gain %llu (%llu verdicts); expected "
+                 "%lld us, sleep share %.2f, timer late %lld us; ns per IO: hybrid %lld, blocking %lld\n",
+                 (unsigned long long)st.waits, (unsigned long long)r[0],
+                 (unsigned long long)st.end[0], (unsigned long long)st.end[1],
+                 (unsigned long long)st.end[2], (unsigned long long)st.preempted,
+                 (unsigned long long)r[1], (unsigned long long)r[2], (unsigned long long)r[3],
+                 (unsigned long long)r[4], (unsigned long long)r[5], (unsigned long long)r[6],
+                 (unsigned long long)e->policy.no_gain_verdicts(),
+                 (long long)(e->policy.expected_ns() / 1000), e->policy.sleep_share(),
+                 (long long)(e->policy.oversleep_ns() / 1000),
+                 (long long)e->policy.hybrid_cost_ns(), (long long)e->policy.block_cost_ns());
+  }
+  if (e->old_timer_slack > 0)
+    ::prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(e->old_timer_slack), 0, 0, 0);
+  if (e->loadavg_fd >= 0) ::close(e->loadavg_fd);
   try {
     // The reaper, the device and the registration before the session: it must outlive them.
     e->reaper.reset();
@@ -650,100 +772,147 @@ int eng_commit(thread_data* td) noexcept {
 
 using Clock = std::chrono::steady_clock;
 
-// ibnbd_reap=caller: runs the job thread's completions here until `min` are ready. A blocking
-// reap sleeps in the connection's fd; a completion on another thread (see on_done) wakes it.
-// False: the reaper refused (the session is closing), and the futex path takes over.
-bool reap_until(Engine* e, size_t min, const timespec* t) {
-  auto have = [e] { return e->ready.size() - e->ready_head; };
-  const auto start = Clock::now();
-  const bool timed = t != nullptr;
-  const auto deadline =
-      start + (timed ? std::chrono::seconds(t->tv_sec) + std::chrono::nanoseconds(t->tv_nsec)
-                     : std::chrono::nanoseconds(0));
-  const auto spin_end = start + e->poll;
-  t_reaping = e;
-  bool ok = true;
-  while (have() < min) {
-    const auto now = Clock::now();
-    if (timed && now >= deadline) break;
-    std::chrono::microseconds wait{0};
-    if (now >= spin_end) {
-      // Blocking: announce it first, so that a completion on another thread wakes us.
-      e->sleeping.store(1, std::memory_order_seq_cst);
-      if (take_done(*e) > 0) {
-        e->sleeping.store(0, std::memory_order_seq_cst);
-        continue;
-      }
-      // Untimed: in slices, so that nothing can keep us past a lost wake-up for long.
-      wait = timed ? std::chrono::duration_cast<std::chrono::microseconds>(deadline - now) +
-                         std::chrono::microseconds(1)
-                   : std::chrono::microseconds(100000);
-    }
-    auto r = e->reaper->reap(wait);
-    e->sleeping.store(0, std::memory_order_seq_cst);
-    if (!r) {
-      ok = false;
-      break;
-    }
-    take_done(*e);
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+size_t have(const Engine& e) { return e.ready.size() - e.ready_head; }
+
+// A non-blocking look for completions: caller mode reaps the connection (on tcp a readv),
+// thread mode looks at the stack. When the reaper refuses (the session is closing), thread mode
+// (the stack, the futex) takes over for good.
+void look(Engine& e) {
+  if (e.reaping()) {
+    t_reaping = &e;
+    e.reaper_ok = e.reaper->reap(std::chrono::microseconds(0)).ok();
+    t_reaping = nullptr;
   }
-  t_reaping = nullptr;
-  return ok;
+  take_done(e);
+}
+
+// Blocks until a completion arrives or `ns` pass (kForever: with no timeout, so no timer to
+// arm and cancel): caller mode in the connection's fd (a completion on another thread wakes it
+// through on_done), thread mode on the futex. Spurious returns are fine: the caller looks again.
+constexpr int64_t kForever = -1;
+void block_for(Engine& e, int64_t ns) {
+  const bool forever = ns == kForever;
+  ns = std::max<int64_t>(ns, 1000);
+  // Announce the sleep first, so that a completion on another thread wakes us; seq_cst pairs
+  // with on_done: either our look at the stack sees its push, or its load sees us asleep.
+  const bool reap = e.reaping();
+  e.sleeping.store(reap ? kSleepReaper : kSleepFutex, std::memory_order_seq_cst);
+  const uint32_t w = e.word.load(std::memory_order_seq_cst);
+  if (take_done(e) > 0) {
+    e.sleeping.store(0, std::memory_order_seq_cst);
+    return;
+  }
+  if (reap) {
+    t_reaping = &e;
+    // A refusal (the session is closing) sends this and every later wait to the futex.
+    const auto wait = forever ? (std::chrono::microseconds::max)()
+                              : std::chrono::microseconds((ns + 999) / 1000);
+    e.reaper_ok = e.reaper->reap(wait).ok();
+    t_reaping = nullptr;
+  } else {
+    const timespec rel{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    // EAGAIN, EINTR, ETIMEDOUT: look again
+    futex(&e.word, FUTEX_WAIT_PRIVATE, w, forever ? nullptr : &rel);
+  }
+  e.sleeping.store(0, std::memory_order_seq_cst);
+  take_done(e);
+}
+
+// /proc/loadavg's fourth field is "runnable/threads"; the runnable count includes the reading
+// thread. -1 when it cannot be read.
+int runnable_now(int fd) {
+  char buf[128];
+  const ssize_t n = fd >= 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  int r = -1, total = 0;
+  double a, b, c;
+  if (std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &r, &total) != 5) return -1;
+  return r;
+}
+
+// How often the adaptive policy samples the run queue.
+constexpr int64_t kRunnableEveryNs = 10'000'000;
+
+// Waits until `min` completions are ready or `t` passes, as the plan says: sleep (a blocking
+// wait with a timeout, which a completion ends early), spin (non-blocking looks), then block.
+void wait_for(Engine* e, size_t min, const timespec* t) {
+  const int64_t start = now_ns();
+  const int64_t deadline =
+      t != nullptr ? start + t->tv_sec * 1000000000LL + t->tv_nsec : INT64_MAX;
+  ibnbd::fio::WaitPlan plan;
+  if (e->poll.count() > 0) {
+    plan.spin_ns = e->poll.count() * 1000;  // ibnbd_poll_us: a fixed spin, no sleep
+  } else if (e->adaptive) {
+    if (start - e->runnable_at >= kRunnableEveryNs) {
+      e->runnable_at = start;
+      if (int r = runnable_now(e->loadavg_fd); r >= 1)
+        e->policy.observe_runnable(r - 1, e->cpus);
+    }
+    plan = e->policy.plan(start);
+  }
+  ibnbd::fio::WaitOutcome out;
+  int64_t now = start;
+  const auto done = [&] { return have(*e) >= min; };
+  if (plan.sleep_ns > 0) {
+    block_for(*e, std::min<int64_t>(plan.sleep_ns, deadline - now));
+    now = now_ns();
+    // A sleep that ran its length tells how late the timer wakes us.
+    if (now - start >= plan.sleep_ns) out.woke_ns = now - start;
+    if (done()) out.end = ibnbd::fio::WaitEnd::slept;
+  }
+  if (!done() && plan.spin_ns > 0) {
+    const int64_t spin_end = std::min<int64_t>(start + plan.spin_ns, deadline);
+    int64_t last = now;
+    for (;;) {
+      look(*e);
+      now = now_ns();
+      if (now - last > e->policy_gap_ns) out.preempted = true;
+      last = now;
+      if (done()) {
+        out.end = ibnbd::fio::WaitEnd::spun;
+        break;
+      }
+      if (now >= spin_end) break;
+      if (!e->reaping()) __builtin_ia32_pause();  // thread mode: the stack is only memory
+    }
+  }
+  while (!done() && now < deadline) {
+    block_for(*e, t != nullptr ? deadline - now : kForever);
+    now = now_ns();
+  }
+  if (!e->adaptive || e->poll.count() > 0) return;
+  out.wait_ns = now - start;
+  if (e->last_wait_end > 0 && e->taken > 0)
+    out.cost_ns = (now - e->last_wait_end) / static_cast<int64_t>(e->taken);
+  e->last_wait_end = now;
+  e->taken = 0;
+  e->policy.record(plan, out, now);
+  if (e->stats) {
+    auto& st = *e->stats;
+    ++st.waits;
+    ++st.reason[static_cast<size_t>(e->policy.last_reason())];
+    if (plan.hybrid()) ++st.end[static_cast<size_t>(out.end)];
+    if (out.preempted) ++st.preempted;
+  }
 }
 
 int getevents(Engine* e, unsigned int min, unsigned int max, const timespec* t) {
-  auto have = [e] { return e->ready.size() - e->ready_head; };
   take_done(*e);
-  bool reaped = false;
-  if (e->reaper && min == 0 && have() < max) {
+  if (have(*e) < min) {
+    wait_for(e, min, t);
+  } else if (e->reaping() && min == 0 && have(*e) < max) {
     // fio only looks: what arrived is still in the connection until someone reaps it.
-    t_reaping = e;
-    reaped = e->reaper->reap(std::chrono::microseconds(0)).ok();
-    t_reaping = nullptr;
-    take_done(*e);
-  } else if (e->reaper && have() < min) {
-    reaped = reap_until(e, min, t);
-  }
-  if (!reaped && have() < min) {
-    const auto start = Clock::now();
-    const bool timed = t != nullptr;
-    const auto deadline =
-        start + (timed ? std::chrono::seconds(t->tv_sec) + std::chrono::nanoseconds(t->tv_nsec)
-                       : std::chrono::nanoseconds(0));
-    // Spin first (ibnbd_poll_us): a completion that finds us awake costs its thread no
-    // system call and us no wake-up.
-    if (e->poll.count() > 0) {
-      const auto spin_end = start + e->poll;
-      while (have() < min && Clock::now() < spin_end && (!timed || Clock::now() < deadline)) {
-        if (take_done(*e) == 0) __builtin_ia32_pause();
-      }
-    }
-    while (have() < min) {
-      e->sleeping.store(1, std::memory_order_seq_cst);
-      const uint32_t w = e->word.load(std::memory_order_seq_cst);
-      if (take_done(*e) > 0) {
-        e->sleeping.store(0, std::memory_order_seq_cst);
-        continue;
-      }
-      timespec rel{};
-      if (timed) {
-        const auto left = deadline - Clock::now();
-        if (left <= Clock::duration::zero()) {
-          e->sleeping.store(0, std::memory_order_seq_cst);
-          break;
-        }
-        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
-        rel.tv_sec = static_cast<time_t>(ns / 1000000000);
-        rel.tv_nsec = static_cast<long>(ns % 1000000000);
-      }
-      futex(&e->word, FUTEX_WAIT_PRIVATE, w, timed ? &rel : nullptr);  // EAGAIN, EINTR: look again
-      e->sleeping.store(0, std::memory_order_seq_cst);
-      take_done(*e);
-    }
+    look(*e);
   }
   // Hand over at most `max`, oldest first; the rest stays for the next call. Every vector holds
   // at most iodepth entries (reserved in init), so nothing here allocates.
-  const size_t n = std::min<size_t>(max, have());
+  const size_t n = std::min<size_t>(max, have(*e));
   const auto first = e->ready.begin() + static_cast<std::ptrdiff_t>(e->ready_head);
   e->events.assign(first, first + static_cast<std::ptrdiff_t>(n));
   e->ready_head += n;

@@ -119,6 +119,38 @@ fi
 # Case: a job whose ibnbd_reap is neither mode. Expect: fio fails the job (exit 1), no hang.
 run_fio bad-reap 1 --rw=read --bs=4k --size=1M --ibnbd_reap=sometimes && ok "a bad ibnbd_reap fails the job"
 
+# Case: the adaptive wait (ibnbd_poll=adaptive, the default) with its run queue check off, so
+# that it sleeps and spins even on a loaded host, in both completion modes, with its statistics
+# (ibnbd_poll_stats): QD1 and QD8 random writes over 8 MiB, verified. Expect: exit 0, no job
+# error, the data verified, and the statistics show hybrid waits (after the 16 blocking waits
+# that learn the arrival time, the next plan is a hybrid one).
+for mode in caller thread; do
+  for qd in 1 8; do
+    name=adaptive-$mode-qd$qd
+    if run_fio "$name" 0 --rw=randwrite --bs=4k --iodepth=$qd --size=8M --ibnbd_reap=$mode \
+      --ibnbd_poll=adaptive --ibnbd_poll_runnable=0 --ibnbd_poll_stats=1 --verify=crc32c \
+      --verify_fatal=1 --do_verify=1; then
+      json_check "$name" '.jobs[0].error == 0 and .jobs[0].write.io_bytes == 8388608 and .jobs[0].read.io_bytes == 8388608' \
+        "8 MiB written and verified with adaptive waits ($mode, QD$qd)"
+      hybrid=$(sed -n 's/^ibnbd: [0-9]* waits: hybrid \([0-9]*\) .*/\1/p' "$work/$name.out" | head -1)
+      if [ "${hybrid:-0}" -gt 0 ]; then ok "$name: $hybrid hybrid waits"; else
+        not_ok "$name: hybrid waits" "none: $(grep '^ibnbd:' "$work/$name.out")"
+      fi
+    fi
+  done
+done
+
+# Case: ibnbd_poll=block (sleep at once, the default before the adaptive wait), verified.
+# Expect: exit 0, no job error, 8 MiB written and read back.
+if run_fio block-verify 0 --rw=randwrite --bs=4k --iodepth=4 --size=8M --ibnbd_poll=block \
+  --verify=crc32c --verify_fatal=1 --do_verify=1; then
+  json_check block-verify '.jobs[0].error == 0 and .jobs[0].read.io_bytes == 8388608' \
+    "8 MiB written and verified with blocking waits"
+fi
+
+# Case: a job whose ibnbd_poll is neither adaptive nor block. Expect: fio fails the job (exit 1).
+run_fio bad-poll 1 --rw=read --bs=4k --size=1M --ibnbd_poll=sometimes && ok "a bad ibnbd_poll fails the job"
+
 # Case: a separate read-only pass verifies the headers the first job left (fio checks crc32c and
 # offset of every block a read job reads when verify is set), in sequential reads by two jobs of
 # one half each: two more sessions, both ro. Expect: exit 0, no error, 2 x 32 MiB read.

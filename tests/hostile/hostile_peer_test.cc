@@ -628,11 +628,14 @@ TEST_F(HostilePeer, Class6_HalfOpenPathsDoNotExhaustTheServer) {
   }
   std::cerr << "class 6: " << half_open.size() << " half-open paths accepted\n";
   // A new session beyond the cap pushes out the oldest half-open one (counted as
-  // handshake_evicted), so the server never holds more than --max-sessions of them.
+  // handshake_evicted), so the server never holds more than --max-sessions of them. On a slow
+  // host (TSan at load 15 took 42 s for the 150) the first ones reach the handshake deadline
+  // (30 s) before the cap and are dropped as handshake_timeout instead.
   const auto refused = server_->refusals(Ms(5000));
   ASSERT_FALSE(refused.empty()) << "ibnbd server refusals list";
-  const uint64_t evicted = refused.count("handshake_evicted") ? refused.at("handshake_evicted") : 0;
-  const size_t held = half_open.size() - std::min<size_t>(evicted, half_open.size());
+  auto count = [&](const char* k) -> uint64_t { return refused.count(k) ? refused.at(k) : 0; };
+  const uint64_t dropped = count("handshake_evicted") + count("handshake_timeout");
+  const size_t held = half_open.size() - std::min<size_t>(dropped, half_open.size());
   std::cerr << "class 6: the server holds " << held << " of them\n";
   EXPECT_LE(held, 128u) << "--max-sessions";
   HonestResult h;

@@ -844,9 +844,9 @@ TEST_F(Session, ReaperRunsTheCallersCompletionsOnItsThreadIntact) {
   }
   EXPECT_EQ(counted, on_caller) << "reap() counts the callbacks it ran";
   // The IO thread takes the connection back only when the caller leaves it unreaped for
-  // CqLease::kReclaimAfter (10 ms), which a loaded test host may do now and then: most, not
-  // all. In thread mode none would.
-  EXPECT_GE(on_caller, 2 * kN * 9 / 10) << "completions ran on the reaping thread";
+  // CqLease::kReclaimAfter (10 ms), which a loaded test host does now and then (under TSan at
+  // load 15: 416 of 512 on the caller): most, not all. In thread mode none would.
+  EXPECT_GE(on_caller, kN) << "completions ran on the reaping thread";
   for (uint32_t i = 0; i < kN; ++i) {
     EXPECT_EQ(std::memcmp(buf_->data() + size_t{i} * 4096, buf_->data() + size_t{kN + i} * 4096,
                           4096),
@@ -917,6 +917,53 @@ TEST_F(Session, ReaperSeesItsPathBreakAndTheIoFailsOver) {
   ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::read, 0, 100, t, h, seg).ok());
   EXPECT_TRUE(reap_until(reaper, [&] { return t.calls.load() == 1; }));
   EXPECT_EQ(t.err.load(), 0);
+  rr->reset();
+}
+
+// Case: reap(microseconds::max()) - no timeout, no timer - with one request that the server
+// holds for 100 ms; then with nothing in flight, until another thread calls wake() 100 ms later.
+// Expect: the first wait ends with the request's completion (once, on the caller, no error);
+// the second ends with the wake-up; neither hangs.
+TEST_F(Session, AReapWithNoTimeoutEndsOnACompletionAndOnWake) {
+  start_server(1);
+  open(options(1));
+  auto rr = client_->make_reaper();
+  ASSERT_TRUE(rr.ok());
+  auto& reaper = **rr;
+  vol_.hold(true);
+  Tracked t;
+  VolHdr h;
+  IoSeg seg;
+  ASSERT_TRUE(submit_tracked(*client_, *buf_, IoDir::write, 0, 0, t, h, seg).ok());
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+  std::thread srv([&] {
+    std::this_thread::sleep_for(100ms);
+    vol_.hold(false);
+    for (auto* r : vol_.take_held()) vol_.serve(*r);
+  });
+  size_t ran = 0;
+  while (ran == 0) {  // a wait may end early for nothing: the caller looks again
+    auto n = reaper.reap(std::chrono::microseconds::max());
+    ASSERT_TRUE(n.ok());
+    ran += *n;
+  }
+  srv.join();
+  EXPECT_EQ(ran, 1u);
+  EXPECT_EQ(t.calls.load(), 1);
+  EXPECT_EQ(t.err.load(), 0);
+  EXPECT_TRUE(t.on_caller.load());
+  std::atomic<bool> woken{false};
+  std::thread waker([&] {
+    std::this_thread::sleep_for(100ms);
+    woken.store(true);
+    reaper.wake();
+  });
+  while (!woken.load()) {
+    auto n = reaper.reap(std::chrono::microseconds::max());
+    ASSERT_TRUE(n.ok());
+    EXPECT_EQ(*n, 0u);
+  }
+  waker.join();
   rr->reset();
 }
 

@@ -273,9 +273,10 @@ class CompletionReaper {
 
   // Polls the thread's connections and runs what completed there. With `wait` > 0 and nothing
   // completed, blocks on the connections' completion fds for up to `wait` (or until wake(), a
-  // teardown or the session's close). Returns the number of request callbacks that ran on this
-  // thread during the call (0: the wait expired or was cut short). Errors: ESHUTDOWN (the
-  // session is closing or gone), EDEADLK (called inside a submission batch).
+  // teardown or the session's close); microseconds::max() waits with no timeout (and no timer
+  // to arm and cancel). Returns the number of request callbacks that ran on this thread during
+  // the call (0: the wait expired or was cut short). Errors: ESHUTDOWN (the session is closing
+  // or gone), EDEADLK (called inside a submission batch).
   Result<size_t> reap(std::chrono::microseconds wait);
   // Ends a blocking reap() (now, or the next one if none runs: it then returns at once).
   void wake();

@@ -1570,15 +1570,17 @@ struct CompletionReaper::Impl {
     return false;
   }
 
-  // Blocks on the held CQs' fds and the wake-up eventfd.
-  void block(std::chrono::microseconds wait) {
+  // Blocks on the held CQs' fds and the wake-up eventfd; `forever`: with no timer (arming and
+  // cancelling one is a cost of every blocking wait, a VM exit each where the guest's timer
+  // is emulated).
+  void block(std::chrono::microseconds wait, bool forever) {
     pollfd pfds[ClientSession::kMaxPaths + 1];
     uint32_t n = 0;
     for (uint32_t i = 0; i < nheld; ++i) pfds[n++] = pollfd{held[i]->cq->fd(), POLLIN, 0};
     pfds[n++] = pollfd{port->evfd, POLLIN, 0};
     const auto us = wait.count();
     timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
-    if (::ppoll(pfds, n, &ts, nullptr) <= 0) return;
+    if (::ppoll(pfds, n, forever ? nullptr : &ts, nullptr) <= 0) return;
     if (pfds[n - 1].revents != 0) {
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(port->evfd, &v, sizeof(v));
@@ -1627,6 +1629,7 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   bool level = true;
   for (uint32_t i = 0; i < m.nheld; ++i) level = level && m.held[i]->cq->level_triggered();
   const bool block = wait.count() > 0;
+  const bool forever = wait == std::chrono::microseconds::max();
   // Waited on through fd(): the events that made it readable are consumed here (a verbs
   // completion channel stays readable until they are read).
   if (m.epfd >= 0 && !block) {
@@ -1635,15 +1638,17 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   }
   size_t got = block && level ? 0 : m.poll_held();
   if (got == 0 && block) {
-    const auto deadline = core::Clock::now() + wait;
+    const auto deadline = forever ? core::Clock::time_point::max() : core::Clock::now() + wait;
     while (!m.must_return()) {
       // Verbs protocol: arm, poll again to close the race, then wait for the fds.
       for (uint32_t i = 0; i < m.nheld; ++i) (void)m.held[i]->cq->arm();
       if (!level && (got = m.poll_held()) > 0) break;
-      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline -
-                                                                              core::Clock::now());
-      if (left.count() <= 0) break;
-      m.block(left);
+      auto left = wait;
+      if (!forever) {
+        left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - core::Clock::now());
+        if (left.count() <= 0) break;
+      }
+      m.block(left, forever);
       // Woken: by a completion fd, wake(), a teardown or the close; any of them ends the call
       // once the CQs have been looked at (a wake-up is the caller's to interpret).
       got = m.poll_held();

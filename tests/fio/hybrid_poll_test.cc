@@ -1,0 +1,282 @@
+// The fio engine's adaptive wait policy (client/fio/hybrid_poll.h) as a pure function: given
+// arrival times, spin outcomes and run queue samples, when it sleeps, when it spins and for how
+// long, and when it falls back to blocking.
+#include "hybrid_poll.h"
+
+#include <gtest/gtest.h>
+
+namespace ibnbd::fio {
+namespace {
+
+constexpr int64_t us = 1000;
+constexpr int64_t ms = 1000 * us;
+
+// Drives a policy through waits at a steady clock.
+struct Driver {
+  explicit Driver(HybridPollConfig c = {}) : p(c) {}
+  HybridPoll p;
+  int64_t now = 1 * ms;
+
+  // One wait: plans it and reports `o` (its times relative to the start), 10 us of work after.
+  WaitPlan wait(WaitOutcome o) {
+    const WaitPlan plan = p.plan(now);
+    now += o.wait_ns;
+    p.record(plan, o, now);
+    now += 10 * us;
+    return plan;
+  }
+  // Blocking waits that see completions `arrival` after they start (the learning phase).
+  void learn(int64_t arrival, int n = 16) {
+    for (int i = 0; i < n; ++i) wait({WaitEnd::blocked, arrival, false, -1, 0});
+  }
+  // A hybrid wait whose completion comes `arrival` after the start, with the outcome the plan
+  // gives it (slept when it comes before the sleep ends, spun within the spin, else blocked).
+  WaitPlan arrive(int64_t arrival, int64_t cost = 0, bool preempted = false) {
+    const WaitPlan plan = p.plan(now);
+    WaitOutcome o{WaitEnd::blocked, arrival, preempted, -1, cost};
+    if (plan.hybrid()) {
+      if (plan.sleep_ns > 0 && arrival <= plan.sleep_ns) {
+        o.end = WaitEnd::slept;
+      } else {
+        if (plan.sleep_ns > 0) o.woke_ns = plan.sleep_ns;
+        o.end = arrival <= plan.spin_ns ? WaitEnd::spun : WaitEnd::blocked;
+      }
+    }
+    now += arrival;
+    p.record(plan, o, now);
+    now += 10 * us;
+    return plan;
+  }
+};
+
+TEST(HybridPoll, BlocksWhileItLearnsThenSleepsHalfTheArrivalAndSpinsPastIt) {
+  // Case: the first waits, with no arrival time known yet, then completions 100 us after the
+  // start of every wait.
+  // Expect: the first min_samples plans block (learning); then the plan sleeps half of the
+  // expected arrival (50 us) and spins until half of it again past the arrival (150 us).
+  Driver d;
+  for (int i = 0; i < 16; ++i) {
+    EXPECT_FALSE(d.p.plan(d.now).hybrid()) << i;
+    EXPECT_EQ(d.p.last_reason(), BlockReason::learning);
+    d.p.record({}, {WaitEnd::blocked, 100 * us, false, -1, 0}, d.now);
+  }
+  const WaitPlan plan = d.p.plan(d.now);
+  ASSERT_TRUE(plan.hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::none);
+  EXPECT_EQ(plan.sleep_ns, 50 * us);
+  EXPECT_EQ(plan.spin_ns, 150 * us);
+}
+
+TEST(HybridPoll, ShortArrivalsSpinWithoutSleeping) {
+  // Case: completions 15 us after a wait starts: half of that is below min_sleep_ns (10 us).
+  // Expect: no sleep (a timer costs more than it saves); a spin until min_spin_ns (20 us) past
+  // the expected arrival.
+  Driver d;
+  d.learn(15 * us);
+  const WaitPlan plan = d.p.plan(d.now);
+  EXPECT_EQ(plan.sleep_ns, 0);
+  EXPECT_EQ(plan.spin_ns, 35 * us);
+}
+
+TEST(HybridPoll, LongArrivalsSpinNoLongerThanTheCap) {
+  // Case: completions 2 ms after the start (a slow device).
+  // Expect: the plan sleeps 1 ms and then spins at most max_spin_ns (100 us).
+  Driver d;
+  d.learn(2 * ms);
+  const WaitPlan plan = d.p.plan(d.now);
+  EXPECT_EQ(plan.sleep_ns, 1 * ms);
+  EXPECT_EQ(plan.spin_ns - plan.sleep_ns, 100 * us);
+}
+
+TEST(HybridPoll, LearnsArrivalsFromSpinsNotFromWakeUps) {
+  // Case: blocking waits saw completions 100 us in (arrival plus a wake-up); spinning then sees
+  // them at 60 us.
+  // Expect: the estimate follows the spins towards 60 us, and the sleeps shrink with it.
+  Driver d;
+  d.learn(100 * us);
+  for (int i = 0; i < 60; ++i) d.arrive(60 * us);
+  EXPECT_NEAR(static_cast<double>(d.p.expected_ns()), 60.0 * us, 3.0 * us);
+  EXPECT_LT(d.p.plan(d.now).sleep_ns, 50 * us);
+}
+
+TEST(HybridPoll, CompletionsThatComeDuringTheSleepShortenIt) {
+  // Case: the expected arrival is 100 us, but completions come 30 us in, inside the 50 us sleep
+  // (each woke the thread: a wake-up paid).
+  // Expect: the share of the arrival slept drops, until the sleep ends before they come.
+  Driver d;
+  d.learn(100 * us);
+  const double before = d.p.sleep_share();
+  d.arrive(30 * us);
+  EXPECT_LT(d.p.sleep_share(), before);
+  for (int i = 0; i < 10; ++i) d.arrive(30 * us);
+  EXPECT_LT(d.p.plan(d.now).sleep_ns, 30 * us);
+}
+
+TEST(HybridPoll, LongSpinsLengthenTheSleep) {
+  // Case: completions at 200 us, a sleep of 100 us: every wait spins 100 us.
+  // Expect: the share grows (the thread wakes too early), up to its cap of 0.75.
+  Driver d;
+  d.learn(200 * us);
+  for (int i = 0; i < 100; ++i) d.arrive(200 * us);
+  EXPECT_DOUBLE_EQ(d.p.sleep_share(), 0.75);
+  EXPECT_EQ(d.p.plan(d.now).sleep_ns, 150 * us);
+}
+
+TEST(HybridPoll, TheTimersLatenessComesOffTheSleep) {
+  // Case: sleeps end 20 us later than asked (a slow timer), expected arrival 100 us.
+  // Expect: the plan asks for 20 us less, so that the thread is up at half the arrival.
+  Driver d;
+  d.learn(100 * us);
+  for (int i = 0; i < 40; ++i) {
+    const WaitPlan plan = d.p.plan(d.now);
+    d.p.record(plan, {WaitEnd::spun, 100 * us, false, plan.sleep_ns + 20 * us, 0}, d.now);
+  }
+  EXPECT_EQ(d.p.oversleep_ns(), 20 * us);
+  const WaitPlan plan = d.p.plan(d.now);
+  EXPECT_NEAR(static_cast<double>(plan.sleep_ns),
+              d.p.sleep_share() * static_cast<double>(d.p.expected_ns()) - 20.0 * us, 1.0 * us);
+}
+
+TEST(HybridPoll, SpinsThatKeepMissingBackOffAndTheBackOffDoubles) {
+  // Case: completions never come within the spin (they come 10x later than learnt).
+  // Expect: after miss_limit (3) misses in a row the policy blocks (misses) for backoff_min
+  // (10 ms); hybrid again after it, and the next run of misses blocks twice as long.
+  Driver d;
+  d.learn(50 * us);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(d.p.plan(d.now).hybrid()) << i;
+    d.p.record(d.p.plan(d.now), {WaitEnd::blocked, 500 * us, false, -1, 0}, d.now);
+  }
+  EXPECT_FALSE(d.p.plan(d.now).hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::misses);
+  EXPECT_EQ(d.p.backoff_until_ns(), d.now + 10 * ms);
+  d.now += 10 * ms;
+  ASSERT_TRUE(d.p.plan(d.now).hybrid());
+  for (int i = 0; i < 3; ++i) d.p.record(d.p.plan(d.now), {WaitEnd::blocked, 1 * ms, false, -1, 0}, d.now);
+  EXPECT_EQ(d.p.backoff_until_ns(), d.now + 20 * ms);
+}
+
+TEST(HybridPoll, AMissNowAndThenDoesNotBackOff) {
+  // Case: every third spin misses, the others hit.
+  // Expect: never three misses in a row: the policy keeps spinning.
+  Driver d;
+  d.learn(50 * us);
+  for (int i = 0; i < 300; ++i) {
+    const WaitPlan plan = d.arrive(i % 3 == 0 ? 400 * us : 50 * us);
+    if (d.p.last_reason() == BlockReason::probe) continue;
+    ASSERT_TRUE(plan.hybrid()) << i << " reason " << static_cast<int>(d.p.last_reason());
+  }
+}
+
+TEST(HybridPoll, ALongRunQueueMakesItBlockUntilItShortens) {
+  // Case: 2 CPUs; the other runnable tasks average 2 (stress-ng on both), then 0.3.
+  // Expect: plans block (contended) while others > cpus - 0.25, and spin again once the average
+  // falls below it.
+  Driver d;
+  d.learn(50 * us);
+  ASSERT_TRUE(d.p.plan(d.now).hybrid());
+  for (int i = 0; i < 8; ++i) d.p.observe_runnable(2.0, 2);
+  EXPECT_TRUE(d.p.contended());
+  EXPECT_FALSE(d.p.plan(d.now).hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::contended);
+  for (int i = 0; i < 8; ++i) d.p.observe_runnable(0.3, 2);
+  EXPECT_FALSE(d.p.contended());
+  EXPECT_TRUE(d.p.plan(d.now).hybrid());
+}
+
+TEST(HybridPoll, OneBusySampleDoesNotStopTheSpinning) {
+  // Case: the run queue is mostly the server's thread (1 other task on 2 CPUs) with a burst of
+  // 3 others in one sample.
+  // Expect: the average stays below 1.75: not contended.
+  Driver d;
+  d.learn(50 * us);
+  for (int i = 0; i < 8; ++i) d.p.observe_runnable(1.0, 2);
+  d.p.observe_runnable(3.0, 2);
+  EXPECT_FALSE(d.p.contended());
+  d.p.observe_runnable(1.0, 2);
+  EXPECT_FALSE(d.p.contended());
+}
+
+TEST(HybridPoll, FrequentPreemptionBacksOffAndASingleOneDoesNot) {
+  // Case: one spin preempted among clean ones; then spins preempted one after another.
+  // Expect: the single one changes nothing; the third of the run backs off (preempted).
+  Driver d;
+  d.learn(50 * us);
+  d.arrive(50 * us, 0, true);
+  for (int i = 0; i < 40; ++i) d.arrive(50 * us);
+  EXPECT_EQ(d.p.backoff_until_ns(), 0);
+  d.arrive(50 * us, 0, true);
+  d.arrive(50 * us, 0, true);
+  EXPECT_EQ(d.p.backoff_until_ns(), 0);
+  d.arrive(50 * us, 0, true);
+  EXPECT_GT(d.p.backoff_until_ns(), d.now);
+  EXPECT_FALSE(d.p.plan(d.now).hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::preempted);
+}
+
+TEST(HybridPoll, OneWaitInProbeEveryBlocks) {
+  // Case: steady hits.
+  // Expect: exactly one plan in 32 blocks (probe), the others are hybrid.
+  Driver d;
+  d.learn(50 * us);
+  int probes = 0;
+  for (int i = 0; i < 320; ++i) {
+    if (!d.arrive(50 * us).hybrid()) {
+      EXPECT_EQ(d.p.last_reason(), BlockReason::probe);
+      ++probes;
+    }
+  }
+  EXPECT_EQ(probes, 10);
+}
+
+TEST(HybridPoll, HybridWaitsThatCostMoreThanBlockingOnesBackOff) {
+  // Case: per completion, hybrid waits cost 80 us and the blocking probes 60 us (the spinner
+  // takes the CPU the server needs).
+  // Expect: once both have min_samples, the policy backs off (no gain).
+  Driver d;
+  d.learn(50 * us);
+  int i = 0;
+  for (; i < 2000 && d.p.no_gain_verdicts() == 0; ++i) {
+    const WaitPlan plan = d.p.plan(d.now);
+    const int64_t cost = plan.hybrid() ? 80 * us : 60 * us;
+    WaitOutcome o{plan.hybrid() ? WaitEnd::spun : WaitEnd::blocked, 50 * us, false, -1, cost};
+    d.p.record(plan, o, d.now);
+    d.now += 60 * us;
+  }
+  EXPECT_EQ(d.p.no_gain_verdicts(), 1u) << "after " << i << " waits";
+  EXPECT_FALSE(d.p.plan(d.now).hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::no_gain);
+}
+
+TEST(HybridPoll, HybridWaitsThatPayKeepSpinning) {
+  // Case: hybrid waits cost 40 us per completion, blocking probes 60 us, with noise.
+  // Expect: no back-off in 5000 waits; every plan but the probes is hybrid.
+  Driver d;
+  d.learn(50 * us);
+  for (int i = 0; i < 5000; ++i) {
+    const WaitPlan plan = d.p.plan(d.now);
+    const int64_t noise = (i * 7919 % 21 - 10) * us;
+    const int64_t cost = (plan.hybrid() ? 40 * us : 60 * us) + noise;
+    WaitOutcome o{plan.hybrid() ? WaitEnd::spun : WaitEnd::blocked, 50 * us, false, -1, cost};
+    d.p.record(plan, o, d.now);
+    d.now += 60 * us;
+    if (!plan.hybrid()) {
+      ASSERT_EQ(d.p.last_reason(), BlockReason::probe) << i;
+    }
+  }
+  EXPECT_EQ(d.p.no_gain_verdicts(), 0u);
+}
+
+TEST(HybridPoll, OneOutlierMovesTheEstimateLittle) {
+  // Case: steady 50 us arrivals, then one wait that saw its completion 10 ms late (preempted).
+  // Expect: the estimate grows by at most 1/8 of 2x the average (outliers are clamped).
+  Driver d;
+  d.learn(50 * us);
+  for (int i = 0; i < 30; ++i) d.arrive(50 * us);
+  const int64_t before = d.p.expected_ns();
+  d.p.record(d.p.plan(d.now), {WaitEnd::blocked, 10 * ms, false, -1, 0}, d.now);
+  EXPECT_LE(d.p.expected_ns(), before + before / 8 + 1);
+}
+
+}  // namespace
+}  // namespace ibnbd::fio
