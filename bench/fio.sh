@@ -38,8 +38,21 @@
 # workload (most IOPS; lowest mean latency), the peers being nbdkit and qemu-nbd.
 # A benchmark, not a test: it asserts nothing.
 #
-#   bash bench/fio.sh [--seconds N] [--fs tmpfs|ext4]   (default 5 s per run and tmpfs; 66 runs,
-#                                                        about 7 minutes)
+#   bash bench/fio.sh [--seconds N] [--fs tmpfs|ext4] [--only REGEX] [--workloads REGEX]
+#                     [--nbd-base DIR] [--perf]
+#   (default 5 s per run and tmpfs; 66 runs, about 7 minutes)
+#
+# --fs ext4 puts the volumes on ext4 on a loop device over a file (root) instead of tmpfs.
+# --only REGEX runs only the targets whose name matches (an extended regex over the whole name),
+# e.g. --only 'nbdkit-unix|ibnbd-nbd'; --workloads REGEX likewise over the workload names
+# ("4k randread qd32", "1m write qd8", ...). Rows and ratios of what was left out stay empty.
+# --nbd-base DIR adds the row ibnbd-nbd-base: the ibnbd-nbd setup with the client daemon of
+# another build directory (say, main's), mapped in migration mode; it runs right after
+# ibnbd-nbd in every workload, so that an A/B of two daemons shares the host's load.
+# --perf runs fio under `perf stat` and attaches it to each serving process for the run, and
+# prints a second table: context switches and system calls per IO of fio and of each serving
+# process (counts the host's load does not move; perf needs kernel.perf_event_paranoid <= 1 or
+# root).
 #
 # The build directory comes from $IBTRS_BUILD (default build); the binaries are built there if
 # needed (the engine needs the fio headers: scripts/fio-headers.sh). Only loopback addresses and
@@ -50,11 +63,19 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 seconds=5
 fs=tmpfs
+only=
+only_workloads=
+nbd_base=
+perf=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;
     --fs) fs=$2; shift 2 ;;
-    *) echo "usage: $0 [--seconds N] [--fs tmpfs|ext4]" >&2; exit 2 ;;
+    --only) only=$2; shift 2 ;;
+    --workloads) only_workloads=$2; shift 2 ;;
+    --nbd-base) nbd_base=$2; shift 2 ;;
+    --perf) perf=1; shift ;;
+    *) echo "usage: $0 [--seconds N] [--fs tmpfs|ext4] [--only REGEX] [--workloads REGEX] [--nbd-base DIR] [--perf]" >&2; exit 2 ;;
   esac
 done
 case "$fs" in tmpfs | ext4) ;; *) echo "--fs: tmpfs or ext4" >&2; exit 2 ;; esac
@@ -173,6 +194,17 @@ cld_pid=$!
 wait_file "$tmp/cl.ready" "$cld_pid" || started ibnbd-client "$tmp/cl.log"
 "$cli" --socket "$tmp/cl.sock" client device map vol.img from "${addrs[0]}" rw >/dev/null
 "$cli" --socket "$tmp/cl.sock" client device export vol.img unix "$tmp/ibnbd-nbd.sock" >/dev/null
+cld_base_pid=
+if [ -n "$nbd_base" ]; then
+  base_cld="$(cd "$nbd_base" && pwd)/client/daemon/ibnbd-client"
+  [ -x "$base_cld" ] || { echo "--nbd-base: no $base_cld" >&2; exit 1; }
+  "$base_cld" --control-socket "$tmp/clb.sock" --ready-file "$tmp/clb.ready" >"$tmp/clb.log" 2>&1 &
+  pids+=($!)
+  cld_base_pid=$!
+  wait_file "$tmp/clb.ready" "$cld_base_pid" || started "ibnbd-client (base)" "$tmp/clb.log"
+  "$cli" --socket "$tmp/clb.sock" client device map vol.img from "${addrs[0]}" migration >/dev/null
+  "$cli" --socket "$tmp/clb.sock" client device export vol.img unix "$tmp/ibnbd-nbd-base.sock" >/dev/null
+fi
 
 run_no=0
 # target_args TARGET: the fio options that pick the target.
@@ -189,6 +221,7 @@ target_args() {
     ibnbd-1p-poll) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll_us=200 --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-nbd) echo "--ioengine=nbd --uri=nbd+unix:///vol.img?socket=$tmp/ibnbd-nbd.sock" ;;
+    ibnbd-nbd-base) echo "--ioengine=nbd --uri=nbd+unix:///vol.img?socket=$tmp/ibnbd-nbd-base.sock" ;;
   esac
 }
 # serving_pids TARGET: the processes whose CPU time counts for the target besides fio.
@@ -201,6 +234,7 @@ serving_pids() {
     qemu-nbd-tcp) echo "$qemu_tcp_pid" ;;
     ibnbd-1p | ibnbd-1p-block | ibnbd-1p-thread | ibnbd-1p-poll | ibnbd-2p) echo "$srv_pid" ;;
     ibnbd-nbd) echo "$srv_pid $cld_pid" ;;
+    ibnbd-nbd-base) echo "$srv_pid $cld_base_pid" ;;
   esac
 }
 ticks() {  # ticks PID...: utime + stime of the processes (all their threads), clock ticks
@@ -227,13 +261,22 @@ run() {
   read -r -a spids <<<"$(serving_pids "$target")"
   local t0
   t0=$(ticks "${spids[@]}")
+  local wrap=() perf_pids=() p
+  if [ "$perf" = 1 ]; then
+    wrap=(perf stat -x, -e context-switches,raw_syscalls:sys_enter -o "$tmp/perf-$run_no-fio.csv" --)
+    for p in "${spids[@]}"; do
+      perf stat -x, -e context-switches,raw_syscalls:sys_enter -p "$p" -o "$tmp/perf-$run_no-$p.csv" &
+      perf_pids+=($!)
+    done
+  fi
   # shellcheck disable=SC2046
-  timeout -k 5 $((seconds + 60)) fio --name="r$run_no" $(target_args "$target") \
+  timeout -k 5 $((seconds + 60)) "${wrap[@]}" fio --name="r$run_no" $(target_args "$target") \
     --rw="$rw" --bs="$bs" --iodepth="$qd" --iodepth_batch_submit="$qd" \
     --iodepth_batch_complete_max="$qd" --size=1G --time_based --runtime="$seconds" \
     --output-format=json --output="$out" >"$tmp/run-$run_no.log" 2>&1 || rc=$?
   local t1
   t1=$(ticks "${spids[@]}")
+  for p in "${perf_pids[@]}"; do kill -INT "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   if [ "$rc" != 0 ] || ! jq -e '.jobs[0]' "$out" >/dev/null 2>&1; then
     rows+=("$workload|$target|failed (exit $rc)")
     tail -3 "$tmp/run-$run_no.log" >&2
@@ -251,7 +294,30 @@ run() {
   iops_of[$workload/$target]=$iops
   lat_of[$workload/$target]=$mean
   rows+=("$workload|$target|$(printf '%.0f|%.1f|%.1f|%.1f|%.1f' "$iops" "$mibs" "$mean" "$p99" "$cpu")|$err")
+  if [ "$perf" = 1 ]; then
+    local ios cells
+    ios=$(jq -r --arg s "$side" '.jobs[0][$s].total_ios' "$out")
+    cells="fio $(per_io "$tmp/perf-$run_no-fio.csv" "$ios")"
+    for p in "${spids[@]}"; do cells+="; $(proc_name "$p") $(per_io "$tmp/perf-$run_no-$p.csv" "$ios")"; done
+    perf_rows+=("$workload|$target|$cells")
+  fi
 }
+# per_io CSV IOS: "CS/IO SYSCALLS/IO" from a perf stat -x, file.
+per_io() {
+  awk -F, -v n="$2" '$3 == "context-switches" { cs = $1 } $3 ~ /sys_enter/ { sc = $1 }
+    END { if (n > 0) printf "%.2f cs, %.2f syscalls", cs / n, sc / n; else print "no IO" }' "$1"
+}
+proc_name() {
+  case "$1" in
+    "$srv_pid") echo ibnbd-server ;;
+    "$cld_pid") echo ibnbd-client ;;
+    "$cld_base_pid") echo ibnbd-client-base ;;
+    *) cat "/proc/$1/comm" 2>/dev/null || echo "$1" ;;
+  esac
+}
+perf_rows=()
+
+selected() { [ -z "$only" ] || [[ $1 =~ ^($only)$ ]]; }
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 start=$(date +%s)
@@ -260,7 +326,9 @@ workloads=("4k randread qd1:randread:4k:1" "4k randread qd32:randread:4k:32"
   "1m read qd8:read:1m:8" "1m write qd8:write:1m:8")
 for row in "${workloads[@]}"; do
   IFS=: read -r workload rw bs qd <<<"$row"
-  for target in $peers file ibnbd-1p ibnbd-1p-block ibnbd-1p-thread ibnbd-1p-poll ibnbd-2p ibnbd-nbd; do
+  [ -z "$only_workloads" ] || [[ $workload =~ ^($only_workloads)$ ]] || continue
+  for target in $peers file ibnbd-1p ibnbd-1p-block ibnbd-1p-thread ibnbd-1p-poll ibnbd-2p ibnbd-nbd ${nbd_base:+ibnbd-nbd-base}; do
+    selected "$target" || continue
     run "$workload" "$target" "$rw" "$bs" "$qd"
   done
 done
@@ -321,5 +389,25 @@ done
 for w in "4k randread qd32" "4k randwrite qd32" "1m read qd8" "1m write qd8"; do
   echo "ibnbd-nbd (two hops) / nbdkit-unix, $w IOPS: $(ratio "${iops_of[$w/ibnbd-nbd]:-}" "${iops_of[$w/nbdkit-unix]:-}") (target >= 1.0)"
 done
+for w in "4k randread qd1" "4k randwrite qd1"; do
+  echo "ibnbd-nbd (two hops) / nbdkit-unix, $w mean latency: $(ratio "${lat_of[$w/ibnbd-nbd]:-}" "${lat_of[$w/nbdkit-unix]:-}") (target <= 1.0)"
+done
+if [ -n "$nbd_base" ]; then
+  for row in "${workloads[@]}"; do
+    w=${row%%:*}
+    echo "ibnbd-nbd / ibnbd-nbd-base, $w: IOPS $(ratio "${iops_of[$w/ibnbd-nbd]:-}" "${iops_of[$w/ibnbd-nbd-base]:-}"), mean latency $(ratio "${lat_of[$w/ibnbd-nbd]:-}" "${lat_of[$w/ibnbd-nbd-base]:-}")"
+  done
+fi
+if [ "$perf" = 1 ]; then
+  echo
+  echo "Per IO (perf stat; fio wrapped, serving processes attached for the run):"
+  echo
+  echo "| workload | target | context switches and system calls per IO |"
+  echo "| --- | --- | --- |"
+  for r in "${perf_rows[@]}"; do
+    IFS='|' read -r workload target cells <<<"$r"
+    echo "| $workload | $target | $cells |"
+  done
+fi
 echo
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg); the run took $(($(date +%s) - start)) s"

@@ -329,10 +329,8 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
       *why = "TLS with a pre-shared key derives it from the host key: give the daemon --host-key (or map host-key FILE), or --tls-ca for certificates";
       return errc(EINVAL);
     }
-    // NBD exports go through the copy variants: one bounce slot (one transport chunk, 128 KiB
-    // by default) per request in flight, so the default of 8 would cap an NBD client's queue
-    // depth at 8. 64 covers fio / qemu / nbdcopy queue depths for 8 MiB of registered memory.
-    o.bounce_slots = 64;
+    // NBD exports lend their own registered request memory to the NBD server (zero copy); the
+    // bounce buffers serve only an export whose registration failed, at the library's depth.
     auto bs = BlockSession::open(std::move(o));
     if (!bs.ok()) {
       if (bs.error() == std::errc::permission_denied)
@@ -858,7 +856,18 @@ json ClientDaemon::nbd_export(const json& req) {
   if (exports_.count(dev)) return err(EEXIST, "device " + dev + " is already exported (unexport it first)");
   const std::string name = req.contains("name") ? str_arg(req, "name") : dev;
   if (name.size() > 4096 || name.find('\0') != std::string::npos) return err(EINVAL, "bad export name");
-  o.exports.emplace_back(name, std::make_shared<nbd::DeviceExport>(d));
+  // Request memory registered with the session (zero copy between the NBD socket and the
+  // transport) and the loop reaping its own completions; without the memory (registration
+  // failed), the copy path through the device's bounce buffers.
+  std::shared_ptr<nbd::DeviceExport> ex;
+  if (auto e = nbd::DeviceExport::create(d, *s->s); e.ok()) {
+    ex = std::move(*e);
+  } else {
+    std::fprintf(stderr, "ibnbd-client: %s: nbd request memory: %s; copying through bounce buffers\n", dev.c_str(),
+                 e.error().message().c_str());
+    ex = std::make_shared<nbd::DeviceExport>(d);
+  }
+  o.exports.emplace_back(name, std::move(ex));
   o.log = [dev](const std::string& m) { std::fprintf(stderr, "ibnbd-client: %s: %s\n", dev.c_str(), m.c_str()); };
   const bool with_tls = o.tls != nullptr;
   auto srv = nbd::NbdServer::start(std::move(o));

@@ -116,6 +116,8 @@ class NbdTls : public ::testing::Test {
  protected:
   void start(bool required) {
     ram_ = std::make_shared<RamExport>(kSize, true);
+    // TLS decrypts WRITE payloads into the request memory and encrypts READ data from it.
+    ram_->lend(1 << 20);
     NbdServerOptions o;
     o.exports = {{"disk", ram_}};
     o.listen = {*ListenSpec::parse_tcp("127.0.0.1:0")};
@@ -220,6 +222,7 @@ TEST_F(NbdTls, UpgradeThenTransmissionThroughTls) {
   ASSERT_TRUE(back);
   EXPECT_EQ(*back, data);
   EXPECT_EQ(srv_->stats().tls_upgrades, 1u);
+  EXPECT_EQ(ram_->in_memory.load(), 2) << "both went through the export's request memory";
 }
 
 // Case: the client sends STARTTLS and, in the same write, plaintext that would be read as the

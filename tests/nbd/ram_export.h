@@ -10,8 +10,12 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
+
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "ibnbd/nbd_server.h"
 
@@ -36,7 +40,45 @@ class RamExport final : public Export {
     }
     cv_.notify_all();
     if (worker_.joinable()) worker_.join();
+    if (efd_ >= 0) ::close(efd_);
   }
+
+  // Lends `bytes` of request memory to the server (call before it starts): READ / WRITE data
+  // inside it and outside it are counted.
+  void lend(size_t bytes) { mem_.resize(bytes); }
+  std::span<std::byte> request_memory() override { return {mem_.data(), mem_.size()}; }
+  std::atomic<int> in_memory{0}, outside_memory{0};
+
+  // Polled completions (async exports): attach_loop() gives an eventfd, and the worker's
+  // completions wait on a list that poll_loop() runs on the loop thread -- except every
+  // `remote_every`-th (0: none), which runs on the worker as before.
+  void polled(int remote_every = 0) {
+    polled_ = true;
+    remote_every_ = remote_every;
+  }
+  int attach_loop() override {
+    if (!polled_) return -1;
+    loop_ = std::this_thread::get_id();
+    efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    return efd_;
+  }
+  void poll_loop() override {
+    if (efd_ < 0) return;
+    uint64_t v;
+    [[maybe_unused]] ssize_t r = ::read(efd_, &v, sizeof(v));
+    std::vector<std::pair<Done, int>> ready;
+    {
+      std::lock_guard l(mu_);
+      ready.swap(ready_);
+    }
+    for (auto [d, e] : ready) {
+      if (std::this_thread::get_id() != loop_) ++off_loop;
+      ++polled_done;
+      d.fn(d.ctx, e);
+    }
+  }
+  void detach_loop() override { ++detached; }
+  std::atomic<int> polled_done{0}, off_loop{0}, detached{0};
 
   ExportInfo info() const override {
     std::lock_guard l(mu_);
@@ -49,6 +91,7 @@ class RamExport final : public Export {
   }
 
   Status read(uint64_t off, std::span<std::byte> out, Done d) override {
+    count(out.data(), out.size());
     if (int e = take_fail()) return ibtrs::errc(e);
     return run([=, this] {
       std::memcpy(out.data(), data_.data() + off, out.size());
@@ -56,6 +99,7 @@ class RamExport final : public Export {
     }, d);
   }
   Status write(uint64_t off, std::span<const std::byte> in, bool fua, Done d) override {
+    count(in.data(), in.size());
     if (int e = take_fail()) return ibtrs::errc(e);
     if (fua) ++fua_writes;
     return run([=, this] {
@@ -117,6 +161,10 @@ class RamExport final : public Export {
 
  private:
   int take_fail() { return fail_.exchange(0); }
+  void count(const std::byte* p, size_t n) {
+    const bool in = !mem_.empty() && p >= mem_.data() && p + n <= mem_.data() + mem_.size();
+    ++(in ? in_memory : outside_memory);
+  }
   Status run(std::function<int()> op, Done d) {
     if (!async_) {
       int e = locked(op);
@@ -145,6 +193,13 @@ class RamExport final : public Export {
       l.unlock();
       int e = locked(op);
       if (int f = fail_done_.exchange(0)) e = f;
+      if (polled_ && (remote_every_ == 0 || ++nth_ % remote_every_ != 0)) {
+        l.lock();
+        ready_.emplace_back(d, e);
+        const uint64_t one = 1;
+        [[maybe_unused]] ssize_t r = ::write(efd_, &one, sizeof(one));
+        continue;
+      }
       d.fn(d.ctx, e);
       l.lock();
     }
@@ -159,6 +214,12 @@ class RamExport final : public Export {
   bool held_ = false, quit_ = false;
   std::deque<std::pair<std::function<int()>, Done>> queue_;
   std::atomic<int> fail_{0}, fail_done_{0};
+  std::vector<std::byte> mem_;
+  bool polled_ = false;
+  int remote_every_ = 0, nth_ = 0;
+  int efd_ = -1;
+  std::thread::id loop_;
+  std::vector<std::pair<Done, int>> ready_;  // under mu_
   std::thread worker_;
 };
 

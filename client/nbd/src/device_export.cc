@@ -1,12 +1,73 @@
 #include "ibnbd/nbd_device_export.h"
 
 #include <algorithm>
+#include <chrono>
+
+#include "common/log.h"
 
 namespace ibnbd::nbd {
 
 namespace {
 IoDone io_done(Done d) { return IoDone{d.fn, d.ctx}; }
 }  // namespace
+
+Result<std::shared_ptr<DeviceExport>> DeviceExport::create(std::shared_ptr<RemoteDevice> dev,
+                                                           BlockSession& session,
+                                                           DeviceExportOptions o) {
+  if (!dev) return ibtrs::errc(EINVAL);
+  auto e = std::make_shared<DeviceExport>(std::move(dev));
+  e->session_ = &session;
+  e->reap_ = o.reap;
+  if (o.request_memory > 0) {
+    auto m = session.alloc_buffer(o.request_memory);
+    if (!m.ok()) return m.error();
+    e->mem_ = std::move(*m);
+  }
+  return e;
+}
+
+// The reaper and the registration go before the session (create's contract); the server has
+// detached (no reap() runs) and no request of ours is in flight once it stopped.
+DeviceExport::~DeviceExport() = default;
+
+bool DeviceExport::registered(const std::byte* p, size_t len) const {
+  if (!mem_) return false;
+  const std::byte* base = mem_->data();
+  return p >= base && len <= mem_->size() && static_cast<size_t>(p - base) <= mem_->size() - len;
+}
+
+std::span<std::byte> DeviceExport::request_memory() {
+  if (!mem_) return {};
+  return {mem_->data(), mem_->size()};
+}
+
+int DeviceExport::attach_loop() {
+  if (!reap_ || session_ == nullptr) return -1;
+  auto r = session_->transport().make_reaper();
+  if (!r.ok()) {
+    // EBUSY: another thread of this process reaps this loop's connection index; the hand-off
+    // carries the completions then.
+    IBTRS_LOG(info, "nbd export of %s: completions from the transport's threads (reaper: %s)",
+              dev_->name().c_str(), r.error().message().c_str());
+    return -1;
+  }
+  auto fd = (*r)->fd();
+  if (!fd.ok()) {
+    IBTRS_LOG(warn, "nbd export of %s: reaper fd: %s", dev_->name().c_str(), fd.error().message().c_str());
+    return -1;
+  }
+  reaper_ = std::move(*r);
+  // Borrows the connections now, so that the first completions already come here.
+  (void)reaper_->reap(std::chrono::microseconds(0));
+  return *fd;
+}
+
+void DeviceExport::poll_loop() {
+  // ESHUTDOWN (the session is closing): its requests fail on the session's threads.
+  if (reaper_) (void)reaper_->reap(std::chrono::microseconds(0));
+}
+
+void DeviceExport::detach_loop() { reaper_.reset(); }
 
 ExportInfo DeviceExport::info() const {
   const DeviceGeometry g = dev_->geometry();
@@ -34,11 +95,21 @@ ExportInfo DeviceExport::info() const {
 }
 
 Status DeviceExport::read(uint64_t offset, std::span<std::byte> out, Done done) {
+  if (registered(out.data(), out.size())) {
+    const ibtrs::IoSeg seg{out.data(), static_cast<uint32_t>(out.size()), mem_.get()};
+    return dev_->read(offset, std::span(&seg, 1), io_done(done));
+  }
   return dev_->read_copy(offset, out, io_done(done));
 }
 
 Status DeviceExport::write(uint64_t offset, std::span<const std::byte> data, bool fua, Done done) {
-  return dev_->write_copy(offset, data, fua ? uint32_t{kIoFua} : 0u, io_done(done));
+  const uint32_t flags = fua ? uint32_t{kIoFua} : 0u;
+  if (registered(data.data(), data.size())) {
+    // The transport only reads the segment; IoSeg names it without const.
+    const ibtrs::IoSeg seg{const_cast<std::byte*>(data.data()), static_cast<uint32_t>(data.size()), mem_.get()};
+    return dev_->write(offset, std::span(&seg, 1), flags, io_done(done));
+  }
+  return dev_->write_copy(offset, data, flags, io_done(done));
 }
 
 Status DeviceExport::flush(Done done) { return dev_->flush(io_done(done)); }

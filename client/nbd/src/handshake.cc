@@ -148,6 +148,8 @@ uint16_t NbdServer::Impl::transmission_flags(const ExportInfo& i, bool structure
 void NbdServer::Impl::enter_transmission(Conn& c, Export* e) {
   c.exp = e;
   c.info = e->info();
+  auto pool = pools.find(e);
+  c.pool = pool == pools.end() ? nullptr : &pool->second;
   c.tx_flags = transmission_flags(c.info, c.structured);
   // Contexts selected for another export do not carry over.
   if (c.meta_base_allocation && find_export(c.meta_export).second != e) c.meta_base_allocation = false;

@@ -23,8 +23,13 @@ namespace {
 
 using ibtrs::errc;
 
-// epoll user data: connection ids count up from 1; listeners have the top bit; 0 is the eventfd.
+// epoll user data: connection ids count up from 1; listeners have the top bit, polled exports
+// the next one; 0 is the eventfd.
 constexpr uint64_t kListenerTag = 1ull << 63;
+constexpr uint64_t kPolledTag = 1ull << 62;
+
+// The server whose loop runs on this thread: completions that run here need no hand-off.
+thread_local NbdServer::Impl* tl_loop = nullptr;
 
 Result<int> listen_tcp(ListenSpec& l) {
   sockaddr_storage ss{};
@@ -114,6 +119,11 @@ Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->opts = std::move(options);
+  for (auto& [name, e] : impl->opts.exports) {
+    if (impl->pools.count(e.get())) continue;  // one export under several names
+    const std::span<std::byte> mem = e->request_memory();
+    if (mem.size() >= PagePool::kPage) impl->pools[e.get()].init(mem);
+  }
   impl->epfd = ::epoll_create1(EPOLL_CLOEXEC);
   impl->evfd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (impl->epfd < 0 || impl->evfd < 0) return errc(errno);
@@ -182,6 +192,8 @@ NbdServerStats NbdServer::stats() const {
   s.tls_failures = c.tls_failures.load();
   s.read_bytes = c.read_bytes.load();
   s.write_bytes = c.write_bytes.load();
+  s.memory_waits = c.memory_waits.load();
+  s.stalls = c.stalls.load();
   return s;
 }
 
@@ -213,10 +225,18 @@ void NbdServer::Impl::on_done(void* ctx, int err) {
   auto* s = static_cast<Slot*>(ctx);
   Impl* self = s->conn->srv;
   s->err = err;
+  s->done_next = nullptr;
+  if (tl_loop == self) {
+    // On the loop (inline, or reaped by Export::poll_loop): completed once the call that ran
+    // it returns, without a lock or a wake-up.
+    if (self->local_tail) self->local_tail->done_next = s;
+    else self->local_head = s;
+    self->local_tail = s;
+    return;
+  }
   bool signal = false;
   {
     std::lock_guard l(self->done_mu);
-    s->done_next = nullptr;
     if (self->done_tail) self->done_tail->done_next = s;
     else self->done_head = s;
     self->done_tail = s;
@@ -226,13 +246,29 @@ void NbdServer::Impl::on_done(void* ctx, int err) {
 }
 
 void NbdServer::Impl::run() {
+  tl_loop = this;
+  // Exports that let the loop poll their completions, in the same epoll set as the sockets.
+  for (auto& [name, e] : opts.exports) {
+    if (std::find(polled.begin(), polled.end(), e.get()) != polled.end()) continue;
+    const int fd = e->attach_loop();
+    if (fd < 0) continue;
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = kPolledTag | polled.size();
+    polled.push_back(e.get());
+    if (::epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) log(std::string("nbd: export polling: epoll: ") + std::strerror(errno));
+  }
   epoll_event evs[64];
   bool stop_done = false;
   std::vector<uint64_t> ids;
   for (;;) {
     if (stop_done && conns.empty()) break;
-    const int n = ::epoll_wait(epfd, evs, 64, !rx_ready.empty() ? 0 : conns.empty() ? -1 : 500);
+    bool resume = false;  // request memory came back during the last resume: waiters go again
+    for (auto& [e, pool] : pools) resume = resume || pool.resume;
+    const int timeout = !rx_ready.empty() || local_head != nullptr || resume ? 0 : conns.empty() ? -1 : 500;
+    const int n = ::epoll_wait(epfd, evs, 64, timeout);
     if (n < 0 && errno != EINTR) break;
+    bool poll = false;
     for (int i = 0; i < std::max(n, 0); ++i) {
       const uint64_t tag = evs[i].data.u64;
       if (tag == 0) {
@@ -246,6 +282,9 @@ void NbdServer::Impl::run() {
         }
         for (int fd : fds) add_conn(fd, peer_name(fd));
         drain_completions();
+        // A completion from another thread: the exports' polling may have lost hold of what
+        // it polls (Export::poll_loop takes it back).
+        poll = poll || remote_seen;
       } else if (tag & kListenerTag) {
         const int lfd = listen_fds[tag & ~kListenerTag];
         for (;;) {
@@ -253,9 +292,18 @@ void NbdServer::Impl::run() {
           if (fd < 0) break;  // EAGAIN, or a transient error (EMFILE, ECONNABORTED)
           add_conn(fd, peer_name(fd));
         }
+      } else if (tag & kPolledTag) {
+        poll = true;
       } else if (auto it = conns.find(tag); it != conns.end()) {
         on_event(*it->second, evs[i].events);
       }
+    }
+    if (poll) poll_exports();
+    // What completed on this thread meanwhile (reaped, or inline in a submission).
+    if (local_head != nullptr) {
+      Slot* l = local_head;
+      local_head = local_tail = nullptr;
+      run_completions(l);
     }
     if (!rx_ready.empty()) {
       ids.swap(rx_ready);
@@ -264,6 +312,7 @@ void NbdServer::Impl::run() {
         if (auto it = conns.find(id); it != conns.end()) on_event(*it->second, EPOLLIN);
       }
     }
+    resume_waiters();
     if (stopping.load() && !stop_done) {
       // Stop: no new connections; every connection stops reading and is freed once its
       // requests in flight are done (spec "Terminating the transmission phase": a server
@@ -285,6 +334,7 @@ void NbdServer::Impl::run() {
           release(c, *c.rx_slot);
           c.rx_slot = nullptr;
         }
+        c.last_io = Clock::now();  // the drain of its replies is timed from here
         update(c);
       }
     }
@@ -298,6 +348,59 @@ void NbdServer::Impl::run() {
       fail(c, "handshake timeout", false);
       update(c);
     }
+    check_stalls(now);
+  }
+  for (Export* e : polled) e->detach_loop();
+  polled.clear();
+  tl_loop = nullptr;
+}
+
+// Runs what the exports' polling finds (their completions land on the local list).
+void NbdServer::Impl::poll_exports() {
+  for (Export* e : polled) e->poll_loop();
+}
+
+// Connections waiting for request memory, after some came back: each parses again, oldest
+// first; those that still find no room queue again.
+void NbdServer::Impl::resume_waiters() {
+  for (auto& [e, pool] : pools) {
+    if (!pool.resume) continue;
+    pool.resume = false;
+    std::vector<uint64_t> w;
+    w.swap(pool.waiters);
+    for (size_t i = 0; i < w.size(); ++i) {
+      auto it = conns.find(w[i]);
+      if (it == conns.end() || !it->second->mem_wait) continue;
+      Conn& c = *it->second;
+      c.mem_wait = false;
+      c.paused = false;
+      c.resuming = true;
+      pump(c);
+      c.resuming = false;
+      update(c);
+    }
+  }
+}
+
+// A connection that holds request memory and moves no byte while others wait for that memory
+// (or while the server stops) is dropped: its slots give the memory back as their requests end.
+void NbdServer::Impl::check_stalls(Clock::time_point now) {
+  const bool stop = stopping.load();
+  bool waiting = false;
+  for (auto& [e, pool] : pools) waiting = waiting || !pool.waiters.empty();
+  if (!waiting && !stop) return;
+  const auto limit = stop ? std::min(opts.stall_timeout, std::chrono::milliseconds(kStopDrain)) : opts.stall_timeout;
+  std::vector<uint64_t> ids;
+  for (auto& [id, c] : conns) {
+    if (c->tx_dead || (c->rx_slot == nullptr && c->out_head == nullptr)) continue;
+    if (!stop && c->lent_bytes == 0) continue;
+    if (now - c->last_io >= limit) ids.push_back(id);
+  }
+  for (uint64_t id : ids) {
+    Conn& c = *conns[id];
+    stats.stalls.fetch_add(1, std::memory_order_relaxed);
+    fail(c, stop ? "replies not read while the server stops" : "no progress while holding request memory others wait for", false);
+    update(c);
   }
 }
 
@@ -318,7 +421,8 @@ void NbdServer::Impl::add_conn(int fd, std::string peer) {
   c->fd = fd;
   c->peer = std::move(peer);
   c->in.resize(kInBufSize);
-  c->deadline = Clock::now() + opts.handshake_timeout;
+  c->last_io = Clock::now();
+  c->deadline = c->last_io + opts.handshake_timeout;
   Conn& ref = *c;
   conns.emplace(c->id, std::move(c));
   stats.accepted.fetch_add(1, std::memory_order_relaxed);
@@ -351,7 +455,8 @@ void NbdServer::Impl::on_event(Conn& c, uint32_t ev) {
   if ((ev & EPOLLOUT) && !c.tx_dead) flush_out(c);
   if ((ev & (EPOLLERR | EPOLLHUP)) && !c.tx_dead) {
     // The peer is gone both ways: nothing more can be read or sent.
-    c.rx_closed = c.tx_dead = true;
+    c.rx_closed = true;
+    tx_gone(c);
     if (c.rx_slot) {
       release(c, *c.rx_slot);
       c.rx_slot = nullptr;
@@ -403,17 +508,25 @@ void NbdServer::Impl::parse(Conn& c) {
 
 void NbdServer::Impl::on_readable(Conn& c) {
   // A bounded number of reads per wakeup keeps one busy client from starving the others.
+  // A read that returns less than it asked for found the socket empty: parsing what it brought
+  // is the last step, and epoll (level-triggered) says when more arrives, instead of a read
+  // that fails with EAGAIN (one system call per request at queue depth 1).
+  bool drained = false;
   for (int round = 0; round < 16 && !c.rx_closed; ++round) {
     parse(c);
     flush_out(c);
-    if (c.rx_closed || c.paused || (c.tls != nullptr && !c.tls->established())) return;
+    if (drained || c.rx_closed || c.paused || (c.tls != nullptr && !c.tls->established())) return;
     ssize_t n;
+    size_t want;
     if (c.rx_slot && c.in_beg == c.in_end) {
       // A WRITE payload goes straight into its slot, without the input buffer.
-      std::byte* dst = c.rx_slot->buf.data() + c.rx_got;
-      n = c.recv_into(dst, c.rx_slot->length - c.rx_got);
+      std::byte* dst = c.rx_slot->data + c.rx_got;
+      want = c.rx_slot->length - c.rx_got;
+      n = c.recv_into(dst, want);
       if (n > 0) {
         c.rx_got += static_cast<size_t>(n);
+        c.last_io = Clock::now();
+        drained = static_cast<size_t>(n) < want;
         continue;
       }
     } else {
@@ -424,9 +537,12 @@ void NbdServer::Impl::on_readable(Conn& c) {
         c.in_beg = 0;
       }
       if (c.in_end == c.in.size()) return;  // cannot happen: one message fits the buffer
-      n = c.recv_into(c.in.data() + c.in_end, c.in.size() - c.in_end);
+      want = c.in.size() - c.in_end;
+      n = c.recv_into(c.in.data() + c.in_end, want);
       if (n > 0) {
         c.in_end += static_cast<size_t>(n);
+        c.last_io = Clock::now();
+        drained = static_cast<size_t>(n) < want;
         continue;
       }
     }
@@ -440,7 +556,7 @@ void NbdServer::Impl::on_readable(Conn& c) {
         log("nbd: " + c.peer + " closed in the middle of a request");
     }
     c.rx_closed = true;
-    if (n < 0) c.tx_dead = true;
+    if (n < 0) tx_gone(c);
     if (c.rx_slot) {
       release(c, *c.rx_slot);
       c.rx_slot = nullptr;
@@ -461,7 +577,7 @@ void NbdServer::Impl::flush_out(Conn& c) {
         iov[n++] = {s->hdr + off, s->hdr_len - off};
         off = s->hdr_len;
       }
-      if (s->data_len > 0) iov[n++] = {s->buf.data() + (off - s->hdr_len), s->data_len - (off - s->hdr_len)};
+      if (s->data_len > 0) iov[n++] = {s->data + (off - s->hdr_len), s->data_len - (off - s->hdr_len)};
     }
     if (n == 0) {
       if (!c.hs_out.empty()) {
@@ -474,7 +590,8 @@ void NbdServer::Impl::flush_out(Conn& c) {
     ssize_t w = c.send_iov(iov, n);
     if (w < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
-      c.tx_dead = c.rx_closed = true;  // EPIPE, ECONNRESET: the client is gone
+      c.rx_closed = true;  // EPIPE, ECONNRESET: the client is gone
+      tx_gone(c);
       if (c.rx_slot) {
         release(c, *c.rx_slot);
         c.rx_slot = nullptr;
@@ -482,6 +599,7 @@ void NbdServer::Impl::flush_out(Conn& c) {
       return;
     }
     size_t left = static_cast<size_t>(w);
+    if (left > 0) c.last_io = Clock::now();
     const size_t hs = std::min(left, hs_left);
     c.hs_sent += hs;
     left -= hs;
@@ -502,12 +620,25 @@ void NbdServer::Impl::flush_out(Conn& c) {
 void NbdServer::Impl::fail(Conn& c, const std::string& why, bool protocol_error) {
   if (protocol_error) stats.protocol_errors.fetch_add(1, std::memory_order_relaxed);
   log("nbd: dropping " + c.peer + ": " + why);
-  c.rx_closed = c.tx_dead = true;
+  c.rx_closed = true;
+  tx_gone(c);
   ::shutdown(c.fd, SHUT_RDWR);
   if (c.rx_slot) {
     release(c, *c.rx_slot);
     c.rx_slot = nullptr;
   }
+}
+
+void NbdServer::Impl::tx_gone(Conn& c) {
+  if (c.tx_dead) return;
+  c.tx_dead = true;
+  // Nobody will read these replies: their slots (and request memory) go back now, or the
+  // connection, which is freed once no slot is taken, would live on with them.
+  while (Slot* s = c.out_head) {
+    c.out_head = s->next;
+    release(c, *s);
+  }
+  c.out_tail = nullptr;
 }
 
 void NbdServer::Impl::update(Conn& c) {
@@ -601,6 +732,11 @@ void NbdServer::Impl::drain_completions() {
     done_head = done_tail = nullptr;
     signalled = false;
   }
+  remote_seen = s != nullptr;
+  run_completions(s);
+}
+
+void NbdServer::Impl::run_completions(Slot* s) {
   touched.clear();
   while (s != nullptr) {
     Slot* next = s->done_next;

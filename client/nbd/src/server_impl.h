@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <span>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -39,8 +40,39 @@ static_assert(kMaxOptionLen <= kInBufSize, "an option must fit the input buffer"
 // A slot keeps its data buffer for the next request up to this size (no allocation on the hot
 // path for the usual 4 KiB..1 MiB requests); larger buffers are given back when done.
 inline constexpr size_t kKeepBuffer = 2 << 20;
+// While the server stops, a connection whose replies make no progress for this long (or
+// stall_timeout, if shorter) is dropped: stop() waits for the export, not for a client that
+// does not read.
+inline constexpr std::chrono::milliseconds kStopDrain{5000};
 
 struct Conn;
+
+// An export's request memory (Export::request_memory) carved into 4 KiB pages for the data of
+// READ and WRITE requests: a bitmap and a next-fit cursor, so a stream of equal sizes takes
+// pages in a ring without searching. Loop thread only.
+class PagePool {
+ public:
+  static constexpr size_t kPage = 4096;
+  void init(std::span<std::byte> mem);
+  size_t capacity() const { return pages_ * kPage; }
+  // A buffer of `len` bytes (1..capacity()), or nullptr when no run of free pages is that long.
+  std::byte* get(size_t len);
+  void put(std::byte* p, size_t len);
+  static size_t rounded(size_t len) { return (len + kPage - 1) / kPage * kPage; }
+  // Connections waiting for room, oldest first (ids; stale ones are skipped).
+  std::vector<uint64_t> waiters;
+  bool resume = false;  // pages came back while some waited: the loop resumes them
+
+ private:
+  bool used(size_t i) const { return (bits_[i / 64] >> (i % 64)) & 1; }
+  void mark(size_t from, size_t n, bool on);
+  // Length of the run of free pages at `i`, up to `want`.
+  size_t free_run(size_t i, size_t want) const;
+  std::byte* base_ = nullptr;
+  size_t pages_ = 0;
+  size_t cursor_ = 0;
+  std::vector<uint64_t> bits_;
+};
 
 // One transmission request from header to reply.
 struct Slot {
@@ -55,8 +87,11 @@ struct Slot {
   int err = 0;               // written by the completion, read by the loop after the handoff
   bool flush_after = false;  // FUA on TRIM / WRITE_ZEROES: a FLUSH follows before the reply
   uint64_t data_bytes = 0;   // counted against max_inflight_bytes
-  std::vector<std::byte> buf;  // READ data out, WRITE data in
-  // The reply: header (and an error message) in hdr, then data (READ) from buf.
+  // READ data out, WRITE data in: `lent` bytes of the export's request memory, or buf.
+  std::byte* data = nullptr;
+  size_t lent = 0;
+  std::vector<std::byte> buf;
+  // The reply: header (and an error message) in hdr, then data (READ) from `data`.
   unsigned char hdr[128];
   size_t hdr_len = 0;
   size_t data_len = 0;
@@ -98,7 +133,12 @@ struct Conn {
   uint64_t inflight_bytes = 0;
   Slot* rx_slot = nullptr;      // WRITE whose payload is being received
   size_t rx_got = 0;
-  bool paused = false;          // no slot or byte budget for the next request
+  bool paused = false;          // no slot, byte budget or request memory for the next request
+  PagePool* pool = nullptr;     // the export's request memory, if it lends some
+  uint64_t lent_bytes = 0;      // of it, held by this connection's slots
+  bool mem_wait = false;        // in pool->waiters
+  bool resuming = false;        // being resumed from pool->waiters: may go ahead of them
+  Clock::time_point last_io{};  // a byte received or sent (stall_timeout)
   // Teardown: no more input is parsed; the socket write side is dead (replies are dropped);
   // the connection is freed once both hold (or rx is closed and every reply went out) and no
   // slot is taken.
@@ -132,6 +172,16 @@ struct NbdServer::Impl {
   // loop, so it reads them again without waiting.
   std::vector<uint64_t> rx_ready;
 
+  // Request memory, one pool per export that lends some.
+  std::map<Export*, PagePool> pools;
+  // Exports whose completions the loop polls (Export::attach_loop), by epoll tag.
+  std::vector<Export*> polled;
+  // Completions that ran on the loop thread (inline, or inside Export::poll_loop): taken as
+  // they are, after the call that ran them.
+  Slot* local_head = nullptr;
+  Slot* local_tail = nullptr;
+  bool remote_seen = false;  // the last drain found completions of another thread
+
   // Handoff from other threads: completed slots and sockets to adopt.
   std::mutex done_mu;
   Slot* done_head = nullptr;
@@ -141,7 +191,7 @@ struct NbdServer::Impl {
 
   struct Counters {
     std::atomic<uint64_t> accepted{0}, refused{0}, requests{0}, errors{0}, protocol_errors{0},
-        read_bytes{0}, write_bytes{0}, tls_upgrades{0}, tls_failures{0};
+        read_bytes{0}, write_bytes{0}, tls_upgrades{0}, tls_failures{0}, memory_waits{0}, stalls{0};
     std::atomic<uint32_t> connections{0};
   } stats;
 
@@ -158,6 +208,11 @@ struct NbdServer::Impl {
   void update(Conn& c);  // re-arm epoll; free the connection when its teardown is complete
   void fail(Conn& c, const std::string& why, bool protocol_error);  // hard disconnect
   void drain_completions();
+  void run_completions(Slot* list);  // completes a list of done slots, then pumps their connections
+  void poll_exports();
+  void resume_waiters();
+  void check_stalls(Clock::time_point now);
+  void tx_gone(Conn& c);  // the socket's write side is dead: queued replies are dropped
   void start_tls(Conn& c);
   void tls_handshake(Conn& c);
   void log(const std::string& m) const;

@@ -4,6 +4,8 @@
 // be sent in the same order as requests").
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstring>
 
 #include "server_impl.h"
@@ -24,6 +26,75 @@ void chunk_hdr(ChunkHdr& h, uint16_t flags, uint16_t type, uint64_t handle, uint
 
 }  // namespace
 
+// ---- PagePool ----
+
+void PagePool::init(std::span<std::byte> mem) {
+  base_ = mem.data();
+  pages_ = mem.size() / kPage;
+  bits_.assign((pages_ + 63) / 64, 0);
+  // The tail of the last word counts as taken, so no run reaches past the memory.
+  for (size_t i = pages_; i < bits_.size() * 64; ++i) bits_[i / 64] |= uint64_t{1} << (i % 64);
+  cursor_ = 0;
+}
+
+size_t PagePool::free_run(size_t i, size_t want) const {
+  size_t n = 0;
+  while (n < want && i + n < pages_) {
+    const size_t k = i + n;
+    const uint64_t w = bits_[k / 64] >> (k % 64);
+    if (w != 0) return std::min(want, n + static_cast<size_t>(std::countr_zero(w)));
+    n += 64 - k % 64;  // the rest of this word is free
+  }
+  return std::min(n, want);
+}
+
+void PagePool::mark(size_t from, size_t n, bool on) {
+  while (n > 0) {
+    const size_t bit = from % 64;
+    const size_t k = std::min<size_t>(n, 64 - bit);
+    const uint64_t m = (k == 64 ? ~uint64_t{0} : ((uint64_t{1} << k) - 1)) << bit;
+    if (on) bits_[from / 64] |= m;
+    else bits_[from / 64] &= ~m;
+    from += k;
+    n -= k;
+  }
+}
+
+std::byte* PagePool::get(size_t len) {
+  const size_t want = (len + kPage - 1) / kPage;
+  if (want == 0 || want > pages_) return nullptr;
+  // The first free page at or after i (pages_ if none).
+  auto next_free = [this](size_t i) {
+    while (i < pages_) {
+      const uint64_t w = ~bits_[i / 64] >> (i % 64);
+      if (w != 0) return std::min(pages_, i + static_cast<size_t>(std::countr_zero(w)));
+      i = (i / 64 + 1) * 64;
+    }
+    return pages_;
+  };
+  // Next fit: runs starting in [from, to).
+  auto find = [&](size_t from, size_t to) {
+    for (size_t i = next_free(from); i < to && i + want <= pages_;) {
+      const size_t r = free_run(i, want);
+      if (r == want) return i;
+      i = next_free(i + r);
+    }
+    return pages_;
+  };
+  size_t at = find(cursor_, pages_);
+  if (at == pages_) at = find(0, cursor_);
+  if (at == pages_) return nullptr;
+  mark(at, want, true);
+  cursor_ = at + want == pages_ ? 0 : at + want;
+  return base_ + at * kPage;
+}
+
+void PagePool::put(std::byte* p, size_t len) {
+  mark(static_cast<size_t>(p - base_) / kPage, (len + kPage - 1) / kPage, false);
+}
+
+// ---- requests ----
+
 Slot& NbdServer::Impl::take_slot(Conn& c, uint64_t data_bytes) {
   Slot* s = c.free_slots;
   if (s != nullptr) {
@@ -39,6 +110,8 @@ Slot& NbdServer::Impl::take_slot(Conn& c, uint64_t data_bytes) {
   s->flush_after = false;
   s->data_bytes = data_bytes;
   s->hdr_len = s->data_len = s->sent = 0;
+  s->data = nullptr;
+  s->lent = 0;
   ++c.inflight;
   c.inflight_bytes += data_bytes;
   return *s;
@@ -48,6 +121,13 @@ void NbdServer::Impl::release(Conn& c, Slot& s) {
   --c.inflight;
   c.inflight_bytes -= s.data_bytes;
   s.data_bytes = 0;
+  if (s.lent > 0) {
+    c.pool->put(s.data, s.lent);
+    c.lent_bytes -= s.lent;
+    s.lent = 0;
+    if (!c.pool->waiters.empty()) c.pool->resume = true;
+  }
+  s.data = nullptr;
   if (s.buf.size() > kKeepBuffer) std::vector<std::byte>().swap(s.buf);
   s.next = c.free_slots;
   c.free_slots = &s;
@@ -85,8 +165,28 @@ bool NbdServer::Impl::parse_request(Conn& c) {
     c.paused = true;
     return false;
   }
+  // Then room in the export's request memory, behind the connections already waiting for it
+  // (first come, first served: a large request is not starved by a stream of small ones).
+  std::byte* lent = nullptr;
+  if (data > 0 && c.pool != nullptr && data <= c.pool->capacity()) {
+    if (c.pool->waiters.empty() || c.resuming) lent = c.pool->get(data);
+    if (lent == nullptr) {
+      if (!c.mem_wait) {
+        c.mem_wait = true;
+        c.pool->waiters.push_back(c.id);
+        stats.memory_waits.fetch_add(1, std::memory_order_relaxed);
+      }
+      c.paused = true;
+      return false;
+    }
+  }
   c.in_beg += sizeof(r);
   Slot& s = take_slot(c, data);
+  if (lent != nullptr) {
+    s.data = lent;
+    s.lent = PagePool::rounded(data);
+    c.lent_bytes += s.lent;
+  }
   s.handle = r.handle.get();
   s.offset = r.offset.get();
   s.length = length;
@@ -106,7 +206,10 @@ bool NbdServer::Impl::parse_request(Conn& c) {
     }
     return true;
   }
-  if (data_cmd && s.buf.size() < length) s.buf.resize(length);
+  if (data_cmd && s.data == nullptr) {
+    if (s.buf.size() < length) s.buf.resize(length);
+    s.data = s.buf.data();
+  }
   if (type == kCmdWrite) {
     c.rx_slot = &s;
     c.rx_got = 0;
@@ -121,7 +224,7 @@ void NbdServer::Impl::receive_payload(Conn& c) {
   Slot& s = *c.rx_slot;
   const size_t n = std::min(c.in_end - c.in_beg, size_t{s.length} - c.rx_got);
   if (n > 0) {
-    std::memcpy(s.buf.data() + c.rx_got, c.in.data() + c.in_beg, n);
+    std::memcpy(s.data + c.rx_got, c.in.data() + c.in_beg, n);
     c.in_beg += n;
     c.rx_got += n;
   }
@@ -190,10 +293,10 @@ void NbdServer::Impl::submit(Conn& c, Slot& s) {
   Status st;
   switch (s.type) {
     case kCmdRead:
-      st = c.exp->read(s.offset, std::span(s.buf.data(), s.length), d);
+      st = c.exp->read(s.offset, std::span(s.data, s.length), d);
       break;
     case kCmdWrite:
-      st = c.exp->write(s.offset, std::span<const std::byte>(s.buf.data(), s.length), fua, d);
+      st = c.exp->write(s.offset, std::span<const std::byte>(s.data, s.length), fua, d);
       break;
     case kCmdFlush:
       st = c.exp->flush(d);

@@ -15,11 +15,25 @@
 //   NO_HOLE, DF, REQ_ONE, FAST_ZERO. Many requests are in flight per connection and replies go
 //   out in completion order. Structured replies when negotiated, simple replies otherwise.
 //
+// Data path
+//   An export that lends request memory (Export::request_memory: the device export's memory
+//   registered with its session) gets READ and WRITE data in it: WRITE payloads are received
+//   into it and READ replies sent from it, so the bytes are not copied on their way between the
+//   socket and the transport. The server carves each request's buffer out of it (4 KiB pages);
+//   when it is full, the next READ or WRITE waits, its header and what follows left in the
+//   socket, until a reply frees room. A connection that holds some of it and makes no progress
+//   (a WRITE payload that stops coming, replies the client does not read) while others wait
+//   for room is dropped after NbdServerOptions::stall_timeout, so no client pins it for good.
+//   Other exports get buffers of the server's own.
+//
 // Threading
 //   - One event-loop thread per NbdServer does all socket IO and protocol work.
 //   - Export functions are called on that thread. Their completions may run on any thread,
-//     even inside the submitting call; the server hands them back to its loop (a locked list
-//     and an eventfd), so an Export needs no knowledge of the loop.
+//     even inside the submitting call. Those that run on the loop thread (inline, or inside
+//     Export::poll_loop) are taken as they are; those of other threads are handed back to the
+//     loop (a locked list and an eventfd), so an Export needs no knowledge of the loop.
+//   - An export may let the loop run its completions itself (Export::attach_loop / poll_loop:
+//     the device export reaps its transport connections there): one thread wake-up per IO.
 //   - start, serve_fd, listening, stats and stop: any thread but an Export completion.
 #pragma once
 
@@ -93,6 +107,25 @@ class Export {
   // neither blocks nor waits for a completion in between.
   virtual void begin_batch() {}
   virtual void end_batch() {}
+
+  // Request memory (optional): memory in which the export reads and writes without a copy,
+  // from which the server takes the data buffers of READ and WRITE (see "Data path" above),
+  // or empty: the server uses its own. Asked once, when the server starts; it must stay valid
+  // and the same until the server has stopped, hold at least info().max_payload bytes (or
+  // larger requests use the server's memory), and serve one NbdServer at a time.
+  virtual std::span<std::byte> request_memory() { return {}; }
+
+  // Completion polling (optional). attach_loop(): on the loop thread when it starts; a file
+  // descriptor the loop waits on with its sockets, readable when poll_loop() has completions
+  // to run, or -1 (the default: completions come back through the hand-off). poll_loop(): on
+  // the loop thread when that fd is readable, and after a completion of this export arrived
+  // from another thread (a sign that the export's polling lost hold of something, which the
+  // call may take back); runs what completed, their `done` callbacks inside. Never inside a
+  // begin_batch() / end_batch() pair. detach_loop(): on the loop thread as it ends, once every
+  // request of the export has completed.
+  virtual int attach_loop() { return -1; }
+  virtual void poll_loop() {}
+  virtual void detach_loop() {}
 };
 
 // Where a server listens: a unix stream socket path, or a numeric TCP address.
@@ -126,6 +159,9 @@ struct NbdServerOptions {
   // A connection that has not reached transmission by then is closed (a stuck or hostile
   // client must not hold a connection slot forever).
   std::chrono::milliseconds handshake_timeout{10000};
+  // A connection that holds request memory of its export and has neither received nor sent a
+  // byte for this long while other requests wait for that memory is closed (see "Data path").
+  std::chrono::milliseconds stall_timeout{30000};
   // TLS (NBD_OPT_STARTTLS): a server-role context. With tls_required nothing but STARTTLS and
   // ABORT is served in plaintext (the spec's FORCEDTLS mode).
   std::shared_ptr<ibtrs::tls::Context> tls;
@@ -145,6 +181,8 @@ struct NbdServerStats {
   uint64_t tls_failures = 0;     // STARTTLS handshakes that failed (credentials, protocol)
   uint64_t read_bytes = 0;       // READ data sent
   uint64_t write_bytes = 0;      // WRITE data received and written
+  uint64_t memory_waits = 0;     // READ / WRITE that waited for room in the request memory
+  uint64_t stalls = 0;           // connections dropped by stall_timeout
 };
 
 class NbdServer {
