@@ -347,6 +347,9 @@ TEST_F(Session, ChunkSetsFailOverIntoTheSameChunks) {
 // it can decode); the 2.2 client of a server without sets gets one chunk per request and
 // EMSGSIZE above it.
 TEST_F(Session, PeersWithoutChunkSetsGetOneChunkPerRequest) {
+  // The negotiation is the same bytes on every fabric; the raw peer connects without a source
+  // address, which the rig's two rxe devices need to pick the device its domain lives on.
+  if (g_kind == FabricKind::rdma) GTEST_SKIP() << "the raw peer speaks tcp and loopback";
   start_server(1);
   raw::RawPeer peer(addrs_[0]);
   auto req = proto::make_con_req(0, 2, 0, true, raw::to_uuid(Uuid16::random()), raw::to_uuid(Uuid16::random()));
