@@ -1082,7 +1082,10 @@ TEST_F(Session, AReapWithNoTimeoutEndsOnACompletionAndOnWake) {
     for (auto* r : vol_.take_held()) vol_.serve(*r);
   });
   size_t ran = 0;
-  while (ran == 0) {  // a wait may end early for nothing: the caller looks again
+  // A wait may end early for nothing: the caller looks again (bounded: a completion that ran
+  // elsewhere fails the expectations below instead of hanging the test).
+  for (auto end = std::chrono::steady_clock::now() + 30s;
+       ran == 0 && std::chrono::steady_clock::now() < end;) {
     auto n = reaper.reap(std::chrono::microseconds::max());
     ASSERT_TRUE(n.ok());
     ran += *n;
@@ -1478,19 +1481,21 @@ TEST_F(Session, ReaperFdFollowsAPathBreakAndTheReconnect) {
     return true;
   })) << "the broken path reconnects";
   // Requests on both paths: the new connection's first completions run on its IO thread and
-  // hand off; the reap(0) that follows borrows it, and from then on the loop runs them.
-  constexpr uint32_t kM = 32;
+  // hand off; the reap(0) that follows borrows it, and from then on the loop runs them (a
+  // borrow that finds the IO thread in a pass leaves it one more time: on a loaded host that
+  // happens now and then, so what is asked is a run of 8 in a row on the loop, in time).
+  constexpr uint32_t kM = 200;
   std::vector<LoopTracked> more(kM);
   std::vector<VolHdr> mh(kM);
   std::vector<IoSeg> ms(kM);
-  for (uint32_t i = 0; i < kM; ++i) {
+  uint32_t in_a_row = 0;
+  for (uint32_t i = 0; i < kM && in_a_row < 8; ++i) {
     ASSERT_TRUE(submit_looped(*client_, *buf_, IoDir::read, i % kN, 100 + i, more[i], loop, mh[i], ms[i]).ok());
     EXPECT_TRUE(loop.run_until([&] { return more[i].calls.load() == 1; })) << i;
     EXPECT_EQ(more[i].err.load(), 0) << i;
+    in_a_row = more[i].on_caller.load() ? in_a_row + 1 : 0;
   }
-  size_t late_on_caller = 0;
-  for (uint32_t i = kM / 2; i < kM; ++i) late_on_caller += more[i].on_caller.load();
-  EXPECT_GE(late_on_caller, kM / 2 - 2) << "the loop took the new connection back";
+  EXPECT_EQ(in_a_row, 8u) << "the loop took the new connection back";
   EXPECT_EQ(loop.stalls, 0u);
   EXPECT_TRUE(loop.settles());
   rr->reset();

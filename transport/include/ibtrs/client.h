@@ -274,7 +274,8 @@ class CompletionReaper {
   // Polls the thread's connections and runs what completed there. With `wait` > 0 and nothing
   // completed, blocks on the connections' completion fds for up to `wait` (or until wake(), a
   // teardown or the session's close); microseconds::max() waits with no timeout (and no timer
-  // to arm and cancel). Returns the number of request callbacks that ran on this thread during
+  // to arm and cancel), except that a wait is cut to 1 ms when the IO thread was in a pass over
+  // one of the connections (their completions then run there). Returns the number of request callbacks that ran on this thread during
   // the call (0: the wait expired or was cut short). Errors: ESHUTDOWN (the session is closing
   // or gone), EDEADLK (called inside a submission batch).
   Result<size_t> reap(std::chrono::microseconds wait);

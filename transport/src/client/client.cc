@@ -1484,6 +1484,9 @@ struct CompletionReaper::Impl {
   // The CQs held during one reap() (one per path at most).
   Con* held[ClientSession::kMaxPaths];
   uint32_t nheld = 0;
+  // CQs of connected paths that borrow() left to the poller (it was in a pass over them): their
+  // completions run there and raise no event of ours, so a wait must not be endless.
+  uint32_t missed = 0;
   // fd(): an epoll set over the fds of the CQs this reaper holds, lent or lent_idle. A CQ joins
   // when it is borrowed from the poller and leaves when it is given back; one the poller
   // reclaims from lent_idle stays in the set (we are not told), which only costs a spurious
@@ -1513,6 +1516,7 @@ struct CompletionReaper::Impl {
   // there, and the caller's wake() ends our wait).
   void borrow() {
     nheld = 0;
+    missed = 0;
     const uint32_t n = s->npaths_hint.load(std::memory_order_acquire);
     for (uint32_t i = 0; i < n; ++i) {
       Path* pa = s->paths[i].load(std::memory_order_acquire);
@@ -1536,6 +1540,7 @@ struct CompletionReaper::Impl {
         c->poller->set_muted(c->cq.get(), true);
         watch(c);
       } else {
+        ++missed;
         continue;
       }
       held[nheld++] = c;
@@ -1631,6 +1636,12 @@ CompletionReaper::~CompletionReaper() {
   s->reapers[port.ci].reset();
 }
 
+namespace {
+// How long reap() waits at most while a CQ it could not borrow is the poller's (the poller
+// holds a CQ for one pass over it: microseconds, longer under a sanitizer or a loaded host).
+constexpr std::chrono::microseconds kMissedCqWait{1000};
+}  // namespace
+
 Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   if (client::tl_plug.depth > 0) return errc(EDEADLK);
   Impl& m = *impl_;
@@ -1652,6 +1663,9 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   bool level = true;
   for (uint32_t i = 0; i < m.nheld; ++i) level = level && m.held[i]->cq->level_triggered();
   const bool block = wait.count() > 0;
+  // A CQ left to the poller this time is not in our wait: a wait without end would end only on
+  // wake(), so it is cut to a tick and the caller looks again (borrowing the CQ then).
+  if (m.missed > 0 && wait > kMissedCqWait) wait = kMissedCqWait;
   const bool forever = wait == std::chrono::microseconds::max();
   // Waited on through fd(): the events that made it readable are consumed here (a verbs
   // completion channel stays readable until they are read).
