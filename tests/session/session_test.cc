@@ -1470,9 +1470,7 @@ TEST_F(Session, ReaperFdFollowsAPathBreakAndTheReconnect) {
   })) << "the broken path's requests failed over";
   // Until now the server held every request: a wait that nothing ended was no stall (a slow
   // host, ASan, counts failover only after the loop's first 2 s wait). From here on
-  // completions are due. The resends (the same bytes into the chunks the held requests are
-  // read from) reach the volume first, as in ChunkSetsFailOverIntoTheSameChunks.
-  std::this_thread::sleep_for(300ms);
+  // completions are due.
   loop.stalls = 0;
   vol_.hold(false);
   for (auto* r : vol_.take_held()) vol_.serve(*r);
