@@ -330,10 +330,6 @@ TEST_F(Session, ChunkSetsFailOverIntoTheSameChunks) {
     auto ps = client_->paths();
     return ps[0].stats.failovered + ps[1].stats.failovered > 0;
   }));
-  // The resent requests land in the chunks the held ones are read from (the same bytes): let
-  // them reach the volume (held as well) before serving, so that serving does not read a chunk
-  // while a resend still writes it (TSan saw that race in one run of three).
-  std::this_thread::sleep_for(300ms);
   vol_.hold(false);
   for (auto* r : vol_.take_held()) vol_.serve(*r);
   for (size_t i = 0; i < lens.size(); ++i) EXPECT_EQ(ws[i]->wait(), 0) << i;
