@@ -96,23 +96,8 @@ cld="$build/client/daemon/ibnbd-client"
 cli="$build/client/cli/ibnbd"
 engine="$build/client/fio/libibnbd-fio.so"
 
-tmp=$(mktemp -d /dev/shm/ibnbd-fio-bench.XXXXXX)
-pids=()
-mnt="" loopdev="" backing=""
-cleanup() {
-  # Newest first: the client daemon closes its device while the server still answers.
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill "${pids[i]}" 2>/dev/null || true
-    wait "${pids[i]}" 2>/dev/null || true
-  done
-  if [ -n "$mnt" ]; then umount "$mnt" 2>/dev/null || umount -l "$mnt" 2>/dev/null || true; rmdir "$mnt" 2>/dev/null || true; fi
-  [ -z "$loopdev" ] || losetup -d "$loopdev" 2>/dev/null || true
-  [ -z "$backing" ] || rm -f "$backing"
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-cd "$tmp"  # fio's state files
+source "$top/bench/scratch-lib.sh"
+scratch_setup ibnbd-fio-bench "$fs"  # 1 GiB written below, so that reads find pages
 
 wait_file() {  # wait_file FILE PID: until FILE exists, while PID lives (10 s at most)
   for _ in $(seq 200); do
@@ -137,19 +122,6 @@ started() {  # started NAME LOG: the last background process failed to come up
   exit 1
 }
 
-# 1 GiB, written once so that reads find pages (tmpfs holes would read for free).
-export_dir="$tmp/export"
-if [ "$fs" = ext4 ]; then
-  # A real file system under the same page cache: a 2 GiB sparse file on /var/tmp's disk.
-  backing=$(mktemp /var/tmp/ibnbd-fio-bench.XXXXXX.img)
-  truncate -s 2G "$backing"
-  loopdev=$(losetup --find --show "$backing")
-  mkfs.ext4 -q -F "$loopdev"
-  mnt=$(mktemp -d /var/tmp/ibnbd-fio-bench-mnt.XXXXXX)
-  mount "$loopdev" "$mnt"
-  export_dir="$mnt/export"
-fi
-mkdir -p "$export_dir"
 img="$export_dir/vol.img"
 dd if=/dev/urandom of="$img" bs=1M count=1024 status=none
 sync "$img"

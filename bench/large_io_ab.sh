@@ -37,36 +37,8 @@ for t in fio nbdkit qemu-nbd jq; do
   command -v "$t" >/dev/null || { echo "$t is missing (scripts/setup.sh installs it)" >&2; exit 1; }
 done
 
-tmp=$(mktemp -d /dev/shm/ibnbd-large-ab.XXXXXX)
-pids=()
-mnt="" loopdev="" backing=""
-cleanup() {
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill "${pids[i]}" 2>/dev/null || true
-    wait "${pids[i]}" 2>/dev/null || true
-  done
-  if [ -n "$mnt" ]; then umount "$mnt" 2>/dev/null || umount -l "$mnt" 2>/dev/null || true; rmdir "$mnt" 2>/dev/null || true; fi
-  [ -z "$loopdev" ] || losetup -d "$loopdev" 2>/dev/null || true
-  [ -z "$backing" ] || rm -f "$backing"
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-cd "$tmp"
-
-if [ "$fs" = ext4 ]; then
-  [ "$(id -u)" = 0 ] || { echo "--fs ext4 needs root (losetup, mount)" >&2; exit 2; }
-  backing=$(mktemp /var/tmp/ibnbd-large-ab.XXXXXX.img)
-  truncate -s 2G "$backing"
-  loopdev=$(losetup --find --show "$backing")
-  mkfs.ext4 -q -F "$loopdev"
-  mnt=$(mktemp -d /var/tmp/ibnbd-large-ab-mnt.XXXXXX)
-  mount "$loopdev" "$mnt"
-  export_dir="$mnt/export"
-else
-  export_dir="$tmp/export"
-fi
-mkdir -p "$export_dir"
+source "$(cd "$(dirname "$0")" && pwd)/scratch-lib.sh"
+scratch_setup ibnbd-large-ab "$fs"
 img="$export_dir/vol.img"
 dd if=/dev/urandom of="$img" bs=1M count=1024 status=none
 sync "$img"
