@@ -108,6 +108,9 @@ struct Plug {
   uint32_t depth = 0;
   uint32_t n = 0;
   Con* cons[ClientSession::kMaxPaths];
+  // The path the batch posted to last (compared, never dereferenced): min-inflight keeps the
+  // batch on it (core::kBatchStickiness).
+  const void* last_path = nullptr;
 };
 thread_local Plug tl_plug;
 
@@ -532,6 +535,7 @@ bool Session::post(uint32_t p, Path* skip) {
     Path* by_idx[ClientSession::kMaxPaths];
     const uint32_t n = npaths_hint.load(std::memory_order_acquire);
     std::optional<size_t> skip_idx;
+    std::optional<size_t> batch_idx;
     for (uint32_t i = 0; i < n; ++i) {
       Path* pa = paths[i].load(std::memory_order_acquire);
       by_idx[i] = pa;
@@ -543,8 +547,9 @@ bool Session::post(uint32_t p, Path* skip) {
       auto lat = pa->hb.latency();
       loads[i].latency_ns = lat ? static_cast<uint64_t>(lat->count()) : 0;
       if (pa == skip) skip_idx = i;
+      if (pa == tl_plug.last_path && tl_plug.s == this) batch_idx = i;
     }
-    auto idx = core::choose_path(pol, std::span(loads, n), tl_cursor, skip_idx);
+    auto idx = core::choose_path(pol, std::span(loads, n), tl_cursor, skip_idx, batch_idx);
     if (!idx) return false;
     Path* pa = by_idx[*idx];
     tried[ntried++] = pa;
@@ -630,9 +635,10 @@ bool Session::post(uint32_t p, Path* skip) {
     const uint32_t bytes = q.data_len;
     const uint32_t nseg = q.nseg;
     q.con.store(c, std::memory_order_release);
-    auto st = plug_con(*this, c) ? c->conn->post_send_deferred(std::span(&wr, 1))
-                                 : c->conn->post_send(std::span(&wr, 1));
+    const bool plugged = plug_con(*this, c);
+    auto st = plugged ? c->conn->post_send_deferred(std::span(&wr, 1)) : c->conn->post_send(std::span(&wr, 1));
     if (st.ok()) {
+      if (plugged) tl_plug.last_path = pa;
       c->gate.exit();
       // Counted after the post: a completion racing ahead only makes inflight briefly negative.
       pa->stats.on_submit(sub_shard, is_write, bytes, nseg);
@@ -1464,6 +1470,7 @@ Status ClientSession::request(const IoRequest& req, PermitWait wait) { return im
 void ClientSession::begin_batch() {
   client::Plug& pl = client::tl_plug;
   if (pl.depth > 0 && pl.s != impl_.get()) return;  // another session's batch is open
+  if (pl.depth == 0) pl.last_path = nullptr;
   pl.s = impl_.get();
   ++pl.depth;
 }
@@ -1473,6 +1480,7 @@ void ClientSession::end_batch() {
   if (pl.s != impl_.get() || pl.depth == 0 || --pl.depth > 0) return;
   client::flush_plug(pl);
   pl.s = nullptr;
+  pl.last_path = nullptr;
 }
 
 // ------------------------------------------------------------------------------------------

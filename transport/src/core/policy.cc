@@ -6,7 +6,7 @@
 namespace ibtrs::core {
 
 std::optional<size_t> choose_path(MpPolicy policy, std::span<const PathLoad> paths, size_t& cursor,
-                                  std::optional<size_t> skip) {
+                                  std::optional<size_t> skip, std::optional<size_t> batch) {
   const size_t n = paths.size();
   if (n == 0) return std::nullopt;
   size_t usable = 0;
@@ -36,6 +36,11 @@ std::optional<size_t> choose_path(MpPolicy policy, std::span<const PathLoad> pat
       best_key = key;
       if (policy == MpPolicy::round_robin) break;
     }
+  }
+  // Keep an open batch on its path unless that path ran ahead of the least loaded one.
+  if (best && policy == MpPolicy::min_inflight && batch && *batch < n && eligible(*batch) &&
+      paths[*batch].inflight <= best_key + kBatchStickiness) {
+    best = *batch;
   }
   if (best) cursor = (*best + 1) % n;
   return best;
