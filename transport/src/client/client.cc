@@ -96,6 +96,10 @@ thread_local size_t tl_cursor = 0;
 // Request callbacks run by this thread (CompletionReaper::reap counts its own).
 thread_local size_t tl_finished = 0;
 thread_local uint32_t tl_spread = 0;
+// The path this thread posted to last, and in which session (compared, never dereferenced):
+// min-inflight breaks ties towards it (core::Stick).
+thread_local const void* tl_last_path = nullptr;
+thread_local const void* tl_last_session = nullptr;
 // Data size from which a user thread's requests are spread over the IO connections.
 constexpr uint64_t kSpreadBytes = 64 * 1024;
 
@@ -540,7 +544,7 @@ bool Session::post(uint32_t p, Path* skip) {
     Path* by_idx[ClientSession::kMaxPaths];
     const uint32_t n = npaths_hint.load(std::memory_order_acquire);
     std::optional<size_t> skip_idx;
-    std::optional<size_t> batch_idx;
+    std::optional<core::Stick> stick;
     for (uint32_t i = 0; i < n; ++i) {
       Path* pa = paths[i].load(std::memory_order_acquire);
       by_idx[i] = pa;
@@ -552,9 +556,13 @@ bool Session::post(uint32_t p, Path* skip) {
       auto lat = pa->hb.latency();
       loads[i].latency_ns = lat ? static_cast<uint64_t>(lat->count()) : 0;
       if (pa == skip) skip_idx = i;
-      if (pa == tl_plug.last_path && tl_plug.s == this) batch_idx = i;
+      if (tl_plug.s == this && pa == tl_plug.last_path) {
+        stick = core::Stick{i, core::kBatchStickiness};
+      } else if (!stick && tl_last_session == this && pa == tl_last_path) {
+        stick = core::Stick{i, 0};
+      }
     }
-    auto idx = core::choose_path(pol, std::span(loads, n), tl_cursor, skip_idx, batch_idx);
+    auto idx = core::choose_path(pol, std::span(loads, n), tl_cursor, skip_idx, stick);
     if (!idx) return false;
     Path* pa = by_idx[*idx];
     tried[ntried++] = pa;
@@ -644,6 +652,8 @@ bool Session::post(uint32_t p, Path* skip) {
     auto st = plugged ? c->conn->post_send_deferred(std::span(&wr, 1)) : c->conn->post_send(std::span(&wr, 1));
     if (st.ok()) {
       if (plugged) tl_plug.last_path = pa;
+      tl_last_path = pa;
+      tl_last_session = this;
       c->gate.exit();
       // Counted after the post: a completion racing ahead only makes inflight briefly negative.
       pa->stats.on_submit(sub_shard, is_write, bytes, nseg);
