@@ -199,6 +199,66 @@ TEST(Policy, MinInflightPicksTheLeastLoadedAndSharesTies) {
   EXPECT_EQ(chosen, (std::set<size_t>{0, 1})) << "equal paths take turns";
 }
 
+// Case: a thread posted its last request to path 0; min-inflight picks the next one's path
+// between batches (bound 0).
+// Expect: ties stay on path 0 instead of rotating (QD1 keeps to one connection); a path with
+// fewer in flight still wins.
+TEST(Policy, MinInflightBreaksTiesTowardsTheLastPath) {
+  std::vector<PathLoad> p = {{true, 0, 0}, {true, 0, 0}};
+  size_t cursor = 0;
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{0, 0}).value(), 0u);
+  p[0].inflight = 1;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{0, 0}).value(), 1u);
+}
+
+// Case: a submission batch already posted to path 0; min-inflight picks the next request's path.
+// Expect: the batch stays on path 0 while its inflight is within kBatchStickiness of the least
+// loaded path, and moves to the least loaded one past that; without a batch, least loaded wins.
+TEST(Policy, MinInflightKeepsABatchOnItsPathWithinTheBound) {
+  std::vector<PathLoad> p = {{true, 20, 0}, {true, 5, 0}};
+  size_t cursor = 0;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor).value(), 1u) << "no batch: least loaded";
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{0, kBatchStickiness}).value(), 0u) << "batch sticks";
+  p[0].inflight = 5 + kBatchStickiness;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{0, kBatchStickiness}).value(), 0u) << "at the bound";
+  p[0].inflight = 6 + kBatchStickiness;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{0, kBatchStickiness}).value(), 1u) << "past it";
+  // A full batch of QD32 from idle paths stays whole.
+  p = {{true, 0, 0}, {true, 0, 0}};
+  std::optional<size_t> batch;
+  std::set<size_t> used;
+  for (int i = 0; i < 32; ++i) {
+    std::optional<Stick> stick;
+    if (batch) stick = Stick{*batch, kBatchStickiness};
+    batch = choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, stick).value();
+    used.insert(*batch);
+    ++p[*batch].inflight;
+  }
+  EXPECT_EQ(used.size(), 1u) << "one batch, one path";
+  // The next batch starts on the least loaded path again.
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor).value(), 1 - *batch);
+}
+
+// Case: the batch's path is unusable or is the one a failed-over request comes from; the policy
+// is round-robin or min-latency.
+// Expect: the batch hint is ignored in each case.
+TEST(Policy, BatchHintYieldsToFailoverAndOtherPolicies) {
+  std::vector<PathLoad> p = {{true, 1, 900'000}, {true, 0, 100'000}, {true, 3, 0}};
+  size_t cursor = 0;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, 0, Stick{0, kBatchStickiness}).value(), 1u) << "skip beats batch";
+  p[0].usable = false;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{0, kBatchStickiness}).value(), 1u) << "unusable";
+  p[0].usable = true;
+  EXPECT_EQ(choose_path(MpPolicy::min_latency, p, cursor, std::nullopt, Stick{0, kBatchStickiness}).value(), 1u);
+  cursor = 1;
+  EXPECT_EQ(choose_path(MpPolicy::round_robin, p, cursor, std::nullopt, Stick{0, kBatchStickiness}).value(), 1u);
+  size_t same = cursor;
+  EXPECT_EQ(choose_path(MpPolicy::min_inflight, p, cursor, std::nullopt, Stick{7, kBatchStickiness}),
+            choose_path(MpPolicy::min_inflight, p, same))
+      << "out of range";
+}
+
 TEST(Policy, MinLatencyPrefersMeasuredFastPaths) {
   std::vector<PathLoad> p = {{true, 0, 900'000}, {true, 50, 100'000}, {true, 0, 0}};
   size_t cursor = 0;

@@ -6,7 +6,7 @@
 namespace ibtrs::core {
 
 std::optional<size_t> choose_path(MpPolicy policy, std::span<const PathLoad> paths, size_t& cursor,
-                                  std::optional<size_t> skip) {
+                                  std::optional<size_t> skip, std::optional<Stick> stick) {
   const size_t n = paths.size();
   if (n == 0) return std::nullopt;
   size_t usable = 0;
@@ -36,6 +36,11 @@ std::optional<size_t> choose_path(MpPolicy policy, std::span<const PathLoad> pat
       best_key = key;
       if (policy == MpPolicy::round_robin) break;
     }
+  }
+  // Stay on the last path unless it ran ahead of the least loaded one by more than the bound.
+  if (best && policy == MpPolicy::min_inflight && stick && stick->path < n && eligible(stick->path) &&
+      paths[stick->path].inflight <= best_key + stick->bound) {
+    best = stick->path;
   }
   if (best) cursor = (*best + 1) % n;
   return best;
