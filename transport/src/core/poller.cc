@@ -24,7 +24,7 @@ constexpr uint64_t kSourceTag = 1;
 // How often the adaptive policy samples the run queue (a pread of /proc/loadavg).
 constexpr auto kRunnableEvery = std::chrono::milliseconds(10);
 
-int64_t ns_of(Poller::Clock::time_point t) {
+int64_t steady_ns(Poller::Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
@@ -40,6 +40,9 @@ int runnable_now(int fd) {
   if (std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &r, &total) != 5) return -1;
   return r;
 }
+
+// The statistics have one writer, the poller thread: a plain add, no locked instruction.
+void bump(std::atomic<uint64_t>& c) { c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
 
 constexpr const char* kReasonNames[kBlockReasons] = {"none",      "learning", "probe",   "contended",
                                                      "preempted", "misses",   "no_gain", "idle"};
@@ -282,7 +285,7 @@ size_t Poller::sleep_until(Clock::time_point deadline) {
     sleeping_.store(false, std::memory_order_seq_cst);
     return 0;
   }
-  st_sleeps_.fetch_add(1, std::memory_order_relaxed);
+  bump(st_sleeps_);
   auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
   int ms = static_cast<int>(std::clamp<int64_t>(left.count(), 0, kMaxSleep.count()));
   epoll_event evs[16];
@@ -318,16 +321,16 @@ void Poller::end_wait(Clock::time_point t) {
   waiting_ = false;
   WaitOutcome o;
   o.end = spinning_ ? WaitEnd::spun : WaitEnd::blocked;
-  o.wait_ns = ns_of(t) - ns_of(wait_start_);
+  o.wait_ns = steady_ns(t) - steady_ns(wait_start_);
   o.preempted = preempted_;
   // Time per completion of the cycle, from busy periods only: an idle gap says nothing of what
   // spinning costs.
   if (cycle_n_ > 0 && o.wait_ns <= 2 * HybridPollConfig::server().max_spin_ns)
-    o.cost_ns = (ns_of(t) - ns_of(cycle_start_)) / static_cast<int64_t>(cycle_n_);
-  if (plan_.hybrid()) (spinning_ ? st_caught_ : st_missed_).fetch_add(1, std::memory_order_relaxed);
-  if (preempted_) st_preempted_.fetch_add(1, std::memory_order_relaxed);
+    o.cost_ns = (steady_ns(t) - steady_ns(cycle_start_)) / static_cast<int64_t>(cycle_n_);
+  if (plan_.hybrid()) bump(spinning_ ? st_caught_ : st_missed_);
+  if (preempted_) bump(st_preempted_);
   spinning_ = false;
-  policy_.record(plan_, o, ns_of(t));
+  policy_.record(plan_, o, steady_ns(t));
   st_expected_.store(policy_.expected_ns(), std::memory_order_relaxed);
   cycle_start_ = t;
   cycle_n_ = 0;
@@ -338,7 +341,7 @@ void Poller::begin_wait(Clock::time_point now) {
     runnable_at_ = now;
     if (int r = runnable_now(loadavg_fd_); r >= 1) policy_.observe_runnable(r - 1, cpus_);
   }
-  plan_ = policy_.plan(ns_of(now));
+  plan_ = policy_.plan(steady_ns(now));
   waiting_ = true;
   wait_start_ = now;
   preempted_ = false;
@@ -347,8 +350,8 @@ void Poller::begin_wait(Clock::time_point now) {
     spin_end_ = now + std::chrono::nanoseconds(plan_.spin_ns);
     last_spin_ = now;
   }
-  st_waits_.fetch_add(1, std::memory_order_relaxed);
-  st_blocked_[static_cast<int>(policy_.last_reason())].fetch_add(1, std::memory_order_relaxed);
+  bump(st_waits_);
+  bump(st_blocked_[static_cast<int>(policy_.last_reason())]);
 }
 
 void Poller::loop() {
