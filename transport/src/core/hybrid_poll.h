@@ -62,13 +62,13 @@ struct HybridPollConfig {
   // Block while the expected arrival is beyond max_spin_ns, rather than sleep most of it.
   bool block_beyond_cap = false;
 
-  // A server IO poller: spin right after a pass that found work (no sleep: min_sleep_ns
-  // unreachable), at most 75 us (NAPI's busy-poll budgets are some 50 us; a loopback QD1 round
-  // trip here is ~45 us, of which the server sees a gap of ~30), and not at all while its
-  // clients are idle or slower than that.
+  // A server IO poller: spin right after a pass that found requests (no sleep: min_sleep_ns
+  // unreachable), at most 100 us (NAPI's busy-poll budgets are some 50 us; the gap it learns
+  // is a whole QD1 round trip, ~45 us on loopback here, since the backend's IO completions
+  // fall inside it), and not at all while its clients are idle or slower than that.
   static constexpr HybridPollConfig server() {
     HybridPollConfig c;
-    c.max_spin_ns = 75'000;
+    c.max_spin_ns = 100'000;
     c.min_sleep_ns = INT64_MAX;
     c.learn_from_blocking = true;
     c.block_beyond_cap = true;

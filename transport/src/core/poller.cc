@@ -277,9 +277,9 @@ size_t Poller::sleep_until(Clock::time_point deadline) {
     e.handler->lease.set(CqLease::free);
   }
   if (lent) deadline = std::min(deadline, now + CqLease::kReclaimAfter);
-  got += poll_sources();
+  const size_t src = poll_sources();
   flush_sources();
-  if (got > 0) return got;
+  if (got + src > 0) return got;
   sleeping_.store(true, std::memory_order_seq_cst);
   if (pending_.load(std::memory_order_seq_cst) || stop_.load(std::memory_order_seq_cst)) {
     sleeping_.store(false, std::memory_order_seq_cst);
@@ -380,17 +380,21 @@ void Poller::loop() {
       }
       e.handler->lease.set(CqLease::free);
     }
+    const size_t cq_total = total;
     if (!sources_.empty()) {
       total += poll_sources();
       flush_sources();
     }
     if (adaptive) {
-      // A wait begins after a pass that found work (tasks and timers are not the clients'
-      // work) and ends with the next pass that does, whether it spun or slept meanwhile.
-      total += std::exchange(carried, 0);
-      if (total > 0) {
+      // A wait begins after a pass that found completions on the CQs (a request, at QD1) and
+      // ends with the next pass that does, whether it spun or slept meanwhile. The sources'
+      // work (the backend's IO completions) neither ends nor starts one: it falls inside the
+      // gap, which a spin covers whole, and counting it would mix its short gaps with the
+      // requests' long ones (each catch of an IO completion would hide a request's miss).
+      const size_t found = cq_total + std::exchange(carried, 0);
+      if (found > 0) {
         end_wait(now);
-        cycle_n_ += total;
+        cycle_n_ += found;
         if (!full) begin_wait(Clock::now());
       }
       if (spinning_ && !full) {

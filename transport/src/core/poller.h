@@ -84,8 +84,9 @@ using PollSource = ibtrs::IoThreadHook;
 // How a poller waits once its CQs are drained.
 //   block     sleeps at once (armed CQs, epoll): a wake-up per request that finds it asleep
 //   spin      never sleeps: a core at idle, and the CPU of the other threads on a loaded host
-//   adaptive  after a pass that found work, keeps polling for a learned gap (a server's next
-//             request: an EWMA of the gap, a bit past it, within 75 us), then sleeps; sleeps at
+//   adaptive  after a pass that found CQ completions, keeps polling for a learned gap (a server's next
+//             request: an EWMA of the gap between passes that found CQ completions, a bit past it,
+//             within 100 us), then sleeps; sleeps at
 //             once while the expected gap is beyond that (idle clients), while the CPU is
 //             contended, while spins keep missing or do not pay (HybridPoll, server config)
 enum class PollMode : uint8_t { block, spin, adaptive };
@@ -138,8 +139,8 @@ class Poller {
   void loop();
   void run_tasks();
   Clock::time_point run_timers();
-  // Returns the completions (and source work) its last look before sleeping found, 0 when it
-  // slept (or found nothing).
+  // Returns the CQ completions its last look before sleeping found (it returns at once when
+  // that finds anything, source work included); 0 when it slept.
   size_t sleep_until(Clock::time_point deadline);
   // Adaptive mode (poller thread): work found by the pass that started at `t` ends the wait in
   // progress; a wait begins after each pass that found work.
