@@ -24,6 +24,9 @@
 #                   before the adaptive wait)
 #   ibnbd-1p-thread ibnbd-1p with ibnbd_reap=thread: transport IO threads receive the
 #                   completions and hand them to getevents through a futex (the mode before)
+#   ibnbd-1p-srvblock ibnbd-1p against a second ibnbd-server with --poll block: its IO threads
+#                   sleep as soon as their CQs are drained (the server's default before the
+#                   adaptive busy-poll); started only when the row is selected
 #   ibnbd-1p-poll   ibnbd-1p with ibnbd_poll_us=200: getevents spins up to 200 us before it
 #                   sleeps, whatever the load (the CPU column shows what that costs)
 #   ibnbd-nbd       two hops: ibnbd-server <- ibnbd-client daemon (device map rw, one path,
@@ -134,6 +137,15 @@ pids+=($!)
 srv_pid=$!
 wait_file "$tmp/srv.ready" "$srv_pid" || started ibnbd-server "$tmp/srv.log"
 mapfile -t addrs < <(sed -n 's/^listening //p' "$tmp/srv.ready")
+srvb_pid=
+if [ -z "$only" ] || [[ ibnbd-1p-srvblock =~ ^($only)$ ]]; then
+  "$srv" --allow-any-host --listen tcp:127.0.0.1:0 --dev-search-path "$export_dir" --poll block \
+    --control-socket "$tmp/srvb.sock" --ready-file "$tmp/srvb.ready" >"$tmp/srvb.log" 2>&1 &
+  pids+=($!)
+  srvb_pid=$!
+  wait_file "$tmp/srvb.ready" "$srvb_pid" || started "ibnbd-server --poll block" "$tmp/srvb.log"
+  srvb_addr=$(sed -n 's/^listening //p' "$tmp/srvb.ready" | head -1)
+fi
 
 nbdkit --foreground --exit-with-parent --unix "$tmp/nbdkit.sock" file "$img" >"$tmp/nbdkit-unix.log" 2>&1 &
 pids+=($!)
@@ -190,6 +202,7 @@ target_args() {
     ibnbd-1p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-1p-thread) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_reap=thread --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-1p-block) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll=block --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-1p-srvblock) echo "--ioengine=external:$engine --ibnbd_paths=$srvb_addr --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-1p-poll) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll_us=200 --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-nbd) echo "--ioengine=nbd --uri=nbd+unix:///vol.img?socket=$tmp/ibnbd-nbd.sock" ;;
@@ -205,6 +218,7 @@ serving_pids() {
     qemu-nbd-unix) echo "$qemu_unix_pid" ;;
     qemu-nbd-tcp) echo "$qemu_tcp_pid" ;;
     ibnbd-1p | ibnbd-1p-block | ibnbd-1p-thread | ibnbd-1p-poll | ibnbd-2p) echo "$srv_pid" ;;
+    ibnbd-1p-srvblock) echo "$srvb_pid" ;;
     ibnbd-nbd) echo "$srv_pid $cld_pid" ;;
     ibnbd-nbd-base) echo "$srv_pid $cld_base_pid" ;;
   esac
@@ -282,6 +296,7 @@ per_io() {
 proc_name() {
   case "$1" in
     "$srv_pid") echo ibnbd-server ;;
+    "$srvb_pid") echo ibnbd-server-block ;;
     "$cld_pid") echo ibnbd-client ;;
     "$cld_base_pid") echo ibnbd-client-base ;;
     *) cat "/proc/$1/comm" 2>/dev/null || echo "$1" ;;
@@ -299,7 +314,7 @@ workloads=("4k randread qd1:randread:4k:1" "4k randread qd32:randread:4k:32"
 for row in "${workloads[@]}"; do
   IFS=: read -r workload rw bs qd <<<"$row"
   [ -z "$only_workloads" ] || [[ $workload =~ ^($only_workloads)$ ]] || continue
-  for target in $peers file ibnbd-1p ibnbd-1p-block ibnbd-1p-thread ibnbd-1p-poll ibnbd-2p ibnbd-nbd ${nbd_base:+ibnbd-nbd-base}; do
+  for target in $peers file ibnbd-1p ibnbd-1p-block ibnbd-1p-srvblock ibnbd-1p-thread ibnbd-1p-poll ibnbd-2p ibnbd-nbd ${nbd_base:+ibnbd-nbd-base}; do
     selected "$target" || continue
     run "$workload" "$target" "$rw" "$bs" "$qd"
   done
@@ -344,7 +359,7 @@ done
 echo
 for w in "4k randread qd32" "4k randwrite qd32"; do
   bi=$(best_peer "$w" iops)
-  for t in ibnbd-1p ibnbd-1p-block; do
+  for t in ibnbd-1p ibnbd-1p-block ibnbd-1p-srvblock; do
     echo "$t / best peer ($bi), $w IOPS: $(ratio "${iops_of[$w/$t]:-}" "${iops_of[$w/$bi]:-}") (target >= 2)"
   done
   echo "ibnbd-1p-poll / best peer ($bi), $w IOPS: $(ratio "${iops_of[$w/ibnbd-1p-poll]:-}" "${iops_of[$w/$bi]:-}") (target >= 3)"
@@ -354,7 +369,7 @@ for w in "1m read qd8" "1m write qd8"; do
   echo "ibnbd-1p / best peer ($bi), $w IOPS: $(ratio "${iops_of[$w/ibnbd-1p]:-}" "${iops_of[$w/$bi]:-}") (target >= 1.1)"
 done
 for w in "4k randread qd1" "4k randwrite qd1"; do
-  for t in ibnbd-1p ibnbd-1p-block ibnbd-1p-poll; do
+  for t in ibnbd-1p ibnbd-1p-block ibnbd-1p-srvblock ibnbd-1p-poll; do
     echo "$t / nbdkit-unix, $w mean latency: $(ratio "${lat_of[$w/$t]:-}" "${lat_of[$w/nbdkit-unix]:-}") (target <= 0.8)"
   done
 done

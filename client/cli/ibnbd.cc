@@ -74,6 +74,8 @@ const char kUsage[] =
     "  path stats <session> [<path>] | reset-stats <session> [<path>] [<group>]\n"
     "  refusals list | reset     peers refused or cut off, by reason (counts since start/reset)\n"
     "  limits                    sessions, paths, chunk memory, backlog: in use against the caps\n"
+    "  io-threads                how each IO thread waited for requests (--poll): spins that\n"
+    "                            caught one, misses, blocks by reason, the learned gap\n"
     "key (no daemon):\n"
     "  key generate [host ID] [hmac 0|1|2|3] [length 32|48|64] [server-key] [out FILE]\n"
     "         a key file: a host id (a new nqn.2014-08.org.nvmexpress:uuid:... unless given),\n"
@@ -374,6 +376,23 @@ Listing server_limits(const json& rsp) {
   return l;
 }
 
+// io-threads: how each transport IO thread waited for work.
+Listing server_io_threads(const json& threads) {
+  Listing l{{{"thread", true}, {"mode"}, {"waits", true}, {"caught", true}, {"missed", true},
+             {"preempted", true}, {"sleeps", true}, {"blocked"}, {"gap_us", true}},
+            {}};
+  for (auto& t : threads) {
+    std::string blocked;
+    for (auto& [reason, n] : t["blocked"].items())
+      if (n.get<uint64_t>() > 0) blocked += (blocked.empty() ? "" : " ") + reason + ":" + std::to_string(n.get<uint64_t>());
+    l.rows.push_back({num(t, "thread"), str(t, "mode"), num(t, "waits"), num(t, "spins_caught"),
+                      num(t, "spins_missed"), num(t, "spins_preempted"), num(t, "sleeps"),
+                      blocked.empty() ? std::string("-") : blocked,
+                      num(t, "expected_gap_ns") / 1000});
+  }
+  return l;
+}
+
 int run_server(const Cli& c) {
   const std::string& o = c.object;
   const std::string& cmd = c.command;
@@ -383,6 +402,10 @@ int run_server(const Cli& c) {
   }
   if (o == "refusals" && cmd == "reset") {
     c.rpc({{"cmd", "reset_refusals"}});
+    return 0;
+  }
+  if (o == "io-threads" && (cmd == "list" || cmd == "show")) {
+    c.print(server_io_threads(c.rpc({{"cmd", "io_threads"}})["io_threads"]));
     return 0;
   }
   if (o == "limits" && (cmd == "list" || cmd == "show")) {
@@ -703,10 +726,11 @@ int main(int argc, char** argv) {
   size_t w = 0;
   if (w < words.size() && (words[w] == "client" || words[w] == "server")) c.side = words[w++];
   const bool server_only = c.side == "server" && w < words.size() &&
-                           (words[w] == "refusals" || words[w] == "limits" || words[w] == "host");
+                           (words[w] == "refusals" || words[w] == "limits" || words[w] == "host" ||
+                            words[w] == "io-threads");
   if (w >= words.size() ||
       (words[w] != "device" && words[w] != "session" && words[w] != "path" && !server_only))
-    fail(22, std::string("expected device, session or path (server: also host, refusals, limits)\n") + kUsage);
+    fail(22, std::string("expected device, session or path (server: also host, refusals, limits, io-threads)\n") + kUsage);
   c.object = words[w++];
   c.command = w < words.size() ? words[w++] : "list";
   c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(w), words.end());

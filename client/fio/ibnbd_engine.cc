@@ -24,7 +24,7 @@
 //              completion finding it asleep wakes. In caller mode the requests that complete
 //              elsewhere (large ones spread over the connections, failed-over ones, failures)
 //              take that same stack and wake the reaper instead.
-//              How it waits, in both modes: ibnbd_poll=adaptive (default, hybrid_poll.h) sleeps
+//              How it waits, in both modes: ibnbd_poll=adaptive (default, core/hybrid_poll.h) sleeps
 //              until shortly before the expected completion (a blocking wait with a timeout,
 //              which a completion ends early), spins (non-blocking looks: a readv per look in
 //              caller mode on tcp) within a budget, then blocks; it blocks from the start while
@@ -56,7 +56,7 @@
 #include <string_view>
 #include <vector>
 
-#include "hybrid_poll.h"
+#include "core/hybrid_poll.h"
 #include "ibnbd/client.h"
 
 extern "C" {
@@ -341,8 +341,8 @@ struct Engine {
 
   // ibnbd_poll=adaptive (job thread only).
   bool adaptive = false;
-  ibnbd::fio::HybridPoll policy;
-  int64_t policy_gap_ns = ibnbd::fio::HybridPollConfig{}.preempt_gap_ns;
+  ibtrs::core::HybridPoll policy;
+  int64_t policy_gap_ns = ibtrs::core::HybridPollConfig{}.preempt_gap_ns;
   int loadavg_fd = -1;
   uint32_t cpus = 1;
   int64_t runnable_at = 0;    // when the run queue was last sampled
@@ -351,7 +351,7 @@ struct Engine {
   int old_timer_slack = -1;   // restored at cleanup
   struct Stats {
     uint64_t waits = 0;
-    uint64_t reason[ibnbd::fio::kBlockReasons] = {};  // by BlockReason (none: a hybrid wait)
+    uint64_t reason[ibtrs::core::kBlockReasons] = {};  // by BlockReason (none: a hybrid wait)
     uint64_t end[3] = {};  // hybrid waits by WaitEnd
     uint64_t preempted = 0;
   };
@@ -845,7 +845,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
   const int64_t start = now_ns();
   const int64_t deadline =
       t != nullptr ? start + t->tv_sec * 1000000000LL + t->tv_nsec : INT64_MAX;
-  ibnbd::fio::WaitPlan plan;
+  ibtrs::core::WaitPlan plan;
   if (e->poll.count() > 0) {
     plan.spin_ns = e->poll.count() * 1000;  // ibnbd_poll_us: a fixed spin, no sleep
   } else if (e->adaptive) {
@@ -856,7 +856,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
     }
     plan = e->policy.plan(start);
   }
-  ibnbd::fio::WaitOutcome out;
+  ibtrs::core::WaitOutcome out;
   int64_t now = start;
   const auto done = [&] { return have(*e) >= min; };
   if (plan.sleep_ns > 0) {
@@ -864,7 +864,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
     now = now_ns();
     // A sleep that ran its length tells how late the timer wakes us.
     if (now - start >= plan.sleep_ns) out.woke_ns = now - start;
-    if (done()) out.end = ibnbd::fio::WaitEnd::slept;
+    if (done()) out.end = ibtrs::core::WaitEnd::slept;
   }
   if (!done() && plan.spin_ns > 0) {
     const int64_t spin_end = std::min<int64_t>(start + plan.spin_ns, deadline);
@@ -875,7 +875,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
       if (now - last > e->policy_gap_ns) out.preempted = true;
       last = now;
       if (done()) {
-        out.end = ibnbd::fio::WaitEnd::spun;
+        out.end = ibtrs::core::WaitEnd::spun;
         break;
       }
       if (now >= spin_end) break;

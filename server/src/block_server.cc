@@ -635,6 +635,9 @@ std::vector<ibtrs::Address> BlockServer::addresses() const { return impl_->trans
 const BlockServerOptions& BlockServer::options() const { return impl_->opts; }
 ibtrs::Refusals& BlockServer::refusals() const { return impl_->transport->refusals(); }
 ibtrs::ServerUsage BlockServer::usage() const { return impl_->transport->usage(); }
+std::vector<ibtrs::IoThreadWaitStats> BlockServer::io_thread_stats() const {
+  return impl_->transport->io_thread_stats();
+}
 
 std::vector<BlockSessionInfo> BlockServer::sessions() const {
   std::vector<std::pair<proto::SessionId, Sess*>> live;

@@ -37,7 +37,7 @@ const char kUsage[] =
     "                    [--queue-depth N] [--chunk-size SIZE] [--max-io-size SIZE]\n"
     "                    [--io-threads N]\n"
     "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
-    "                    [--hb-interval-ms N] [--hb-missed N] [--busy-poll]\n"
+    "                    [--hb-interval-ms N] [--hb-missed N] [--poll adaptive|block|spin]\n"
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
     "                    [--handshake-timeout-ms N] [--ack-timeout-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
@@ -47,6 +47,10 @@ const char kUsage[] =
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
     "  --config FILE: JSON with the same names, e.g. {\"listen\": [\"tcp:0.0.0.0\"],\n"
     "         \"dev_search_path\": \"/srv/ibnbd\", \"queue_depth\": 256, \"read_only\": false}.\n"
+    "  --poll: how the IO threads wait for the next request (default adaptive: keep polling for a\n"
+    "         learned gap after work, sleep at once while idle or with the CPU contended; block:\n"
+    "         sleep at once; spin: never sleep, a core per IO thread). --busy-poll: spin, and the\n"
+    "         fabric's own waits busy-poll too.\n"
     "  --max-io-size: the largest request (default 1M) of a client that takes chunk sets: it spans\n"
     "         consecutive chunks (docs/protocol.md, \"Chunk sets\"); 0: one chunk per request.\n"
     "  --control-socket: default /run/ibnbd-server.sock; PATH.lock beside it (flock) keeps a\n"
@@ -134,6 +138,12 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.always_invalidate = flag();
   } else if (key == "busy_poll") {
     t.busy_poll = flag();
+  } else if (key == "poll") {
+    auto m = text();
+    if (m == "adaptive") t.io_poll = ibtrs::ServerOptions::IoPoll::adaptive;
+    else if (m == "block") t.io_poll = ibtrs::ServerOptions::IoPoll::block;
+    else if (m == "spin") t.io_poll = ibtrs::ServerOptions::IoPoll::spin;
+    else die("poll: adaptive, block or spin");
   } else if (key == "hb_interval_ms") {
     t.heartbeat.interval = std::chrono::milliseconds(number(1, 3600000));
   } else if (key == "hb_missed") {

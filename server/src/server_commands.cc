@@ -157,6 +157,20 @@ json handle(BlockServer& srv, const json& req) {
     srv.refusals().reset();
     return {{"ok", true}};
   }
+  if (cmd == "io_threads") {
+    // How each IO thread waited for work (--poll): spins that caught the next request saved
+    // it a wake-up; misses and blocks by reason say why it did not spin.
+    json out = json::array();
+    for (const ibtrs::IoThreadWaitStats& w : srv.io_thread_stats()) {
+      json blocked = json::object();
+      for (auto& [reason, n] : w.blocked) blocked[reason] = n;
+      out.push_back({{"thread", w.thread}, {"mode", w.mode}, {"waits", w.waits},
+                     {"spins_caught", w.spins_caught}, {"spins_missed", w.spins_missed},
+                     {"spins_preempted", w.spins_preempted}, {"sleeps", w.sleeps},
+                     {"blocked", blocked}, {"expected_gap_ns", w.expected_gap_ns}});
+    }
+    return {{"ok", true}, {"io_threads", out}};
+  }
   if (cmd == "limits") {
     const ibtrs::ServerOptions& t = srv.options().transport;
     const ibtrs::ServerUsage u = srv.usage();

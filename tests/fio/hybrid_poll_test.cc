@@ -1,11 +1,12 @@
-// The fio engine's adaptive wait policy (client/fio/hybrid_poll.h) as a pure function: given
+// The adaptive wait policy of the fio engine and of the server's IO pollers
+// (transport/src/core/hybrid_poll.h) as a pure function: given
 // arrival times, spin outcomes and run queue samples, when it sleeps, when it spins and for how
 // long, and when it falls back to blocking.
-#include "hybrid_poll.h"
+#include "core/hybrid_poll.h"
 
 #include <gtest/gtest.h>
 
-namespace ibnbd::fio {
+namespace ibtrs::core {
 namespace {
 
 constexpr int64_t us = 1000;
@@ -278,5 +279,80 @@ TEST(HybridPoll, OneOutlierMovesTheEstimateLittle) {
   EXPECT_LE(d.p.expected_ns(), before + before / 8 + 1);
 }
 
+// ---- The server's IO poller (HybridPollConfig::server()): a wait starts after a pass that found
+// work and ends with the next request.
+
+TEST(ServerPoll, SpinsRightAfterWorkPastTheLearnedGapWithoutSleeping) {
+  // Case: a QD1 client whose next request comes 30 us after the server's reply, learned from
+  // blocking waits (the server's first waits).
+  // Expect: no sleep at all (a timer wake-up is what spinning saves); a spin until half the gap
+  // (at least 20 us) past it: 50 us.
+  Driver d(HybridPollConfig::server());
+  d.learn(30 * us);
+  const WaitPlan plan = d.p.plan(d.now);
+  EXPECT_EQ(d.p.last_reason(), BlockReason::none);
+  EXPECT_EQ(plan.sleep_ns, 0);
+  EXPECT_EQ(plan.spin_ns, 50 * us);
+}
+
+TEST(ServerPoll, NeverSleepsBeforeSpinningEvenForLongGaps) {
+  // Case: gaps of 80 us (a slower client), within the 100 us cap.
+  // Expect: a spin from the start, capped at 100 us; never a sleep.
+  Driver d(HybridPollConfig::server());
+  d.learn(80 * us);
+  for (int i = 0; i < 20; ++i) {
+    const WaitPlan plan = d.arrive(80 * us);
+    if (!plan.hybrid()) continue;  // a probe
+    EXPECT_EQ(plan.sleep_ns, 0) << i;
+    EXPECT_EQ(plan.spin_ns, 100 * us) << i;
+  }
+}
+
+TEST(ServerPoll, AnIdleClientMakesItBlockAndItSpinsAgainWhenTrafficResumes) {
+  // Case: QD1 traffic (30 us gaps), then the client goes idle: the passes that still find work
+  // (heartbeats) see the next one milliseconds later; then QD1 traffic again.
+  // Expect: after a few missed spins it blocks (back-off, then idle: the expected gap is beyond
+  // the cap) and stays blocked while idle, spinning at most a few times in all; once the short
+  // gaps come back, blocking waits bring the estimate down and it spins again.
+  Driver d(HybridPollConfig::server());
+  d.learn(30 * us);
+  for (int i = 0; i < 40; ++i) d.arrive(30 * us);
+  int spins = 0;
+  for (int i = 0; i < 200; ++i) {
+    if (d.arrive(5 * ms).hybrid()) ++spins;
+  }
+  EXPECT_LE(spins, 12);
+  EXPECT_FALSE(d.p.plan(d.now).hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::idle);
+  d.now += 2000 * ms;  // past any back-off
+  bool spun_again = false;
+  for (int i = 0; i < 200 && !spun_again; ++i) spun_again = d.arrive(30 * us).hybrid();
+  EXPECT_TRUE(spun_again);
+  EXPECT_LE(d.p.expected_ns(), HybridPollConfig::server().max_spin_ns);
+}
+
+TEST(ServerPoll, ANewServerWithAnIdleClientNeverSpins) {
+  // Case: the first passes of a server whose client sends a request every 10 ms.
+  // Expect: it learns, then blocks as idle: not one spin.
+  Driver d(HybridPollConfig::server());
+  for (int i = 0; i < 100; ++i) EXPECT_FALSE(d.arrive(10 * ms).hybrid()) << i;
+  EXPECT_EQ(d.p.last_reason(), BlockReason::idle);
+}
+
+TEST(ServerPoll, ContentionMakesItBlock) {
+  // Case: QD1 traffic that spins, then the run queue shows 3 other runnable tasks on 2 CPUs
+  // (stress-ng --cpu 2 beside the run).
+  // Expect: it blocks (contended) at once and for as long as that lasts.
+  Driver d(HybridPollConfig::server());
+  d.learn(30 * us);
+  d.arrive(30 * us);
+  ASSERT_TRUE(d.p.plan(d.now).hybrid());
+  d.p.observe_runnable(3, 2);
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_FALSE(d.arrive(30 * us).hybrid()) << i;
+    EXPECT_EQ(d.p.last_reason(), BlockReason::contended);
+  }
+}
+
 }  // namespace
-}  // namespace ibnbd::fio
+}  // namespace ibtrs::core

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <future>
 #include <random>
 #include <set>
@@ -799,6 +800,64 @@ TEST_F(Session, AnIoThreadHookServesRequestsOnTheirThread) {
   buf_.reset();  // registrations go before their session
   client_.reset();
   server_.reset();
+}
+
+// Case: QD1 requests against a server in each IO poll mode (ServerOptions::io_poll), then 300 ms
+// of idle session (heartbeats only).
+// Expect: adaptive (the default) plans a wait after each pass that found work and accounts for
+// each one: a spin that caught the next work, one that missed, or a block for a reason; it
+// learns a gap. Idle, it sleeps: the whole process uses a small share of the CPU time a spinning
+// IO thread would (spin mode is the check that this can fail). block plans no waits.
+TEST_F(Session, AdaptivePollingAccountsForEveryWaitAndSleepsWhileIdle) {
+  using Mode = ServerOptions::IoPoll;
+  auto cpu_ms = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec * 1000.0 + ts.tv_nsec / 1e6;
+  };
+  for (Mode mode : {Mode::adaptive, Mode::block, Mode::spin}) {
+    so_ = ServerOptions{};
+    so_.allow_any_host = true;
+    so_.io_poll = mode;
+    start_server(1);
+    auto co = options(1);
+    co.io_threads = 1;
+    open(co);
+    for (int i = 0; i < 500; ++i) ASSERT_EQ(io(i % 2 ? IoDir::read : IoDir::write, 4096, 4096u * (i % 64)), 0);
+    std::this_thread::sleep_for(50ms);  // past any spin
+    const double before = cpu_ms();
+    std::this_thread::sleep_for(300ms);
+    const double idle_cpu = cpu_ms() - before;
+    const auto st = server_->io_thread_stats();
+    ASSERT_EQ(st.size(), 2u);
+    uint64_t waits = 0;
+    for (const IoThreadWaitStats& w : st) {
+      uint64_t ends = w.spins_caught + w.spins_missed;
+      for (auto& [reason, n] : w.blocked) ends += n;
+      // A wait that blocked counts when it starts, a spin when it ends: one may be in progress.
+      EXPECT_LE(ends, w.waits) << w.thread;
+      EXPECT_GE(ends + 1, w.waits) << w.thread;
+      waits += w.waits;
+    }
+    if (mode == Mode::adaptive) {
+      EXPECT_EQ(st[0].mode, "adaptive");
+      // A wait per pass that found work: nearly one per request (a request that a pass finds
+      // together with other work, a send completion say, shares its wait).
+      EXPECT_GE(waits, 400u) << "a wait after (nearly) each request's pass";
+      EXPECT_GT(st[0].expected_gap_ns + st[1].expected_gap_ns, 0);
+      EXPECT_LT(idle_cpu, 60.0) << "idle, an adaptive poller sleeps";
+    } else if (mode == Mode::block) {
+      EXPECT_EQ(st[0].mode, "block");
+      EXPECT_EQ(waits, 0u);
+      EXPECT_LT(idle_cpu, 60.0);
+    } else {
+      EXPECT_EQ(st[0].mode, "spin");
+      EXPECT_GT(idle_cpu, 60.0) << "two spinning IO threads: the idle check above can fail";
+    }
+    buf_.reset();
+    client_.reset();
+    server_.reset();
+  }
 }
 
 // Case: a path's reconnect is stuck in a connect that the far end never answers (a listener that

@@ -146,6 +146,8 @@ class BlockServer {
   ibtrs::Refusals& refusals() const;
   // What peers hold now, against options().transport's caps.
   ibtrs::ServerUsage usage() const;
+  // How each transport IO thread waited for work (ibtrs::Server::io_thread_stats).
+  std::vector<ibtrs::IoThreadWaitStats> io_thread_stats() const;
 
   // Hosts at run time (`ibnbd server host add/list/remove`). set_host adds a host or replaces
   // it: new keys (key rotation) apply to paths that authenticate from now on -- the old key is

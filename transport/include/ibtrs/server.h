@@ -145,7 +145,14 @@ struct ServerOptions {
   uint32_t max_io_size = 1u << 20;
   uint32_t io_threads = 0;                // 0: min(hardware threads, 8)
   HeartbeatConfig heartbeat;
+  // The fabric's busy wait (tcp CQ waits); it makes the IO threads spin too.
   bool busy_poll = false;
+  // How the IO threads wait for the next request once their CQs are drained: adaptive keeps
+  // polling for a learned gap after a pass that found work (a wake-up less per request at low
+  // queue depth) and sleeps at once while idle or contended (core/poller.h); block sleeps at
+  // once; spin never sleeps (a core per IO thread).
+  enum class IoPoll : uint8_t { adaptive, block, spin };
+  IoPoll io_poll = IoPoll::adaptive;
   // The kernel's always_invalidate: a chunk's remote key is revoked when a request in it arrives
   // and a new one goes to the client with the response (RKEY_RSP), so a client cannot change a
   // request's write data while the server serves it. Off by default: with a protection domain
@@ -252,6 +259,8 @@ class Server {
   // refusals here too, so a daemon shows one list.
   Refusals& refusals() const;
   ServerUsage usage() const;
+  // How each IO thread waited for work (ServerOptions::io_poll), by thread. Any thread.
+  std::vector<IoThreadWaitStats> io_thread_stats() const;
 
   struct Impl;
 

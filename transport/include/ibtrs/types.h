@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "ibtrs/result.h"
@@ -115,6 +117,22 @@ struct PathStatsSnapshot {
 
   // Adds another snapshot (a session's totals are the sum of its paths').
   PathStatsSnapshot& operator+=(const PathStatsSnapshot& o);
+};
+
+// How an IO thread waited for work (core::Poller; the server's `io_threads` control command).
+// Adaptive mode plans a wait after every pass that found CQ completions: it spins (polls its CQs without
+// blocking) until the next work or the spin budget, or blocks at once for one of `blocked`'s
+// reasons (core/hybrid_poll.h's BlockReason, by name).
+struct IoThreadWaitStats {
+  uint32_t thread = 0;
+  std::string mode;           // adaptive, block or spin
+  uint64_t waits = 0;         // planned (adaptive only)
+  uint64_t spins_caught = 0;  // spins that caught the next work: a wake-up saved
+  uint64_t spins_missed = 0;  // spins whose budget ran out: blocked after all
+  uint64_t spins_preempted = 0;  // spins with an iteration gap beyond the policy's bound
+  uint64_t sleeps = 0;        // epoll_waits (any mode)
+  std::vector<std::pair<std::string, uint64_t>> blocked;  // waits that blocked at once, by reason
+  int64_t expected_gap_ns = 0;  // learned gap from a pass with work to the next work
 };
 
 }  // namespace ibtrs

@@ -1453,10 +1453,10 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
   std::memcpy(impl->uuid_bytes.data(), impl->uuid.bytes, 16);
   for (uint32_t i = 0; i < impl->nio; ++i) {
     IBTRS_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-c-io" + std::to_string(i), i,
-                                                       impl->opts.busy_poll));
+                                                       impl->opts.busy_poll ? core::PollMode::spin : core::PollMode::block));
     impl->io_pollers.push_back(std::move(p));
   }
-  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, false));
+  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, core::PollMode::block));
   impl->cancel_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (impl->cancel_fd < 0) return errc(errno);
   impl->worker = std::make_unique<core::Worker>();

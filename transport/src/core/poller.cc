@@ -1,11 +1,14 @@
 #include "core/poller.h"
 
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <future>
+#include <utility>
 #include <thread>
 
 namespace ibtrs::core {
@@ -18,9 +21,43 @@ constexpr auto kMaxSleep = std::chrono::milliseconds(100);
 // epoll tag of a PollSource's fd (CQs are tagged by their pointer, the wake-up eventfd by 0):
 // nothing to acknowledge, the source's own poll() consumes its fd.
 constexpr uint64_t kSourceTag = 1;
+// How often the adaptive policy samples the run queue (a pread of /proc/loadavg).
+constexpr auto kRunnableEvery = std::chrono::milliseconds(10);
+
+int64_t steady_ns(Poller::Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// /proc/loadavg's fourth field is "runnable/threads"; the runnable count includes the reading
+// thread. -1 when it cannot be read.
+int runnable_now(int fd) {
+  char buf[128];
+  const ssize_t n = fd >= 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
+  if (n <= 0) return -1;
+  buf[n] = '\0';
+  int r = -1, total = 0;
+  double a, b, c;
+  if (std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &r, &total) != 5) return -1;
+  return r;
+}
+
+// The statistics have one writer, the poller thread: a plain add, no locked instruction.
+void bump(std::atomic<uint64_t>& c) { c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
+
+constexpr const char* kReasonNames[kBlockReasons] = {"none",      "learning", "probe",   "contended",
+                                                     "preempted", "misses",   "no_gain", "idle"};
 }  // namespace
 
-Result<std::unique_ptr<Poller>> Poller::start(std::string name, uint32_t index, bool busy_poll) {
+const char* to_string(PollMode m) {
+  switch (m) {
+    case PollMode::block: return "block";
+    case PollMode::spin: return "spin";
+    case PollMode::adaptive: return "adaptive";
+  }
+  return "?";
+}
+
+Result<std::unique_ptr<Poller>> Poller::start(std::string name, uint32_t index, PollMode mode) {
   int epfd = ::epoll_create1(EPOLL_CLOEXEC);
   if (epfd < 0) return errc(errno);
   int evfd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -38,13 +75,18 @@ Result<std::unique_ptr<Poller>> Poller::start(std::string name, uint32_t index, 
     ::close(evfd);
     return errc(e);
   }
-  std::unique_ptr<Poller> p(new Poller(std::move(name), index, busy_poll, epfd, evfd));
+  std::unique_ptr<Poller> p(new Poller(std::move(name), index, mode, epfd, evfd));
+  if (mode == PollMode::adaptive) {
+    // Without it the policy still backs off on preempted and missed spins.
+    p->loadavg_fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+    p->cpus_ = std::max(1u, std::thread::hardware_concurrency());
+  }
   p->thread_ = std::thread([raw = p.get()] { raw->loop(); });
   return p;
 }
 
-Poller::Poller(std::string name, uint32_t index, bool busy_poll, int epfd, int evfd)
-    : name_(std::move(name)), index_(index), busy_(busy_poll), epfd_(epfd), evfd_(evfd) {}
+Poller::Poller(std::string name, uint32_t index, PollMode mode, int epfd, int evfd)
+    : name_(std::move(name)), index_(index), mode_(mode), epfd_(epfd), evfd_(evfd) {}
 
 Poller::~Poller() {
   stop_.store(true, std::memory_order_seq_cst);
@@ -52,6 +94,22 @@ Poller::~Poller() {
   if (thread_.joinable()) thread_.join();
   ::close(epfd_);
   ::close(evfd_);
+  if (loadavg_fd_ >= 0) ::close(loadavg_fd_);
+}
+
+IoThreadWaitStats Poller::wait_stats() const {
+  IoThreadWaitStats w;
+  w.thread = index_;
+  w.mode = to_string(mode_);
+  w.waits = st_waits_.load(std::memory_order_relaxed);
+  w.spins_caught = st_caught_.load(std::memory_order_relaxed);
+  w.spins_missed = st_missed_.load(std::memory_order_relaxed);
+  w.spins_preempted = st_preempted_.load(std::memory_order_relaxed);
+  w.sleeps = st_sleeps_.load(std::memory_order_relaxed);
+  for (int r = 1; r < kBlockReasons; ++r)
+    w.blocked.emplace_back(kReasonNames[r], st_blocked_[r].load(std::memory_order_relaxed));
+  w.expected_gap_ns = st_expected_.load(std::memory_order_relaxed);
+  return w;
 }
 
 void Poller::wake() {
@@ -197,13 +255,13 @@ Poller::Clock::time_point Poller::run_timers() {
   }
 }
 
-void Poller::sleep_until(Clock::time_point deadline) {
+size_t Poller::sleep_until(Clock::time_point deadline) {
   // Verbs protocol: arm, poll again to close the race, then wait on the fds.
   // CQs lent to a borrower are its to arm and poll (and muted here); one idle long enough is
   // reclaimed by take(), so while any is lent the sleep is short enough to notice.
   const auto now = Clock::now();
   fabric::Completion wcs[kBatch];
-  bool got = false;
+  size_t got = 0;
   bool lent = false;
   for (auto& e : cqs_) {
     if (!take(e, now)) {
@@ -214,19 +272,20 @@ void Poller::sleep_until(Clock::time_point deadline) {
     size_t n = e.cq->poll(std::span(wcs, kBatch));
     if (n > 0) {
       e.handler->on_completions(std::span(wcs, n));
-      got = true;
+      got += n;
     }
     e.handler->lease.set(CqLease::free);
   }
   if (lent) deadline = std::min(deadline, now + CqLease::kReclaimAfter);
-  if (poll_sources() > 0) got = true;
+  const size_t src = poll_sources();
   flush_sources();
-  if (got) return;
+  if (got + src > 0) return got;
   sleeping_.store(true, std::memory_order_seq_cst);
   if (pending_.load(std::memory_order_seq_cst) || stop_.load(std::memory_order_seq_cst)) {
     sleeping_.store(false, std::memory_order_seq_cst);
-    return;
+    return 0;
   }
+  bump(st_sleeps_);
   auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
   int ms = static_cast<int>(std::clamp<int64_t>(left.count(), 0, kMaxSleep.count()));
   epoll_event evs[16];
@@ -250,11 +309,57 @@ void Poller::sleep_until(Clock::time_point deadline) {
       break;
     }
   }
+  return 0;
+}
+
+void Poller::end_wait(Clock::time_point t) {
+  if (!waiting_) {
+    cycle_start_ = t;
+    cycle_n_ = 0;
+    return;
+  }
+  waiting_ = false;
+  WaitOutcome o;
+  o.end = spinning_ ? WaitEnd::spun : WaitEnd::blocked;
+  o.wait_ns = steady_ns(t) - steady_ns(wait_start_);
+  o.preempted = preempted_;
+  // Time per completion of the cycle, from busy periods only: an idle gap says nothing of what
+  // spinning costs.
+  if (cycle_n_ > 0 && o.wait_ns <= 2 * HybridPollConfig::server().max_spin_ns)
+    o.cost_ns = (steady_ns(t) - steady_ns(cycle_start_)) / static_cast<int64_t>(cycle_n_);
+  if (plan_.hybrid()) bump(spinning_ ? st_caught_ : st_missed_);
+  if (preempted_) bump(st_preempted_);
+  spinning_ = false;
+  policy_.record(plan_, o, steady_ns(t));
+  st_expected_.store(policy_.expected_ns(), std::memory_order_relaxed);
+  cycle_start_ = t;
+  cycle_n_ = 0;
+}
+
+void Poller::begin_wait(Clock::time_point now) {
+  if (now - runnable_at_ >= kRunnableEvery) {
+    runnable_at_ = now;
+    if (int r = runnable_now(loadavg_fd_); r >= 1) policy_.observe_runnable(r - 1, cpus_);
+  }
+  plan_ = policy_.plan(steady_ns(now));
+  waiting_ = true;
+  wait_start_ = now;
+  preempted_ = false;
+  spinning_ = plan_.hybrid();
+  if (spinning_) {
+    spin_end_ = now + std::chrono::nanoseconds(plan_.spin_ns);
+    last_spin_ = now;
+  }
+  bump(st_waits_);
+  bump(st_blocked_[static_cast<int>(policy_.last_reason())]);
 }
 
 void Poller::loop() {
   fabric::Completion wcs[kBatch];
   Clock::time_point next_timer = Clock::now();
+  const bool adaptive = mode_ == PollMode::adaptive;
+  const int64_t preempt_gap_ns = HybridPollConfig::server().preempt_gap_ns;
+  size_t carried = 0;  // work sleep_until()'s last look found (it handled it)
   while (!stop_.load(std::memory_order_relaxed)) {
     if (pending_.exchange(false, std::memory_order_seq_cst)) {
       run_tasks();
@@ -275,16 +380,36 @@ void Poller::loop() {
       }
       e.handler->lease.set(CqLease::free);
     }
+    const size_t cq_total = total;
     if (!sources_.empty()) {
       total += poll_sources();
       flush_sources();
     }
-    if (full || busy_) continue;
+    if (adaptive) {
+      // A wait begins after a pass that found completions on the CQs (a request, at QD1) and
+      // ends with the next pass that does, whether it spun or slept meanwhile. The sources'
+      // work (the backend's IO completions) neither ends nor starts one: it falls inside the
+      // gap, which a spin covers whole, and counting it would mix its short gaps with the
+      // requests' long ones (each catch of an IO completion would hide a request's miss).
+      const size_t found = cq_total + std::exchange(carried, 0);
+      if (found > 0) {
+        end_wait(now);
+        cycle_n_ += found;
+        if (!full) begin_wait(Clock::now());
+      }
+      if (spinning_ && !full) {
+        const auto t = Clock::now();
+        if (t - last_spin_ > std::chrono::nanoseconds(preempt_gap_ns)) preempted_ = true;
+        last_spin_ = t;
+        if (t < spin_end_) continue;  // poll again: the next request is expected soon
+        spinning_ = false;            // the budget ran out: the wait ends blocked
+      }
+    }
+    if (full || mode_ == PollMode::spin) continue;
     // Drained: sleep_until() arms and polls once more before it sleeps, and comes back at once
     // if that finds anything, so a second pass here would only poll an empty CQ once more (on
     // tcp a readv per round trip, measured at QD1).
-    (void)total;
-    sleep_until(next_timer);
+    carried = sleep_until(next_timer);
   }
   // Leftover tasks run so that run_sync callers never hang on a stopping poller.
   run_tasks();

@@ -1,7 +1,8 @@
 // A poller thread: the owner of a set of completion queues (the kernel's per-CPU IO context).
 // It polls its CQs in batches and hands completions to each CQ's handler, runs timers and tasks
 // posted from other threads, and sleeps on the CQs' fds (armed, verbs-style) when idle, or spins
-// when busy-polling. The software fabrics progress only while their CQ is polled, so a CQ with
+// when busy-polling, or (PollMode::adaptive) spins for a learned while after a pass that found
+// work and then sleeps (core/hybrid_poll.h). The software fabrics progress only while their CQ is polled, so a CQ with
 // live connections must stay attached to a running poller.
 //
 // Threading: post(), run_sync(), add_timer(), cancel_timer() from any thread. Handlers, tasks
@@ -20,9 +21,11 @@
 #include <thread>
 #include <vector>
 
+#include "core/hybrid_poll.h"
 #include "fabric/fabric.h"
 #include "ibtrs/io_hook.h"
 #include "ibtrs/result.h"
+#include "ibtrs/types.h"
 
 namespace ibtrs::core {
 
@@ -78,13 +81,24 @@ class CqHandler {
 // Extra work an owner drives from the poller loop (ibtrs/io_hook.h has the contract).
 using PollSource = ibtrs::IoThreadHook;
 
+// How a poller waits once its CQs are drained.
+//   block     sleeps at once (armed CQs, epoll): a wake-up per request that finds it asleep
+//   spin      never sleeps: a core at idle, and the CPU of the other threads on a loaded host
+//   adaptive  after a pass that found CQ completions, keeps polling for a learned gap (a server's next
+//             request: an EWMA of the gap between passes that found CQ completions, a bit past it,
+//             within 100 us), then sleeps; sleeps at
+//             once while the expected gap is beyond that (idle clients), while the CPU is
+//             contended, while spins keep missing or do not pay (HybridPoll, server config)
+enum class PollMode : uint8_t { block, spin, adaptive };
+const char* to_string(PollMode m);
+
 class Poller {
  public:
   using Clock = std::chrono::steady_clock;
   using Task = std::function<void()>;
 
   // `index` identifies the poller to its owner (the stats shard of its completions).
-  static Result<std::unique_ptr<Poller>> start(std::string name, uint32_t index, bool busy_poll);
+  static Result<std::unique_ptr<Poller>> start(std::string name, uint32_t index, PollMode mode);
   // Stops the thread. Every CQ must be detached by then.
   ~Poller();
   Poller(const Poller&) = delete;
@@ -113,16 +127,25 @@ class Poller {
   void add_source(PollSource* s);
   void remove_source(PollSource* s);
 
+  // How this poller waited so far (any thread; the counters are relaxed, each one exact).
+  IoThreadWaitStats wait_stats() const;
+
   bool on_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
   uint32_t index() const { return index_; }
   const std::string& name() const { return name_; }
 
  private:
-  Poller(std::string name, uint32_t index, bool busy_poll, int epfd, int evfd);
+  Poller(std::string name, uint32_t index, PollMode mode, int epfd, int evfd);
   void loop();
   void run_tasks();
   Clock::time_point run_timers();
-  void sleep_until(Clock::time_point deadline);
+  // Returns the CQ completions its last look before sleeping found (it returns at once when
+  // that finds anything, source work included); 0 when it slept.
+  size_t sleep_until(Clock::time_point deadline);
+  // Adaptive mode (poller thread): work found by the pass that started at `t` ends the wait in
+  // progress; a wait begins after each pass that found work.
+  void end_wait(Clock::time_point t);
+  void begin_wait(Clock::time_point now);
   void wake();
   struct Entry {
     fabric::CompletionQueue* cq;
@@ -138,7 +161,7 @@ class Poller {
 
   const std::string name_;
   const uint32_t index_;
-  const bool busy_;
+  const PollMode mode_;
   const int epfd_;
   const int evfd_;
   std::vector<Entry> cqs_;  // poller thread only
@@ -153,6 +176,25 @@ class Poller {
   std::atomic<bool> sleeping_{false};
   std::atomic<bool> stop_{false};
   std::thread thread_;
+
+  // Adaptive mode, poller thread only.
+  HybridPoll policy_{HybridPollConfig::server()};
+  WaitPlan plan_;
+  bool waiting_ = false;   // a wait planned after a pass with work is in progress
+  bool spinning_ = false;  // ... and it spins until spin_end_
+  bool preempted_ = false;
+  Clock::time_point wait_start_{};
+  Clock::time_point spin_end_{};
+  Clock::time_point last_spin_{};  // the previous spin iteration (preemption)
+  Clock::time_point cycle_start_{};  // the end of the previous wait (time per completion)
+  size_t cycle_n_ = 0;               // completions since then
+  Clock::time_point runnable_at_{};  // the run queue's last sample
+  int loadavg_fd_ = -1;
+  uint32_t cpus_ = 1;
+  // Statistics (written by the poller thread, read by wait_stats()).
+  std::atomic<uint64_t> st_waits_{0}, st_caught_{0}, st_missed_{0}, st_preempted_{0}, st_sleeps_{0};
+  std::atomic<uint64_t> st_blocked_[kBlockReasons] = {};
+  std::atomic<int64_t> st_expected_{0};
 };
 
 }  // namespace ibtrs::core

@@ -96,6 +96,17 @@ int64_t now_ns() {
 
 }  // namespace
 
+// How the IO pollers wait (Server::start, which is outside this namespace).
+core::PollMode io_poll_mode(const ServerOptions& o) {
+  if (o.busy_poll) return core::PollMode::spin;
+  switch (o.io_poll) {
+    case ServerOptions::IoPoll::block: return core::PollMode::block;
+    case ServerOptions::IoPoll::spin: return core::PollMode::spin;
+    case ServerOptions::IoPoll::adaptive: break;
+  }
+  return core::PollMode::adaptive;
+}
+
 struct Impl;
 struct Session;
 struct Path;
@@ -1627,10 +1638,10 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
   }
   for (uint32_t i = 0; i < impl->nio; ++i) {
     IBTRS_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-s-io" + std::to_string(i), i,
-                                                       impl->opts.busy_poll));
+                                                       server::io_poll_mode(impl->opts)));
     impl->io_pollers.push_back(std::move(p));
   }
-  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-s-svc", impl->nio, false));
+  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-s-svc", impl->nio, core::PollMode::block));
   for (uint32_t i = 0; i < impl->nio; ++i) {
     if (IoThreadHook* h = impl->opts.handler->io_thread_hook(i)) {
       core::Poller* p = impl->io_pollers[i].get();
@@ -1675,6 +1686,13 @@ std::vector<std::string> Server::sessions() const {
 }
 
 Refusals& Server::refusals() const { return impl_->refusals; }
+
+std::vector<IoThreadWaitStats> Server::io_thread_stats() const {
+  std::vector<IoThreadWaitStats> out;
+  // The pollers live from start() to ~Server(): no lock needed to read them.
+  for (auto& p : impl_->io_pollers) out.push_back(p->wait_stats());
+  return out;
+}
 
 ServerUsage Server::usage() const {
   ServerUsage u;

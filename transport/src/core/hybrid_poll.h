@@ -1,5 +1,5 @@
 // Adaptive hybrid polling for a thread that waits for its own completions (the fio engine's
-// getevents). Models: io_uring's hybrid IOPOLL (sleep for part of the expected completion time,
+// getevents) or for the next request (a server IO poller, HybridPollConfig::server()). Models: io_uring's hybrid IOPOLL (sleep for part of the expected completion time,
 // then poll) and NAPI busy-poll budgets (spin within a bound, then sleep).
 //
 // A blocking wait pays a wake-up when the completion arrives, and on a virtual machine's idle
@@ -18,6 +18,12 @@
 // Each fall-back lasts a back-off period, doubled while the reason recurs (up to 1 s), and
 // short again after a period in which hybrid waits paid.
 //
+// The server's poller (core/poller.cc) waits for the next request rather than for a completion
+// it knows is due: nothing is due while its clients are idle. It plans a wait only after a pass
+// that found work, never sleeps before spinning (a timer wake-up is what spinning saves), learns
+// the gap from blocking waits too (they are all it sees while it does not spin), and blocks
+// (BlockReason::idle) while the expected gap is beyond its spin cap: an idle or slow client.
+//
 // A pure policy: no clock, no system call; the caller passes times (ns on a monotonic clock) and
 // observations, so that tests drive it. One instance per waiting thread; not thread-safe.
 // (std::min) and friends are parenthesized: fio's headers define min/max macros.
@@ -26,7 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace ibnbd::fio {
+namespace ibtrs::core {
 
 struct HybridPollConfig {
   int64_t max_spin_ns = 100'000;   // one wait spins at most this long after its sleep
@@ -50,6 +56,24 @@ struct HybridPollConfig {
   // gain would back off on noise, so only a loss counts.
   double max_loss = 0.03;
   uint32_t min_samples = 16;       // of each kind before the comparison counts
+  // Blocking waits feed the arrival estimate always, not only while it learns (a wake-up late:
+  // an overestimate, but the only samples while the policy blocks).
+  bool learn_from_blocking = false;
+  // Block while the expected arrival is beyond max_spin_ns, rather than sleep most of it.
+  bool block_beyond_cap = false;
+
+  // A server IO poller: spin right after a pass that found requests (no sleep: min_sleep_ns
+  // unreachable), at most 100 us (NAPI's busy-poll budgets are some 50 us; the gap it learns
+  // is a whole QD1 round trip, ~45 us on loopback here, since the backend's IO completions
+  // fall inside it), and not at all while its clients are idle or slower than that.
+  static constexpr HybridPollConfig server() {
+    HybridPollConfig c;
+    c.max_spin_ns = 100'000;
+    c.min_sleep_ns = INT64_MAX;
+    c.learn_from_blocking = true;
+    c.block_beyond_cap = true;
+    return c;
+  }
 };
 
 // How a wait goes: sleep (a blocking wait with a timeout) for sleep_ns, then spin until spin_ns
@@ -80,8 +104,9 @@ struct WaitOutcome {
 };
 
 // Why a plan blocks (statistics and tests). none: a hybrid plan.
-enum class BlockReason : uint8_t { none, learning, probe, contended, preempted, misses, no_gain };
-constexpr int kBlockReasons = 7;
+// idle: the expected arrival is beyond the spin cap (block_beyond_cap).
+enum class BlockReason : uint8_t { none, learning, probe, contended, preempted, misses, no_gain, idle };
+constexpr int kBlockReasons = 8;
 
 class HybridPoll {
  public:
@@ -113,7 +138,7 @@ class HybridPoll {
     if (p.sleep_ns > 0 && o.woke_ns >= 0) oversleep_.add(o.woke_ns - p.sleep_ns, 3);
     if (!p.hybrid()) {
       // A blocking wait sees the completion a wake-up late: it only seeds the estimate.
-      if (arrival_.n < cfg_.min_samples) arrival_.add(o.wait_ns, 3);
+      if (cfg_.learn_from_blocking || arrival_.n < cfg_.min_samples) arrival_.add(o.wait_ns, 3);
       return;
     }
     if (o.preempted) {
@@ -211,6 +236,7 @@ class HybridPoll {
     if (contended_) return BlockReason::contended;
     if (now_ns < backoff_until_) return backoff_reason_;
     if (arrival_.n < cfg_.min_samples) return BlockReason::learning;
+    if (cfg_.block_beyond_cap && expected_ns() > cfg_.max_spin_ns) return BlockReason::idle;
     if (cfg_.probe_every > 0 && ++plans_ % cfg_.probe_every == 0) return BlockReason::probe;
     return BlockReason::none;
   }
@@ -243,4 +269,4 @@ class HybridPoll {
   uint64_t no_gain_verdicts_ = 0;
 };
 
-}  // namespace ibnbd::fio
+}  // namespace ibtrs::core
