@@ -27,6 +27,9 @@
 #   ibnbd-1p-srvblock ibnbd-1p against a second ibnbd-server with --poll block: its IO threads
 #                   sleep as soon as their CQs are drained (the server's default before the
 #                   adaptive busy-poll); started only when the row is selected
+#   ibnbd-1p-allblock ibnbd-1p-srvblock with ibnbd_poll=block: nothing spins on either side, the
+#                   baseline the adaptive waits must not lose more than 10 % to on a loaded host
+#                   (issue 14; run with `stress-ng --cpu 2` beside it)
 #   ibnbd-1p-poll   ibnbd-1p with ibnbd_poll_us=200: getevents spins up to 200 us before it
 #                   sleeps, whatever the load (the CPU column shows what that costs)
 #   ibnbd-nbd       two hops: ibnbd-server <- ibnbd-client daemon (device map rw, one path,
@@ -138,7 +141,7 @@ srv_pid=$!
 wait_file "$tmp/srv.ready" "$srv_pid" || started ibnbd-server "$tmp/srv.log"
 mapfile -t addrs < <(sed -n 's/^listening //p' "$tmp/srv.ready")
 srvb_pid=
-if [ -z "$only" ] || [[ ibnbd-1p-srvblock =~ ^($only)$ ]]; then
+if [ -z "$only" ] || [[ ibnbd-1p-srvblock =~ ^($only)$ ]] || [[ ibnbd-1p-allblock =~ ^($only)$ ]]; then
   "$srv" --allow-any-host --listen tcp:127.0.0.1:0 --dev-search-path "$export_dir" --poll block \
     --control-socket "$tmp/srvb.sock" --ready-file "$tmp/srvb.ready" >"$tmp/srvb.log" 2>&1 &
   pids+=($!)
@@ -203,6 +206,7 @@ target_args() {
     ibnbd-1p-thread) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_reap=thread --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-1p-block) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll=block --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-1p-srvblock) echo "--ioengine=external:$engine --ibnbd_paths=$srvb_addr --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
+    ibnbd-1p-allblock) echo "--ioengine=external:$engine --ibnbd_paths=$srvb_addr --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll=block --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-1p-poll) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_poll_us=200 --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-2p) echo "--ioengine=external:$engine --ibnbd_paths=${addrs[0]},${addrs[1]} --ibnbd_device=vol.img --ibnbd_mode=migration --ibnbd_session=bench-$$-$run_no" ;;
     ibnbd-nbd) echo "--ioengine=nbd --uri=nbd+unix:///vol.img?socket=$tmp/ibnbd-nbd.sock" ;;
@@ -218,7 +222,7 @@ serving_pids() {
     qemu-nbd-unix) echo "$qemu_unix_pid" ;;
     qemu-nbd-tcp) echo "$qemu_tcp_pid" ;;
     ibnbd-1p | ibnbd-1p-block | ibnbd-1p-thread | ibnbd-1p-poll | ibnbd-2p) echo "$srv_pid" ;;
-    ibnbd-1p-srvblock) echo "$srvb_pid" ;;
+    ibnbd-1p-srvblock | ibnbd-1p-allblock) echo "$srvb_pid" ;;
     ibnbd-nbd) echo "$srv_pid $cld_pid" ;;
     ibnbd-nbd-base) echo "$srv_pid $cld_base_pid" ;;
   esac
@@ -235,7 +239,7 @@ hz=$(getconf CLK_TCK)
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "" }'; }
 
 peers="nbdkit-unix nbdkit-tcp qemu-nbd-unix qemu-nbd-tcp"
-declare -A iops_of lat_of
+declare -A iops_of lat_of cpu_of
 rows=()
 # run WORKLOAD TARGET RW BS QD: one fio run; keeps its row (ratios are added once the
 # workload's peers are known).
@@ -279,6 +283,7 @@ run() {
   read -r iops mibs mean p99 cpu err <<<"$line"
   iops_of[$workload/$target]=$iops
   lat_of[$workload/$target]=$mean
+  cpu_of[$workload/$target]=$cpu
   rows+=("$workload|$target|$(printf '%.0f|%.1f|%.1f|%.1f|%.1f' "$iops" "$mibs" "$mean" "$p99" "$cpu")|$err")
   if [ "$perf" = 1 ]; then
     local ios cells
@@ -314,7 +319,7 @@ workloads=("4k randread qd1:randread:4k:1" "4k randread qd32:randread:4k:32"
 for row in "${workloads[@]}"; do
   IFS=: read -r workload rw bs qd <<<"$row"
   [ -z "$only_workloads" ] || [[ $workload =~ ^($only_workloads)$ ]] || continue
-  for target in $peers file ibnbd-1p ibnbd-1p-block ibnbd-1p-srvblock ibnbd-1p-thread ibnbd-1p-poll ibnbd-2p ibnbd-nbd ${nbd_base:+ibnbd-nbd-base}; do
+  for target in $peers file ibnbd-1p ibnbd-1p-block ibnbd-1p-srvblock ibnbd-1p-allblock ibnbd-1p-thread ibnbd-1p-poll ibnbd-2p ibnbd-nbd ${nbd_base:+ibnbd-nbd-base}; do
     selected "$target" || continue
     run "$workload" "$target" "$rw" "$bs" "$qd"
   done
@@ -372,6 +377,9 @@ for w in "4k randread qd1" "4k randwrite qd1"; do
   for t in ibnbd-1p ibnbd-1p-block ibnbd-1p-srvblock ibnbd-1p-poll; do
     echo "$t / nbdkit-unix, $w mean latency: $(ratio "${lat_of[$w/$t]:-}" "${lat_of[$w/nbdkit-unix]:-}") (target <= 0.8)"
   done
+done
+for w in "4k randread qd1" "4k randwrite qd1" "4k randread qd32" "4k randwrite qd32"; do
+  echo "ibnbd-1p (adaptive waits) / ibnbd-1p-allblock, $w: mean latency $(ratio "${lat_of[$w/ibnbd-1p]:-}" "${lat_of[$w/ibnbd-1p-allblock]:-}") (loaded host: target <= 1.1), CPU per IO $(ratio "${cpu_of[$w/ibnbd-1p]:-}" "${cpu_of[$w/ibnbd-1p-allblock]:-}")"
 done
 for w in "4k randread qd32" "4k randwrite qd32" "1m read qd8" "1m write qd8"; do
   echo "ibnbd-nbd (two hops) / nbdkit-unix, $w IOPS: $(ratio "${iops_of[$w/ibnbd-nbd]:-}" "${iops_of[$w/nbdkit-unix]:-}") (target >= 1.0)"
