@@ -57,6 +57,7 @@
 #include <vector>
 
 #include "core/hybrid_poll.h"
+#include "core/runqueue.h"
 #include "ibnbd/client.h"
 
 extern "C" {
@@ -823,20 +824,7 @@ void block_for(Engine& e, int64_t ns) {
   take_done(e);
 }
 
-// /proc/loadavg's fourth field is "runnable/threads"; the runnable count includes the reading
-// thread. -1 when it cannot be read.
-int runnable_now(int fd) {
-  char buf[128];
-  const ssize_t n = fd >= 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
-  if (n <= 0) return -1;
-  buf[n] = '\0';
-  int r = -1, total = 0;
-  double a, b, c;
-  if (std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &r, &total) != 5) return -1;
-  return r;
-}
-
-// How often the adaptive policy samples the run queue.
+// How often the adaptive policy samples the run queue (core/runqueue.h).
 constexpr int64_t kRunnableEveryNs = 10'000'000;
 
 // Waits until `min` completions are ready or `t` passes, as the plan says: sleep (a blocking
@@ -851,7 +839,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
   } else if (e->adaptive) {
     if (start - e->runnable_at >= kRunnableEveryNs) {
       e->runnable_at = start;
-      if (int r = runnable_now(e->loadavg_fd); r >= 1)
+      if (int r = ibtrs::core::runnable_now(e->loadavg_fd); r >= 1)
         e->policy.observe_runnable(r - 1, e->cpus);
     }
     plan = e->policy.plan(start);

@@ -1,4 +1,5 @@
 #include "core/poller.h"
+#include "core/runqueue.h"
 
 #include <fcntl.h>
 #include <sys/epoll.h>
@@ -6,7 +7,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <future>
 #include <utility>
 #include <thread>
@@ -26,19 +26,6 @@ constexpr auto kRunnableEvery = std::chrono::milliseconds(10);
 
 int64_t steady_ns(Poller::Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-
-// /proc/loadavg's fourth field is "runnable/threads"; the runnable count includes the reading
-// thread. -1 when it cannot be read.
-int runnable_now(int fd) {
-  char buf[128];
-  const ssize_t n = fd >= 0 ? ::pread(fd, buf, sizeof buf - 1, 0) : -1;
-  if (n <= 0) return -1;
-  buf[n] = '\0';
-  int r = -1, total = 0;
-  double a, b, c;
-  if (std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &r, &total) != 5) return -1;
-  return r;
 }
 
 // The statistics have one writer, the poller thread: a plain add, no locked instruction.
