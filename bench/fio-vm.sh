@@ -37,6 +37,8 @@
 #
 #   bash bench/fio-vm.sh [--seconds N]     (default 3 s per run; 54 runs, about 7 minutes)
 #   IBNBD_BENCH_TARGETS="nbdkit-kernel ibnbd-ublk-rdma" bash bench/fio-vm.sh    (a subset of rows)
+#   IBNBD_BENCH_SERVER_ARGS="--poll block" bash bench/fio-vm.sh    (extra ibnbd-server options,
+#                      e.g. an A/B of the IO threads' wait between two runs)
 #
 # The build directory comes from $IBTRS_BUILD (default build; with -DIBTRS_RDMA=ON and the fio
 # engine). Addresses: the VM's private 198.18.0.1 -> 198.18.0.2 pair and unix sockets only.
@@ -64,7 +66,8 @@ if [ "${IBTRS_VM:-}" != 1 ]; then
   mem=2048
   case " ${IBNBD_BENCH_TARGETS:-} " in *-thread\ *) mem=3072 ;; esac
   exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --mem "$mem" --env IBTRS_BUILD="$build" \
-    ${IBNBD_BENCH_TARGETS:+--env "IBNBD_BENCH_TARGETS=$IBNBD_BENCH_TARGETS"} -- \
+    ${IBNBD_BENCH_TARGETS:+--env "IBNBD_BENCH_TARGETS=$IBNBD_BENCH_TARGETS"} \
+    ${IBNBD_BENCH_SERVER_ARGS:+--env "IBNBD_BENCH_SERVER_ARGS=$IBNBD_BENCH_SERVER_ARGS"} -- \
     bash "$top/bench/fio-vm.sh" --seconds "$seconds"
 fi
 
@@ -109,8 +112,9 @@ done
 
 # --allow-any-host (the server warns): IO is what is measured here, and authentication costs
 # only at connect (docs/security.d/auth-bench.md).
+# shellcheck disable=SC2086  # word splitting of the extra options is wanted
 "$srv" --allow-any-host --listen "rdma:$B:0" --listen "tcp:$B:0" --dev-search-path "$tmp/export" \
-  --control-socket "$tmp/srv.sock" --ready-file "$tmp/srv.ready" >"$tmp/srv.log" 2>&1 &
+  ${IBNBD_BENCH_SERVER_ARGS:-} --control-socket "$tmp/srv.sock" --ready-file "$tmp/srv.ready" >"$tmp/srv.log" 2>&1 &
 pids+=($!)
 srv_pid=$!
 wait_file "$tmp/srv.ready" || started ibnbd-server "$tmp/srv.log"
@@ -246,6 +250,7 @@ for row in "${workloads[@]}"; do
 done
 
 echo "# fio in the VM rig ($(date -u +%Y-%m-%d), $(uname -r) under TCG, $(nproc) vCPUs)"
+echo "ibnbd-server options beyond the defaults: ${IBNBD_BENCH_SERVER_ARGS:-none}"
 echo
 echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, 256 MiB files on tmpfs; targets: the"
 echo "header of bench/fio-vm.sh. Ratios: IOPS and mean latency against nbdkit through the kernel's"
