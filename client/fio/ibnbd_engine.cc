@@ -824,8 +824,8 @@ void block_for(Engine& e, int64_t ns) {
   take_done(e);
 }
 
-// How often the adaptive policy samples the run queue (core/runqueue.h).
-constexpr int64_t kRunnableEveryNs = 10'000'000;
+constexpr int64_t kRunnableEveryNs =
+    std::chrono::nanoseconds(ibtrs::core::kRunqueueSampleEvery).count();
 
 // Waits until `min` completions are ready or `t` passes, as the plan says: sleep (a blocking
 // wait with a timeout, which a completion ends early), spin (non-blocking looks), then block.

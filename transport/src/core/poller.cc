@@ -21,8 +21,6 @@ constexpr auto kMaxSleep = std::chrono::milliseconds(100);
 // epoll tag of a PollSource's fd (CQs are tagged by their pointer, the wake-up eventfd by 0):
 // nothing to acknowledge, the source's own poll() consumes its fd.
 constexpr uint64_t kSourceTag = 1;
-// How often the adaptive policy samples the run queue (a pread of /proc/loadavg).
-constexpr auto kRunnableEvery = std::chrono::milliseconds(10);
 
 int64_t steady_ns(Poller::Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -324,7 +322,7 @@ void Poller::end_wait(Clock::time_point t) {
 }
 
 void Poller::begin_wait(Clock::time_point now) {
-  if (now - runnable_at_ >= kRunnableEvery) {
+  if (now - runnable_at_ >= kRunqueueSampleEvery) {
     runnable_at_ = now;
     if (int r = runnable_now(loadavg_fd_); r >= 1) policy_.observe_runnable(r - 1, cpus_);
   }

@@ -2,8 +2,8 @@
 // It polls its CQs in batches and hands completions to each CQ's handler, runs timers and tasks
 // posted from other threads, and sleeps on the CQs' fds (armed, verbs-style) when idle, or spins
 // when busy-polling, or (PollMode::adaptive) spins for a learned while after a pass that found
-// work and then sleeps (core/hybrid_poll.h). The software fabrics progress only while their CQ is polled, so a CQ with
-// live connections must stay attached to a running poller.
+// work and then sleeps (core/hybrid_poll.h). The software fabrics progress only while their CQ
+// is polled, so a CQ with live connections must stay attached to a running poller.
 //
 // Threading: post(), run_sync(), add_timer(), cancel_timer() from any thread. Handlers, tasks
 // and timers run on the poller thread and must not block. attach()/detach() only on the poller
@@ -84,11 +84,11 @@ using PollSource = ibtrs::IoThreadHook;
 // How a poller waits once its CQs are drained.
 //   block     sleeps at once (armed CQs, epoll): a wake-up per request that finds it asleep
 //   spin      never sleeps: a core at idle, and the CPU of the other threads on a loaded host
-//   adaptive  after a pass that found CQ completions, keeps polling for a learned gap (a server's next
-//             request: an EWMA of the gap between passes that found CQ completions, a bit past it,
-//             within 100 us), then sleeps; sleeps at
-//             once while the expected gap is beyond that (idle clients), while the CPU is
-//             contended, while spins keep missing or do not pay (HybridPoll, server config)
+//   adaptive  after a pass that found CQ completions, keeps polling for a learned gap (a
+//             server's next request: an EWMA of the gap between passes that found CQ
+//             completions, a bit past it, within 100 us), then sleeps; sleeps at once while the
+//             expected gap is beyond that (idle clients), while the CPU is contended, while
+//             spins keep missing or do not pay (HybridPoll, server config)
 enum class PollMode : uint8_t { block, spin, adaptive };
 const char* to_string(PollMode m);
 

@@ -5,9 +5,13 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 
 namespace ibtrs::core {
+
+// How often a waiter samples the run queue: a contended host is judged on the EWMA of these.
+inline constexpr std::chrono::milliseconds kRunqueueSampleEvery{10};
 
 // /proc/loadavg's fourth field is "runnable/threads"; the runnable count includes the reading
 // thread. `fd`: /proc/loadavg opened by the caller (a pread per sample, no open). -1 when it
