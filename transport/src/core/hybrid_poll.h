@@ -1,5 +1,6 @@
 // Adaptive hybrid polling for a thread that waits for its own completions (the fio engine's
-// getevents) or for the next request (a server IO poller, HybridPollConfig::server()). Models: io_uring's hybrid IOPOLL (sleep for part of the expected completion time,
+// getevents) or for the next request (a server IO poller, HybridPollConfig::server()).
+// Models: io_uring's hybrid IOPOLL (sleep for part of the expected completion time,
 // then poll) and NAPI busy-poll budgets (spin within a bound, then sleep).
 //
 // A blocking wait pays a wake-up when the completion arrives, and on a virtual machine's idle
@@ -107,6 +108,9 @@ struct WaitOutcome {
 // idle: the expected arrival is beyond the spin cap (block_beyond_cap).
 enum class BlockReason : uint8_t { none, learning, probe, contended, preempted, misses, no_gain, idle };
 constexpr int kBlockReasons = 8;
+// Their names in statistics, by value.
+inline constexpr const char* kBlockReasonNames[kBlockReasons] = {
+    "none", "learning", "probe", "contended", "preempted", "misses", "no_gain", "idle"};
 
 class HybridPoll {
  public:

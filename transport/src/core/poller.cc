@@ -29,8 +29,6 @@ int64_t steady_ns(Poller::Clock::time_point t) {
 // The statistics have one writer, the poller thread: a plain add, no locked instruction.
 void bump(std::atomic<uint64_t>& c) { c.store(c.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed); }
 
-constexpr const char* kReasonNames[kBlockReasons] = {"none",      "learning", "probe",   "contended",
-                                                     "preempted", "misses",   "no_gain", "idle"};
 }  // namespace
 
 const char* to_string(PollMode m) {
@@ -92,7 +90,7 @@ IoThreadWaitStats Poller::wait_stats() const {
   w.spins_preempted = st_preempted_.load(std::memory_order_relaxed);
   w.sleeps = st_sleeps_.load(std::memory_order_relaxed);
   for (int r = 1; r < kBlockReasons; ++r)
-    w.blocked.emplace_back(kReasonNames[r], st_blocked_[r].load(std::memory_order_relaxed));
+    w.blocked.emplace_back(kBlockReasonNames[r], st_blocked_[r].load(std::memory_order_relaxed));
   w.expected_gap_ns = st_expected_.load(std::memory_order_relaxed);
   return w;
 }
