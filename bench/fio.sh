@@ -40,7 +40,9 @@
 # engine sends each request as it is queued either way).
 # Columns: fio's IOPS and MiB/s, total latency (mean), completion latency (p99); CPU per IO: the
 # fio job process (usr + sys, with the engine's transport threads) plus the serving processes
-# (/proc/PID/stat, 10 ms ticks), divided by the IOs. Ratios: against the best peer of the
+# (/proc/PID/stat, 10 ms ticks), divided by the IOs; CPU stall: the share of the run's wall time in
+# which some runnable task waited for a CPU (/proc/pressure/cpu "some", the whole host: spinning
+# that takes a CPU another task of the run needs shows here). Ratios: against the best peer of the
 # workload (most IOPS; lowest mean latency), the peers being nbdkit and qemu-nbd.
 # A benchmark, not a test: it asserts nothing.
 #
@@ -236,6 +238,9 @@ ticks() {  # ticks PID...: utime + stime of the processes (all their threads), c
   echo "$sum"
 }
 hz=$(getconf CLK_TCK)
+# CPU pressure (PSI): microseconds in which some runnable task waited for a CPU, since boot; empty
+# where the kernel has no PSI (CONFIG_PSI off, or psi=0).
+psi_some_us() { sed -n 's/^some .*total=\([0-9]*\)$/\1/p' /proc/pressure/cpu 2>/dev/null || true; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else print "" }'; }
 
 peers="nbdkit-unix nbdkit-tcp qemu-nbd-unix qemu-nbd-tcp"
@@ -249,8 +254,10 @@ run() {
   local out="$tmp/run-$run_no.json" rc=0
   local spids
   read -r -a spids <<<"$(serving_pids "$target")"
-  local t0
+  local t0 psi0 wall0
   t0=$(ticks "${spids[@]}")
+  psi0=$(psi_some_us)
+  wall0=$(date +%s%N)
   local wrap=() perf_pids=() p
   if [ "$perf" = 1 ]; then
     wrap=(perf stat -x, -e context-switches,raw_syscalls:sys_enter -o "$tmp/perf-$run_no-fio.csv" --)
@@ -264,8 +271,12 @@ run() {
     --rw="$rw" --bs="$bs" --iodepth="$qd" --iodepth_batch_submit="$qd" \
     --iodepth_batch_complete_max="$qd" --size=1G --time_based --runtime="$seconds" \
     --output-format=json --output="$out" >"$tmp/run-$run_no.log" 2>&1 || rc=$?
-  local t1
+  local t1 psi1 wall1 stall=""
   t1=$(ticks "${spids[@]}")
+  psi1=$(psi_some_us)
+  wall1=$(date +%s%N)
+  [ -z "$psi0" ] || [ -z "$psi1" ] ||
+    stall=$(awk -v d=$((psi1 - psi0)) -v w=$(((wall1 - wall0) / 1000)) 'BEGIN { printf "%.0f", 100 * d / w }')
   for p in "${perf_pids[@]}"; do kill -INT "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   if [ "$rc" != 0 ] || ! jq -e '.jobs[0]' "$out" >/dev/null 2>&1; then
     rows+=("$workload|$target|failed (exit $rc)")
@@ -284,7 +295,7 @@ run() {
   iops_of[$workload/$target]=$iops
   lat_of[$workload/$target]=$mean
   cpu_of[$workload/$target]=$cpu
-  rows+=("$workload|$target|$(printf '%.0f|%.1f|%.1f|%.1f|%.1f' "$iops" "$mibs" "$mean" "$p99" "$cpu")|$err")
+  rows+=("$workload|$target|$(printf '%.0f|%.1f|%.1f|%.1f|%.1f' "$iops" "$mibs" "$mean" "$p99" "$cpu")|$stall|$err")
   if [ "$perf" = 1 ]; then
     local ios cells
     ios=$(jq -r --arg s "$side" '.jobs[0][$s].total_ios' "$out")
@@ -346,12 +357,12 @@ echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, a 1
 echo "options: the header of bench/fio.sh. Ratios against the workload's best peer (nbdkit, qemu-nbd):"
 echo "IOPS / its IOPS, mean latency / its mean latency."
 echo
-echo "| workload | target | IOPS | MiB/s | mean us | p99 us | CPU us/IO | IOPS vs best peer | mean lat vs best peer |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| workload | target | IOPS | MiB/s | mean us | p99 us | CPU us/IO | CPU stall % | IOPS vs best peer | mean lat vs best peer |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for r in "${rows[@]}"; do
-  IFS='|' read -r workload target iops mibs mean p99 cpu err <<<"$r"
+  IFS='|' read -r workload target iops mibs mean p99 cpu stall err <<<"$r"
   if [ -z "$mibs" ]; then
-    echo "| $workload | $target | $iops | | | | | | |"
+    echo "| $workload | $target | $iops | | | | | | | |"
     continue
   fi
   bi=$(best_peer "$workload" iops)
@@ -359,7 +370,7 @@ for r in "${rows[@]}"; do
   ri=$(ratio "${iops_of[$workload/$target]}" "${iops_of[$workload/$bi]:-}")
   rl=$(ratio "${lat_of[$workload/$target]}" "${lat_of[$workload/$bl]:-}")
   [ "$err" = 0 ] || ri="$ri (fio error $err)"
-  echo "| $workload | $target | $iops | $mibs | $mean | $p99 | $cpu | $ri | $rl |"
+  echo "| $workload | $target | $iops | $mibs | $mean | $p99 | $cpu | $stall | $ri | $rl |"
 done
 echo
 for w in "4k randread qd32" "4k randwrite qd32"; do

@@ -180,9 +180,10 @@ fio_option g_options[] = {
         .lname = "IBNBD run queue check",
         .type = FIO_OPT_BOOL,
         .off1 = offsetof(EngineOptions, poll_runnable),
-        .help = "ibnbd_poll=adaptive samples the run queue (/proc/loadavg) and blocks while the "
-                "other runnable tasks leave no CPU idle (0: only preempted spins, misses and the "
-                "cost comparison make it block)",
+        .help = "ibnbd_poll=adaptive samples the run queue (/proc/loadavg) and the CPU pressure "
+                "(/proc/pressure/cpu) and blocks while the other runnable tasks leave no CPU idle "
+                "or tasks wait for a CPU (0: only preempted spins, misses and the cost comparison "
+                "make it block)",
         .def = "1",
         .category = FIO_OPT_C_ENGINE,
         .group = FIO_OPT_G_INVALID,
@@ -344,9 +345,7 @@ struct Engine {
   bool adaptive = false;
   ibtrs::core::HybridPoll policy;
   int64_t policy_gap_ns = ibtrs::core::HybridPollConfig{}.preempt_gap_ns;
-  int loadavg_fd = -1;
-  uint32_t cpus = 1;
-  int64_t runnable_at = 0;    // when the run queue was last sampled
+  std::unique_ptr<ibtrs::core::CpuLoadSampler> load;  // adaptive mode: run queue, CPU pressure
   int64_t last_wait_end = 0;  // for the time per completion
   size_t taken = 0;           // completions taken off the stack since then
   int old_timer_slack = -1;   // restored at cleanup
@@ -606,10 +605,9 @@ int eng_init(thread_data* td) noexcept {
       // could last 70. The job thread's slack goes back at cleanup.
       e->old_timer_slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
       ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
-      if (o->poll_runnable)  // -1: no run queue check
-        e->loadavg_fd = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-      const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
-      e->cpus = n > 0 ? static_cast<uint32_t>(n) : 1;
+      // ibnbd_poll_runnable=0: neither the run queue nor the CPU pressure is looked at.
+      e->load = std::make_unique<ibtrs::core::CpuLoadSampler>(o->poll_runnable != 0,
+                                                              o->poll_runnable != 0);
     }
     if (o->poll_stats) e->stats = std::make_unique<Engine::Stats>();
     // fio numbers its io_us 0..iodepth-1 (io_u->index); at most iodepth requests are out at
@@ -636,7 +634,8 @@ void eng_cleanup(thread_data* td) noexcept {
     std::fprintf(stderr,
                  "ibnbd: %llu waits: hybrid %llu (slept %llu, spun %llu, spin missed %llu, "
                  "preempted %llu); blocked: learning %llu, probe %llu, contended %llu, after "
-                 "preemption %llu, after misses %llu, no gain %llu (%llu verdicts); expected "
+                 "preemption %llu, after misses %llu, no gain %llu (%llu verdicts), CPU pressure "
+                 "%llu (%llu back-offs, last stall %.0f %%); expected "
                  "%lld us, sleep share %.2f, timer late %lld us; ns per IO: hybrid %lld, blocking %lld\n",
                  (unsigned long long)st.waits, (unsigned long long)r[0],
                  (unsigned long long)st.end[0], (unsigned long long)st.end[1],
@@ -644,13 +643,14 @@ void eng_cleanup(thread_data* td) noexcept {
                  (unsigned long long)r[1], (unsigned long long)r[2], (unsigned long long)r[3],
                  (unsigned long long)r[4], (unsigned long long)r[5], (unsigned long long)r[6],
                  (unsigned long long)e->policy.no_gain_verdicts(),
+                 (unsigned long long)r[static_cast<size_t>(ibtrs::core::BlockReason::pressure)],
+                 (unsigned long long)e->policy.pressure_backoffs(), e->policy.stall() * 100,
                  (long long)(e->policy.expected_ns() / 1000), e->policy.sleep_share(),
                  (long long)(e->policy.oversleep_ns() / 1000),
                  (long long)e->policy.hybrid_cost_ns(), (long long)e->policy.block_cost_ns());
   }
   if (e->old_timer_slack > 0)
     ::prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(e->old_timer_slack), 0, 0, 0);
-  if (e->loadavg_fd >= 0) ::close(e->loadavg_fd);
   try {
     // The reaper, the device and the registration before the session: it must outlive them.
     e->reaper.reset();
@@ -824,9 +824,6 @@ void block_for(Engine& e, int64_t ns) {
   take_done(e);
 }
 
-constexpr int64_t kRunnableEveryNs =
-    std::chrono::nanoseconds(ibtrs::core::kRunqueueSampleEvery).count();
-
 // Waits until `min` completions are ready or `t` passes, as the plan says: sleep (a blocking
 // wait with a timeout, which a completion ends early), spin (non-blocking looks), then block.
 void wait_for(Engine* e, size_t min, const timespec* t) {
@@ -837,11 +834,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
   if (e->poll.count() > 0) {
     plan.spin_ns = e->poll.count() * 1000;  // ibnbd_poll_us: a fixed spin, no sleep
   } else if (e->adaptive) {
-    if (start - e->runnable_at >= kRunnableEveryNs) {
-      e->runnable_at = start;
-      if (int r = ibtrs::core::runnable_now(e->loadavg_fd); r >= 1)
-        e->policy.observe_runnable(r - 1, e->cpus);
-    }
+    e->load->maybe_sample(start, e->policy);
     plan = e->policy.plan(start);
   }
   ibtrs::core::WaitOutcome out;

@@ -3,8 +3,12 @@
 // arrival times, spin outcomes and run queue samples, when it sleeps, when it spins and for how
 // long, and when it falls back to blocking.
 #include "core/hybrid_poll.h"
+#include "core/runqueue.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+
+#include <string>
 
 namespace ibtrs::core {
 namespace {
@@ -352,6 +356,112 @@ TEST(ServerPoll, ContentionMakesItBlock) {
     EXPECT_FALSE(d.arrive(30 * us).hybrid()) << i;
     EXPECT_EQ(d.p.last_reason(), BlockReason::contended);
   }
+}
+
+// Runs QD1 traffic (a request 30 us after each wait starts) for `for_ns`, feeding the policy a
+// CPU pressure sample of `stall` every 10 ms (as CpuLoadSampler does). Returns the share of the
+// waits that spun.
+double traffic_with_pressure(Driver& d, int64_t for_ns, double stall) {
+  const int64_t end = d.now + for_ns;
+  int64_t next_sample = d.now + 10 * ms;
+  int waits = 0, spun = 0;
+  while (d.now < end) {
+    if (d.now >= next_sample) {
+      d.p.observe_pressure(stall, d.now);
+      next_sample = d.now + 10 * ms;
+    }
+    ++waits;
+    if (d.arrive(30 * us).hybrid()) ++spun;
+  }
+  return waits > 0 ? static_cast<double>(spun) / waits : 0;
+}
+
+TEST(ServerPoll, CpuPressureMakesItBlockLongerEachTimeItRecurs) {
+  // Case: QD1 traffic that spins; then every 10 ms sample shows tasks waiting for a CPU 30 % of
+  // the time (the spinner holds the vCPU a client's threads wait for), for 4 s.
+  // Expect: it blocks for CPU pressure at once; the back-off doubles each time the pressure
+  // recurs, up to 1 s, so that over the 4 s fewer than 5 % of the waits spin.
+  Driver d(HybridPollConfig::server());
+  d.learn(30 * us);
+  ASSERT_GT(traffic_with_pressure(d, 50 * ms, 0.0), 0.8);
+  const double spun = traffic_with_pressure(d, 4000 * ms, 0.30);
+  EXPECT_LT(spun, 0.05);
+  EXPECT_FALSE(d.p.plan(d.now).hybrid());
+  EXPECT_EQ(d.p.last_reason(), BlockReason::pressure);
+  EXPECT_EQ(d.p.pressure_backoff_ns(), HybridPollConfig::server().backoff_max_ns);
+  EXPECT_GE(d.p.pressure_backoffs(), 7u);
+}
+
+TEST(ServerPoll, PressureBelowTheLimitChangesNothingAndPressureThatEndsLetsItSpinAgain) {
+  // Case: QD1 traffic with 5 % CPU pressure (below max_stall: a quiet 2-core host measures 1-3 %
+  // while our waits spin); then 30 % for 200 ms; then none for 4 s.
+  // Expect: at 5 % it spins as without pressure; at 30 % it blocks; once the pressure is gone it
+  // spins again and the back-off shrinks (halved after each interval that spun without it).
+  Driver d(HybridPollConfig::server());
+  d.learn(30 * us);
+  EXPECT_GT(traffic_with_pressure(d, 200 * ms, 0.05), 0.8);
+  EXPECT_EQ(d.p.pressure_backoffs(), 0u);
+  EXPECT_LT(traffic_with_pressure(d, 200 * ms, 0.30), 0.2);
+  const int64_t grown = d.p.pressure_backoff_ns();
+  EXPECT_GT(grown, 10 * ms);
+  EXPECT_GT(traffic_with_pressure(d, 4000 * ms, 0.0), 0.5);
+  EXPECT_LT(d.p.pressure_backoff_ns(), grown);
+  EXPECT_TRUE(d.p.plan(d.now).hybrid() || d.p.last_reason() == BlockReason::probe);
+}
+
+TEST(HybridPoll, CpuPressureMakesTheEngineBlockToo) {
+  // Case: the fio engine's policy spinning on 100 us completions, then 50 % CPU pressure.
+  // Expect: its next plans block for pressure.
+  Driver d;
+  d.learn(100 * us);
+  for (int i = 0; i < 8; ++i) d.arrive(100 * us);
+  ASSERT_TRUE(d.p.plan(d.now).hybrid());
+  d.p.observe_pressure(0.5, d.now);
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_FALSE(d.arrive(100 * us).hybrid()) << i;
+    EXPECT_EQ(d.p.last_reason(), BlockReason::pressure);
+  }
+}
+
+// A file with `text`, read as the sampler reads /proc (pread at offset 0).
+int file_with(const std::string& text) {
+  const int fd = ::memfd_create("proc", MFD_CLOEXEC);
+  if (fd >= 0 && ::write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(CpuLoad, ReadsTheRunQueueAndThePressureTotalAndRefusesWhatItDoesNotKnow) {
+  // Case: /proc/loadavg and /proc/pressure/cpu as Linux writes them, and damaged ones.
+  // Expect: the runnable count and the "some" total; -1 for anything else (the signal is then
+  // not fed, never a wrong value).
+  struct Case {
+    const char* text;
+    int64_t pressure;
+  };
+  const Case cases[] = {
+      {"some avg10=4.83 avg60=12.30 avg300=26.97 total=17747567183\nfull avg10=0.00 avg60=0.00 "
+       "avg300=0.00 total=0\n", 17747567183},
+      {"some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n", 0},
+      {"full avg10=0.00 avg60=0.00 avg300=0.00 total=5\n", -1},
+      {"some avg10=0.00\nfull total=5\n", -1},
+      {"", -1},
+  };
+  for (const auto& c : cases) {
+    const int fd = file_with(c.text);
+    ASSERT_GE(fd, 0);
+    EXPECT_EQ(cpu_pressure_us(fd), c.pressure) << c.text;
+    ::close(fd);
+  }
+  EXPECT_EQ(cpu_pressure_us(-1), -1);
+  int fd = file_with("0.81 1.96 2.77 3/412 12345\n");
+  EXPECT_EQ(runnable_now(fd), 3);
+  ::close(fd);
+  fd = file_with("0.81 1.96\n");
+  EXPECT_EQ(runnable_now(fd), -1);
+  ::close(fd);
 }
 
 }  // namespace

@@ -13,6 +13,11 @@
 //   - while the CPU is contended: the other runnable tasks leave no CPU idle (sampled by the
 //     caller, e.g. from /proc/loadavg), or spins are often preempted (a long gap between two of
 //     their iterations);
+//   - while tasks wait for a CPU (the kernel's CPU pressure, PSI "some", over a sample interval
+//     above max_stall): the spinner may hold the CPU they wait for, which neither of the above
+//     sees when the waiting tasks sit on the other CPUs' run queues (two vCPUs of a VM, the
+//     spinner on one, a client's threads queued on the other). This back-off doubles while the
+//     pressure recurs and shrinks after intervals in which spins cost nobody a CPU;
 //   - when spins keep missing (completions do not come within the budget);
 //   - when it does not pay: one wait in probe_every blocks anyway, and hybrid waits must not
 //     cost more per completion than those blocking ones (beyond max_loss).
@@ -57,6 +62,9 @@ struct HybridPollConfig {
   // gain would back off on noise, so only a loss counts.
   double max_loss = 0.03;
   uint32_t min_samples = 16;       // of each kind before the comparison counts
+  // CPU pressure above this share of a sample interval backs off (bench/fio.sh's stall column:
+  // 1-3 % while our waits spin on a quiet 2-core host, 20-50 % beside nbdkit's thread pool).
+  double max_stall = 0.10;
   // Blocking waits feed the arrival estimate always, not only while it learns (a wake-up late:
   // an overestimate, but the only samples while the policy blocks).
   bool learn_from_blocking = false;
@@ -106,11 +114,12 @@ struct WaitOutcome {
 
 // Why a plan blocks (statistics and tests). none: a hybrid plan.
 // idle: the expected arrival is beyond the spin cap (block_beyond_cap).
-enum class BlockReason : uint8_t { none, learning, probe, contended, preempted, misses, no_gain, idle };
-constexpr int kBlockReasons = 8;
+// pressure: tasks waited for a CPU (observe_pressure).
+enum class BlockReason : uint8_t { none, learning, probe, contended, preempted, misses, no_gain, idle, pressure };
+constexpr int kBlockReasons = 9;
 // Their names in statistics, by value.
 inline constexpr const char* kBlockReasonNames[kBlockReasons] = {
-    "none", "learning", "probe", "contended", "preempted", "misses", "no_gain", "idle"};
+    "none", "learning", "probe", "contended", "preempted", "misses", "no_gain", "idle", "pressure"};
 
 class HybridPoll {
  public:
@@ -120,6 +129,7 @@ class HybridPoll {
   WaitPlan plan(int64_t now_ns) {
     reason_ = decide(now_ns);
     if (reason_ != BlockReason::none) return {};
+    spun_since_sample_ = true;
     const int64_t e = expected_ns();
     // Wake at share_ of the expected arrival: sleep that long less the timer's lateness.
     int64_t sleep = static_cast<int64_t>(static_cast<double>(e) * share_) - oversleep_.v;
@@ -198,8 +208,35 @@ class HybridPoll {
     contended_ = static_cast<double>(runnable_.v) / 1000 > static_cast<double>(cpus) - 0.25;
   }
 
+  // The share of the last sample interval (at most a few ms, ending at `now_ns`) in which some
+  // task waited for a CPU. Above max_stall: block for a back-off period of its own, doubled
+  // while the pressure recurs (up to backoff_max_ns) whether or not this waiter spun (pressure
+  // while it blocks is someone else's load: blocking is right then too); halved after an
+  // interval in which it spun and the pressure stayed low.
+  void observe_pressure(double stall, int64_t now_ns) {
+    const bool spun = spun_since_sample_;
+    spun_since_sample_ = false;
+    stall_ = stall;
+    if (stall > cfg_.max_stall) {
+      pressure_ns_ = std::clamp(pressure_ns_ * 2, cfg_.backoff_min_ns, cfg_.backoff_max_ns);
+      if (now_ns + pressure_ns_ > backoff_until_) {
+        backoff_until_ = now_ns + pressure_ns_;
+        backoff_reason_ = BlockReason::pressure;
+      }
+      hybrid_cost_ = {};
+      misses_ = 0;
+      preempt_score_ = 0;
+      ++pressure_backoffs_;
+    } else if (spun) {
+      pressure_ns_ /= 2;
+    }
+  }
+
   // Statistics and tests.
   BlockReason last_reason() const { return reason_; }
+  double stall() const { return stall_; }
+  int64_t pressure_backoff_ns() const { return pressure_ns_; }
+  uint64_t pressure_backoffs() const { return pressure_backoffs_; }
   int64_t expected_ns() const { return arrival_.v; }
   int64_t oversleep_ns() const { return oversleep_.v; }
   double sleep_share() const { return share_; }
@@ -266,6 +303,10 @@ class HybridPoll {
   uint32_t preempt_score_ = 0;
   uint32_t plans_ = 0;
   bool contended_ = false;
+  bool spun_since_sample_ = false;  // a hybrid plan since the last observe_pressure
+  double stall_ = 0;
+  int64_t pressure_ns_ = 0;         // the pressure back-off's current length
+  uint64_t pressure_backoffs_ = 0;
   int64_t backoff_ns_ = 0;
   int64_t backoff_until_ = 0;
   BlockReason backoff_reason_ = BlockReason::none;

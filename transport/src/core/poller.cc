@@ -1,7 +1,5 @@
 #include "core/poller.h"
-#include "core/runqueue.h"
 
-#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -59,11 +57,8 @@ Result<std::unique_ptr<Poller>> Poller::start(std::string name, uint32_t index, 
     return errc(e);
   }
   std::unique_ptr<Poller> p(new Poller(std::move(name), index, mode, epfd, evfd));
-  if (mode == PollMode::adaptive) {
-    // Without it the policy still backs off on preempted and missed spins.
-    p->loadavg_fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    p->cpus_ = std::max(1u, std::thread::hardware_concurrency());
-  }
+  // Without its files the policy still backs off on preempted and missed spins.
+  if (mode == PollMode::adaptive) p->load_ = std::make_unique<CpuLoadSampler>();
   p->thread_ = std::thread([raw = p.get()] { raw->loop(); });
   return p;
 }
@@ -77,7 +72,6 @@ Poller::~Poller() {
   if (thread_.joinable()) thread_.join();
   ::close(epfd_);
   ::close(evfd_);
-  if (loadavg_fd_ >= 0) ::close(loadavg_fd_);
 }
 
 IoThreadWaitStats Poller::wait_stats() const {
@@ -320,10 +314,7 @@ void Poller::end_wait(Clock::time_point t) {
 }
 
 void Poller::begin_wait(Clock::time_point now) {
-  if (now - runnable_at_ >= kRunqueueSampleEvery) {
-    runnable_at_ = now;
-    if (int r = runnable_now(loadavg_fd_); r >= 1) policy_.observe_runnable(r - 1, cpus_);
-  }
+  load_->maybe_sample(steady_ns(now), policy_);
   plan_ = policy_.plan(steady_ns(now));
   waiting_ = true;
   wait_start_ = now;

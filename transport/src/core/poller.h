@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/hybrid_poll.h"
+#include "core/runqueue.h"
 #include "fabric/fabric.h"
 #include "ibtrs/io_hook.h"
 #include "ibtrs/result.h"
@@ -188,9 +189,7 @@ class Poller {
   Clock::time_point last_spin_{};  // the previous spin iteration (preemption)
   Clock::time_point cycle_start_{};  // the end of the previous wait (time per completion)
   size_t cycle_n_ = 0;               // completions since then
-  Clock::time_point runnable_at_{};  // the run queue's last sample
-  int loadavg_fd_ = -1;
-  uint32_t cpus_ = 1;
+  std::unique_ptr<CpuLoadSampler> load_;  // the run queue and CPU pressure (adaptive mode)
   // Statistics (written by the poller thread, read by wait_stats()).
   std::atomic<uint64_t> st_waits_{0}, st_caught_{0}, st_missed_{0}, st_preempted_{0}, st_sleeps_{0};
   std::atomic<uint64_t> st_blocked_[kBlockReasons] = {};
