@@ -1504,7 +1504,8 @@ void ClientSession::end_batch() {
 struct CompletionReaper::Impl {
   client::Session* s = nullptr;
   std::shared_ptr<client::ReapPort> port;
-  // The CQs held during one reap() (one per path at most).
+  // The CQs held during one reap() (one per path at most; masks of their indices are uint32_t).
+  static_assert(ClientSession::kMaxPaths <= 32);
   Con* held[ClientSession::kMaxPaths];
   uint32_t nheld = 0;
   // CQs of connected paths that borrow() left to the poller (it was in a pass over them): their
@@ -1570,10 +1571,13 @@ struct CompletionReaper::Impl {
     }
   }
 
-  size_t poll_held() {
+  // `only`: a mask of held[] indices to poll (a level-triggered CQ whose fd was not readable has
+  // nothing: its poll would be a readv that finds nothing).
+  size_t poll_held(uint32_t only = ~0u) {
     Completion wcs[32];
     size_t total = 0;
     for (uint32_t i = 0; i < nheld; ++i) {
+      if ((only >> i & 1u) == 0) continue;
       Con* c = held[i];
       for (size_t n; (n = c->cq->poll(std::span(wcs, 32))) > 0;) {
         c->on_completions(std::span(wcs, n));
@@ -1623,22 +1627,26 @@ struct CompletionReaper::Impl {
 
   // Blocks on the held CQs' fds and the wake-up eventfd; `forever`: with no timer (arming and
   // cancelling one is a cost of every blocking wait, a VM exit each where the guest's timer
-  // is emulated).
-  void block(std::chrono::microseconds wait, bool forever) {
+  // is emulated). Returns the mask of held[] indices whose fd was readable.
+  uint32_t block(std::chrono::microseconds wait, bool forever) {
     pollfd pfds[ClientSession::kMaxPaths + 1];
     uint32_t n = 0;
     for (uint32_t i = 0; i < nheld; ++i) pfds[n++] = pollfd{held[i]->cq->fd(), POLLIN, 0};
     pfds[n++] = pollfd{port->evfd, POLLIN, 0};
     const auto us = wait.count();
     timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
-    if (::ppoll(pfds, n, forever ? nullptr : &ts, nullptr) <= 0) return;
+    if (::ppoll(pfds, n, forever ? nullptr : &ts, nullptr) <= 0) return 0;
     if (pfds[n - 1].revents != 0) {
       uint64_t v;
       [[maybe_unused]] ssize_t r = ::read(port->evfd, &v, sizeof(v));
     }
+    uint32_t ready = 0;
     for (uint32_t i = 0; i < nheld; ++i) {
-      if (pfds[i].revents != 0) held[i]->cq->ack_events();
+      if (pfds[i].revents == 0) continue;
+      held[i]->cq->ack_events();
+      ready |= 1u << i;
     }
+    return ready;
   }
 };
 
@@ -1708,10 +1716,12 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
         left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - core::Clock::now());
         if (left.count() <= 0) break;
       }
-      m.block(left, forever);
+      const uint32_t ready = m.block(left, forever);
       // Woken: by a completion fd, wake(), a teardown or the close; any of them ends the call
-      // once the CQs have been looked at (a wake-up is the caller's to interpret).
-      got = m.poll_held();
+      // once the CQs have been looked at (a wake-up is the caller's to interpret). With two
+      // paths a completion on one would otherwise cost a readv on the other too; release()
+      // still arms every held CQ, which sends what each owes.
+      got = m.poll_held(level ? ready : ~0u);
       break;
     }
   }
