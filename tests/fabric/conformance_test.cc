@@ -383,7 +383,11 @@ TEST_F(Conformance, SendLargerThanRecvIsLengthError) {
   if (kind_ == FabricKind::rdma && srv_.done[0].status == WcStatus::fatal_error) {
     // Soft-RoCE (rxe, Linux 6.12) takes its malformed-request path here: copy_data() returns
     // -EINVAL, so the pair is LOC_QP_OP_ERR / REM_OP_ERR. HCAs report the verbs pair below.
-    EXPECT_EQ(cli_.done[0].status, WcStatus::remote_operation_error);
+    // The responder's QP is in error then, and the disconnect that follows may flush the SEND
+    // before its NAK is processed (seen with the guest's vCPUs starved by a second guest).
+    EXPECT_TRUE(cli_.done[0].status == WcStatus::remote_operation_error ||
+                cli_.done[0].status == WcStatus::flush_error)
+        << to_string(cli_.done[0].status);
     return;
   }
   EXPECT_EQ(srv_.done[0].status, WcStatus::local_length_error);

@@ -16,6 +16,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -255,6 +256,11 @@ TEST_F(NbdTls, WrongCredentialsAreRefusedAndTheServerGoesOn) {
     auto w = upgrade(*c, client_ctx(id, key));
     EXPECT_EQ(w.error(), std::errc::permission_denied) << id;
   }
+  // The client learns of the failure from the server's alert, which the server sends before
+  // its loop counts the failure: wait (bounded) for the count rather than race it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (srv_->stats().tls_failures < 2 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_EQ(srv_->stats().tls_failures, 2u);
   auto c = connect();
   auto w = upgrade(*c, client_ctx("alice", 1));

@@ -1480,8 +1480,10 @@ TEST_F(Session, ReaperFdWakesAnEventLoopForItsCompletions) {
     on_caller += ts[i].on_caller.load();
   }
   EXPECT_EQ(loop.stalls, 0u) << "every completion woke the loop";
-  // As with a blocking reap, a loaded host may leave the connection unreaped past the reclaim.
-  EXPECT_GE(on_caller, 2 * kN * 9 / 10) << "completions ran on the loop's thread";
+  // As with a blocking reap, a loaded host may leave the connection unreaped past the reclaim
+  // (a TCG guest beside another TCG guest on 2 cores ran 77 % on the loop); a broken fd path
+  // runs next to none there.
+  EXPECT_GE(on_caller, 2 * kN * 2 / 3) << "completions ran on the loop's thread";
   for (uint32_t i = 0; i < kN; ++i) {
     EXPECT_EQ(std::memcmp(buf_->data() + size_t{i} * 4096, buf_->data() + size_t{kN + i} * 4096, 4096), 0)
         << "block " << i << " read back differs";

@@ -211,12 +211,30 @@ fi
 wait_until 10 bash -c "! grep -qx '0 ns' '$P0/cur_latency' && ! grep -qx '0 ns' '$P1/cur_latency'"
 expect_wr "mpath_policy min-latency (the kernel's name)" "$T/mpath_policy" 2 ok
 check "mp_policy reads min-latency" "$(rd "$T/mp_policy")" "min-latency (ML: 2)"
-read -r a b < <(split)
-big=$((a > b ? a : b))
-if [ $((a + b)) -ge 128 ] && [ "$big" -ge $(((a + b) * 3 / 5)) ]; then
-  ok "min-latency puts most writes on one path ($a / $b)"
+# The premise is that the ordering held during the run: a run during which the heartbeats
+# reordered the paths (a loaded host) is tried again, up to three times.
+lat() { sed -n 's/^\([0-9]*\) ns$/\1/p' "$1/cur_latency"; }
+faster() { local l0 l1; l0=$(lat "$P0"); l1=$(lat "$P1"); [ "${l0:-0}" -le "${l1:-0}" ] && echo 0 || echo 1; }
+ml_result="no run kept the ordering"
+ml_ok=0
+for _ in 1 2 3; do
+  before=$(faster)
+  read -r a b < <(split)
+  if [ "$(faster)" != "$before" ]; then
+    ml_result="the ordering changed during the run ($a / $b)"
+    continue
+  fi
+  mine=$((before == 0 ? a : b))
+  ml_result="$a / $b, the faster path P$before"
+  if [ $((a + b)) -ge 128 ] && [ "$mine" -ge $(((a + b) * 3 / 5)) ]; then
+    ml_ok=1
+    break
+  fi
+done
+if [ "$ml_ok" = 1 ]; then
+  ok "min-latency puts most writes on the faster path ($ml_result)"
 else
-  not_ok "min-latency puts most writes on one path" "$a / $b"
+  not_ok "min-latency puts most writes on the faster path" "$ml_result"
 fi
 expect_wr "mp_policy min-inflight" "$T/mp_policy" min-inflight ok
 
