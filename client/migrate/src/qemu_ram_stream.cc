@@ -148,6 +148,11 @@ struct RamStreamParser::Impl {
     next(St::sec_type, 1);
     return {};
   }
+  // Another configuration subsection may follow.
+  Status end_subsection() {
+    in_config = true;
+    return to_sec_type();
+  }
   Status to_passthrough() {
     st = St::passthrough;
     return {};
@@ -254,14 +259,14 @@ struct RamStreamParser::Impl {
           return bad(EOPNOTSUPP, "target page bits " + std::to_string(bits) + " (10..16 handled)");
         page_bits = bits;
         IBTRS_TRY(emit(f));
-        return to_sec_type();
+        return end_subsection();
       }
       case St::sub_cap_count:
         caps_left = be32(f);
         if (caps_left > kMaxCapabilities)
           return bad(EBADMSG, std::to_string(caps_left) + " capabilities in the configuration");
         IBTRS_TRY(emit(f));
-        if (caps_left == 0) return to_sec_type();
+        if (caps_left == 0) return end_subsection();
         next(St::sub_cap_len, 1);
         return {};
       case St::sub_cap_len: {
@@ -277,12 +282,12 @@ struct RamStreamParser::Impl {
         if (text(f) == "x-ignore-shared")
           return bad(EOPNOTSUPP, "capability x-ignore-shared is not supported");
         IBTRS_TRY(emit(f));
-        if (--caps_left == 0) return to_sec_type();
+        if (--caps_left == 0) return end_subsection();
         next(St::sub_cap_len, 1);
         return {};
       case St::sub_uuid:
         IBTRS_TRY(emit(f));
-        return to_sec_type();
+        return end_subsection();
       case St::cmd_head: {
         const uint16_t cmd = static_cast<uint16_t>(be32(f) >> 16);
         const uint16_t len = static_cast<uint16_t>(be32(f) & 0xffff);
