@@ -5,7 +5,12 @@
 #include <cstring>
 #include <optional>
 
+#include "qemu_rdma_wire.h"
+
 namespace ibnbd::migrate::qstream {
+
+// A stream's block list must fit one RAM BLOCKS RESULT.
+static_assert(kMaxRamBlocks == qrdma::kMaxRamBlocks);
 namespace {
 
 // savevm.c section types.

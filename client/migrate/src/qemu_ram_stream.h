@@ -126,7 +126,7 @@ class RamStreamParser {
   Status finish();
 
   const std::string& last_error() const;
-  uint64_t consumed() const;                  // input bytes accepted so far
+  uint64_t consumed() const;                  // input bytes fed so far
   uint32_t page_size() const;
   const std::string& machine_type() const;    // from the configuration section ("" if absent)
   const std::vector<RamBlock>& blocks() const;
@@ -165,8 +165,9 @@ class ByteSink {
 
 // ---- save direction ----
 
-// Handed to PageSource::changed_pages: writes the pages it is given as records at the HOOK's
-// place. Validates block, offset (page aligned, inside the block) and the page size (EINVAL).
+// Handed to PageSource::changed_pages, valid during that call only: writes the pages it is given
+// as records at the HOOK's place. Validates block, offset (page aligned, inside the block) and the
+// page size (EINVAL).
 class PageWriter {
  public:
   virtual ~PageWriter() = default;
@@ -218,6 +219,8 @@ class InlineRewriter {
 class RdmaSink {
  public:
   virtual ~RdmaSink() = default;
+  // Pieces of any size (as the input came), valid during the call: the sink gathers them into
+  // QEMU FILE messages.
   virtual Status file_bytes(std::span<const std::byte> b) = 0;
   virtual Status ram_blocks(std::span<const RamBlock> blocks) = 0;
   virtual Status round_begin(const RamRound& r) = 0;

@@ -17,6 +17,7 @@
 // caller-given RamLayout, every block index, address, chunk and length, so that later code cannot
 // be led to register, zero or accept writes outside the layout. They copy what they validated into
 // host-order structs; only the QEMU FILE payload (opaque stream bytes) is handed out as a view.
+// Everything here is stateless (a RamLayout does not change once made): any thread.
 #pragma once
 
 #include <array>
@@ -110,7 +111,8 @@ struct HeaderWire {
 };
 IBTRS_WIRE_STRUCT(HeaderWire, 16);
 
-// RAM BLOCKS RESULT entry: RDMADestBlock, in the order of the stream's RAM block list.
+// RAM BLOCKS RESULT entry: RDMADestBlock (RDMARemoteBlock in older QEMUs), in the order of the
+// stream's RAM block list.
 struct DestBlockWire {
   be64 remote_host_addr;  // destination virtual address of the block (RDMA target base)
   be64 offset;            // the block's offset in the destination's ram_addr space
