@@ -1,5 +1,15 @@
 # client/migrate: migration images on IBNBD volumes (docs/migration-image.md) — the on-volume
 # format, the image store / writer / reader, and the Volume over a mapped device.
+
+# QEMU's own RDMA migration protocol, the transport-free part: the control channel's wire format
+# and the RAM-section parser / rewriters of migration streams. A library of its own so the fuzz
+# targets and tests link it without the client library.
+add_library(ibnbd_migrate_qemu STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/src/qemu_rdma_wire.cc
+  ${CMAKE_CURRENT_LIST_DIR}/src/qemu_ram_stream.cc
+)
+target_include_directories(ibnbd_migrate_qemu PUBLIC ${CMAKE_CURRENT_LIST_DIR}/src)
+target_link_libraries(ibnbd_migrate_qemu PUBLIC ibtrs_internal PRIVATE ibtrs_build_flags)
 add_library(ibnbd_migrate STATIC
   ${CMAKE_CURRENT_LIST_DIR}/src/crc32c.cc
   ${CMAKE_CURRENT_LIST_DIR}/src/image_format.cc
@@ -11,7 +21,7 @@ add_library(ibnbd_migrate STATIC
 target_include_directories(ibnbd_migrate PUBLIC ${CMAKE_CURRENT_LIST_DIR}/include
   PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${CMAKE_CURRENT_LIST_DIR}/../nbd/src)  # nbd_proto.h: the NBD wire structs
 target_link_libraries(ibnbd_migrate PUBLIC ibnbd_client Threads::Threads
-  PRIVATE ibtrs_internal ibtrs_build_flags)
+  PRIVATE ibnbd_migrate_qemu ibtrs_internal ibtrs_build_flags)
 # The on-volume structs, for the project's own tests.
 add_library(ibnbd_migrate_internal INTERFACE)
 target_include_directories(ibnbd_migrate_internal INTERFACE ${CMAKE_CURRENT_LIST_DIR}/src)

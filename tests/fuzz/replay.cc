@@ -15,6 +15,10 @@
 #ifdef IBTRS_FUZZ_IBNBD
 #include "ibnbd_proto_target.h"
 #endif
+#ifdef IBTRS_FUZZ_QEMU_MIGRATE
+#include "qemu_rdma_target.h"
+#include "qemu_stream_target.h"
+#endif
 
 namespace {
 
@@ -30,6 +34,10 @@ const Target kTargets[] = {
     {"auth", ibtrs::fuzz::auth_one_input, ibtrs::fuzz::auth_seeds},
 #ifdef IBTRS_FUZZ_IBNBD
     {"ibnbd_proto", ibnbd::fuzz::proto_one_input, ibnbd::fuzz::proto_seeds},
+#endif
+#ifdef IBTRS_FUZZ_QEMU_MIGRATE
+    {"qemu_rdma", ibnbd::fuzz::qemu_rdma_one_input, ibnbd::fuzz::qemu_rdma_seeds},
+    {"qemu_stream", ibnbd::fuzz::qemu_stream_one_input, ibnbd::fuzz::qemu_stream_seeds},
 #endif
 };
 
