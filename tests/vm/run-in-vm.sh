@@ -351,12 +351,16 @@ cp -- "$GUEST_SETUP" "$ctl/guest-setup.sh"
 for f in console stdout stderr; do mkfifo "$run_dir/$f.in" "$run_dir/$f.out"; done
 
 qesc() { printf '%s' "${1//,/,,}"; } # QEMU option value escaping
+# tsc=reliable: on a loaded host the guest's clocksource watchdog marks the emulated TSC unstable,
+# and the kernel then patches the sched_clock static branch while the other vCPU runs through it;
+# multi-threaded TCG once executed the half-patched int3 (an Oops in sched_clock_cpu, CI run of
+# 2026-11-27, a second TCG guest beside it). The TSC of one TCG guest is one host clock.
 qemu=(
   "$qemu_bin" -name ibtrs-vm
   -accel "tcg,thread=multi" -cpu max -smp "$smp" -m "$mem"
   -nodefaults -no-reboot -display none -nic none
   -kernel "$kdir/vmlinuz" -initrd "$initrd"
-  -append "console=ttyS0 quiet loglevel=3 panic=-1 ibtrs_kver=$kver${IBTRS_VM_APPEND:+ $IBTRS_VM_APPEND}"
+  -append "console=ttyS0 quiet loglevel=3 panic=-1 tsc=reliable ibtrs_kver=$kver${IBTRS_VM_APPEND:+ $IBTRS_VM_APPEND}"
   -serial "pipe:$run_dir/console"
   -fsdev "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap"
   -device "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot"
