@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/le.h"  // IBTRS_WIRE_STRUCT: the project's size / layout proof
+#include "common/le.h"  // big-endian wire integers and IBTRS_WIRE_STRUCT, the size / layout proof
 #include "ibtrs/result.h"
 
 namespace ibnbd::migrate::qrdma {
@@ -37,29 +37,9 @@ namespace ibnbd::migrate::qrdma {
 using ibtrs::Result;
 using ibtrs::Status;
 
-// A big-endian wire integer: alignment 1 and trivially copyable, so a struct of these has QEMU's
-// packed layout on every host without packing pragmas (the NBD codec has the same helper).
-template <typename T>
-struct Be {
-  static_assert(std::is_unsigned_v<T>, "wire integers are unsigned");
-  unsigned char b[sizeof(T)];
-
-  T get() const {
-    T v = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) v = static_cast<T>((v << 8) | b[i]);
-    return v;
-  }
-  void set(T v) {
-    for (size_t i = sizeof(T); i-- > 0;) {
-      b[i] = static_cast<unsigned char>(v & 0xff);
-      v = static_cast<T>(sizeof(T) > 1 ? v >> 8 : 0);
-    }
-  }
-};
-using be32 = Be<uint32_t>;
-using be64 = Be<uint64_t>;
-static_assert(sizeof(be32) == 4 && alignof(be32) == 1);
-static_assert(sizeof(be64) == 8 && alignof(be64) == 1);
+// QEMU writes the control channel in network byte order.
+using ibtrs::be32;
+using ibtrs::be64;
 
 // ---- constants (rdma.c names in comments) ----
 inline constexpr uint32_t kVersion = 1;                  // RDMA_CONTROL_VERSION_CURRENT

@@ -10,37 +10,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "common/le.h"  // IBTRS_WIRE_STRUCT: the project's size / layout proof of wire structs
+#include "common/le.h"  // big-endian wire integers and IBTRS_WIRE_STRUCT, the size / layout proof
 
 namespace ibnbd::nbd::wire {
 
-// A big-endian wire integer (NBD is network byte order; IBTRS's ibtrs::Le is little-endian):
-// alignment 1, trivially copyable, so a struct of these has the protocol's layout on every host
-// without packing pragmas.
-template <typename T>
-struct Be {
-  static_assert(std::is_unsigned_v<T>, "wire integers are unsigned");
-  unsigned char b[sizeof(T)];
-
-  T get() const {
-    T v = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) v = static_cast<T>((v << 8) | b[i]);
-    return v;
-  }
-  void set(T v) {
-    for (size_t i = sizeof(T); i-- > 0;) {
-      b[i] = static_cast<unsigned char>(v & 0xff);
-      v = static_cast<T>(sizeof(T) > 1 ? v >> 8 : 0);
-    }
-  }
-};
-using be16 = Be<uint16_t>;
-using be32 = Be<uint32_t>;
-using be64 = Be<uint64_t>;
-
-static_assert(sizeof(be16) == 2 && alignof(be16) == 1);
-static_assert(sizeof(be32) == 4 && alignof(be32) == 1);
-static_assert(sizeof(be64) == 8 && alignof(be64) == 1);
+// NBD is network byte order (IBTRS's ibtrs::Le is little-endian).
+using ibtrs::be16;
+using ibtrs::be32;
+using ibtrs::be64;
 
 // ---- magics ----
 inline constexpr uint64_t kNbdMagic = 0x4e42444d41474943ull;   // "NBDMAGIC" (INIT_PASSWD)
