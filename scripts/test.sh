@@ -80,7 +80,7 @@ background_builds() {
       tsan) configure_build build-tsan -Og -DIBTRS_SANITIZE=thread -DIBTRS_UBSAN=ON -DIBTRS_RDMA=ON -DIBTRS_BENCH=OFF -DCMAKE_UNITY_BUILD=ON ;;
       fuzz) CXX=clang++ configure_build build-fuzz -O2 -DIBTRS_WERROR=ON -DIBTRS_FUZZ=ON \
               -DIBTRS_SANITIZE=address -DIBTRS_RDMA=OFF -DIBTRS_TESTS=ON -- \
-              fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto fuzz_auth ;;
+              fuzz-replay fuzz_tcp_rx fuzz_proto fuzz_ibnbd_proto fuzz_auth fuzz_qemu_rdma fuzz_qemu_stream ;;
     esac >"build-logs/$name.log" 2>&1
     echo $? >"build-logs/$name.rc"
   done
