@@ -1,3 +1,4 @@
+#include "common/text.h"
 #include "qemu_ram_stream.h"
 
 #include <algorithm>
@@ -69,11 +70,7 @@ std::string printable(std::span<const std::byte> s) {
   }
   return r;
 }
-std::string hex(uint64_t v) {
-  char b[24];
-  std::snprintf(b, sizeof(b), "0x%llx", static_cast<unsigned long long>(v));
-  return b;
-}
+using ibtrs::hex;
 
 }  // namespace
 

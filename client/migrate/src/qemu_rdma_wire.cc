@@ -1,3 +1,4 @@
+#include "common/text.h"
 #include "qemu_rdma_wire.h"
 
 #include <algorithm>
@@ -13,11 +14,7 @@ std::error_code fail(int e, std::string* why, std::string msg) {
   return ibtrs::errc(e);
 }
 
-std::string hex(uint64_t v) {
-  char b[24];
-  std::snprintf(b, sizeof(b), "0x%llx", static_cast<unsigned long long>(v));
-  return b;
-}
+using ibtrs::hex;
 
 template <typename T>
 T load(std::span<const std::byte> s, size_t at) {
