@@ -8,7 +8,7 @@ notes with each case's time); exit 1 when anything failed, 77 when something it 
                                                        (ctest: vm_migrate_qemu_rdma, in vm_suite)
     IBNBD_QRDMA_CASES="peer save"   runs only those cases (peer save exec pinall pinmax kill hostile)
 
-Guests are small and paused (-m 64, -S, 16 MiB of random bytes loaded at 1 MiB), as in
+Guests are small and paused (-m 32, -S, 16 MiB of random bytes loaded at 1 MiB), as in
 ../shared/reference/qemu-rdma-migration.md; the images live on an ibnbd-server volume reached
 over tcp on loopback (the image transport is not the subject here). Cases:
   peer     QEMU -> QEMU `migrate rdma:` over rxe: the rig and QEMU work (a failure here is the
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qemu_migrate as qm  # noqa: E402  (Qmp, Env: the server, the pattern, spawn; check)
 
 MiB = qm.MiB
-qm.GUEST_MB = 64
+qm.GUEST_MB = 32
 qm.PATTERN = 16 * MiB
 ADDR = os.environ.get("IBTRS_RDMA_ADDR_B", "")
 CASES = os.environ.get("IBNBD_QRDMA_CASES", "peer save exec pinall pinmax kill hostile").split()
@@ -59,8 +59,10 @@ class Rig(qm.Env):
         self.port = 4460
         self.src = None
         self.partial = {}  # image -> what left it PARTIAL: checked by one `list` at the end
+        self.started = {}  # QEMUs started ahead: name -> (process, QMP socket)
 
-    def qemu(self, name, incoming=False):
+    def start(self, name, incoming=False):
+        """Starts a QEMU without waiting for it (QEMU's start costs seconds under nested TCG)."""
         qmp = os.path.join(self.work, name + ".qmp")
         argv = ["qemu-system-x86_64", "-machine", "pc", "-accel", "tcg", "-m", str(qm.GUEST_MB), "-bios", self.bios,
                 "-display", "none", "-nodefaults", "-nic", "none", "-serial", "none", "-S",
@@ -68,7 +70,14 @@ class Rig(qm.Env):
                 "-device", f"loader,file={os.path.join(self.work, 'pattern.bin')},addr=0x100000"]
         if incoming:
             argv += ["-incoming", "defer"]
-        return self.spawn(argv, name + ".log"), qm.Qmp(qmp)
+        self.started[name] = (self.spawn(argv, name + ".log"), qmp)
+
+    def qemu(self, name, incoming=False):
+        """(process, QMP) of QEMU `name`, started now unless start() did it earlier."""
+        if name not in self.started:
+            self.start(name, incoming)
+        p, qmp = self.started.pop(name)
+        return p, qm.Qmp(qmp)
 
     def memsum(self, q, name):
         path = os.path.join(self.work, name + ".mem")
@@ -165,6 +174,22 @@ def save_exec(env, image):
     return h, qm.wait_migration(q, 90)
 
 
+def restore_exec(env, image):
+    """`-incoming exec:ibnbd-migrate restore ...`: (status, md5)."""
+    dst, q = env.qemu("dst-" + image, incoming=True)
+    try:
+        cmd = " ".join(env.migrate_args("restore", image))
+        q.cmd("migrate-incoming", uri=f"exec:{cmd} 2>>{env.work}/agent-r-{image}.log")
+        st = qm.wait_migration(q, 90)
+        if st != "completed":
+            return st, None
+        h = env.memsum(q, "dst-" + image)
+        q.cmd("cont")
+        return ("completed" if q.cmd("query-status").get("running") else "not running"), h
+    finally:
+        stop(dst, q)
+
+
 def restore_rdma(env, image, pin_all=False):
     """`-incoming rdma:` fed by `ibnbd-migrate restore ... rdma`: (status, md5, qemu rc, log)."""
     dst, q = env.qemu("dst-" + image, incoming=True)
@@ -220,7 +245,7 @@ def case_save(env):
     h, st, rc, log = save_rdma(env, "rd")
     qm.check("rdma save (dynamic registration) completes", st == "completed" and rc == 0 and
              "dynamic registration" in log, f"{st}, agent {rc}: {log[-600:]}")
-    rst, h2, _ = qm.restore(env, "rd", "exec")
+    rst, h2 = restore_exec(env, "rd")
     qm.check("rdma-saved image restored over exec: RAM equal, runs", rst == "completed" and h2 == h,
              f"{rst} {h2} != {h}: {env.log('agent-r-rd.log')[-300:]}")
 
@@ -299,7 +324,14 @@ def case_hostile(env):
                  f"tool {r.returncode}: {r.stdout.strip()} {r.stderr.strip()[-200:]}; agent {rc}: {log[-400:]}")
 
 
+# The destinations each case restores into, started together at the beginning.
+DESTINATIONS = {"peer": ["dst-peer"], "save": ["dst-rd"], "exec": ["dst-ex"], "pinall": ["dst-pa"], "kill": ["dst-kl"]}
+
+
 def run(env):
+    for name in CASES:
+        for d in DESTINATIONS.get(name, []):
+            env.start(d, incoming=True)
     for name in CASES:
         fn = globals().get("case_" + name)
         if fn is None:
