@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "qemu_ram_stream.h"
@@ -204,8 +205,12 @@ int run(const std::string& c, const RdmaAddress& to) {
     mr->reset();
     ::munmap(page, 4096);
     if (w) return verdict(false, "the write outside the registered chunk completed");
-    return verdict(w.error().value() == EACCES,
-                   "the write outside the registered chunk failed: " + p.link->last_error());
+    const int rc = verdict(w.error().value() == EACCES,
+                           "the write outside the registered chunk failed: " + p.link->last_error());
+    // Staying connected a while, as a hostile peer may: the agent must see its QP fail on its
+    // own, not take the failure for a close.
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    return rc;
   }
   return verdict(false, "unknown case");
 }

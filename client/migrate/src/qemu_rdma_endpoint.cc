@@ -436,8 +436,21 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
         err_ = e;
         return ibtrs::errc(EACCES);
       }
+      // A flush comes with the DISCONNECTED event of a close (both follow the peer's DREQ); a
+      // flush alone is the QP failing, e.g. rxe's answer to a peer's RDMA WRITE outside the
+      // memory its key covers (no async event there). The event gets a moment to arrive.
+      for (int i = 0; i < 5 && flushed_ && !disconnected_; ++i) {
+        pollfd pfd{res_->channel->fd, POLLIN, 0};
+        (void)::poll(&pfd, 1, 100);
+        IBTRS_TRY(poll_cm());
+      }
       // A work request that failed while the peer went away failed because it went away.
       if (failed_ && !disconnected_) return failed_;
+      if (!disconnected_) {
+        err_ = "the connection failed without a disconnect: its queue pair went to error (as when the peer "
+               "writes outside the memory its key covers)";
+        return ibtrs::errc(ECONNRESET);
+      }
       if (!failed_) err_ = "the peer closed the connection";
       return ibtrs::errc(EPIPE);
     }
