@@ -9,14 +9,15 @@
 #include <cstring>
 
 namespace ibnbd::migrate::qrdma {
+// Helpers of this file only, named apart from qemu_rdma_wire.cc's (unity builds join the two).
 namespace {
 
-std::error_code fail(int e, std::string* why, std::string msg) {
+std::error_code ram_fail(int e, std::string* why, std::string msg) {
   if (why != nullptr) *why = std::move(msg);
   return ibtrs::errc(e);
 }
 
-std::string mib(uint64_t bytes) { return std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB"; }
+std::string ram_mib(uint64_t bytes) { return std::to_string((bytes + (1u << 20) - 1) >> 20) + " MiB"; }
 
 constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull;
 constexpr uint64_t kP2 = 0xC2B2AE3D27D4EB4Full;
@@ -25,12 +26,12 @@ constexpr uint64_t kP4 = 0x85EBCA77C2B2AE63ull;
 
 uint64_t round64(uint64_t acc, uint64_t in) { return std::rotl(acc + in * kP2, 31) * kP1; }
 
-size_t host_page() {
+size_t ram_host_page() {
   static const size_t p = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   return p;
 }
 
-size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+size_t ram_round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
 }  // namespace
 
@@ -70,17 +71,17 @@ RamMirror::~RamMirror() {
 }
 
 Status RamMirror::init(const RamLayout& layout, uint32_t page_size, std::string* why) {
-  if (ready()) return fail(EALREADY, why, "the RAM layout is already set");
+  if (ready()) return ram_fail(EALREADY, why, "the RAM layout is already set");
   if (page_size < 32 || !std::has_single_bit(page_size) || page_size > kChunkSize)
-    return fail(EINVAL, why, "page size " + std::to_string(page_size));
+    return ram_fail(EINVAL, why, "page size " + std::to_string(page_size));
   uint64_t total = 0;
   for (const RamBlockLayout& b : layout.blocks()) {
     if (b.length % page_size != 0)
-      return fail(EINVAL, why, "RAM block '" + b.name + "': length " + std::to_string(b.length) +
+      return ram_fail(EINVAL, why, "RAM block '" + b.name + "': length " + std::to_string(b.length) +
                                    " is not a multiple of the page size " + std::to_string(page_size));
-    total += round_up(b.length, kChunkSize);
+    total += ram_round_up(b.length, kChunkSize);
     if (b.length > kMaxLayoutBytes || total > kMaxLayoutBytes)
-      return fail(E2BIG, why, "RAM blocks of more than " + mib(kMaxLayoutBytes) + " in all");
+      return ram_fail(E2BIG, why, "RAM blocks of more than " + ram_mib(kMaxLayoutBytes) + " in all");
   }
   std::vector<Block> blocks(layout.size());
   auto undo = [&] {
@@ -90,13 +91,13 @@ Status RamMirror::init(const RamLayout& layout, uint32_t page_size, std::string*
   for (size_t i = 0; i < layout.size(); ++i) {
     Block& b = blocks[i];
     b.length = layout.block(i).length;
-    b.reserved = round_up(b.length, kChunkSize);
+    b.reserved = ram_round_up(b.length, kChunkSize);
     // Address space only: no access and no commit until a chunk is registered.
     void* m = ::mmap(nullptr, b.reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) {
       const int e = errno;
       undo();
-      return fail(e, why, "reserving " + mib(b.reserved) + " for RAM block '" + layout.block(i).name + "'");
+      return ram_fail(e, why, "reserving " + ram_mib(b.reserved) + " for RAM block '" + layout.block(i).name + "'");
     }
     b.base = static_cast<std::byte*>(m);
   }
@@ -122,12 +123,12 @@ Status RamMirror::map_chunk(uint32_t block, uint64_t chunk, std::string* why) {
   if (b.chunks.count(chunk) != 0) return {};
   const uint64_t len = chunk_length(block, chunk);
   if (pinned_bytes_ + len > pin_limit_)
-    return fail(ENOMEM, why, "registering chunk " + std::to_string(chunk) + " of RAM block '" + names_[block] +
-                                 "' would pin more than the limit of " + mib(pin_limit_) +
-                                 " (pin-max; the source has " + mib(pinned_bytes_) + " registered)");
+    return ram_fail(ENOMEM, why, "registering chunk " + std::to_string(chunk) + " of RAM block '" + names_[block] +
+                                 "' would pin more than the limit of " + ram_mib(pin_limit_) +
+                                 " (pin-max; the source has " + ram_mib(pinned_bytes_) + " registered)");
   std::byte* at = b.base + (chunk << kChunkShift);
-  if (::mprotect(at, round_up(len, host_page()), PROT_READ | PROT_WRITE) != 0)
-    return fail(errno, why, "mapping chunk " + std::to_string(chunk) + " of RAM block '" + names_[block] + "'");
+  if (::mprotect(at, ram_round_up(len, ram_host_page()), PROT_READ | PROT_WRITE) != 0)
+    return ram_fail(errno, why, "mapping chunk " + std::to_string(chunk) + " of RAM block '" + names_[block] + "'");
   Chunk c;
   const size_t pages = len / page_size_;
   c.hash.assign(pages, 0);
@@ -138,14 +139,14 @@ Status RamMirror::map_chunk(uint32_t block, uint64_t chunk, std::string* why) {
 }
 
 Result<std::vector<uint32_t>> RamMirror::pin_all(std::string* why) {
-  if (!ready()) return fail(EPROTO, why, "pin-all before the RAM block list");
+  if (!ready()) return ram_fail(EPROTO, why, "pin-all before the RAM block list");
   std::vector<uint32_t> keys;
   if (!pinned_all_) {
     uint64_t need = 0;
     for (const Block& b : blocks_) need += b.length;
     if (need > pin_limit_)
-      return fail(ENOMEM, why, "pin-all needs " + mib(need) + " registered at once, more than the limit of " +
-                                   mib(pin_limit_) + " (pin-max)");
+      return ram_fail(ENOMEM, why, "pin-all needs " + ram_mib(need) + " registered at once, more than the limit of " +
+                                   ram_mib(pin_limit_) + " (pin-max)");
     for (uint32_t i = 0; i < blocks_.size(); ++i) {
       for (uint64_t c = 0; c < (blocks_[i].length + kChunkSize - 1) >> kChunkShift; ++c)
         IBTRS_TRY(map_chunk(i, c, why));
@@ -161,16 +162,16 @@ Result<std::vector<uint32_t>> RamMirror::pin_all(std::string* why) {
 }
 
 Result<uint32_t> RamMirror::register_chunks(const RegisterRequest& r, std::string* why) {
-  if (!ready() || r.block >= blocks_.size()) return fail(EPROTO, why, "register before the RAM block list");
+  if (!ready() || r.block >= blocks_.size()) return ram_fail(EPROTO, why, "register before the RAM block list");
   Block& b = blocks_[r.block];
-  if (r.end > b.length || r.begin >= r.end) return fail(ERANGE, why, "register outside the block");
+  if (r.end > b.length || r.begin >= r.end) return ram_fail(ERANGE, why, "register outside the block");
   if (b.whole) return b.whole->rkey();  // pin-all: what QEMU's destination answers too
   const uint64_t last = (r.end - 1) >> kChunkShift;
   for (uint64_t c = r.first_chunk; c <= last; ++c) IBTRS_TRY(map_chunk(r.block, c, why));
   Chunk& c = b.chunks.at(r.first_chunk);
   if (!c.regs.empty() && c.reg_end >= r.end) return c.regs.back()->rkey();
   if (registrations_ >= max_registrations_)
-    return fail(ENOMEM, why, "more than " + std::to_string(max_registrations_) + " registrations");
+    return ram_fail(ENOMEM, why, "more than " + std::to_string(max_registrations_) + " registrations");
   IBTRS_ASSIGN_OR_RETURN(auto reg, reg_.register_memory(b.base + r.begin, r.end - r.begin, why));
   c.regs.push_back(std::move(reg));
   c.reg_end = r.end;
@@ -179,10 +180,10 @@ Result<uint32_t> RamMirror::register_chunks(const RegisterRequest& r, std::strin
 }
 
 Status RamMirror::unregister_chunk(const UnregisterRequest& r, std::string* why) {
-  if (!ready() || r.block >= blocks_.size()) return fail(EPROTO, why, "unregister before the RAM block list");
+  if (!ready() || r.block >= blocks_.size()) return ram_fail(EPROTO, why, "unregister before the RAM block list");
   auto it = blocks_[r.block].chunks.find(r.chunk);
   if (it == blocks_[r.block].chunks.end() || it->second.regs.empty())
-    return fail(ENOENT, why, "unregister: chunk " + std::to_string(r.chunk) + " of RAM block '" + names_[r.block] +
+    return ram_fail(ENOENT, why, "unregister: chunk " + std::to_string(r.chunk) + " of RAM block '" + names_[r.block] +
                                  "' is not registered");
   registrations_ -= it->second.regs.size();
   it->second.regs.clear();
@@ -191,10 +192,10 @@ Status RamMirror::unregister_chunk(const UnregisterRequest& r, std::string* why)
 }
 
 Status RamMirror::compress(const Compress& c, qstream::PageWriter& out, std::string* why) {
-  if (!ready() || c.block >= blocks_.size()) return fail(EPROTO, why, "compress before the RAM block list");
+  if (!ready() || c.block >= blocks_.size()) return ram_fail(EPROTO, why, "compress before the RAM block list");
   Block& b = blocks_[c.block];
   if (c.length == 0 || c.offset >= b.length || c.length > b.length - c.offset)
-    return fail(ERANGE, why, "compress outside the block");
+    return ram_fail(ERANGE, why, "compress outside the block");
   const uint64_t chunk = c.offset >> kChunkShift;
   const bool mapped = b.chunks.count(chunk) != 0;
   if (!mapped && c.value == 0 && c.offset % page_size_ == 0 && c.length % page_size_ == 0) {
