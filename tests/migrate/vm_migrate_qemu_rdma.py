@@ -17,14 +17,16 @@ over tcp on loopback (the image transport is not the subject here). Cases:
            restored over exec: - RAM sha256 equal, `cont` runs;
   exec     an exec:-saved image restored by `ibnbd-migrate restore ... rdma` into `-incoming
            rdma:` - equal, runs;
-  pinall   rdma-pin-all on both sides: saved over rdma, restored over rdma - equal, runs; and a
-           pin-max below the guest's RAM: the agent refuses pin-all with a clear error, QEMU's
+  pinall   rdma-pin-all on both sides: saved over rdma, restored over rdma - equal, runs;
+  pinmax   a pin-max below the guest's RAM: the agent refuses pin-all with a clear error, QEMU's
            migration fails at once, the image stays PARTIAL;
   kill     the agent killed mid-save: QEMU's migration fails, the image stays PARTIAL, and its
            rdma restore is refused (QEMU's incoming migration fails, QEMU exits non-zero);
   hostile  qemu-rdma-peer (a test tool speaking the protocol badly) against the agent's save:
-           the agent answers with ERROR and closes, exits with an error, the image stays PARTIAL;
-           an RDMA WRITE outside the registered chunk is refused by the device.
+           a bad version is rejected; a bad type, a REGISTER outside the block, a bad stream get
+           ERROR and a close; an RDMA WRITE outside the registered chunk is refused by the device
+           and the agent names its failed QP; each save exits with an error, its image PARTIAL
+           (IBNBD_QRDMA_HOSTILE="all": also a short message and a COMPRESS across chunks).
 """
 import hashlib
 import os
@@ -305,7 +307,12 @@ def case_hostile(env):
              ("length", "control header says"), ("register", "register: address"),
              ("compress", "leave its chunk"), ("stream", "the stream"),
              ("write", "queue pair went to error")]
-    only = os.environ.get("IBNBD_QRDMA_HOSTILE", "").split()
+    # The decoder's every check is a unit test (unit_migrate_qemu_rdma) and a fuzz target; here
+    # one of each kind of failure the agent handles: a reject, a header, the layout, the stream,
+    # the device. IBNBD_QRDMA_HOSTILE="all" (or names) runs the others too.
+    only = os.environ.get("IBNBD_QRDMA_HOSTILE", "version type register stream write").split()
+    if only == ["all"]:
+        only = []
     for i, (name, why) in enumerate(cases):
         if only and name not in only:
             continue
