@@ -355,6 +355,12 @@ def run(env):
                           key=lambda f: os.path.getmtime(os.path.join(env.work, f)))
             last = env.log(logs[-1])[-500:] if logs else ""
             qm.not_ok(name, f"{e!r}; source QEMU: {env.log('src.log')[-300:]}; agent: {last}")
+    # Case: every agent's log (failing agents included: their exit status says nothing about a
+    # sanitizer's report). Expect: no AddressSanitizer / LeakSanitizer / UBSan report.
+    reports = [f for f in sorted(os.listdir(env.work)) if f.startswith("agent-") and
+               re.search(r"Sanitizer|runtime error:", env.log(f))]
+    qm.check("no sanitizer report in any agent's log", not reports,
+             "; ".join(f"{f}: {env.log(f)[-300:]}" for f in reports[:3]))
     # Case: every failed save above. Expect: its image is listed PARTIAL (restores refuse it).
     if env.partial:
         states = env.states()
