@@ -316,7 +316,8 @@ def case_hostile(env):
     for i, (name, why) in enumerate(cases):
         if only and name not in only:
             continue
-        image = f"h{i}"
+        env.hostile_runs = getattr(env, "hostile_runs", 0) + 1  # names stay apart when repeated
+        image = f"h{env.hostile_runs}"
         agent, port = env.agent_save(image, max_size="8M")
         if port is None:
             qm.not_ok(f"hostile {name}", "agent did not listen")

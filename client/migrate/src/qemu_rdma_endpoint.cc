@@ -371,6 +371,7 @@ Status Link::poll_cq() {
         if (wc[i].status == IBV_WC_SUCCESS) writes_done_.push_back(v);
       } else if (kind == kWrSend) {
         send_busy_ = false;
+        send_ok_ = wc[i].status == IBV_WC_SUCCESS;
       } else if (kind == kWrRecv && v < 2 && wc[i].status == IBV_WC_SUCCESS) {
         recv_[v].posted = false;
         recv_[v].done = true;
@@ -422,6 +423,31 @@ std::string Link::qp_event() {
   return what;
 }
 
+// Why the connection cannot go on (a failed or flushed work request, a disconnect), as an error.
+Status Link::broken() {
+  if (std::string e = qp_event(); !e.empty()) {
+    err_ = e;
+    return ibtrs::errc(EACCES);
+  }
+  // A flush comes with the DISCONNECTED event of a close (both follow the peer's DREQ); a flush
+  // alone is the QP failing, e.g. rxe's answer to a peer's RDMA WRITE outside the memory its key
+  // covers (no async event there). The event gets a moment to arrive.
+  for (int i = 0; i < 5 && flushed_ && !disconnected_; ++i) {
+    pollfd pfd{res_->channel->fd, POLLIN, 0};
+    (void)::poll(&pfd, 1, 100);
+    IBTRS_TRY(poll_cm());
+  }
+  // A work request that failed while the peer went away failed because it went away.
+  if (failed_ && !disconnected_) return failed_;
+  if (!disconnected_) {
+    err_ = "the connection failed without a disconnect: its queue pair went to error (as when the peer "
+           "writes outside the memory its key covers)";
+    return ibtrs::errc(ECONNRESET);
+  }
+  if (!failed_) err_ = "the peer closed the connection";
+  return ibtrs::errc(EPIPE);
+}
+
 // Polls until done() holds; every completion and cm event is taken in on the way. A failed
 // completion or a disconnect ends the wait with an error unless done() holds by then.
 Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done) {
@@ -432,27 +458,7 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
     if (disconnected_ || flushed_ || failed_) {
       IBTRS_TRY(poll_cq());  // what arrived before the disconnect still counts
       if (done()) return {};
-      if (std::string e = qp_event(); !e.empty()) {
-        err_ = e;
-        return ibtrs::errc(EACCES);
-      }
-      // A flush comes with the DISCONNECTED event of a close (both follow the peer's DREQ); a
-      // flush alone is the QP failing, e.g. rxe's answer to a peer's RDMA WRITE outside the
-      // memory its key covers (no async event there). The event gets a moment to arrive.
-      for (int i = 0; i < 5 && flushed_ && !disconnected_; ++i) {
-        pollfd pfd{res_->channel->fd, POLLIN, 0};
-        (void)::poll(&pfd, 1, 100);
-        IBTRS_TRY(poll_cm());
-      }
-      // A work request that failed while the peer went away failed because it went away.
-      if (failed_ && !disconnected_) return failed_;
-      if (!disconnected_) {
-        err_ = "the connection failed without a disconnect: its queue pair went to error (as when the peer "
-               "writes outside the memory its key covers)";
-        return ibtrs::errc(ECONNRESET);
-      }
-      if (!failed_) err_ = "the peer closed the connection";
-      return ibtrs::errc(EPIPE);
+      return broken();
     }
     if (Clock::now() >= deadline) {
       err_ = "the peer did not answer in time";
@@ -472,7 +478,12 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
 }
 
 Result<std::span<const std::byte>> Link::wait_recv(Slot s, Clock::time_point deadline) {
-  if (!recv_[s].posted && !recv_[s].done) return ibtrs::errc(EINVAL);
+  if (!recv_[s].posted && !recv_[s].done) {
+    IBTRS_TRY(poll_cm());
+    // Flushed (or failed) while something else was awaited; else never posted: a caller's bug.
+    if (flushed_ || failed_ || disconnected_) return broken().error();
+    return ibtrs::errc(EINVAL);
+  }
   IBTRS_TRY(wait(deadline, [&] { return recv_[s].done; }));
   recv_[s].done = false;
   return std::span<const std::byte>(res_->ctl.data() + static_cast<size_t>(s) * kControlMaxBuffer, recv_[s].len);
@@ -496,7 +507,9 @@ Status Link::send(size_t n, Clock::time_point deadline) {
     return ibtrs::errc(e);
   }
   send_busy_ = true;
-  return wait(deadline, [&] { return !send_busy_; });
+  IBTRS_TRY(wait(deadline, [&] { return !send_busy_; }));
+  if (!send_ok_) return broken();
+  return {};
 }
 
 Result<std::unique_ptr<Link::Mr>> Link::reg(void* addr, size_t len, int access, std::string* why) {

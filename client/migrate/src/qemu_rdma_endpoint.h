@@ -186,6 +186,7 @@ class Link {
   // Why the QP failed, from the device's asynchronous events (e.g. an RDMA WRITE of the peer
   // outside the memory its key covers: IBV_EVENT_QP_ACCESS_ERR). "" when none came.
   std::string qp_event();
+  Status broken();
   Status setup(uint32_t write_slots, std::string* why);
 
   std::unique_ptr<Res> res_;
@@ -195,6 +196,7 @@ class Link {
     uint32_t len = 0;
   } recv_[2];
   bool send_busy_ = false;
+  bool send_ok_ = true;  // the last SEND's completion
   uint32_t writes_in_flight_ = 0;
   std::vector<uint64_t> writes_done_;
   std::error_code failed_;  // first failed completion (other than a flush)
