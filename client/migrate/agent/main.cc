@@ -169,6 +169,8 @@ Args parse(int argc, char** argv) {
   if (a.timeout_s != 0 && a.rdma.empty()) usage("timeout: only with rdma");
 #ifndef IBNBD_MIGRATE_RDMA
   if (!a.rdma.empty()) usage("rdma: this ibnbd-migrate was built without rdma-core (libibverbs, librdmacm)");
+#else
+  if (std::string why; !a.rdma.empty() && !qrdma::parse_rdma_address(a.rdma, &why)) usage("rdma " + why);
 #endif
   return a;
 }
