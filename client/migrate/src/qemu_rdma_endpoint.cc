@@ -1,8 +1,8 @@
 #include "qemu_rdma_endpoint.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
-#include <netdb.h>
 #include <poll.h>
 #include <rdma/rdma_cma.h>
 #include <sys/mman.h>
@@ -13,7 +13,6 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <optional>
 #include <thread>
@@ -828,7 +827,7 @@ struct RestoreEndpoint::Impl final : qstream::RdmaSink {
   EndpointOptions o;
   std::unique_ptr<Link> link;  // before the MRs below
   Caps asked, granted;
-  Mapping staging;             // write_slots x 1 MiB, then one page of zeroes is not needed: runs are copied
+  Mapping staging;             // write_slots x 1 MiB: a run of pages is copied into one, then written
   std::unique_ptr<Link::Mr> staging_mr;
   std::vector<uint32_t> free_slots;
   std::unique_ptr<qstream::RdmaSplitter> split;
