@@ -5,9 +5,13 @@
 //   save:    migrate "exec:ibnbd-migrate save VOL from PATH... image NAME"        (stdin)
 //            ibnbd-migrate save VOL from PATH... image NAME unix SOCK [channels N] &
 //            migrate unix:SOCK                                   (listens; multifd: 1 + N)
+//            ibnbd-migrate save VOL from PATH... image NAME rdma HOST:PORT &
+//            migrate rdma:HOST:PORT          (QEMU's RDMA protocol: listens, as -incoming rdma:)
 //   restore: qemu ... -incoming "exec:ibnbd-migrate restore VOL from PATH... image NAME"
 //            ibnbd-migrate restore VOL from PATH... image NAME unix SOCK
 //                                 (connects to QEMU's migrate-incoming unix:SOCK, main first)
+//            ibnbd-migrate restore VOL from PATH... image NAME rdma HOST:PORT [pin-all]
+//                                 (connects to QEMU's -incoming rdma:HOST:PORT as its source)
 //   list | verify | delete: ibnbd-migrate list VOL from PATH...   (no QEMU)
 //
 // The volume is mapped `migration` for save and delete (a second writer beside the VM host
@@ -42,6 +46,9 @@
 #include "common/unix_socket.h"
 #include "ibtrs/path_spec.h"
 #include "output.h"
+#ifdef IBNBD_MIGRATE_RDMA
+#include "qemu_rdma_endpoint.h"
+#endif
 
 namespace {
 
@@ -49,8 +56,9 @@ using namespace ibnbd;
 using namespace ibnbd::migrate;
 
 const char kUsage[] =
-    "usage: ibnbd-migrate save    VOLUME WHERE image NAME [unix SOCKET [channels N]] [max SIZE]\n"
-    "       ibnbd-migrate restore VOLUME WHERE image NAME [unix SOCKET]\n"
+    "usage: ibnbd-migrate save    VOLUME WHERE image NAME [unix SOCKET [channels N] | rdma HOST:PORT [pin-max SIZE]]\n"
+    "                             [max SIZE] [timeout SECONDS]\n"
+    "       ibnbd-migrate restore VOLUME WHERE image NAME [unix SOCKET | rdma HOST:PORT [pin-all]] [timeout SECONDS]\n"
     "       ibnbd-migrate list    VOLUME WHERE\n"
     "       ibnbd-migrate verify  VOLUME WHERE image NAME\n"
     "       ibnbd-migrate delete  VOLUME WHERE image NAME\n"
@@ -62,13 +70,22 @@ const char kUsage[] =
     "  save reads the stream from stdin (QEMU exec:), or listens on SOCKET for QEMU's\n"
     "  `migrate unix:SOCKET` (1 + N multifd channels); restore writes it to stdout (QEMU\n"
     "  -incoming exec:) or connects to SOCKET (QEMU's `migrate-incoming unix:SOCKET`).\n"
+    "  rdma: QEMU's own RDMA migration protocol. save listens on HOST:PORT (port 0: any, printed)\n"
+    "  for `migrate rdma:HOST:PORT` (dynamic registration or rdma-pin-all, the source's choice;\n"
+    "  guest RAM registered at once: at most pin-max, default the memlock limit or half the\n"
+    "  memory); restore connects to `-incoming rdma:HOST:PORT` (pin-all: ask QEMU to pin all\n"
+    "  of its RAM). timeout: the longest wait for QEMU over rdma (default 120). The image is\n"
+    "  an ordinary stream either way: any transport restores what any other saved.\n"
     "  PATH: [src@]dst as for `ibnbd client device map`, e.g. tcp:10.0.0.2 or rdma:10.0.0.2.\n";
 
 struct Args {
-  std::string cmd, volume, image, unix_path, session, nbd_path, host_key;
+  std::string cmd, volume, image, unix_path, session, nbd_path, host_key, rdma;
   std::vector<ibtrs::PathSpec> paths;
   uint32_t channels = 0;
   uint64_t max_bytes = 0;
+  uint64_t pin_max = 0;
+  bool pin_all = false;
+  uint32_t timeout_s = 0;
 };
 
 [[noreturn]] void usage(const std::string& why) {
@@ -88,13 +105,18 @@ Args parse(int argc, char** argv) {
     usage("unknown command '" + a.cmd + "'");
   if (argc < 3) usage("no volume");
   a.volume = argv[2];
-  static const char* const kWords[] = {"from", "image", "unix", "channels", "max", "session", "nbd", "host-key"};
+  static const char* const kWords[] = {"from",  "image", "unix", "channels", "max",     "session",
+                                      "nbd",   "host-key", "rdma", "pin-max", "pin-all", "timeout"};
   auto is_word = [](const std::string& w) {
     return std::any_of(std::begin(kWords), std::end(kWords), [&](const char* k) { return w == k; });
   };
   for (int i = 3; i < argc;) {
     const std::string w = argv[i++];
     if (!is_word(w)) usage("unexpected '" + w + "'");
+    if (w == "pin-all") {  // a flag
+      a.pin_all = true;
+      continue;
+    }
     if (i >= argc) usage(w + " needs a value");
     if (w == "from") {
       for (; i < argc && !is_word(argv[i]); ++i) {
@@ -121,6 +143,17 @@ Args parse(int argc, char** argv) {
       auto s = parse_size(argv[i++]);
       if (!s) usage("max: a size such as 4G");
       a.max_bytes = *s;
+    } else if (w == "rdma") {
+      a.rdma = argv[i++];
+    } else if (w == "pin-max") {
+      auto s = parse_size(argv[i++]);
+      if (!s || *s == 0) usage("pin-max: a size such as 4G");
+      a.pin_max = *s;
+    } else if (w == "timeout") {
+      const std::string_view v(argv[i++]);
+      auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), a.timeout_s);
+      if (ec != std::errc() || p != v.data() + v.size() || a.timeout_s == 0 || a.timeout_s > 86400)
+        usage("timeout: seconds, 1..86400");
     }
   }
   if (a.paths.empty() == a.nbd_path.empty()) usage("from PATH... or nbd SOCKET (one of them)");
@@ -128,6 +161,17 @@ Args parse(int argc, char** argv) {
   if (a.cmd != "list" && a.image.empty()) usage("image NAME is needed");
   if (a.channels > 0 && (a.cmd != "save" || a.unix_path.empty()))
     usage("channels: only for save over a unix socket (restore finds them in the image)");
+  if (!a.rdma.empty() && a.cmd != "save" && a.cmd != "restore") usage("rdma: only for save and restore");
+  if (!a.rdma.empty() && !a.unix_path.empty()) usage("unix or rdma, not both");
+  if (a.pin_all && (a.cmd != "restore" || a.rdma.empty()))
+    usage("pin-all: only for restore over rdma (a save grants what QEMU's source asks)");
+  if (a.pin_max != 0 && (a.cmd != "save" || a.rdma.empty())) usage("pin-max: only for save over rdma");
+  if (a.timeout_s != 0 && a.rdma.empty()) usage("timeout: only with rdma");
+#ifndef IBNBD_MIGRATE_RDMA
+  if (!a.rdma.empty()) usage("rdma: this ibnbd-migrate was built without rdma-core (libibverbs, librdmacm)");
+#else
+  if (std::string why; !a.rdma.empty() && !qrdma::parse_rdma_address(a.rdma, &why)) usage("rdma " + why);
+#endif
   return a;
 }
 
@@ -270,6 +314,33 @@ Result<uint32_t> classify(int fd, std::vector<std::byte>& head) {
   return 1u + std::to_integer<uint32_t>(head[24]);
 }
 
+#ifdef IBNBD_MIGRATE_RDMA
+// The rewritten stream of an rdma save into the image's main stream.
+class ImageSink final : public ibnbd::migrate::qstream::ByteSink {
+ public:
+  explicit ImageSink(ImageWriter& w) : w_(w) {}
+  Status write(std::span<const std::byte> b) override { return produce(w_, 0, b); }
+
+ private:
+  ImageWriter& w_;
+};
+
+qrdma::EndpointOptions rdma_options(const Args& a) {
+  qrdma::EndpointOptions o;
+  if (a.timeout_s != 0) o.timeout = std::chrono::seconds(a.timeout_s);
+  o.pin_limit = a.pin_max;
+  o.pin_all = a.pin_all;
+  return o;
+}
+
+Result<qrdma::RdmaAddress> rdma_address(const Args& a) {
+  std::string why;
+  auto r = qrdma::parse_rdma_address(a.rdma, &why);
+  if (!r) std::fprintf(stderr, "ibnbd-migrate: rdma %s\n", why.c_str());
+  return r;
+}
+#endif
+
 int do_save(const Args& a, ImageStore& store) {
   CreateOptions o;
   o.name = a.image;
@@ -284,12 +355,41 @@ int do_save(const Args& a, ImageStore& store) {
     std::fprintf(stderr, "ibnbd-migrate: waiting for QEMU on %s (%u stream%s)\n", a.unix_path.c_str(),
                  o.streams, o.streams > 1 ? "s" : "");
   }
+#ifdef IBNBD_MIGRATE_RDMA
+  std::unique_ptr<qrdma::SaveEndpoint> rdma;
+  if (!a.rdma.empty()) {
+    auto at = rdma_address(a);
+    if (!at) return 1;
+    std::string why;
+    auto l = qrdma::SaveEndpoint::listen(*at, rdma_options(a), &why);
+    if (!l) return fail("listen on rdma:" + at->text(), l.error(), why);
+    rdma = std::move(*l);
+    at->port = std::to_string(rdma->port());
+    std::fprintf(stderr, "ibnbd-migrate: waiting for QEMU on rdma:%s\n", at->text().c_str());
+  }
+#endif
   auto w = store.create(o);
   if (!w) return fail("image " + a.image, w.error(), store.last_error());
   ImageWriter& writer = **w;
   Status result;
   {
     Ticker tick("saved", [&] { return writer.progress(); });
+#ifdef IBNBD_MIGRATE_RDMA
+    if (rdma) {
+      ImageSink sink(writer);
+      result = rdma->run(sink);
+      if (!result) {
+        // Said here: writer.last_error() (below) is about the image, this is about QEMU.
+        std::fprintf(stderr, "ibnbd-migrate: rdma: %s\n", rdma->last_error().c_str());
+      } else {
+        const auto& st = rdma->stats();
+        std::fprintf(stderr, "ibnbd-migrate: rdma: %" PRIu64 " rounds, %s, %" PRIu64 " MiB registered, %" PRIu64
+                     " MiB of pages, %" PRIu64 " MiB of other stream bytes\n",
+                     st.rounds.load(), rdma->pinned_all() ? "pin-all" : "dynamic registration",
+                     rdma->pinned_bytes() >> 20, st.ram_bytes.load() >> 20, st.file_bytes.load() >> 20);
+      }
+    } else
+#endif
     if (listen_fd < 0) {
       widen_pipe(STDIN_FILENO);
       result = pump_in(writer, 0, STDIN_FILENO);
@@ -353,6 +453,17 @@ Status pump_out(ImageReader& r, uint32_t stream, int fd, std::atomic<uint64_t>& 
 // Makes QEMU give up at once: over a socket, connect and close ("not a migration stream"); on
 // exec's stdout, bytes that are not a stream (an empty stream would leave QEMU waiting).
 void refuse(const Args& a) {
+#ifdef IBNBD_MIGRATE_RDMA
+  if (!a.rdma.empty()) {
+    // ERROR after QEMU's first READY: its incoming migration fails at once.
+    auto at = qrdma::parse_rdma_address(a.rdma);
+    if (!at) return;
+    auto o = rdma_options(a);
+    o.timeout = std::min<std::chrono::milliseconds>(o.timeout, std::chrono::seconds(30));
+    if (auto c = qrdma::RestoreEndpoint::connect(*at, o)) (*c)->abort();
+    return;
+  }
+#endif
   if (!a.unix_path.empty()) {
     if (auto c = connect_retrying(a.unix_path)) ::close(*c);
   } else {
@@ -360,6 +471,50 @@ void refuse(const Args& a) {
     (void)write_all(STDOUT_FILENO, reinterpret_cast<const std::byte*>(kNot), sizeof kNot - 1);
   }
 }
+
+#ifdef IBNBD_MIGRATE_RDMA
+// Plays the image's stream into QEMU's -incoming rdma: as its source would.
+Status restore_rdma(const Args& a, ImageReader& reader, std::atomic<uint64_t>& done) {
+  auto at = rdma_address(a);
+  if (!at) return at.error();
+  auto sr = reader.stream(0);
+  if (!sr) {
+    refuse(a);
+    return sr.error();
+  }
+  std::string why;
+  auto c = qrdma::RestoreEndpoint::connect(*at, rdma_options(a), &why);
+  if (!c) {
+    std::fprintf(stderr, "ibnbd-migrate: rdma: %s\n", why.c_str());
+    return c.error();
+  }
+  qrdma::RestoreEndpoint& ep = **c;
+  if (a.pin_all && !ep.pin_all()) std::fprintf(stderr, "ibnbd-migrate: rdma: QEMU did not grant pin-all\n");
+  Status result;
+  for (;;) {
+    auto p = (*sr)->next();
+    if (!p) {
+      std::fprintf(stderr, "ibnbd-migrate: %s\n", (*sr)->last_error().c_str());
+      ep.abort();
+      return p.error();
+    }
+    if (p->empty()) break;
+    if (result = ep.feed(*p); !result) break;
+    done += p->size();
+  }
+  if (result) result = ep.finish();
+  if (!result) {
+    std::fprintf(stderr, "ibnbd-migrate: rdma: %s\n", ep.last_error().c_str());
+    ep.abort();
+    return result;
+  }
+  const auto& st = ep.stats();
+  std::fprintf(stderr, "ibnbd-migrate: rdma: %" PRIu64 " rounds, %s, %" PRIu64 " MiB of pages, %" PRIu64
+               " MiB of other stream bytes\n", st.rounds.load(), ep.pin_all() ? "pin-all" : "dynamic registration",
+               st.ram_bytes.load() >> 20, st.file_bytes.load() >> 20);
+  return {};
+}
+#endif
 
 int do_restore(const Args& a, ImageStore& store) {
   auto r = store.open_image(a.image);
@@ -378,6 +533,15 @@ int do_restore(const Args& a, ImageStore& store) {
   Status result;
   {
     Ticker tick("restored", progress);
+#ifdef IBNBD_MIGRATE_RDMA
+    if (!a.rdma.empty()) {
+      if (n != 1) {
+        refuse(a);
+        return fail("image " + a.image, ibtrs::errc(EINVAL), "it holds multifd channels: restore it over a unix socket");
+      }
+      result = restore_rdma(a, reader, done);
+    } else
+#endif
     if (a.unix_path.empty()) {
       if (n != 1) {
         refuse(a);
