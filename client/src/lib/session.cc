@@ -461,7 +461,28 @@ Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_nam
     gen = s->link_gen;
   }
   const std::string name(dev_name);
-  IBTRS_ASSIGN_OR_RETURN(auto rsp, s->open_device(name, mode));
+  auto opened = s->open_device(name, mode);
+  // A server restarted while the OPEN was in flight answers its replay with EPROTO: the new
+  // incarnation has seen no SESS_INFO of this session. Introduce the session again and retry,
+  // as the remap of mapped devices does, for at most remap_timeout.
+  for (const auto until = Clock::now() + s->opts.remap_timeout;
+       !opened.ok() && opened.error().value() == EPROTO && s->link_changed(gen) && Clock::now() < until;) {
+    {
+      std::lock_guard l(s->st_mu);
+      if (s->stop) return errc(ESHUTDOWN);
+      if (s->link_up) gen = s->link_gen;
+    }
+    auto v = s->sess_info();
+    if (!v.ok()) {
+      if (!transport_error(v.error().value())) return v.error();
+      std::this_thread::sleep_for(kRemapRetry);
+      continue;
+    }
+    s->version.store(*v);
+    opened = s->open_device(name, mode);
+  }
+  if (!opened.ok()) return opened.error();
+  const proto::OpenRsp rsp = *opened;
   // Another name of a device already mapped (a symlink, "./x", the absolute path): the server
   // gave that device's id back without counting a second open, so nothing is to be closed.
   if (auto other = s->holder_of(rsp.device_id, gen, nullptr)) {
