@@ -194,6 +194,13 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 
   // Control thread only.
   proto::OpenTable table;
+  // The RBD cluster connection, made at the first RBD open (declared before the devices: their
+  // images go first). After a failure, opens within kRbdRetry get the same error at once: each
+  // try may hold the control thread for the whole connect timeout.
+  static constexpr auto kRbdRetry = std::chrono::seconds(5);
+  std::unique_ptr<RbdCluster> rbd_cluster;
+  std::error_code rbd_connect_error;
+  std::chrono::steady_clock::time_point rbd_retry_at{};
   std::map<FileId, std::unique_ptr<Device>> devices;
   proto::SessionId next_session = 1;
 
@@ -475,8 +482,63 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     r.complete(close_id(s, m.close.device_id).error().value());
   }
 
+  // What an OPEN names, found and checked: the store's identity, its name for listings, and
+  // either the backend already opened (an RBD image: its identity is known only then) or how to
+  // open it.
+  struct Located {
+    FileId id;
+    std::string name;
+    std::unique_ptr<Backend> opened;
+    std::optional<ExportTarget> target;
+  };
+
   Result<proto::OpenRsp> open_device(Sess& s, const proto::Open& m) {
     if (s.version.load(std::memory_order_relaxed) == 0) return errc(EPROTO);
+    auto loc = is_rbd_name(m.dev_name) ? locate_rbd(s, m) : locate_file(s, m);
+    if (!loc.ok()) return loc.error();
+    // The device is the store the name leads to: an alias of an open device (a symlink, "./x",
+    // "/root/x", an image opened again) is that device, under the name it already has.
+    std::string name = loc->name;
+    Device* dev = nullptr;
+    if (auto it = devices.find(loc->id); it != devices.end()) {
+      dev = it->second.get();
+      name = dev->name;
+      if (dev->backend->read_only() && m.mode != AccessMode::ro) return errc(EROFS);
+    }
+    auto grant = table.open(s.id, loc->id, name, m.mode);
+    if (!grant.ok()) return grant.error();
+    if (dev == nullptr) {
+      std::unique_ptr<Backend> backend = std::move(loc->opened);
+      if (!backend) {
+        auto b = open_file(*loc->target, m.mode);
+        if (!b.ok()) {
+          (void)table.close(s.id, grant->device_id);
+          log_warn("OPEN", name, b.error().message());
+          return b.error();
+        }
+        backend = std::move(*b);
+      }
+      auto d = std::make_unique<Device>();
+      d->id = loc->id;
+      d->name = name;
+      d->backend = std::move(backend);
+      dev = d.get();
+      devices.emplace(loc->id, std::move(d));
+    }
+    if (grant->device_id >= opts.max_devices_per_session) {
+      (void)release(s.id, grant->device_id);
+      return errc(ENOSPC);
+    }
+    Slot& slot = s.slots[grant->device_id];
+    slot.mode.store(static_cast<uint8_t>(m.mode), std::memory_order_relaxed);
+    slot.dev.store(dev, std::memory_order_release);
+    proto::OpenRsp rsp;
+    rsp.device_id = grant->device_id;
+    rsp.geo = dev->backend->geometry();
+    return rsp;
+  }
+
+  Result<Located> locate_file(Sess& s, const proto::Open& m) {
     std::string why;
     auto target = resolve_export(opts.dev_search_path, s.name, m.dev_name, &why);
     // The grants first, on the resolved name -- or, when it did not resolve, on the name as
@@ -491,50 +553,92 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       return target.error();
     }
     if (opts.read_only && m.mode != AccessMode::ro) return errc(EROFS);
-    // The device is the store the name leads to: an alias of an open device (a symlink, "./x",
-    // "/root/x") is that device, under the name it already has.
-    std::string name = target->root_path + "/" + target->rel_path;
-    Device* dev = nullptr;
-    if (auto it = devices.find(target->id); it != devices.end()) {
-      dev = it->second.get();
-      name = dev->name;
-      if (dev->backend->read_only() && m.mode != AccessMode::ro) return errc(EROFS);
+    Located l;
+    l.id = target->id;
+    l.name = target->root_path + "/" + target->rel_path;
+    l.target = std::move(*target);
+    return l;
+  }
+
+  Result<std::unique_ptr<Backend>> open_file(const ExportTarget& target, AccessMode mode) {
+    OpenOptions oo;
+    oo.read_only = opts.read_only;
+    oo.direct = opts.direct_io;
+    auto b = Backend::open(target, oo);
+    if (!b.ok() && !opts.read_only && mode == AccessMode::ro &&
+        (b.error() == std::errc::permission_denied || b.error() == std::errc::read_only_file_system)) {
+      oo.read_only = true;  // a store we may only read still serves ro opens
+      b = Backend::open(target, oo);
     }
-    auto grant = table.open(s.id, target->id, name, m.mode);
-    if (!grant.ok()) return grant.error();
-    if (dev == nullptr) {
-      OpenOptions oo;
-      oo.read_only = opts.read_only;
-      oo.direct = opts.direct_io;
-      auto b = Backend::open(*target, oo);
-      if (!b.ok() && !opts.read_only && m.mode == AccessMode::ro &&
-          (b.error() == std::errc::permission_denied || b.error() == std::errc::read_only_file_system)) {
-        oo.read_only = true;  // a store we may only read still serves ro opens
-        b = Backend::open(*target, oo);
-      }
-      if (!b.ok()) {
-        (void)table.close(s.id, grant->device_id);
-        log_warn("OPEN", name, b.error().message());
-        return b.error();
-      }
-      auto d = std::make_unique<Device>();
-      d->id = target->id;
-      d->name = name;
-      d->backend = std::move(*b);
-      dev = d.get();
-      devices.emplace(target->id, std::move(d));
+    return b;
+  }
+
+  // "rbd:POOL/IMAGE[@SNAP]": the grants on the name as asked (cleaned of nothing: it is not a
+  // path), then the server's RBD configuration, then the image itself.
+  Result<Located> locate_rbd(Sess& s, const proto::Open& m) {
+    std::string why;
+    auto name = parse_rbd_name(m.dev_name, &why);
+    IBTRS_TRY(check_access(s, name.ok() ? name->text() : std::string(m.dev_name), m.mode));
+    if (!name.ok()) {
+      log_warn("OPEN refused:", m.dev_name, why);
+      return name.error();
     }
-    if (grant->device_id >= opts.max_devices_per_session) {
-      (void)release(s.id, grant->device_id);
-      return errc(ENOSPC);
+    const std::string shown = name->text();
+    if (!opts.rbd) {
+      log_warn("OPEN refused:", shown, "this server exports no RBD images (no \"rbd\" in its configuration)");
+      return errc(EOPNOTSUPP);
     }
-    Slot& slot = s.slots[grant->device_id];
-    slot.mode.store(static_cast<uint8_t>(m.mode), std::memory_order_relaxed);
-    slot.dev.store(dev, std::memory_order_release);
-    proto::OpenRsp rsp;
-    rsp.device_id = grant->device_id;
-    rsp.geo = dev->backend->geometry();
-    return rsp;
+    const RbdConfig& rc = *opts.rbd;
+    if (!rc.pools.empty() && std::find(rc.pools.begin(), rc.pools.end(), name->pool) == rc.pools.end()) {
+      log_warn("OPEN refused:", shown, "pool " + name->pool + " is not among the configured rbd pools");
+      return errc(EACCES);
+    }
+    if ((opts.read_only || !name->snap.empty()) && m.mode != AccessMode::ro) {
+      log_warn("OPEN refused:", shown, !name->snap.empty() ? "snapshots are read-only" : "the server is read-only");
+      return errc(EROFS);
+    }
+    auto ns = rbd_namespace(rc.namespace_template, s.name);
+    if (!ns.ok()) {
+      log_warn("OPEN refused:", shown, "session name '" + s.name + "' cannot be a RADOS namespace");
+      return ns.error();
+    }
+    auto* cluster = rbd_connect();
+    if (cluster == nullptr) return rbd_connect_error;
+    OpenOptions oo;
+    oo.read_only = opts.read_only || !name->snap.empty();
+    auto b = cluster->open(*name, *ns, oo, &why);
+    if (!b.ok() && !oo.read_only && m.mode == AccessMode::ro &&
+        (b.error() == std::errc::permission_denied || b.error() == std::errc::operation_not_permitted)) {
+      oo.read_only = true;  // caps that allow reads only still serve ro opens
+      b = cluster->open(*name, *ns, oo, &why);
+    }
+    if (!b.ok()) {
+      log_warn("OPEN", shown, why);
+      return b.error();
+    }
+    Located l;
+    l.id = (*b)->id();
+    l.name = ns->empty() ? shown : shown + " (namespace " + *ns + ")";
+    l.opened = std::move(*b);
+    return l;
+  }
+
+  RbdCluster* rbd_connect() {
+    if (rbd_cluster) return rbd_cluster.get();
+    const auto now = std::chrono::steady_clock::now();
+    if (rbd_connect_error && now < rbd_retry_at) return nullptr;
+    std::string why;
+    auto c = RbdCluster::connect(*opts.rbd, &why);
+    if (!c.ok()) {
+      rbd_connect_error = c.error();
+      rbd_retry_at = now + kRbdRetry;
+      log_warn("rbd:", "cluster", why);
+      return nullptr;
+    }
+    rbd_cluster = std::move(*c);
+    std::fprintf(stderr, "ibnbd-server: rbd: connected to cluster %s as client.%s\n", rbd_cluster->fsid().c_str(),
+                 opts.rbd->client_id.c_str());
+    return rbd_cluster.get();
   }
 
   // Frees a session's id; the device goes when its last holder does.
@@ -580,7 +684,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     quiesce();
     while (d->stats.inflight.load(std::memory_order_acquire) > 0)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (!d->backend->read_only()) ::fdatasync(d->backend->fd());
+    if (auto st = d->backend->sync(); !st.ok()) log_warn("closing", d->name, "sync: " + st.error().message());
     devices.erase(it);
   }
 
@@ -676,7 +780,11 @@ std::vector<ExportedDeviceInfo> BlockServer::devices() const {
     for (auto& [id, d] : impl_->devices) {
       ExportedDeviceInfo i;
       i.name = d->name;
-      i.kind = d->backend->kind() == Backend::Kind::file ? "file" : "block_device";
+      switch (d->backend->kind()) {
+        case Backend::Kind::file: i.kind = "file"; break;
+        case Backend::Kind::block_device: i.kind = "block_device"; break;
+        case Backend::Kind::rbd: i.kind = "rbd"; break;
+      }
       i.size = d->backend->size();
       i.direct = d->backend->direct();
       i.read_only = d->backend->read_only();

@@ -9,6 +9,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
@@ -42,6 +43,8 @@ const char kUsage[] =
     "                    [--handshake-timeout-ms N] [--ack-timeout-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "                    [--allow-any-host]\n"
+    "                    [--rbd-conf FILE] [--rbd-client-id ID] [--rbd-keyring FILE]\n"
+    "                    [--rbd-pools POOL,...] [--rbd-namespace NS]\n"
     "                    [--tls off|on|required [--tls-cert FILE --tls-key FILE [--tls-ca FILE]]]\n"
     "  ADDR: tcp:IP[:PORT] or rdma:IP[:PORT] (port 1234 when left out; 0 picks a free one).\n"
     "  DIR:  absolute; %SESSNAME% in it is replaced by the client session's name.\n"
@@ -71,6 +74,10 @@ const char kUsage[] =
     "         \"a/**\", \"mode\": \"rw\"}]}]; at run time `ibnbd server host add|list|remove`.\n"
     "  --allow-any-host: anyone who reaches the port opens any device rw, without credentials\n"
     "         (the kernel's RNBD). Off by default; the server warns when it is on.\n"
+    "  RBD: with --rbd-conf (or \"rbd\": {\"conf\", \"client_id\", \"keyring\", \"pools\",\n"
+    "         \"namespace\", \"connect_timeout_s\"} in the config) a client's rbd:POOL/IMAGE[@SNAP]\n"
+    "         opens that image of the Ceph cluster as client.ID (default admin) with the keyring;\n"
+    "         --rbd-pools limits the pools; NS may hold %SESSNAME%. Snapshots are read-only.\n"
     "  --tls: TLS 1.3 on the tcp listeners (docs/security.md): on offers it, required refuses\n"
     "         plaintext clients. Keys: PSKs derived from the hosts' keys, or with --tls-cert and\n"
     "         --tls-key (PEM) a certificate, and --tls-ca to require client certificates.\n"
@@ -176,6 +183,45 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.tls.key_file = text();
   } else if (key == "tls_ca") {
     t.tls.ca_file = text();
+  } else if (key == "rbd") {
+    // The whole section from the config file: {"conf", "client_id", "keyring", "pools",
+    // "namespace", "connect_timeout_s"}.
+    if (!v.is_object()) die("rbd: an object {\"conf\", \"client_id\", \"keyring\", \"pools\", \"namespace\"}");
+    for (auto& [k, x] : v.items()) {
+      if (k == "pools") {
+        if (!x.is_array()) die("rbd.pools: a list of pool names");
+        for (auto& p : x) apply(c, "rbd_pools", p);
+      } else if (k == "conf" || k == "client_id" || k == "keyring" || k == "namespace" || k == "connect_timeout_s") {
+        apply(c, "rbd_" + k, x);
+      } else {
+        die("rbd: unknown setting '" + k + "'");
+      }
+    }
+  } else if (key.rfind("rbd_", 0) == 0) {
+    if (!c.o.rbd) c.o.rbd.emplace();
+    auto& r = *c.o.rbd;
+    if (key == "rbd_conf") {
+      r.conf_file = text();
+    } else if (key == "rbd_client_id") {
+      r.client_id = text();
+    } else if (key == "rbd_keyring") {
+      r.keyring = text();
+    } else if (key == "rbd_namespace") {
+      r.namespace_template = text();
+    } else if (key == "rbd_connect_timeout_s") {
+      r.connect_timeout = std::chrono::seconds(number(1, 3600));
+    } else if (key == "rbd_pools") {
+      std::string list = text();
+      for (size_t pos = 0; pos <= list.size();) {
+        const size_t comma = std::min(list.find(',', pos), list.size());
+        std::string p = list.substr(pos, comma - pos);
+        if (p.empty()) die("rbd pools: an empty pool name in '" + list + "'");
+        r.pools.push_back(std::move(p));
+        pos = comma + 1;
+      }
+    } else {
+      die("unknown setting '" + key + "'");
+    }
   } else if (key == "hosts") {
     if (!v.is_array()) die("hosts: a list of {\"host\", \"key_file\" | \"key\", \"access\": [...]}");
     for (auto& h : v) {

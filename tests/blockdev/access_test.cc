@@ -21,7 +21,7 @@ int err_of(const Result<T>& r) {
 }
 
 // The stores of these tests: one file per name, except where a test makes aliases itself.
-FileId fid(std::string_view name) { return FileId{false, 1, std::hash<std::string_view>{}(name)}; }
+FileId fid(std::string_view name) { return FileId{false, 1, std::hash<std::string_view>{}(name), {}}; }
 
 // ------------------------------------------------------------------------------------------
 // DeviceOpeners: the rules
@@ -344,8 +344,8 @@ TEST(OpenTable, EndSessionReleasesEverything) {
 // first opening; CLOSE of the one id releases the file.
 TEST(OpenTable, AliasesAreOneDevice) {
   OpenTable t;
-  const FileId f{false, 8, 12345};
-  const FileId other{false, 9, 12345};  // same inode number on another filesystem
+  const FileId f{false, 8, 12345, {}};
+  const FileId other{false, 9, 12345, {}};  // same inode number on another filesystem
   auto a = t.open(1, f, "/srv/f.img", kRw).value();
   EXPECT_EQ(err_of(t.open(2, f, "/srv/link.img", kRw)), EBUSY) << "a symlink is no second writer";
   auto again = t.open(1, f, "/srv/./f.img", kRw).value();
@@ -365,10 +365,10 @@ TEST(OpenTable, AliasesAreOneDevice) {
 // Case: block devices are their rdev: two device nodes of one disk. Expect: one device.
 TEST(OpenTable, TwoNodesOfOneDiskAreOneDevice) {
   OpenTable t;
-  const FileId disk{true, 0x0801, 0};
+  const FileId disk{true, 0x0801, 0, {}};
   ASSERT_TRUE(t.open(1, disk, "/srv/sda1", kRw).ok());
   EXPECT_EQ(err_of(t.open(2, disk, "/srv/copy-of-sda1", kRw)), EBUSY);
-  EXPECT_NE((FileId{true, 5, 0}), (FileId{false, 5, 0})) << "a file and a disk never collide";
+  EXPECT_NE((FileId{true, 5, 0, {}}), (FileId{false, 5, 0, {}})) << "a file and a disk never collide";
 }
 
 // Case: has_id, which lets the server answer a CLOSE of an unknown id at once. Expect: true for

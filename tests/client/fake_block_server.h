@@ -287,7 +287,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
 
   // One volume is one store: its address is its identity, whatever name it is opened by.
   FileId file_of(const std::string& name) const {
-    return FileId{false, 0, reinterpret_cast<uintptr_t>(vols_.at(name).get())};
+    return FileId{false, 0, reinterpret_cast<uintptr_t>(vols_.at(name).get()), {}};
   }
 
   std::map<std::string, std::shared_ptr<Volume>> vols_;  // fixed once the server runs

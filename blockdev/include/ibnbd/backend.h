@@ -32,6 +32,11 @@
 
 namespace ibnbd {
 
+class RbdCluster;
+namespace backend {
+struct RbdImage;  // an open librbd image (backend/rbd_image.h)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Export resolution: dev_search_path + dev_name -> a device under the search root.
 //
@@ -58,7 +63,7 @@ namespace ibnbd {
 inline constexpr std::string_view kSessNamePlaceholder = "%SESSNAME%";
 
 struct ExportTarget {
-  enum class Kind : uint8_t { file, block_device };
+  enum class Kind : uint8_t { file, block_device, rbd };  // rbd: RbdCluster::open (rbd.h)
   UniqueFd root;          // the search root, O_PATH | O_DIRECTORY
   std::string root_path;  // the search path with %SESSNAME% substituted (for logs)
   std::string rel_path;   // dev_name as a clean relative path under root ("a/b.img")
@@ -112,8 +117,9 @@ class Backend {
   Backend& operator=(const Backend&) = delete;
   ~Backend();
 
-  int fd() const { return fd_.get(); }
+  int fd() const { return fd_.get(); }  // -1 for an RBD image
   Kind kind() const { return kind_; }
+  backend::RbdImage* rbd() const { return rbd_.get(); }  // the image of Kind::rbd, else null
   bool read_only() const { return read_only_; }
   bool direct() const { return direct_; }
   // What submit() requires of offsets and lengths (io_align) and of buffer addresses and segment
@@ -138,6 +144,9 @@ class Backend {
   // Re-reads the store's size (st_size / BLKGETSIZE64) for the `resize` command and returns the
   // new exported size. IO racing with a shrink fails with EIO (range check or short read).
   Result<uint64_t> refresh_size();
+  // Makes every completed write durable (fdatasync; rbd_flush for an image). Blocks: for a
+  // device's last close on the control thread, not the IO path.
+  Status sync();
 
   // Learnt by the engine when the filesystem turns out to lack FALLOC_FL_ZERO_RANGE (tmpfs):
   // later write-zeroes go straight to the punch + allocate fallback. Any thread.
@@ -145,12 +154,14 @@ class Backend {
   void note_zero_range_unsupported() { no_zero_range_.store(true, std::memory_order_relaxed); }
 
  private:
-  Backend() = default;
+  friend class RbdCluster;
+  Backend();
   static Result<std::unique_ptr<Backend>> open_fd(int dirfd, const std::string& path, bool beneath,
                                                   const OpenOptions& o, std::string name);
   Status probe(const OpenOptions& o);
 
   UniqueFd fd_;
+  std::unique_ptr<backend::RbdImage> rbd_;
   std::string name_;
   FileId id_;
   Kind kind_ = Kind::file;

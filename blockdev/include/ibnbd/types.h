@@ -6,6 +6,7 @@
 #include <compare>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "ibtrs/result.h"
@@ -60,10 +61,13 @@ inline constexpr uint32_t kSectorSize = 512;  // the wire counts in 512-byte sec
 // second writer to a file already held rw. A regular file is its (st_dev, st_ino); a block
 // device is its st_rdev, so two device nodes of one disk are one device too. Stable while the
 // server holds the store open (an inode number is not reused while a descriptor holds it).
+// An RBD image is its cluster, pool, namespace, image id and snapshot (`rbd`, dev = ino = 0):
+// the image id survives renames and is never reused.
 struct FileId {
   bool block = false;  // a block device (dev = st_rdev, ino = 0)
   uint64_t dev = 0;    // st_dev of a regular file; st_rdev of a block device
   uint64_t ino = 0;    // st_ino of a regular file
+  std::string rbd;     // "FSID/POOL_ID/NAMESPACE/IMAGE_ID@SNAP" of an RBD image, else ""
   auto operator<=>(const FileId&) const = default;
 };
 

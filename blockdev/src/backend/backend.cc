@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "backend/rbd_image.h"
 #include "backend/sys.h"
 
 namespace ibnbd {
@@ -67,10 +68,11 @@ DirectAlign file_direct_align(int fd, const struct stat& st) {
 }  // namespace
 
 FileId file_id_of(const struct stat& st) {
-  if (S_ISBLK(st.st_mode)) return FileId{true, static_cast<uint64_t>(st.st_rdev), 0};
-  return FileId{false, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+  if (S_ISBLK(st.st_mode)) return FileId{true, static_cast<uint64_t>(st.st_rdev), 0, {}};
+  return FileId{false, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), {}};
 }
 
+Backend::Backend() = default;
 Backend::~Backend() = default;
 
 Result<std::unique_ptr<Backend>> Backend::open(const ExportTarget& t, const OpenOptions& o) {
@@ -214,7 +216,9 @@ DeviceGeometry Backend::geometry() const {
 
 Result<uint64_t> Backend::refresh_size() {
   uint64_t bytes = 0;
-  if (kind_ == Kind::block_device) {
+  if (kind_ == Kind::rbd) {
+    if (int rc = backend::rbd_size(*rbd_, &bytes); rc < 0) return errc(-rc);
+  } else if (kind_ == Kind::block_device) {
     if (::ioctl(fd_.get(), BLKGETSIZE64, &bytes) != 0) return errc(errno);
   } else {
     struct stat st {};
@@ -224,6 +228,15 @@ Result<uint64_t> Backend::refresh_size() {
   const uint64_t s = round_down(bytes, geo_.logical_block_size);
   size_.store(s, std::memory_order_release);
   return s;
+}
+
+Status Backend::sync() {
+  if (read_only_) return {};
+  if (kind_ == Kind::rbd) {
+    const int rc = backend::rbd_sync(*rbd_);
+    return rc < 0 ? Status(errc(-rc)) : Status{};
+  }
+  return ::fdatasync(fd_.get()) == 0 ? Status{} : Status(errc(errno));
 }
 
 }  // namespace ibnbd

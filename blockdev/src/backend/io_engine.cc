@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cerrno>
 #include <memory>
@@ -16,6 +17,7 @@
 
 #include "backend/blocking_worker.h"
 #include "backend/engine_slot.h"
+#include "backend/rbd_image.h"
 #include "ibnbd/backend.h"
 
 namespace ibnbd {
@@ -52,6 +54,7 @@ uint32_t round_up_pow2(uint32_t v) {
 
 bool is_data(IoOp op) { return op == IoOp::read || op == IoOp::write; }
 bool writes(IoOp op) { return op != IoOp::read && op != IoOp::flush; }
+bool on_rbd(const Backend* b) { return b->kind() == Backend::Kind::rbd; }
 
 }  // namespace
 
@@ -78,12 +81,35 @@ struct IoEngine::Impl {
   // The owning thread, learnt at the first submit: debug builds assert the threading contract.
   std::thread::id owner;
 
+  // RBD images: one stage at a time per slot on librbd (rbd_aio[slot]); librbd's threads push
+  // finished stages onto rbd_done (a lock-free stack) and signal the eventfd when it was empty;
+  // the owner takes the whole stack in run_completions(). rbd_started counts the stages not yet
+  // taken (owner only); rbd_in_callback the librbd threads between taking a stage's result and
+  // their last touch of the engine, which the destructor waits out.
+  std::vector<backend::RbdAio> rbd_aio;
+  std::atomic<backend::RbdAio*> rbd_done{nullptr};
+  std::atomic<uint32_t> rbd_in_callback{0};
+  uint32_t rbd_started = 0;
+
   void check_owner() {
     if (owner == std::thread::id{}) owner = std::this_thread::get_id();
     assert(owner == std::this_thread::get_id() && "IoEngine used from two threads");
   }
 
   ~Impl() {
+    // librbd may still be reading into or writing from callers' buffers: wait for every stage
+    // it was given, and for its threads to leave our eventfd and stack.
+    while (rbd_started > 0 || rbd_in_callback.load() > 0) {
+      rbd_take();
+      if (rbd_started > 0) {
+        pollfd p{efd.get(), POLLIN, 0};
+        (void)::poll(&p, 1, 100);
+        uint64_t cnt = 0;
+        [[maybe_unused]] ssize_t rd = ::read(efd.get(), &cnt, sizeof(cnt));
+      } else {
+        std::this_thread::yield();
+      }
+    }
     if (!ring_ready) return;
     worker.reset();  // joins; queued ioctls are dropped, a running one finishes
     // The kernel may still be writing into callers' buffers: wait for every submitted SQE.
@@ -105,6 +131,12 @@ struct IoEngine::Impl {
   void finish(Slot& s, int err);
   int run_sync(Slot& s);
   Status kick();
+  int rbd_next(Slot& s);
+  static void rbd_cb(backend::RbdAio* a, int64_t res);
+  // Takes the stages librbd finished; with `run`, their results go on (else they are dropped:
+  // the destructor's wait).
+  void rbd_take(bool run = false);
+  void on_rbd_result(uint64_t tag, int64_t res);
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -154,6 +186,7 @@ Result<std::unique_ptr<IoEngine>> IoEngine::create(const EngineOptions& o) {
   impl->sync_memory_files = o.sync_memory_files;
   impl->ready.reserve(o.queue_depth);
   impl->ready_run.reserve(o.queue_depth);
+  impl->rbd_aio.resize(o.queue_depth);
   return std::unique_ptr<IoEngine>(new IoEngine(std::move(impl)));
 }
 
@@ -198,7 +231,7 @@ Status IoEngine::Impl::validate(const IoRequest& r) const {
       if (b.kind() == Backend::Kind::file && !caps.op_fallocate) return errc(EOPNOTSUPP);
       return {};
     case IoOp::write_zeroes:
-      if (!b.can_write_zeroes() || !caps.op_fallocate) return errc(EOPNOTSUPP);
+      if (!b.can_write_zeroes() || (!on_rbd(&b) && !caps.op_fallocate)) return errc(EOPNOTSUPP);
       return {};
     case IoOp::secure_erase:
       if (b.kind() != Backend::Kind::block_device) return errc(EOPNOTSUPP);
@@ -213,10 +246,11 @@ void IoEngine::Impl::plan(Slot& s) {
   s.planned = stage_bit(backend::kStageMain);
   if (s.op == IoOp::flush) return;  // the flush is the operation: PREFLUSH/FUA add nothing
   if (s.flags & kIoPreflush) s.planned |= stage_bit(backend::kStagePreflush);
-  // FUA on a write rides as RWF_DSYNC; the others need their own fdatasync after.
-  if ((s.flags & kIoFua) && writes(s.op) && s.op != IoOp::write)
+  // FUA on a write rides as RWF_DSYNC; the others need their own fdatasync after, and every
+  // FUA on an image a flush after (librbd has no per-write durability flag).
+  if ((s.flags & kIoFua) && writes(s.op) && (s.op != IoOp::write || on_rbd(s.be)))
     s.planned |= stage_bit(backend::kStagePostSync);
-  if (s.op == IoOp::write_zeroes) {
+  if (s.op == IoOp::write_zeroes && !on_rbd(s.be)) {
     if (!(s.flags & kIoNoUnmap))
       s.zero = ZeroWay::punch;
     else if (s.be->kind() == Backend::Kind::file && s.be->zero_range_unsupported())
@@ -264,6 +298,16 @@ Status IoEngine::submit(const IoRequest& r) {
   m.plan(s);
   m.free_slots.pop_back();
   ++m.in_flight;
+  if (on_rbd(s.be)) {
+    if (const int rc = m.rbd_next(s); rc < 0) {  // librbd refused it at once: no callback
+      s.in_use = false;
+      ++s.gen;
+      m.free_slots.push_back(idx);
+      --m.in_flight;
+      return errc(-rc);
+    }
+    return {};
+  }
   if (m.sync_memory_files && s.be->memory_backed() && is_data(s.op) &&
       s.len <= kSyncMaxBytes && s.planned == stage_bit(backend::kStageMain)) {
     s.err = m.run_sync(s);
@@ -507,7 +551,7 @@ uint32_t IoEngine::run_completions() {
   // Consume the eventfd before reaping, so a completion posted after the reap wakes us again.
   // Only when something may have signalled it: a pass with no CQE and nothing left over from
   // an earlier one saves the read(2).
-  if (m.efd_maybe || m.worker || io_uring_cq_ready(&m.ring) > 0) {
+  if (m.efd_maybe || m.worker || m.rbd_started > 0 || io_uring_cq_ready(&m.ring) > 0) {
     uint64_t cnt = 0;
     [[maybe_unused]] ssize_t rd = ::read(m.efd.get(), &cnt, sizeof(cnt));
     m.efd_maybe = false;
@@ -532,6 +576,7 @@ uint32_t IoEngine::run_completions() {
     m.worker->take_done(m.worker_done);
     for (const auto& d : m.worker_done) m.on_result(d.tag, d.res);
   }
+  if (m.rbd_started > 0) m.rbd_take(true);
   // Resubmissions and whatever the callbacks queued go out together. Should the kernel refuse
   // the batch (EAGAIN/EBUSY, transient), poke our own eventfd so the owner's loop comes back and
   // retries rather than sleeping on requests that never reached the kernel.
@@ -542,6 +587,88 @@ uint32_t IoEngine::run_completions() {
   }
   m.in_completions = false;
   return m.callbacks;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RBD images: a request's stages one after the other (PREFLUSH, the operation, FUA's flush),
+// each a librbd AIO whose completion comes back through rbd_done.
+
+int IoEngine::Impl::rbd_next(Slot& s) {
+  uint8_t st = 0;
+  while (st < backend::kStageCount && (!(s.planned & stage_bit(st)) || (s.ok & stage_bit(st)))) ++st;
+  assert(st < backend::kStageCount);
+  using backend::RbdStage;
+  RbdStage what = RbdStage::flush;
+  if (st == backend::kStageMain) {
+    switch (s.op) {
+      case IoOp::read: what = RbdStage::read; break;
+      case IoOp::write: what = RbdStage::write; break;
+      case IoOp::discard: what = RbdStage::discard; break;
+      case IoOp::write_zeroes: what = RbdStage::write_zeroes; break;
+      default: what = RbdStage::flush; break;  // FLUSH (secure erase never passes validate)
+    }
+  }
+  const uint32_t idx = static_cast<uint32_t>(&s - slots.data());
+  backend::RbdAio& a = rbd_aio[idx];
+  a.fn = &Impl::rbd_cb;
+  a.owner = this;
+  a.tag = backend::pack_tag({idx, st, s.gen});
+  a.next = nullptr;
+  const int rc = backend::rbd_start(*s.be->rbd(), what, s.offset, s.len, s.iov, static_cast<int>(s.niov),
+                                    (s.flags & kIoNoUnmap) != 0, &a);
+  if (rc == 0) ++rbd_started;
+  return rc;
+}
+
+// A librbd thread: keep the result, push, wake the owner when the stack was empty (it has taken
+// everything before, so it may be asleep).
+void IoEngine::Impl::rbd_cb(backend::RbdAio* a, int64_t res) {
+  Impl* m = static_cast<Impl*>(a->owner);
+  m->rbd_in_callback.fetch_add(1);
+  a->res = res;
+  backend::RbdAio* head = m->rbd_done.load(std::memory_order_relaxed);
+  do {
+    a->next = head;
+  } while (!m->rbd_done.compare_exchange_weak(head, a, std::memory_order_release, std::memory_order_relaxed));
+  if (head == nullptr) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t wr = ::write(m->efd.get(), &one, sizeof(one));
+  }
+  m->rbd_in_callback.fetch_sub(1);  // last touch of the engine
+}
+
+void IoEngine::Impl::rbd_take(bool run) {
+  backend::RbdAio* list = rbd_done.exchange(nullptr, std::memory_order_acquire);
+  // The stack holds the latest first; results go on in the order librbd finished them.
+  backend::RbdAio* fifo = nullptr;
+  while (list) {
+    backend::RbdAio* next = list->next;
+    list->next = fifo;
+    fifo = list;
+    list = next;
+    --rbd_started;
+  }
+  while (fifo) {
+    backend::RbdAio* next = fifo->next;  // read first: on_rbd_result may start the slot's next stage
+    if (run) on_rbd_result(fifo->tag, fifo->res);
+    fifo = next;
+  }
+}
+
+void IoEngine::Impl::on_rbd_result(uint64_t tag, int64_t res) {
+  const Tag t = backend::unpack_tag(tag);
+  assert(t.slot < slots.size());
+  Slot& s = slots[t.slot];
+  assert(s.in_use && s.gen == t.gen);
+  if (!s.in_use || s.gen != t.gen) return;  // stale: never expected
+  if (res < 0) return finish(s, static_cast<int>(-res));
+  // librbd reads within the image's size in full (holes read as zeros): anything shorter means
+  // the image shrank under the request. Never hand back a partial buffer as success.
+  if (t.stage == backend::kStageMain && s.op == IoOp::read && static_cast<uint64_t>(res) != s.len)
+    return finish(s, EIO);
+  s.ok |= stage_bit(t.stage);
+  if ((s.planned & ~s.ok) == 0) return finish(s, 0);
+  if (const int rc = rbd_next(s); rc < 0) finish(s, -rc);
 }
 
 bool IoEngine::ready() const { return !impl_->ready.empty(); }

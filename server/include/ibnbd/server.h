@@ -1,6 +1,7 @@
 // The IBNBD block server (kernel counterpart: rnbd-srv): exports regular files and block devices
-// found under a search path to IBNBD clients over an IBTRS server, with the IO moved by io_uring
-// straight between the transport chunks and the store.
+// found under a search path, and RBD images of a Ceph cluster (ibnbd/rbd.h), to IBNBD clients
+// over an IBTRS server, with the IO moved by io_uring (librbd for images) straight between the
+// transport chunks and the store.
 //
 // Threads: the IBTRS server's IO threads decode requests and submit IO to their own io_uring
 // (one per IO thread, driven as an IoThreadHook, so a request is received, submitted and
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "ibnbd/backend.h"
+#include "ibnbd/rbd.h"
 #include "ibnbd/types.h"
 #include "ibtrs/server.h"
 
@@ -76,6 +78,12 @@ struct BlockServerOptions {
   // allow_any_host are set from these.
   std::vector<HostConfig> hosts;
   bool allow_any_host = false;
+  // RBD exports: a client's "rbd:POOL/IMAGE[@SNAP]" opens that image of this cluster (never a
+  // file of the search path; without this, such names are EOPNOTSUPP). The access rules apply
+  // to the name as written ("rbd:pool/**" grants a pool). The cluster is connected at the first
+  // such OPEN, on the control thread (at most connect_timeout; after a failure, OPENs within 5 s
+  // get its error at once rather than waiting again).
+  std::optional<RbdConfig> rbd;
 };
 
 // Per-device and per-session counters (cumulative since the device was opened / the session
@@ -96,7 +104,7 @@ struct DeviceHolderInfo {
 
 struct ExportedDeviceInfo {
   std::string name;  // the resolved path under the search root
-  std::string kind;  // "file" | "block_device"
+  std::string kind;  // "file" | "block_device" | "rbd"
   uint64_t size = 0;
   bool direct = false;
   bool read_only = false;

@@ -1,0 +1,313 @@
+// RBD images through librados + librbd (rbd.h): names, the cluster connection, opening an image
+// as a Backend, and one stage of a request as librbd AIO (rbd_image.h).
+#include "ibnbd/rbd.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "backend/rbd_image.h"
+
+#ifdef IBNBD_HAVE_RBD
+#include <rados/librados.h>
+#include <rbd/librbd.h>
+#endif
+
+namespace ibnbd {
+
+namespace {
+
+constexpr size_t kMaxRbdComponent = 255;
+
+// A pool, image, snapshot or namespace name we accept: Ceph allows more, but these are the
+// names that cannot be read two ways in "rbd:POOL/IMAGE@SNAP" or a log line.
+bool valid_component(std::string_view c, std::string* why, const char* what) {
+  auto bad = [&](const std::string& reason) {
+    if (why) *why = std::string(what) + " " + reason;
+    return false;
+  };
+  if (c.empty()) return bad("is empty");
+  if (c.size() > kMaxRbdComponent) return bad("is longer than 255 bytes");
+  if (c == "." || c == "..") return bad("is '.' or '..'");
+  for (const char ch : c) {
+    const auto u = static_cast<unsigned char>(ch);
+    if (ch == '/' || ch == '@' || u < 0x20 || u == 0x7f)
+      return bad("has a '/', '@' or control character");
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string RbdName::text() const {
+  std::string s = std::string(kRbdPrefix) + pool + "/" + image;
+  if (!snap.empty()) s += "@" + snap;
+  return s;
+}
+
+bool is_rbd_name(std::string_view dev_name) { return dev_name.substr(0, kRbdPrefix.size()) == kRbdPrefix; }
+
+Result<RbdName> parse_rbd_name(std::string_view dev_name, std::string* why) {
+  if (!is_rbd_name(dev_name)) {
+    if (why) *why = "not an rbd: name";
+    return errc(EINVAL);
+  }
+  std::string_view rest = dev_name.substr(kRbdPrefix.size());
+  const size_t slash = rest.find('/');
+  if (slash == std::string_view::npos) {
+    if (why) *why = "want rbd:POOL/IMAGE[@SNAP]";
+    return errc(EINVAL);
+  }
+  RbdName n;
+  const std::string_view pool = rest.substr(0, slash);
+  std::string_view image = rest.substr(slash + 1);
+  std::string_view snap;
+  if (const size_t at = image.find('@'); at != std::string_view::npos) {
+    snap = image.substr(at + 1);
+    image = image.substr(0, at);
+    if (!valid_component(snap, why, "snapshot name")) return errc(EINVAL);
+  }
+  if (!valid_component(pool, why, "pool name") || !valid_component(image, why, "image name"))
+    return errc(EINVAL);
+  n.pool = pool;
+  n.image = image;
+  n.snap = snap;
+  return n;
+}
+
+Result<std::string> rbd_namespace(std::string_view tmpl, std::string_view session_name) {
+  std::string out;
+  for (size_t i = 0; i < tmpl.size();) {
+    if (tmpl.substr(i, kSessNamePlaceholder.size()) == kSessNamePlaceholder) {
+      if (!valid_component(session_name, nullptr, "session")) return errc(EINVAL);
+      out += session_name;
+      i += kSessNamePlaceholder.size();
+    } else {
+      out += tmpl[i++];
+    }
+  }
+  if (!out.empty() && !valid_component(out, nullptr, "namespace")) return errc(EINVAL);
+  return out;
+}
+
+#ifdef IBNBD_HAVE_RBD
+
+bool rbd_supported() { return true; }
+
+struct RbdCluster::Impl {
+  rados_t cluster = nullptr;
+  std::string fsid;
+  ~Impl() {
+    if (cluster) rados_shutdown(cluster);
+  }
+};
+
+struct backend::RbdImage::Handles {
+  rados_ioctx_t io = nullptr;
+  rbd_image_t image = nullptr;
+  ~Handles() {
+    if (image) rbd_close(image);
+    if (io) rados_ioctx_destroy(io);
+  }
+};
+
+backend::RbdImage::RbdImage() = default;
+backend::RbdImage::~RbdImage() = default;
+
+RbdCluster::RbdCluster(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RbdCluster::~RbdCluster() = default;
+const std::string& RbdCluster::fsid() const { return impl_->fsid; }
+
+Result<std::unique_ptr<RbdCluster>> RbdCluster::connect(const RbdConfig& c, std::string* why) {
+  auto fail = [why](int rc, const std::string& what) -> std::error_code {
+    if (why) *why = what + ": " + std::strerror(rc);
+    return errc(rc);
+  };
+  if (!valid_component(c.client_id, why, "client id")) return errc(EINVAL);
+  // librados reads a missing file as "no configuration" and then fails much later with a
+  // timeout; a missing conf or keyring named in our configuration is the admin's mistake now.
+  for (const std::string* f : {&c.conf_file, &c.keyring}) {
+    if (!f->empty() && ::access(f->c_str(), R_OK) != 0) return fail(errno, "cannot read " + *f);
+  }
+  auto impl = std::make_unique<Impl>();
+  int rc = rados_create(&impl->cluster, c.client_id.c_str());
+  if (rc < 0) return fail(-rc, "rados_create");
+  rc = rados_conf_read_file(impl->cluster, c.conf_file.empty() ? nullptr : c.conf_file.c_str());
+  if (rc < 0) return fail(-rc, "reading " + (c.conf_file.empty() ? std::string("ceph.conf") : c.conf_file));
+  const std::string timeout = std::to_string(std::max<int64_t>(c.connect_timeout.count(), 1));
+  struct {
+    const char* key;
+    std::string value;
+  } settings[] = {
+      {"keyring", c.keyring},
+      // The mons must answer within the timeout (the default, 300 s, would hold the server's
+      // control thread that long).
+      {"client_mount_timeout", timeout},
+      {"rados_mon_op_timeout", timeout},
+      // librbd's logs go to the cluster's log settings, never to our stderr.
+      {"log_to_stderr", "false"},
+      {"err_to_stderr", "false"},
+  };
+  for (const auto& s : settings) {
+    if (s.value.empty()) continue;
+    rc = rados_conf_set(impl->cluster, s.key, s.value.c_str());
+    if (rc < 0) return fail(-rc, std::string("setting ") + s.key);
+  }
+  rc = rados_connect(impl->cluster);
+  if (rc < 0) {
+    // rados_connect answers a refused key with EACCES/EPERM and no mon with ETIMEDOUT.
+    return fail(-rc, "connecting to the cluster as client." + c.client_id);
+  }
+  char fsid[64] = {};
+  rc = rados_cluster_fsid(impl->cluster, fsid, sizeof(fsid) - 1);
+  if (rc < 0) return fail(-rc, "the cluster's fsid");
+  impl->fsid = fsid;
+  return std::unique_ptr<RbdCluster>(new RbdCluster(std::move(impl)));
+}
+
+Result<std::unique_ptr<Backend>> RbdCluster::open(const RbdName& name, std::string_view ns, const OpenOptions& o,
+                                                  std::string* why) {
+  auto fail = [why](int rc, const std::string& what) -> std::error_code {
+    if (why) *why = what + ": " + std::strerror(rc);
+    return errc(rc);
+  };
+  const bool snap = !name.snap.empty();
+  if (snap && !o.read_only) {
+    if (why) *why = "snapshots are read-only";
+    return errc(EROFS);
+  }
+  auto img = std::make_unique<backend::RbdImage>();
+  img->h = std::make_unique<backend::RbdImage::Handles>();
+  auto& h = *img->h;
+  int rc = rados_ioctx_create(impl_->cluster, name.pool.c_str(), &h.io);
+  if (rc < 0) return fail(-rc, "pool " + name.pool);
+  if (!ns.empty()) rados_ioctx_set_namespace(h.io, std::string(ns).c_str());
+  const char* snap_name = snap ? name.snap.c_str() : nullptr;
+  // Read-only opens take no watch (a watch is a write): a user whose caps allow only reads can
+  // still export an image or snapshot ro. Writable opens watch the header, which is how librbd
+  // learns of resizes and hands the exclusive lock over.
+  rc = o.read_only ? rbd_open_read_only(h.io, name.image.c_str(), &h.image, snap_name)
+                   : rbd_open(h.io, name.image.c_str(), &h.image, snap_name);
+  if (rc < 0) {
+    h.image = nullptr;
+    std::string what = "image " + name.image;
+    if (!ns.empty()) what += " (namespace " + std::string(ns) + ")";
+    if (snap) what += " snapshot " + name.snap;
+    return fail(-rc, what);
+  }
+  uint64_t bytes = 0;
+  rc = rbd_get_size(h.image, &bytes);
+  if (rc < 0) return fail(-rc, "the image's size");
+  char id[128] = {};
+  rc = rbd_get_id(h.image, id, sizeof(id));
+  if (rc < 0) return fail(-rc, "the image's id");
+  uint64_t snap_id = 0;
+  if (snap && (rc = rbd_snap_get_id(h.image, snap_name, &snap_id)) < 0) return fail(-rc, "the snapshot's id");
+
+  std::unique_ptr<Backend> b(new Backend());
+  b->rbd_ = std::move(img);
+  b->name_ = name.text();
+  b->id_.rbd = impl_->fsid + "/" + std::to_string(rados_ioctx_get_id(h.io)) + "/" + std::string(ns) + "/" + id +
+               "@" + (snap ? std::to_string(snap_id) : "head");
+  b->kind_ = Backend::Kind::rbd;
+  b->read_only_ = o.read_only;
+  DeviceGeometry& g = b->geo_;
+  // librbd takes any byte range; 512-byte sectors are the wire's unit. Objects (4 MiB by
+  // default) are the unit of allocation: a discard smaller than one only zeroes.
+  rbd_image_info_t info{};
+  const uint64_t obj = rbd_stat(h.image, &info, sizeof(info)) == 0 && info.obj_size ? info.obj_size : 4u << 20;
+  g.logical_block_size = kSectorSize;
+  g.physical_block_size = 4096;
+  g.max_hw_sectors = 1024;  // 512 KiB: the chunk bounds a request anyway
+  g.max_segments = kMaxIoSegments;
+  if (!o.read_only) {
+    b->can_discard_ = b->can_write_zeroes_ = true;
+    g.max_discard_sectors = g.max_write_zeroes_sectors = UINT32_MAX;
+    g.discard_granularity = static_cast<uint32_t>(std::min<uint64_t>(obj, UINT32_MAX));
+  }
+  // librbd's cache (rbd_cache, on by default) is write-back until a flush.
+  g.cache_policy = kCacheFua | kCacheWriteBack;
+  b->size_.store(bytes / kSectorSize * kSectorSize, std::memory_order_release);
+  return b;
+}
+
+namespace backend {
+
+namespace {
+void aio_done(rbd_completion_t c, void* p) {
+  const int64_t res = rbd_aio_get_return_value(c);
+  rbd_aio_release(c);
+  auto* a = static_cast<RbdAio*>(p);
+  a->fn(a, res);  // last: the RbdAio may be reused from here on
+}
+}  // namespace
+
+int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iovec* iov, int niov, bool nounmap,
+              RbdAio* aio) {
+  rbd_completion_t c = nullptr;
+  int rc = rbd_aio_create_completion(aio, aio_done, &c);
+  if (rc < 0) return rc;
+  rbd_image_t im = img.h->image;
+  switch (st) {
+    case RbdStage::flush: rc = rbd_aio_flush(im, c); break;
+    case RbdStage::read:
+      rc = niov == 1 ? rbd_aio_read(im, off, iov[0].iov_len, static_cast<char*>(iov[0].iov_base), c)
+                     : rbd_aio_readv(im, iov, niov, off, c);
+      break;
+    case RbdStage::write:
+      rc = niov == 1 ? rbd_aio_write(im, off, iov[0].iov_len, static_cast<const char*>(iov[0].iov_base), c)
+                     : rbd_aio_writev(im, iov, niov, off, c);
+      break;
+    case RbdStage::discard: rc = rbd_aio_discard(im, off, len, c); break;
+    case RbdStage::write_zeroes:
+      rc = rbd_aio_write_zeroes(im, off, len, c, nounmap ? RBD_WRITE_ZEROES_FLAG_THICK_PROVISION : 0, 0);
+      break;
+  }
+  if (rc < 0) rbd_aio_release(c);
+  return rc < 0 ? rc : 0;
+}
+
+int rbd_size(RbdImage& img, uint64_t* bytes) { return rbd_get_size(img.h->image, bytes); }
+int rbd_sync(RbdImage& img) { return rbd_flush(img.h->image); }
+
+}  // namespace backend
+
+#else  // no librbd in this build
+
+bool rbd_supported() { return false; }
+
+struct RbdCluster::Impl {
+  std::string fsid;
+};
+struct backend::RbdImage::Handles {};
+backend::RbdImage::RbdImage() = default;
+backend::RbdImage::~RbdImage() = default;
+RbdCluster::RbdCluster(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RbdCluster::~RbdCluster() = default;
+const std::string& RbdCluster::fsid() const { return impl_->fsid; }
+
+Result<std::unique_ptr<RbdCluster>> RbdCluster::connect(const RbdConfig&, std::string* why) {
+  if (why) *why = "this ibnbd-server was built without librbd (librbd-dev)";
+  return errc(EOPNOTSUPP);
+}
+Result<std::unique_ptr<Backend>> RbdCluster::open(const RbdName&, std::string_view, const OpenOptions&,
+                                                  std::string* why) {
+  if (why) *why = "this ibnbd-server was built without librbd (librbd-dev)";
+  return errc(EOPNOTSUPP);
+}
+
+namespace backend {
+int rbd_start(RbdImage&, RbdStage, uint64_t, uint64_t, const iovec*, int, bool, RbdAio*) {
+  return -EOPNOTSUPP;
+}
+int rbd_size(RbdImage&, uint64_t*) { return -EOPNOTSUPP; }
+int rbd_sync(RbdImage&) { return -EOPNOTSUPP; }
+}  // namespace backend
+
+#endif
+
+}  // namespace ibnbd

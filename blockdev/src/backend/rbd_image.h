@@ -1,0 +1,57 @@
+// An open librbd image (Backend::rbd()) and how the IoEngine starts one stage of a request on it.
+// Internal to ibnbd_backend: librbd's headers stay out of the public ones. Built without librbd
+// (IBNBD_HAVE_RBD unset), RbdImage is never created and rbd_start() fails with EOPNOTSUPP.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "ibnbd/types.h"
+
+namespace ibnbd::backend {
+
+struct RbdImage {
+  struct Handles;  // rados_ioctx_t + rbd_image_t, and the cluster they belong to
+  std::unique_ptr<Handles> h;
+  RbdImage();
+  ~RbdImage();  // rbd_close (which waits for its AIO), then the ioctx
+  RbdImage(const RbdImage&) = delete;
+  RbdImage& operator=(const RbdImage&) = delete;
+};
+
+// One stage in flight on an image, owned by the caller (the engine has one per slot: a slot has
+// one stage in flight at a time, so the IO path allocates nothing of its own). `fn(this, res)`
+// runs once on a librbd thread with librbd's return value (bytes or 0, or a negative errno); it
+// may hand the RbdAio on (to the owning thread), which may reuse it at once: nothing touches the
+// RbdAio after fn.
+struct RbdAio;
+using RbdDoneFn = void (*)(RbdAio* aio, int64_t res);
+struct RbdAio {
+  RbdDoneFn fn = nullptr;
+  void* owner = nullptr;  // the caller's
+  uint64_t tag = 0;       // the caller's
+  int64_t res = 0;        // the caller's (e.g. res kept for the owning thread)
+  RbdAio* next = nullptr; // the caller's (e.g. a completion list)
+};
+
+// What one stage of a request is on an image.
+enum class RbdStage : uint8_t {
+  flush,         // rbd_aio_flush: PREFLUSH, FUA's durability after the operation, FLUSH
+  read,          // rbd_aio_read / readv into the caller's memory
+  write,         // rbd_aio_write / writev from it
+  discard,       // rbd_aio_discard
+  write_zeroes,  // rbd_aio_write_zeroes (NOUNMAP: thick provisioning of the zeroed range)
+};
+
+// Starts one stage; `aio->fn` follows exactly once unless this returns an error (negative
+// errno: librbd refused it at once, nothing was started).
+int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iovec* iov, int niov,
+              bool nounmap, RbdAio* aio);
+
+// rbd_get_size / rbd_flush (blocking; control thread).
+int rbd_size(RbdImage& img, uint64_t* bytes);
+int rbd_sync(RbdImage& img);
+
+}  // namespace ibnbd::backend
