@@ -529,6 +529,18 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       (void)release(s.id, grant->device_id);
       return errc(ENOSPC);
     }
+    // A client writing again to a device it held before takes it over from whoever holds it
+    // now (its previous server: the lock would otherwise wait out that server's watch). Not in
+    // migration mode, where two holders are the point.
+    if ((m.flags & proto::kOpenReopen) && m.mode == AccessMode::rw) {
+      auto fenced = dev->backend->take_over();
+      if (!fenced.ok()) {
+        log_warn("OPEN", name, "taking it over: " + fenced.error().message());
+      } else if (!fenced->empty()) {
+        log_warn("OPEN", name, "re-opened by session " + s.name + ": took the exclusive lock over from " + *fenced +
+                                   " (fenced: blocklisted)");
+      }
+    }
     Slot& slot = s.slots[grant->device_id];
     slot.mode.store(static_cast<uint8_t>(m.mode), std::memory_order_relaxed);
     slot.dev.store(dev, std::memory_order_release);

@@ -129,7 +129,25 @@ TEST(IbnbdLayout, EnumValuesAreTheKernels) {
   EXPECT_EQ(static_cast<uint8_t>(IoOp::write_zeroes), 5);
   EXPECT_EQ(kIoSync, 1u << 8);
   EXPECT_EQ(kIoNoUnmap, 1u << 11);
-  EXPECT_EQ(kProtoVersion, 2);
+  EXPECT_EQ(kProtoVersion, 3);
+  EXPECT_EQ(kMinProtoVersion, 2) << "version 2 peers (no OPEN flags) are still served";
+  EXPECT_EQ(kOpenReopen, 1);
+}
+
+// Case: an OPEN of a device the client held before (a remap or a failover). Expect: the flag
+// byte at offset 5 (the kernel's resv1 after access_mode) and back the same; an OPEN
+// without it leaves the byte 0, as version 2 peers send it.
+TEST(IbnbdLayout, OpenFlagsRoundTrip) {
+  const Bytes b = enc_open(Open{AccessMode::rw, "disk", kOpenReopen});
+  EXPECT_EQ(std::to_integer<uint8_t>(b[offsetof(OpenMsg, flags)]), kOpenReopen);
+  EXPECT_EQ(offsetof(OpenMsg, flags), 5u);
+  auto d = decode_open(b, kOpenCarrier);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->flags, kOpenReopen);
+  const Bytes plain = enc_open(Open{AccessMode::rw, "disk"});
+  EXPECT_EQ(std::to_integer<uint8_t>(plain[offsetof(OpenMsg, flags)]), 0);
+  Bytes out(sizeof(OpenMsg));
+  EXPECT_EQ(err_of(encode_open(out, Open{AccessMode::rw, "disk", 0x80})), EINVAL) << "unknown flag";
 }
 
 // Case: one IO encoded. Expect: little-endian fields at their offsets, reserved bytes zero.
@@ -412,7 +430,8 @@ TEST(IbnbdRefuse, BadOpen) {
   m = base; m.dev_name[200] = 'x'; cases.push_back({"byte after the NUL", m});
   m = base; m.dev_name[1] = '\n'; cases.push_back({"control character", m});
   m = base; m.dev_name[1] = 0x7f; cases.push_back({"DEL", m});
-  m = base; m.reserved0 = 1; cases.push_back({"reserved0", m});
+  m = base; m.flags = 2; cases.push_back({"unknown flag 2", m});
+  m = base; m.flags = 0x81; cases.push_back({"unknown flag 0x80 beside a known one", m});
   m = base; m.reserved1[2] = 1; cases.push_back({"reserved1", m});
   m = base; m.hdr.reserved.set(1); cases.push_back({"header reserved", m});
   for (const auto& [name, c] : cases) {

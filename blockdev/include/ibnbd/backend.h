@@ -147,6 +147,12 @@ class Backend {
   // Makes every completed write durable (fdatasync; rbd_flush for an image). Blocks: for a
   // device's last close on the control thread, not the IO path.
   Status sync();
+  // Takes the store over from another client that holds it (a client re-opening a device it
+  // held before: the holder is its previous server, dead or cut off). An RBD image's exclusive
+  // lock held by another librbd client is broken, which blocklists that client: fenced, its
+  // writes fail from then on. Returns who was fenced ("" when nobody: no lock, ours already, a
+  // file or block device). Blocks on the cluster: control thread.
+  Result<std::string> take_over();
 
   // Learnt by the engine when the filesystem turns out to lack FALLOC_FL_ZERO_RANGE (tmpfs):
   // later write-zeroes go straight to the punch + allocate fallback. Any thread.

@@ -230,6 +230,13 @@ Result<uint64_t> Backend::refresh_size() {
   return s;
 }
 
+Result<std::string> Backend::take_over() {
+  std::string fenced;
+  if (kind_ != Kind::rbd || read_only_) return fenced;
+  if (const int rc = backend::rbd_take_over(*rbd_, &fenced); rc < 0) return errc(-rc);
+  return fenced;
+}
+
 Status Backend::sync() {
   if (read_only_) return {};
   if (kind_ == Kind::rbd) {

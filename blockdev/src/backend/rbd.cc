@@ -274,6 +274,35 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
 int rbd_size(RbdImage& img, uint64_t* bytes) { return rbd_get_size(img.h->image, bytes); }
 int rbd_sync(RbdImage& img) { return rbd_flush(img.h->image); }
 
+int rbd_take_over(RbdImage& img, std::string* fenced) {
+  rbd_image_t im = img.h->image;
+  int owner = 0;
+  int rc = rbd_is_exclusive_lock_owner(im, &owner);
+  if (rc < 0) return rc == -EINVAL ? 0 : rc;  // EINVAL: the image has no exclusive-lock feature
+  if (owner) return 0;
+  // librbd would wait for an owner that does not answer its lock request until the OSDs drop
+  // the owner's watch (osd_client_watch_timeout, 30 s): a failover or a restarted server would
+  // pause that long. Breaking the lock blocklists the owner (rbd_blocklist_on_break_lock), so
+  // a previous server that is only cut off cannot write behind our back.
+  char* owners[8] = {};
+  size_t n = 8;
+  rbd_lock_mode_t mode = RBD_LOCK_MODE_EXCLUSIVE;
+  rc = rbd_lock_get_owners(im, &mode, owners, &n);
+  if (rc == -ENOENT) return 0;  // nobody holds it: our first write takes it
+  if (rc < 0) return rc;
+  int result = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int b = rbd_lock_break(im, mode, owners[i]);
+    if (b < 0 && b != -ENOENT && result == 0) result = b;  // ENOENT: it went away meanwhile
+    if (b == 0) {
+      if (!fenced->empty()) *fenced += ", ";
+      *fenced += owners[i];
+    }
+  }
+  rbd_lock_get_owners_cleanup(owners, n);
+  return result;
+}
+
 }  // namespace backend
 
 #else  // no librbd in this build
@@ -306,6 +335,7 @@ int rbd_start(RbdImage&, RbdStage, uint64_t, uint64_t, const iovec*, int, bool, 
 }
 int rbd_size(RbdImage&, uint64_t*) { return -EOPNOTSUPP; }
 int rbd_sync(RbdImage&) { return -EOPNOTSUPP; }
+int rbd_take_over(RbdImage&, std::string*) { return -EOPNOTSUPP; }
 }  // namespace backend
 
 #endif

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "ibnbd/types.h"
 
@@ -53,5 +54,8 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
 // rbd_get_size / rbd_flush (blocking; control thread).
 int rbd_size(RbdImage& img, uint64_t* bytes);
 int rbd_sync(RbdImage& img);
+// Breaks the exclusive lock when another client holds it (Backend::take_over); *fenced names
+// the owners broken.
+int rbd_take_over(RbdImage& img, std::string* fenced);
 
 }  // namespace ibnbd::backend

@@ -164,9 +164,11 @@ Result<size_t> encode_sess_info_rsp(std::span<std::byte> out, const SessInfoRsp&
 Result<size_t> encode_open(std::span<std::byte> out, const Open& m) {
   if (!known_mode(static_cast<uint8_t>(m.mode))) return errc(EINVAL);
   IBTRS_TRY(check_dev_name(m.dev_name));
+  if (m.flags & ~kOpenFlagsMask) return errc(EINVAL);
   OpenMsg w{};
   w.hdr = make_hdr(MsgType::open);
   w.access_mode = static_cast<uint8_t>(m.mode);
+  w.flags = m.flags;
   std::memcpy(w.dev_name, m.dev_name.data(), m.dev_name.size());
   return store(out, w);
 }
@@ -232,7 +234,7 @@ Result<SessInfo> decode_sess_info(std::span<const std::byte> usr, Carrier c) {
 
 Result<Open> decode_open(std::span<const std::byte> usr, Carrier c) {
   IBTRS_ASSIGN_OR_RETURN(OpenMsg w, load_msg<OpenMsg>(usr, MsgType::open, Len::exact));
-  if (w.hdr.reserved.get() != 0 || w.reserved0 != 0 || !all_zero(w.reserved1, sizeof(w.reserved1)))
+  if (w.hdr.reserved.get() != 0 || (w.flags & ~kOpenFlagsMask) != 0 || !all_zero(w.reserved1, sizeof(w.reserved1)))
     return errc(EINVAL);
   if (!known_mode(w.access_mode)) return errc(EINVAL);
   const auto* nul = std::find(std::begin(w.dev_name), std::end(w.dev_name), uint8_t{0});
@@ -241,6 +243,7 @@ Result<Open> decode_open(std::span<const std::byte> usr, Carrier c) {
   if (!all_zero(nul, kDevNameField - len)) return errc(EINVAL);  // NUL padded, nothing hidden
   Open m;
   m.mode = static_cast<AccessMode>(w.access_mode);
+  m.flags = w.flags;
   m.dev_name.assign(reinterpret_cast<const char*>(w.dev_name), len);
   IBTRS_TRY(check_dev_name(m.dev_name));
   if (!read_buffer_fits(c, sizeof(OpenRspMsg))) return errc(EINVAL);

@@ -39,8 +39,10 @@ using ibtrs::le32;
 using ibtrs::le64;
 
 // Protocol version carried by SESS_INFO (kernel: RNBD_PROTO_VER_MAJOR). Both sides use the
-// lower of the two; a peer below kMinProtoVersion is refused.
-inline constexpr uint8_t kProtoVersion = 2;
+// lower of the two; a peer below kMinProtoVersion is refused. 3: OPEN carries flags
+// (kOpenReopen); a client sends them only when the session speaks 3.
+inline constexpr uint8_t kProtoVersion = 3;
+inline constexpr uint8_t kOpenFlagsVersion = 3;
 inline constexpr uint8_t kMinProtoVersion = 2;
 static_assert(kMinProtoVersion <= kProtoVersion);
 
@@ -86,7 +88,7 @@ IBTRS_WIRE_STRUCT(SessInfoRspMsg, 36);
 struct OpenMsg {
   MsgHdr hdr;                       // MsgType::open
   uint8_t access_mode;              // AccessMode: ro 0, rw 1, migration 2
-  uint8_t reserved0;                // 0
+  uint8_t flags;                    // OpenFlag bits (version 3; 0 before)
   uint8_t dev_name[kDevNameField];  // device name relative to the server's search path:
                                     // 1..254 bytes, no control characters, NUL padded
   uint8_t reserved1[3];             // 0
@@ -160,9 +162,20 @@ struct SessInfoRsp {
   uint8_t ver = kProtoVersion;
   bool operator==(const SessInfoRsp&) const = default;
 };
+// OPEN flags.
+enum OpenFlag : uint8_t {
+  // The client held this device before and opens it again: a remap after its session came back
+  // (the server restarted or a path returned) or a failover to another server. The server may
+  // take the store over from whoever holds it now (an RBD image's exclusive lock: the holder
+  // was this client's previous server, dead or cut off, and is fenced).
+  kOpenReopen = 1,
+};
+inline constexpr uint8_t kOpenFlagsMask = kOpenReopen;
+
 struct Open {
   AccessMode mode = AccessMode::ro;
   std::string dev_name;
+  uint8_t flags = 0;  // OpenFlag bits
   bool operator==(const Open&) const = default;
 };
 struct OpenRsp {

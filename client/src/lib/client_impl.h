@@ -311,7 +311,9 @@ struct BlockSession::Impl {
   Status control(ibtrs::IoDir dir, std::span<const std::byte> usr, std::span<std::byte> rsp,
                  bool carries_id);
   Result<uint8_t> sess_info();
-  Result<proto::OpenRsp> open_device(const std::string& name, AccessMode mode);
+  // `reopen`: the device was mapped before (remaps): sent as kOpenReopen when the session
+  // speaks a version that has OPEN flags.
+  Result<proto::OpenRsp> open_device(const std::string& name, AccessMode mode, bool reopen = false);
   Status close_id(uint32_t id);
   Status remap_device(Device* d);
   // The mapped device other than `except` that holds server id `id` from the OPEN of link

@@ -129,9 +129,10 @@ Result<uint8_t> Session::sess_info() {
   return proto::accept_version(proto::kProtoVersion, r.ver);
 }
 
-Result<proto::OpenRsp> Session::open_device(const std::string& name, AccessMode mode) {
+Result<proto::OpenRsp> Session::open_device(const std::string& name, AccessMode mode, bool reopen) {
   std::byte msg[sizeof(proto::OpenMsg)];
-  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_open(msg, proto::Open{mode, name}));
+  const uint8_t flags = reopen && version.load() >= proto::kOpenFlagsVersion ? proto::kOpenReopen : 0;
+  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_open(msg, proto::Open{mode, name, flags}));
   std::byte rsp[kCtlSlotSize];
   IBTRS_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
   return proto::decode_open_rsp(rsp);
@@ -327,7 +328,7 @@ bool Session::remap_all(uint64_t gen) {
     for (Device* d : devs) {
       if (link_changed(gen)) return false;
       const uint32_t old = d->id.load();
-      auto r = open_device(d->name, d->mode);
+      auto r = open_device(d->name, d->mode, true);
       if (!r.ok()) {
         if (transport_error(r.error().value())) return false;
         close_device(d, r.error().value());
@@ -584,7 +585,7 @@ Status Session::remap_device(Device* d) {
   }
   const uint32_t old = d->id.load();
   const bool had_id = d->state.load() != DeviceState::closed && d->open_link_gen == gen;
-  auto r = open_device(d->name, d->mode);
+  auto r = open_device(d->name, d->mode, true);
   if (!r.ok()) {
     if (transport_error(r.error().value())) {
       release_held(d);
