@@ -719,12 +719,14 @@ TEST_F(Client, APathBrokenMidIoFailsOverTransparently) {
 // path; a write is submitted while the session is down.
 // Expect: the write waits, the session reconnects and re-opens the device, which gets id 0 on
 // the server's new session (reported old -> new); the write goes out with the new id and lands
-// on the right volume.
+// on the right volume. The maps were plain OPENs; the remap's OPEN says REOPEN (the server may
+// take the device over from the client's previous server: docs/protocol.md).
 TEST_F(Client, AllPathsDownAndBackRemapsAndQueuedIoResumes) {
   auto [s, d0, m] = up(2);
   ASSERT_TRUE(d0 && m);
   auto d1 = map(*s, "vol1");
   ASSERT_NE(d1, nullptr);
+  EXPECT_EQ(srv_.reopens_.load(), 0u) << "a first map is no re-open";
   EXPECT_EQ(d1->device_id(), 1u);
   ASSERT_TRUE(s->unmap("vol0").ok());
   EXPECT_EQ(d0->state(), DeviceState::closed);
@@ -758,6 +760,7 @@ TEST_F(Client, AllPathsDownAndBackRemapsAndQueuedIoResumes) {
   std::vector<std::byte> ee(1 << 20, std::byte{0xee});
   EXPECT_TRUE(same("vol0", 0, ee.data(), ee.size())) << "vol0 untouched";
   EXPECT_GE(srv_.sess_infos_.load(), 2u) << "SESS_INFO again after the reconnect";
+  EXPECT_EQ(srv_.reopens_.load(), 1u) << "the remap of vol1 (vol0 was unmapped)";
   ASSERT_EQ(read(*d1, 65536, *m, 512 * 1024, 300000 & ~511u), 0);
   EXPECT_EQ(std::memcmp(m->data(), m->data() + 512 * 1024, 300000 & ~511u), 0);
 }
@@ -960,6 +963,25 @@ TEST_F(Client, VersionNegotiationRefusesWhatItCannotSpeak) {
   EXPECT_EQ(BlockSession::open(options()).error(), errc(EPROTONOSUPPORT));
   srv_.answer_version(std::nullopt);
   EXPECT_NE(open(options()), nullptr);
+}
+
+// Case: a server that speaks version 2 (OPEN without flags, as the kernel's); all its paths drop
+// and come back. Expect: the remap re-opens the device without the REOPEN bit (a version 2
+// server refuses unknown bits in that byte) and IO resumes.
+TEST_F(Client, RemapToAVersionTwoServerSendsNoOpenFlags) {
+  start_server(1);
+  srv_.answer_version(2);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->proto_version(), 2);
+  auto d = map(*s, "vol0");
+  auto m = buffer(*s, 1 << 20);
+  ASSERT_TRUE(d && m);
+  server_disconnects("sess");
+  ASSERT_TRUE(wait_until([&] { return s->state() != SessionState::connected; }));
+  ASSERT_TRUE(wait_until([&] { return d->stats().remaps == 1; }));
+  EXPECT_EQ(srv_.reopens_.load(), 0u);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
 }
 
 // Case: the session is closed while the server holds a write and the caller keeps the device.

@@ -171,6 +171,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   }
   std::atomic<uint64_t> requests_{0};
   std::atomic<uint64_t> opens_{0};
+  std::atomic<uint64_t> reopens_{0};  // OPENs with kOpenReopen (remaps of a device held before)
   std::atomic<uint64_t> closes_{0};
   std::atomic<uint64_t> sess_infos_{0};
 
@@ -225,6 +226,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
 
   void open(ibtrs::ServerRequest& r, Sess& s, const proto::Open& m) {
     opens_.fetch_add(1);
+    if (m.flags & proto::kOpenReopen) reopens_.fetch_add(1);
     if (int e = refuse_open_.load()) return r.complete(e);
     auto it = vols_.find(m.dev_name);
     if (it == vols_.end()) return r.complete(ENOENT);
