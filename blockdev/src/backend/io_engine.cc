@@ -551,7 +551,10 @@ uint32_t IoEngine::run_completions() {
   // Consume the eventfd before reaping, so a completion posted after the reap wakes us again.
   // Only when something may have signalled it: a pass with no CQE and nothing left over from
   // an earlier one saves the read(2).
-  if (m.efd_maybe || m.worker || m.rbd_started > 0 || io_uring_cq_ready(&m.ring) > 0) {
+  // RBD completions signal the eventfd only when their list was empty: it needs reading only
+  // when the list holds something (a busy-polling owner would otherwise read(2) every pass).
+  if (m.efd_maybe || m.worker || m.rbd_done.load(std::memory_order_acquire) != nullptr ||
+      io_uring_cq_ready(&m.ring) > 0) {
     uint64_t cnt = 0;
     [[maybe_unused]] ssize_t rd = ::read(m.efd.get(), &cnt, sizeof(cnt));
     m.efd_maybe = false;
