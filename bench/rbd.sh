@@ -14,8 +14,9 @@
 # The image's exclusive lock moves to whichever client writes (librbd hands it over on request);
 # each row's first write pays for that once.
 # Workloads: 4 KiB randread / randwrite at QD32, 1 MiB sequential read / write at QD8; one job.
-# Columns: IOPS, MiB/s, mean latency, CPU per IO (fio + gateway processes + ceph-osd, usr+sys
-# from /proc/PID/stat over the run, / IOs). Ratios: ibnbd and ibnbd-nbd against librbd (target
+# Columns: IOPS, MiB/s, mean latency; CPU per IO (usr+sys) of fio (librbd runs inside it in the
+# librbd row), of the gateway processes (ibnbd-server, + ibnbd-client for ibnbd-nbd, qemu-nbd)
+# and of ceph-osd (/proc/PID/stat over the run). Ratios: ibnbd and ibnbd-nbd against librbd (target
 # >= 0.9x at 4k QD32 and 1 MiB) and against qemu-nbd (target >= 1.5x). On this 2-core host the
 # OSD, the gateway and fio share the cores: the ratios say what each path costs there.
 # A benchmark, not a test: it asserts nothing.
@@ -42,7 +43,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$seconds" in '' | *[!0-9]* | 0) echo "--seconds takes a whole number above 0" >&2; exit 2 ;; esac
-for t in fio qemu-nbd ceph-mon ceph-osd rbd jq python3; do
+for t in fio qemu-nbd ceph-mon ceph-osd rbd jq python3 /usr/bin/time; do
   command -v "$t" >/dev/null || { echo "skipped: $t is missing (scripts/setup.sh installs it)"; exit 0; }
 done
 fio --enghelp=rbd >/dev/null 2>&1 || { echo "skipped: this fio has no rbd engine"; exit 0; }
@@ -114,12 +115,12 @@ engine_args() {  # engine_args TARGET
     qemu-nbd) echo "--ioengine=nbd --uri=nbd+unix:///?socket=$work/qemu.sock" ;;
   esac
 }
-servers_of() {  # the processes that serve TARGET besides fio
+gateways_of() {  # the processes between fio and the OSD for TARGET
   case "$1" in
-    librbd) echo "$osd_pid" ;;
-    ibnbd) echo "$osd_pid $srv_pid" ;;
-    ibnbd-nbd) echo "$osd_pid $srv_pid $cld_pid" ;;
-    qemu-nbd) echo "$osd_pid $qemu_pid" ;;
+    librbd) echo "" ;;
+    ibnbd) echo "$srv_pid" ;;
+    ibnbd-nbd) echo "$srv_pid $cld_pid" ;;
+    qemu-nbd) echo "$qemu_pid" ;;
   esac
 }
 ticks() {  # usr+sys clock ticks of the PIDs
@@ -141,25 +142,32 @@ for w in "${workloads[@]}"; do
   for target in "${targets[@]}"; do
     [ -z "$only" ] || [[ $target =~ ^($only)$ ]] || continue
     out="$work/$target-${wname// /_}.json"
-    # shellcheck disable=SC2046
-    set -- $(servers_of "$target")
-    t0=$(ticks "$@")
+    gw=$(gateways_of "$target")
+    # shellcheck disable=SC2086
+    g0=$(ticks $gw) o0=$(ticks "$osd_pid")
     rc=0
     # shellcheck disable=SC2046
-    timeout -k 5 $((seconds + 60)) fio --output-format=json --output="$out" --name=bench $(engine_args "$target") $wargs \
-      --size=1G --time_based --runtime="$seconds" --ramp_time=1 >"$work/fio.err" 2>&1 || rc=$?
-    t1=$(ticks "$@")
+    timeout -k 5 $((seconds + 60)) /usr/bin/time -f "%U %S" -o "$work/fio.time" fio --output-format=json --output="$out" \
+      --name=bench $(engine_args "$target") $wargs --size=1G --time_based --runtime="$seconds" --ramp_time=1 \
+      >"$work/fio.err" 2>&1 || rc=$?
+    # shellcheck disable=SC2086
+    g1=$(ticks $gw) o1=$(ticks "$osd_pid")
     if [ "$rc" != 0 ] || ! jq -e '.jobs[0]' "$out" >/dev/null 2>&1; then
       rows+=("$wname|$target|failed (fio exit $rc: $(tail -1 "$work/fio.err"))")
       continue
     fi
-    line=$(jq -r --arg s "$side" --argjson srv_s "$(awk -v t=$((t1 - t0)) -v hz="$hz" 'BEGIN { print t / hz }')" \
-      '.jobs[0] as $j | $j[$s] as $d | (($j.usr_cpu + $j.sys_cpu) / 100 * $j.job_runtime / 1000) as $fio_s |
-       ($d.total_ios) as $n |
-       "\($d.iops) \($d.bw_bytes / 1048576) \($d.lat_ns.mean / 1000) \(if $n > 0 then ($fio_s + $srv_s) * 1e6 / $n else 0 end)"' "$out")
-    read -r iops mibs mean cpu <<<"$line"
+    # CPU over the whole fio run (ramp, setup and exit included) divided by the IOs of the ramp
+    # and the measured run (fio's IOPS x their span): fio's from /usr/bin/time (its job
+    # process and librbd's threads in it), the others' from /proc.
+    fio_s=$(awk '{ print $1 + $2 }' "$work/fio.time")
+    line=$(jq -r --arg s "$side" --argjson g "$(awk -v t=$((g1 - g0)) -v hz="$hz" 'BEGIN { print t / hz }')" \
+      --argjson f "$fio_s" \
+      --argjson o "$(awk -v t=$((o1 - o0)) -v hz="$hz" 'BEGIN { print t / hz }')" \
+      '.jobs[0] as $j | $j[$s] as $d | ($d.iops * ($j.job_runtime / 1000 + 1)) as $span |
+       "\($d.iops) \($d.bw_bytes / 1048576) \($d.lat_ns.mean / 1000) \(if $span > 0 then $f * 1e6 / $span else 0 end) \(if $span > 0 then $g * 1e6 / $span else 0 end) \(if $span > 0 then $o * 1e6 / $span else 0 end)"' "$out")
+    read -r iops mibs mean cfio cgw cosd <<<"$line"
     iops_of[$wname/$target]=$iops
-    rows+=("$wname|$target|$(printf '%.0f|%.1f|%.1f|%.1f' "$iops" "$mibs" "$mean" "$cpu")")
+    rows+=("$wname|$target|$(printf '%.0f|%.1f|%.1f|%.0f|%.0f|%.0f' "$iops" "$mibs" "$mean" "$cfio" "$cgw" "$cosd")")
   done
 done
 
@@ -170,10 +178,10 @@ ratio() {  # ratio WORKLOAD A B: IOPS of A / IOPS of B
 echo
 echo "bash bench/rbd.sh --seconds $seconds --server-poll $server_poll  ($(nproc) cores, load after: $(cut -d' ' -f1-3 /proc/loadavg), commit $(git -C "$top" rev-parse --short HEAD))"
 echo
-echo "| workload | target | IOPS | MiB/s | mean lat (us) | CPU us/IO | / librbd | / qemu-nbd |"
-echo "|---|---|---|---|---|---|---|---|"
+echo "| workload | target | IOPS | MiB/s | mean lat (us) | CPU us/IO fio | gateway | OSD | / librbd | / qemu-nbd |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do
   IFS='|' read -r wname target rest <<<"$r"
-  case "$rest" in failed*) echo "| $wname | $target | $rest | | | | | |"; continue ;; esac
+  case "$rest" in failed*) echo "| $wname | $target | $rest | | | | | | | |"; continue ;; esac
   echo "| $wname | $target | ${rest//|/ | } | $(ratio "$wname" "$target" librbd) | $(ratio "$wname" "$target" qemu-nbd) |"
 done
