@@ -504,6 +504,11 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       dev = it->second.get();
       name = dev->name;
       if (dev->backend->read_only() && m.mode != AccessMode::ro) return errc(EROFS);
+      // Held open by others since before a resize (a grown file, `rbd resize`): the OPEN
+      // answers with the size the store has now, which is how a client's remap (`ibnbd device
+      // resize`) learns it. IO in flight keeps its range checks against either size.
+      if (auto sz = dev->backend->refresh_size(); !sz.ok())
+        log_warn("OPEN", name, "size: " + sz.error().message());
     }
     auto grant = table.open(s.id, loc->id, name, m.mode);
     if (!grant.ok()) return grant.error();

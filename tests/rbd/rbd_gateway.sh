@@ -132,6 +132,21 @@ else
   not_ok "export rbd:rbd/src" "$(tail -1 "$work/err")"
 fi
 
+# Case: the image grows (`rbd resize` by another client) while mapped; the client remaps it
+# (`ibnbd device resize`). Expect: the new size in the device list and in nbdinfo of the export;
+# the bytes before stay as they were.
+if r resize --no-progress rbd/src --size 24M >/dev/null 2>&1; then
+  check_cmd "device resize rbd:rbd/src" ca device resize rbd:rbd/src
+  size=$(t nbdinfo --json "nbd+unix:///src?socket=$work/src.sock" 2>/dev/null | jq -r '.exports[0]."export-size"')
+  [ "$size" = $((24 << 20)) ] && ok "after rbd resize and device resize: nbdinfo shows 24 MiB" ||
+    not_ok "resize seen by the client" "nbdinfo says '$size'"
+  t qemu-img convert -f raw -O raw "nbd+unix:///src?socket=$work/src.sock" "$work/src.grown" 2>/dev/null
+  head -c $((16 << 20)) "$work/src.grown" >"$work/src.head" 2>/dev/null
+  same "... and the first 16 MiB are what was imported" "$work/src.bin" "$work/src.head"
+else
+  not_ok "rbd resize" "failed"
+fi
+
 # Case: every other operation, from qemu-io over NBD: write-zeroes that must allocate (NO_HOLE:
 # NOUNMAP, thick-provisioned zeros), write-zeroes that may unmap, discard, a FUA write, flush.
 # Expect: `rbd export` shows zeros in the three ranges, the FUA write's bytes, the rest as
@@ -204,6 +219,7 @@ expect_errno "host B, an image its rules do not grant: EACCES" 13 cb device map 
 expect_errno "host B, rw where it may read: EPERM" 1 cb device map rbd:rbd/b-img from "$addr" rw session b-rw
 check_cmd "host B, ro where it may read" cb device map rbd:rbd/b-img from "$addr" ro
 t nbdcopy "nbd+unix:///src?socket=$work/src.sock" "$work/src.again" 2>/dev/null
+truncate -s 16M "$work/src.again" 2>/dev/null  # grown to 24 MiB above; the rest reads as zeros
 same "after the refusals the gateway still serves" "$work/src.bin" "$work/src.again"
 
 # Case: access modes across two clients (host A's daemon holds rbd:rbd/data rw; the fio engine
