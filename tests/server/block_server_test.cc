@@ -294,6 +294,28 @@ TEST_F(BlockServerTest, AccessModesAcrossSessions) {
   EXPECT_EQ(d.open_dev("disk.img", AccessMode::migration), 0) << "the rw holder left";
 }
 
+// Case: a file held open by session a grows (the admin resized it); session b opens it, then a
+// opens it again (a remap: `ibnbd device resize`). Expect: both OPENs answer with the new size,
+// and IO past the old end works; a shrink is seen the same way and IO past the new end is EIO.
+TEST_F(BlockServerTest, OpenOfAHeldDeviceAnswersItsSizeNow) {
+  start();
+  Peer& a = peer("a");
+  Peer& b = peer("b");
+  proto::OpenRsp ra, rb, again;
+  ASSERT_EQ(a.open_dev("disk.img", AccessMode::rw, &ra), 0);
+  EXPECT_EQ(ra.geo.nsectors, (8u << 20) / kSectorSize);
+  fs::resize_file(root_ + "/disk.img", 12 << 20);
+  ASSERT_EQ(b.open_dev("disk.img", AccessMode::ro, &rb), 0);
+  EXPECT_EQ(rb.geo.nsectors, (12u << 20) / kSectorSize);
+  ASSERT_EQ(a.open_dev("disk.img", AccessMode::rw, &again), 0);
+  EXPECT_EQ(again.geo.nsectors, (12u << 20) / kSectorSize);
+  EXPECT_EQ(a.io(ra.device_id, IoOp::write, 10 << 20, 4096), 0) << "past the old end";
+  fs::resize_file(root_ + "/disk.img", 4 << 20);
+  ASSERT_EQ(b.open_dev("disk.img", AccessMode::ro, &rb), 0);
+  EXPECT_EQ(rb.geo.nsectors, (4u << 20) / kSectorSize);
+  EXPECT_EQ(a.io(ra.device_id, IoOp::read, 6 << 20, 4096), EIO) << "past the new end";
+}
+
 // Case: the admin takes a device away from a session. Expect: its IO gets ENODEV, the client can
 // still close the id, and a new open works.
 TEST_F(BlockServerTest, ForceCloseTakesTheDeviceAway) {
