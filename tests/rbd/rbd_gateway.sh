@@ -224,11 +224,12 @@ same "after the refusals the gateway still serves" "$work/src.bin" "$work/src.ag
 
 # Case: access modes across two clients (host A's daemon holds rbd:rbd/data rw; the fio engine
 # is the second client). Expect: a second rw holder fails with EBUSY (16); ro beside it works.
-fio_job() {  # fio_job NAME DEVICE [fio args]: the fio engine as host A, JSON in NAME.json
+fio_job() {  # fio_job NAME DEVICE [fio args]: the fio engine as host A (to $fio_addr, default
+  # the main server; session fio-NAME unless the args name one), JSON in NAME.json
   local name=$1 dev=$2
   shift 2
   t fio --output-format=json --output="$work/$name.json" --name="$name" --ioengine="external:$engine" \
-    --ibnbd_paths="$addr" --ibnbd_device="$dev" --ibnbd_host_key="$work/a.key" --ibnbd_session="fio-$name" "$@" \
+    --ibnbd_paths="${fio_addr:-$addr}" --ibnbd_device="$dev" --ibnbd_host_key="$work/a.key" --ibnbd_session="fio-$name" "$@" \
     >"$work/$name.out" 2>&1
 }
 fio_job rw-second rbd:rbd/data --rw=write --bs=64k --size=1M
@@ -293,6 +294,28 @@ rc=$?
 [ "$rc" != 0 ] && grep -q "connecting to the cluster" "$work/bad.log" && ok "a wrong cephx key: map refused (exit $rc), the server says why" ||
   not_ok "a wrong cephx key" "exit $rc: $(tail -2 "$work/bad.log") $(tail -1 "$work/err")"
 check_cmd "... and that server still serves its files" ca device map f.img from "$bad_addr" rw session bad-file
+
+# Case: per-session RADOS namespaces ("namespace": "%SESSNAME%"): namespace ns-a holds an image
+# "img" with known bytes. Expect: session ns-a reads them as rbd:rbd/img; session ns-b, whose
+# namespace does not exist, gets ENOENT; the head of pool rbd has no "img".
+server_config "$ibnbd_keyring" | python3 -c 'import json,sys; c=json.load(sys.stdin); c["rbd"]["namespace"]="%SESSNAME%"; print(json.dumps(c))' >"$work/ns.json"
+head -c $((1 << 20)) /dev/urandom >"$work/ns.bin"
+if r namespace create rbd/ns-a && r import --no-progress "$work/ns.bin" rbd/ns-a/img >/dev/null 2>&1; then
+  start_server "$work/ns.json" ns
+  ns_addr=$srv_addr
+  if ca device map rbd:rbd/img from "$ns_addr" ro session ns-a >"$work/out" 2>"$work/err" &&
+    ca device export rbd:rbd/img unix "$work/ns-export.sock" name ns >/dev/null 2>"$work/err" &&
+    t nbdcopy "nbd+unix:///ns?socket=$work/ns-export.sock" "$work/ns.out" 2>"$work/err"; then
+    same "session ns-a reads rbd:rbd/img of namespace ns-a" "$work/ns.bin" "$work/ns.out"
+  else
+    not_ok "session ns-a maps rbd:rbd/img" "$(tail -1 "$work/err") $(tail -1 "$work/out") $(grep -i "rbd:rbd/img" "$work/ns.log" | tail -2)"
+  fi
+  fio_addr=$ns_addr fio_job ns-b rbd:rbd/img --rw=read --bs=4k --size=64k --ibnbd_mode=ro --ibnbd_session=ns-b
+  grep -q "No such file or directory" "$work/ns-b.out" && ok "session ns-b (no such namespace): ENOENT for rbd:rbd/img" ||
+    not_ok "session ns-b: ENOENT" "$(tail -2 "$work/ns-b.out")"
+else
+  not_ok "rbd namespace create / import" "failed"
+fi
 
 echo "# done in $((SECONDS - t0)) s"
 exit $failed
