@@ -5,6 +5,9 @@
 ibtrs_test(unit_backend_export SOURCES backend_export_test.cc GTEST_MAIN LABELS unit)
 ibtrs_test(unit_backend_io SOURCES backend_io_test.cc GTEST_MAIN LABELS unit)
 ibtrs_test(unit_backend_bdev SOURCES backend_bdev_test.cc GTEST_MAIN LABELS unit)
-foreach(t unit_backend_export unit_backend_io unit_backend_bdev)
+# The engine's RBD path over a fake image completing from threads of its own (no cluster: every
+# build, TSan's included, checks the completion hand-off).
+ibtrs_test(unit_backend_rbd SOURCES backend_rbd_test.cc GTEST_MAIN LABELS unit)
+foreach(t unit_backend_export unit_backend_io unit_backend_bdev unit_backend_rbd)
   target_link_libraries(${t} PRIVATE ibnbd_backend_internal)
 endforeach()

@@ -34,7 +34,8 @@ namespace ibnbd {
 
 class RbdCluster;
 namespace backend {
-struct RbdImage;  // an open librbd image (backend/rbd_image.h)
+struct RbdImage;       // an open librbd image (backend/rbd_image.h)
+struct RbdAccess;      // how the rbd code fills a Backend of kind rbd (rbd_image.h)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -161,6 +162,7 @@ class Backend {
 
  private:
   friend class RbdCluster;
+  friend struct backend::RbdAccess;
   Backend();
   static Result<std::unique_ptr<Backend>> open_fd(int dirfd, const std::string& path, bool beneath,
                                                   const OpenOptions& o, std::string name);

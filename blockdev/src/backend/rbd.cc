@@ -94,6 +94,40 @@ Result<std::string> rbd_namespace(std::string_view tmpl, std::string_view sessio
   return out;
 }
 
+std::unique_ptr<Backend> backend::RbdAccess::make(std::unique_ptr<RbdImage> img, std::string name, FileId id,
+                                                  uint64_t bytes, uint64_t obj_size, bool read_only) {
+  std::unique_ptr<Backend> b(new Backend());
+  b->rbd_ = std::move(img);
+  b->name_ = std::move(name);
+  b->id_ = std::move(id);
+  b->kind_ = Backend::Kind::rbd;
+  b->read_only_ = read_only;
+  DeviceGeometry& g = b->geo_;
+  // librbd takes any byte range; 512-byte sectors are the wire's unit. Objects (4 MiB by
+  // default) are the unit of allocation: a discard smaller than one only zeroes.
+  g.logical_block_size = kSectorSize;
+  g.physical_block_size = 4096;
+  g.max_hw_sectors = 1024;  // 512 KiB: the chunk bounds a request anyway
+  g.max_segments = kMaxIoSegments;
+  if (!read_only) {
+    b->can_discard_ = b->can_write_zeroes_ = true;
+    g.max_discard_sectors = g.max_write_zeroes_sectors = UINT32_MAX;
+    g.discard_granularity = static_cast<uint32_t>(std::min<uint64_t>(obj_size, UINT32_MAX));
+  }
+  // librbd's cache (rbd_cache, on by default) is write-back until a flush.
+  g.cache_policy = kCacheFua | kCacheWriteBack;
+  b->size_.store(bytes / kSectorSize * kSectorSize, std::memory_order_release);
+  return b;
+}
+
+std::unique_ptr<Backend> backend::RbdAccess::make_fake(RbdFake* fake, uint64_t bytes, bool read_only) {
+  auto img = std::make_unique<RbdImage>();
+  img->fake = fake;
+  FileId id;
+  id.rbd = "fake/" + std::to_string(reinterpret_cast<uintptr_t>(fake));
+  return make(std::move(img), "rbd:fake/image", std::move(id), bytes, 4u << 20, read_only);
+}
+
 #ifdef IBNBD_HAVE_RBD
 
 bool rbd_supported() { return true; }
@@ -208,31 +242,12 @@ Result<std::unique_ptr<Backend>> RbdCluster::open(const RbdName& name, std::stri
   uint64_t snap_id = 0;
   if (snap && (rc = rbd_snap_get_id(h.image, snap_name, &snap_id)) < 0) return fail(-rc, "the snapshot's id");
 
-  std::unique_ptr<Backend> b(new Backend());
-  b->rbd_ = std::move(img);
-  b->name_ = name.text();
-  b->id_.rbd = impl_->fsid + "/" + std::to_string(rados_ioctx_get_id(h.io)) + "/" + std::string(ns) + "/" + id +
-               "@" + (snap ? std::to_string(snap_id) : "head");
-  b->kind_ = Backend::Kind::rbd;
-  b->read_only_ = o.read_only;
-  DeviceGeometry& g = b->geo_;
-  // librbd takes any byte range; 512-byte sectors are the wire's unit. Objects (4 MiB by
-  // default) are the unit of allocation: a discard smaller than one only zeroes.
+  FileId fid;
+  fid.rbd = impl_->fsid + "/" + std::to_string(rados_ioctx_get_id(h.io)) + "/" + std::string(ns) + "/" + id + "@" +
+            (snap ? std::to_string(snap_id) : "head");
   rbd_image_info_t info{};
   const uint64_t obj = rbd_stat(h.image, &info, sizeof(info)) == 0 && info.obj_size ? info.obj_size : 4u << 20;
-  g.logical_block_size = kSectorSize;
-  g.physical_block_size = 4096;
-  g.max_hw_sectors = 1024;  // 512 KiB: the chunk bounds a request anyway
-  g.max_segments = kMaxIoSegments;
-  if (!o.read_only) {
-    b->can_discard_ = b->can_write_zeroes_ = true;
-    g.max_discard_sectors = g.max_write_zeroes_sectors = UINT32_MAX;
-    g.discard_granularity = static_cast<uint32_t>(std::min<uint64_t>(obj, UINT32_MAX));
-  }
-  // librbd's cache (rbd_cache, on by default) is write-back until a flush.
-  g.cache_policy = kCacheFua | kCacheWriteBack;
-  b->size_.store(bytes / kSectorSize * kSectorSize, std::memory_order_release);
-  return b;
+  return backend::RbdAccess::make(std::move(img), name.text(), std::move(fid), bytes, obj, o.read_only);
 }
 
 namespace backend {
@@ -248,6 +263,7 @@ void aio_done(rbd_completion_t c, void* p) {
 
 int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iovec* iov, int niov, bool nounmap,
               RbdAio* aio) {
+  if (img.fake) return img.fake->start(st, off, len, iov, niov, nounmap, aio);
   rbd_completion_t c = nullptr;
   int rc = rbd_aio_create_completion(aio, aio_done, &c);
   if (rc < 0) return rc;
@@ -271,10 +287,13 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
   return rc < 0 ? rc : 0;
 }
 
-int rbd_size(RbdImage& img, uint64_t* bytes) { return rbd_get_size(img.h->image, bytes); }
-int rbd_sync(RbdImage& img) { return rbd_flush(img.h->image); }
+int rbd_size(RbdImage& img, uint64_t* bytes) {
+  return img.fake ? img.fake->size(bytes) : rbd_get_size(img.h->image, bytes);
+}
+int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : rbd_flush(img.h->image); }
 
 int rbd_take_over(RbdImage& img, std::string* fenced) {
+  if (img.fake) return 0;  // a fake has no lock
   rbd_image_t im = img.h->image;
   int owner = 0;
   int rc = rbd_is_exclusive_lock_owner(im, &owner);
@@ -330,12 +349,14 @@ Result<std::unique_ptr<Backend>> RbdCluster::open(const RbdName&, std::string_vi
 }
 
 namespace backend {
-int rbd_start(RbdImage&, RbdStage, uint64_t, uint64_t, const iovec*, int, bool, RbdAio*) {
-  return -EOPNOTSUPP;
+// Without librbd only the backend's tests make images: their fakes.
+int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iovec* iov, int niov, bool nounmap,
+              RbdAio* aio) {
+  return img.fake ? img.fake->start(st, off, len, iov, niov, nounmap, aio) : -EOPNOTSUPP;
 }
-int rbd_size(RbdImage&, uint64_t*) { return -EOPNOTSUPP; }
-int rbd_sync(RbdImage&) { return -EOPNOTSUPP; }
-int rbd_take_over(RbdImage&, std::string*) { return -EOPNOTSUPP; }
+int rbd_size(RbdImage& img, uint64_t* bytes) { return img.fake ? img.fake->size(bytes) : -EOPNOTSUPP; }
+int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : -EOPNOTSUPP; }
+int rbd_take_over(RbdImage& img, std::string*) { return img.fake ? 0 : -EOPNOTSUPP; }
 }  // namespace backend
 
 #endif

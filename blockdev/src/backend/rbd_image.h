@@ -9,13 +9,29 @@
 #include <memory>
 #include <string>
 
+#include "ibnbd/backend.h"
 #include "ibnbd/types.h"
 
 namespace ibnbd::backend {
 
+struct RbdAio;
+enum class RbdStage : uint8_t;
+
+// Stands in for librbd in the backend's own tests (tests/blockdev/backend_rbd_test.cc): starts
+// each stage itself and completes it from a thread of its own, as librbd's callbacks come. The
+// same contract as rbd_start() and friends below.
+struct RbdFake {
+  virtual ~RbdFake() = default;
+  virtual int start(RbdStage st, uint64_t off, uint64_t len, const iovec* iov, int niov, bool nounmap,
+                    RbdAio* aio) = 0;
+  virtual int size(uint64_t* bytes) = 0;
+  virtual int sync() = 0;
+};
+
 struct RbdImage {
   struct Handles;  // rados_ioctx_t + rbd_image_t, and the cluster they belong to
   std::unique_ptr<Handles> h;
+  RbdFake* fake = nullptr;  // tests only: every call goes to it instead of librbd
   RbdImage();
   ~RbdImage();  // rbd_close (which waits for its AIO), then the ioctx
   RbdImage(const RbdImage&) = delete;
@@ -57,5 +73,16 @@ int rbd_sync(RbdImage& img);
 // Breaks the exclusive lock when another client holds it (Backend::take_over); *fenced names
 // the owners broken.
 int rbd_take_over(RbdImage& img, std::string* fenced);
+
+// How the rbd code fills a Backend of kind rbd (a friend of Backend).
+struct RbdAccess {
+  // A Backend over `img`: `bytes` long, objects of `obj_size` bytes (the discard granularity),
+  // read-only or not. RbdCluster::open uses it, and the backend's own tests with a fake image.
+  static std::unique_ptr<Backend> make(std::unique_ptr<RbdImage> img, std::string name, FileId id, uint64_t bytes,
+                                       uint64_t obj_size, bool read_only);
+  // For the backend's own tests: an image whose every call goes to `fake` (which must outlive
+  // the Backend).
+  static std::unique_ptr<Backend> make_fake(RbdFake* fake, uint64_t bytes, bool read_only);
+};
 
 }  // namespace ibnbd::backend
