@@ -228,7 +228,9 @@ fio_job() {  # fio_job NAME DEVICE [fio args]: the fio engine as host A (to $fio
   # the main server; session fio-NAME unless the args name one), JSON in NAME.json
   local name=$1 dev=$2
   shift 2
-  t fio --output-format=json --output="$work/$name.json" --name="$name" --ioengine="external:$engine" \
+  # IBNBD_FIO_PRELOAD: the ASan runtime for an instrumented engine in an uninstrumented fio.
+  t env ${IBNBD_FIO_PRELOAD:+LD_PRELOAD=$IBNBD_FIO_PRELOAD ASAN_OPTIONS=detect_leaks=0} \
+    fio --output-format=json --output="$work/$name.json" --name="$name" --ioengine="external:$engine" \
     --ibnbd_paths="${fio_addr:-$addr}" --ibnbd_device="$dev" --ibnbd_host_key="$work/a.key" --ibnbd_session="fio-$name" "$@" \
     >"$work/$name.out" 2>&1
 }
