@@ -6,7 +6,8 @@ notes with each case's time); exit 1 when anything failed, 77 when something it 
 
     tests/vm/run-in-vm.sh -- python3 tests/migrate/vm_migrate_qemu_rdma.py BUILD_DIR
                                                        (ctest: vm_migrate_qemu_rdma, in vm_suite)
-    IBNBD_QRDMA_CASES="peer save"   runs only those cases (peer save exec pinall pinmax kill hostile)
+    IBNBD_QRDMA_CASES="peer save"   runs only those cases (peer save exec pinall pinmax kill hostile
+                                    corrupt cut)
 
 Guests are small and paused (-m 32, -S, 16 MiB of random bytes loaded at 1 MiB), as in
 ../shared/reference/qemu-rdma-migration.md; the images live on an ibnbd-server volume reached
@@ -26,12 +27,23 @@ over tcp on loopback (the image transport is not the subject here). Cases:
            a bad version is rejected; a bad type, a REGISTER outside the block, a bad stream get
            ERROR and a close; an RDMA WRITE outside the registered chunk is refused by the device
            and the agent names its failed QP; each save exits with an error, its image PARTIAL
-           (IBNBD_QRDMA_HOSTILE="all": also a short message and a COMPRESS across chunks).
+           (IBNBD_QRDMA_HOSTILE="all": also a short message and a COMPRESS across chunks);
+  corrupt  one byte flipped in the first chunk of an image saved earlier (found through the
+           volume's directory), then its rdma restore: refused at that chunk before any byte
+           reaches QEMU (QEMU's incoming migration fails, QEMU exits non-zero), the agent and
+           `ibnbd-migrate verify` name the chunk;
+  cut      RoCEv2 (udp 4791) dropped on the ingress of both veths 1 s into a throttled rdma save
+           whose agent has `timeout 8`: QEMU's migration fails within 30 s, the agent exits
+           non-zero within its timeout + 4 s saying why (nothing heard, or the transport's
+           retries exhausted), the image stays PARTIAL; the filters go whatever happens, then
+           rdma_cm must connect again (rping) before the test ends. Last: rxe was seen to refuse
+           new rdma_cm connections for a while after such drops (tests/netns/vm-multipath.sh).
 """
 import hashlib
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -43,7 +55,10 @@ MiB = qm.MiB
 qm.GUEST_MB = 32
 qm.PATTERN = 16 * MiB
 ADDR = os.environ.get("IBTRS_RDMA_ADDR_B", "")
-CASES = os.environ.get("IBNBD_QRDMA_CASES", "peer save exec pinall pinmax kill hostile").split()
+CASES = os.environ.get("IBNBD_QRDMA_CASES", "peer save exec pinall pinmax kill hostile corrupt cut").split()
+# The cut: the veths under rxe0 / rxe1 (tests/vm/README.md), the agent's timeout during it.
+NETDEVS = [os.environ.get("IBTRS_RDMA_NETDEV_A", "veth0"), os.environ.get("IBTRS_RDMA_NETDEV_B", "veth1")]
+CUT_TIMEOUT = 8
 
 
 class Rig(qm.Env):
@@ -125,12 +140,12 @@ class Rig(qm.Env):
                              capture_output=True, text=True)
         return {l.split()[0]: l.split()[1] for l in out.stdout.splitlines()[1:] if len(l.split()) > 1}
 
-    def agent_save(self, image, *extra, max_size="96M"):
+    def agent_save(self, image, *extra, max_size="96M", timeout=60):
         """`ibnbd-migrate save ... rdma ADDR:0`: (agent, the port it printed, or None). Each save
         is bounded (`max`): a PARTIAL image keeps its extent, by default the largest free one."""
         log = f"agent-{image}.log"
         agent = self.spawn(self.migrate_args("save", image, "session", "mig-" + image, "rdma", f"{ADDR}:0",
-                                             "timeout", "60", "max", max_size, *extra), log)
+                                             "timeout", str(timeout), "max", max_size, *extra), log)
         m = self.wait_line(log, r"waiting for QEMU on rdma:\S+:(\d+)")
         return agent, (int(m.group(1)) if m else None)
 
@@ -192,26 +207,27 @@ def restore_exec(env, image):
         stop(dst, q)
 
 
-def restore_rdma(env, image, pin_all=False):
-    """`-incoming rdma:` fed by `ibnbd-migrate restore ... rdma`: (status, md5, qemu rc, log)."""
-    dst, q = env.qemu("dst-" + image, incoming=True)
+def restore_rdma(env, image, pin_all=False, dst_name=None):
+    """`-incoming rdma:` fed by `ibnbd-migrate restore ... rdma`: (status, md5, qemu rc, log,
+    agent rc). The destination is QEMU "dst-IMAGE" unless named."""
+    dst, q = env.qemu(dst_name or "dst-" + image, incoming=True)
     log = f"agent-r-{image}.log"
     try:
         port = env.next_port()
         q.cmd("migrate-incoming", uri=f"rdma:{ADDR}:{port}")
         agent = env.spawn(env.migrate_args("restore", image, "rdma", f"{ADDR}:{port}", "timeout", "60",
                                            *(["pin-all"] if pin_all else [])), log)
-        st, _ = finish(q, agent)
+        st, arc = finish(q, agent)
         if st != "completed":
             try:
                 rc = dst.wait(20)
             except subprocess.TimeoutExpired:
                 rc = None
-            return st, None, rc, env.log(log)
+            return st, None, rc, env.log(log), arc
         h = env.memsum(q, "dst-" + image)
         q.cmd("cont")
         running = q.cmd("query-status").get("running")
-        return ("completed" if running else "not running"), h, None, env.log(log)
+        return ("completed" if running else "not running"), h, None, env.log(log), arc
     finally:
         stop(dst, q)
 
@@ -256,7 +272,7 @@ def case_exec(env):
     # Case: an exec:-saved image restored over rdma: (dynamic registration).
     h, st = save_exec(env, "ex")
     qm.check("exec save completes", st == "completed", st)
-    rst, h2, _, log = restore_rdma(env, "ex")
+    rst, h2, _, log, _ = restore_rdma(env, "ex")
     qm.check("exec-saved image restored over rdma: RAM equal, runs", rst == "completed" and h2 == h and
              "dynamic registration" in log, f"{rst} {h2} != {h}: {log[-600:]}")
 
@@ -266,7 +282,7 @@ def case_pinall(env):
     h, st, rc, log = save_rdma(env, "pa", pin_all=True)
     qm.check("rdma save with rdma-pin-all completes, pinned", st == "completed" and rc == 0 and "pin-all" in log,
              f"{st}, agent {rc}: {log[-600:]}")
-    rst, h2, _, rlog = restore_rdma(env, "pa", pin_all=True)
+    rst, h2, _, rlog, _ = restore_rdma(env, "pa", pin_all=True)
     qm.check("pin-all image restored over rdma with pin-all: RAM equal, runs",
              rst == "completed" and h2 == h and "pin-all" in rlog, f"{rst} {h2} != {h}: {rlog[-600:]}")
 
@@ -290,7 +306,7 @@ def case_kill(env):
     _, st, _, log = save_rdma(env, "kl", bandwidth=4 * MiB, during=kill_agent)
     qm.check("agent killed mid-save: QEMU's migration fails", st == "failed", f"{st}: {log[-300:]}")
     env.partial["kl"] = "the agent killed mid-save"
-    rst, _, rc, rlog = restore_rdma(env, "kl")
+    rst, _, rc, rlog, _ = restore_rdma(env, "kl")
     qm.check("rdma restore of a PARTIAL image: refused, QEMU exits non-zero", rst != "completed" and
              rc not in (0, None), f"{rst}, qemu exit {rc}: {rlog[-300:]}")
 
@@ -336,11 +352,189 @@ def case_hostile(env):
                  f"tool {r.returncode}: {r.stdout.strip()} {r.stderr.strip()[-200:]}; agent {rc}: {log[-400:]}")
 
 
+def first_chunk(volume, image):
+    """The volume offset of `image`'s stored chunk 0, read as docs/migration-image.md lays it out:
+    the directory copy (primary at 0, mirror in the last 4096 bytes) with the highest generation,
+    the image's slot, its header's data_offset. None when the image is not there."""
+    with open(volume, "rb") as f:
+        size = f.seek(0, 2)
+        copies = []
+        for at in (0, size - 4096):
+            f.seek(at)
+            d = f.read(4096)
+            if d[:8] == b"IBNBDDIR":
+                copies.append((struct.unpack_from("<Q", d, 16)[0], d))
+        if not copies:
+            return None
+        d = max(copies)[1]
+        for i in range(struct.unpack_from("<I", d, 12)[0]):
+            slot = d[64 + 128 * i:64 + 128 * (i + 1)]
+            if slot[:64].rstrip(b"\0") == image.encode():
+                start = struct.unpack_from("<Q", slot, 64)[0]
+                f.seek(start)
+                h = f.read(4096)
+                if h[:8] != b"IBNBDIMG":
+                    return None
+                return start + struct.unpack_from("<Q", h, 192)[0]
+    return None
+
+
+def case_corrupt(env):
+    # Case: one byte flipped 4 KiB into the first stored chunk of an image saved completely
+    # earlier (the save, exec or pinall case's), then `restore ... rdma` of it.
+    # Expect: QEMU's incoming migration fails and QEMU exits non-zero; the agent exits with an
+    # error naming the chunk ("CRC32C mismatch", piece 0) before it has sent QEMU any RAM (no
+    # "rounds" summary); `ibnbd-migrate verify` names the same chunk.
+    states = env.states()
+    image = next((i for i in ("rd", "ex", "pa") if states.get(i) == "committed"), None)
+    vol = os.path.join(env.work, "export/images.img")
+    at = first_chunk(vol, image) if image else None
+    if at is None:
+        qm.not_ok("corrupt", f"no committed image of the save/exec/pinall cases to corrupt: {states}")
+        return
+    with open(vol, "r+b") as f:
+        f.seek(at)
+        magic = f.read(4)
+        f.seek(at + 4096)
+        b = f.read(1)
+        f.seek(at + 4096)
+        f.write(bytes([b[0] ^ 0x20]))
+    qm.check("corrupt: the image's chunk 0 found through the directory (a stream's magic there)",
+             magic == b"QEVM", f"{image} at {at}: {magic!r}")
+    rst, _, rc, log, arc = restore_rdma(env, image, dst_name="dst-co")
+    qm.check("corrupt chunk: rdma restore refused, QEMU's incoming migration fails, QEMU exits non-zero",
+             rst != "completed" and rc not in (0, None), f"{rst}, qemu exit {rc}: {log[-300:]}")
+    qm.check("corrupt chunk: the agent names it and fails before any RAM went out",
+             arc not in (0, None, "hung") and arc > 0 and "CRC32C mismatch" in log and "piece 0" in log and
+             " rounds, " not in log, f"agent {arc}: {log[-400:]}")
+    out = subprocess.run(env.migrate_args("verify", image), capture_output=True, text=True)
+    qm.check("corrupt chunk: verify names it too", out.returncode != 0 and "CRC32C mismatch" in out.stderr and
+             "piece 0" in out.stderr, out.stderr[-400:])
+
+
+def tc_cut(add):
+    """Drops RoCEv2 on the ingress of both veths (add) or removes every ingress filter: ""
+    or what tc said. Ingress: an egress drop fails rxe's send at once; this is a silent loss."""
+    errs = []
+    for dev in NETDEVS:
+        argv = ["tc", "filter", "add", "dev", dev, "ingress", "protocol", "ip", "u32", "match", "ip", "protocol",
+                "17", "0xff", "match", "ip", "dport", "4791", "0xffff", "action", "drop"] if add else \
+               ["tc", "filter", "del", "dev", dev, "ingress"]
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            errs.append(f"{' '.join(argv)}: {r.stderr.strip()}")
+    return "; ".join(errs)
+
+
+def rdma_cm_works(timeout=30):
+    """Seconds until one rping over rxe0 -> rxe1 succeeds (None: not within `timeout`)."""
+    t0 = time.time()
+    port = str(env_port[0])
+    env_port[0] += 1
+    while time.time() - t0 < timeout:
+        srv = subprocess.Popen(["rping", "-s", "-a", ADDR, "-p", port, "-C", "1"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        time.sleep(0.2)
+        try:
+            c = subprocess.run(["rping", "-c", "-a", ADDR, "-I", ADDR_A, "-p", port, "-C", "1"],
+                               capture_output=True, timeout=5)
+            good = c.returncode == 0
+        except subprocess.TimeoutExpired:
+            good = False
+        try:
+            srv.wait(2)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+        if good:
+            return time.time() - t0
+        time.sleep(0.5)
+    return None
+
+
+env_port = [4500]  # rping's ports
+ADDR_A = os.environ.get("IBTRS_RDMA_ADDR_A", "")
+
+
+def case_cut(env):
+    # Case: RoCEv2 dropped on both veths 1 s into an rdma save throttled to 4 MiB/s, the agent's
+    # `timeout` 8 s. Expect: QEMU's migration fails within 30 s; the agent exits with an error
+    # (not a signal) within 8 + 4 s of the cut and says why (nothing heard within its timeout,
+    # or the transport's retries exhausted), not a crash or a hang; the image stays PARTIAL.
+    if not env.clsact:
+        qm.not_ok("cut", f"no clsact qdiscs for the filters: {env.clsact_err}")
+        return
+    q, _ = env.source(bandwidth=4 * MiB)
+    agent, port = env.agent_save("ct", timeout=CUT_TIMEOUT)
+    if port is None:
+        agent.kill()
+        qm.not_ok("cut", "agent did not listen: " + env.log("agent-ct.log")[-300:])
+        return
+    env.partial["ct"] = "the link cut mid-save"
+    q.cmd("migrate", uri=f"rdma:{ADDR}:{port}")
+    time.sleep(1.0)
+    st = rc = t_q = t_a = None
+    try:
+        err = tc_cut(True)
+        t0 = time.time()
+        qm.check("cut: RoCEv2 dropped on both veths", not err, err)
+        while time.time() - t0 < 40 and (t_q is None or t_a is None):
+            if t_q is None:
+                try:
+                    s = q.cmd("query-migrate").get("status", "none")
+                except (EOFError, OSError):
+                    s = "qemu exited"
+                if s not in ("setup", "active", "device", "pre-switchover", "none"):
+                    st, t_q = s, time.time() - t0
+            if t_a is None and agent.poll() is not None:
+                rc, t_a = agent.returncode, time.time() - t0
+            time.sleep(0.1)
+    finally:
+        err = tc_cut(False)
+    if t_a is None:
+        agent.kill()
+        rc = "hung"
+    log = env.log("agent-ct.log")
+    said = re.search(r"nothing from the peer in [0-9.]+ s|stopped acknowledging|closed the connection", log)
+    print(f"# cut: QEMU {st} {t_q if t_q is None else round(t_q, 1)} s after the cut, the agent exited {rc} "
+          f"after {t_a if t_a is None else round(t_a, 1)} s: {said.group(0) if said else '?'}", flush=True)
+    qm.check("cut: the filters are removed", not err, err)
+    qm.check("cut: QEMU's migration fails within 30 s", st == "failed" and t_q <= 30, f"{st} after {t_q} s")
+    qm.check(f"cut: the agent exits with an error within {CUT_TIMEOUT} + 4 s, saying why",
+             rc not in (0, None, "hung") and rc > 0 and t_a <= CUT_TIMEOUT + 4 and said is not None and
+             "stays PARTIAL" in log, f"agent {rc} after {t_a} s: {log[-500:]}")
+    # Case: rdma_cm after the filters are gone. Expect: a connection within 30 s (the tests
+    # after this one, vm_multipath in the suite, need it).
+    back = rdma_cm_works()
+    print(f"# cut: rdma_cm connects again {back if back is None else round(back, 1)} s after the filters went",
+          flush=True)
+    qm.check("cut: rdma_cm connects again within 30 s of the filters' removal", back is not None)
+
+
 # The destinations each case restores into, started together at the beginning.
-DESTINATIONS = {"peer": ["dst-peer"], "save": ["dst-rd"], "exec": ["dst-ex"], "pinall": ["dst-pa"], "kill": ["dst-kl"]}
+DESTINATIONS = {"peer": ["dst-peer"], "save": ["dst-rd"], "exec": ["dst-ex"], "pinall": ["dst-pa"], "kill": ["dst-kl"],
+                "corrupt": ["dst-co"]}
 
 
 def run(env):
+    # The first clsact qdisc flips a kernel static key (live code patching): under TCG that has
+    # panicked the guest while traffic flowed (tests/netns/vm-multipath.sh), so it is made now,
+    # before any QEMU, and the cut only adds and removes filters.
+    env.clsact, env.clsact_err = False, ""
+    if "cut" in CASES:
+        r = subprocess.run(["sh", "-c", " && ".join(f"tc qdisc replace dev {d} clsact" for d in NETDEVS)],
+                           capture_output=True, text=True)
+        env.clsact, env.clsact_err = r.returncode == 0, r.stderr.strip()
+        time.sleep(1)  # the code patching settles before traffic starts
+    try:
+        run_cases(env)
+    finally:
+        if env.clsact:  # their filters with them (the cut removes its own, whatever happens)
+            for d in NETDEVS:
+                subprocess.run(["tc", "qdisc", "del", "dev", d, "clsact"], capture_output=True)
+
+
+def run_cases(env):
     for name in CASES:
         for d in DESTINATIONS.get(name, []):
             env.start(d, incoming=True)

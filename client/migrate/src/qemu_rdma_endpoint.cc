@@ -185,6 +185,14 @@ Result<AddrInfoPtr> resolve(const RdmaAddress& a, bool passive, std::string* why
   return AddrInfoPtr(res);
 }
 
+// A cut link and a hung peer look the same from here: nothing arrives. The RC transport's own
+// retries end a wait sooner only while something of ours is unacknowledged.
+std::string timeout_message(Clock::duration waited) {
+  const auto ds = std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() / 100;
+  return "nothing from the peer in " + std::to_string(ds / 10) + "." + std::to_string(ds % 10) +
+         " s (the timeout): the link is down or the peer hangs";
+}
+
 std::string memlock_hint() {
   rlimit rl{};
   if (::getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return "";
@@ -383,6 +391,10 @@ Status Link::poll_cq() {
       } else if (wc[i].status != IBV_WC_SUCCESS && !failed_) {
         failed_ = ibtrs::errc(wc_errno(wc[i].status));
         err_ = std::string(wr_kind(wc[i].wr_id)) + " failed: " + ibv_wc_status_str(wc[i].status);
+        // The RC transport's retries ran out (retry_count x the ACK timeout, seconds on rxe):
+        // nothing came back, not a refusal.
+        if (wc[i].status == IBV_WC_RETRY_EXC_ERR)
+          err_ += " (the peer stopped acknowledging: the link is down or the peer is gone)";
       }
     }
     if (n < 16) return {};
@@ -450,6 +462,7 @@ Status Link::broken() {
 // Polls until done() holds; every completion and cm event is taken in on the way. A failed
 // completion or a disconnect ends the wait with an error unless done() holds by then.
 Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done) {
+  const auto t0 = Clock::now();
   for (;;) {
     IBTRS_TRY(poll_cq());
     if (done()) return {};
@@ -460,7 +473,7 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
       return broken();
     }
     if (Clock::now() >= deadline) {
-      err_ = "the peer did not answer in time";
+      err_ = timeout_message(Clock::now() - t0);
       return ibtrs::errc(ETIMEDOUT);
     }
     pollfd pfd[2] = {{res_->comp->fd, POLLIN, 0}, {res_->channel->fd, POLLIN, 0}};
