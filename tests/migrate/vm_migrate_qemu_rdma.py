@@ -7,7 +7,7 @@ notes with each case's time); exit 1 when anything failed, 77 when something it 
     tests/vm/run-in-vm.sh -- python3 tests/migrate/vm_migrate_qemu_rdma.py BUILD_DIR
                                                        (ctest: vm_migrate_qemu_rdma, in vm_suite)
     IBNBD_QRDMA_CASES="peer save"   runs only those cases (peer save exec pinall pinmax kill hostile
-                                    corrupt cut)
+                                    corrupt cut; rcut is not in the default set)
 
 Guests are small and paused (-m 32, -S, 16 MiB of random bytes loaded at 1 MiB), as in
 ../shared/reference/qemu-rdma-migration.md; the images live on an ibnbd-server volume reached
@@ -392,6 +392,7 @@ def case_corrupt(env):
     if at is None:
         qm.not_ok("corrupt", f"no committed image of the save/exec/pinall cases to corrupt: {states}")
         return
+    env.corrupted = image
     with open(vol, "r+b") as f:
         f.seek(at)
         magic = f.read(4)
@@ -473,11 +474,18 @@ def case_cut(env):
     env.partial["ct"] = "the link cut mid-save"
     q.cmd("migrate", uri=f"rdma:{ADDR}:{port}")
     time.sleep(1.0)
+    cut_and_watch(env, "cut", q, agent, "agent-ct.log", "stays PARTIAL")
+
+
+def cut_and_watch(env, name, q, agent, log_name, final):
+    """Cuts, then watches QEMU's migration (`q`) and the agent until both have ended (40 s at
+    most); removes the filters whatever happens; checks the bounds, the agent's words and
+    `final` in its log; then waits for rdma_cm to connect again."""
     st = rc = t_q = t_a = None
     try:
         err = tc_cut(True)
         t0 = time.time()
-        qm.check("cut: RoCEv2 dropped on both veths", not err, err)
+        qm.check(f"{name}: RoCEv2 dropped on both veths", not err, err)
         while time.time() - t0 < 40 and (t_q is None or t_a is None):
             if t_q is None:
                 try:
@@ -494,34 +502,62 @@ def case_cut(env):
     if t_a is None:
         agent.kill()
         rc = "hung"
-    log = env.log("agent-ct.log")
+    log = env.log(log_name)
     said = re.search(r"nothing from the peer in [0-9.]+ s|stopped acknowledging|closed the connection", log)
-    print(f"# cut: QEMU {st} {t_q if t_q is None else round(t_q, 1)} s after the cut, the agent exited {rc} "
+    print(f"# {name}: QEMU {st} {t_q if t_q is None else round(t_q, 1)} s after the cut, the agent exited {rc} "
           f"after {t_a if t_a is None else round(t_a, 1)} s: {said.group(0) if said else '?'}", flush=True)
-    qm.check("cut: the filters are removed", not err, err)
-    qm.check("cut: QEMU's migration fails within 30 s", st == "failed" and t_q <= 30, f"{st} after {t_q} s")
-    qm.check(f"cut: the agent exits with an error within {CUT_TIMEOUT} + 4 s, saying why",
+    qm.check(f"{name}: the filters are removed", not err, err)
+    qm.check(f"{name}: QEMU's migration fails within 30 s", st in ("failed", "qemu exited") and t_q <= 30,
+             f"{st} after {t_q} s")
+    qm.check(f"{name}: the agent exits with an error within {CUT_TIMEOUT} + 4 s, saying why",
              rc not in (0, None, "hung") and rc > 0 and t_a <= CUT_TIMEOUT + 4 and said is not None and
-             "stays PARTIAL" in log, f"agent {rc} after {t_a} s: {log[-500:]}")
+             final in log, f"agent {rc} after {t_a} s: {log[-500:]}")
     # Case: rdma_cm after the filters are gone. Expect: a connection within 30 s (the tests
     # after this one, vm_multipath in the suite, need it).
     back = rdma_cm_works()
-    print(f"# cut: rdma_cm connects again {back if back is None else round(back, 1)} s after the filters went",
+    print(f"# {name}: rdma_cm connects again {back if back is None else round(back, 1)} s after the filters went",
           flush=True)
-    qm.check("cut: rdma_cm connects again within 30 s of the filters' removal", back is not None)
+    qm.check(f"{name}: rdma_cm connects again within 30 s of the filters' removal", back is not None)
+
+
+def case_rcut(env):
+    # Case (not in the default set): RoCEv2 dropped as soon as the destination's incoming
+    # migration is active, during `restore ... rdma` (agent timeout 8 s) of an image saved
+    # earlier. Expect: the agent exits with an error within 8 + 4 s saying why; QEMU's incoming
+    # migration fails (QEMU exits) within 30 s.
+    if not env.clsact:
+        qm.not_ok("rcut", f"no clsact qdiscs for the filters: {env.clsact_err}")
+        return
+    states = env.states()
+    image = next((i for i in ("pa", "ex", "rd") if states.get(i) == "committed" and i != env.corrupted), None)
+    if image is None:
+        qm.not_ok("rcut", f"no committed, uncorrupted image of the exec/pinall/save cases: {states}")
+        return
+    p, q = env.qemu("dst-rc", incoming=True)
+    try:
+        port = env.next_port()
+        q.cmd("migrate-incoming", uri=f"rdma:{ADDR}:{port}")
+        agent = env.spawn(env.migrate_args("restore", image, "rdma", f"{ADDR}:{port}", "timeout", str(CUT_TIMEOUT)),
+                          "agent-r-rc.log")
+        deadline = time.time() + 20
+        while time.time() < deadline and q.cmd("query-migrate").get("status") != "active":
+            time.sleep(0.02)
+        cut_and_watch(env, "rcut", q, agent, "agent-r-rc.log", "restore " + image)
+    finally:
+        stop(p, q)
 
 
 # The destinations each case restores into, started together at the beginning.
 DESTINATIONS = {"peer": ["dst-peer"], "save": ["dst-rd"], "exec": ["dst-ex"], "pinall": ["dst-pa"], "kill": ["dst-kl"],
-                "corrupt": ["dst-co"]}
+                "corrupt": ["dst-co"], "rcut": ["dst-rc"]}
 
 
 def run(env):
     # The first clsact qdisc flips a kernel static key (live code patching): under TCG that has
     # panicked the guest while traffic flowed (tests/netns/vm-multipath.sh), so it is made now,
     # before any QEMU, and the cut only adds and removes filters.
-    env.clsact, env.clsact_err = False, ""
-    if "cut" in CASES:
+    env.clsact, env.clsact_err, env.corrupted = False, "", None
+    if "cut" in CASES or "rcut" in CASES:
         r = subprocess.run(["sh", "-c", " && ".join(f"tc qdisc replace dev {d} clsact" for d in NETDEVS)],
                            capture_output=True, text=True)
         env.clsact, env.clsact_err = r.returncode == 0, r.stderr.strip()

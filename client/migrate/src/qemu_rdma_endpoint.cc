@@ -474,6 +474,7 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
     }
     if (Clock::now() >= deadline) {
       err_ = timeout_message(Clock::now() - t0);
+      timed_out_ = true;
       return ibtrs::errc(ETIMEDOUT);
     }
     pollfd pfd[2] = {{res_->comp->fd, POLLIN, 0}, {res_->channel->fd, POLLIN, 0}};
@@ -1075,8 +1076,11 @@ void RestoreEndpoint::Impl::send_error() {
   if (closed || !link) return;
   closed = true;
   if (!peer_error && !link->disconnected()) {
-    // After the destination's READY if one is due (it then surely has a RECV posted).
-    if (ready_expected) (void)link->wait_recv(Link::kReady, Clock::now() + std::chrono::seconds(5));
+    // After the destination's READY if one is due (it then surely has a RECV posted), unless
+    // the link has already been silent for a whole timeout: no READY comes over a cut link, and
+    // waiting for one would stretch the agent's bound by its 5 s.
+    if (ready_expected && !link->timed_out())
+      (void)link->wait_recv(Link::kReady, Clock::now() + std::chrono::seconds(5));
     if (auto n = encode_empty(link->send_buffer(), MsgType::error); n)
       (void)link->send(*n, Clock::now() + std::chrono::seconds(2));
   }
