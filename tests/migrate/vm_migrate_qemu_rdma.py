@@ -33,11 +33,15 @@ over tcp on loopback (the image transport is not the subject here). Cases:
            reaches QEMU (QEMU's incoming migration fails, QEMU exits non-zero), the agent and
            `ibnbd-migrate verify` name the chunk;
   cut      RoCEv2 (udp 4791) dropped on the ingress of both veths 1 s into a throttled rdma save
-           whose agent has `timeout 8`: QEMU's migration fails within 30 s, the agent exits
-           non-zero within its timeout + 4 s saying why (nothing heard, or the transport's
-           retries exhausted), the image stays PARTIAL; the filters go whatever happens, then
-           rdma_cm must connect again (rping) before the test ends. Last: rxe was seen to refuse
-           new rdma_cm connections for a while after such drops (tests/netns/vm-multipath.sh).
+           whose agent has `timeout 8`: the agent exits non-zero within its timeout + 4 s saying
+           why (nothing heard, or the transport's retries exhausted), the image stays PARTIAL;
+           the filters go whatever happens; QEMU's migration has failed by then, or is cancelled
+           at once (QEMU 7.2 has no keepalive: a source waiting for READY over a dead link waits
+           until cancelled); then rdma_cm must connect again (rping). Last: rxe was seen to
+           refuse new rdma_cm connections for a while after such drops (vm-multipath.sh);
+  rcut     (not in the default set) the same during an rdma restore, cut as soon as QEMU's
+           incoming migration is active: the agent's bound and words are checked, QEMU's end
+           only noted (its incoming side can be neither cancelled nor told over a dead link).
 """
 import hashlib
 import os
@@ -353,9 +357,10 @@ def case_hostile(env):
 
 
 def first_chunk(volume, image):
-    """The volume offset of `image`'s stored chunk 0, read as docs/migration-image.md lays it out:
-    the directory copy (primary at 0, mirror in the last 4096 bytes) with the highest generation,
-    the image's slot, its header's data_offset. None when the image is not there."""
+    """The volume offset of `image`'s stored chunk 0 when it is COMMITTED, read as
+    docs/migration-image.md lays it out: the directory copy (primary at 0, mirror in the last
+    4096 bytes) with the highest generation, the image's slot, its header's data_offset. None
+    when the image is not there or not committed. (No agent start: each costs seconds here.)"""
     with open(volume, "rb") as f:
         size = f.seek(0, 2)
         copies = []
@@ -369,7 +374,7 @@ def first_chunk(volume, image):
         d = max(copies)[1]
         for i in range(struct.unpack_from("<I", d, 12)[0]):
             slot = d[64 + 128 * i:64 + 128 * (i + 1)]
-            if slot[:64].rstrip(b"\0") == image.encode():
+            if slot[:64].rstrip(b"\0") == image.encode() and struct.unpack_from("<I", slot, 80)[0] == 2:
                 start = struct.unpack_from("<Q", slot, 64)[0]
                 f.seek(start)
                 h = f.read(4096)
@@ -385,12 +390,11 @@ def case_corrupt(env):
     # Expect: QEMU's incoming migration fails and QEMU exits non-zero; the agent exits with an
     # error naming the chunk ("CRC32C mismatch", piece 0) before it has sent QEMU any RAM (no
     # "rounds" summary); `ibnbd-migrate verify` names the same chunk.
-    states = env.states()
-    image = next((i for i in ("rd", "ex", "pa") if states.get(i) == "committed"), None)
     vol = os.path.join(env.work, "export/images.img")
-    at = first_chunk(vol, image) if image else None
+    image, at = next(((i, a) for i in ("rd", "ex", "pa") for a in [first_chunk(vol, i)] if a is not None),
+                     (None, None))
     if at is None:
-        qm.not_ok("corrupt", f"no committed image of the save/exec/pinall cases to corrupt: {states}")
+        qm.not_ok("corrupt", "no committed image of the save/exec/pinall cases to corrupt")
         return
     env.corrupted = image
     with open(vol, "r+b") as f:
@@ -474,27 +478,34 @@ def case_cut(env):
     env.partial["ct"] = "the link cut mid-save"
     q.cmd("migrate", uri=f"rdma:{ADDR}:{port}")
     time.sleep(1.0)
-    cut_and_watch(env, "cut", q, agent, "agent-ct.log", "stays PARTIAL")
+    cut_and_watch(env, "cut", q, agent, "agent-ct.log", "stays PARTIAL", cancel=True)
 
 
-def cut_and_watch(env, name, q, agent, log_name, final):
-    """Cuts, then watches QEMU's migration (`q`) and the agent until both have ended (40 s at
-    most); removes the filters whatever happens; checks the bounds, the agent's words and
-    `final` in its log; then waits for rdma_cm to connect again."""
+def migration_state(q):
+    try:
+        st = q.cmd("query-migrate").get("status", "none")
+    except (EOFError, OSError):
+        return "qemu exited"
+    return None if st in ("setup", "active", "device", "pre-switchover", "none") else st
+
+
+def cut_and_watch(env, name, q, agent, log_name, final, cancel):
+    """Cuts; watches the agent (and QEMU's migration, `q`) until the agent has ended (its
+    timeout + 6 s at most); removes the filters whatever happens; gives QEMU 1 s more, then
+    `migrate_cancel` when `cancel` (a source: QEMU 7.2 has no keepalive, and a source waiting for
+    READY over a dead link waits until cancelled; its wait loop checks for that every 100 ms).
+    Checks the agent's bound and words (and `final` in its log), QEMU's end when `cancel`; then
+    waits for rdma_cm to connect again. Returns how QEMU's migration ended, for the notes."""
     st = rc = t_q = t_a = None
     try:
         err = tc_cut(True)
         t0 = time.time()
         qm.check(f"{name}: RoCEv2 dropped on both veths", not err, err)
-        while time.time() - t0 < 40 and (t_q is None or t_a is None):
+        while time.time() - t0 < CUT_TIMEOUT + 6 and t_a is None:
             if t_q is None:
-                try:
-                    s = q.cmd("query-migrate").get("status", "none")
-                except (EOFError, OSError):
-                    s = "qemu exited"
-                if s not in ("setup", "active", "device", "pre-switchover", "none"):
-                    st, t_q = s, time.time() - t0
-            if t_a is None and agent.poll() is not None:
+                st = migration_state(q)
+                t_q = time.time() - t0 if st else None
+            if agent.poll() is not None:
                 rc, t_a = agent.returncode, time.time() - t0
             time.sleep(0.1)
     finally:
@@ -502,22 +513,39 @@ def cut_and_watch(env, name, q, agent, log_name, final):
     if t_a is None:
         agent.kill()
         rc = "hung"
+    how = "by itself"
+    deadline = time.time() + 1
+    while st is None and time.time() < deadline:
+        st = migration_state(q)
+        t_q = time.time() - t0 if st else None
+        time.sleep(0.1)
+    if st is None and cancel:
+        how = "cancelled after the agent gave up"
+        q.cmd("migrate_cancel")
+        deadline = time.time() + 5
+        while st is None and time.time() < deadline:
+            st = migration_state(q)
+            time.sleep(0.1)
+        t_q = time.time() - t0
     log = env.log(log_name)
     said = re.search(r"nothing from the peer in [0-9.]+ s|stopped acknowledging|closed the connection", log)
-    print(f"# {name}: QEMU {st} {t_q if t_q is None else round(t_q, 1)} s after the cut, the agent exited {rc} "
-          f"after {t_a if t_a is None else round(t_a, 1)} s: {said.group(0) if said else '?'}", flush=True)
+    print(f"# {name}: the agent exited {rc} after {t_a if t_a is None else round(t_a, 1)} s: "
+          f"{said.group(0) if said else '?'}; QEMU's migration {st} {how} after "
+          f"{t_q if t_q is None else round(t_q, 1)} s", flush=True)
     qm.check(f"{name}: the filters are removed", not err, err)
-    qm.check(f"{name}: QEMU's migration fails within 30 s", st in ("failed", "qemu exited") and t_q <= 30,
-             f"{st} after {t_q} s")
     qm.check(f"{name}: the agent exits with an error within {CUT_TIMEOUT} + 4 s, saying why",
              rc not in (0, None, "hung") and rc > 0 and t_a <= CUT_TIMEOUT + 4 and said is not None and
              final in log, f"agent {rc} after {t_a} s: {log[-500:]}")
+    if cancel:
+        qm.check(f"{name}: QEMU's migration ends (failed, or cancelled at once once the agent gave up)",
+                 st in ("failed", "cancelled"), f"{st} after {t_q} s: {env.log('src.log')[-300:]}")
     # Case: rdma_cm after the filters are gone. Expect: a connection within 30 s (the tests
     # after this one, vm_multipath in the suite, need it).
     back = rdma_cm_works()
     print(f"# {name}: rdma_cm connects again {back if back is None else round(back, 1)} s after the filters went",
           flush=True)
     qm.check(f"{name}: rdma_cm connects again within 30 s of the filters' removal", back is not None)
+    return st, how
 
 
 def case_rcut(env):
@@ -528,10 +556,10 @@ def case_rcut(env):
     if not env.clsact:
         qm.not_ok("rcut", f"no clsact qdiscs for the filters: {env.clsact_err}")
         return
-    states = env.states()
-    image = next((i for i in ("pa", "ex", "rd") if states.get(i) == "committed" and i != env.corrupted), None)
+    vol = os.path.join(env.work, "export/images.img")
+    image = next((i for i in ("pa", "ex", "rd") if i != env.corrupted and first_chunk(vol, i) is not None), None)
     if image is None:
-        qm.not_ok("rcut", f"no committed, uncorrupted image of the exec/pinall/save cases: {states}")
+        qm.not_ok("rcut", "no committed, uncorrupted image of the exec/pinall/save cases")
         return
     p, q = env.qemu("dst-rc", incoming=True)
     try:
@@ -542,7 +570,9 @@ def case_rcut(env):
         deadline = time.time() + 20
         while time.time() < deadline and q.cmd("query-migrate").get("status") != "active":
             time.sleep(0.02)
-        cut_and_watch(env, "rcut", q, agent, "agent-r-rc.log", "restore " + image)
+        # QEMU's incoming side cannot be cancelled; it ends only if it had something unacknowledged
+        # on the wire at the cut (its RC retries run out) - noted, not checked.
+        cut_and_watch(env, "rcut", q, agent, "agent-r-rc.log", "restore " + image, cancel=False)
     finally:
         stop(p, q)
 
