@@ -573,6 +573,12 @@ Result<bool> Link::wait_disconnect_or_recv(Slot s, Clock::time_point deadline) {
   return st.error();
 }
 
+// A live peer's device acknowledges a SEND within milliseconds; after a whole timeout of silence
+// the link is most likely gone, and the ERROR is a courtesy that should not stretch the bound.
+Clock::time_point Link::error_deadline() const {
+  return Clock::now() + (timed_out_ ? std::chrono::milliseconds(500) : std::chrono::milliseconds(2000));
+}
+
 void Link::disconnect() {
   if (res_ && res_->id && connected_ && !disconnect_sent_) {
     rdma_disconnect(res_->id.get());
@@ -801,8 +807,7 @@ Status SaveEndpoint::Impl::run(qstream::ByteSink& out) {
   }
   // Our failure (or a bad peer): ERROR first, so QEMU stops at once.
   if (!peer_error && link && !link->disconnected()) {
-    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n)
-      (void)link->send(*n, Clock::now() + std::chrono::seconds(2));
+    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n) (void)link->send(*n, link->error_deadline());
   }
   if (link) link->disconnect();
   return result;
@@ -1081,8 +1086,7 @@ void RestoreEndpoint::Impl::send_error() {
     // waiting for one would stretch the agent's bound by its 5 s.
     if (ready_expected && !link->timed_out())
       (void)link->wait_recv(Link::kReady, Clock::now() + std::chrono::seconds(5));
-    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n)
-      (void)link->send(*n, Clock::now() + std::chrono::seconds(2));
+    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n) (void)link->send(*n, link->error_deadline());
   }
   link->disconnect();
 }

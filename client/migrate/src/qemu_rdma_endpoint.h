@@ -172,6 +172,8 @@ class Link {
   Result<bool> wait_disconnect_or_recv(Slot s, Clock::time_point deadline);
   bool disconnected() const { return disconnected_; }
   bool timed_out() const { return timed_out_; }  // a wait ended at its deadline
+  // How long a last ERROR may take to be acknowledged: 2 s, 0.5 s once a wait has timed out.
+  Clock::time_point error_deadline() const;
   void disconnect();
   // What the last failed completion or event was.
   const std::string& last_error() const { return err_; }
