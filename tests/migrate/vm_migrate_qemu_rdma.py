@@ -32,7 +32,7 @@ over tcp on loopback (the image transport is not the subject here). Cases:
            volume's directory), then its rdma restore: refused at that chunk before any byte
            reaches QEMU (QEMU's incoming migration fails, QEMU exits non-zero), the agent and
            `ibnbd-migrate verify` name the chunk;
-  cut      RoCEv2 (udp 4791) dropped on the ingress of both veths 1 s into a throttled rdma save
+  cut      RoCEv2 (udp 4791) dropped on the ingress of both veths 1 MiB into a throttled rdma save
            whose agent has `timeout 6`: the agent exits non-zero within its timeout + 4 s saying
            why (nothing heard, or the transport's retries exhausted), the image stays PARTIAL;
            the filters go whatever happens; QEMU's migration has failed by then, or is cancelled
@@ -465,7 +465,7 @@ ADDR_A = os.environ.get("IBTRS_RDMA_ADDR_A", "")
 
 
 def case_cut(env):
-    # Case: RoCEv2 dropped on both veths 1 s into an rdma save throttled to 4 MiB/s, the agent's
+    # Case: RoCEv2 dropped on both veths 1 MiB into an rdma save throttled to 4 MiB/s, the agent's
     # `timeout` 6 s. Expect: the agent exits with an error (not a signal) within 6 + 4 s of the
     # cut and says why (nothing heard within its timeout, or the transport's retries exhausted),
     # not a crash or a hang; the image stays PARTIAL; QEMU's migration has failed by then or
@@ -481,7 +481,11 @@ def case_cut(env):
         return
     env.partial["ct"] = "the link cut mid-save"
     q.cmd("migrate", uri=f"rdma:{ADDR}:{port}")
-    time.sleep(1.0)
+    # Cut once pages flow (1 MiB of 16 at 4 MiB/s): the connection is up, the save well short
+    # of its end.
+    deadline = time.time() + 10
+    while time.time() < deadline and q.cmd("query-migrate").get("ram", {}).get("transferred", 0) < MiB:
+        time.sleep(0.05)
     cut_and_watch(env, "cut", q, agent, "agent-ct.log", "stays PARTIAL", cancel=True)
 
 
@@ -495,7 +499,7 @@ def migration_state(q):
 
 def cut_and_watch(env, name, q, agent, log_name, final, cancel):
     """Cuts; watches the agent (and QEMU's migration, `q`) until the agent has ended (its
-    timeout + 6 s at most); removes the filters whatever happens; gives QEMU 1 s more, then
+    timeout + 6 s at most); removes the filters whatever happens; gives QEMU 0.3 s more, then
     `migrate_cancel` when `cancel` (a source: QEMU 7.2 has no keepalive, and a source waiting for
     READY over a dead link waits until cancelled; its wait loop checks for that every 100 ms).
     Checks the agent's bound and words (and `final` in its log), QEMU's end when `cancel`; then
@@ -518,7 +522,7 @@ def cut_and_watch(env, name, q, agent, log_name, final, cancel):
         agent.kill()
         rc = "hung"
     how = "by itself"
-    deadline = time.time() + 1
+    deadline = time.time() + 0.3
     while st is None and time.time() < deadline:
         st = migration_state(q)
         t_q = time.time() - t0 if st else None
