@@ -59,10 +59,12 @@ MiB = qm.MiB
 qm.GUEST_MB = 32
 qm.PATTERN = 16 * MiB
 ADDR = os.environ.get("IBTRS_RDMA_ADDR_B", "")
+ADDR_A = os.environ.get("IBTRS_RDMA_ADDR_A", "")  # rping's source: rxe0 -> rxe1, as QEMU's sources
 CASES = os.environ.get("IBNBD_QRDMA_CASES", "peer save exec pinall pinmax kill hostile corrupt cut").split()
 # The cut: the veths under rxe0 / rxe1 (tests/vm/README.md), the agent's timeout during it.
 NETDEVS = [os.environ.get("IBTRS_RDMA_NETDEV_A", "veth0"), os.environ.get("IBTRS_RDMA_NETDEV_B", "veth1")]
 CUT_TIMEOUT = 6
+RPING_PORTS = list(range(4500, 4510))
 
 
 class Rig(qm.Env):
@@ -437,8 +439,7 @@ def tc_cut(add):
 def rdma_cm_works(timeout=30):
     """Seconds until one rping over rxe0 -> rxe1 succeeds (None: not within `timeout`)."""
     t0 = time.time()
-    port = str(env_port[0])
-    env_port[0] += 1
+    port = str(RPING_PORTS.pop(0))
     while time.time() - t0 < timeout:
         srv = subprocess.Popen(["rping", "-s", "-a", ADDR, "-p", port, "-C", "1"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -459,9 +460,6 @@ def rdma_cm_works(timeout=30):
         time.sleep(0.5)
     return None
 
-
-env_port = [4500]  # rping's ports
-ADDR_A = os.environ.get("IBTRS_RDMA_ADDR_A", "")
 
 
 def case_cut(env):
