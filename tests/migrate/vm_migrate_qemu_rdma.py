@@ -492,7 +492,7 @@ def migration_state(q):
         st = q.cmd("query-migrate").get("status", "none")
     except (EOFError, OSError):
         return "qemu exited"
-    return None if st in ("setup", "active", "device", "pre-switchover", "none") else st
+    return None if st in ("setup", "active", "device", "pre-switchover", "none", "cancelling") else st
 
 
 def cut_and_watch(env, name, q, agent, log_name, final, cancel):
