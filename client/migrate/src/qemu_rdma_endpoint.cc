@@ -628,9 +628,13 @@ struct SaveEndpoint::Impl final : qstream::PageSource, Registrar {
   Status accept();
   // READY, then the next message, decoded (and counted).
   Result<ControlMessage> next();
+  // The link's reason is kept here: a failed reply inside the registration loop reaches run()
+  // through the rewriter, which knows only that its page source stopped.
   Status reply(Result<size_t> encoded) {
     if (!encoded) return protocol(encoded.error().value(), "encoding a reply failed");
-    return link->send(*encoded, deadline());
+    Status s = link->send(*encoded, deadline());
+    if (!s && err.empty()) err = link->last_error();
+    return s;
   }
 
   // PageSource
@@ -689,10 +693,7 @@ Status SaveEndpoint::Impl::accept() {
 Result<ControlMessage> SaveEndpoint::Impl::next() {
   if (Status s = link->post_recv(Link::kReady); !s) return protocol(s.error().value(), link->last_error());
   auto n = encode_empty(link->send_buffer(), MsgType::ready);
-  if (Status s = reply(n); !s) {
-    if (err.empty()) err = link->last_error();
-    return s.error();
-  }
+  if (Status s = reply(n); !s) return s.error();
   auto got = link->wait_recv(Link::kReady, deadline());
   if (!got) return protocol(got.error().value(), link->last_error());
   ++stats.messages;
