@@ -432,9 +432,11 @@ def tc_cut(add):
     filter's drop would fail rxe's send at once. No clsact/ingress qdisc: the first one flips a
     kernel static key, and that live code patching has killed the nested TCG guest (an
     unexpected int3 in a TCP connect) 2 s after it, with the qdiscs made before any QEMU ran.
-    Only RoCEv2 crosses the veths here (the image volume is on loopback). One tc for both veths
-    (-force: each line is tried; a process start costs here)."""
-    lines = [f"qdisc replace dev {d} root netem loss 100%" if add else f"qdisc del dev {d} root" for d in NETDEVS]
+    Only RoCEv2 crosses the veths here (the image volume is on loopback). The netem qdiscs are
+    made (loss 0%) before any QEMU runs and only changed here: replacing a qdisc under traffic
+    fails the sends of that moment, and rxe then fails its QP at once - no silent loss. One tc
+    for both veths (-force: each line is tried; a process start costs here)."""
+    lines = [f"qdisc change dev {d} root netem loss {100 if add else 0}%" for d in NETDEVS]
     r = subprocess.run(["tc", "-force", "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True)
     return "" if r.returncode == 0 else f"tc {lines}: {r.stderr.strip()}"
 
@@ -535,7 +537,8 @@ def cut_and_watch(env, name, q, agent, log_name, final, cancel):
         t_q = time.time() - t0
     # The agent's own lines, without its once-a-second progress.
     log = "\n".join(l for l in env.log(log_name).splitlines() if not re.match(r"ibnbd-migrate: (saved|restored) ", l))
-    said = re.search(r"nothing from the peer in [0-9.]+ s|stopped acknowledging|closed the connection", log)
+    said = re.search(r"nothing from the peer in [0-9.]+ s|stopped acknowledging|closed the connection|"
+                     r"queue pair went to error \(the link failed", log)
     print(f"# {name}: the agent exited {rc} after {t_a if t_a is None else round(t_a, 1)} s: "
           f"{said.group(0) if said else '?'}; QEMU's migration {st} {how} after "
           f"{t_q if t_q is None else round(t_q, 1)} s", flush=True)
@@ -588,6 +591,19 @@ DESTINATIONS = {"peer": ["dst-peer"], "save": ["dst-rd"], "exec": ["dst-ex"], "p
 
 def run(env):
     env.corrupted = None
+    cut = "cut" in CASES or "rcut" in CASES
+    if cut:
+        subprocess.run(["tc", "-force", "-batch", "-"], capture_output=True, text=True,
+                       input="".join(f"qdisc replace dev {d} root netem loss 0%\n" for d in NETDEVS))
+    try:
+        run_cases(env)
+    finally:
+        if cut:
+            subprocess.run(["tc", "-force", "-batch", "-"], capture_output=True, text=True,
+                           input="".join(f"qdisc del dev {d} root\n" for d in NETDEVS))
+
+
+def run_cases(env):
     for name in CASES:
         for d in DESTINATIONS.get(name, []):
             env.start(d, incoming=True)

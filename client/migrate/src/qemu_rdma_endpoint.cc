@@ -451,8 +451,8 @@ Status Link::broken() {
   // A work request that failed while the peer went away failed because it went away.
   if (failed_ && !disconnected_) return failed_;
   if (!disconnected_) {
-    err_ = "the connection failed without a disconnect: its queue pair went to error (as when the peer "
-           "writes outside the memory its key covers)";
+    err_ = "the connection failed without a disconnect: its queue pair went to error (the link failed, or "
+           "the peer wrote outside the memory its key covers)";
     return ibtrs::errc(ECONNRESET);
   }
   if (!failed_) err_ = "the peer closed the connection";
