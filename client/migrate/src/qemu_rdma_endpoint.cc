@@ -185,6 +185,14 @@ Result<AddrInfoPtr> resolve(const RdmaAddress& a, bool passive, std::string* why
   return AddrInfoPtr(res);
 }
 
+// A cut link and a hung peer look the same from here: nothing arrives. The RC transport's own
+// retries end a wait sooner only while something of ours is unacknowledged.
+std::string timeout_message(Clock::duration waited) {
+  const auto ds = std::chrono::duration_cast<std::chrono::milliseconds>(waited).count() / 100;
+  return "nothing from the peer in " + std::to_string(ds / 10) + "." + std::to_string(ds % 10) +
+         " s (the timeout): the link is down or the peer hangs";
+}
+
 std::string memlock_hint() {
   rlimit rl{};
   if (::getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return "";
@@ -383,6 +391,10 @@ Status Link::poll_cq() {
       } else if (wc[i].status != IBV_WC_SUCCESS && !failed_) {
         failed_ = ibtrs::errc(wc_errno(wc[i].status));
         err_ = std::string(wr_kind(wc[i].wr_id)) + " failed: " + ibv_wc_status_str(wc[i].status);
+        // The RC transport's retries ran out (retry_count x the ACK timeout, seconds on rxe):
+        // nothing came back, not a refusal.
+        if (wc[i].status == IBV_WC_RETRY_EXC_ERR)
+          err_ += " (the peer stopped acknowledging: the link is down or the peer is gone)";
       }
     }
     if (n < 16) return {};
@@ -439,8 +451,8 @@ Status Link::broken() {
   // A work request that failed while the peer went away failed because it went away.
   if (failed_ && !disconnected_) return failed_;
   if (!disconnected_) {
-    err_ = "the connection failed without a disconnect: its queue pair went to error (as when the peer "
-           "writes outside the memory its key covers)";
+    err_ = "the connection failed without a disconnect: its queue pair went to error (the link failed, or "
+           "the peer wrote outside the memory its key covers)";
     return ibtrs::errc(ECONNRESET);
   }
   if (!failed_) err_ = "the peer closed the connection";
@@ -450,6 +462,7 @@ Status Link::broken() {
 // Polls until done() holds; every completion and cm event is taken in on the way. A failed
 // completion or a disconnect ends the wait with an error unless done() holds by then.
 Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done) {
+  const auto t0 = Clock::now();
   for (;;) {
     IBTRS_TRY(poll_cq());
     if (done()) return {};
@@ -460,7 +473,8 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
       return broken();
     }
     if (Clock::now() >= deadline) {
-      err_ = "the peer did not answer in time";
+      err_ = timeout_message(Clock::now() - t0);
+      timed_out_ = true;
       return ibtrs::errc(ETIMEDOUT);
     }
     pollfd pfd[2] = {{res_->comp->fd, POLLIN, 0}, {res_->channel->fd, POLLIN, 0}};
@@ -559,6 +573,12 @@ Result<bool> Link::wait_disconnect_or_recv(Slot s, Clock::time_point deadline) {
   return st.error();
 }
 
+// A live peer's device acknowledges a SEND within milliseconds; after a whole timeout of silence
+// the link is most likely gone, and the ERROR is a courtesy that should not stretch the bound.
+Clock::time_point Link::error_deadline() const {
+  return Clock::now() + (timed_out_ ? std::chrono::milliseconds(500) : std::chrono::milliseconds(2000));
+}
+
 void Link::disconnect() {
   if (res_ && res_->id && connected_ && !disconnect_sent_) {
     rdma_disconnect(res_->id.get());
@@ -608,9 +628,13 @@ struct SaveEndpoint::Impl final : qstream::PageSource, Registrar {
   Status accept();
   // READY, then the next message, decoded (and counted).
   Result<ControlMessage> next();
+  // The link's reason is kept here: a failed reply inside the registration loop reaches run()
+  // through the rewriter, which knows only that its page source stopped.
   Status reply(Result<size_t> encoded) {
     if (!encoded) return protocol(encoded.error().value(), "encoding a reply failed");
-    return link->send(*encoded, deadline());
+    Status s = link->send(*encoded, deadline());
+    if (!s && err.empty()) err = link->last_error();
+    return s;
   }
 
   // PageSource
@@ -669,10 +693,7 @@ Status SaveEndpoint::Impl::accept() {
 Result<ControlMessage> SaveEndpoint::Impl::next() {
   if (Status s = link->post_recv(Link::kReady); !s) return protocol(s.error().value(), link->last_error());
   auto n = encode_empty(link->send_buffer(), MsgType::ready);
-  if (Status s = reply(n); !s) {
-    if (err.empty()) err = link->last_error();
-    return s.error();
-  }
+  if (Status s = reply(n); !s) return s.error();
   auto got = link->wait_recv(Link::kReady, deadline());
   if (!got) return protocol(got.error().value(), link->last_error());
   ++stats.messages;
@@ -787,8 +808,7 @@ Status SaveEndpoint::Impl::run(qstream::ByteSink& out) {
   }
   // Our failure (or a bad peer): ERROR first, so QEMU stops at once.
   if (!peer_error && link && !link->disconnected()) {
-    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n)
-      (void)link->send(*n, Clock::now() + std::chrono::seconds(2));
+    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n) (void)link->send(*n, link->error_deadline());
   }
   if (link) link->disconnect();
   return result;
@@ -1062,10 +1082,12 @@ void RestoreEndpoint::Impl::send_error() {
   if (closed || !link) return;
   closed = true;
   if (!peer_error && !link->disconnected()) {
-    // After the destination's READY if one is due (it then surely has a RECV posted).
-    if (ready_expected) (void)link->wait_recv(Link::kReady, Clock::now() + std::chrono::seconds(5));
-    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n)
-      (void)link->send(*n, Clock::now() + std::chrono::seconds(2));
+    // After the destination's READY if one is due (it then surely has a RECV posted), unless
+    // the link has already been silent for a whole timeout: no READY comes over a cut link, and
+    // waiting for one would stretch the agent's bound by its 5 s.
+    if (ready_expected && !link->timed_out())
+      (void)link->wait_recv(Link::kReady, Clock::now() + std::chrono::seconds(5));
+    if (auto n = encode_empty(link->send_buffer(), MsgType::error); n) (void)link->send(*n, link->error_deadline());
   }
   link->disconnect();
 }

@@ -171,6 +171,9 @@ class Link {
   // Waits until the peer disconnects (or `s` receives a message: false then).
   Result<bool> wait_disconnect_or_recv(Slot s, Clock::time_point deadline);
   bool disconnected() const { return disconnected_; }
+  bool timed_out() const { return timed_out_; }  // a wait ended at its deadline
+  // How long a last ERROR may take to be acknowledged: 2 s, 0.5 s once a wait has timed out.
+  Clock::time_point error_deadline() const;
   void disconnect();
   // What the last failed completion or event was.
   const std::string& last_error() const { return err_; }
@@ -204,6 +207,7 @@ class Link {
   bool disconnected_ = false;
   bool connected_ = false;        // ESTABLISHED was seen: a disconnect is due at the end
   bool disconnect_sent_ = false;
+  bool timed_out_ = false;
   std::string err_;
 };
 
