@@ -59,19 +59,14 @@ cld="$build/client/daemon/ibnbd-client"
 cli="$build/client/cli/ibnbd"
 engine="$build/client/fio/libibnbd-fio.so"
 
-work=$(mktemp -d /var/tmp/ibnbd-rbd-bench.XXXXXX)
-pids=()
-cleanup() {
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill "${pids[i]}" 2>/dev/null || true
-    wait "${pids[i]}" 2>/dev/null || true
-  done
-  bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-cd "$work"
+# The scratch directory and the processes in $pids as the other benchmarks keep them
+# (bench/scratch-lib.sh: on tmpfs, which the memstore OSD's directory may be); the cluster goes
+# after its clients and before the directory.
+source "$top/bench/scratch-lib.sh"
+scratch_setup ibnbd-rbd-bench tmpfs
+work=$tmp
+trap 'for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill "${pids[i]}" 2>/dev/null || true; wait "${pids[i]}" 2>/dev/null || true; done
+      pids=(); bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1 || true; scratch_cleanup' EXIT
 wait_file() { for _ in $(seq 200); do [ -e "$1" ] && return 0; sleep 0.05; done; return 1; }
 
 echo "# load before: $(cut -d' ' -f1-3 /proc/loadavg)"
