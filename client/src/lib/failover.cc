@@ -73,6 +73,7 @@ Status Failover::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const 
   r->copy = copy;
   r->segs.assign(segs.begin(), segs.end());  // allocates only beyond the longest list seen
   r->sends = 0;
+  r->seq = next_seq.fetch_add(1, std::memory_order_relaxed);
   r->since = Clock::time_point{};
   r->epoch = flushes(*r) ? writes_done.load(std::memory_order_acquire) : 0;
   outstanding.fetch_add(1, std::memory_order_acq_rel);
@@ -206,6 +207,17 @@ void Failover::resend(FoReq* r) {
   finish(r, e);
 }
 
+void Failover::resend_all(FoList a, FoList b) {
+  // Taken back in the order the old leg failed them, which need not be the order they came:
+  // the new leg gets them in that order (a flush after the writes submitted before it).
+  order.clear();
+  while (!a.empty()) order.push_back(a.pop());
+  while (!b.empty()) order.push_back(b.pop());
+  std::sort(order.begin(), order.end(), [](const FoReq* x, const FoReq* y) { return x->seq < y->seq; });
+  for (FoReq* r : order) resend(r);
+  order.clear();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Worker
 
@@ -240,8 +252,7 @@ void Failover::run() {
       FoList a = retry.take();
       FoList b = waiting.take();
       l.unlock();
-      while (!a.empty()) resend(a.pop());
-      while (!b.empty()) resend(b.pop());
+      resend_all(a, b);
       l.lock();
       continue;
     }
@@ -442,11 +453,11 @@ void Failover::fail_over() {
         return;
       }
     }
-    const uint8_t order[2] = {other, from};
+    const uint8_t cands[2] = {other, from};
     const int tries = by_admin ? 1 : 2;
     bool both_refused = true;
     for (int k = 0; k < tries; ++k) {
-      const uint8_t to = order[k];
+      const uint8_t to = cands[k];
       Status took;
       {
         std::lock_guard c(ctl_mu);
@@ -531,8 +542,7 @@ void Failover::switch_to(uint8_t to, uint8_t from, Clock::time_point t0, bool by
       b = waiting.take();
     }
     n += a.size + b.size;
-    while (!a.empty()) resend(a.pop());
-    while (!b.empty()) resend(b.pop());
+    resend_all(a, b);
   }
   const auto pause = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);
   if (to != from) {

@@ -48,6 +48,7 @@ struct FoReq {
   IoDone done;
   std::byte* copy = nullptr;          // read_copy / write_copy: the caller's memory
   std::vector<ibtrs::IoSeg> segs;     // read / write: the caller's segments (capacity kept)
+  uint64_t seq = 0;                   // submission order
   uint8_t leg = 0;                    // the leg it was last sent on
   uint32_t sends = 0;                 // how many times it was sent
   uint64_t epoch = 0;                 // FLUSH / PREFLUSH: writes_done when it was submitted
@@ -98,6 +99,8 @@ struct Failover {
   std::atomic<bool> open{true};     // gate: IO goes to legs[active]
   std::atomic<bool> closed{false};  // unmapped: IO is refused (ENODEV)
   std::atomic<uint64_t> outstanding{0};  // user requests not completed
+  std::atomic<uint64_t> next_seq{0};
+  std::vector<FoReq*> order;  // the worker's, to put requests back in submission order
 
   mutable std::mutex mu;
   std::condition_variable cv;
@@ -139,6 +142,8 @@ struct Failover {
   void finish(FoReq* r, int err);
   // Sends `r` on the active leg from the worker, or queues it again.
   void resend(FoReq* r);
+  // Worker: sends what `a` and `b` hold, in submission order.
+  void resend_all(FoList a, FoList b);
 
   // ---- worker ----
   void run();
