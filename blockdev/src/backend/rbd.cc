@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "backend/rbd_image.h"
 
@@ -229,8 +231,12 @@ Result<std::unique_ptr<Backend>> RbdCluster::open(const RbdName& name, std::stri
     g.max_discard_sectors = g.max_write_zeroes_sectors = UINT32_MAX;
     g.discard_granularity = static_cast<uint32_t>(std::min<uint64_t>(obj, UINT32_MAX));
   }
-  // librbd's cache (rbd_cache, on by default) is write-back until a flush.
-  g.cache_policy = kCacheFua | kCacheWriteBack;
+  // librbd's cache (rbd_cache, on by default) is write-back after the first flush: what it
+  // acknowledged may go with this process, which a client that fails over to another gateway
+  // must know (client.h, "Flush"). Without it, or write-through, an acknowledged write is in
+  // RADOS: no volatile cache to report.
+  g.cache_policy = kCacheFua;
+  if (backend::rbd_cache_volatile(*b->rbd_)) g.cache_policy |= kCacheWriteBack;
   b->size_.store(bytes / kSectorSize * kSectorSize, std::memory_order_release);
   return b;
 }
@@ -269,6 +275,23 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
   }
   if (rc < 0) rbd_aio_release(c);
   return rc < 0 ? rc : 0;
+}
+
+bool rbd_cache_volatile(RbdImage& img) {
+  // The image's effective settings (the configuration, then the pool's and the image's own).
+  int n = 0;
+  if (rbd_config_image_list(img.h->image, nullptr, &n) != -ERANGE || n <= 0) return true;
+  std::vector<rbd_config_option_t> opts(static_cast<size_t>(n));
+  if (rbd_config_image_list(img.h->image, opts.data(), &n) < 0) return true;
+  bool cache = true, writethrough = false;
+  for (int i = 0; i < n; ++i) {
+    const std::string_view k = opts[i].name, v = opts[i].value;
+    if (k == "rbd_cache") cache = v == "true";
+    if (k == "rbd_cache_policy" && v == "writethrough") writethrough = true;
+    if (k == "rbd_cache_max_dirty" && v == "0") writethrough = true;
+  }
+  rbd_config_image_list_cleanup(opts.data(), n);
+  return cache && !writethrough;
 }
 
 int rbd_size(RbdImage& img, uint64_t* bytes) { return rbd_get_size(img.h->image, bytes); }
@@ -333,6 +356,7 @@ namespace backend {
 int rbd_start(RbdImage&, RbdStage, uint64_t, uint64_t, const iovec*, int, bool, RbdAio*) {
   return -EOPNOTSUPP;
 }
+bool rbd_cache_volatile(RbdImage&) { return true; }
 int rbd_size(RbdImage&, uint64_t*) { return -EOPNOTSUPP; }
 int rbd_sync(RbdImage&) { return -EOPNOTSUPP; }
 int rbd_take_over(RbdImage&, std::string*) { return -EOPNOTSUPP; }
