@@ -108,12 +108,19 @@ Status Failover::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const 
           return sent.error();
         }
         // The active leg is closed or its session gone: wait here for the other one.
-        requeue(r, true);
-        return {};
+        if (requeue(r, true)) return {};
+        outstanding.fetch_sub(1, std::memory_order_acq_rel);  // unmapped meanwhile
+        reqs.put(r);
+        return errc(ENODEV);
       }
       legs[a].out.fetch_sub(1, std::memory_order_seq_cst);
     }
     std::lock_guard l(mu);
+    if (closed.load(std::memory_order_seq_cst)) {  // unmapped meanwhile: nothing was sent
+      outstanding.fetch_sub(1, std::memory_order_acq_rel);
+      reqs.put(r);
+      return errc(ENODEV);
+    }
     if (open.load(std::memory_order_seq_cst)) continue;  // the switch finished meanwhile
     r->since = Clock::now();
     waiting.push(r);
@@ -140,8 +147,7 @@ void Failover::on_leg_done(void* ctx, int err) {
   if (err != 0 && !f->closed.load(std::memory_order_acquire) && r->sends < kMaxSends) {
     const Device* d = l.dp.load(std::memory_order_acquire);
     const bool leg_closed = d != nullptr && d->state.load(std::memory_order_acquire) == DeviceState::closed;
-    if (leg_error(err) || leg_closed) {
-      f->requeue(r, from_active);
+    if ((leg_error(err) || leg_closed) && f->requeue(r, from_active)) {
       l.out.fetch_sub(1, std::memory_order_seq_cst);  // last: the request is on a list now
       return;
     }
@@ -171,8 +177,11 @@ void Failover::on_leg_done(void* ctx, int err) {
   f->finish(r, err);
 }
 
-void Failover::requeue(FoReq* r, bool from_active) {
+bool Failover::requeue(FoReq* r, bool from_active) {
   std::lock_guard l(mu);
+  // unmap sets `closed`, then takes the lists under `mu`: a request is on a list it takes, or
+  // sees `closed` here.
+  if (closed.load(std::memory_order_seq_cst)) return false;
   if (r->since == Clock::time_point{}) r->since = Clock::now();
   retry.push(r);
   if (from_active && open.load(std::memory_order_seq_cst) && !want) {
@@ -180,6 +189,7 @@ void Failover::requeue(FoReq* r, bool from_active) {
     trigger_at = Clock::now();
   }
   cv.notify_all();
+  return true;
 }
 
 // Everything of ours is released before the callback: once it runs, the caller may unmap the
@@ -200,10 +210,7 @@ void Failover::resend(FoReq* r) {
   if (sent.ok()) return;
   legs[a].out.fetch_sub(1, std::memory_order_seq_cst);
   const int e = sent.error().value();
-  if ((e == ENODEV || e == ESHUTDOWN) && !closed.load() && r->sends < kMaxSends) {
-    requeue(r, true);
-    return;
-  }
+  if ((e == ENODEV || e == ESHUTDOWN) && r->sends < kMaxSends && requeue(r, true)) return;
   finish(r, e);
 }
 
@@ -503,7 +510,14 @@ void Failover::fail_over() {
       open.store(true, std::memory_order_seq_cst);  // new IO meets the closed leg: ENODEV
       return;
     }
-    // None now: wait for one, failing what waited longer than remap_timeout.
+    // None now: wait for one, failing what waited longer than remap_timeout. A request that
+    // raced the gate onto the old leg after step 2 comes back meanwhile.
+    {
+      std::lock_guard c(ctl_mu);
+      Leg& a = legs[from];
+      if (Device* d = a.dp.load(); d != nullptr && a.out.load() != 0 && a.down.load())
+        a.s->impl()->abandon(d, ENOTCONN);
+    }
     expire(Clock::now());
     std::unique_lock l(mu);
     cv.wait_for(l, kBusyTick, [&] { return stop; });

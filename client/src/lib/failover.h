@@ -138,7 +138,9 @@ struct Failover {
   // Sends `r` on leg `a` (counted there by the caller).
   Status send(FoReq* r, uint8_t a);
   static void on_leg_done(void* ctx, int err);
-  void requeue(FoReq* r, bool from_active);
+  // Puts `r` on `retry` (wanting a failover when it came from the active leg). False once
+  // unmapped: the caller completes it.
+  bool requeue(FoReq* r, bool from_active);
   void finish(FoReq* r, int err);
   // Sends `r` on the active leg from the worker, or queues it again.
   void resend(FoReq* r);
