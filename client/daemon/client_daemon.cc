@@ -803,8 +803,8 @@ json ClientDaemon::device_failover(const json& req) {
   auto st = switch_failover(*d);
   if (!st.ok()) {
     auto fi = d->failover();
-    return err(st.error(), "failover of " + dev + " to " + fi->standby +
-                               (fi->standby_error ? " (" + fi->standby_error.message() + ")" : ""));
+    const bool why = fi->standby_error && fi->standby_error != st.error();
+    return err(st.error(), "failover of " + dev + " to " + fi->standby + (why ? " (" + fi->standby_error.message() + ")" : ""));
   }
   return device_list(json{{"device", dev}}, true);
 }

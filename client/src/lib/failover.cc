@@ -401,9 +401,13 @@ void Failover::fail_over() {
       return answer_admin(why && !transport_error(why.value()) ? why.value() : ENOTCONN);
     }
   }
-  IBTRS_LOG(warn, "ibnbd %s: %s: session %s %s, failing over", name.c_str(),
-            by_admin ? "switch requested" : "active server lost", legs[from].s->name().c_str(),
-            legs[from].down.load() ? "down" : "failing requests");
+  if (by_admin) {
+    IBTRS_LOG(warn, "ibnbd %s: switch requested: from session %s to %s", name.c_str(),
+              legs[from].s->name().c_str(), legs[other].s->name().c_str());
+  } else {
+    IBTRS_LOG(warn, "ibnbd %s: active server lost: session %s %s, failing over", name.c_str(),
+              legs[from].s->name().c_str(), legs[from].down.load() ? "down" : "failing requests");
+  }
   // 1. New IO waits here.
   open.store(false, std::memory_order_seq_cst);
   {
