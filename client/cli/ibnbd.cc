@@ -38,13 +38,17 @@ const char kUsage[] =
     "usage: ibnbd [options] [client|server] [device|session|path] <command> [arguments]\n"
     "\n"
     "client (default):\n"
-    "  device map <device> from <server> [<server> ...] [ro|rw|migration] [session <name>]\n"
+    "  device map <device> from <server> [<server> ...] [standby <server> [<server> ...]]\n"
+    "         [ro|rw|migration] [session <name>] [standby-session <name>]\n"
     "         [host-key FILE] [host ID] [tls on|off] [--ublk [--ublk-queue-depth N]]\n"
+    "         standby: a second server exporting the same store (a gateway of the same RBD\n"
+    "         image), opened in the same mode and idle; IO moves there when the first is lost\n"
     "         host-key: authenticate with this key file instead of the daemon's --host-key\n"
     "         tls: TLS 1.3 on the session's tcp paths or not, instead of the daemon's --tls\n"
     "         --ublk: also serve it as the block device /dev/ublkbN (ublk_drv); it survives a\n"
     "         crash of ibnbd-client (a restarted daemon takes it back) and goes with unmap\n"
     "  device list | show <device> | unmap <device> [force] | remap <device> | resize <device>\n"
+    "  device failover <device>   the standby becomes active now (an administrative failover)\n"
     "  device io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]\n"
     "         writes a pattern and reads it back through the mapped device (progress on stderr)\n"
     "  device export <device> [unix PATH [mode MODE] [group GROUP]] [tcp [HOST:]PORT]\n"
@@ -529,9 +533,13 @@ int run_client(const Cli& c) {
     req["device"] = c.arg(0, "<device>");
     if (c.arg(1, "'from'") != "from") fail(22, "map <device> from <server> ...");
     json paths = json::array();
+    json standby = json::array();
+    json* servers = &paths;  // the words after 'standby' name the standby's servers
     for (size_t i = 2; i < c.args.size(); ++i) {
       const std::string& a = c.args[i];
       if (a == "ro" || a == "rw" || a == "migration") req["access_mode"] = a;
+      else if (a == "standby") servers = &standby;
+      else if (a == "standby-session") req["standby_session"] = c.arg(++i, "<session name>");
       else if (a == "session") req["session"] = c.arg(++i, "<session name>");
       else if (a == "host-key") req["host_key"] = absolute(c.arg(++i, "a key file"));
       else if (a == "host") req["host"] = c.arg(++i, "a host id");
@@ -542,10 +550,13 @@ int run_client(const Cli& c) {
         if (!n || *n == 0 || *n > 4096) fail(22, "--ublk-queue-depth: 1..4096");
         req["ublk_queue_depth"] = *n;
       } else if (a.rfind("--", 0) == 0) fail(22, "map: unknown option " + a);
-      else paths.push_back(a);
+      else servers->push_back(a);
     }
     if (paths.empty()) fail(22, "map: at least one <server> path");
     req["paths"] = paths;
+    if (servers == &standby && standby.empty()) fail(22, "map: standby needs at least one <server> path");
+    if (!standby.empty()) req["standby_paths"] = standby;
+    else if (req.contains("standby_session")) fail(22, "map: standby-session goes with standby <server>");
   } else if (c.object == "device" && cmd == "io") {
     // io <device> [size S] [offset S] [bs S] [qd N] [mode write-verify|write|verify]
     req["device"] = c.arg(0, "<device>");

@@ -200,6 +200,9 @@ ClientDaemon::~ClientDaemon() {
   // records with them: a daemon told to stop leaves nothing to recover.
   while (!ublk_.empty()) (void)ublk_stop(ublk_.begin()->first);
   exports_.clear();  // each NBD server stops first: its requests end before the unmaps
+  // Failover devices before their sessions (they call into both).
+  for (auto& [n, f] : failover_) (void)unmap_failover(*f.dev, UnmapMode::force);
+  failover_.clear();
   for (auto& [n, s] : sessions_) {
     for (auto& d : s.s->devices()) (void)s.s->unmap(d->name(), UnmapMode::force);
     s.io_buf.reset();
@@ -216,6 +219,7 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
     if (cmd == "device_show") return device_list(req, true);
     if (cmd == "device_unmap") return device_unmap(req);
     if (cmd == "device_remap" || cmd == "device_resize") return device_remap(req);
+    if (cmd == "device_failover") return device_failover(req);
     if (cmd == "device_io") return device_io(req, emit);
     if (cmd == "session_list") return session_list(req, false);
     if (cmd == "session_show") return session_list(req, true);
@@ -244,10 +248,19 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
           done.push_back({{"path", p.name}, {"ok", st.ok()}});
         }
         for (auto& d : s.s->devices()) {
-          if (d->state() != DeviceState::closed) continue;
+          if (d->state() != DeviceState::closed || failover_.count(d->name())) continue;
           auto st = s.s->remap(d->name());
           done.push_back({{"device", d->name()}, {"ok", st.ok()}});
         }
+      }
+      // Failover devices with a side missing or closed: open it again (the standby without
+      // taking the device over).
+      for (auto& [n, f] : failover_) {
+        if (!only.empty() && f.sessions[0] != only && f.sessions[1] != only) continue;
+        auto fi = f.dev->failover();
+        if (fi->standby_ready && f.dev->state() != DeviceState::closed) continue;
+        auto st = remap_failover(*f.dev);
+        done.push_back({{"device", n}, {"ok", st.ok()}});
       }
       return {{"ok", true}, {"recovered", done},
               {"message", std::to_string(done.size()) + " path(s) or device(s) recovered"}};
@@ -272,6 +285,8 @@ ClientDaemon::Sess* ClientDaemon::find_session(const std::string& name) {
 }
 
 std::pair<ClientDaemon::Sess*, std::shared_ptr<RemoteDevice>> ClientDaemon::find_device(const std::string& name) {
+  if (auto it = failover_.find(name); it != failover_.end())
+    return {find_session(it->second.dev->failover()->active), it->second.dev};
   for (auto& [n, s] : sessions_) {
     if (auto d = s.s->find(name)) return {&s, d};
   }
@@ -372,6 +387,8 @@ json ClientDaemon::device_map(const json& req) {
     path_strs.push_back(p.get<std::string>());
   }
   if (paths.empty()) return err(EINVAL, "at least one path");
+  if (req.contains("standby_paths")) return failover_map(req, dev, mode, paths, path_strs);
+  if (failover_.count(dev)) return err(EEXIST, "device " + dev + " is mapped with a standby (unmap it first)");
   const bool want_ublk = req.value("ublk", false);
   const uint32_t depth = req.value("ublk_queue_depth", uint32_t{opts_.ublk_queue_depth});
   if (want_ublk && (depth == 0 || depth > ublk::uapi::kMaxQueueDepth))
@@ -399,7 +416,7 @@ json ClientDaemon::device_map(const json& req) {
     return err(d.error(), "map " + dev + hint);
   }
   if (want_ublk) {
-    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode, host_key, host, tls},
+    json e = ublk_start(**s, *d, UblkRecord{0, sname, path_strs, dev, mode, host_key, host, tls, {}, {}},
                         static_cast<uint16_t>(depth));
     if (!e.is_null()) {
       // Roll back what this command did: a device that was mapped before stays mapped.
@@ -407,6 +424,99 @@ json ClientDaemon::device_map(const json& req) {
         (void)(*s)->s->unmap(dev, UnmapMode::force);
         if ((*s)->s->devices().empty()) sessions_.erase(sname);
       }
+      return e;
+    }
+  }
+  return device_list(json{{"device", dev}}, true);
+}
+
+// device_map {..., standby_paths: [...], standby_session?}: the device through two sessions,
+// the first (`paths`, `session`) active, the second a standby (library: map_failover).
+json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessMode mode,
+                                const std::vector<ibtrs::PathSpec>& paths, const std::vector<std::string>& path_strs) {
+  std::vector<ibtrs::PathSpec> spaths;
+  std::vector<std::string> spath_strs;
+  for (auto& p : req.at("standby_paths")) {
+    auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
+    if (!spec.ok()) return err(EINVAL, "standby path '" + p.get<std::string>() + "': " + spec.error().message());
+    spaths.push_back(*spec);
+    spath_strs.push_back(p.get<std::string>());
+  }
+  if (spaths.empty()) return err(EINVAL, "standby: at least one path");
+  const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
+  const std::string bname =
+      req.contains("standby_session") ? str_arg(req, "standby_session") : default_session_name(spaths[0]);
+  if (sname == bname)
+    return err(EINVAL, "the standby needs a session of its own: another server, or standby-session NAME");
+  if (auto it = failover_.find(dev); it != failover_.end()) {
+    if (it->second.sessions[0] == sname && it->second.sessions[1] == bname && it->second.dev->access_mode() == mode &&
+        !req.value("exclusive", false) && !req.value("ublk", false))
+      return device_list(json{{"device", dev}}, true);
+    return err(EEXIST, "device " + dev + " is already mapped (with standby " + it->second.sessions[1] + ")");
+  }
+  if (auto [os, od] = find_device(dev); od)
+    return err(EEXIST, "device " + dev + " is mapped through session " + os->s->name() + " (unmap it to map it with a standby)");
+  const bool want_ublk = req.value("ublk", false);
+  const uint32_t depth = req.value("ublk_queue_depth", uint32_t{opts_.ublk_queue_depth});
+  if (want_ublk && (depth == 0 || depth > ublk::uapi::kMaxQueueDepth))
+    return err(EINVAL, "ublk_queue_depth: 1.." + std::to_string(ublk::uapi::kMaxQueueDepth));
+  const std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
+  const std::string host = req.contains("host") ? str_arg(req, "host") : "";
+  const std::string tls = req.contains("tls") ? str_arg(req, "tls") : "";
+  if (!tls.empty() && tls != "on" && tls != "off") return err(EINVAL, "tls: on or off");
+  // Sessions this command opened go again when it fails.
+  const bool had_a = find_session(sname) != nullptr, had_b = find_session(bname) != nullptr;
+  auto drop_new = [&] {
+    for (auto [n, had] : {std::pair{sname, had_a}, std::pair{bname, had_b}}) {
+      Sess* s = find_session(n);
+      if (!had && s != nullptr && s->s->devices().empty()) sessions_.erase(n);
+    }
+  };
+  std::string why;
+  auto a = open_session(sname, paths, host_key, host, tls, &why);
+  if (!a.ok()) return err(a.error().value(), "session " + sname + ": " + (why.empty() ? a.error().message() : why));
+  auto b = open_session(bname, spaths, host_key, host, tls, &why);
+  if (!b.ok()) {
+    drop_new();
+    return err(b.error().value(), "standby session " + bname + ": " + (why.empty() ? b.error().message() : why));
+  }
+  FailoverOptions fo;
+  fo.on_event = [](const FailoverEvent& e) {
+    switch (e.kind) {
+      case FailoverEvent::Kind::failed_over:
+        std::fprintf(stderr, "ibnbd-client: %s: failed over from session %s to %s (IO paused %lld ms, %llu requests sent again)\n",
+                     e.dev_name.c_str(), e.from.c_str(), e.to.c_str(), static_cast<long long>(e.pause.count()),
+                     static_cast<unsigned long long>(e.resent));
+        break;
+      case FailoverEvent::Kind::standby_lost:
+        std::fprintf(stderr, "ibnbd-client: %s: standby %s not ready: %s\n", e.dev_name.c_str(), e.to.c_str(),
+                     e.error.message().c_str());
+        break;
+      case FailoverEvent::Kind::standby_back:
+        std::fprintf(stderr, "ibnbd-client: %s: standby %s ready\n", e.dev_name.c_str(), e.to.c_str());
+        break;
+      case FailoverEvent::Kind::cache_lost:
+        std::fprintf(stderr, "ibnbd-client: %s: %llu writes completed on %s since its last flush may be lost with its cache\n",
+                     e.dev_name.c_str(), static_cast<unsigned long long>(e.resent), e.from.c_str());
+        break;
+    }
+  };
+  auto d = map_failover(*(*a)->s, *(*b)->s, dev, mode, std::move(fo));
+  if (!d.ok()) {
+    drop_new();
+    std::string hint;
+    if (d.error() == std::errc::permission_denied) hint = " (the server's access rules do not grant this host the device)";
+    if (d.error() == std::errc::operation_not_permitted)
+      hint = " (the server grants this host less than " + std::string(to_string(mode)) + " there)";
+    return err(d.error(), "map " + dev + hint);
+  }
+  failover_[dev] = Failover{*d, {sname, bname}, {path_strs, spath_strs}};
+  if (want_ublk) {
+    UblkRecord rec{0, sname, path_strs, dev, mode, host_key, host, tls, bname, spath_strs};
+    json e = ublk_start(**a, *d, rec, static_cast<uint16_t>(depth));
+    if (!e.is_null()) {
+      (void)failover_unmap(dev, UnmapMode::force);
+      drop_new();
       return e;
     }
   }
@@ -503,22 +613,53 @@ json ClientDaemon::recover_ublk() {
       fail("session " + r.session + ": " + (why.empty() ? s.error().message() : why), false);
       continue;
     }
+    // A failover device: its standby's session too.
+    Sess* sb = nullptr;
+    if (!r.standby_paths.empty()) {
+      std::vector<ibtrs::PathSpec> spaths;
+      for (auto& p : r.standby_paths)
+        if (auto spec = ibtrs::PathSpec::parse(p); spec.ok()) spaths.push_back(*spec);
+      auto b = spaths.empty() ? Result<Sess*>(errc(EINVAL))
+                              : open_session(r.standby_session, spaths, r.host_key, r.host, r.tls, &why);
+      if (!b.ok()) {
+        if ((*s)->s->devices().empty()) sessions_.erase(r.session);
+        fail("standby session " + r.standby_session + ": " + (why.empty() ? b.error().message() : why), false);
+        continue;
+      }
+      sb = *b;
+    }
     // The server may still hold the dead daemon's session, and the device with it (EBUSY for
     // a second writer), until it notices the connections are gone.
+    auto map_once = [&]() -> Result<std::shared_ptr<RemoteDevice>> {
+      if (sb == nullptr) return (*s)->s->map(r.device, r.access_mode);
+      // The standby's server may hold it too: a busy standby maps as missing; remap_failover
+      // brings it back once that server let go.
+      return map_failover(*(*s)->s, *sb->s, r.device, r.access_mode);
+    };
     Result<std::shared_ptr<RemoteDevice>> d = errc(EBUSY);
     const auto deadline = Clock::now() + std::chrono::seconds(30);
-    while (!(d = (*s)->s->map(r.device, r.access_mode)).ok() && d.error() == std::errc::device_or_resource_busy &&
-           Clock::now() < deadline)
+    while (!(d = map_once()).ok() && d.error() == std::errc::device_or_resource_busy && Clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    auto drop_sessions = [&] {
+      for (const std::string& n : {r.session, r.standby_session}) {
+        Sess* x = n.empty() ? nullptr : find_session(n);
+        if (x != nullptr && x->s->devices().empty()) sessions_.erase(n);
+      }
+    };
     if (!d.ok()) {
-      if ((*s)->s->devices().empty()) sessions_.erase(r.session);
+      drop_sessions();
       fail("map " + r.device + ": " + d.error().message(), false);
       continue;
     }
+    if (sb != nullptr) failover_[r.device] = Failover{*d, {r.session, r.standby_session}, {r.paths, r.standby_paths}};
     auto u = ublk::UblkDevice::recover(r.ublk_id, *d, *(*s)->s, ublk_options(**d, opts_.ublk_queue_depth));
     if (!u.ok()) {
-      (void)(*s)->s->unmap(r.device, UnmapMode::force);
-      if ((*s)->s->devices().empty()) sessions_.erase(r.session);
+      if (sb != nullptr) {
+        (void)failover_unmap(r.device, UnmapMode::force);
+      } else {
+        (void)(*s)->s->unmap(r.device, UnmapMode::force);
+      }
+      drop_sessions();
       // ENOENT: the kernel has no such device (any more): nothing to recover, ever.
       fail("ublk: " + u.error().message(), u.error() == std::errc::no_such_file_or_directory ||
                                                u.error() == std::errc::invalid_argument);
@@ -536,39 +677,79 @@ json ClientDaemon::recover_ublk() {
 json ClientDaemon::device_list(const json& req, bool one) {
   const std::string only = one ? str_arg(req, "device") : "";
   json rows = json::array();
+  // One row per device: a failover device's under its active session, with its standby.
+  auto row_of = [&](const std::string& sess, const std::shared_ptr<RemoteDevice>& d) {
+    auto st = d->stats();
+    const auto fi = d->failover();
+    std::string standby = "-", standby_state = "-";
+    if (fi) {
+      standby = fi->standby;
+      standby_state = fi->standby_ready ? "ready" : fi->standby_error ? fi->standby_error.message() : "not ready";
+    }
+    json row = json::array({d->name(), fi ? fi->active : sess, std::string(to_string(d->access_mode())),
+                            bytes(d->size_bytes()), std::string(to_string(d->state())), d->device_id(),
+                            bytes(st.read_bytes), bytes(st.write_bytes), st.inflight, st.errors, st.remaps,
+                            export_addresses(d->name()), ublk_path(d->name()), standby, standby_state,
+                            fi ? fi->failovers : 0});
+    if (one) {
+      // How the ublk queues got their completions: committed by the queue thread that reaped
+      // them, or handed over by the transport's IO threads (eventfd wake-ups).
+      auto it = ublk_.find(d->name());
+      const auto us = it == ublk_.end() ? ublk::UblkStats{} : it->second.dev->stats();
+      for (uint64_t v : {us.requests, us.reaped, us.wakeups}) row.push_back(v);
+      // The last failover: its pause (trigger to IO flowing again), the requests sent again,
+      // and flushes failed because the old active's cache may have lost writes.
+      row.push_back(fi ? fi->last_pause.count() : 0);
+      row.push_back(fi ? fi->resent : 0);
+      row.push_back(fi ? fi->lost_flushes : 0);
+    }
+    rows.push_back(std::move(row));
+  };
   for (auto& [n, s] : sessions_) {
     for (auto& d : s.s->devices()) {
       if (one && d->name() != only) continue;
-      auto st = d->stats();
-      json row = json::array({d->name(), n, std::string(to_string(d->access_mode())),
-                              bytes(d->size_bytes()), std::string(to_string(d->state())),
-                              d->device_id(), bytes(st.read_bytes), bytes(st.write_bytes),
-                              st.inflight, st.errors, st.remaps, export_addresses(d->name()),
-                              ublk_path(d->name())});
-      if (one) {
-        // How the ublk queues got their completions: committed by the queue thread that reaped
-        // them, or handed over by the transport's IO threads (eventfd wake-ups).
-        auto it = ublk_.find(d->name());
-        const auto us = it == ublk_.end() ? ublk::UblkStats{} : it->second.dev->stats();
-        for (uint64_t v : {us.requests, us.reaped, us.wakeups}) row.push_back(v);
-      }
-      rows.push_back(std::move(row));
+      if (failover_.count(d->name())) continue;  // a leg: listed once, below
+      row_of(n, d);
     }
+  }
+  for (auto& [n, f] : failover_) {
+    if (one && n != only) continue;
+    row_of("", f.dev);
   }
   if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
   json cols = json::array({col("device"), col("session"), col("access_mode"), col("size", true),
                            col("state"), col("device_id", true), col("rx_bytes", true),
                            col("tx_bytes", true), col("inflights", true), col("errors", true),
-                           col("remaps", true), col("nbd"), col("ublk")});
+                           col("remaps", true), col("nbd"), col("ublk"), col("standby"), col("standby_state"),
+                           col("failovers", true)});
   if (one)
-    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups"}) cols.push_back(col(c, true));
+    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups", "last_failover_ms", "resent", "lost_flushes"})
+      cols.push_back(col(c, true));
   return {{"ok", true}, {"columns", std::move(cols)}, {"rows", rows}};
+}
+
+Status ClientDaemon::failover_unmap(const std::string& name, UnmapMode mode) {
+  auto it = failover_.find(name);
+  if (it == failover_.end()) return errc(ENOENT);
+  auto st = unmap_failover(*it->second.dev, mode);
+  if (!st.ok() && st.error() == std::errc::device_or_resource_busy) return st;
+  const Failover f = it->second;
+  failover_.erase(it);
+  for (const std::string& n : f.sessions) {
+    Sess* s = find_session(n);
+    if (s != nullptr && s->s->devices().empty()) {
+      s->io_buf.reset();
+      sessions_.erase(n);
+    }
+  }
+  return st;
 }
 
 json ClientDaemon::device_unmap(const json& req) {
   const std::string dev = str_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
+  const bool is_failover = d->failover().has_value();
   d.reset();
   const bool force = req.value("force", false);
   if (auto it = ublk_.find(dev); it != ublk_.end() && !force) {
@@ -582,6 +763,14 @@ json ClientDaemon::device_unmap(const json& req) {
   stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
   // So does /dev/ublkbN: STOP_DEV waits for its IO, which still needs the mapping.
   const Status ublk_st = ublk_stop(dev);
+  if (is_failover) {
+    auto fst = failover_unmap(dev, force ? UnmapMode::force : UnmapMode::normal);
+    if (!fst.ok() && fst.error() == std::errc::device_or_resource_busy)
+      return err(EBUSY, "device " + dev + " has IO outstanding (unmap " + dev + " force)");
+    if (!fst.ok()) return err(fst.error(), "close " + dev + " on the servers (unmapped here)");
+    if (!ublk_st.ok()) return err(ublk_st.error(), "ublk device of " + dev + " (unmapped anyway)");
+    return {{"ok", true}};
+  }
   auto st = s->s->unmap(dev, force ? UnmapMode::force : UnmapMode::normal);
   if (!st.ok() && st.error() == std::errc::device_or_resource_busy)
     return err(EBUSY, "device " + dev + " has IO outstanding (unmap " + dev + " force)");
@@ -600,8 +789,23 @@ json ClientDaemon::device_remap(const json& req) {
   const std::string dev = str_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
-  auto st = s->s->remap(dev);
+  auto st = d->failover() ? remap_failover(*d) : s->s->remap(dev);
   if (!st.ok()) return err(st.error(), "remap " + dev);
+  return device_list(json{{"device", dev}}, true);
+}
+
+// device_failover {device}: the standby becomes active now (an administrative failover).
+json ClientDaemon::device_failover(const json& req) {
+  const std::string dev = str_arg(req, "device");
+  auto [s, d] = find_device(dev);
+  if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
+  if (!d->failover()) return err(EINVAL, "device " + dev + " has no standby (map it with standby SERVER)");
+  auto st = switch_failover(*d);
+  if (!st.ok()) {
+    auto fi = d->failover();
+    const bool why = fi->standby_error && fi->standby_error != st.error();
+    return err(st.error(), "failover of " + dev + " to " + fi->standby + (why ? " (" + fi->standby_error.message() + ")" : ""));
+  }
   return device_list(json{{"device", dev}}, true);
 }
 
@@ -624,17 +828,29 @@ json ClientDaemon::device_io(const json& req, const ControlSocket::Emit& emit) {
   const bool do_verify = mode == "write-verify" || mode == "verify";
   if (!do_write && !do_verify) return err(EINVAL, "mode: write-verify, write or verify");
   const size_t need = size_t{bs} * qd;
-  if (!s->io_buf || s->io_buf->size() < need) {
-    s->io_buf.reset();
-    auto b = s->s->alloc_buffer(need);
+  // A failover device's buffers are its own (registered with both its sessions); a plain
+  // device's session keeps one for the next run.
+  std::unique_ptr<ibtrs::RegisteredMemory> own;
+  ibtrs::RegisteredMemory* buf = nullptr;
+  if (d->failover()) {
+    auto b = d->alloc_buffer(need);
     if (!b.ok()) return err(b.error(), "IO buffers");
-    s->io_buf = std::move(*b);
+    own = std::move(*b);
+    buf = own.get();
+  } else {
+    if (!s->io_buf || s->io_buf->size() < need) {
+      s->io_buf.reset();
+      auto b = d->alloc_buffer(need);
+      if (!b.ok()) return err(b.error(), "IO buffers");
+      s->io_buf = std::move(*b);
+    }
+    buf = s->io_buf.get();
   }
   const uint64_t seed = req.value("seed", uint64_t{0x1b7d5eed});
   json out{{"ok", true}, {"device", dev}, {"bytes", size}, {"bs", bs}, {"qd", qd}};
   for (bool w : {true, false}) {
     if ((w && !do_write) || (!w && !do_verify)) continue;
-    Pass p{*d, *s->io_buf, w, seed, offset, size, bs, qd, {}, {}, {}, {}, 0, 0, 0, 0, {}};
+    Pass p{*d, *buf, w, seed, offset, size, bs, qd, {}, {}, {}, {}, 0, 0, 0, 0, {}};
     const double secs = p.run(emit);
     json r{{"seconds", secs}, {"mib_s", static_cast<double>(size) / secs / (1 << 20)},
            {"errors", p.errors}};
@@ -692,6 +908,17 @@ json ClientDaemon::session_close(const json& req) {
   const std::string n = str_arg(req, "session");
   Sess* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
+  // A failover device through this session goes, on both of its sessions.
+  std::vector<std::string> fo;
+  for (auto& [name, f] : failover_)
+    if (f.sessions[0] == n || f.sessions[1] == n) fo.push_back(name);
+  for (auto& name : fo) {
+    stop_export(name);
+    (void)ublk_stop(name);
+    (void)failover_unmap(name, UnmapMode::force);
+  }
+  s = find_session(n);
+  if (s == nullptr) return {{"ok", true}};
   for (auto& d : s->s->devices()) {
     stop_export(d->name());
     (void)ublk_stop(d->name());

@@ -76,6 +76,10 @@ class ClientDaemon {
   using json = nlohmann::json;
 
   json device_map(const json& req);
+  // device_map with standby_paths: a failover device over two sessions.
+  json failover_map(const json& req, const std::string& dev, AccessMode mode, const std::vector<ibtrs::PathSpec>& paths,
+                    const std::vector<std::string>& path_strs);
+  json device_failover(const json& req);
   json device_list(const json& req, bool one);
   json device_unmap(const json& req);
   json device_remap(const json& req);
@@ -97,8 +101,12 @@ class ClientDaemon {
   std::string export_addresses(const std::string& dev) const;
   std::string ublk_path(const std::string& dev) const;  // "" without one
 
-  // The session and device of a mapped device name. ENOENT as an answer when unknown.
+  // The session and device of a mapped device name (a failover device's active session), or
+  // nulls.
   std::pair<Sess*, std::shared_ptr<RemoteDevice>> find_device(const std::string& name);
+  // Unmaps a failover device (both sessions lose the device; a session left without devices
+  // goes). The unmap's status.
+  Status failover_unmap(const std::string& name, UnmapMode mode);
   Sess* find_session(const std::string& name);
   // The session `name`, opened over `paths` when there is none (paths it lacks are added).
   // With credentials as credentials() takes them; EINVAL (and `why`) when a session of that name
@@ -116,6 +124,15 @@ class ClientDaemon {
   ClientDaemonOptions opts_;
   std::mutex mu_;  // serializes commands
   std::map<std::string, Sess, std::less<>> sessions_;
+  // Failover devices by name (device map ... standby ...): the device, and its sessions as
+  // mapped (the first was active then). Their legs are in both sessions' device lists, which
+  // the listings skip.
+  struct Failover {
+    std::shared_ptr<RemoteDevice> dev;
+    std::string sessions[2];
+    std::vector<std::string> paths[2];
+  };
+  std::map<std::string, Failover, std::less<>> failover_;
   // NBD exports by device name (nbd_export): one NBD server each, with its own listeners.
   struct NbdExport {
     std::string name;  // the NBD export name

@@ -57,6 +57,10 @@ nlohmann::json to_json(const UblkRecord& r) {
   if (!r.host_key.empty()) j["host_key"] = r.host_key;
   if (!r.host.empty()) j["host"] = r.host;
   if (!r.tls.empty()) j["tls"] = r.tls;
+  if (!r.standby_paths.empty()) {
+    j["standby_session"] = r.standby_session;
+    j["standby_paths"] = r.standby_paths;
+  }
   return j;
 }
 
@@ -86,6 +90,17 @@ Result<UblkRecord> ublk_record_from_json(const nlohmann::json& j) {
     *field = j[k].get<std::string>();
   }
   if (!r.tls.empty() && r.tls != "on" && r.tls != "off") return errc(EINVAL);
+  // A standby: both of its fields, a session name and at least one path.
+  if (j.contains("standby_session") || j.contains("standby_paths")) {
+    if (!has("standby_session", is_str) || !has("standby_paths", [](auto& v) { return v.is_array() && !v.empty(); }))
+      return errc(EINVAL);
+    r.standby_session = j["standby_session"].get<std::string>();
+    if (r.standby_session.empty() || r.standby_session == r.session) return errc(EINVAL);
+    for (auto& p : j["standby_paths"]) {
+      if (!p.is_string()) return errc(EINVAL);
+      r.standby_paths.push_back(p.get<std::string>());
+    }
+  }
   return r;
 }
 

@@ -5,8 +5,9 @@
 //
 //   <dir>/ublk-<id>.json   {"version": 1, "ublk_id": N, "session": S, "paths": [...],
 //                           "device": D, "access_mode": "rw", "host_key"?: F, "host"?: H,
-//                           "tls"?: "on"|"off"}
-//   (host_key / host / tls: what device map named; absent: the daemon's default)
+//                           "tls"?: "on"|"off", "standby_session"?: S2, "standby_paths"?: [...]}
+//   (host_key / host / tls: what device map named; absent: the daemon's default; standby_*: a
+//   failover device, `session` being the one it was mapped active on)
 //
 // Files are replaced atomically (written to a temporary file, fsync'd, renamed over the old one,
 // the directory fsync'd), so a crash at any moment leaves the old record or the new one.
@@ -32,6 +33,9 @@ struct UblkRecord {
   std::string host_key;  // key file path, "" for the daemon's default
   std::string host;      // host id override, "" for the key file's
   std::string tls;       // "on" / "off" as map named it, "" for the daemon's default
+  // A failover device's standby (device map ... standby ...); empty for a device of one session.
+  std::string standby_session;
+  std::vector<std::string> standby_paths;
   bool operator==(const UblkRecord&) const = default;
 };
 

@@ -84,6 +84,7 @@ struct EngineOptions {
   char* poll;
   unsigned int poll_stats;
   unsigned int poll_runnable;
+  char* standby_paths;
 };
 
 // Non-const because fio's ioengine_ops::options is a plain pointer; fio only reads it.
@@ -199,6 +200,16 @@ fio_option g_options[] = {
         .group = FIO_OPT_G_INVALID,
     },
     {
+        .name = "ibnbd_standby_paths",
+        .lname = "IBNBD standby paths",
+        .type = FIO_OPT_STR_STORE,
+        .off1 = offsetof(EngineOptions, standby_paths),
+        .help = "A second server exporting the same store (a gateway of the same RBD image): the "
+                "device is mapped through both and fails over to it (client.h, Gateway failover)",
+        .category = FIO_OPT_C_ENGINE,
+        .group = FIO_OPT_G_INVALID,
+    },
+    {
         .name = "ibnbd_host_key",
         .lname = "IBNBD host key file",
         .type = FIO_OPT_STR_STORE,
@@ -226,6 +237,7 @@ std::vector<std::string> split_paths(std::string_view text) {
 // What the options say, checked once; errors carry the text fio prints.
 struct Config {
   ibnbd::BlockSessionOptions session;
+  std::vector<ibtrs::PathSpec> standby;  // ibnbd_standby_paths: a failover device
   std::string device;
   ibnbd::AccessMode mode = ibnbd::AccessMode::ro;
   bool reap_caller = true;
@@ -249,6 +261,16 @@ int make_config(thread_data* td, const std::string& name, Config& out) {
   if (out.session.transport.paths.empty()) {
     log_err("ibnbd: ibnbd_paths names no path\n");
     return EINVAL;
+  }
+  if (o->standby_paths != nullptr) {
+    for (const auto& p : split_paths(o->standby_paths)) {
+      auto spec = ibtrs::PathSpec::parse(p);
+      if (!spec) {
+        log_err("ibnbd: bad standby path '%s': %s\n", p.c_str(), spec.error().message().c_str());
+        return EINVAL;
+      }
+      out.standby.push_back(*spec);
+    }
   }
   if (o->policy != nullptr) {
     auto pol = ibtrs::parse_mp_policy(o->policy);
@@ -315,6 +337,7 @@ struct Node {
 struct Engine {
   std::string base_name;  // session name prefix, fixed in setup (before any fork)
   std::unique_ptr<ibnbd::BlockSession> session;
+  std::unique_ptr<ibnbd::BlockSession> standby;  // ibnbd_standby_paths: the failover's second
   std::shared_ptr<ibnbd::RemoteDevice> dev;
   std::unique_ptr<ibtrs::RegisteredMemory> buffers;  // fio's IO buffers when registered
   std::unique_ptr<std::byte[]> plain_buffers;        // the fallback: every IO copies
@@ -565,6 +588,13 @@ int eng_init(thread_data* td) noexcept {
       td_verror(td, err, "ibnbd options");
       return 1;
     }
+    // The standby's session: the same options but the paths and the name.
+    ibnbd::BlockSessionOptions so;
+    if (!cfg.standby.empty()) {
+      so = cfg.session;
+      so.transport.paths = cfg.standby;
+      so.transport.session_name += "-standby";
+    }
     auto s = ibnbd::BlockSession::open(std::move(cfg.session));
     if (!s) {
       log_err("ibnbd: session open: %s\n", s.error().message().c_str());
@@ -572,7 +602,19 @@ int eng_init(thread_data* td) noexcept {
       return 1;
     }
     e->session = std::move(*s);
-    auto dev = e->session->map(cfg.device, cfg.mode);
+    ibtrs::Result<std::shared_ptr<ibnbd::RemoteDevice>> dev = ibtrs::errc(EINVAL);
+    if (cfg.standby.empty()) {
+      dev = e->session->map(cfg.device, cfg.mode);
+    } else {
+      auto sb = ibnbd::BlockSession::open(std::move(so));
+      if (!sb) {
+        log_err("ibnbd: standby session open: %s\n", sb.error().message().c_str());
+        td_verror(td, sb.error().value(), "ibnbd standby session open");
+        return 1;
+      }
+      e->standby = std::move(*sb);
+      dev = ibnbd::map_failover(*e->session, *e->standby, cfg.device, cfg.mode);
+    }
     if (!dev) {
       log_err("ibnbd: map %s (%s): %s\n", cfg.device.c_str(),
               std::string(ibnbd::to_string(cfg.mode)).c_str(), dev.error().message().c_str());
@@ -654,8 +696,10 @@ void eng_cleanup(thread_data* td) noexcept {
   try {
     // The reaper, the device and the registration before the session: it must outlive them.
     e->reaper.reset();
+    if (e->dev && e->dev->failover()) (void)ibnbd::unmap_failover(*e->dev, ibnbd::UnmapMode::force);
     e->dev.reset();
     e->buffers.reset();
+    e->standby.reset();
     e->session.reset();
   } catch (...) {
     caught(td, "ibnbd cleanup");
@@ -668,7 +712,8 @@ int eng_iomem_alloc(thread_data* td, size_t size) noexcept {
   try {
     auto* e = engine_of(td);
     if (e == nullptr || !e->session) return 1;
-    auto mem = e->session->alloc_buffer(size);
+    // Through the device: a failover device's memory is registered with both its sessions.
+    auto mem = e->dev ? e->dev->alloc_buffer(size) : e->session->alloc_buffer(size);
     if (mem) {
       e->buffers = std::move(*mem);
       td->orig_buffer = reinterpret_cast<char*>(e->buffers->data());
@@ -761,11 +806,11 @@ fio_q_status eng_queue(thread_data* td, io_u* u) noexcept {
 int eng_commit(thread_data* td) noexcept {
   auto* e = engine_of(td);
   if (e->pending.empty()) return 0;
-  e->session->begin_batch();
+  e->dev->begin_batch();  // the session the device sends on (a failover device's active one)
   for (io_u* u : e->pending) {
     if (int err = submit_one(e, u); err != 0) on_done(&e->nodes[u->index], err);
   }
-  e->session->end_batch();
+  e->dev->end_batch();
   io_u_mark_submit(td, static_cast<unsigned int>(e->pending.size()));
   e->pending.clear();
   return 0;

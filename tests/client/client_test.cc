@@ -1004,6 +1004,400 @@ TEST_F(Client, ClosingTheSessionCompletesItsIo) {
   EXPECT_EQ(d->state(), DeviceState::closed);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Failover devices: two fake servers exporting one RAM volume (two gateways of one store), a
+// session to each, the device mapped through both (client.h, "Gateway failover").
+
+class Failover : public Client {
+ protected:
+  void TearDown() override {
+    bufs_.clear();
+    sessions_.clear();
+    if (server2_) {
+      (void)wait_until([&] { return server2_->sessions().empty(); }, 5s);
+      (void)server2_->with_session("", [](ibtrs::ServerSession&) {});
+    }
+    srv2_.drop_held(ECONNABORTED);
+    server2_.reset();
+    Client::TearDown();
+  }
+
+  // Server 1 (srv_, the active's) and server 2 (srv2_, the standby's) over vol0 and vol1.
+  void start_both(uint16_t qd = 64) {
+    start_server(1, qd);
+    srv2_.share_device("vol0", srv_);
+    srv2_.share_device("vol1", srv_);
+    server2_ = start(srv2_, {listen_addr("c0")}, qd);
+    if (server2_) addrs2_ = server2_->addresses();
+  }
+
+  std::unique_ptr<ibtrs::Server> start(FakeBlockServer& h, std::vector<ibtrs::Address> listen, uint16_t qd = 64) {
+    ibtrs::ServerOptions so;
+    so.queue_depth = qd;
+    so.chunk_size = kChunk;
+    so.max_io_size = 0;
+    so.io_threads = 2;
+    so.handler = &h;
+    so.allow_any_host = true;
+    so.heartbeat = ibtrs::HeartbeatConfig{100ms, 5};
+    so.listen = std::move(listen);
+    auto s = ibtrs::Server::start(so);
+    EXPECT_TRUE(s.ok()) << s.error().message();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+
+  // A session to server 1 ("sa") or 2 ("sb"). Its reconnect waits 1 s, so that a killed
+  // server is gone for good before the session looks for it again.
+  BlockSession* session(int server, std::chrono::milliseconds reconnect = 1000ms) {
+    BlockSessionOptions o = options(1, server == 1 ? "sa" : "sb");
+    o.transport.paths = {ibtrs::PathSpec{std::nullopt, server == 1 ? addrs_[0] : addrs2_[0]}};
+    o.transport.io_threads = 1;  // one connection: the order requests are sent is the order they arrive
+    o.transport.reconnect = ibtrs::ReconnectConfig{reconnect, reconnect, reconnect, 10ms, -1};
+    return open(std::move(o));
+  }
+
+  std::shared_ptr<RemoteDevice> map_fo(BlockSession& a, BlockSession& b, const std::string& dev = "vol0",
+                                       AccessMode m = AccessMode::rw, std::chrono::milliseconds timeout = 10s) {
+    FailoverOptions o;
+    o.remap_timeout = timeout;
+    o.on_event = [this](const FailoverEvent& e) {
+      std::lock_guard l(ev_mu_);
+      fo_events_.push_back(e);
+    };
+    auto d = map_failover(a, b, dev, m, o);
+    EXPECT_TRUE(d.ok()) << d.error().message();
+    return d.ok() ? *d : nullptr;
+  }
+
+  ibtrs::RegisteredMemory* fo_buffer(RemoteDevice& d, size_t size) {
+    auto b = d.alloc_buffer(size);
+    EXPECT_TRUE(b.ok()) << b.error().message();
+    if (!b.ok()) return nullptr;
+    bufs_.push_back(std::move(*b));
+    return bufs_.back().get();
+  }
+
+  // As kill -9 of a server: the paths of its sessions drop at once, what it held is never
+  // answered, and nothing listens at its addresses any more.
+  void kill(int server) {
+    auto& srv = server == 1 ? server_ : server2_;
+    FakeBlockServer& h = server == 1 ? srv_ : srv2_;
+    for (auto& name : srv->sessions())
+      (void)srv->with_session(name, [](ibtrs::ServerSession& s) {
+        for (auto& p : s.paths()) (void)s.disconnect_path(p.name);
+      });
+    (void)wait_until([&] { return srv->sessions().empty(); }, 5s);
+    (void)srv->with_session("", [](ibtrs::ServerSession&) {});
+    h.hold_io(false);
+    h.drop_held(ECONNABORTED);
+    srv.reset();
+  }
+  // Starts server 1 again on its old address.
+  void restart1() { server_ = start(srv_, addrs_); }
+
+  size_t count_fo(FailoverEvent::Kind k) {
+    std::lock_guard l(ev_mu_);
+    return static_cast<size_t>(std::count_if(fo_events_.begin(), fo_events_.end(),
+                                             [&](const FailoverEvent& e) { return e.kind == k; }));
+  }
+
+  FakeBlockServer srv2_;
+  std::unique_ptr<ibtrs::Server> server2_;
+  std::vector<ibtrs::Address> addrs2_;
+  std::vector<FailoverEvent> fo_events_;
+};
+
+// Case: vol0 mapped through sessions sa (server 1) and sb (server 2); every op on the failover
+// device, zero copy from its own memory and through bounce buffers.
+// Expect: server 1 serves everything, server 2 saw one plain OPEN (no REOPEN: it takes nothing
+// over) and no IO; the listing says sa is active, sb ready, no failover.
+TEST_F(Failover, ServesEveryOpOnTheActiveWithAnIdleStandby) {
+  start_both();
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto d = map_fo(*a, *b);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 1 << 20);
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(d->name(), "vol0");
+  EXPECT_EQ(d->size_bytes(), kVolSize);
+  EXPECT_EQ(d->state(), DeviceState::open);
+  EXPECT_EQ(srv2_.opens_.load(), 1u);
+  EXPECT_EQ(srv2_.reopens_.load(), 0u) << "the standby's OPEN takes nothing over";
+  pattern(m->data(), 300 * 1024, 9);
+  EXPECT_EQ(write(*d, 4096, *m, 0, 300 * 1024), 0);
+  EXPECT_EQ(read(*d, 4096, *m, 512 * 1024, 300 * 1024), 0);
+  EXPECT_EQ(std::memcmp(m->data(), m->data() + 512 * 1024, 300 * 1024), 0);
+  EXPECT_EQ(sync([&](IoDone done) { return d->flush(done); }), 0);
+  EXPECT_EQ(sync([&](IoDone done) { return d->write_zeroes(0, 4096, true, done); }), 0);
+  EXPECT_EQ(sync([&](IoDone done) { return d->discard(8192, 4096, done); }), 0);
+  std::vector<std::byte> x(8192, std::byte{0x3c}), y(8192);
+  EXPECT_EQ(sync([&](IoDone done) { return d->write_copy(1 << 20, x, kIoFua, done); }), 0);
+  EXPECT_EQ(sync([&](IoDone done) { return d->read_copy(1 << 20, y, done); }), 0);
+  EXPECT_EQ(x, y);
+  EXPECT_EQ(sync([&](IoDone done) { return d->write(1, std::span<const IoSeg>(), 0, done); }), -EINVAL)
+      << "refused by the call, as a plain device refuses it";
+  EXPECT_TRUE(ios_of("vol0").size() >= 7u);
+  EXPECT_EQ(srv2_.io_count(), 0u) << "the standby served no IO";
+  auto fi = d->failover();
+  ASSERT_TRUE(fi.has_value());
+  EXPECT_EQ(fi->active, "sa");
+  EXPECT_EQ(fi->standby, "sb");
+  EXPECT_TRUE(fi->standby_ready);
+  EXPECT_EQ(fi->failovers, 0u);
+  EXPECT_FALSE(map(*a, "vol1")->failover().has_value()) << "a plain device has no failover state";
+  EXPECT_EQ(a->unmap("vol0").error(), errc(EBUSY)) << "a leg is unmapped through its failover device";
+  EXPECT_EQ(map_failover(*a, *b, "vol0", AccessMode::rw).error(), errc(EEXIST));
+  EXPECT_TRUE(unmap_failover(*d).ok());
+  EXPECT_EQ(d->state(), DeviceState::closed);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), -ENODEV);
+  EXPECT_TRUE(srv_.holders("vol0").empty());
+  EXPECT_TRUE(srv2_.holders("vol0").empty()) << "both sides closed";
+}
+
+// Case: server 1 holds 16 writes (its whole queue depth) and 8 more wait in the library for a
+// permit; server 1 is killed; 8 more writes and a flush are submitted during the switch.
+// Expect: every request completes with 0, once; its bytes are on the volume; server 2 got the
+// device with REOPEN (the take-over) and the resent writes in submission order, the flush after
+// the writes submitted before it; the device reports sb active, one failover, 24+ resent.
+TEST_F(Failover, ActiveKilledWithIoInFlightAndQueuedResumesOnTheStandby) {
+  start_both(16);
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto d = map_fo(*a, *b);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 4 << 20);
+  ASSERT_NE(m, nullptr);
+  constexpr int kN = 40;
+  constexpr uint32_t kLen = 65536;
+  Done w[kN];
+  IoSeg seg[kN];
+  for (int i = 0; i < kN; ++i) {
+    pattern(m->data() + size_t(i) * kLen, kLen, 500 + i);
+    seg[i] = IoSeg{m->data() + size_t(i) * kLen, kLen, m};
+  }
+  srv_.hold_io(true);
+  for (int i = 0; i < 24; ++i) ASSERT_TRUE(d->write(uint64_t(i) * kLen, std::span(&seg[i], 1), 0, w[i].io()).ok());
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == 16; }));
+  const size_t ios2 = srv2_.io_count();
+  kill(1);
+  Done f;
+  for (int i = 24; i < kN; ++i) {
+    ASSERT_TRUE(d->write(uint64_t(i) * kLen, std::span(&seg[i], 1), 0, w[i].io()).ok());
+    if (i == 31) {
+      ASSERT_TRUE(d->flush(f.io()).ok());
+    }
+  }
+  for (int i = 0; i < kN; ++i) {
+    EXPECT_EQ(w[i].wait(), 0) << i;
+  }
+  EXPECT_EQ(f.wait(), 0);
+  for (int i = 0; i < kN; ++i) {
+    EXPECT_EQ(w[i].calls, 1);
+    EXPECT_TRUE(same("vol0", uint64_t(i) * kLen, m->data() + size_t(i) * kLen, kLen)) << i;
+  }
+  EXPECT_EQ(srv2_.reopens_.load(), 1u) << "the standby's server took the device over";
+  // Server 2 saw the writes in the order they were submitted, the flush after the first 32.
+  std::vector<uint64_t> got;
+  size_t flush_at = SIZE_MAX;
+  auto all = srv2_.ios();
+  for (size_t i = ios2; i < all.size(); ++i) {
+    if (all[i].io.op == IoOp::flush) flush_at = got.size();
+    if (all[i].io.op == IoOp::write) got.push_back(all[i].io.sector * kSectorSize / kLen);
+  }
+  ASSERT_EQ(got.size(), size_t{kN});
+  for (int i = 0; i < kN; ++i) EXPECT_EQ(got[i], uint64_t(i)) << "resent in submission order";
+  EXPECT_EQ(flush_at, 32u) << "the flush after the writes submitted before it";
+  auto fi = d->failover();
+  ASSERT_TRUE(fi.has_value());
+  EXPECT_EQ(fi->active, "sb");
+  EXPECT_EQ(fi->standby, "sa");
+  EXPECT_FALSE(fi->standby_ready) << "server 1 is dead";
+  EXPECT_EQ(fi->failovers, 1u);
+  EXPECT_GE(fi->resent, 24u);
+  EXPECT_LT(fi->last_pause, 2s);
+  EXPECT_EQ(count_fo(FailoverEvent::Kind::failed_over), 1u);
+  EXPECT_EQ(d->stats().errors, 0u);
+  EXPECT_EQ(d->stats().inflight, 0u);
+  EXPECT_EQ(d->state(), DeviceState::open);
+  pattern(m->data(), 4096, 1);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 0, m->data(), 4096));
+}
+
+// Case: a write completes on server 1 (whose cache is volatile: kCacheWriteBack) with no flush
+// after it; server 1 is killed. Then: a flush, another flush.
+// Expect: the first flush after the failover fails with EIO (a flush promises stable what the
+// dead server's cache may have lost), the second succeeds. With a flush completed after the
+// write (or FUA writes only) the failover loses nothing: no flush fails.
+TEST_F(Failover, AFlushAfterALossyFailoverFailsOnce) {
+  start_both();
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto d = map_fo(*a, *b);
+  auto d1 = map_fo(*a, *b, "vol1");
+  ASSERT_TRUE(d && d1);
+  auto* m = fo_buffer(*d, 65536);
+  auto* m1 = fo_buffer(*d1, 65536);
+  ASSERT_TRUE(m && m1);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);                 // vol0: a write nobody flushed
+  EXPECT_EQ(write(*d1, 0, *m1, 0, 4096), 0);               // vol1: flushed, then FUA only
+  EXPECT_EQ(sync([&](IoDone done) { return d1->flush(done); }), 0);
+  EXPECT_EQ(write(*d1, 4096, *m1, 0, 4096, kIoFua), 0);
+  kill(1);
+  ASSERT_TRUE(wait_until([&] { return d->failover()->failovers == 1 && d1->failover()->failovers == 1; }));
+  EXPECT_EQ(sync([&](IoDone done) { return d->flush(done); }), EIO);
+  EXPECT_EQ(sync([&](IoDone done) { return d->flush(done); }), 0) << "reported once";
+  EXPECT_EQ(d->failover()->lost_flushes, 1u);
+  EXPECT_EQ(count_fo(FailoverEvent::Kind::cache_lost), 1u);
+  EXPECT_EQ(sync([&](IoDone done) { return d1->flush(done); }), 0) << "nothing unflushed on vol1";
+  EXPECT_EQ(d1->failover()->lost_flushes, 0u);
+}
+
+// Case: after a failover to server 2, server 1 starts again on its address; later the admin
+// switches back.
+// Expect: session sa reconnects and re-opens vol0 without REOPEN (server 1 takes nothing over
+// from server 2); the device stays on sb (no failback of its own) and says sa is a ready
+// standby; switch_failover moves it back with REOPEN on server 1, IO lands there.
+TEST_F(Failover, TheOldActiveComesBackAsStandby) {
+  start_both();
+  BlockSession* a = session(1, 100ms);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto d = map_fo(*a, *b);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 65536);
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  kill(1);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  ASSERT_EQ(d->failover()->active, "sb");
+  const uint64_t reopens1 = srv_.reopens_.load();
+  restart1();
+  ASSERT_NE(server_, nullptr);
+  ASSERT_TRUE(wait_until([&] { return d->failover()->standby_ready; }));
+  EXPECT_EQ(srv_.reopens_.load(), reopens1) << "the standby's re-open takes nothing over";
+  EXPECT_EQ(srv_.holders("vol0").size(), 1u);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(d->failover()->active, "sb") << "no failback of its own";
+  ASSERT_TRUE(wait_until([&] { return count_fo(FailoverEvent::Kind::standby_back) >= 1; }, 3s));
+  const size_t ios1 = srv_.io_count();
+  ASSERT_TRUE(switch_failover(*d).ok());
+  EXPECT_EQ(d->failover()->active, "sa");
+  EXPECT_EQ(d->failover()->failovers, 2u);
+  EXPECT_EQ(srv_.reopens_.load(), reopens1 + 1) << "the switch takes the device over";
+  pattern(m->data(), 4096, 44);
+  EXPECT_EQ(write(*d, 8192, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 8192, m->data(), 4096));
+  EXPECT_GT(srv_.io_count(), ios1) << "server 1 serves again";
+}
+
+// Case: both servers die with a write out; remap_timeout 500 ms.
+// Expect: the write fails with ENOTCONN between 0.5 and 3 s later (never hangs); new IO is
+// accepted and fails the same way.
+TEST_F(Failover, BothServersDownFailsIoAfterRemapTimeout) {
+  start_both();
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto d = map_fo(*a, *b, "vol0", AccessMode::rw, 500ms);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 65536);
+  ASSERT_NE(m, nullptr);
+  srv_.hold_io(true);
+  Done w;
+  IoSeg seg{m->data(), 4096, m};
+  ASSERT_TRUE(d->write(0, std::span(&seg, 1), 0, w.io()).ok());
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == 1; }));
+  const auto t0 = std::chrono::steady_clock::now();
+  kill(2);
+  kill(1);
+  EXPECT_EQ(w.wait(10s), ENOTCONN);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, 400ms);
+  EXPECT_LT(took, 3s);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), ENOTCONN);
+  EXPECT_EQ(w.calls, 1);
+}
+
+// Case: server 2 refuses the standby's OPEN (EACCES). Expect: the map succeeds, the device
+// works on server 1 and says its standby is missing and why; server 1 killed, IO fails after
+// remap_timeout (ETIMEDOUT: server 2's session is up, it refuses). Once server 2 allows it,
+// remap_failover brings the standby back and a failover works.
+TEST_F(Failover, ARefusingStandbyLeavesTheDeviceOnTheActive) {
+  start_both();
+  BlockSession* a = session(1, 100ms);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  srv2_.refuse_open(EACCES);
+  auto d = map_fo(*a, *b, "vol0", AccessMode::rw, 500ms);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 65536);
+  ASSERT_NE(m, nullptr);
+  auto fi = d->failover();
+  EXPECT_FALSE(fi->standby_ready);
+  EXPECT_EQ(fi->standby_error, errc(EACCES));
+  pattern(m->data(), 4096, 3);
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 0, m->data(), 4096));
+  EXPECT_EQ(remap_failover(*d).error(), errc(EACCES)) << "still refused";
+  srv2_.refuse_open(0);
+  ASSERT_TRUE(remap_failover(*d).ok());
+  EXPECT_TRUE(d->failover()->standby_ready);
+  EXPECT_EQ(srv2_.reopens_.load(), 0u);
+  kill(1);
+  pattern(m->data(), 4096, 4);
+  EXPECT_EQ(write(*d, 4096, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 4096, m->data(), 4096));
+  EXPECT_EQ(d->failover()->active, "sb");
+}
+
+// Case: as above, but server 2 keeps refusing; server 1 is killed with a write waiting.
+// Expect: the write fails with ETIMEDOUT after remap_timeout; nothing hangs.
+TEST_F(Failover, NoServerToFailOverToFailsAfterRemapTimeout) {
+  start_both();
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  srv2_.refuse_open(EACCES);
+  auto d = map_fo(*a, *b, "vol0", AccessMode::rw, 500ms);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 65536);
+  ASSERT_NE(m, nullptr);
+  kill(1);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(write(*d, 0, *m, 0, 4096), ETIMEDOUT);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  EXPECT_EQ(d->failover()->failovers, 0u);
+}
+
+// Case: memory registered through session sa alone, used for a write on a device of session sb.
+// Expect: EINVAL (before: the transport would use sa's memory keys on sb's paths); memory from
+// the failover device's alloc_buffer works on either session.
+TEST_F(Failover, MemoryOfAnotherSessionIsRefused) {
+  start_both();
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto db = map(*b, "vol1");
+  ASSERT_NE(db, nullptr);
+  auto* ma = buffer(*a, 65536);
+  EXPECT_EQ(write(*db, 0, *ma, 0, 4096), EINVAL);
+  auto shared = a->alloc_buffer(65536);
+  ASSERT_TRUE(shared.ok());
+  EXPECT_TRUE(b->transport().share_memory(**shared).ok());
+  EXPECT_EQ(b->transport().share_memory(**shared).error(), errc(EEXIST));
+  EXPECT_EQ(a->transport().share_memory(**shared).error(), errc(EINVAL)) << "its own";
+  pattern((*shared)->data(), 4096, 8);
+  EXPECT_EQ(write(*db, 0, **shared, 0, 4096), 0);
+  EXPECT_TRUE(same("vol1", 0, (*shared)->data(), 4096));
+  shared->reset();
+}
+
 }  // namespace
 }  // namespace ibnbd::test
 

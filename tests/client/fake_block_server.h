@@ -64,6 +64,9 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   // Exports `alias` as another name of `name`: one volume, one device (as a symlink on the real
   // server), before the server starts.
   void add_alias(const std::string& alias, const std::string& name) { vols_[alias] = vols_.at(name); }
+  // Exports `owner`'s volume `name` too, bytes shared (two gateways of one store), before the
+  // server starts. Each server keeps its own open table, as two real servers would.
+  void share_device(const std::string& name, FakeBlockServer& owner) { vols_[name] = owner.vols_.at(name); }
 
   // ---- ServerHandler --------------------------------------------------------------------------
   // The transport opens a path for IO before it announces the session (the client's first

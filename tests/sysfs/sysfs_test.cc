@@ -182,8 +182,8 @@ struct FakeDaemon {
     if (cmd == "session_list" || cmd == "session_show")
       return listing({"sessname", "mp"}, json::array({json::array({"s1", policy})}));
     if (cmd == "device_list" || cmd == "device_show")
-      return listing({"device", "session", "access_mode", "state"},
-                     json::array({json::array({"sub/b.img", "s1", "ro", "open"})}));
+      return listing({"device", "session", "access_mode", "state", "standby", "standby_state", "failovers"},
+                     json::array({json::array({"sub/b.img", "s1", "ro", "open", "s2", "ready", 1})}));
     if (cmd == "path_stats") {
       ibtrs::PathStatsSnapshot st;
       st.write_cnt = 3;
@@ -272,6 +272,15 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(*(*resolve(root, "/ibnbd-client/ctl/devices"))->list(), std::vector<std::string>{"sub!b.img"});
   EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/mapping_path"), "sub/b.img\n");
   EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/access_mode"), "ro\n");
+  // Case: a device with a standby server. Expect: its standby, its state and the failovers so
+  // far as files; `failover` switches (device_failover), and takes "1" only.
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/standby"), "s2\n");
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/standby_state"), "ready\n");
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/failovers"), "1\n");
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/devices/sub!b.img/failover", "1\n"), 0);
+  EXPECT_EQ(fake->seen.back()["cmd"], "device_failover");
+  EXPECT_EQ(fake->seen.back()["device"], "sub/b.img");
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/devices/sub!b.img/failover", "2\n"), EINVAL);
   EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/devices/sub!b.img/unmap_device", "force\n"), 0);
   EXPECT_EQ(fake->seen.back()["force"], true);
   EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=x"), 0);

@@ -353,7 +353,7 @@ UblkRecord record(uint32_t id) {
   return UblkRecord{id, "sess-" + std::to_string(id), {"rdma:198.18.0.1@rdma:198.18.0.2:1234", "tcp:10.0.0.2"},
                     "sub/vol" + std::to_string(id) + ".img", id % 2 ? AccessMode::ro : AccessMode::rw,
                     // Odd records carry the credentials device map named; even ones use the default.
-                    id % 2 ? "/etc/ibnbd/host.key" : "", id % 2 ? "nqn.2014-08.org.example:h" : "", id % 3 == 0 ? "on" : ""};
+                    id % 2 ? "/etc/ibnbd/host.key" : "", id % 2 ? "nqn.2014-08.org.example:h" : "", id % 3 == 0 ? "on" : "", {}, {}};
 }
 
 // Case: save, load, overwrite, remove. Expect: the same records back, a private directory,
@@ -439,6 +439,28 @@ TEST(UblkRecordJson, WrongTypes) {
   bad["ublk_id"] = -1;
   EXPECT_EQ(ublk_record_from_json(bad).error(), std::errc::invalid_argument);
   EXPECT_EQ(ublk_record_from_json(nlohmann::json()).error(), std::errc::invalid_argument);
+}
+
+// Case: the record of a failover device (device map ... standby ...), and standby fields that
+// are incomplete, mistyped or name the active session again.
+// Expect: the record comes back equal; each bad one is EINVAL; a record without them has none.
+TEST(UblkRecordJson, AStandbyRoundTripsAndIsChecked) {
+  auto r = record(4);
+  r.standby_session = "sess-b";
+  r.standby_paths = {"tcp:10.0.1.2", "tcp:10.0.2.2"};
+  auto j = to_json(r);
+  auto back = ublk_record_from_json(j);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, r);
+  EXPECT_FALSE(to_json(record(4)).contains("standby_session")) << "nothing written without a standby";
+  std::vector<nlohmann::json> bad(5, j);
+  bad[0].erase("standby_paths");
+  bad[1].erase("standby_session");
+  bad[2]["standby_paths"] = nlohmann::json::array();
+  bad[3]["standby_paths"] = nlohmann::json::array({7});
+  bad[4]["standby_session"] = r.session;
+  for (size_t i = 0; i < bad.size(); ++i)
+    EXPECT_EQ(ublk_record_from_json(bad[i]).error(), std::errc::invalid_argument) << i;
 }
 
 }  // namespace

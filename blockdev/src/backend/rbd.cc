@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "backend/rbd_image.h"
 
@@ -114,8 +116,12 @@ std::unique_ptr<Backend> backend::RbdAccess::make(std::unique_ptr<RbdImage> img,
     g.max_discard_sectors = g.max_write_zeroes_sectors = UINT32_MAX;
     g.discard_granularity = static_cast<uint32_t>(std::min<uint64_t>(obj_size, UINT32_MAX));
   }
-  // librbd's cache (rbd_cache, on by default) is write-back until a flush.
-  g.cache_policy = kCacheFua | kCacheWriteBack;
+  // librbd's cache (rbd_cache, on by default) is write-back after the first flush: what it
+  // acknowledged may go with this process, which a client that fails over to another gateway
+  // must know (client.h, "Flush"). Without it, or write-through, an acknowledged write is in
+  // RADOS: no volatile cache to report.
+  g.cache_policy = kCacheFua;
+  if (backend::rbd_cache_volatile(*b->rbd_)) g.cache_policy |= kCacheWriteBack;
   b->size_.store(bytes / kSectorSize * kSectorSize, std::memory_order_release);
   return b;
 }
@@ -287,6 +293,24 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
   return rc < 0 ? rc : 0;
 }
 
+bool rbd_cache_volatile(RbdImage& img) {
+  if (img.fake) return true;  // a fake stands for the default: rbd_cache on, write-back
+  // The image's effective settings (the configuration, then the pool's and the image's own).
+  int n = 0;
+  if (rbd_config_image_list(img.h->image, nullptr, &n) != -ERANGE || n <= 0) return true;
+  std::vector<rbd_config_option_t> opts(static_cast<size_t>(n));
+  if (rbd_config_image_list(img.h->image, opts.data(), &n) < 0) return true;
+  bool cache = true, writethrough = false;
+  for (int i = 0; i < n; ++i) {
+    const std::string_view k = opts[i].name, v = opts[i].value;
+    if (k == "rbd_cache") cache = v == "true";
+    if (k == "rbd_cache_policy" && v == "writethrough") writethrough = true;
+    if (k == "rbd_cache_max_dirty" && v == "0") writethrough = true;
+  }
+  rbd_config_image_list_cleanup(opts.data(), n);
+  return cache && !writethrough;
+}
+
 int rbd_size(RbdImage& img, uint64_t* bytes) {
   return img.fake ? img.fake->size(bytes) : rbd_get_size(img.h->image, bytes);
 }
@@ -354,6 +378,7 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
               RbdAio* aio) {
   return img.fake ? img.fake->start(st, off, len, iov, niov, nounmap, aio) : -EOPNOTSUPP;
 }
+bool rbd_cache_volatile(RbdImage&) { return true; }
 int rbd_size(RbdImage& img, uint64_t* bytes) { return img.fake ? img.fake->size(bytes) : -EOPNOTSUPP; }
 int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : -EOPNOTSUPP; }
 int rbd_take_over(RbdImage& img, std::string*) { return img.fake ? 0 : -EOPNOTSUPP; }

@@ -70,6 +70,9 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
 // rbd_get_size / rbd_flush (blocking; control thread).
 int rbd_size(RbdImage& img, uint64_t* bytes);
 int rbd_sync(RbdImage& img);
+// Whether librbd's cache may hold writes it acknowledged (rbd_cache on, write-back): what the
+// geometry's kCacheWriteBack says to clients.
+bool rbd_cache_volatile(RbdImage& img);
 // Breaks the exclusive lock when another client holds it (Backend::take_over); *fenced names
 // the owners broken.
 int rbd_take_over(RbdImage& img, std::string* fenced);

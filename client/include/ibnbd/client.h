@@ -69,6 +69,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -155,9 +156,14 @@ struct BlockSessionOptions {
 };
 
 class BlockSession;
+struct FailoverInfo;
+namespace client {
+struct Failover;
+}
 
 // A mapped remote device. Obtained from BlockSession::map(); shared with the session, which
-// keeps it until unmap.
+// keeps it until unmap. Or a failover device from map_failover() (below): the same calls,
+// served by one of two sessions.
 class RemoteDevice {
  public:
   ~RemoteDevice();
@@ -200,17 +206,32 @@ class RemoteDevice {
                     uint16_t prio = 0);
 
   // The submission batch of this device's session (BlockSession::begin_batch, same rules), for
-  // callers that hold only the device.
+  // callers that hold only the device. A failover device batches on its active session.
   void begin_batch();
   void end_batch();
 
+  // Memory for read() / write() of this device: registered with its session (as
+  // BlockSession::alloc_buffer / register_memory), or, for a failover device, with both of its
+  // sessions (ibtrs::ClientSession::share_memory), so that its requests can move to the other.
+  // Frontends that serve either kind take their buffers from here. The device's sessions must
+  // outlive the memory. Errors: the sessions' (ESHUTDOWN once the session is gone).
+  Result<std::unique_ptr<ibtrs::RegisteredMemory>> alloc_buffer(size_t size);
+  Result<std::unique_ptr<ibtrs::RegisteredMemory>> register_memory(void* addr, size_t size);
+
+  // The failover state of a failover device; nullopt for a device of one session.
+  std::optional<FailoverInfo> failover() const;
+
   struct Impl;
-  Impl* impl() const { return impl_.get(); }
+  Impl* impl() const { return impl_.get(); }  // null for a failover device
+  client::Failover* failover_impl() const { return fo_.get(); }
 
  private:
   friend class BlockSession;
+  friend struct client::Failover;
   explicit RemoteDevice(std::unique_ptr<Impl> impl);
+  explicit RemoteDevice(std::unique_ptr<client::Failover> fo);
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<client::Failover> fo_;
 };
 
 class BlockSession {
@@ -270,10 +291,104 @@ class BlockSession {
   const ibtrs::ClientSession& transport() const;
 
   struct Impl;
+  Impl* impl() const { return impl_.get(); }
 
  private:
   explicit BlockSession(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// ---- Gateway failover (docs/architecture.md, "Gateway failover") -----------------------------
+//
+// Two servers that export one store (gateways of one Ceph RBD image) and a device mapped
+// through both: a session to each, the device opened on both in the same mode. IO goes to the
+// active one; the standby is open and idle (its OPEN carries no REOPEN, so its server takes
+// nothing over). dm-multipath's failover policy with two priority groups, or an ANA group with
+// one optimized and one non-optimized path, in the block protocol's words.
+//
+// Failover. When the active session loses its last path (SessionEvent::disconnected: a path
+// broke, or its heartbeats stopped for heartbeat.interval x missed_max), or a request on it
+// fails with a transport error (ENOTCONN, ECONNABORTED, ECONNRESET, ETIMEDOUT, ESHUTDOWN) or
+// because the active device was closed (its re-open refused), the failover device
+//   1. holds new IO (it waits here, in order);
+//   2. takes back its requests that wait on the active side without being on any wire (in the
+//      library, or in the transport for a path: ibtrs::ClientSession::fail_waiting); requests
+//      still on a live connection are left to complete, and come back here if they fail so;
+//   3. re-opens the device on the standby with REOPEN: the standby's server takes it over
+//      (for an RBD image, breaks the exclusive lock, fencing the dead gateway);
+//   4. makes the standby active and sends the requests taken back, then the held ones, in the
+//      order they came. The old active becomes the standby: when its session comes back, the
+//      device is re-opened there without REOPEN. There is no automatic failback.
+// A WRITE sent twice (once to the dead server, once to the new one) is allowed at block level;
+// the dead server is fenced before the first resubmitted request reaches the new one. IO waits
+// at most `remap_timeout` for a usable server, then fails with ENOTCONN (no session has a path)
+// or ETIMEDOUT. A missing standby (its OPEN refused at map time, or its device closed since)
+// makes this a device of one session until remap_failover() brings it back.
+//
+// Flush. A device whose cache is volatile (DeviceGeometry::cache_policy has kCacheWriteBack:
+// librbd's cache in write-back mode) may lose, with its server, writes that completed there
+// since the last completed flush. A flush promises them stable: the first FLUSH (or PREFLUSH
+// write) that completes after a failover that may have lost such writes fails with EIO, once,
+// as a disk that lost its cache would (a filesystem sees it and does not trust its journal).
+// FUA writes are stable when they complete, and are not counted.
+//
+// Threading: the IO calls and accessors of RemoteDevice, as for any device. map_failover,
+// unmap_failover, remap_failover and switch_failover are control functions of both sessions.
+// The failover device has a thread of its own (the switch runs there). Both sessions must
+// outlive the mapping: unmap it before closing either.
+
+struct FailoverEvent {
+  enum class Kind : uint8_t {
+    failed_over,     // IO moved from session `from` to `to`: `pause`, `resent` requests
+    standby_lost,    // the standby is not usable (its session is down, or its device closed)
+    standby_back,    // the standby is usable again
+    cache_lost,      // the old active's volatile cache may have held completed writes
+  };
+  Kind kind = Kind::failed_over;
+  std::string dev_name;
+  std::string from, to;  // session names
+  std::chrono::milliseconds pause{0};
+  uint64_t resent = 0;
+  std::error_code error;
+};
+
+struct FailoverOptions {
+  // How long IO waits in the failover device for a usable server (then ENOTCONN or
+  // ETIMEDOUT).
+  std::chrono::milliseconds remap_timeout{30000};
+  // On the failover device's thread; must not block or call control functions.
+  std::function<void(const FailoverEvent&)> on_event;
+};
+
+struct FailoverInfo {
+  std::string active;              // the active session's name
+  std::string standby;             // the standby session's name
+  bool switching = false;          // a failover is under way: IO waits
+  bool standby_ready = false;      // the standby is open and its session connected
+  std::error_code standby_error;   // why it is not (its OPEN refused, its session down, ...)
+  uint64_t failovers = 0;
+  uint64_t resent = 0;             // requests sent again after a failover
+  std::chrono::milliseconds last_pause{0};  // the last failover: trigger to IO flowing again
+  uint64_t lost_flushes = 0;       // flushes failed with EIO after a lossy failover
+};
+
+// Maps `dev_name` through `active` (OPEN) and `standby` (OPEN without REOPEN), two sessions to
+// two servers exporting the same store, in `mode`. The standby's refusal does not fail the map:
+// the device works on the active and failover() says why the standby is missing. Errors: EINVAL
+// (one session twice, a bad name), EEXIST (either session has the name mapped already), the
+// active's map errors (map()), EMSGSIZE.
+Result<std::shared_ptr<RemoteDevice>> map_failover(BlockSession& active, BlockSession& standby,
+                                                   std::string_view dev_name, AccessMode mode,
+                                                   FailoverOptions options = {});
+// Unmaps both sides (BlockSession::unmap's modes and errors). EINVAL: not a failover device;
+// ENOENT: unmapped already.
+Status unmap_failover(RemoteDevice& dev, UnmapMode mode = UnmapMode::normal);
+// Re-opens what is missing or closed now: the standby (without REOPEN), the active (with).
+// EINVAL, ENOENT; the first side's error (the other is tried all the same).
+Status remap_failover(RemoteDevice& dev);
+// An administrative failover: the standby becomes active now (the active's cache is flushed
+// first when its session is up). Returns when IO flows on the new active. EINVAL, ENOENT,
+// ENOTCONN (the standby is not usable), ETIMEDOUT (remap_timeout passed), the take-over's error.
+Status switch_failover(RemoteDevice& dev);
 
 }  // namespace ibnbd

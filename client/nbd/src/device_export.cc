@@ -19,7 +19,8 @@ Result<std::shared_ptr<DeviceExport>> DeviceExport::create(std::shared_ptr<Remot
   e->session_ = &session;
   e->reap_ = o.reap;
   if (o.request_memory > 0) {
-    auto m = session.alloc_buffer(o.request_memory);
+    // Through the device: a failover device's memory is registered with both its sessions.
+    auto m = e->dev_->alloc_buffer(o.request_memory);
     if (!m.ok()) return m.error();
     e->mem_ = std::move(*m);
   }

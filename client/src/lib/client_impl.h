@@ -182,6 +182,11 @@ struct RemoteDevice::Impl {
   std::atomic<DeviceState> state{DeviceState::open};
   std::atomic<bool> remapping{false};  // gate: parts wait in `held`
   std::atomic<int> closed_err{ENODEV};  // what parts still waiting get when the device closes
+  // A leg of a failover device (failover.cc): its owner unmaps it, BlockSession::unmap refuses.
+  std::atomic<bool> leg{false};
+  // The standby leg: its re-opens after a reconnect, and remap(), send no REOPEN, which would
+  // make the server take the device over from the active gateway (fence it).
+  std::atomic<bool> standby{false};
   uint64_t open_link_gen = 0;  // Session::link_gen of the last OPEN (under Session::ctl_mu)
 
   // Limits for validation and splitting, relaxed: the server checks every part again.
@@ -211,6 +216,15 @@ struct RemoteDevice::Impl {
   // Validation, splitting, submission (device.cc).
   Status submit(IoOp op, uint64_t offset, uint64_t len, std::span<const ibtrs::IoSeg> segs,
                 std::byte* copy_buf, uint32_t flags, IoDone done, uint16_t prio);
+  // The checks of submit() that depend on the request and the geometry only (what a failover
+  // device checks before it queues a request): how it is cut, or the errno. `len` is set from
+  // the segments for zero-copy READ/WRITE.
+  struct Cut {
+    uint64_t nparts;
+    uint32_t max_part;  // bytes per part (0 for FLUSH)
+  };
+  Result<Cut> check(IoOp op, uint64_t offset, uint64_t& len, std::span<const ibtrs::IoSeg> segs,
+                    bool bounced, uint32_t flags) const;
   void apply(const proto::OpenRsp& rsp, uint32_t max_io_size);
   bool take_slot(client::Part* p);
   client::Part* release_slot(client::Part* p);
@@ -218,6 +232,11 @@ struct RemoteDevice::Impl {
   // Moves the parts of this device out of its wait lists (not the session's queue).
   client::PartList take_waiting();
 };
+
+namespace client {
+// How a device is mapped: on its own, or as the active or standby leg of a failover device.
+enum class MapAs : uint8_t { plain, active_leg, standby_leg };
+}  // namespace client
 
 struct BlockSession::Impl {
   using Clock = client::Clock;
@@ -243,6 +262,15 @@ struct BlockSession::Impl {
 
   std::atomic<int64_t> inflight{0};      // see the top of this file
   std::atomic<uint64_t> outstanding{0};  // user requests not completed (destructor waits)
+
+  // Listeners of the library's own (failover devices): called on the transport's control
+  // thread after the block layer noted the event, before opts.transport.on_event, under ev_mu
+  // (remove_listener waits for a running call). They must not block or call into the session.
+  std::mutex ev_mu;
+  uint64_t next_listener = 1;
+  std::vector<std::pair<uint64_t, std::function<void(const ibtrs::SessionEventInfo&)>>> listeners;
+  uint64_t add_listener(std::function<void(const ibtrs::SessionEventInfo&)> fn);
+  void remove_listener(uint64_t id);
 
   // ---- the session queue ----------------------------------------------------------------------
   std::mutex q_mu;
@@ -297,6 +325,12 @@ struct BlockSession::Impl {
   void release_held(Device* d);
   void close_device(Device* d, int err);
   void fail_list(client::PartList l, int err);
+  // Fails with `err` every part of `d` that waits in the library (its held and bounce lists,
+  // the session queue) or in the transport for a path (their connections are gone): none of
+  // them is on a wire, so the failover device may send their requests to its other server.
+  // Parts on a live connection are left to complete. The device stays as it is. From a thread
+  // that may call control functions; the completions run on it (or the transport's).
+  void abandon(Device* d, int err);
 
   // ---- control and remap (session.cc) -----------------------------------------------------------
   void on_transport_event(const ibtrs::SessionEventInfo& e);
@@ -316,6 +350,11 @@ struct BlockSession::Impl {
   Result<proto::OpenRsp> open_device(const std::string& name, AccessMode mode, bool reopen = false);
   Status close_id(uint32_t id);
   Status remap_device(Device* d);
+  // BlockSession::map, and the legs of failover devices (`as`: marked before the next remap
+  // can see them). A leg's name mapped again is EEXIST, as is any mapped name for a leg.
+  Result<std::shared_ptr<RemoteDevice>> map_device(std::string_view dev_name, AccessMode mode,
+                                                   client::MapAs as);
+  std::shared_ptr<RemoteDevice> find_locked(std::string_view dev_name) const;
   // The mapped device other than `except` that holds server id `id` from the OPEN of link
   // generation `gen`, if any. The server answers an OPEN of another name for a device this
   // session holds with that device's id (one store, one id): such a name must not become a

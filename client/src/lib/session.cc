@@ -174,7 +174,40 @@ void Session::on_transport_event(const ibtrs::SessionEventInfo& e) {
     }
     st_cv.notify_all();
   }
+  {
+    std::lock_guard l(ev_mu);
+    for (auto& [id, fn] : listeners) fn(e);
+  }
   if (opts.transport.on_event) opts.transport.on_event(e);
+}
+
+uint64_t Session::add_listener(std::function<void(const ibtrs::SessionEventInfo&)> fn) {
+  std::lock_guard l(ev_mu);
+  listeners.emplace_back(next_listener, std::move(fn));
+  return next_listener++;
+}
+
+void Session::remove_listener(uint64_t id) {
+  std::lock_guard l(ev_mu);
+  std::erase_if(listeners, [id](const auto& x) { return x.first == id; });
+}
+
+void Session::abandon(Device* d, int err) {
+  PartList waiting = d->take_waiting();
+  {
+    std::lock_guard l(q_mu);
+    PartList mine = queue.extract([d](Part* p) { return p->req->dev == d; });
+    q_len.store(queue.size, std::memory_order_release);
+    while (!mine.empty()) waiting.push(mine.pop());
+  }
+  fail_list(waiting, err);
+  // Parked in the transport: only parts (on_part_done) carry a Part; control messages are
+  // CtlSlots and stay.
+  ts->fail_waiting(
+      [d](ibtrs::IoDoneFn fn, void* ctx) {
+        return fn == &Session::on_part_done && static_cast<Part*>(ctx)->req->dev == d;
+      },
+      err);
 }
 
 bool Session::link_changed(uint64_t gen) {
@@ -328,7 +361,7 @@ bool Session::remap_all(uint64_t gen) {
     for (Device* d : devs) {
       if (link_changed(gen)) return false;
       const uint32_t old = d->id.load();
-      auto r = open_device(d->name, d->mode, true);
+      auto r = open_device(d->name, d->mode, !d->standby.load());
       if (!r.ok()) {
         if (transport_error(r.error().value())) return false;
         close_device(d, r.error().value());
@@ -445,11 +478,17 @@ Session::~Impl() {
 }
 
 Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_name, AccessMode mode) {
-  Impl* s = impl_.get();
+  return impl_->map_device(dev_name, mode, MapAs::plain);
+}
+
+Result<std::shared_ptr<RemoteDevice>> Session::map_device(std::string_view dev_name, AccessMode mode, MapAs as) {
+  Session* s = this;
   IBTRS_TRY(proto::check_dev_name(dev_name));
   std::lock_guard cl(s->ctl_mu);
   if (s->closing.load()) return errc(ESHUTDOWN);
-  if (auto d = find(dev_name)) {
+  if (auto d = s->find_locked(dev_name)) {
+    // A leg belongs to its failover device; a failover device maps a name nobody holds.
+    if (as != MapAs::plain || d->impl()->leg.load()) return errc(EEXIST);
     if (d->access_mode() != mode) return errc(EBUSY);
     // Mapped but closed (the server refused its re-open): mapping it again opens it again.
     if (d->impl()->state.load() == DeviceState::closed) IBTRS_TRY(s->remap_device(d->impl()));
@@ -497,6 +536,9 @@ Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_nam
   d->s = s;
   d->name = name;
   d->mode = mode;
+  // Before the device is in `devices`, where the next remap finds it.
+  d->leg.store(as != MapAs::plain);
+  d->standby.store(as == MapAs::standby_leg);
   d->apply(rsp, s->ts->max_io_size());
   d->open_link_gen = gen;
   std::shared_ptr<RemoteDevice> dev(new RemoteDevice(std::move(impl)));
@@ -531,6 +573,7 @@ Status BlockSession::unmap(std::string_view dev_name, UnmapMode mode) {
   std::shared_ptr<RemoteDevice> dev = find(dev_name);
   if (!dev) return errc(ENOENT);
   Device* d = dev->impl();
+  if (d->leg.load()) return errc(EBUSY);  // a failover device's: unmap_failover() unmaps it
   if (mode == UnmapMode::normal && d->inflight_reqs.load() != 0) return errc(EBUSY);
   const bool was_open = d->state.load() != DeviceState::closed;
   if (mode == UnmapMode::force) {
@@ -585,7 +628,7 @@ Status Session::remap_device(Device* d) {
   }
   const uint32_t old = d->id.load();
   const bool had_id = d->state.load() != DeviceState::closed && d->open_link_gen == gen;
-  auto r = open_device(d->name, d->mode, true);
+  auto r = open_device(d->name, d->mode, !d->standby.load());
   if (!r.ok()) {
     if (transport_error(r.error().value())) {
       release_held(d);
@@ -637,9 +680,13 @@ std::vector<std::shared_ptr<RemoteDevice>> BlockSession::devices() const {
 }
 
 std::shared_ptr<RemoteDevice> BlockSession::find(std::string_view dev_name) const {
-  std::lock_guard l(impl_->dev_mu);
-  auto it = impl_->devices.find(dev_name);
-  return it == impl_->devices.end() ? nullptr : it->second;
+  return impl_->find_locked(dev_name);
+}
+
+std::shared_ptr<RemoteDevice> Session::find_locked(std::string_view dev_name) const {
+  std::lock_guard l(dev_mu);
+  auto it = devices.find(dev_name);
+  return it == devices.end() ? nullptr : it->second;
 }
 
 Result<std::unique_ptr<ibtrs::RegisteredMemory>> BlockSession::alloc_buffer(size_t size) {

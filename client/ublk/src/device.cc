@@ -483,7 +483,8 @@ struct UblkDevice::Impl {
       queue->descs = static_cast<const uapi::ublksrv_io_desc*>(m);
       // One registration per queue for all its tags (not one per tag: registrations are
       // scarce on an HCA and each costs a round of every path).
-      auto b = session.alloc_buffer(size_t{buf_bytes} * info.queue_depth);
+      // Through the device: a failover device's is registered with both its sessions.
+      auto b = dev->alloc_buffer(size_t{buf_bytes} * info.queue_depth);
       if (!b.ok()) return b.error();
       queue->buf = std::move(*b);
       queue->transport = &session.transport();

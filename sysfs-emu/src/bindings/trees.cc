@@ -246,6 +246,15 @@ NodePtr client_device_dir(const Backend& b, const std::string& dev) {
   d->add("state", field("state"));
   d->add("session", field("session"));
   d->add("access_mode", field("access_mode"));
+  // Not the kernel's: a device mapped with a standby server (gateway failover). session is the
+  // active one; standby is "-" for a device of one session.
+  d->add("standby", field("standby"));
+  d->add("standby_state", field("standby_state"));
+  d->add("failovers", field("failovers"));
+  d->add("failover", action("Usage: echo 1 > failover\n", [b, dev](std::string_view t) -> Status {
+           IBTRS_TRY(parse_one(t));
+           return act(b, {{"cmd", "device_failover"}, {"device", dev}});
+         }));
   d->add("mapping_path", Node::read_only(text(line(dev))));
   return d;
 }

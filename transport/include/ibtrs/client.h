@@ -199,6 +199,23 @@ class ClientSession {
   Result<std::unique_ptr<RegisteredMemory>> register_memory(void* addr, size_t size);
   // Allocates page-aligned memory and registers it; freed with the handle.
   Result<std::unique_ptr<RegisteredMemory>> alloc_buffer(size_t size);
+  // Registers `mem`, made by another session of this process, with this session too, so that
+  // this session's requests may carry its segments (a block device that sends the same buffers
+  // to a standby server through a session of its own). The share is deregistered with `mem`,
+  // which must not outlive this session either. A segment of memory this session neither made
+  // nor shares is EINVAL at request(). Errors: EINVAL (`mem` is this session's), EEXIST
+  // (shared with this session already), ENOSPC (shared with 3 sessions already), the
+  // registration's errors. Not concurrently with the destruction of `mem`.
+  Status share_memory(const RegisteredMemory& mem);
+
+  // Fails now, with `err`, the requests that wait for a CONNECTED path (none is) and for
+  // which `which(done, ctx)` holds (as given in their IoRequest), instead of at
+  // pending_timeout: for an upper layer that sends them to another server. Their connections
+  // are gone, so nothing of them reaches the server or their buffers afterwards. Requests on a
+  // CONNECTED path are not touched. Their callbacks run on the session's control thread before
+  // this returns; `which` runs there too, under the session's lock of parked requests (it must
+  // not call into the session). A control function.
+  void fail_waiting(std::function<bool(IoDoneFn, void*)> which, int err);
 
   // Geometry, fixed when the first path connects.
   uint32_t queue_depth() const;

@@ -409,7 +409,7 @@ Status Session::bind_windows(uint32_t p, Con* c, uint32_t dom, uint32_t* keys) {
       // Beyond a permit's first window: made on first use, kept for the session's life.
       IBTRS_ASSIGN_OR_RETURN(table[i], pds[dom]->alloc_mw());
     }
-    auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+    auto* mr = q.regs[i]->mrs[dom].load(std::memory_order_acquire);
     if (mr == nullptr) return errc(EINVAL);
     IBTRS_ASSIGN_OR_RETURN(keys[i], c->conn->bind_mw(*table[i], *mr,
                                                      reinterpret_cast<uint64_t>(q.segs[i].addr),
@@ -467,11 +467,17 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
       r.data.size() > ClientSession::kMaxSegments)
     return errc(EINVAL);
   uint64_t total = 0;
-  for (const IoSeg& sg : r.data) {
+  const RegisteredMemory::Impl* regs[ClientSession::kMaxSegments];
+  for (size_t i = 0; i < r.data.size(); ++i) {
+    const IoSeg& sg = r.data[i];
     if (sg.mem == nullptr || sg.len == 0) return errc(EINVAL);
     auto* base = sg.mem->data();
     auto* a = static_cast<std::byte*>(sg.addr);
     if (a < base || a + sg.len > base + sg.mem->size()) return errc(EINVAL);
+    // Memory of another session is registered in that session's protection domains: usable
+    // here only through a share with this session.
+    regs[i] = region_of(sg.mem);
+    if (regs[i] == nullptr) return errc(EINVAL);
     total += sg.len;
   }
   const size_t msg = r.dir == IoDir::write
@@ -509,6 +515,7 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   q.nseg = static_cast<uint8_t>(r.data.size());
   q.data_len = static_cast<uint32_t>(total);
   std::copy(r.data.begin(), r.data.end(), q.segs);
+  std::copy(regs, regs + r.data.size(), q.regs);
   q.start_ns = now_ns();
   q.submit_shard = ts.shard;
   q.ci = ts.ci;
@@ -578,7 +585,7 @@ bool Session::post(uint32_t p, Path* skip) {
     uint32_t iu_bytes;
     if (q.dir == IoDir::write) {
       for (uint32_t i = 0; i < q.nseg; ++i) {
-        auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+        auto* mr = q.regs[i]->mrs[dom].load(std::memory_order_acquire);
         sges[i] = Sge{reinterpret_cast<uint64_t>(q.segs[i].addr), q.segs[i].len, mr ? mr->lkey() : 0};
       }
       proto::WriteMsg m{};
@@ -605,7 +612,7 @@ bool Session::post(uint32_t p, Path* skip) {
         }
       } else {
         for (uint32_t i = 0; i < q.nseg; ++i) {
-          auto* mr = q.segs[i].mem->impl()->mrs[dom].load(std::memory_order_acquire);
+          auto* mr = q.regs[i]->mrs[dom].load(std::memory_order_acquire);
           keys[i] = mr ? mr->rkey() : 0;
         }
       }
@@ -719,6 +726,23 @@ void Session::run_pending(bool fail_all, int err) {
       pending.push_back(p);
     }
   }
+}
+
+// Worker.
+void Session::fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err) {
+  std::deque<uint32_t> todo;
+  {
+    std::lock_guard lock(pend_mu);
+    for (auto it = pending.begin(); it != pending.end();) {
+      if (which(reqs[*it].done, reqs[*it].ctx)) {
+        todo.push_back(*it);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (uint32_t p : todo) finish(p, err, nio);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1417,6 +1441,15 @@ std::string_view to_string(SessionEvent e) {
 }
 
 RegisteredMemory::~RegisteredMemory() {
+  for (auto& sh : impl_->shares) {
+    Impl* o = sh.load(std::memory_order_acquire);
+    if (o == nullptr) continue;
+    {
+      std::lock_guard lock(o->session->mem_mu);
+      std::erase(o->session->regions, o);
+    }
+    delete o;
+  }
   client::Session* s = impl_->session;
   {
     std::lock_guard lock(s->mem_mu);
@@ -1796,6 +1829,43 @@ Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* a
   auto* raw = mi.release();
   std::unique_ptr<RegisteredMemory> h(new RegisteredMemory(addr, size, raw));
   return h;
+}
+
+Status ClientSession::share_memory(const RegisteredMemory& mem) {
+  RegisteredMemory::Impl* owner = mem.impl();
+  if (owner->session == impl_.get()) return errc(EINVAL);
+  for (auto& sh : owner->shares) {
+    const RegisteredMemory::Impl* o = sh.load(std::memory_order_acquire);
+    if (o != nullptr && o->session == impl_.get()) return errc(EEXIST);
+  }
+  auto mi = std::make_unique<RegisteredMemory::Impl>();
+  mi->session = impl_.get();
+  mi->addr = owner->addr;
+  mi->size = owner->size;
+  std::lock_guard lock(impl_->mem_mu);
+  for (uint32_t i = 0; i < kMaxDomains; ++i) {
+    if (impl_->devices[i].load() == nullptr) continue;
+    IBTRS_ASSIGN_OR_RETURN(auto mr, impl_->pds[i]->register_memory(owner->addr, owner->size,
+                                                                   impl_->user_access(i)));
+    mi->mrs[i].store(mr.get(), std::memory_order_release);
+    mi->keep.push_back(std::move(mr));
+  }
+  for (auto& sh : owner->shares) {
+    RegisteredMemory::Impl* expected = nullptr;
+    if (sh.compare_exchange_strong(expected, mi.get(), std::memory_order_acq_rel)) {
+      impl_->regions.push_back(mi.release());
+      return {};
+    }
+  }
+  return errc(ENOSPC);
+}
+
+void ClientSession::fail_waiting(std::function<bool(IoDoneFn, void*)> which, int err) {
+  Impl* s = impl_.get();
+  (void)s->worker->call([s, &which, err] {
+    s->fail_parked(which, err);
+    return Status{};
+  });
 }
 
 Result<std::unique_ptr<RegisteredMemory>> ClientSession::alloc_buffer(size_t size) {

@@ -60,6 +60,11 @@ struct RegisteredMemory::Impl {
   // on that device carries IO.
   std::array<std::atomic<fabric::MemoryRegion*>, kMaxDomains> mrs{};
   std::vector<std::unique_ptr<fabric::MemoryRegion>> keep;  // owners of mrs (under mem_mu)
+  // The same memory registered with other sessions (ClientSession::share_memory): each a
+  // registration of its own session, owned by this one and freed with it. Set once by CAS;
+  // the IO path of those sessions reads them (Session::region_of).
+  static constexpr size_t kMaxShares = 3;
+  std::array<std::atomic<Impl*>, kMaxShares> shares{};
 };
 
 namespace client {
@@ -164,6 +169,8 @@ struct Req {
   uint32_t first = 0;
   uint32_t nchunks = 1;
   IoSeg segs[ClientSession::kMaxSegments];
+  // Each segment's registration in this session (its own, or a share of another session's).
+  const RegisteredMemory::Impl* regs[ClientSession::kMaxSegments] = {};
   int64_t start_ns = 0;
   uint32_t submit_shard = 0;
   uint32_t ci = 0;                 // IO connection index (same on every path)
@@ -274,6 +281,17 @@ struct Session {
   void finish(uint32_t p, int err, uint32_t shard);
   void park(uint32_t p);
   bool any_path_may_return() const;
+  // The registration of `m` that this session's requests use: `m` itself when it was made
+  // here, else its share with this session; null when it has none (EINVAL at submit).
+  const RegisteredMemory::Impl* region_of(const RegisteredMemory* m) const {
+    const RegisteredMemory::Impl* i = m->impl();
+    if (i->session == this) return i;
+    for (auto& sh : i->shares) {
+      const RegisteredMemory::Impl* o = sh.load(std::memory_order_acquire);
+      if (o != nullptr && o->session == this) return o;
+    }
+    return nullptr;
+  }
 
   // ---- worker ----
   Status open_paths();
@@ -314,6 +332,9 @@ struct Session {
   void on_path_up(Path* path);
   void on_path_down(Path* path, std::error_code why);
   void run_pending(bool fail_all, int err);
+  // Fails the parked requests for which `which(done, ctx)` holds with `err` (ClientSession::
+  // fail_waiting).
+  void fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err);
   void emit(SessionEvent e, const Path* path, std::error_code why);
   Path* find(std::string_view name) const;
   Status close_path(Path* path, ClientPathState final_state);

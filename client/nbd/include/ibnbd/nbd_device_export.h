@@ -1,7 +1,8 @@
 // DeviceExport: a RemoteDevice of the IBNBD client library as an NBD export.
 //
 // Data path. Made with create() and the device's session, the export lends the NBD server
-// request memory registered with that session (Export::request_memory): WRITE payloads are
+// request memory registered for the device (RemoteDevice::alloc_buffer: with its session, or
+// both sessions of a failover device) (Export::request_memory): WRITE payloads are
 // received into it and sent from it by the transport, READ data is written into it by the
 // server's RDMA (or the tcp provider's placement) and sent to the NBD client from it, so no
 // byte is copied on this side. Data the server did not take from it (an export made with the
@@ -40,8 +41,9 @@ class DeviceExport final : public Export {
   // The copy path only, completions from the transport's threads (the device must have bounce
   // buffers).
   explicit DeviceExport(std::shared_ptr<RemoteDevice> dev) : dev_(std::move(dev)) {}
-  // With the device's session: request memory (BlockSession::alloc_buffer; its errors) and
-  // reaping per `o`. The session must outlive the export: stop the NbdServer that serves it
+  // With the device's session (a failover device's active one: its reaper; completions of the
+  // other come through the hand-off): request memory (RemoteDevice::alloc_buffer; its errors)
+  // and reaping per `o`. The session must outlive the export: stop the NbdServer that serves it
   // (the last owner besides the caller) before the session goes. From a thread that may call
   // the session's control functions.
   static Result<std::shared_ptr<DeviceExport>> create(std::shared_ptr<RemoteDevice> dev,

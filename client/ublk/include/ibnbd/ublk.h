@@ -10,8 +10,8 @@
 //
 // The IO path, per request: the driver copies WRITE data into the tag's buffer (READ data out
 // of it after the commit), so the buffer is the IoSeg of RemoteDevice::read / write: all tags of
-// a queue share ONE region registered through BlockSession::alloc_buffer, nothing is copied on
-// our side. Each queue thread reaps its own transport connection (ibtrs::CompletionReaper, its
+// a queue share ONE region registered through RemoteDevice::alloc_buffer (with both sessions of
+// a failover device), nothing is copied on our side. Each queue thread reaps its own transport connection (ibtrs::CompletionReaper, its
 // fd polled in the queue's ring): a completion runs on the queue thread and queues its commit
 // at once, one wake-up per batch of completions. Completions that run on the transport's
 // threads anyway (after the connection went back to its IO thread, large requests spread over
@@ -114,7 +114,9 @@ struct UblkStats {
 class UblkDevice {
  public:
   // Adds /dev/ublkbN for `dev` (the geometry, access mode and cache policy of its last OPEN) and
-  // serves it. IO buffers are registered through `session`, which must outlive the result.
+  // serves it. IO buffers are registered through `dev` (RemoteDevice::alloc_buffer); the queues
+  // reap `session`'s connections (a failover device's active one at the time). The device's
+  // sessions must outlive the result.
   // Errors: those of UblkControl (ENODEV: ublk_drv not loaded), EOPNOTSUPP (the kernel lacks
   // USER_RECOVERY_REISSUE), EINVAL (options, or a geometry ublk cannot express), ETIMEDOUT
   // (/dev/ublkcN did not appear), alloc_buffer's. Nothing is left behind on failure.

@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# Gateway failover against a real single-host Ceph cluster (scripts/ceph-dev.sh): two
+# ibnbd-servers (gateways A and B) export one RBD image; one ibnbd-client maps it through both
+# (`device map rbd:rbd/ha from A standby B rw`) and serves it over NBD; fio's nbd engine writes
+# 3 MiB of random 4 KiB blocks (flushed every 16) with crc32c verification while gateway A is
+# killed (kill -9), and again while gateway B, active by then, is frozen (SIGSTOP: only the
+# heartbeats tell).
+# The client's heartbeat is 200 ms x 5 missed = 1 s; the bound on the pause is that + 1 s.
+# Checks: fio verified every block and no IO took longer than 2 s; `rbd export` of the image
+# equals what the gateway serves and fio's rbd engine (straight to RADOS) verifies every block
+# too; the surviving gateway's log says it took the exclusive lock over; the listings show who
+# is active, the standby's state and the failovers; A restarted comes back as the standby
+# without taking anything over.
+# TAP-like output; exit 1 when anything failed, 77 when Ceph or a tool is missing.
+#
+#   bash tests/rbd/rbd_failover.sh BUILD_DIR        (ctest: rbd_failover)
+set -u -o pipefail
+
+top=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
+. "$top/tests/lib/ibnbd_bins.sh"
+. "$top/tests/lib/tap.sh"
+ibnbd_bins "$build"
+for t in ceph-mon ceph-osd rbd fio nbdcopy jq cmp; do
+  command -v "$t" >/dev/null || { echo "1..0 # SKIP $t is missing (scripts/setup.sh installs it)"; exit 77; }
+done
+fio --enghelp 2>/dev/null | grep -qx $'\tnbd' || { echo "1..0 # SKIP fio has no nbd engine"; exit 77; }
+
+# Not on tmpfs: bluestore opens its block file O_DIRECT.
+work=$(mktemp -d /var/tmp/ibnbd-rbd-failover.XXXXXX)
+cd "$work" || exit 1
+pids=()
+cleanup() {
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill "${pids[i]}" 2>/dev/null
+    wait "${pids[i]}" 2>/dev/null
+  done
+  bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1
+  rm -rf "$work"
+}
+trap cleanup EXIT
+t() { timeout 60 "$@"; }
+
+t0=$SECONDS
+env_out=$(bash "$top/scripts/ceph-dev.sh" start "$work/ceph" --osd-store bluestore --osd-mb 1024 --no-mgr 2>"$work/ceph.err")
+rc=$?
+[ "$rc" = 77 ] && { echo "1..0 # SKIP $(tail -1 "$work/ceph.err")"; exit 77; }
+[ "$rc" = 0 ] || { echo "not ok - ceph-dev start: $(tail -5 "$work/ceph.err")"; exit 1; }
+export CEPH_CONF=$work/ceph/ceph.conf
+echo "# cluster up in $((SECONDS - t0)) s"
+keyring=$(sed -n 's/^CEPH_IBNBD_KEYRING=//p' <<<"$env_out")
+t rbd create rbd/ha --size 16M || { echo "not ok - rbd create"; exit 1; }
+
+"$ibnbd" key generate out "$work/h.key" >/dev/null || { echo "not ok - key generate"; exit 1; }
+# The gateways run librbd without its cache: an acknowledged write is in RADOS, so a gateway
+# that dies loses nothing the client was told is done, and says so (no volatile cache in the
+# geometry): the flushes fio sends across the failovers succeed. (With librbd's default
+# write-back cache the first flush after a failover fails with EIO: client.h, "Flush".)
+{ cat "$CEPH_CONF"; printf '[client]\nrbd cache = false\n'; } >"$work/gw.conf"
+cat >"$work/srv.json" <<EOF
+{"hosts": [{"key_file": "$work/h.key", "access": [{"devices": "rbd:rbd/**", "mode": "rw"}]}],
+ "rbd": {"conf": "$work/gw.conf", "client_id": "ibnbd", "keyring": "$keyring", "pools": ["rbd"], "connect_timeout_s": 5}}
+EOF
+start_gw() {  # start_gw NAME [ADDRESS]: sets gw_pid, gw_addr
+  rm -f "$work/$1.ready"
+  "$srv" --config "$work/srv.json" --listen "${2:-tcp:127.0.0.1:0}" --control-socket "$work/$1.sock" \
+    --ready-file "$work/$1.ready" >>"$work/$1.log" 2>&1 &
+  gw_pid=$!
+  pids+=($!)
+  wait_for "$work/$1.ready" || { echo "not ok - gateway $1 start: $(tail -5 "$work/$1.log")"; exit 1; }
+  gw_addr=$(sed -n 's/^listening //p' "$work/$1.ready" | head -1)
+}
+start_gw a
+a_pid=$gw_pid a_addr=$gw_addr
+start_gw b
+b_pid=$gw_pid b_addr=$gw_addr
+"$cld" --host-key "$work/h.key" --hb-interval-ms 200 --hb-missed 5 --control-socket "$work/cl.sock" \
+  --ready-file "$work/cl.ready" >"$work/cl.log" 2>&1 &
+pids+=($!)
+wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
+c() { t "$ibnbd" --socket "$work/cl.sock" client "$@"; }
+show() { c -f json device show rbd:rbd/ha | jq -r ".[0].$1"; }
+
+# Case: the image mapped through A with B as standby. Expect: A's session active, B ready.
+check_cmd "map rbd:rbd/ha from A standby B rw" c device map rbd:rbd/ha from "$a_addr" standby "$b_addr" rw
+[ "$(show session)" = "ibnbd-$a_addr" ] && [ "$(show standby)" = "ibnbd-$b_addr" ] && [ "$(show standby_state)" = ready ] &&
+  ok "listing: A active, B standby ready" || not_ok "listing after map" "$(c device show rbd:rbd/ha 2>&1)"
+check_cmd "export over NBD" c device export rbd:rbd/ha unix "$work/ha.sock" name ha
+uri="nbd+unix:///ha?socket=$work/ha.sock"
+
+# fio's nbd engine through the daemon's export: 3 MiB of random 4 KiB writes at 300 IOPS (~2.6 s)
+# with crc32c and a flush every 16 writes, then every block read back and checked. JSON in
+# NAME.json.
+fio_args=(--rw=randwrite --bs=4k --size=3M --verify=crc32c --verify_fatal=1 --randrepeat=1 --verify_state_save=0)
+fio_nbd() {  # fio_nbd NAME OFFSET
+  t fio --output-format=json --output="$work/$1.json" --name=ha --ioengine=nbd --uri="$uri" --iodepth=8 \
+    "${fio_args[@]}" --offset="$2" --fsync=16 --do_verify=1 --rate_iops=300 >"$work/$1.out" 2>&1
+}
+fio_ok() {  # fio_ok NAME WHAT: fio verified every block, its longest IO within 2 s
+  local ms
+  if jq -e '.jobs[0].error == 0 and .jobs[0].read.io_bytes == 3145728 and .jobs[0].sync.total_ios >= 40' \
+    "$work/$1.json" >/dev/null 2>&1; then
+    ok "$2: fio verified every block, its flushes all succeeded"
+  else
+    not_ok "$2: fio verified every block" "$(tail -3 "$work/$1.out") $(tail -5 "$work/cl.log")"
+  fi
+  ms=$(jq -r '[.jobs[0].write.clat_ns.max, .jobs[0].read.clat_ns.max] | max / 1e6 | floor' "$work/$1.json" 2>/dev/null)
+  [ "${ms:-99999}" -le 2000 ] && ok "$2: the longest IO $ms ms (bound: 1 s heartbeat timeout + 1 s)" ||
+    not_ok "$2: the longest IO" "${ms:-?} ms > 2000 ms"
+}
+
+# Case: gateway A killed (kill -9) 1.2 s into the writes: its connections reset at once.
+# Expect: IO moves to B (REOPEN there breaks A's lock); fio verifies every block; no IO waits
+# longer than the heartbeat timeout + 1 s.
+fio_nbd kill 0 &
+fio_pid=$!
+sleep 1.2
+kill -9 "$a_pid"
+wait "$a_pid" 2>/dev/null
+wait "$fio_pid"
+fio_ok kill "gateway A killed under IO"
+echo "# $(grep -m1 'failed over' "$work/cl.log")"
+
+# Case: who holds the image now. Expect: B's log says it took the lock over (fencing A); the
+# listing shows B active, A not ready, one failover.
+# Once: at the failover, not when the standby opened the image.
+[ "$(grep -c "took the exclusive lock over" "$work/b.log")" = 1 ] && ok "gateway B took the exclusive lock over (fenced A), once" ||
+  not_ok "gateway B took the lock over once" "$(grep -i "rbd\|OPEN" "$work/b.log" | tail -3)"
+[ "$(show session)" = "ibnbd-$b_addr" ] && [ "$(show standby)" = "ibnbd-$a_addr" ] && [ "$(show failovers)" = 1 ] &&
+  [ "$(show standby_state)" != ready ] && ok "listing: B active, A not ready, 1 failover" ||
+  not_ok "listing after the failover" "$(c device show rbd:rbd/ha 2>&1)"
+
+# Case: A restarted on its address. Expect: it comes back as the standby (ready) and takes
+# nothing over (its OPEN has no REOPEN: no lock broken in its log); B stays active.
+start_gw a "$a_addr"
+for _ in $(seq 50); do [ "$(show standby_state)" = ready ] && break; sleep 0.1; done
+[ "$(show standby_state)" = ready ] && [ "$(show session)" = "ibnbd-$b_addr" ] &&
+  ok "gateway A back: the standby, ready; B still active" || not_ok "gateway A back" "$(c device show rbd:rbd/ha 2>&1)"
+! grep -q "took the exclusive lock over" "$work/a.log" && ok "... and A took nothing over" ||
+  not_ok "A took nothing over" "$(grep "exclusive lock" "$work/a.log")"
+
+# Case: gateway B, now active, frozen (SIGSTOP) 1.2 s into the writes: its connections stay
+# open and go silent, so only the heartbeats (200 ms x 5) tell. Expect: IO moves back to A
+# (which takes the lock over from B), fio verifies every block, no IO waits longer than the
+# heartbeat timeout + 1 s; the listing shows A active again, two failovers.
+fio_nbd freeze 4M &
+fio_pid=$!
+sleep 1.2
+kill -STOP "$b_pid"
+wait "$fio_pid"
+fio_ok freeze "gateway B frozen under IO"
+kill -CONT "$b_pid"
+[ "$(show session)" = "ibnbd-$a_addr" ] && [ "$(show failovers)" = 2 ] && [ "$(show lost_flushes)" = 0 ] &&
+  ok "listing: A active again, 2 failovers, no flush failed" ||
+  not_ok "listing after the second failover" "$(c device show rbd:rbd/ha 2>&1)"
+[ "$(grep -c "took the exclusive lock over" "$work/a.log")" = 1 ] && ok "gateway A took the lock over from frozen B" ||
+  not_ok "gateway A took the lock over" "$(grep -i "rbd\|OPEN" "$work/a.log" | tail -3)"
+# Case: what RADOS holds after both failovers. Expect: `rbd export` equals what the gateway
+# serves, and fio's rbd engine, reading the image straight from the cluster, verifies every
+# block both fio runs wrote.
+check_cmd "nbdcopy out of the export (gateway A)" t nbdcopy "$uri" "$work/via-gw.bin"
+check_cmd "rbd export rbd/ha" t rbd export --no-progress rbd/ha "$work/rados.bin"
+same() { if cmp -s "$2" "$3"; then ok "$1"; else not_ok "$1" "$(cmp "$2" "$3" 2>&1 | head -1)"; fi; }
+same "rbd export equals the gateway's bytes" "$work/rados.bin" "$work/via-gw.bin"
+for off in 0 4M; do
+  if t fio --name=ha --ioengine=rbd --pool=rbd --rbdname=ha --clientname=admin "${fio_args[@]}" --offset=$off \
+    --verify_only=1 --output="$work/fio-rbd.out" >/dev/null 2>&1; then
+    ok "fio's rbd engine verifies every block in RADOS (offset $off)"
+  else
+    not_ok "fio's rbd engine verify (offset $off)" "$(grep -m2 -i 'verify\|err' "$work/fio-rbd.out")"
+  fi
+done
+check_cmd "unmap" c device unmap rbd:rbd/ha
+
+echo "# done in $((SECONDS - t0)) s"
+exit $failed
