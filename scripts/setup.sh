@@ -23,7 +23,7 @@ packages=(
   libnbd-bin qemu-utils nbd-client e2fsprogs mount jq
   # RBD exports (blockdev's rbd backend) and the single-host Ceph cluster of the tests and the
   # benchmark (scripts/ceph-dev.sh); qemu-block-extra: qemu-nbd's rbd: driver (bench/rbd.sh)
-  librbd-dev librados-dev ceph-mon ceph-osd ceph-mgr ceph-common qemu-block-extra
+  librbd-dev librados-dev ceph-mon ceph-osd ceph-mgr ceph-common rbd-nbd qemu-block-extra
 )
 
 missing=()

@@ -125,8 +125,18 @@ else
 fi
 # A boot that hangs before the command counts as dead after IBTRS_VM_BOOT_TIMEOUT; the second
 # boot's command exits 3: its exit code is run-in-vm.sh's (case 2).
-rc=0
-IBTRS_VM_BOOT_TIMEOUT=30 IBTRS_VM_TEST_BOOT_FAULT=hang-first run -- sh -c 'echo command-ran; exit 3' >"$out" 2>"$err" || rc=$?
+hang_case() {
+  rc=0
+  IBTRS_VM_BOOT_TIMEOUT=30 IBTRS_VM_TEST_BOOT_FAULT=hang-first run -- sh -c 'echo command-ran; exit 3' >"$out" 2>"$err" || rc=$?
+}
+hang_case
+# The retry's own boot may die of the early TCG panic the retry exists for (seen 1.5-3.7 s into
+# boot, about one boot in a few dozen): the hang took the one retry, so the case failed for a
+# cause that is not its subject. It runs once more then, and says so.
+if [ "$rc" = 125 ] && grep -q 'died again before its command started: QEMU exited.*Kernel panic' "$err"; then
+  echo "# boot-hang-retried-once: the retry's boot panicked on its own ($(grep -o 'Kernel panic[^|]*' "$err" | head -1)); once more"
+  hang_case
+fi
 if [ "$rc" = 3 ] && grep -qx command-ran "$out" && grep -q 'had not started 30 s after boot.*booting it again' "$err"; then
   pass "boot-hang-retried-once"
   pass "exit-code-3-propagates"
