@@ -10,6 +10,7 @@
 
 #include <climits>
 #include <cerrno>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -730,6 +731,11 @@ int main(int argc, char** argv) {
       c.out.headers = false;
     } else if (a == "--socket") {
       c.socket = value();
+    } else if (a.size() > 1 && a[0] == '-' && !std::isdigit(static_cast<unsigned char>(a[1])) &&
+               a != "--ublk" && a != "--ublk-queue-depth") {
+      // "-1" is a value (max-reconnect-attempts), --ublk* are device map's own words; anything
+      // else with a dash is an option.
+      fail(22, "unknown option " + a + " (ibnbd --help lists them)");
     } else {
       words.push_back(a);
     }
@@ -739,9 +745,13 @@ int main(int argc, char** argv) {
   const bool server_only = c.side == "server" && w < words.size() &&
                            (words[w] == "refusals" || words[w] == "limits" || words[w] == "host" ||
                             words[w] == "io-threads");
-  if (w >= words.size() ||
-      (words[w] != "device" && words[w] != "session" && words[w] != "path" && !server_only))
+  if (w >= words.size())
     fail(22, std::string("expected device, session or path (server: also host, refusals, limits, io-threads)\n") + kUsage);
+  if (words[w] != "device" && words[w] != "session" && words[w] != "path" && !server_only)
+    fail(22, "unknown word '" + words[w] + "': expected " +
+                 (c.side == "server" ? "device, session, path, host, refusals, limits or io-threads"
+                                     : "client, server, key, migrate, device, session or path") +
+                 " (ibnbd --help lists the commands)");
   c.object = words[w++];
   c.command = w < words.size() ? words[w++] : "list";
   c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(w), words.end());

@@ -7,6 +7,7 @@
 // devices. Admin commands (ibnbd server ...) come over --control-socket.
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -237,6 +239,15 @@ void apply(Config& c, const std::string& key, const json& v) {
   }
 }
 
+// The command line's options that take a value (with '-' as '_'); apply() knows each, and the
+// config file's keys besides ("hosts", "rbd").
+constexpr std::string_view kValueOptions[] = {
+    "ack_timeout_ms", "chunk_size", "config", "control_socket", "dev_search_path", "direct_io",
+    "handshake_timeout_ms", "hb_interval_ms", "hb_missed", "io_threads", "listen", "max_chunk_memory",
+    "max_io_size", "max_paths_per_session", "max_sessions", "poll", "queue_depth", "rbd_client_id",
+    "rbd_conf", "rbd_connect_timeout_s", "rbd_keyring", "rbd_namespace", "rbd_pools", "ready_file",
+    "sysfs_dir", "tls", "tls_ca", "tls_cert", "tls_key"};
+
 Config parse(int argc, char** argv) {
   Config c;
   std::vector<std::pair<std::string, json>> cli;
@@ -256,6 +267,8 @@ Config parse(int argc, char** argv) {
       cli.emplace_back(key, true);
       continue;
     }
+    if (std::find(std::begin(kValueOptions), std::end(kValueOptions), key) == std::end(kValueOptions))
+      die("unknown option " + a + " (ibnbd-server --help lists them)");
     if (i + 1 >= argc) die(a + " needs a value");
     if (key == "config") {
       config_file = argv[++i];
@@ -281,6 +294,12 @@ Config parse(int argc, char** argv) {
   }
   for (auto& [k, v] : cli) apply(c, k, v);
   if (c.o.transport.listen.empty()) die("at least one --listen ADDR\n" + std::string(kUsage));
+  // Every OPEN resolves beneath it: refuse at start what would refuse every OPEN later.
+  const std::string& dsp = c.o.dev_search_path;
+  if (dsp.empty() || dsp[0] != '/') die("--dev-search-path '" + dsp + "': not an absolute path");
+  struct stat st{};
+  if (::stat(dsp.c_str(), &st) != 0) die("--dev-search-path " + dsp + ": " + std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) die("--dev-search-path " + dsp + ": not a directory");
   const auto& tls = c.o.transport.tls;
   if (tls.cert_file.empty() != tls.key_file.empty()) die("--tls-cert and --tls-key go together");
   if (!tls.ca_file.empty() && tls.cert_file.empty())

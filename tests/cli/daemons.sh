@@ -91,6 +91,32 @@ uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
 auth=$(c -f json path list t1 | jq -r '[.[] | .auth] | unique | join(",")')
 [ "$auth" = authenticated ] && ok "both paths authenticated" || not_ok "both paths authenticated" "auth '$auth'"
 
+# Case: words and options nobody knows, a search path that cannot work. Expect: exit 22 / 2 with
+# the word or option named (not "needs a value", not a bare "Invalid argument"), nothing started
+# (the daemons' usage errors exit 2).
+expect "ibnbd with an unknown word exits 22" 22 "$ibnbd" --socket "$work/cl.sock" frobnicate
+grep -q "unknown word 'frobnicate'" "$work/err" && ok "... and names it" || not_ok "... and names it" "$(cat "$work/err")"
+expect "ibnbd with an unknown option exits 22" 22 "$ibnbd" --socket "$work/cl.sock" --bogus device list
+grep -q "unknown option --bogus" "$work/err" && ok "... and names it" || not_ok "... and names it" "$(cat "$work/err")"
+v0=$(c session max-reconnect-attempts t1)
+expect "a negative number is a value, not an option" 0 c session max-reconnect-attempts t1 -1
+c session max-reconnect-attempts t1 "$v0" >/dev/null
+expect "ibnbd-server --bogus exits 2" 2 timeout 10 "$srv" --bogus
+grep -q "unknown option --bogus" "$work/err" && ok "... and says unknown option" || not_ok "... and says unknown option" "$(cat "$work/err")"
+# Every option the help names is known (the parser's list and the help agree).
+unknown=""
+for o in $("$srv" --help | grep -o -- '--[a-z][a-z-]*' | sort -u); do
+  timeout 10 "$srv" "$o" >/dev/null 2>"$work/err" </dev/null
+  grep -q "unknown option" "$work/err" && unknown="$unknown $o"
+done
+[ -z "$unknown" ] && ok "every option in ibnbd-server --help is known" || not_ok "options of --help unknown" "$unknown"
+expect "a relative --dev-search-path is refused" 2 timeout 10 "$srv" --listen tcp:127.0.0.1:0 --dev-search-path rel/dir \
+  --control-socket "$work/rel.sock"
+grep -q "not an absolute path" "$work/err" && ok "... with the reason" || not_ok "... with the reason" "$(cat "$work/err")"
+expect "a missing --dev-search-path is refused" 2 timeout 10 "$srv" --listen tcp:127.0.0.1:0 \
+  --dev-search-path "$work/nonexistent" --control-socket "$work/missing.sock"
+grep -q "nonexistent: No such file or directory" "$work/err" && ok "... with the reason" || not_ok "... with the reason" "$(cat "$work/err")"
+
 # Case: bad maps. Expect: the server's errno as exit status, nothing mapped.
 expect "map of a missing file is ENOENT" 2 c device map nope.img from "${addrs[0]}" session t1
 expect "map through an escaping symlink is EXDEV" 18 c device map escape from "${addrs[0]}" session t1
