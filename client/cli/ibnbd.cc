@@ -132,9 +132,15 @@ json call(const std::string& path, const json& req) {
   if (path.size() >= sizeof(sa.sun_path)) fail(2, "socket path too long: " + path);
   std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0)
-    fail(1, "cannot reach the daemon at " + path + ": " + std::strerror(errno) +
-                " (is it running? --socket PATH)");
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    const int e = errno;
+    // Only a missing socket or nobody listening says the daemon may be down; a refusal of
+    // permission means it runs and its socket is not ours (owner-only by default).
+    const char* hint = e == EACCES || e == EPERM
+                           ? " (the daemon runs, but its socket is its owner's: run as that user or root)"
+                           : e == ENOENT || e == ECONNREFUSED ? " (is it running? --socket PATH)" : "";
+    fail(1, "cannot reach the daemon at " + path + ": " + std::strerror(e) + hint);
+  }
   std::string out = req.dump() + "\n";
   for (size_t off = 0; off < out.size();) {
     ssize_t n = ::send(fd, out.data() + off, out.size() - off, MSG_NOSIGNAL);
@@ -483,6 +489,7 @@ Listing listing_of(const json& rsp) {
       const json& v = row[i];
       if (v.is_object() && v.contains("bytes")) r.push_back(Bytes{v["bytes"].get<uint64_t>()});
       else if (v.is_number()) r.push_back(v.get<int64_t>());
+      else if (v.is_array()) r.push_back(v.get<std::vector<std::string>>());
       else r.push_back(v.is_string() ? v.get<std::string>() : v.dump());
     }
     l.rows.push_back(std::move(r));

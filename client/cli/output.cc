@@ -21,7 +21,7 @@ std::optional<Unit> parse_unit(std::string_view s) {
   return std::nullopt;
 }
 
-std::string format_bytes(uint64_t v, Unit u) {
+std::string format_bytes(uint64_t v, Unit u, bool exact) {
   static constexpr const char* kSuffix[] = {"B", "K", "M", "G", "T", "P", "E"};
   int shift;
   if (u == Unit::automatic) {
@@ -33,17 +33,30 @@ std::string format_bytes(uint64_t v, Unit u) {
   if (shift == 0) return std::to_string(v) + "B";
   const double d = static_cast<double>(v) / static_cast<double>(uint64_t{1} << (10 * shift));
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.1f%s", d, kSuffix[shift]);
+  if (exact) {
+    // v / 2^(10 * shift) is a binary fraction a double holds exactly (v < 2^53): 17 significant
+    // digits print it to the byte.
+    std::snprintf(buf, sizeof(buf), "%.17g%s", d, kSuffix[shift]);
+  } else if (v != 0 && d < 1) {
+    std::snprintf(buf, sizeof(buf), "%.2g%s", d, kSuffix[shift]);  // not "0.0G" for 64 MiB
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f%s", d, kSuffix[shift]);
+  }
   return buf;
 }
 
 namespace {
 
-std::string text(const Cell& c, Unit u) {
+std::string text(const Cell& c, Unit u, bool exact) {
   switch (c.kind) {
     case Cell::Kind::text: return c.s;
     case Cell::Kind::number: return std::to_string(c.i);
-    case Cell::Kind::bytes: return format_bytes(c.u, u);
+    case Cell::Kind::bytes: return format_bytes(c.u, u, exact);
+    case Cell::Kind::list: {
+      std::string out;
+      for (auto& i : c.items) out += (out.empty() ? "" : " ") + i;
+      return out;
+    }
   }
   return {};
 }
@@ -73,6 +86,7 @@ std::string render(const Listing& l, const OutputOptions& o) {
           case Cell::Kind::text: field = c.s; break;
           case Cell::Kind::number: field = c.i; break;
           case Cell::Kind::bytes: field = c.u; break;
+          case Cell::Kind::list: field = c.items; break;
         }
       }
       arr.push_back(std::move(obj));
@@ -82,7 +96,7 @@ std::string render(const Listing& l, const OutputOptions& o) {
   std::vector<std::vector<std::string>> cells;
   for (auto& row : l.rows) {
     std::vector<std::string> r;
-    for (auto& c : row) r.push_back(text(c, o.unit));
+    for (auto& c : row) r.push_back(text(c, o.unit, o.format == Format::csv));
     cells.push_back(std::move(r));
   }
   if (o.format == Format::csv) {

@@ -18,7 +18,9 @@ std::optional<Format> parse_format(std::string_view s);
 // Byte counts: "auto" picks the largest binary unit that keeps a value >= 1.
 enum class Unit : uint8_t { B, K, M, G, T, P, E, automatic };
 std::optional<Unit> parse_unit(std::string_view s);
-std::string format_bytes(uint64_t v, Unit u);
+// One decimal for people ("1.5K"; two significant digits below one unit: "0.062G"); `exact`
+// (csv: read by programs) prints the value to the byte ("0.0625G").
+std::string format_bytes(uint64_t v, Unit u, bool exact = false);
 
 struct Bytes {
   uint64_t v = 0;
@@ -26,13 +28,16 @@ struct Bytes {
 // A text, a number or a byte count. (Not a std::variant: g++ 12 warns falsely about moving one
 // that holds a std::string.)
 struct Cell {
-  enum class Kind : uint8_t { text, number, bytes };
+  enum class Kind : uint8_t { text, number, bytes, list };
   Cell(std::string t) : kind(Kind::text), s(std::move(t)) {}  // NOLINT: implicit by design
   Cell(const char* t) : kind(Kind::text), s(t) {}             // NOLINT
   Cell(int64_t n) : kind(Kind::number), i(n) {}               // NOLINT
   Cell(Bytes b) : kind(Kind::bytes), u(b.v) {}                // NOLINT
+  // Several values (an export's URIs): a JSON array, space-separated in a table or csv.
+  Cell(std::vector<std::string> l) : kind(Kind::list), items(std::move(l)) {}  // NOLINT
   Kind kind;
   std::string s;
+  std::vector<std::string> items;
   int64_t i = 0;
   uint64_t u = 0;
 };

@@ -383,6 +383,11 @@ json ClientDaemon::device_map(const json& req) {
   for (auto& p : req.at("paths")) {
     auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
     if (!spec.ok()) return err(EINVAL, "path '" + p.get<std::string>() + "': " + spec.error().message());
+    // Two paths of one session with the same name would be one path twice (the library says
+    // only EEXIST): name it.
+    for (auto& known : paths)
+      if (known.name() == spec->name())
+        return err(EINVAL, "path " + spec->name() + " is given twice ('" + p.get<std::string>() + "')");
     paths.push_back(*spec);
     path_strs.push_back(p.get<std::string>());
   }
@@ -819,14 +824,22 @@ json ClientDaemon::device_io(const json& req, const ControlSocket::Emit& emit) {
   const uint32_t qd = std::clamp(req.value("qd", 16u), 1u, 256u);
   const uint64_t offset = req.value("offset", uint64_t{0});
   uint64_t size = req.value("size", d->size_bytes() - std::min(offset, d->size_bytes()));
-  if (bs == 0 || bs % lbs != 0 || offset % lbs != 0 || offset + size > d->size_bytes())
-    return err(EINVAL, "offset, size and bs must be multiples of the block size inside the device");
+  const uint64_t dev_bytes = d->size_bytes();
+  if (bs == 0 || bs % lbs != 0 || offset % lbs != 0 || size % lbs != 0)
+    return err(EINVAL, "offset, size and bs must be multiples of the block size (" + std::to_string(lbs) + " bytes)");
+  if (offset > dev_bytes || size > dev_bytes - offset)
+    return err(EINVAL, "size " + std::to_string(size) + " at offset " + std::to_string(offset) +
+                           " reaches beyond the end of " + dev + " (" + std::to_string(dev_bytes) + " bytes)");
   size -= size % bs;
   if (size == 0) return err(EINVAL, "nothing to do: size below one block of bs");
   const std::string mode = req.value("mode", std::string("write-verify"));
   const bool do_write = mode == "write-verify" || mode == "write";
   const bool do_verify = mode == "write-verify" || mode == "verify";
   if (!do_write && !do_verify) return err(EINVAL, "mode: write-verify, write or verify");
+  // Writing fails on every request of a read-only mapping: refuse before the first, not after
+  // a pass of errors and "bad blocks" (verify alone reads, and is fine).
+  if (do_write && d->access_mode() == AccessMode::ro)
+    return err(EROFS, dev + " is mapped read-only: only mode verify reads it");
   const size_t need = size_t{bs} * qd;
   // A failover device's buffers are its own (registered with both its sessions); a plain
   // device's session keeps one for the next run.
@@ -966,6 +979,8 @@ json ClientDaemon::path_op(const json& req, const std::string& op) {
     auto spec = ibtrs::PathSpec::parse(path);
     if (!spec.ok()) return err(EINVAL, "path '" + path + "': " + spec.error().message());
     st = t.add_path(*spec);
+    if (st.error() == std::errc::file_exists)
+      return err(EEXIST, "session " + n + " has path " + spec->name() + " already");
   } else {
     // A path is named as the kernel names it ("src@dst"), or by what was given when it was added.
     std::string name = path;
@@ -1123,15 +1138,16 @@ json ClientDaemon::nbd_list(const json& req) {
   json rows = json::array();
   for (auto& [dev, e] : exports_) {
     if (!only.empty() && dev != only) continue;
-    std::string unix_path, tcp, uris;
+    std::string unix_path, tcp;
+    json uris = json::array();
     for (auto& l : e.server->listening()) {
       if (l.kind == nbd::ListenSpec::Kind::unix_socket) {
         unix_path = l.path;
         // TLS: libnbd's nbds schemes (the client adds its tls-psk-file= or certificates).
-        uris += (uris.empty() ? "" : " ") + ((e.tls ? "nbds+unix:///" : "nbd+unix:///") + e.name + "?socket=" + l.path);
+        uris.push_back((e.tls ? "nbds+unix:///" : "nbd+unix:///") + e.name + "?socket=" + l.path);
       } else {
         tcp = l.to_string().substr(4);
-        uris += (uris.empty() ? "" : " ") + ((e.tls ? "nbds://" : "nbd://") + tcp + "/" + e.name);
+        uris.push_back((e.tls ? "nbds://" : "nbd://") + tcp + "/" + e.name);
       }
     }
     const auto st = e.server->stats();

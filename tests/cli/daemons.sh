@@ -122,6 +122,21 @@ expect "map of a missing file is ENOENT" 2 c device map nope.img from "${addrs[0
 expect "map through an escaping symlink is EXDEV" 18 c device map escape from "${addrs[0]}" session t1
 expect "map with '..' is EINVAL" 22 c device map ../a.img from "${addrs[0]}" session t1
 expect "the same device in another session of this client is EEXIST" 17 c device map a.img from "${addrs[0]}" ro session t3
+expect "one path given twice is EINVAL" 22 c device map sub/b.img from "${addrs[0]}" "${addrs[0]}" ro session t4
+grep -q "is given twice" "$work/err" && ok "... and says so" || not_ok "... and says so" "$(cat "$work/err")"
+expect "adding a path the session has is EEXIST" 17 c path add t1 "${addrs[0]}"
+grep -q "session t1 has path .* already" "$work/err" && ok "... and says so" || not_ok "... and says so" "$(cat "$work/err")"
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+  # Case: a user who may not use the socket. Expect: the message says the daemon runs and the
+  # socket is not theirs, not "is it running?".
+  expect "another user on the owner-only socket exits 1" 1 setpriv --reuid=65534 --regid=65534 --clear-groups \
+    "$ibnbd" --socket "$work/cl.sock" device list
+  grep -q "Permission denied (the daemon runs, but its socket is its owner's" "$work/err" && ! grep -q "is it running" "$work/err" &&
+    ok "... and does not suggest the daemon is down" || not_ok "... and does not suggest the daemon is down" "$(cat "$work/err")"
+fi
+expect "device io beyond the end is EINVAL" 22 c device io a.img size 1G
+grep -q "size 1073741824 at offset 0 reaches beyond the end of a.img (67108864 bytes)" "$work/err" &&
+  ok "... and names the size" || not_ok "... and names the size" "$(cat "$work/err")"
 
 # Case: map --ublk on a machine without ublk_drv (the host; the VM has it: tests/ublk).
 # Expect: ENODEV naming the module, the map rolled back (nothing mapped), no record.
@@ -140,7 +155,8 @@ wait_for "$work/cl2.ready" || not_ok "second client start" "$(cat "$work/cl2.log
 c2() { "$ibnbd" --socket "$work/cl2.sock" client "$@"; }
 expect "a second writer is EBUSY" 16 c2 device map a.img from "${addrs[0]}" rw session other
 expect "a reader is fine" 0 c2 device map a.img from "${addrs[0]}" ro session other
-expect "the reader may not write (EPERM -> IO error)" 5 c2 device io a.img size 1M bs 64K mode write
+expect "device io will not write through a read-only mapping (EROFS)" 30 c2 device io a.img size 1M bs 64K mode write
+grep -q "mapped read-only" "$work/err" && ok "... and says so" || not_ok "... and says so" "$(cat "$work/err")"
 expect "the reader unmaps" 0 c2 device unmap a.img
 n=$(c -f json device list | jq length)
 [ "$n" = 1 ] && ok "only one device mapped" || not_ok "only one device mapped" "$n devices"

@@ -18,6 +18,14 @@ TEST(CliOutput, UnitsAreBinaryAndAutoPicksTheLargestWholeOne) {
   EXPECT_EQ(format_bytes(3ull << 30, Unit::automatic), "3.0G");
   EXPECT_EQ(format_bytes(3ull << 30, Unit::M), "3072.0M");
   EXPECT_EQ(format_bytes(5, Unit::B), "5B");
+  // Case: a small value in a large explicit unit. Expect: not "0.0G"; csv's exact form to the byte.
+  EXPECT_EQ(format_bytes(64ull << 20, Unit::G), "0.062G");
+  EXPECT_EQ(format_bytes(1048704, Unit::G), "0.00098G");
+  EXPECT_EQ(format_bytes(0, Unit::G), "0.0G");
+  EXPECT_EQ(format_bytes(64ull << 20, Unit::G, true), "0.0625G");
+  EXPECT_EQ(format_bytes(1048704, Unit::M, true), "1.0001220703125M");
+  EXPECT_EQ(format_bytes(3ull << 30, Unit::G, true), "3G");
+  EXPECT_EQ(format_bytes(1, Unit::E, true), "8.6736173798840355e-19E");
   EXPECT_FALSE(parse_unit("X").has_value());
   EXPECT_EQ(parse_unit("auto"), Unit::automatic);
 }
@@ -37,7 +45,7 @@ TEST(CliOutput, TableAlignsColumnsAndNumbersRight) {
 TEST(CliOutput, CsvQuotesWhatNeedsIt) {
   OutputOptions o;
   o.format = Format::csv;
-  EXPECT_EQ(render(sample(), o), "name,size,paths\nvol-a,1.5K,2\n\"b,with \"\"comma\"\"\",3.0G,10\n");
+  EXPECT_EQ(render(sample(), o), "name,size,paths\nvol-a,1.5K,2\n\"b,with \"\"comma\"\"\",3G,10\n");
 }
 
 TEST(CliOutput, JsonKeepsRawNumbers) {
@@ -48,6 +56,17 @@ TEST(CliOutput, JsonKeepsRawNumbers) {
   EXPECT_EQ(j[0]["name"], "vol-a");
   EXPECT_EQ(j[0]["size"], 1536);
   EXPECT_EQ(j[1]["paths"], 10);
+}
+
+TEST(CliOutput, ListCellsAreArraysInJsonAndWordsElsewhere) {
+  // Case: a row with several URIs. Expect: a JSON array; space-separated in table and csv.
+  Listing l{{{"device"}, {"uris"}}, {{Cell("a.img"), Cell(std::vector<std::string>{"nbd+unix:///a", "nbd://h:1/a"})}}};
+  OutputOptions o;
+  o.format = Format::json;
+  EXPECT_EQ(nlohmann::json::parse(render(l, o))[0]["uris"], nlohmann::json::array({"nbd+unix:///a", "nbd://h:1/a"}));
+  o.format = Format::csv;
+  o.headers = false;
+  EXPECT_EQ(render(l, o), "a.img,nbd+unix:///a nbd://h:1/a\n");
 }
 
 }  // namespace

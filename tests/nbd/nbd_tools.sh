@@ -296,7 +296,7 @@ cp "$work/alice.psk" "$work/open.psk" && chmod 644 "$work/open.psk"
 expect_fail "a PSK file readable by others is EACCES" 13 c device export ro.img tcp 127.0.0.1:0 tls-psk "$work/open.psk"
 check_cmd "export ro.img over tcp with TLS (no insecure)" c device export ro.img tcp 127.0.0.1:0 tls-psk "$work/alice.psk"
 tls_tcp=$(c -f json device exports | jq -r '.[] | select(.device == "ro.img") | .tcp')
-c -f json device exports | jq -r '.[] | select(.device == "ro.img") | .uris' | grep -q "^nbds://$tls_tcp/ro.img" &&
+c -f json device exports | jq -r '.[] | select(.device == "ro.img") | .uris[]' | grep -q "^nbds://$tls_tcp/ro.img" &&
   ok "the export lists an nbds:// URI" || not_ok "the export lists an nbds:// URI" "$(c device exports)"
 tls_uri="nbds://alice@$tls_tcp/ro.img?tls-psk-file=$work/alice.psk"
 t nbdinfo --json "$tls_uri" 2>"$work/err" | jq -e '.exports[0].is_read_only == true and .exports[0]."export-size" == 8388608' >/dev/null &&
