@@ -96,6 +96,8 @@ const char kUsage[] =
     "options:\n"
     "  --format table|json|csv   (-f)    --units B|K|M|G|T|P|E|auto   (-u)\n"
     "  --noheaders                       --socket PATH (default /run/ibnbd-<client|server>.sock)\n"
+    "  --fields SPEC, or SPEC as the last word of list/show: a,b (those columns, in that order),\n"
+    "  +a / -b (the default set adjusted), all; e.g. device list device,state,size\n"
     "A <server> or <path> is [src@]dst with addresses like tcp:10.0.0.1, rdma:10.0.0.1:1234 or\n"
     "ip:10.0.0.1 (rdma). A stats <group> is all (default), rdma, rdma_lat, wc_completion,\n"
     "sg_entries, cpu_migration or reconnects, as the kernel's stats files.\n";
@@ -202,7 +204,12 @@ struct Cli {
     if (i >= args.size()) fail(22, command + ": missing " + what + "\n" + kUsage);
     return args[i];
   }
-  void print(const Listing& l) const { std::fputs(render(l, out).c_str(), stdout); }
+  void print(const Listing& l) const {
+    std::string why;
+    auto sel = select_fields(l, out.fields, &why);
+    if (!sel) fail(22, why);
+    std::fputs(render(*sel, out).c_str(), stdout);
+  }
   json rpc(json req) const { return check(call(socket, req)); }
 };
 
@@ -734,14 +741,19 @@ int main(int argc, char** argv) {
       auto u = parse_unit(value());
       if (!u) fail(22, "--units: B, K, M, G, T, P, E or auto");
       c.out.unit = *u;
+    } else if (a == "--fields") {
+      c.out.fields = value();
     } else if (a == "--noheaders") {
       c.out.headers = false;
     } else if (a == "--socket") {
       c.socket = value();
     } else if (a.size() > 1 && a[0] == '-' && !std::isdigit(static_cast<unsigned char>(a[1])) &&
-               a != "--ublk" && a != "--ublk-queue-depth") {
-      // "-1" is a value (max-reconnect-attempts), --ublk* are device map's own words; anything
-      // else with a dash is an option.
+               a != "--ublk" && a != "--ublk-queue-depth" &&
+               !(a[1] != '-' && std::any_of(words.begin(), words.end(),
+                                            [](const std::string& x) { return x == "list" || x == "show"; }))) {
+      // "-1" is a value (max-reconnect-attempts), --ublk* are device map's own words, "-field"
+      // after list/show removes a field (rnbd's selection); anything else with a dash is an
+      // option.
       fail(22, "unknown option " + a + " (ibnbd --help lists them)");
     } else {
       words.push_back(a);
@@ -762,6 +774,11 @@ int main(int argc, char** argv) {
   c.object = words[w++];
   c.command = w < words.size() ? words[w++] : "list";
   c.args.assign(words.begin() + static_cast<std::ptrdiff_t>(w), words.end());
+  // rnbd's positional field selection: `device list devname,state`, `session show s1 -rx_bytes`.
+  if ((c.command == "list" || c.command == "show") && !c.args.empty() && is_field_spec(c.args.back())) {
+    c.out.fields = c.args.back();
+    c.args.pop_back();
+  }
   if (c.socket.empty()) c.socket = "/run/ibnbd-" + c.side + ".sock";
   return c.side == "server" ? run_server(c) : run_client(c);
 }

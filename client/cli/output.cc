@@ -73,6 +73,62 @@ std::string csv_field(const std::string& s) {
 
 }  // namespace
 
+bool is_field_spec(std::string_view s) {
+  if (s.empty()) return false;
+  return s == "all" || s.find(',') != std::string_view::npos || s[0] == '+' || s[0] == '-';
+}
+
+std::optional<Listing> select_fields(const Listing& l, std::string_view spec, std::string* why) {
+  if (spec.empty() || spec == "all") return l;
+  std::vector<std::string_view> tokens;
+  for (size_t pos = 0; pos <= spec.size();) {
+    const size_t end = std::min(spec.find(',', pos), spec.size());
+    if (end > pos) tokens.push_back(spec.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  const bool adjust = std::any_of(tokens.begin(), tokens.end(), [](std::string_view t) { return t[0] == '+' || t[0] == '-'; });
+  auto index = [&](std::string_view name) -> std::optional<size_t> {
+    for (size_t i = 0; i < l.columns.size(); ++i)
+      if (l.columns[i].name == name) return i;
+    return std::nullopt;
+  };
+  std::vector<size_t> keep;
+  if (adjust)
+    for (size_t i = 0; i < l.columns.size(); ++i) keep.push_back(i);
+  std::string unknown;
+  for (std::string_view t : tokens) {
+    const bool minus = t[0] == '-';
+    if (t[0] == '+' || t[0] == '-') t.remove_prefix(1);
+    auto i = t == "all" ? std::nullopt : index(t);
+    if (!i) {
+      unknown += (unknown.empty() ? "" : ", ") + std::string(t);
+      continue;
+    }
+    std::erase(keep, *i);
+    if (!minus) {
+      if (adjust) keep.insert(std::lower_bound(keep.begin(), keep.end(), *i), *i);  // default order
+      else keep.push_back(*i);                                                      // the asked order
+    }
+  }
+  if (!unknown.empty()) {
+    if (why) {
+      *why = "unknown field " + unknown + " (fields:";
+      for (auto& c : l.columns) *why += " " + c.name;
+      *why += ")";
+    }
+    return std::nullopt;
+  }
+  Listing out;
+  for (size_t i : keep) out.columns.push_back(l.columns[i]);
+  for (auto& row : l.rows) {
+    std::vector<Cell> r;
+    for (size_t i : keep)
+      if (i < row.size()) r.push_back(row[i]);
+    out.rows.push_back(std::move(r));
+  }
+  return out;
+}
+
 std::string render(const Listing& l, const OutputOptions& o) {
   std::string out;
   if (o.format == Format::json) {

@@ -56,7 +56,15 @@ struct OutputOptions {
   Format format = Format::table;
   Unit unit = Unit::automatic;
   bool headers = true;
+  std::string fields;  // a field selection (select_fields); empty: every column
 };
+
+// The rnbd tool's field selection: "a,b" shows exactly those columns in that order; "+a" /
+// "-b" adjust the default set (every column); "all" is every column. True for a spec that is
+// one, whatever the listing ("all", a comma, a leading + or -): how a command line tells it
+// from a name. Unknown fields: std::nullopt and *why names them and the listing's fields.
+bool is_field_spec(std::string_view s);
+std::optional<Listing> select_fields(const Listing& l, std::string_view spec, std::string* why);
 
 // JSON keeps raw byte counts (numbers), whatever the unit.
 std::string render(const Listing& l, const OutputOptions& o);

@@ -117,6 +117,19 @@ expect "a missing --dev-search-path is refused" 2 timeout 10 "$srv" --listen tcp
   --dev-search-path "$work/nonexistent" --control-socket "$work/missing.sock"
 grep -q "nonexistent: No such file or directory" "$work/err" && ok "... with the reason" || not_ok "... with the reason" "$(cat "$work/err")"
 
+# Case: rnbd's field selection on listings. Expect: the columns asked, in that order; "-field"
+# drops one; an unknown field is EINVAL naming it.
+[ "$(c --noheaders device list device,state | tr -s ' ')" = "a.img open" ] && ok "device list device,state" ||
+  not_ok "device list device,state" "$(c device list device,state)"
+h=$(c -f csv device list -rx_bytes,-tx_bytes | head -1)
+case ",$h," in *,rx_bytes,*|*,tx_bytes,*) not_ok "device list -rx_bytes,-tx_bytes" "$h" ;; *,device,*) ok "device list -rx_bytes,-tx_bytes" ;;
+  *) not_ok "device list -rx_bytes,-tx_bytes" "$h" ;; esac
+[ "$(c -f json --fields sessname session show t1 | jq -c '.[0]')" = '{"sessname":"t1"}' ] && ok "--fields on show" ||
+  not_ok "--fields on show" "$(c -f json --fields sessname session show t1)"
+expect "an unknown field is EINVAL" 22 c device list device,bogus
+grep -q "unknown field bogus (fields: device session" "$work/err" && ok "... naming it and the fields" ||
+  not_ok "... naming it and the fields" "$(cat "$work/err")"
+
 # Case: bad maps. Expect: the server's errno as exit status, nothing mapped.
 expect "map of a missing file is ENOENT" 2 c device map nope.img from "${addrs[0]}" session t1
 expect "map through an escaping symlink is EXDEV" 18 c device map escape from "${addrs[0]}" session t1

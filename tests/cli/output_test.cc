@@ -69,5 +69,37 @@ TEST(CliOutput, ListCellsAreArraysInJsonAndWordsElsewhere) {
   EXPECT_EQ(render(l, o), "a.img,nbd+unix:///a nbd://h:1/a\n");
 }
 
+TEST(CliOutput, FieldSelectionAsRnbdHasIt) {
+  std::string why;
+  // Case: "size,name". Expect: exactly those columns, in the asked order.
+  auto l = select_fields(sample(), "size,name", &why);
+  ASSERT_TRUE(l) << why;
+  ASSERT_EQ(l->columns.size(), 2u);
+  EXPECT_EQ(l->columns[0].name, "size");
+  EXPECT_EQ(l->rows[1][1].s, "b,with \"comma\"");
+  // Case: "-size". Expect: the default set without it, default order.
+  l = select_fields(sample(), "-size", &why);
+  ASSERT_TRUE(l);
+  ASSERT_EQ(l->columns.size(), 2u);
+  EXPECT_EQ(l->columns[0].name, "name");
+  EXPECT_EQ(l->columns[1].name, "paths");
+  // Case: "-size,+size". Expect: back in its default place.
+  l = select_fields(sample(), "-size,+size", &why);
+  ASSERT_TRUE(l);
+  EXPECT_EQ(l->columns[1].name, "size");
+  // Case: "all" and "". Expect: everything.
+  EXPECT_EQ(select_fields(sample(), "all", &why)->columns.size(), 3u);
+  EXPECT_EQ(select_fields(sample(), "", &why)->columns.size(), 3u);
+  // Case: a field the listing has not. Expect: refused, naming it and the fields there are.
+  EXPECT_FALSE(select_fields(sample(), "name,bogus", &why));
+  EXPECT_EQ(why, "unknown field bogus (fields: name size paths)");
+  // Case: what a command line takes for a spec. Expect: a comma, a sign or "all"; names are not.
+  EXPECT_TRUE(is_field_spec("a,b"));
+  EXPECT_TRUE(is_field_spec("-rx_bytes"));
+  EXPECT_TRUE(is_field_spec("all"));
+  EXPECT_FALSE(is_field_spec("vol1.img"));
+  EXPECT_FALSE(is_field_spec(""));
+}
+
 }  // namespace
 }  // namespace ibnbd::cli
