@@ -21,6 +21,8 @@ packages=(
   # nbdfuse, nbdsh; qemu-img and qemu-nbd; the kernel's nbd-client (VM tests); the ext4 and
   # loop tools of the nbdfuse + losetup case
   libnbd-bin qemu-utils nbd-client e2fsprogs mount jq
+  # the install test: systemd-analyze verify on the units (tests/install/install.sh)
+  systemd
   # RBD exports (blockdev's rbd backend) and the single-host Ceph cluster of the tests and the
   # benchmark (scripts/ceph-dev.sh); qemu-block-extra: qemu-nbd's rbd: driver (bench/rbd.sh)
   librbd-dev librados-dev ceph-mon ceph-osd ceph-mgr ceph-common rbd-nbd qemu-block-extra
