@@ -6,6 +6,8 @@ set -euo pipefail
 packages=(
   # build
   build-essential cmake ninja-build pkg-config g++ clang libclang-rt-14-dev
+  # man pages: markdown rendered at build (docs/man), man to read them (tests/install)
+  go-md2man man-db
   # libraries
   libibverbs-dev librdmacm-dev liburing-dev libboost-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libfuse3-dev fuse3

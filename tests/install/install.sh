@@ -37,6 +37,14 @@ for f in "$prefix/sbin/ibnbd-server" "$prefix/sbin/ibnbd-client" "$prefix/sbin/i
   [ -e "$root$f" ] || missing="$missing $f"
 done
 [ -z "$missing" ] && ok "the layout is installed" || not_ok "the layout is installed" "missing:$missing"
+if grep -q '^GO_MD2MAN:FILEPATH=/' "$build/CMakeCache.txt"; then
+  bad=""
+  for p in ibnbd ibnbd-server ibnbd-client ibnbd-migrate; do
+    m=$root$prefix/share/man/man8/$p.8
+    [ -e "$m" ] && MANWIDTH=80 man -l "$m" 2>/dev/null | grep -q "^NAME" || bad="$bad $p.8"
+  done
+  [ -z "$bad" ] && ok "the man pages are installed and render" || not_ok "the man pages render" "$bad"
+fi
 if [ -e "$build/client/fio/libibnbd-fio.so" ]; then
   ls "$root$prefix"/lib*/ibnbd/libibnbd-fio.so >/dev/null 2>&1 && ok "the fio engine is installed" ||
     not_ok "the fio engine is installed" "not under $prefix/lib*/ibnbd"
