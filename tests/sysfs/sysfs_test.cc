@@ -286,6 +286,14 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=x"), 0);
   EXPECT_EQ(fake->seen.back()["cmd"], "device_map");
   EXPECT_EQ(fake->seen.back()["device"], "x");
+  // Case: map_device with poll queues. Expect: 0 maps; any other count is EOPNOTSUPP and
+  // reaches no daemon (never parsed and ignored).
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=y nr_poll_queues=0"), 0);
+  EXPECT_EQ(fake->seen.back()["device"], "y");
+  const size_t calls = fake->seen.size();
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=z nr_poll_queues=2"), EOPNOTSUPP);
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=z nr_poll_queues=-1"), EOPNOTSUPP);
+  EXPECT_EQ(fake->seen.size(), calls);
 }
 
 TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {

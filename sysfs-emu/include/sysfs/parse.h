@@ -43,8 +43,8 @@ Result<std::string> parse_path(std::string_view text, std::optional<uint16_t> de
 //   sessname=<name> path=<[src@]dst> [path=...] (1..6) device_path=<name>
 //   [dest_port=<port>] [access_mode=ro|rw|migration] [nr_poll_queues=<n>]
 // sessname, path and device_path are required; an unknown key, a key without value or a
-// repeated single key is EINVAL. nr_poll_queues (-1 = one per CPU, 0..1024) is accepted and has
-// no effect here (the daemon's IO threads poll).
+// repeated single key is EINVAL. nr_poll_queues (-1 = one per CPU, 0..1024) parses; the
+// map_device file then refuses any but 0 (EOPNOTSUPP: a ublk device has no poll queues).
 struct MapDeviceOptions {
   std::string sessname;
   std::vector<std::string> paths;  // as parse_path returns them

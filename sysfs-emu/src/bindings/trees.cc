@@ -268,6 +268,9 @@ NodePtr ibnbd_client_dir(const Backend& b) {
                   "addr ::= [ ip:<ipv4|ipv6> | gid:<gid> | tcp:<host>[:<port>] | rdma:<host>[:<port>] ]\n",
                   [b](std::string_view t) -> Status {
                     IBTRS_ASSIGN_OR_RETURN(MapDeviceOptions o, parse_map_device(t));
+                    // The kernel's poll queues (blk-mq HCTX_TYPE_POLL) have no counterpart in a
+                    // ublk device: refused rather than taken and ignored. 0 asks for none.
+                    if (o.nr_poll_queues.value_or(0) != 0) return errc(EOPNOTSUPP);
                     return act(b, map_device_request(o));
                   }));
   ctl->add("devices", Node::dynamic_dir([b] { return listing_names(b, "device_list", "device"); },
