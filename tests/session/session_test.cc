@@ -853,7 +853,10 @@ TEST_F(Session, AdaptivePollingAccountsForEveryWaitAndSleepsWhileIdle) {
       EXPECT_LT(idle_cpu, 60.0);
     } else {
       EXPECT_EQ(st[0].mode, "spin");
-      EXPECT_GT(idle_cpu, 60.0) << "two spinning IO threads: the idle check above can fail";
+      // Two spinning threads take 600 ms of CPU in 300 ms on an idle host, 46-52 ms at load 5
+      // on 2 cores (two helpers building): above the sleepers' 60 ms only while quiet. 30 ms
+      // still tells a spinner from a sleeper (an idle adaptive or blocking poller: 0.5-0.6 ms).
+      EXPECT_GT(idle_cpu, 30.0) << "two spinning IO threads: the idle check above can fail";
     }
     buf_.reset();
     client_.reset();
