@@ -221,8 +221,13 @@ TEST(SoakSchedule, TheSeedFixesThePlanAndEveryKindComesFirstOnce) {
   for (const auto& p : a) {
     EXPECT_LE(p.at_ms + p.dur_ms, c.duration_ms - c.tail_ms) << describe(p);
     EXPECT_GE(p.at_ms, c.warmup_ms);
-    if (p.kind == FaultKind::server_stop) EXPECT_GT(p.dur_ms, c.hb_timeout_ms);
-    if (p.kind == FaultKind::eio) EXPECT_LE(p.eio_block + p.eio_blocks, c.eio_last);
+    if (p.kind == FaultKind::server_stop) {
+      EXPECT_GT(p.dur_ms, c.hb_timeout_ms);
+    }
+    if (p.kind == FaultKind::eio) {
+      EXPECT_LE(p.eio_block + p.eio_blocks, c.eio_last);
+      EXPECT_GT(p.eio_blocks, 0u);
+    }
   }
   c.seed = 43;
   const auto d = make_schedule(c);

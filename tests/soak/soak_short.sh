@@ -22,7 +22,7 @@ trap 'rm -rf "$out"' EXIT
 echo "# soak_short: lib seed $lib_seed (fixed), nbd seed $nbd_seed (random; SOAK_NBD_SEED=$nbd_seed replays it), $dur each"
 
 # Short gaps between faults, so that each run sees every kind within its minute.
-common=(--duration "$dur" -- --gap-ms 1000,2500 --qd 16)
+common=(--duration "$dur" -- --gap-ms 1000,2500 --qd 16 --iops 3000)
 bash "$soak" "$build" --target lib --seed "$lib_seed" --json "$out/lib.json" "${common[@]}" >"$out/lib.log" 2>&1 &
 lib_pid=$!
 bash "$soak" "$build" --target nbd --seed "$nbd_seed" --json "$out/nbd.json" "${common[@]}" >"$out/nbd.log" 2>&1 &

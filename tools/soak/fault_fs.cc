@@ -181,7 +181,8 @@ int fs_truncate(const char* path, off_t size, fuse_file_info* fi) {
 
 int fs_statfs(const char*, struct statvfs* st) { return ::fstatvfs(g_dir, st) == 0 ? 0 : -errno; }
 
-void* fs_init(fuse_conn_info*, fuse_config* cfg) {
+void* fs_init(fuse_conn_info* conn, fuse_config* cfg) {
+  conn->max_write = 1u << 20;  // the kernel caps it at its max_pages: fewer, larger requests
   cfg->direct_io = 1;
   cfg->use_ino = 1;
   cfg->attr_timeout = 0;
@@ -221,6 +222,6 @@ int main(int argc, char** argv) {
   ops.init = fs_init;
   // Foreground, multithreaded; the mount is root's alone (no allow_other).
   std::vector<char*> fargs{argv[0], argv[2], const_cast<char*>("-f"), const_cast<char*>("-o"),
-                           const_cast<char*>("fsname=ibnbd-soak-fs,max_write=1048576")};
+                           const_cast<char*>("fsname=ibnbd-soak-fs")};
   return fuse_main(static_cast<int>(fargs.size()), fargs.data(), &ops, nullptr);
 }

@@ -68,6 +68,7 @@ const char kUsage[] =
     "  --qd N (16)  --block-size B (4096)  --max-blocks N per request (16, <= 64)\n"
     "  --size BYTES (the first BYTES of the volume; default all)\n"
     "  --read-pct N (45)  --fua-pct N (10)  --flush-pct N (3); the rest are plain writes\n"
+    "  --iops N   at most N requests a second (default: as fast as the volume goes)\n"
     "faults (on a schedule drawn from the seed):\n"
     "  --faults K1,K2,...   path-cut link-flap server-kill server-stop client-kill enospc eio\n"
     "        slow policy path-remove (policy and path-remove run in-process on --lib)\n"
@@ -169,6 +170,7 @@ struct Options {
   uint32_t qd = 16, block_bytes = 4096, max_blocks = 16;
   uint64_t size = 0;
   uint32_t read_pct = 45, fua_pct = 10, flush_pct = 3;
+  uint32_t iops = 0;  // 0: as fast as the volume goes
   std::vector<FaultKind> faults;
   std::string hook, hook_log;
   uint32_t gap_min_ms = 3000, gap_max_ms = 8000, max_faults = 0;
@@ -222,6 +224,7 @@ Options parse_options(int argc, char** argv) {
     else if (a == "--read-pct") o.read_pct = static_cast<uint32_t>(parse_u64(a, v));
     else if (a == "--fua-pct") o.fua_pct = static_cast<uint32_t>(parse_u64(a, v));
     else if (a == "--flush-pct") o.flush_pct = static_cast<uint32_t>(parse_u64(a, v));
+    else if (a == "--iops") o.iops = static_cast<uint32_t>(parse_u64(a, v));
     else if (a == "--faults") {
       for (const auto& k : split(v, ',')) {
         auto f = parse_fault(k);
@@ -338,8 +341,10 @@ bool sample_proc(int pid, uint64_t& rss_kb, uint32_t& fds) {
   if (!st) return false;
   std::string line;
   rss_kb = 0;
-  while (std::getline(st, line))
+  while (std::getline(st, line)) {
+    if (line.rfind("State:", 0) == 0 && line.find('Z') != std::string::npos) return false;  // killed, not reaped
     if (line.rfind("VmRSS:", 0) == 0) rss_kb = std::strtoull(line.c_str() + 6, nullptr, 10);
+  }
   std::error_code ec;
   fds = 0;
   for (auto it = std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec);
@@ -389,11 +394,11 @@ struct Window {
 
 // What the fault thread tells the driver.
 struct Event {
-  enum Kind : uint8_t { open, close, failed } kind;
-  uint32_t n;
-  FaultKind fault;
+  enum Kind : uint8_t { open, close, failed } kind = open;
+  uint32_t n = 0;
+  FaultKind fault = FaultKind::path_cut;
   std::string arg;
-  int64_t t_ns;
+  int64_t t_ns = 0;
   uint64_t eio_first = 0, eio_end = 0;
   int64_t hook_ms = 0;
   std::string why;
@@ -447,7 +452,10 @@ struct Soak {
   std::map<std::string, uint64_t> errors_by;
   uint64_t enospc_seen = 0, eio_seen = 0;
   int64_t last_ok_ns = 0;
+  std::atomic<int64_t> last_ok_pub{0};  // last_ok_ns for the fault thread
   int64_t max_gap_ns = 0;
+  int64_t max_submit_ns = 0;
+  int64_t stall_reported = 0;  // last_ok_ns of the stall already described
   std::vector<std::string> defects;  // the first lines of each problem (bounded)
   uint64_t defect_lines = 0;
   bool hung = false;
@@ -480,6 +488,11 @@ struct Soak {
         so.transport.paths.push_back(*spec);
       }
       so.transport.io_threads = o.io_threads;
+      // The session's path events with the run's clock: what a pause was made of.
+      so.transport.on_event = [this](const ibtrs::SessionEventInfo& e) {
+        std::printf("soak: t=%.1fs session: %s %s%s%s\n", t_s(now_ns()), std::string(ibtrs::to_string(e.event)).c_str(),
+                    e.path.c_str(), e.reason ? ": " : "", e.reason ? e.reason.message().c_str() : "");
+      };
       so.transport.heartbeat.interval = std::chrono::milliseconds(o.hb_interval_ms);
       so.transport.heartbeat.missed_max = o.hb_missed;
       so.transport.reconnect.delay = std::chrono::milliseconds(o.reconnect_delay_ms);
@@ -535,6 +548,7 @@ struct Soak {
   }
 
   int setup() {
+    t0 = now_ns();  // the session's events during the open; run() starts the clock again
     if (int rc = open_volume(); rc != 0) return rc;
     uint64_t size = vol->size();
     if (o.size != 0) size = std::min(size, o.size);
@@ -656,18 +670,31 @@ struct Soak {
     return nullptr;
   }
 
+  // A successful completion at t: the time since the previous one is a pause, which belongs to
+  // the fault that was on when it began (the latest one started by then, or up to kLead after:
+  // the last completion before a fault's stall precedes its start a little), else to the first
+  // one that started during it; a pause that begins within kGrace after a fault ended (a remap
+  // after a restart) is still that fault's. Faults run one after the other, so the walk from
+  // the newest stops at the first one that ended before the pause began.
   void note_ok(int64_t t) {
-    if (last_ok_ns == 0) last_ok_ns = t;
     if (t <= last_ok_ns) return;
-    const int64_t gap = t - last_ok_ns;
-    // A pause that began before a fault ended, or this soon after (a remap after a restart), is
-    // the fault's.
-    constexpr int64_t kGrace = 2000 * kMs;
-    for (auto& w : windows)
-      if (t > w.start_ns && (w.end_ns == INT64_MAX || last_ok_ns < w.end_ns + kGrace))
-        w.pause_ns = std::max(w.pause_ns, gap);
-    max_gap_ns = std::max(max_gap_ns, gap);
+    const int64_t a = last_ok_ns, gap = t - a;
     last_ok_ns = t;
+    last_ok_pub.store(t, std::memory_order_relaxed);
+    max_gap_ns = std::max(max_gap_ns, gap);
+    constexpr int64_t kGrace = 2000 * kMs, kLead = 100 * kMs;
+    Window* before = nullptr;
+    Window* after = nullptr;
+    for (auto it = windows.rbegin(); it != windows.rend(); ++it) {
+      if (it->end_ns != INT64_MAX && it->end_ns + kGrace < a) break;
+      if (it->start_ns > t) continue;
+      if (it->start_ns <= a + kLead) {
+        before = &*it;
+        break;
+      }
+      after = &*it;
+    }
+    if (Window* w = before != nullptr ? before : after) w->pause_ns = std::max(w->pause_ns, gap);
   }
 
   void complete(Slot& s) {
@@ -835,6 +862,11 @@ struct Soak {
     const uint64_t off = s.block * o.block_bytes;
     const mig::VolumeDone done{&Soak::on_done, &s};
     ibtrs::Status st;
+    struct Timed {  // how long the submit call itself took (the library's never blocks)
+      Soak& k;
+      int64_t t = now_ns();
+      ~Timed() { k.max_submit_ns = std::max(k.max_submit_ns, now_ns() - t); }
+    } timed{*this};
     switch (s.op) {
       case OpKind::read:
         ++reads;
@@ -861,10 +893,30 @@ struct Soak {
     if (!st.ok()) on_done(&s, st.error().value() != 0 ? st.error().value() : EIO);  // as if it failed
   }
 
+  // --iops: a token bucket of qd tokens (no burst after a pause larger than the queue).
+  int64_t next_token_ns = 0;
+  bool throttled = false;
+  bool take_token() {
+    if (o.iops == 0 || verifying) return true;
+    const int64_t now = now_ns(), step = 1000000000 / o.iops;
+    next_token_ns = std::max(next_token_ns, now - step * o.qd);
+    if (next_token_ns > now) return false;
+    next_token_ns += step;
+    return true;
+  }
+
   void fill() {
+    throttled = false;
     for (auto& s : slots) {
       if (s.busy) continue;
-      if (!choose(s)) return;
+      if (!take_token()) {
+        throttled = true;
+        return;
+      }
+      if (!choose(s)) {
+        next_token_ns -= o.iops != 0 && !verifying ? 1000000000 / o.iops : 0;  // not spent
+        return;
+      }
       submit(s);
     }
   }
@@ -988,12 +1040,27 @@ struct Soak {
     return start ? t.remove_path(spec->name()) : t.add_path(*spec);
   }
 
+  // The plan's times are the earliest: a fault also waits until IO flowed again after the one
+  // before (at most 60 s) and then the shortest gap, so that each pause has one cause.
   void run_faults() {
     uint32_t n = 0;
+    int64_t prev_end = 0;
     for (const auto& p : plan) {
-      if (!sleep_until(t0 + static_cast<int64_t>(p.at_ms) * kMs)) break;
+      int64_t start = t0 + static_cast<int64_t>(p.at_ms) * kMs;
+      if (prev_end != 0) {
+        const int64_t give_up = now_ns() + 60000 * kMs;
+        while (last_ok_pub.load(std::memory_order_relaxed) <= prev_end && now_ns() < give_up && !stop_faults.load())
+          ::usleep(10000);
+        start = std::max(start, last_ok_pub.load(std::memory_order_relaxed) + int64_t{o.gap_min_ms} * kMs);
+      }
+      if (!sleep_until(start)) break;
       ++n;
-      Event opened{Event::open, n, p.kind, p.arg, now_ns()};
+      Event opened;
+      opened.kind = Event::open;
+      opened.n = n;
+      opened.fault = p.kind;
+      opened.arg = p.arg;
+      opened.t_ns = now_ns();
       std::vector<std::string> extra;
       if (!p.arg.empty()) extra.push_back(p.arg);
       if (p.kind == FaultKind::eio) {
@@ -1057,16 +1124,41 @@ struct Soak {
           why = why2;
         }
       }
-      Event closed{rc == 0 ? Event::close : Event::failed, n, p.kind, p.arg, now_ns()};
+      Event closed;
+      closed.kind = rc == 0 ? Event::close : Event::failed;
+      closed.n = n;
+      closed.fault = p.kind;
+      closed.arg = p.arg;
+      closed.t_ns = now_ns();
       closed.hook_ms = hook_ms;
       closed.why = why;
       post(closed);
+      prev_end = closed.t_ns;
       if (rc != 0) break;  // the environment is not what the plan assumes any more
     }
     faults_done.store(true);
   }
 
   // ---- reporting ----------------------------------------------------------------------------
+
+  // Once per stall (1 s without a completion while requests are out): what waits, and where.
+  void report_stall() {
+    const int64_t now = now_ns();
+    if (inflight == 0 || now - last_ok_ns < 1000 * kMs || stall_reported == last_ok_ns) return;
+    stall_reported = last_ok_ns;
+    int64_t oldest = now;
+    for (auto& s : slots)
+      if (s.busy) oldest = std::min(oldest, s.submit_ns);
+    std::string paths;
+    if (session) {
+      for (auto& p : session->transport().paths())
+        paths += " " + p.name + " " + std::string(ibtrs::to_string(p.state)) + " inflight " +
+                 std::to_string(p.inflight) + ";";
+    }
+    std::printf("soak: t=%.1fs stall: no completion for %.0f ms, %u requests out (oldest %.0f ms)%s\n", t_s(now),
+                static_cast<double>(now - last_ok_ns) / 1e6, inflight, static_cast<double>(now - oldest) / 1e6,
+                paths.c_str());
+  }
 
   void sample_watches() {
     for (auto& w : watches) {
@@ -1132,6 +1224,7 @@ struct Soak {
                 "; read %.1f MiB, written %.1f MiB\n",
                 reads + writes + flushes, reads, writes, fua_writes, flushes, static_cast<double>(read_bytes) / 1048576.0,
                 static_cast<double>(write_bytes) / 1048576.0);
+    std::printf("faults         %zu of the %zu planned ran\n", windows.size(), plan.size());
     std::printf("%-14s %6s %14s %14s %8s\n", "fault", "count", "max pause ms", "p95 pause ms", "errors");
     for (auto& [k, s] : by)
       std::printf("%-14s %6zu %14.1f %14.1f %8" PRIu64 "\n", std::string(to_string(k)).c_str(), s.pauses_ms.size(),
@@ -1146,8 +1239,9 @@ struct Soak {
                 c.reads_checked, verified_blocks, c.lost, c.lost_flushed, c.torn, c.stale, c.corrupt, c.lost_allowed,
                 c.landed);
     std::printf("writes         acknowledged %" PRIu64 ", failed %" PRIu64 "; flushes completed %" PRIu64
-                "; NBD reconnects %u; longest pause %.1f ms\n",
-                c.writes_acked, c.writes_failed, c.flushes, reconnects, static_cast<double>(max_gap_ns) / 1e6);
+                "; NBD reconnects %u; longest pause %.1f ms; longest submit call %.1f ms\n",
+                c.writes_acked, c.writes_failed, c.flushes, reconnects, static_cast<double>(max_gap_ns) / 1e6,
+                static_cast<double>(max_submit_ns) / 1e6);
     if (!watches.empty()) std::printf("%-14s %28s %22s %9s\n", "process", "RSS MiB first/max/last", "fds first/max/last", "restarts");
     for (auto& w : watches) {
       if (w.samples.empty()) {
@@ -1186,6 +1280,8 @@ struct Soak {
                         {"pause_ms_max", *std::max_element(s.pauses_ms.begin(), s.pauses_ms.end())},
                         {"pause_ms_p95", p95(s.pauses_ms)}, {"errors", s.errors}});
     j["faults"] = faults;
+    j["faults_planned"] = plan.size();
+    j["faults_run"] = windows.size();
     json log = json::array();
     for (auto& w : windows)
       log.push_back({{"n", w.n}, {"kind", std::string(to_string(w.kind))}, {"arg", w.arg}, {"t_s", t_s(w.start_ns)},
@@ -1200,6 +1296,7 @@ struct Soak {
     j["writes"] = {{"acked", c.writes_acked}, {"failed", c.writes_failed}, {"flushes", c.flushes}};
     j["nbd_reconnects"] = reconnects;
     j["max_pause_ms"] = static_cast<double>(max_gap_ns) / 1e6;
+    j["max_submit_ms"] = static_cast<double>(max_submit_ns) / 1e6;
     j["hook_failures"] = hook_failures;
     j["hung"] = hung;
     json procs = json::array();
@@ -1263,6 +1360,8 @@ struct Soak {
 
     t0 = now_ns();
     last_ok_ns = t0;
+    last_ok_pub.store(t0);
+    next_token_ns = t0;
     const int64_t deadline = t0 + static_cast<int64_t>(o.duration_ms) * kMs;
     int64_t next_interval = t0 + static_cast<int64_t>(o.interval_ms) * kMs;
     sample_watches();
@@ -1294,9 +1393,10 @@ struct Soak {
           break;
         }
       }
-      wait_completions(static_cast<int>(std::clamp<int64_t>((next_interval - now) / kMs, 1, 50)));
+      wait_completions(throttled ? 1 : static_cast<int>(std::clamp<int64_t>((next_interval - now) / kMs, 1, 50)));
       process_completions();
       report_windows(false);
+      report_stall();
       if (now_ns() >= next_interval) {
         sample_watches();
         print_interval();

@@ -54,6 +54,7 @@ start_server() {
     --ready-file "$WORK/srv.ready" --hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED" \
     >>"$WORK/srv.log" 2>&1 </dev/null &
   echo $! >"$WORK/srv.pid"
+  disown  # a hook kills it with -9: no job report from this shell
   wait_file "$WORK/srv.ready" 200 || { log "server did not start: $(tail -3 "$WORK/srv.log")"; return 1; }
 }
 
@@ -63,6 +64,7 @@ start_client_daemon() {
     --ready-file "$WORK/cl.ready" --state-dir "$WORK/cl-state" --hb-interval-ms "$HB_MS" \
     --hb-missed "$HB_MISSED" --reconnect-delay-ms "$RECONNECT_MS" >>"$WORK/cl.log" 2>&1 </dev/null &
   echo $! >"$WORK/cl.pid"
+  disown
   wait_file "$WORK/cl.ready" 200 || { log "client daemon did not start: $(tail -3 "$WORK/cl.log")"; return 1; }
   # The server may still hold the killed daemon's rw open until it notices the dead session.
   local i out
