@@ -8,7 +8,12 @@
 //   echo "eio OFFSET LENGTH" > MOUNTPOINT/.soak-ctl   reads and writes overlapping the byte range
 //                                                   of any file fail with EIO
 //   echo "slow MICROSECONDS" > MOUNTPOINT/.soak-ctl   every read, write and fsync waits first
+//   echo "lose OFFSET LENGTH" > ...   writes overlapping the range succeed and are dropped
+//   echo "tear OFFSET LENGTH" > ...   writes overlapping the range succeed with their last 64
+//                                     bytes not written (a torn sector)
 //   echo clear > MOUNTPOINT/.soak-ctl                 no fault
+// lose and tear are a device that lies: they exist to show that the checker catches one
+// (tests/soak/soak_selftest.sh), never as a fault of a soak.
 //   cat MOUNTPOINT/.soak-ctl                          the faults on, and the requests they hit
 //
 // Test equipment only: it serves whoever can reach the mount (root's, without allow_other) and
@@ -37,6 +42,8 @@ constexpr uint64_t kCtlFh = ~uint64_t{0};
 
 int g_dir = -1;  // the backing directory
 std::atomic<uint64_t> g_eio_off{0}, g_eio_len{0};
+std::atomic<uint64_t> g_lie_off{0}, g_lie_len{0};
+std::atomic<int> g_lie{0};  // 1: lose, 2: tear
 std::atomic<uint32_t> g_slow_us{0};
 std::atomic<uint64_t> g_eio_hits{0}, g_slowed{0};
 
@@ -129,6 +136,13 @@ int ctl(const char* buf, size_t size) {
   if (cmd == "clear") {
     g_eio_len.store(0);
     g_slow_us.store(0);
+    g_lie.store(0);
+  } else if (std::sscanf(cmd.c_str(), "lose %llu %llu", &a, &b) == 2 ||
+             std::sscanf(cmd.c_str(), "tear %llu %llu", &a, &b) == 2) {
+    g_lie.store(0);
+    g_lie_off.store(a);
+    g_lie_len.store(b);
+    g_lie.store(cmd[0] == 'l' ? 1 : 2);
   } else if (std::sscanf(cmd.c_str(), "eio %llu %llu", &a, &b) == 2) {
     g_eio_len.store(0);
     g_eio_off.store(a);
@@ -144,6 +158,13 @@ int ctl(const char* buf, size_t size) {
 int fs_write(const char*, const char* buf, size_t size, off_t off, fuse_file_info* fi) {
   if (fi->fh == kCtlFh) return ctl(buf, size);
   if (int e = fault(off, size); e != 0) return e;
+  const int lie = g_lie.load();
+  const uint64_t lo = g_lie_off.load(), ll = g_lie_len.load();
+  if (lie != 0 && static_cast<uint64_t>(off) < lo + ll && lo < static_cast<uint64_t>(off) + size) {
+    if (lie == 1 || size <= 64) return static_cast<int>(size);
+    const ssize_t r = ::pwrite(static_cast<int>(fi->fh), buf, size - 64, off);
+    return r < 0 ? -errno : static_cast<int>(size);
+  }
   size_t done = 0;
   while (done < size) {
     const ssize_t r = ::pwrite(static_cast<int>(fi->fh), buf + done, size - done, off + static_cast<off_t>(done));
