@@ -21,6 +21,8 @@ packages=(
   # nbdfuse, nbdsh; qemu-img and qemu-nbd; the kernel's nbd-client (VM tests); the ext4 and
   # loop tools of the nbdfuse + losetup case
   libnbd-bin qemu-utils nbd-client e2fsprogs mount jq
+  # the reliability soak (tools/soak/soak.sh): its hook speaks to the client daemon's socket
+  python3
   # RBD exports (blockdev's rbd backend) and the single-host Ceph cluster of the tests and the
   # benchmark (scripts/ceph-dev.sh); qemu-block-extra: qemu-nbd's rbd: driver (bench/rbd.sh)
   librbd-dev librados-dev ceph-mon ceph-osd ceph-mgr ceph-common qemu-block-extra

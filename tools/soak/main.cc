@@ -331,9 +331,11 @@ struct ProcSample {
 struct Watch {
   std::string name;
   std::string pidfile;  // "self": this process
-  std::vector<ProcSample> samples;
+  std::vector<ProcSample> samples;  // one per --interval
   int last_pid = 0;
-  uint32_t restarts = 0;
+  uint32_t restarts = 0;  // pid changes seen (looked at once a second)
+  uint64_t max_rss_kb = 0;
+  uint32_t max_fds = 0;
 };
 
 bool sample_proc(int pid, uint64_t& rss_kb, uint32_t& fds) {
@@ -1160,7 +1162,8 @@ struct Soak {
                 paths.c_str());
   }
 
-  void sample_watches() {
+  // Once a second (store: false) for restarts and maxima; at each interval also a sample.
+  void sample_watches(bool store = true) {
     for (auto& w : watches) {
       int pid = 0;
       if (w.pidfile == "self") {
@@ -1174,7 +1177,9 @@ struct Soak {
       if (!sample_proc(pid, rss, fds)) continue;
       if (w.last_pid != 0 && pid != w.last_pid) ++w.restarts;
       w.last_pid = pid;
-      if (w.samples.size() < 100000) w.samples.push_back({t_s(now_ns()), pid, rss, fds});
+      w.max_rss_kb = std::max(w.max_rss_kb, rss);
+      w.max_fds = std::max(w.max_fds, fds);
+      if (store && w.samples.size() < 100000) w.samples.push_back({t_s(now_ns()), pid, rss, fds});
     }
   }
 
@@ -1248,12 +1253,8 @@ struct Soak {
         std::printf("%-14s (no samples)\n", w.name.c_str());
         continue;
       }
-      uint64_t rmax = 0;
-      uint32_t fmax = 0;
-      for (auto& s : w.samples) {
-        rmax = std::max(rmax, s.rss_kb);
-        fmax = std::max(fmax, s.fds);
-      }
+      const uint64_t rmax = w.max_rss_kb;
+      const uint32_t fmax = w.max_fds;
       char r[64], f[64];
       std::snprintf(r, sizeof r, "%.1f/%.1f/%.1f", static_cast<double>(w.samples.front().rss_kb) / 1024,
                     static_cast<double>(rmax) / 1024, static_cast<double>(w.samples.back().rss_kb) / 1024);
@@ -1303,7 +1304,7 @@ struct Soak {
     for (auto& w : watches) {
       json s = json::array();
       for (auto& x : w.samples) s.push_back({x.t_s, x.pid, x.rss_kb, x.fds});
-      procs.push_back({{"name", w.name}, {"restarts", w.restarts}, {"sample_fields", {"t_s", "pid", "rss_kb", "fds"}},
+      procs.push_back({{"name", w.name}, {"restarts", w.restarts}, {"max_rss_kb", w.max_rss_kb}, {"max_fds", w.max_fds}, {"sample_fields", {"t_s", "pid", "rss_kb", "fds"}},
                        {"samples", s}});
     }
     j["processes"] = procs;
@@ -1364,6 +1365,7 @@ struct Soak {
     next_token_ns = t0;
     const int64_t deadline = t0 + static_cast<int64_t>(o.duration_ms) * kMs;
     int64_t next_interval = t0 + static_cast<int64_t>(o.interval_ms) * kMs;
+    int64_t next_watch = t0 + 1000 * kMs;
     sample_watches();
     fault_thread = std::thread([this] { run_faults(); });
     bool stopping = false;
@@ -1397,6 +1399,10 @@ struct Soak {
       process_completions();
       report_windows(false);
       report_stall();
+      if (now_ns() >= next_watch) {
+        sample_watches(false);
+        next_watch += 1000 * kMs;
+      }
       if (now_ns() >= next_interval) {
         sample_watches();
         print_interval();
