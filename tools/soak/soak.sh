@@ -244,7 +244,8 @@ MOUNTED_TMPFS=1
 truncate -s "$size_bytes" "$WORK/tmpfs/vol.img"
 EXPORT_DIR=$WORK/tmpfs
 have_fs=0
-if [ -x "$FS" ] && [ -e /dev/fuse ] && command -v fusermount3 >/dev/null; then
+# SOAK_NO_FS=1: the file exported directly from the tmpfs (no FUSE in the server's IO path).
+if [ "${SOAK_NO_FS:-0}" != 1 ] && [ -x "$FS" ] && [ -e /dev/fuse ] && command -v fusermount3 >/dev/null; then
   "$FS" "$WORK/tmpfs" "$WORK/fs" --pidfile "$WORK/fs.pid" >"$WORK/fs.log" 2>&1 &
   FS_PID=$!
   for _ in $(seq 100); do [ -e "$WORK/fs/.soak-ctl" ] && break; sleep 0.05; done
