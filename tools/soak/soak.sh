@@ -292,6 +292,19 @@ SOAK_PID=$!
 wait "$SOAK_PID"
 rc=$?
 SOAK_PID=""
+# The daemons stop as an admin stops them (SIGTERM: unmap, close, sync); a sanitizer's report,
+# at exit or before, fails the run as a defect would.
+for f in cl srv; do
+  p=$(cat "$WORK/$f.pid" 2>/dev/null)
+  pid_alive "$p" && { kill -CONT "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null; wait_gone "$p"; }
+done
+if grep -lE "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log \
+    >/dev/null 2>&1; then
+  echo "# soak.sh: a sanitizer reported in a daemon's log:"
+  grep -hE -A12 "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log 2>/dev/null |
+    head -n 60 | sed 's/^/#   /'
+  [ "$rc" = 0 ] && rc=1
+fi
 if [ "$rc" != 0 ]; then
   echo "# soak.sh: ibnbd-soak exit $rc; the hook's log:"
   tail -n 30 "$WORK/hook.log" 2>/dev/null | sed 's/^/#   /'
