@@ -6,9 +6,11 @@
 # blocks. A checker that never fails proves nothing. Skips (77) without FUSE.
 #
 #   bash tests/soak/soak_selftest.sh BUILD_DIR
+# shellcheck disable=SC2317  # cleanup runs from a trap
 set -u -o pipefail
 
 build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
+# shellcheck source=../lib/tap.sh
 . "$(dirname "${BASH_SOURCE[0]}")/../lib/tap.sh"
 soak=$build/tools/soak/ibnbd-soak
 fs=$build/tools/soak/ibnbd-soak-fs

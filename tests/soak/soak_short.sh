@@ -22,6 +22,7 @@ trap 'rm -rf "$out"' EXIT
 echo "# soak_short: lib seed $lib_seed (fixed), nbd seed $nbd_seed (random; SOAK_NBD_SEED=$nbd_seed replays it), $dur each"
 
 # Short gaps between faults, so that each run sees every kind within its minute.
+# shellcheck disable=SC2054  # "1000,2500" is one argument
 common=(--duration "$dur" -- --gap-ms 1000,2500 --qd 16 --iops 3000)
 bash "$soak" "$build" --target lib --seed "$lib_seed" --json "$out/lib.json" "${common[@]}" >"$out/lib.log" 2>&1 &
 lib_pid=$!
