@@ -1,0 +1,315 @@
+#!/usr/bin/env bash
+# The soak's environment and its fault hook (issue 17; tools/soak/README.md): ibnbd-server in one
+# network namespace, the client (ibnbd-soak on the client library, or ibnbd-client with an NBD
+# export) in another, joined by two veth pairs (198.18.0.0/15 only); the exported file sparse on
+# a small tmpfs (a real ENOSPC) behind ibnbd-soak-fs (EIO and a slow backend); then ibnbd-soak
+# drives the volume while it runs the faults of its seed through this script's hook mode.
+#
+#   bash tools/soak/soak.sh BUILD_DIR [--target lib|nbd] [--seed N] [--duration 60s]
+#        [--faults all|K1,K2,...] [--size 64M] [--json FILE] [--keep] [-- IBNBD-SOAK ARGS...]
+#   bash tools/soak/soak.sh hook start|stop KIND [ARGS]    (ibnbd-soak calls it; SOAK_WORK set)
+#
+# Layout:  client ns  vca 198.18.20.1/24 <-> vsa 198.18.20.2/24  server ns   (path A)
+#                     vcb 198.18.21.1/24 <-> vsb 198.18.21.2/24              (path B)
+# Exit: ibnbd-soak's (0 clean, 1 defects, 2 usage, 3 setup), 77 skipped (not root, no ip netns,
+# a binary not built). Every process it starts is stopped and every mount and namespace removed
+# on any exit; every run is bounded (--duration, plus timeouts on each step).
+# shellcheck disable=SC2317  # functions called from traps
+set -u -o pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PORT=1234
+A_SRC=198.18.20.1 A_DST=198.18.20.2
+B_SRC=198.18.21.1 B_DST=198.18.21.2
+HB_MS=200
+HB_MISSED=5
+RECONNECT_MS=200
+SESSION=soak
+
+log() { echo "# soak.sh [$(date +%T.%N | cut -c1-12)] $*"; }
+
+# ---- shared by both modes (after env is set or sourced) ------------------------------------
+
+path_spec() {  # path_spec A|B -> the client's path argument
+  case $1 in
+    A) echo "tcp:$A_SRC@tcp:$A_DST:$PORT" ;;
+    B) echo "tcp:$B_SRC@tcp:$B_DST:$PORT" ;;
+    *) return 1 ;;
+  esac
+}
+client_dev() { case $1 in A) echo vca ;; B) echo vcb ;; *) return 1 ;; esac; }
+
+pid_alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
+# wait_gone PID: until the process is gone (it is not our child: poll), 10 s at most
+wait_gone() {
+  for _ in $(seq 200); do pid_alive "$1" || return 0; sleep 0.05; done
+  return 1
+}
+wait_file() { for _ in $(seq "${2:-200}"); do [ -e "$1" ] && return 0; sleep 0.05; done; return 1; }
+
+start_server() {
+  rm -f "$WORK/srv.ready"
+  ip netns exec "$NSS" "$SRV" --listen "tcp:$A_DST:$PORT" --listen "tcp:$B_DST:$PORT" \
+    --config "$WORK/hosts.json" --dev-search-path "$EXPORT_DIR" --control-socket "$WORK/srv.sock" \
+    --ready-file "$WORK/srv.ready" --hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED" \
+    >>"$WORK/srv.log" 2>&1 </dev/null &
+  echo $! >"$WORK/srv.pid"
+  disown  # a hook kills it with -9: no job report from this shell
+  wait_file "$WORK/srv.ready" 200 || { log "server did not start: $(tail -3 "$WORK/srv.log")"; return 1; }
+}
+
+start_client_daemon() {
+  rm -f "$WORK/cl.ready"
+  ip netns exec "$NSC" "$CLD" --host-key "$WORK/host.key" --control-socket "$WORK/cl.sock" \
+    --ready-file "$WORK/cl.ready" --state-dir "$WORK/cl-state" --hb-interval-ms "$HB_MS" \
+    --hb-missed "$HB_MISSED" --reconnect-delay-ms "$RECONNECT_MS" >>"$WORK/cl.log" 2>&1 </dev/null &
+  echo $! >"$WORK/cl.pid"
+  disown
+  wait_file "$WORK/cl.ready" 200 || { log "client daemon did not start: $(tail -3 "$WORK/cl.log")"; return 1; }
+  # The server may still hold the killed daemon's rw open until it notices the dead session.
+  local i out
+  for i in $(seq 40); do
+    if out=$(timeout 30 "$CLI" --socket "$WORK/cl.sock" client device map vol.img from \
+      "$(path_spec A)" "$(path_spec B)" rw session "$SESSION" 2>&1); then
+      break
+    fi
+    [ "$i" = 40 ] && { log "map failed: $out"; return 1; }
+    sleep 0.5
+  done
+  timeout 30 "$CLI" --socket "$WORK/cl.sock" client device export vol.img unix "$WORK/vol.sock" >/dev/null ||
+    { log "export failed"; return 1; }
+}
+
+# ctl JSON: one command to the client daemon's control socket, its answer on stdout
+ctl() {
+  python3 - "$WORK/cl.sock" "$1" <<'EOF'
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(30)
+s.connect(sys.argv[1])
+s.sendall(sys.argv[2].encode() + b"\n")
+buf = b""
+while not buf.endswith(b"\n"):
+    d = s.recv(65536)
+    if not d:
+        break
+    buf += d
+line = buf.decode().strip().splitlines()[-1] if buf else ""
+print(line)
+sys.exit(0 if '"ok": true' in line or '"ok":true' in line else 1)
+EOF
+}
+
+fill_tmpfs() {  # until the tmpfs has no free page
+  dd if=/dev/zero of="$WORK/tmpfs/filler.1" bs=1M status=none 2>/dev/null
+  dd if=/dev/zero of="$WORK/tmpfs/filler.2" bs=4k status=none 2>/dev/null
+  return 0
+}
+
+# ---- hook mode ------------------------------------------------------------------------------
+
+if [ "${1:-}" = hook ]; then
+  [ -n "${SOAK_WORK:-}" ] && [ -r "$SOAK_WORK/env" ] || { echo "soak.sh hook: SOAK_WORK not set" >&2; exit 2; }
+  # shellcheck source=/dev/null
+  . "$SOAK_WORK/env"
+  phase=$2 kind=$3
+  shift 3
+  log "hook $phase $kind $*"
+  case $kind:$phase in
+    path-cut:start | link-flap:start) ip -n "$NSC" link set "$(client_dev "$1")" down ;;
+    path-cut:stop | link-flap:stop) ip -n "$NSC" link set "$(client_dev "$1")" up ;;
+    server-kill:start)
+      pid=$(cat "$WORK/srv.pid")
+      kill -KILL "$pid" 2>/dev/null
+      wait_gone "$pid" ;;
+    server-kill:stop) pid_alive "$(cat "$WORK/srv.pid")" || start_server ;;
+    server-stop:start) kill -STOP "$(cat "$WORK/srv.pid")" ;;
+    server-stop:stop) kill -CONT "$(cat "$WORK/srv.pid")" ;;
+    client-kill:start)
+      pid=$(cat "$WORK/cl.pid")
+      kill -KILL "$pid" 2>/dev/null
+      wait_gone "$pid" ;;
+    client-kill:stop) pid_alive "$(cat "$WORK/cl.pid")" || start_client_daemon ;;
+    enospc:start) fill_tmpfs ;;
+    enospc:stop) rm -f "$WORK"/tmpfs/filler.* ;;
+    eio:start) echo "eio $1 $2" >"$EXPORT_DIR/.soak-ctl" ;;
+    slow:start) echo "slow $1" >"$EXPORT_DIR/.soak-ctl" ;;
+    eio:stop | slow:stop) echo clear >"$EXPORT_DIR/.soak-ctl" ;;
+    policy:start) ctl "{\"cmd\": \"session_policy\", \"session\": \"$SESSION\", \"policy\": \"$1\"}" >/dev/null ;;
+    path-remove:start) timeout 30 "$CLI" --socket "$WORK/cl.sock" client path delete "$SESSION" "$(path_spec "$1")" >/dev/null ;;
+    path-remove:stop) timeout 30 "$CLI" --socket "$WORK/cl.sock" client path add "$SESSION" "$(path_spec "$1")" >/dev/null ;;
+    *) echo "soak.sh hook: unknown $phase $kind" >&2; exit 2 ;;
+  esac
+  rc=$?
+  [ $rc = 0 ] || log "hook $phase $kind failed: exit $rc"
+  exit $rc
+fi
+
+# ---- run mode -------------------------------------------------------------------------------
+
+skip() { echo "1..0 # SKIP $*"; exit 77; }
+BUILD=${1:-}
+[ -n "$BUILD" ] && [ -d "$BUILD" ] || { echo "usage: $0 BUILD_DIR [options] (see the top of the file)" >&2; exit 2; }
+BUILD=$(cd "$BUILD" && pwd)
+shift
+TARGET=lib SEED="" DURATION=60s FAULTS=all SIZE=64M JSON="" KEEP=0 EXTRA=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --target) TARGET=$2; shift 2 ;;
+    --seed) SEED=$2; shift 2 ;;
+    --duration) DURATION=$2; shift 2 ;;
+    --faults) FAULTS=$2; shift 2 ;;
+    --size) SIZE=$2; shift 2 ;;
+    --json) JSON=$2; shift 2 ;;
+    --keep) KEEP=1; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "soak.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+case $TARGET in lib | nbd) ;; *) echo "soak.sh: --target lib or nbd" >&2; exit 2 ;; esac
+
+[ "$(id -u)" = 0 ] || skip "not root: network namespaces and a tmpfs mount need it"
+command -v ip >/dev/null || skip "no ip(8)"
+SRV=$BUILD/server/ibnbd-server CLD=$BUILD/client/daemon/ibnbd-client CLI=$BUILD/client/cli/ibnbd
+SOAK=$BUILD/tools/soak/ibnbd-soak FS=$BUILD/tools/soak/ibnbd-soak-fs
+for b in "$SRV" "$CLD" "$CLI" "$SOAK"; do [ -x "$b" ] || skip "$b not built"; done
+[ "$TARGET" = nbd ] && ! command -v python3 >/dev/null && skip "no python3 (the hook speaks to the client daemon's socket)"
+
+WORK=$(mktemp -d "${TMPDIR:-/var/tmp}/ibnbd-soak.XXXXXX")
+NSC=ibnbd-soak-c-$$ NSS=ibnbd-soak-s-$$
+MOUNTED_TMPFS=0 FS_PID=""
+
+cleanup() {
+  local rc=$? f p ns
+  trap - EXIT INT TERM HUP
+  [ -n "${SOAK_PID:-}" ] && kill -TERM "$SOAK_PID" 2>/dev/null && wait "$SOAK_PID" 2>/dev/null
+  # The client side first (its CLOSE reaches a live server), then the server.
+  for f in cl srv; do
+    p=$(cat "$WORK/$f.pid" 2>/dev/null)
+    if pid_alive "$p"; then
+      kill -CONT "$p" 2>/dev/null
+      kill -TERM "$p" 2>/dev/null
+      wait_gone "$p" || kill -KILL "$p" 2>/dev/null
+    fi
+  done
+  for ns in "$NSC" "$NSS"; do
+    if [ -e "/run/netns/$ns" ]; then
+      for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
+      ip netns del "$ns" 2>/dev/null
+    fi
+  done
+  if [ -n "$FS_PID" ]; then
+    fusermount3 -u "$WORK/fs" 2>/dev/null || umount -l "$WORK/fs" 2>/dev/null
+    kill -TERM "$FS_PID" 2>/dev/null
+    wait "$FS_PID" 2>/dev/null
+  fi
+  [ "$MOUNTED_TMPFS" = 1 ] && umount -l "$WORK/tmpfs" 2>/dev/null
+  if [ "$KEEP" = 1 ] || [ "$rc" = 1 ]; then
+    echo "# soak.sh: logs kept in $WORK"
+  else
+    rm -rf "$WORK"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+# Namespaces and links.
+ip netns add "$NSC" 2>/dev/null || skip "ip netns add failed"
+ip netns add "$NSS" 2>/dev/null || skip "ip netns add failed"
+setup_links() {
+  local c s src dst ns
+  for ns in "$NSC" "$NSS"; do ip -n "$ns" link set lo up || return 1; done
+  for c in vca:vsa:$A_SRC:$A_DST vcb:vsb:$B_SRC:$B_DST; do
+    IFS=: read -r c s src dst <<<"$c"
+    ip -n "$NSC" link add name "$c" type veth peer name "$s" netns "$NSS" || return 1
+    ip -n "$NSC" addr add "$src/24" dev "$c" && ip -n "$NSS" addr add "$dst/24" dev "$s" || return 1
+    ip -n "$NSC" link set "$c" up && ip -n "$NSS" link set "$s" up || return 1
+  done
+  for ns in "$NSC" "$NSS"; do
+    ip netns exec "$ns" sysctl -q -w net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 2>/dev/null
+  done
+  return 0
+}
+err=$(setup_links 2>&1) || skip "veth pairs: $err"
+
+# The store: a sparse file on a tmpfs just larger than it (filled, it gives ENOSPC), behind
+# ibnbd-soak-fs when it can mount (EIO and slow faults), else exported directly.
+size_bytes=$(numfmt --from=iec "$SIZE") || { echo "soak.sh: bad --size $SIZE" >&2; exit 2; }
+mkdir -p "$WORK/tmpfs" "$WORK/fs" "$WORK/cl-state"
+mount -t tmpfs -o "size=$((size_bytes + (8 << 20)))" ibnbd-soak "$WORK/tmpfs" || skip "cannot mount a tmpfs"
+MOUNTED_TMPFS=1
+truncate -s "$size_bytes" "$WORK/tmpfs/vol.img"
+EXPORT_DIR=$WORK/tmpfs
+have_fs=0
+# SOAK_NO_FS=1: the file exported directly from the tmpfs (no FUSE in the server's IO path).
+if [ "${SOAK_NO_FS:-0}" != 1 ] && [ -x "$FS" ] && [ -e /dev/fuse ] && command -v fusermount3 >/dev/null; then
+  "$FS" "$WORK/tmpfs" "$WORK/fs" --pidfile "$WORK/fs.pid" >"$WORK/fs.log" 2>&1 &
+  FS_PID=$!
+  for _ in $(seq 100); do [ -e "$WORK/fs/.soak-ctl" ] && break; sleep 0.05; done
+  if [ -e "$WORK/fs/.soak-ctl" ]; then
+    EXPORT_DIR=$WORK/fs
+    have_fs=1
+  else
+    log "ibnbd-soak-fs did not mount ($(tail -1 "$WORK/fs.log")): no eio or slow faults"
+    kill "$FS_PID" 2>/dev/null
+    FS_PID=""
+  fi
+fi
+
+if [ "$FAULTS" = all ]; then
+  FAULTS=path-cut,link-flap,server-kill,server-stop,enospc,policy,path-remove
+  [ "$TARGET" = nbd ] && FAULTS+=,client-kill
+  [ "$have_fs" = 1 ] && FAULTS+=,eio,slow
+fi
+
+"$CLI" key generate host nqn.2014-08.org.nvmexpress:uuid:50a30000-0000-4000-8000-000000000017 \
+  out "$WORK/host.key" >/dev/null || { echo "soak.sh: key generate failed" >&2; exit 3; }
+printf '{"hosts": [{"key_file": "%s", "access": [{"devices": "**", "mode": "rw"}]}]}\n' "$WORK/host.key" \
+  >"$WORK/hosts.json"
+cat >"$WORK/env" <<EOF
+WORK=$WORK NSC=$NSC NSS=$NSS SRV=$SRV CLD=$CLD CLI=$CLI EXPORT_DIR=$EXPORT_DIR
+EOF
+export SOAK_WORK=$WORK
+start_server || exit 3
+
+args=(--duration "$DURATION" --interval 10s --faults "$FAULTS" --hook "bash $HERE/soak.sh hook"
+  --hook-log "$WORK/hook.log" --hb-timeout-ms $((HB_MS * HB_MISSED)) --watch "server=$WORK/srv.pid")
+[ -n "$SEED" ] && args+=(--seed "$SEED")
+[ -n "$JSON" ] && args+=(--json "$JSON")
+log "work dir $WORK, target $TARGET, faults $FAULTS"
+if [ "$TARGET" = lib ]; then
+  ip netns exec "$NSC" "$SOAK" --lib vol.img --paths "$(path_spec A),$(path_spec B)" \
+    --host-key "$WORK/host.key" --session "$SESSION" --hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED" \
+    --reconnect-delay-ms "$RECONNECT_MS" --watch "client=self" "${args[@]}" "${EXTRA[@]}" &
+else
+  start_client_daemon || exit 3
+  "$SOAK" --nbd "$WORK/vol.sock" --export vol.img --watch "client-daemon=$WORK/cl.pid" "${args[@]}" "${EXTRA[@]}" &
+fi
+SOAK_PID=$!
+wait "$SOAK_PID"
+rc=$?
+SOAK_PID=""
+# The daemons stop as an admin stops them (SIGTERM: unmap, close, sync); a sanitizer's report,
+# at exit or before, fails the run as a defect would.
+for f in cl srv; do
+  p=$(cat "$WORK/$f.pid" 2>/dev/null)
+  pid_alive "$p" && { kill -CONT "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null; wait_gone "$p"; }
+done
+if grep -lE "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log \
+    >/dev/null 2>&1; then
+  echo "# soak.sh: a sanitizer reported in a daemon's log:"
+  grep -hE -A12 "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log 2>/dev/null |
+    head -n 60 | sed 's/^/#   /'
+  [ "$rc" = 0 ] && rc=1
+fi
+if [ "$rc" != 0 ]; then
+  echo "# soak.sh: ibnbd-soak exit $rc; the hook's log:"
+  tail -n 30 "$WORK/hook.log" 2>/dev/null | sed 's/^/#   /'
+  echo "# server log:"
+  tail -n 20 "$WORK/srv.log" 2>/dev/null | sed 's/^/#   /'
+  [ "$TARGET" = nbd ] && { echo "# client daemon log:"; tail -n 20 "$WORK/cl.log" 2>/dev/null | sed 's/^/#   /'; }
+fi
+exit "$rc"
