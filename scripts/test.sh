@@ -99,8 +99,10 @@ wait_build() {  # wait_build NAME: the background build's result, its log's tail
 }
 
 # The sanitizer stages leave out the netns scripts: they drive the same binaries as the host
-# stage through shell, for about a minute each, and find nothing a sanitizer would.
-asan_tests() { wait_build asan && host_tests build-asan '^(rdma|vm|vm_one|netns)$'; }
+# stage through shell, for about a minute each, and find nothing a sanitizer would. The short
+# soak (label soak, ~65 s) runs in the default build only, for the suite's 35 minutes; its
+# daemons under ASan: `ctest --test-dir build-asan -L soak` (clean when it was merged).
+asan_tests() { wait_build asan && host_tests build-asan '^(rdma|vm|vm_one|netns|soak)$'; }
 tsan_tests() { wait_build tsan && host_tests build-tsan '^(rdma|vm|vm_one|netns)$'; }
 # Two fuzzers at a time: each is one process on one core.
 fuzz_tests() { wait_build fuzz && ctest --test-dir build-fuzz -L fuzz --output-on-failure -j 2; }
