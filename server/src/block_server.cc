@@ -125,9 +125,13 @@ struct Sess {
   uint64_t size_epoch = 0;
   ServerRequest* watch = nullptr;
   uint64_t watch_seen = 0;
+  std::chrono::steady_clock::time_point watch_since{};
   // Paths of the session gone so far (on_path_down, before it lets go of the WATCH). A WATCH that
   // waited in the control queue while one went may have come on it: it is answered, not held.
   std::atomic<uint64_t> path_downs{0};
+  // Its last path went: no path joins it any more, and a WATCH that reaches on_request now (a
+  // copy the transport deferred behind the old one starts after its path closed) is answered.
+  std::atomic<bool> paths_gone{false};
 };
 
 // A control request decoded on its IO thread, waiting for the control thread: the request to
@@ -142,6 +146,12 @@ struct ControlReq {
 // EAGAIN. An honest client sends OPEN and CLOSE one at a time (BlockSession serializes map, unmap
 // and remap) beside its one WATCH.
 constexpr size_t kMaxControlPerSession = 16;
+
+// How long a WATCH is held at most: then it is answered (with no news) and the client posts it
+// again. It bounds a WATCH held for a path that is gone while its session lives on (a copy the
+// transport deferred behind the old one and started after the path closed; a copy re-sent on
+// another path then waits behind it): notices are late by this at most, never lost.
+constexpr auto kWatchHoldMax = std::chrono::seconds(60);
 
 // The largest user header the server copies out of a chunk: OPEN (264 bytes) with room for a
 // longer SESS_INFO from a newer client (its tail is ignored). Longer ones are EBADMSG.
@@ -220,6 +230,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // server's epochs differ from (and normally exceed) those its clients saw from the previous
   // one; a client's WATCH with an epoch of another incarnation is answered at once.
   uint64_t epoch_gen = 0;
+  bool stopping = false;  // ~BlockServer: WATCHes are answered, not held
 
   // OPEN and CLOSE waiting for the control thread, per session, served round robin; at most one
   // serve_control() task is posted at a time (ctl_serving), so admin commands posted meanwhile
@@ -332,8 +343,10 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     // Every request that came on the path reached on_request before this (the transport closed
     // the path's connections first), so a WATCH still queued sees the count move.
     s->path_downs.fetch_add(1, std::memory_order_acq_rel);
+    const bool last = ts.paths().empty();
+    if (last) s->paths_gone.store(true, std::memory_order_release);
     control.post([this, s] { answer_watch(*s, true); });
-    if (!ts.paths().empty()) return;
+    if (!last) return;
     control.post([this, s] { release_all(*s); });  // on_session_down's call() runs after it
   }
 
@@ -534,7 +547,9 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     if (s.watch != nullptr) return r.complete(EBUSY);
     s.watch = &r;
     s.watch_seen = m.epoch;
-    answer_watch(s, s.path_downs.load(std::memory_order_acquire) != path_downs);
+    s.watch_since = std::chrono::steady_clock::now();
+    answer_watch(s, stopping || s.paths_gone.load(std::memory_order_acquire) ||
+                        s.path_downs.load(std::memory_order_acquire) != path_downs);
   }
 
   // Answers the session's held WATCH with its epoch and the size of every device it has open:
@@ -590,9 +605,19 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 
   // The periodic check (ControlThread::every, BlockServerOptions::size_check_interval): a
   // stat or an ioctl per open device (an image: librbd's cached size, kept current by its
-  // header watch, which also calls on_size_notice at once).
+  // header watch, which also calls on_size_notice at once); WATCHes held kWatchHoldMax are let
+  // go of.
   void check_sizes() {
     for (auto& [id, d] : devices) check_size(*d);
+    const auto old = std::chrono::steady_clock::now() - kWatchHoldMax;
+    std::vector<Sess*> live;
+    {
+      std::lock_guard l(mu);
+      for (auto& [sid, s] : sessions) live.push_back(s);
+    }
+    // Listed sessions stay until on_session_down's call() on this thread.
+    for (Sess* s : live)
+      if (s->watch != nullptr && s->watch_since < old) answer_watch(*s, true);
   }
 
   void on_size_notice(const FileId& id) {
@@ -843,6 +868,12 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 BlockServer::BlockServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 BlockServer::~BlockServer() {
+  // WATCHes held now are let go of as their paths close; one that reaches the control thread
+  // after that is answered at once.
+  impl_->control.call([im = impl_.get()] {
+    im->stopping = true;
+    return 0;
+  });
   // Closes every path and waits until each request was answered; the IO threads (and with them
   // the engines' completions) run until then.
   impl_->transport.reset();
