@@ -106,6 +106,12 @@ check "device state" "$(rd "$D/state")" open
 check "device session" "$(rd "$D/session")" t1
 check "device access_mode" "$(rd "$D/access_mode")" rw
 check "device mapping_path" "$(rd "$D/mapping_path")" a.img
+check "device size: 512-byte sectors" "$(rd "$D/size")" $((64 << 11))
+# Case: the file grows on the server. Expect: the size file follows within 3 s (the server's
+# size check answers the session's WATCH), with no remap.
+truncate -s 80M "$work/export/a.img"
+for _ in $(seq 30); do [ "$(rd "$D/size")" = $((80 << 11)) ] && break; sleep 0.1; done
+check "device size after the file grew, no remap" "$(rd "$D/size")" $((80 << 11))
 T=$C/ibtrs-client/t1
 check "one path" "$(ls "$T/paths" | wc -l)" 1
 
