@@ -338,6 +338,7 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
     o.transport.connect_timeout = opts_.connect_timeout;
     o.transport.policy = opts_.policy;
     o.transport.tls = opts_.tls;
+    o.on_device_event = [this, sname](const DeviceEvent& e) { on_device_event(sname, e); };
     if (!tls.empty()) o.transport.tls.mode = tls == "on" ? ibtrs::tls::Options::Mode::on : ibtrs::tls::Options::Mode::off;
     if (o.transport.tls.mode != ibtrs::tls::Options::Mode::off && o.transport.tls.ca_file.empty() &&
         !o.transport.auth.enabled()) {
@@ -398,7 +399,8 @@ json ClientDaemon::device_map(const json& req) {
   const uint32_t depth = req.value("ublk_queue_depth", uint32_t{opts_.ublk_queue_depth});
   if (want_ublk && (depth == 0 || depth > ublk::uapi::kMaxQueueDepth))
     return err(EINVAL, "ublk_queue_depth: 1.." + std::to_string(ublk::uapi::kMaxQueueDepth));
-  if (want_ublk && ublk_.count(dev)) return err(EEXIST, "device " + dev + " already has " + ublk_[dev].dev->block_path());
+  if (want_ublk && ublk_.count(dev))
+    return err(EEXIST, "device " + dev + " already has " + ublk_.at(dev).dev->block_path());
   const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
   auto [old_s, old_d] = find_device(dev);
   if (old_d && old_s->s->name() != sname)
@@ -565,26 +567,62 @@ json ClientDaemon::ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, c
   }
   std::fprintf(stderr, "ibnbd-client: %s served as %s (%u queues x %u)\n", d->name().c_str(),
                (*u)->block_path().c_str(), (*u)->nr_queues(), (*u)->queue_depth());
+  std::lock_guard ul(ublk_mu_);
   ublk_[d->name()] = Ublk{std::move(*u), r};
   return nullptr;
 }
 
-Status ClientDaemon::ublk_stop(const std::string& dev) {
-  auto it = ublk_.find(dev);
-  if (it == ublk_.end()) return {};
-  const auto us = it->second.dev->stats();
+Status ClientDaemon::ublk_stop(const std::string& name) {
+  const std::string dev = name;  // `name` may be the map's own key, erased below
+  Ublk u;
+  {
+    // Out of the map first: a resize notice (on_device_event) finds it no more. Not held while
+    // it stops: STOP_DEV waits for IO whose completions may need the thread that notices run on.
+    std::lock_guard ul(ublk_mu_);
+    auto it = ublk_.find(dev);
+    if (it == ublk_.end()) return {};
+    u = std::move(it->second);
+    ublk_.erase(it);
+  }
+  const auto us = u.dev->stats();
   std::fprintf(stderr, "ibnbd-client: %s: stopping %s (%llu requests, %llu errors, %llu wakeups)\n", dev.c_str(),
-               it->second.dev->block_path().c_str(), static_cast<unsigned long long>(us.requests),
+               u.dev->block_path().c_str(), static_cast<unsigned long long>(us.requests),
                static_cast<unsigned long long>(us.errors), static_cast<unsigned long long>(us.wakeups));
-  Status st = it->second.dev->stop();
+  Status st = u.dev->stop();
   if (!st.ok())
-    std::fprintf(stderr, "ibnbd-client: ublk %s of %s: stop: %s\n", it->second.dev->block_path().c_str(),
-                 dev.c_str(), st.error().message().c_str());
+    std::fprintf(stderr, "ibnbd-client: ublk %s of %s: stop: %s\n", u.dev->block_path().c_str(), dev.c_str(),
+                 st.error().message().c_str());
   // The device is not served any more either way; a record would only make a restarted daemon
   // try to recover a device that is stopped.
-  (void)state_.remove(it->second.rec.ublk_id);
-  ublk_.erase(it);
+  (void)state_.remove(u.rec.ublk_id);
   return st;
+}
+
+// A session's worker thread (BlockSessionOptions::on_device_event): only resizes do anything
+// here, and only under ublk_mu_, never mu_ (a command holding mu_ may be waiting for this
+// thread).
+void ClientDaemon::on_device_event(const std::string& session, const DeviceEvent& e) {
+  if (e.kind != DeviceEvent::Kind::resized) return;
+  std::fprintf(stderr, "ibnbd-client: %s: resized by the server (session %s): %llu -> %llu bytes\n",
+               e.dev_name.c_str(), session.c_str(), static_cast<unsigned long long>(e.old_size),
+               static_cast<unsigned long long>(e.new_size));
+  std::lock_guard ul(ublk_mu_);
+  auto it = ublk_.find(e.dev_name);
+  if (it == ublk_.end() || it->second.dev->size() == e.new_size) return;
+  ublk::UblkDevice& u = *it->second.dev;
+  if (auto st = u.update_size(e.new_size); st.ok()) {
+    std::fprintf(stderr, "ibnbd-client: %s: %s now %llu bytes\n", e.dev_name.c_str(), u.block_path().c_str(),
+                 static_cast<unsigned long long>(e.new_size));
+  } else {
+    // NBD clients connecting from now on see the new size, but a block device of a kernel or a
+    // build without UBLK_U_CMD_UPDATE_SIZE keeps its capacity (device show: ublk_size).
+    std::fprintf(stderr, "ibnbd-client: %s: %s keeps %llu bytes until unmapped and mapped again (%s)\n",
+                 e.dev_name.c_str(), u.block_path().c_str(), static_cast<unsigned long long>(u.size()),
+                 st.error() == std::errc::operation_not_supported
+                     ? (ublk::update_size_supported() ? "the kernel has no UBLK_U_CMD_UPDATE_SIZE"
+                                                      : "built without UBLK_U_CMD_UPDATE_SIZE, Linux 6.16")
+                     : st.error().message().c_str());
+  }
 }
 
 json ClientDaemon::recover_ublk() {
@@ -673,6 +711,7 @@ json ClientDaemon::recover_ublk() {
     std::fprintf(stderr, "ibnbd-client: %s recovered as %s\n", r.device.c_str(), (*u)->block_path().c_str());
     row["ok"] = true;
     row["ublk"] = (*u)->block_path();
+    std::lock_guard ul(ublk_mu_);
     ublk_[r.device] = Ublk{std::move(*u), r};
     out.push_back(row);
   }
@@ -702,6 +741,10 @@ json ClientDaemon::device_list(const json& req, bool one) {
       auto it = ublk_.find(d->name());
       const auto us = it == ublk_.end() ? ublk::UblkStats{} : it->second.dev->stats();
       for (uint64_t v : {us.requests, us.reaped, us.wakeups}) row.push_back(v);
+      // Sizes the server announced, and the size /dev/ublkbN has: behind `size` until it is
+      // mapped again where the kernel cannot resize it (no UBLK_U_CMD_UPDATE_SIZE).
+      row.push_back(st.resizes);
+      row.push_back(it == ublk_.end() ? json("-") : bytes(it->second.dev->size()));
       // The last failover: its pause (trigger to IO flowing again), the requests sent again,
       // and flushes failed because the old active's cache may have lost writes.
       row.push_back(fi ? fi->last_pause.count() : 0);
@@ -728,7 +771,8 @@ json ClientDaemon::device_list(const json& req, bool one) {
                            col("remaps", true), col("nbd"), col("ublk"), col("standby"), col("standby_state"),
                            col("failovers", true)});
   if (one)
-    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups", "last_failover_ms", "resent", "lost_flushes"})
+    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups", "resizes", "ublk_size", "last_failover_ms",
+                          "resent", "lost_flushes"})
       cols.push_back(col(c, true));
   return {{"ok", true}, {"columns", std::move(cols)}, {"rows", rows}};
 }

@@ -7,7 +7,8 @@
 // the state directory so that a daemon restarted after a crash takes it back (recover_ublk).
 //
 // Threading: handle() and recover_ublk() from any thread; commands are serialized (one at a
-// time). Session events arrive on transport threads and only log.
+// time). Session events arrive on transport threads and only log; device events on the
+// sessions' own threads: a resize logs and resizes the device's ublk device (ublk_mu_ only).
 #pragma once
 
 #include <map>
@@ -119,6 +120,9 @@ class ClientDaemon {
                             uint16_t queue_depth);
   // Stops and deletes the device's ublk device and its record, if it has one.
   Status ublk_stop(const std::string& dev);
+  // BlockSessionOptions::on_device_event of session `session` (resizes: the log, the ublk
+  // device's size).
+  void on_device_event(const std::string& session, const DeviceEvent& e);
   ublk::UblkOptions ublk_options(const RemoteDevice& d, uint16_t queue_depth) const;
 
   ClientDaemonOptions opts_;
@@ -145,7 +149,10 @@ class ClientDaemon {
     std::unique_ptr<ublk::UblkDevice> dev;
     UblkRecord rec;
   };
+  // Changed by commands (under mu_) with ublk_mu_ held too; read by commands under mu_, and by
+  // on_device_event under ublk_mu_ alone.
   std::map<std::string, Ublk, std::less<>> ublk_;
+  std::mutex ublk_mu_;
   UblkStateDir state_{opts_.state_dir};
 };
 

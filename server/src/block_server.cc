@@ -1,6 +1,7 @@
 #include "ibnbd/server.h"
 
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -88,6 +89,7 @@ struct Device {
   std::string name;
   std::unique_ptr<Backend> backend;
   Counters stats;
+  bool size_error_logged = false;  // the size check's first failure was logged (control thread)
 };
 
 // A device id of a session as the IO threads see it. Written by the control thread only.
@@ -117,6 +119,19 @@ struct Sess {
   uint32_t nctx = 0;
   Counters stats;
   std::atomic<bool> ctl_refusal_logged{false};  // the first EAGAIN of its control queue was logged
+  // Size notices (protocol 4), control thread only: the session's size epoch (a new value from
+  // the server's counter whenever a device it holds changes size), and its held WATCH with the
+  // epoch the client said it saw. At most one WATCH is held per session; a second is EBUSY.
+  uint64_t size_epoch = 0;
+  ServerRequest* watch = nullptr;
+  uint64_t watch_seen = 0;
+  std::chrono::steady_clock::time_point watch_since{};
+  // Paths of the session gone so far (on_path_down, before it lets go of the WATCH). A WATCH that
+  // waited in the control queue while one went may have come on it: it is answered, not held.
+  std::atomic<uint64_t> path_downs{0};
+  // Its last path went: no path joins it any more, and a WATCH that reaches on_request now (a
+  // copy the transport deferred behind the old one starts after its path closed) is answered.
+  std::atomic<bool> paths_gone{false};
 };
 
 // A control request decoded on its IO thread, waiting for the control thread: the request to
@@ -124,11 +139,19 @@ struct Sess {
 struct ControlReq {
   ServerRequest* r = nullptr;
   proto::Request msg;
+  uint64_t path_downs = 0;  // Sess::path_downs when it arrived
 };
 
-// Control requests (OPEN, CLOSE) one session may have waiting; more are refused with EAGAIN. An
-// honest client sends them one at a time (BlockSession serializes map, unmap and remap).
+// Control requests (OPEN, CLOSE, WATCH) one session may have waiting; more are refused with
+// EAGAIN. An honest client sends OPEN and CLOSE one at a time (BlockSession serializes map, unmap
+// and remap) beside its one WATCH.
 constexpr size_t kMaxControlPerSession = 16;
+
+// How long a WATCH is held at most: then it is answered (with no news) and the client posts it
+// again. It bounds a WATCH held for a path that is gone while its session lives on (a copy the
+// transport deferred behind the old one and started after the path closed; a copy re-sent on
+// another path then waits behind it): notices are late by this at most, never lost.
+constexpr auto kWatchHoldMax = std::chrono::seconds(60);
 
 // The largest user header the server copies out of a chunk: OPEN (264 bytes) with room for a
 // longer SESS_INFO from a newer client (its tail is ignored). Longer ones are EBADMSG.
@@ -203,6 +226,11 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   std::chrono::steady_clock::time_point rbd_retry_at{};
   std::map<FileId, std::unique_ptr<Device>> devices;
   proto::SessionId next_session = 1;
+  // Size epochs: one counter for every session, started from the wall clock so that a restarted
+  // server's epochs differ from (and normally exceed) those its clients saw from the previous
+  // one; a client's WATCH with an epoch of another incarnation is answered at once.
+  uint64_t epoch_gen = 0;
+  bool stopping = false;  // ~BlockServer: WATCHes are answered, not held
 
   // OPEN and CLOSE waiting for the control thread, per session, served round robin; at most one
   // serve_control() task is posted at a time (ctl_serving), so admin commands posted meanwhile
@@ -223,7 +251,11 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   std::map<std::string, HostConfig, std::less<>> host_cfg;  // as configured, for listings
   std::atomic<uint64_t> acl_eacces{0}, acl_eperm{0};
 
-  explicit Impl(BlockServerOptions o) : opts(std::move(o)), table(opts.max_devices_per_session - 1) {}
+  explicit Impl(BlockServerOptions o) : opts(std::move(o)), table(opts.max_devices_per_session - 1) {
+    timespec ts{};
+    ::clock_gettime(CLOCK_REALTIME, &ts);
+    epoch_gen = static_cast<uint64_t>(ts.tv_sec) * 1000000000u + static_cast<uint64_t>(ts.tv_nsec);
+  }
 
   Status set_host(HostConfig h, bool keep_access) {
     if (!ibtrs::valid_host_id(h.host) || h.keys.empty()) return errc(EINVAL);
@@ -284,7 +316,10 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     s->slots = std::make_unique<Slot[]>(opts.max_devices_per_session);
     s->nctx = opts.transport.queue_depth;
     s->ctxs = std::make_unique<IoCtx[]>(s->nctx);
-    s->id = control.call([this] { return next_session++; });
+    s->id = control.call([this, s] {
+      s->size_epoch = ++epoch_gen;
+      return next_session++;
+    });
     {
       std::lock_guard l(mu);
       sessions[s->id] = s;
@@ -296,9 +331,22 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // completes (on_session_down), so a client that reconnects and re-opens is not refused by its
   // own previous incarnation still holding the rw slot. Its IO from now on gets ENODEV, which
   // the client answers with a remap.
+  //
+  // Any path going down lets go of the session's WATCH: the transport re-sends a request of a
+  // lost path on another one into the same chunk, where it waits until the old copy completes
+  // (docs/protocol.md, "Failover and the server's chunk rules"). The answer (the current
+  // snapshot) is lost with the path or reaches the client, which posts again either way; the
+  // session is not freed before it completes (on_session_down's call() runs after this post).
   void on_path_down(ServerSession& ts, const ibtrs::ServerPathInfo&) override {
     auto* s = static_cast<Sess*>(ts.context.load(std::memory_order_acquire));
-    if (s == nullptr || !ts.paths().empty()) return;
+    if (s == nullptr) return;
+    // Every request that came on the path reached on_request before this (the transport closed
+    // the path's connections first), so a WATCH still queued sees the count move.
+    s->path_downs.fetch_add(1, std::memory_order_acq_rel);
+    const bool last = ts.paths().empty();
+    if (last) s->paths_gone.store(true, std::memory_order_release);
+    control.post([this, s] { answer_watch(*s, true); });
+    if (!last) return;
     control.post([this, s] { release_all(*s); });  // on_session_down's call() runs after it
   }
 
@@ -361,6 +409,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       }
       case proto::MsgType::open:
       case proto::MsgType::close:
+      case proto::MsgType::watch:
         return queue_control(*s, r, std::move(*m));
       default:
         return r.complete(EBADMSG);
@@ -374,7 +423,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     bool queued = false;
     {
       std::lock_guard l(ctl_mu);
-      queued = ctl_queue.push(&s, ControlReq{&r, std::move(m)});
+      queued = ctl_queue.push(&s, ControlReq{&r, std::move(m), s.path_downs.load(std::memory_order_acquire)});
       if (queued) post = !std::exchange(ctl_serving, true);
     }
     if (post) control.post([this] { serve_control(); });
@@ -398,7 +447,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
         return;
       }
     }
-    control_request(*next->first, *next->second.r, next->second.msg);
+    control_request(*next->first, next->second);
     bool more = false;
     {
       std::lock_guard l(ctl_mu);
@@ -472,14 +521,107 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   // ---- control thread ----
-  void control_request(Sess& s, ServerRequest& r, const proto::Request& m) {
+  void control_request(Sess& s, const ControlReq& c) {
+    ServerRequest& r = *c.r;
+    const proto::Request& m = c.msg;
     if (m.type == proto::MsgType::open) {
       auto rsp = open_device(s, m.open);
       if (!rsp.ok()) return r.complete(rsp.error().value());
       auto n = proto::encode_open_rsp(r.data(), *rsp);
       return r.complete(n.ok() ? 0 : n.error().value());
     }
+    if (m.type == proto::MsgType::watch) return arm_watch(s, r, m.watch, c.path_downs);
     r.complete(close_id(s, m.close.device_id).error().value());
+  }
+
+  // ---- size notices (control thread) ----
+
+  // WATCH: held until the session's epoch differs from what the client saw (at once when it
+  // does already). EPROTO before a SESS_INFO that agreed on version 4 (the transport re-sends a
+  // WATCH to a restarted server before the client introduces itself again); EBUSY when the
+  // session has one held: a client holds one chunk and one permit for this, not more.
+  // `path_downs`: the session's count when it arrived; a path lost since may have been its own,
+  // whose copy the transport re-sends into this chunk: answered now, that copy is served.
+  void arm_watch(Sess& s, ServerRequest& r, const proto::Watch& m, uint64_t path_downs) {
+    if (s.version.load(std::memory_order_relaxed) < proto::kWatchVersion) return r.complete(EPROTO);
+    if (s.watch != nullptr) return r.complete(EBUSY);
+    s.watch = &r;
+    s.watch_seen = m.epoch;
+    s.watch_since = std::chrono::steady_clock::now();
+    answer_watch(s, stopping || s.paths_gone.load(std::memory_order_acquire) ||
+                        s.path_downs.load(std::memory_order_acquire) != path_downs);
+  }
+
+  // Answers the session's held WATCH with its epoch and the size of every device it has open:
+  // when the epoch differs from what the client saw, or always with `release` (a path went
+  // down, the server stops). Devices beyond what the client's buffer holds are counted, not
+  // listed (count < total): the client asks again with a larger buffer.
+  void answer_watch(Sess& s, bool release) {
+    if (s.watch == nullptr || (!release && s.watch_seen == s.size_epoch)) return;
+    ServerRequest* r = std::exchange(s.watch, nullptr);
+    proto::WatchRsp rsp;
+    rsp.epoch = s.size_epoch;
+    for (const auto& o : table.devices_of(s.id)) {  // by id, ascending
+      if (o.force_closed) continue;
+      auto it = devices.find(o.file);
+      if (it == devices.end()) continue;
+      rsp.entries.push_back(proto::WatchEntry{o.device_id, it->second->backend->size() / kSectorSize});
+    }
+    rsp.total = static_cast<uint32_t>(rsp.entries.size());
+    auto n = proto::encode_watch_rsp(r->data(), rsp);
+    r->complete(n.ok() ? 0 : n.error().value());
+  }
+
+  // Re-reads a device's size; when it changed, every session that holds it gets a new epoch and
+  // its WATCH answered. The backend's size (what IO is checked against) is the new one first.
+  void check_size(Device& d) {
+    const uint64_t old = d.backend->size();
+    auto now = d.backend->refresh_size();
+    if (!now.ok()) {
+      if (!std::exchange(d.size_error_logged, true))
+        log_warn("size of", d.name, now.error().message() + " (logged once; it keeps the size it had)");
+      return;
+    }
+    d.size_error_logged = false;
+    if (*now != old) size_changed(d, old, *now);
+  }
+
+  void size_changed(Device& d, uint64_t old, uint64_t now) {
+    size_t notified = 0;
+    for (const auto& h : table.holders(d.id)) {
+      Sess* s = nullptr;
+      {
+        std::lock_guard l(mu);
+        if (auto it = sessions.find(h.session); it != sessions.end()) s = it->second;
+      }
+      if (s == nullptr) continue;
+      s->size_epoch = ++epoch_gen;
+      if (s->watch != nullptr && s->watch_seen != s->size_epoch) ++notified;
+      answer_watch(*s, false);
+    }
+    std::fprintf(stderr, "ibnbd-server: %s: size %llu -> %llu bytes (%zu session(s) notified)\n", d.name.c_str(),
+                 static_cast<unsigned long long>(old), static_cast<unsigned long long>(now), notified);
+  }
+
+  // The periodic check (ControlThread::every, BlockServerOptions::size_check_interval): a
+  // stat or an ioctl per open device (an image: librbd's cached size, kept current by its
+  // header watch, which also calls on_size_notice at once); WATCHes held kWatchHoldMax are let
+  // go of.
+  void check_sizes() {
+    for (auto& [id, d] : devices) check_size(*d);
+    const auto old = std::chrono::steady_clock::now() - kWatchHoldMax;
+    std::vector<Sess*> live;
+    {
+      std::lock_guard l(mu);
+      for (auto& [sid, s] : sessions) live.push_back(s);
+    }
+    // Listed sessions stay until on_session_down's call() on this thread.
+    for (Sess* s : live)
+      if (s->watch != nullptr && s->watch_since < old) answer_watch(*s, true);
+  }
+
+  void on_size_notice(const FileId& id) {
+    if (auto it = devices.find(id); it != devices.end()) check_size(*it->second);
   }
 
   // What an OPEN names, found and checked: the store's identity, its name for listings, and
@@ -504,11 +646,10 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       dev = it->second.get();
       name = dev->name;
       if (dev->backend->read_only() && m.mode != AccessMode::ro) return errc(EROFS);
-      // Held open by others since before a resize (a grown file, `rbd resize`): the OPEN
-      // answers with the size the store has now, which is how a client's remap (`ibnbd device
-      // resize`) learns it. IO in flight keeps its range checks against either size.
-      if (auto sz = dev->backend->refresh_size(); !sz.ok())
-        log_warn("OPEN", name, "size: " + sz.error().message());
+      // Held open by others since before a resize (a grown file, `rbd resize`) that the size
+      // check has not seen yet: the OPEN answers with the size the store has now, and the
+      // other holders are told. IO in flight keeps its range checks against either size.
+      check_size(*dev);
     }
     auto grant = table.open(s.id, loc->id, name, m.mode);
     if (!grant.ok()) return grant.error();
@@ -529,6 +670,13 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
       d->backend = std::move(backend);
       dev = d.get();
       devices.emplace(loc->id, std::move(d));
+      // An image tells of its resizes at once (librbd's header watch, on librbd's thread: handed
+      // to this thread by id, so a notice for a device closed meanwhile finds nothing).
+      if (dev->backend->kind() == Backend::Kind::rbd) {
+        auto st = dev->backend->watch_size([this, id = loc->id] { control.post([this, id] { on_size_notice(id); }); });
+        if (!st.ok() && st.error() != std::errc::operation_not_supported)
+          log_warn("rbd update watch of", name, st.error().message() + " (its size is polled instead)");
+      }
     }
     if (grant->device_id >= opts.max_devices_per_session) {
       (void)release(s.id, grant->device_id);
@@ -552,6 +700,8 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     proto::OpenRsp rsp;
     rsp.device_id = grant->device_id;
     rsp.geo = dev->backend->geometry();
+    // The epoch this size belongs to: a WATCH_RSP with a higher one is newer for this device.
+    if (s.version.load(std::memory_order_relaxed) >= proto::kWatchVersion) rsp.size_epoch = s.size_epoch;
     return rsp;
   }
 
@@ -718,6 +868,12 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 BlockServer::BlockServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 BlockServer::~BlockServer() {
+  // WATCHes held now are let go of as their paths close; one that reaches the control thread
+  // after that is answered at once.
+  impl_->control.call([im = impl_.get()] {
+    im->stopping = true;
+    return 0;
+  });
   // Closes every path and waits until each request was answered; the IO threads (and with them
   // the engines' completions) run until then.
   impl_->transport.reset();
@@ -749,6 +905,8 @@ Result<std::unique_ptr<BlockServer>> BlockServer::start(BlockServerOptions o) {
   for (auto& h : impl->hooks) {
     if (!h) return errc(ENOSYS);  // an IO thread without io_uring could not serve anything
   }
+  if (impl->opts.size_check_interval.count() > 0)
+    impl->control.every(impl->opts.size_check_interval, [im = impl.get()] { im->check_sizes(); });
   return std::unique_ptr<BlockServer>(new BlockServer(std::move(impl)));
 }
 
@@ -774,6 +932,8 @@ std::vector<BlockSessionInfo> BlockServer::sessions() const {
       i.host = s->host;
       i.version = s->version.load();
       i.stats = s->stats.snapshot();
+      i.size_epoch = s->size_epoch;
+      i.watching = s->watch != nullptr;
       for (auto& o : impl_->table.devices_of(id))
         i.devices.push_back(SessionOpenInfo{o.device_id, o.dev, o.mode, o.force_closed});
       out.push_back(std::move(i));

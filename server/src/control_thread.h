@@ -1,7 +1,9 @@
 // The block server's control thread: OPEN and CLOSE (they touch the filesystem), admin actions and
-// session ends run here one at a time, so the open table needs no lock.
+// session ends run here one at a time, so the open table needs no lock. It also runs one
+// periodic task (every()): the server's size check of its open devices.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -37,7 +39,18 @@ class ControlThread {
     post([&task] { task(); });
     return fut.get();
   }
-  // Runs what is queued, then ends the thread.
+  // Runs `f` on the thread every `period` (the first time one period from now), between tasks:
+  // a stream of tasks delays it by one task at most. Once; before stop().
+  void every(std::chrono::milliseconds period, std::function<void()> f) {
+    {
+      std::lock_guard l(mu_);
+      tick_period_ = period;
+      tick_ = std::move(f);
+      next_tick_ = Clock::now() + period;
+    }
+    cv_.notify_one();
+  }
+  // Runs what is queued, then ends the thread (the periodic task no more).
   void stop() {
     {
       std::lock_guard l(mu_);
@@ -48,11 +61,28 @@ class ControlThread {
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
+
   void loop() {
     std::unique_lock l(mu_);
     for (;;) {
-      cv_.wait(l, [&] { return stopping_ || !q_.empty(); });
-      if (q_.empty()) return;
+      if (tick_ && !stopping_ && Clock::now() >= next_tick_) {
+        next_tick_ = Clock::now() + tick_period_;
+        l.unlock();
+        tick_();  // set once and never changed: safe to call without the lock
+        l.lock();
+        continue;
+      }
+      auto ready = [&] { return stopping_ || !q_.empty(); };
+      if (tick_ && !stopping_) {
+        cv_.wait_until(l, next_tick_, ready);
+      } else {
+        cv_.wait(l, ready);
+      }
+      if (q_.empty()) {
+        if (stopping_) return;
+        continue;  // the tick is due
+      }
       auto t = std::move(q_.front());
       q_.pop_front();
       l.unlock();
@@ -65,6 +95,9 @@ class ControlThread {
   std::condition_variable cv_;
   std::deque<std::function<void()>> q_;
   bool stopping_ = false;
+  std::function<void()> tick_;
+  std::chrono::milliseconds tick_period_{0};
+  Clock::time_point next_tick_{};
   std::thread thread_;
 };
 

@@ -42,7 +42,7 @@ const char kUsage[] =
     "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--poll adaptive|block|spin]\n"
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
-    "                    [--handshake-timeout-ms N] [--ack-timeout-ms N]\n"
+    "                    [--handshake-timeout-ms N] [--ack-timeout-ms N] [--size-check-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "                    [--allow-any-host]\n"
     "                    [--rbd-conf FILE] [--rbd-client-id ID] [--rbd-keyring FILE]\n"
@@ -67,6 +67,8 @@ const char kUsage[] =
     "         --handshake-timeout-ms (30000: a path not connected by then is closed),\n"
     "         --ack-timeout-ms (30000: a peer whose responses wait that long unacknowledged\n"
     "         is disconnected). Refusals: `ibnbd server refusals`.\n"
+    "  --size-check-ms: how often the size of every open device is re-read (default 1000; 0\n"
+    "         never): a resized one is announced to the sessions that hold it (protocol 4).\n"
     "  --sysfs-dir DIR: serves the kernel's control files (DIR/ibtrs-server/<session>/paths/...,\n"
     "         DIR/ibnbd-server/ctl/devices/...) through FUSE, e.g. /run/ibnbd-server/sysfs;\n"
     "         off by default (sysfs-emu/README.md).\n"
@@ -167,6 +169,8 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.handshake_timeout = std::chrono::milliseconds(number(1, 3600000));
   } else if (key == "ack_timeout_ms") {
     t.ack_timeout = std::chrono::milliseconds(number(1, 3600000));
+  } else if (key == "size_check_ms") {
+    c.o.size_check_interval = std::chrono::milliseconds(number(0, 3600000));
   } else if (key == "control_socket") {
     c.control_socket = text();
   } else if (key == "ready_file") {

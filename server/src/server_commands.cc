@@ -56,7 +56,8 @@ json handle(BlockServer& srv, const json& req) {
       for (auto& d : s.devices)
         devs.push_back({{"device_id", d.device_id}, {"device", d.device},
                         {"access_mode", std::string(to_string(d.mode))}, {"force_closed", d.force_closed}});
-      out.push_back({{"name", s.name}, {"host", s.host}, {"version", s.version}, {"paths", paths}, {"devices", devs},
+      out.push_back({{"name", s.name}, {"host", s.host}, {"version", s.version}, {"watching", s.watching},
+                     {"size_epoch", s.size_epoch}, {"paths", paths}, {"devices", devs},
                      {"stats", stats_json(s.stats)}});
     }
     return {{"ok", true}, {"sessions", out}};

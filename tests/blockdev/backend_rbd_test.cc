@@ -435,5 +435,16 @@ TEST_F(RbdEngine, SyncSizeAndTakeOver) {
   EXPECT_EQ(*t, "");
 }
 
+// Case: Backend::watch_size of a fake image (no librbd behind it) and with no callback.
+// Expect: EOPNOTSUPP both times (the server polls such a store's size instead), and the callback
+// is never called.
+TEST_F(RbdEngine, WatchSizeOfAFakeIsNotSupported) {
+  bool called = false;
+  EXPECT_EQ(be_->watch_size([&] { called = true; }).error(), errc(EOPNOTSUPP));
+  EXPECT_EQ(be_->watch_size(nullptr).error(), errc(EOPNOTSUPP));
+  EXPECT_TRUE(be_->refresh_size().ok());
+  EXPECT_FALSE(called);
+}
+
 }  // namespace
 }  // namespace ibnbd

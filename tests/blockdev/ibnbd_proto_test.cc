@@ -47,6 +47,15 @@ Bytes enc_open(const Open& m) { return encoded(encode_open, m); }
 Bytes enc_open_rsp(const OpenRsp& m) { return encoded(encode_open_rsp, m); }
 Bytes enc_close(const Close& m) { return encoded(encode_close, m); }
 Bytes enc_io(const Io& m) { return encoded(encode_io, m); }
+Bytes enc_watch(const Watch& m) { return encoded(encode_watch, m); }
+Bytes enc_watch_rsp(const WatchRsp& m) {
+  Bytes b(4096);
+  auto n = encode_watch_rsp(b, m);
+  EXPECT_TRUE(n.ok()) << n.error().message();
+  b.resize(n.ok() ? *n : 0);
+  return b;
+}
+WatchRsp two_devices() { return WatchRsp{77, 2, {{0, 2048}, {3, 1u << 30}}}; }
 
 Bytes prefix(const Bytes& b, size_t n) { return Bytes(b.begin(), b.begin() + static_cast<ptrdiff_t>(n)); }
 
@@ -94,6 +103,9 @@ TEST(IbnbdLayout, SizesAndOffsetsAreTheDocumentedOnes) {
   EXPECT_EQ(sizeof(OpenRspMsg), 56u) << "the kernel's OPEN_RSP size";
   EXPECT_EQ(sizeof(CloseMsg), 8u);
   EXPECT_EQ(sizeof(IoMsg), 32u);
+  EXPECT_EQ(sizeof(WatchMsg), 16u);
+  EXPECT_EQ(sizeof(WatchRspMsg), 24u);
+  EXPECT_EQ(sizeof(WatchEntryMsg), 16u);
 
   EXPECT_EQ(offsetof(SessInfoMsg, ver), 4u);
   EXPECT_EQ(offsetof(OpenMsg, access_mode), 4u);
@@ -107,7 +119,7 @@ TEST(IbnbdLayout, SizesAndOffsetsAreTheDocumentedOnes) {
   EXPECT_EQ(offsetof(OpenRspMsg, max_segments), 44u);
   EXPECT_EQ(offsetof(OpenRspMsg, secure_discard), 46u);
   EXPECT_EQ(offsetof(OpenRspMsg, cache_policy), 47u);
-  EXPECT_EQ(offsetof(OpenRspMsg, reserved), 48u);
+  EXPECT_EQ(offsetof(OpenRspMsg, size_epoch), 48u);
   EXPECT_EQ(offsetof(CloseMsg, device_id), 4u);
   EXPECT_EQ(offsetof(IoMsg, device_id), 4u);
   EXPECT_EQ(offsetof(IoMsg, sector), 8u);
@@ -115,6 +127,16 @@ TEST(IbnbdLayout, SizesAndOffsetsAreTheDocumentedOnes) {
   EXPECT_EQ(offsetof(IoMsg, bi_size), 20u);
   EXPECT_EQ(offsetof(IoMsg, prio), 24u);
   EXPECT_EQ(offsetof(IoMsg, reserved), 26u);
+  EXPECT_EQ(offsetof(WatchMsg, reserved), 4u);
+  EXPECT_EQ(offsetof(WatchMsg, epoch), 8u);
+  EXPECT_EQ(offsetof(WatchRspMsg, count), 4u);
+  EXPECT_EQ(offsetof(WatchRspMsg, total), 8u);
+  EXPECT_EQ(offsetof(WatchRspMsg, reserved), 12u);
+  EXPECT_EQ(offsetof(WatchRspMsg, epoch), 16u);
+  EXPECT_EQ(offsetof(WatchEntryMsg, device_id), 0u);
+  EXPECT_EQ(offsetof(WatchEntryMsg, reserved), 4u);
+  EXPECT_EQ(offsetof(WatchEntryMsg, nsectors), 8u);
+  EXPECT_EQ(watch_buffer_bytes(256), 24u + 256 * 16) << "the client's default buffer";
 }
 
 // Case: message types, modes, ops and flags. Expect: the kernel's values.
@@ -125,11 +147,14 @@ TEST(IbnbdLayout, EnumValuesAreTheKernels) {
   EXPECT_EQ(static_cast<uint16_t>(MsgType::open_rsp), 3);
   EXPECT_EQ(static_cast<uint16_t>(MsgType::io), 4);
   EXPECT_EQ(static_cast<uint16_t>(MsgType::close), 5);
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::watch), 6) << "ours: the kernel has no size notices";
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::watch_rsp), 7);
   EXPECT_EQ(static_cast<uint8_t>(AccessMode::migration), 2);
   EXPECT_EQ(static_cast<uint8_t>(IoOp::write_zeroes), 5);
   EXPECT_EQ(kIoSync, 1u << 8);
   EXPECT_EQ(kIoNoUnmap, 1u << 11);
-  EXPECT_EQ(kProtoVersion, 3);
+  EXPECT_EQ(kProtoVersion, 4);
+  EXPECT_EQ(kWatchVersion, 4);
   EXPECT_EQ(kMinProtoVersion, 2) << "version 2 peers (no OPEN flags) are still served";
   EXPECT_EQ(kOpenReopen, 1);
 }
@@ -303,6 +328,161 @@ TEST(IbnbdRoundTrip, DecodeRequestDispatches) {
   EXPECT_EQ(i->type, MsgType::io);
   EXPECT_EQ(i->io, w);
   EXPECT_EQ(peek_type(enc_io(w)).value(), MsgType::io);
+  auto wa = decode_request(enc_watch(Watch{42}), kWatchCarrier);
+  ASSERT_TRUE(wa.ok());
+  EXPECT_EQ(wa->type, MsgType::watch);
+  EXPECT_EQ(wa->watch.epoch, 42u);
+}
+
+// ------------------------------------------------------------------------------------------
+// Size notices (version 4)
+
+// Case: WATCH with an epoch, and with 0 (none seen yet). Expect: the bytes the layout says, and
+// back the same.
+TEST(IbnbdWatch, WatchRoundTrips) {
+  for (uint64_t e : {uint64_t{0}, uint64_t{1}, uint64_t{0x0123456789abcdefull}}) {
+    const Bytes b = enc_watch(Watch{e});
+    ASSERT_EQ(b.size(), sizeof(WatchMsg));
+    EXPECT_EQ(as_wire<WatchMsg>(b).epoch.get(), e);
+    auto d = decode_watch(b, kWatchCarrier);
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(d->epoch, e);
+  }
+  Carrier big{IoDir::read, watch_buffer_bytes(256)};
+  EXPECT_TRUE(decode_watch(enc_watch(Watch{1}), big).ok()) << "room for entries";
+}
+
+// Case: WATCH_RSP with every entry in the buffer, with a buffer for one of two, with none.
+// Expect: the full answer back; count 1 of total 2; count 0 of total 2. The encoder says how
+// many bytes it wrote.
+TEST(IbnbdWatch, WatchRspRoundTripsAndFitsTheBuffer) {
+  const WatchRsp m = two_devices();
+  const Bytes b = enc_watch_rsp(m);
+  EXPECT_EQ(b.size(), watch_buffer_bytes(2));
+  auto d = decode_watch_rsp(b);
+  ASSERT_TRUE(d.ok()) << d.error().message();
+  EXPECT_EQ(*d, m);
+
+  Bytes one(watch_buffer_bytes(1) + 15);
+  EXPECT_EQ(encode_watch_rsp(one, m).value(), watch_buffer_bytes(1));
+  auto p = decode_watch_rsp(one);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->total, 2u);
+  ASSERT_EQ(p->entries.size(), 1u);
+  EXPECT_EQ(p->entries[0], (WatchEntry{0, 2048}));
+
+  Bytes none(sizeof(WatchRspMsg));
+  EXPECT_EQ(encode_watch_rsp(none, m).value(), sizeof(WatchRspMsg));
+  auto z = decode_watch_rsp(none);
+  ASSERT_TRUE(z.ok());
+  EXPECT_TRUE(z->entries.empty());
+  EXPECT_EQ(z->total, 2u);
+  EXPECT_TRUE(decode_watch_rsp(enc_watch_rsp(WatchRsp{5, 0, {}})).ok()) << "a session without devices";
+}
+
+// Case: OPEN_RSP's size epoch (version 4). Expect: it round-trips; a session of version 3 takes
+// only 0 there (a reserved field then), EINVAL otherwise.
+TEST(IbnbdWatch, OpenRspCarriesTheSizeEpoch) {
+  OpenRsp m{4, full_geometry(), 0xfeedull};
+  const Bytes b = enc_open_rsp(m);
+  EXPECT_EQ(as_wire<OpenRspMsg>(b).size_epoch.get(), 0xfeedu);
+  EXPECT_EQ(decode_open_rsp(b, kWatchVersion).value(), m);
+  EXPECT_EQ(err_of(decode_open_rsp(b, 3)), EINVAL);
+  m.size_epoch = 0;
+  EXPECT_TRUE(decode_open_rsp(enc_open_rsp(m), 3).ok());
+  EXPECT_TRUE(decode_open_rsp(enc_open_rsp(m), kMinProtoVersion).ok());
+}
+
+// Case: WATCH with reserved bytes, trailing bytes, as a WRITE, with a buffer shorter than the
+// answer's header. Expect: EINVAL, EBADMSG, EINVAL, EINVAL.
+TEST(IbnbdWatch, BadWatch) {
+  const Bytes good = enc_watch(Watch{9});
+  auto w = as_wire<WatchMsg>(good);
+  w.reserved.set(1);
+  EXPECT_EQ(err_of(decode_watch(wire(w), kWatchCarrier)), EINVAL);
+  w = as_wire<WatchMsg>(good);
+  w.hdr.reserved.set(1);
+  EXPECT_EQ(err_of(decode_watch(wire(w), kWatchCarrier)), EINVAL);
+  Bytes longer = good;
+  longer.push_back(std::byte{0});
+  EXPECT_EQ(err_of(decode_watch(longer, kWatchCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_watch(prefix(good, 15), kWatchCarrier)), EBADMSG);
+  EXPECT_EQ(err_of(decode_watch(good, Carrier{IoDir::write, 0})), EINVAL);
+  EXPECT_EQ(err_of(decode_watch(good, Carrier{IoDir::read, sizeof(WatchRspMsg) - 1})), EINVAL);
+  EXPECT_EQ(err_of(decode_request(good, Carrier{IoDir::write, sizeof(WatchRspMsg)})), EINVAL);
+}
+
+// Case: a hostile WATCH_RSP: epoch 0, count above total, ids out of order or twice, a size past
+// 2^64 bytes, reserved bytes, a count the buffer cannot hold (up to 2^32 - 1), a cut header.
+// Expect: EINVAL for the rules, EBADMSG for what does not fit -- nothing read past the buffer,
+// nothing allocated for a count that lies.
+TEST(IbnbdWatch, BadWatchRsp) {
+  const Bytes good = enc_watch_rsp(two_devices());
+  auto entry = [&](const Bytes& b, size_t i) {
+    WatchEntryMsg e;
+    std::memcpy(&e, b.data() + sizeof(WatchRspMsg) + i * sizeof(e), sizeof(e));
+    return e;
+  };
+  auto with_entry = [&](Bytes b, size_t i, const WatchEntryMsg& e) {
+    std::memcpy(b.data() + sizeof(WatchRspMsg) + i * sizeof(e), &e, sizeof(e));
+    return b;
+  };
+  auto with_hdr = [&](Bytes b, const WatchRspMsg& h) {
+    std::memcpy(b.data(), &h, sizeof(h));
+    return b;
+  };
+  const auto hdr = as_wire<WatchRspMsg>(good);
+  auto h = hdr;
+  h.epoch.set(0);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_hdr(good, h))), EINVAL) << "epoch 0";
+  h = hdr;
+  h.total.set(1);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_hdr(good, h))), EINVAL) << "count > total";
+  h = hdr;
+  h.reserved.set(1);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_hdr(good, h))), EINVAL) << "reserved";
+  h = hdr;
+  h.hdr.reserved.set(1);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_hdr(good, h))), EINVAL) << "header reserved";
+  auto e = entry(good, 1);
+  e.device_id.set(0);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_entry(good, 1, e))), EINVAL) << "an id twice";
+  e.device_id.set(2);
+  auto first = entry(good, 0);
+  first.device_id.set(5);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_entry(with_entry(good, 1, e), 0, first))), EINVAL) << "descending";
+  e = entry(good, 1);
+  e.nsectors.set(std::numeric_limits<uint64_t>::max() / kSectorSize + 1);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_entry(good, 1, e))), EINVAL) << "size past 2^64 bytes";
+  e = entry(good, 1);
+  e.reserved.set(1);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_entry(good, 1, e))), EINVAL) << "entry reserved";
+  h = hdr;
+  h.count.set(3);
+  h.total.set(3);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_hdr(good, h))), EBADMSG) << "one entry more than the buffer";
+  h.count.set(UINT32_MAX);
+  h.total.set(UINT32_MAX);
+  EXPECT_EQ(err_of(decode_watch_rsp(with_hdr(good, h))), EBADMSG) << "a count that lies";
+  EXPECT_EQ(err_of(decode_watch_rsp(prefix(good, sizeof(WatchRspMsg) - 1))), EBADMSG);
+  EXPECT_EQ(err_of(decode_watch_rsp(enc_watch(Watch{1}))), EBADMSG) << "a request";
+  EXPECT_EQ(err_of(decode_request(good, kWatchCarrier)), EBADMSG) << "a response where a request belongs";
+  Bytes longer = good;
+  longer.resize(4096, std::byte{0xee});
+  EXPECT_TRUE(decode_watch_rsp(longer).ok()) << "in a longer read buffer";
+}
+
+// Case: our own WATCH_RSP breaking the rules, and a buffer without room for its header.
+// Expect: EINVAL, ENOBUFS.
+TEST(IbnbdWatch, EncoderRefusesWhatTheDecoderWould) {
+  Bytes b(4096);
+  EXPECT_EQ(err_of(encode_watch_rsp(b, WatchRsp{0, 0, {}})), EINVAL) << "epoch 0";
+  EXPECT_EQ(err_of(encode_watch_rsp(b, WatchRsp{1, 1, {{0, 8}, {1, 8}}})), EINVAL) << "more than total";
+  EXPECT_EQ(err_of(encode_watch_rsp(b, WatchRsp{1, 2, {{1, 8}, {0, 8}}})), EINVAL) << "not ascending";
+  EXPECT_EQ(err_of(encode_watch_rsp(b, WatchRsp{1, 2, {{1, 8}, {1, 8}}})), EINVAL) << "an id twice";
+  EXPECT_EQ(err_of(encode_watch_rsp(b, WatchRsp{1, 1, {{1, UINT64_MAX}}})), EINVAL) << "past 2^64 bytes";
+  EXPECT_EQ(err_of(encode_watch_rsp(std::span(b).first(sizeof(WatchRspMsg) - 1), two_devices())), ENOBUFS);
+  EXPECT_EQ(err_of(encode_watch(std::span(b).first(sizeof(WatchMsg) - 1), Watch{})), ENOBUFS);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -400,7 +580,7 @@ TEST(IbnbdRefuse, RequestsWithTrailingBytes) {
 // Case: unknown types, responses sent as requests, and a message handed to the wrong decoder.
 // Expect: EBADMSG.
 TEST(IbnbdRefuse, UnknownAndMisplacedTypes) {
-  for (uint16_t t : {uint16_t{6}, uint16_t{0x100}, uint16_t{0xffff}}) {
+  for (uint16_t t : {uint16_t{8}, uint16_t{0x100}, uint16_t{0xffff}}) {
     MsgHdr h{};
     h.type.set(t);
     Bytes b = wire(h);
@@ -525,10 +705,12 @@ TEST(IbnbdRefuse, BadOpenRsp) {
   cases.push_back({"size past 2^64 bytes", m});
   m = base; m.cache_policy = 4; cases.push_back({"cache bit 2", m});
   m = base; m.secure_discard = 2; cases.push_back({"secure_discard 2", m});
-  m = base; m.reserved[7] = 1; cases.push_back({"reserved", m});
+  m = base; m.size_epoch.set(1); cases.push_back({"size_epoch below version 4", m});
   m = base; m.hdr.reserved.set(1); cases.push_back({"header reserved", m});
   for (const auto& [name, c] : cases) {
-    EXPECT_EQ(err_of(decode_open_rsp(wire(c))), EINVAL) << name;
+    EXPECT_EQ(err_of(decode_open_rsp(wire(c), name == std::string("size_epoch below version 4") ? 3 : kProtoVersion)),
+              EINVAL)
+        << name;
   }
   Bytes longer = good;
   longer.resize(4096, std::byte{0xee});

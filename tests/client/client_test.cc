@@ -4,8 +4,10 @@
 // them on the server and back at the client.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <future>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -464,7 +466,8 @@ TEST_F(Client, BadRequestsAreRefusedBeforeAnythingIsSent) {
   EXPECT_EQ(write(*d4k, 512, *m, 0, 4096), -EINVAL) << "4 KiB blocks";
   EXPECT_EQ(write(*d4k, 0, *m, 0, 512), -EINVAL);
   EXPECT_EQ(srv_.io_count(), before) << "nothing reached the server";
-  EXPECT_EQ(s->transport().free_permits(), s->transport().queue_depth());
+  EXPECT_TRUE(wait_until([&] { return s->size_watch().armed; }));
+  EXPECT_EQ(s->transport().free_permits(), s->transport().queue_depth() - 1) << "all but the WATCH's";
   EXPECT_EQ(d->stats().inflight, 0u);
   EXPECT_EQ(write(*d4k, 4096, *m, 0, 8192), 0) << "what the rules allow still works";
 }
@@ -690,7 +693,9 @@ TEST_F(Client, PartsBeyondTheQueueDepthWaitForPermits) {
   for (auto& x : r) EXPECT_EQ(x.wait(), 0);
   EXPECT_EQ(std::memcmp(m->data(), m->data() + size_t{kN} * kLen, size_t{kN} * kLen), 0);
   EXPECT_EQ(d->stats().parts_sent, 2u * 3 * kN);
-  EXPECT_EQ(s->transport().free_permits(), 4u);
+  // The WATCH (re-posted after its first answer, or after it found no permit) holds the other.
+  EXPECT_TRUE(wait_until([&] { return s->size_watch().armed; }));
+  EXPECT_EQ(s->transport().free_permits(), 3u) << "all but the WATCH's";
 }
 
 // Case: one of two paths breaks (fabric fault) while split IO runs.
@@ -1006,6 +1011,156 @@ TEST_F(Client, ClosingTheSessionCompletesItsIo) {
 
 
 // ---------------------------------------------------------------------------------------------
+// Size notices (protocol 4): the session's WATCH, answered by the server when a device it holds
+// changes size (client.h, "Size notices").
+
+// The last resize event of `dev`, if any.
+std::optional<DeviceEvent> last_resize(std::mutex& mu, const std::vector<DeviceEvent>& evs, const std::string& dev) {
+  std::lock_guard l(mu);
+  for (auto it = evs.rbegin(); it != evs.rend(); ++it)
+    if (it->kind == DeviceEvent::Kind::resized && it->dev_name == dev) return *it;
+  return std::nullopt;
+}
+
+// Case: vol0 and vol1 mapped; the server grows vol0 from 16 to 24 MiB, then shrinks it to 8 MiB.
+// Expect: the session's WATCH is held by the server (it holds one permit); within 2 s of each
+// resize the device's size (and geometry) is the new one, a resized event says old -> new, and
+// IO follows it: past the old end works after the growth (bytes land on the server), past the
+// new end is refused before anything is sent after the shrink. vol1 hears nothing.
+TEST_F(Client, ResizesReachTheMappedDevices) {
+  auto [s, d, m] = up();
+  ASSERT_TRUE(s && d && m);
+  auto d1 = map(*s, "vol1");
+  ASSERT_NE(d1, nullptr);
+  EXPECT_TRUE(s->size_watch().supported);
+  // Posted by open() with no epoch, answered at once (the server's differs), posted again.
+  ASSERT_TRUE(wait_until([&] { return srv_.held_watches() == 1 && s->size_watch().armed; }));
+  EXPECT_NE(s->size_watch().epoch, 0u);
+  EXPECT_EQ(s->transport().free_permits(), s->transport().queue_depth() - 1) << "the WATCH holds one";
+
+  srv_.resize("vol0", 24 << 20);
+  ASSERT_TRUE(wait_until([&] { return d->size_bytes() == (24u << 20); }, 2s)) << d->size_bytes();
+  EXPECT_EQ(d->geometry().nsectors, (24u << 20) / kSectorSize);
+  auto ev = last_resize(ev_mu_, dev_events_, "vol0");
+  ASSERT_TRUE(ev.has_value());
+  EXPECT_EQ(ev->old_size, kVolSize);
+  EXPECT_EQ(ev->new_size, 24u << 20);
+  EXPECT_EQ(d->stats().resizes, 1u);
+  pattern(m->data(), 65536, 3);
+  EXPECT_EQ(write(*d, 20 << 20, *m, 0, 65536), 0) << "past the old end";
+  EXPECT_TRUE(same("vol0", 20 << 20, m->data(), 65536));
+  EXPECT_EQ(read(*d, 20 << 20, *m, 65536, 65536), 0);
+  EXPECT_EQ(std::memcmp(m->data(), m->data() + 65536, 65536), 0);
+
+  srv_.resize("vol0", 8 << 20);
+  ASSERT_TRUE(wait_until([&] { return d->size_bytes() == (8u << 20); }, 2s)) << d->size_bytes();
+  const size_t before = srv_.io_count();
+  EXPECT_EQ(write(*d, 12 << 20, *m, 0, 4096), -EINVAL) << "past the new end";
+  EXPECT_EQ(srv_.io_count(), before) << "nothing was sent";
+  EXPECT_EQ(write(*d, 4 << 20, *m, 0, 4096), 0);
+  EXPECT_EQ(d1->size_bytes(), 8u << 20) << "vol1 as it was";
+  EXPECT_FALSE(last_resize(ev_mu_, dev_events_, "vol1").has_value());
+  EXPECT_EQ(s->size_watch().resizes, 2u);
+  ASSERT_TRUE(wait_until([&] { return srv_.held_watches() == 1; })) << "posted again";
+  EXPECT_EQ(srv_.watches_busy_.load(), 0u);
+}
+
+// Case: two paths, the WATCH held on the first; the server resizes vol0 but its answer is lost
+// with that path (the server drops the path; the answer goes nowhere). Expect: the transport
+// sends the WATCH again on the second path with the epoch the client had, which the server
+// answers at once: the client has the new size within 2 s, one resize, no EBUSY.
+TEST_F(Client, AResizeAnswerLostWithItsPathIsAskedAgain) {
+  start_server(2);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(wait_until([&] { return srv_.held_watches() == 1; }));
+  const std::string first = s->transport().paths().at(0).name;
+  ASSERT_TRUE(s->transport().add_path(ibtrs::PathSpec{std::nullopt, addrs_[1]}).ok());
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = s->transport().paths();
+    return ps.size() == 2 && std::all_of(ps.begin(), ps.end(), [](const ibtrs::ClientPathInfo& p) {
+             return p.state == ibtrs::ClientPathState::connected;
+           });
+  }));
+  const uint64_t watches = srv_.watches_.load();
+  srv_.hold_notices(true);
+  srv_.resize("vol0", 20 << 20);
+  EXPECT_EQ(d->size_bytes(), kVolSize) << "held back: not told yet";
+  ASSERT_TRUE(server_->with_session("sess", [&](ibtrs::ServerSession& ss) {
+                  EXPECT_TRUE(ss.disconnect_path(first).ok());
+                }).ok());
+  ASSERT_TRUE(wait_until([&] { return d->size_bytes() == (20u << 20); }, 2s)) << d->size_bytes();
+  EXPECT_GE(srv_.watches_.load(), watches + 1) << "sent again";
+  EXPECT_EQ(d->stats().resizes, 1u);
+  EXPECT_EQ(srv_.watches_busy_.load(), 0u);
+  srv_.hold_notices(false);
+  EXPECT_EQ(write(*d, 18 << 20, *buffer(*s, 4096), 0, 4096), 0);
+}
+
+// Case: the server drops every path of the session; the client reconnects and remaps. Then vol0
+// is resized. Expect: a WATCH is held by the new server session (re-armed after the remap;
+// the copy the transport re-sent before SESS_INFO was refused and retried), and the resize
+// reaches the device.
+TEST_F(Client, ReconnectReArmsTheWatch) {
+  auto [s, d, m] = up();
+  ASSERT_TRUE(s && d && m);
+  ASSERT_TRUE(wait_until([&] { return srv_.held_watches() == 1; }));
+  server_disconnects("sess");
+  ASSERT_TRUE(wait_until([&] { return d->stats().remaps == 1 && s->state() == SessionState::connected; }));
+  ASSERT_TRUE(wait_until([&] { return srv_.held_watches() == 1 && s->size_watch().armed; }, 5s));
+  srv_.resize("vol0", 32 << 20);
+  ASSERT_TRUE(wait_until([&] { return d->size_bytes() == (32u << 20); }, 2s)) << d->size_bytes();
+  EXPECT_EQ(write(*d, 30 << 20, *m, 0, 4096), 0);
+}
+
+// Case: a second WATCH sent by hand on a session whose own is held. Expect: EBUSY, and the held
+// one still answers the next resize.
+TEST_F(Client, ASecondWatchIsRefused) {
+  auto [s, d, m] = up();
+  ASSERT_TRUE(s && d && m);
+  ASSERT_TRUE(wait_until([&] { return srv_.held_watches() == 1; }));
+  std::byte msg[sizeof(proto::WatchMsg)];
+  ASSERT_TRUE(proto::encode_watch(msg, proto::Watch{0}).ok());
+  IoSeg seg{m->data(), static_cast<uint32_t>(proto::watch_buffer_bytes(4)), m};
+  EXPECT_EQ(sync([&](IoDone done) {
+              ibtrs::IoRequest r;
+              r.dir = ibtrs::IoDir::read;
+              r.usr = msg;
+              r.data = std::span(&seg, 1);
+              r.done = done.fn;
+              r.ctx = done.ctx;
+              return s->transport().request(r);
+            }),
+            EBUSY);
+  EXPECT_EQ(srv_.watches_busy_.load(), 1u);
+  srv_.resize("vol0", 20 << 20);
+  EXPECT_TRUE(wait_until([&] { return d->size_bytes() == (20u << 20); }, 2s));
+}
+
+// Case: a server that speaks version 3 (no WATCH); the volume is resized. Expect: the session
+// never sends a WATCH, every permit is IO's, and the device keeps its size until it is
+// re-opened (remap), which gives the new one.
+TEST_F(Client, AServerBelowVersionFourGetsNoWatch) {
+  start_server(1);
+  srv_.answer_version(3);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  EXPECT_FALSE(s->size_watch().supported);
+  srv_.resize("vol0", 20 << 20);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(srv_.watches_.load(), 0u);
+  EXPECT_FALSE(s->size_watch().armed);
+  EXPECT_EQ(s->transport().free_permits(), s->transport().queue_depth());
+  EXPECT_EQ(d->size_bytes(), kVolSize);
+  ASSERT_TRUE(s->remap("vol0").ok());
+  EXPECT_EQ(d->size_bytes(), 20u << 20);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Failover devices: two fake servers exporting one RAM volume (two gateways of one store), a
 // session to each, the device mapped through both (client.h, "Gateway failover").
 
@@ -1179,9 +1334,12 @@ TEST_F(Failover, ActiveKilledWithIoInFlightAndQueuedResumesOnTheStandby) {
     pattern(m->data() + size_t(i) * kLen, kLen, 500 + i);
     seg[i] = IoSeg{m->data() + size_t(i) * kLen, kLen, m};
   }
+  // Each session's WATCH holds one of its 16 permits (re-posted after its first answer): 15
+  // writes reach server 1, the rest wait in the library.
+  ASSERT_TRUE(wait_until([&] { return a->size_watch().armed && b->size_watch().armed; }));
   srv_.hold_io(true);
   for (int i = 0; i < 24; ++i) ASSERT_TRUE(d->write(uint64_t(i) * kLen, std::span(&seg[i], 1), 0, w[i].io()).ok());
-  ASSERT_TRUE(wait_until([&] { return srv_.held() == 16; }));
+  ASSERT_TRUE(wait_until([&] { return srv_.held() == 15; }));
   const size_t ios2 = srv2_.io_count();
   kill(1);
   Done f;
@@ -1396,6 +1554,27 @@ TEST_F(Failover, MemoryOfAnotherSessionIsRefused) {
   EXPECT_EQ(write(*db, 0, **shared, 0, 4096), 0);
   EXPECT_TRUE(same("vol1", 0, (*shared)->data(), 4096));
   shared->reset();
+}
+
+// Case: a failover device over two servers sharing vol0; the volume grows and both servers tell
+// their sessions. Expect: the failover device (its active leg) has the new size within 2 s, and
+// IO past the old end works on it.
+TEST_F(Failover, AResizeReachesTheFailoverDevice) {
+  start_both();
+  BlockSession* a = session(1);
+  BlockSession* b = session(2);
+  ASSERT_TRUE(a && b);
+  auto d = map_fo(*a, *b);
+  ASSERT_NE(d, nullptr);
+  auto* m = fo_buffer(*d, 65536);
+  ASSERT_NE(m, nullptr);
+  srv_.resize("vol0", 24 << 20);
+  srv2_.notify_resized("vol0");
+  ASSERT_TRUE(wait_until([&] { return d->size_bytes() == (24u << 20); }, 2s)) << d->size_bytes();
+  EXPECT_EQ(d->stats().resizes, 1u);
+  pattern(m->data(), 4096, 5);
+  EXPECT_EQ(write(*d, 20 << 20, *m, 0, 4096), 0);
+  EXPECT_TRUE(same("vol0", 20 << 20, m->data(), 4096));
 }
 
 }  // namespace

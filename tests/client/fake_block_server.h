@@ -2,7 +2,10 @@
 // real codec (decode_request, the response encoders, version negotiation), the real access
 // rules (proto::OpenTable, check_op_allowed) and RAM volumes. It records every IO it is sent and
 // has knobs for the faults the client must survive: fail IO with an errno, hold IO, forget
-// every device id (as a restarted server would), refuse OPEN, answer another version.
+// every device id (as a restarted server would), refuse OPEN, answer another version. Size
+// notices as the real server gives them (WATCH held per session, answered on a resize or any
+// path's loss; EBUSY for a second, EPROTO before a version 4 SESS_INFO), with a knob to hold
+// the answers back.
 //
 // Threading: ServerHandler callbacks come from the server's threads; knobs and observers are
 // for the test thread. One mutex guards the open table and the session list (access.h allows
@@ -58,6 +61,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     auto d = std::make_unique<Volume>();
     geo.nsectors = size / kSectorSize;
     d->geo = geo;
+    d->nsectors.store(geo.nsectors);
     d->mem.resize(size);
     vols_[name] = std::move(d);
   }
@@ -90,10 +94,18 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   // A session without paths is over for its client (a reconnect makes a new one): release what
   // it held now, not when its last held request completes, or its writer slots would refuse the
   // client's own re-open.
+  // Any path's loss lets go of the session's WATCH (as the real server: the transport re-sends
+  // a lost path's request into the same chunk, where it waits for the old copy).
   void on_path_down(ibtrs::ServerSession& s, const ibtrs::ServerPathInfo&) override {
-    std::lock_guard l(mu_);
-    Sess& c = sess_locked(s);
-    if (--c.paths == 0) (void)table_.end_session(c.id);
+    ibtrs::ServerRequest* w = nullptr;
+    std::vector<std::byte> rsp;
+    {
+      std::lock_guard l(mu_);
+      Sess& c = sess_locked(s);
+      w = take_watch_locked(c, true, rsp);
+      if (--c.paths == 0) (void)table_.end_session(c.id);
+    }
+    complete_watch(w, rsp);
   }
 
   void on_request(ibtrs::ServerRequest& r) override {
@@ -106,10 +118,11 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
       sess = &sess_locked(r.session());
     }
     switch (m->type) {
-      case proto::MsgType::sess_info: return sess_info(r, m->sess_info);
+      case proto::MsgType::sess_info: return sess_info(r, *sess, m->sess_info);
       case proto::MsgType::open: return open(r, *sess, m->open);
       case proto::MsgType::close: return close(r, *sess, m->close);
       case proto::MsgType::io: return io(r, *sess, m->io);
+      case proto::MsgType::watch: return watch(r, *sess, m->watch);
       default: return r.complete(EBADMSG);
     }
   }
@@ -147,6 +160,43 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     std::lock_guard l(mu_);
     version_ = v;
   }
+  // The volume (and every alias and share of it) is `size` bytes from now on: IO is checked
+  // against the new size, and the sessions that hold it are told (their WATCH answered, unless
+  // hold_notices). Another server sharing the volume tells its own with notify_resized.
+  void resize(const std::string& name, uint64_t size) {
+    Volume& v = *vols_.at(name);
+    {
+      std::lock_guard l(v.mu);
+      v.mem.resize(size);
+      v.nsectors.store(size / kSectorSize);
+    }
+    notify_resized(name);
+  }
+  void notify_resized(const std::string& name) {
+    std::vector<std::pair<ibtrs::ServerRequest*, std::vector<std::byte>>> done;
+    {
+      std::lock_guard l(mu_);
+      for (const auto& h : table_.holders(file_of(name))) {
+        for (auto& [key, c] : sessions_) {
+          if (c->id != h.session) continue;
+          c->epoch = ++next_epoch_;
+          if (hold_notices_.load()) continue;
+          std::vector<std::byte> rsp;
+          if (auto* w = take_watch_locked(*c, false, rsp)) done.emplace_back(w, std::move(rsp));
+        }
+      }
+    }
+    for (auto& [w, rsp] : done) complete_watch(w, rsp);
+  }
+  // Resizes change the epochs but leave held WATCHes unanswered (until a path goes down); a
+  // WATCH that arrives with an older epoch is still answered at once.
+  void hold_notices(bool on) { hold_notices_.store(on); }
+  size_t held_watches() {
+    std::lock_guard l(mu_);
+    size_t n = 0;
+    for (auto& [key, c] : sessions_) n += c->watch != nullptr;
+    return n;
+  }
 
   // ---- observers ----------------------------------------------------------------------------------
   std::vector<IoRecord> ios() {
@@ -177,10 +227,14 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   std::atomic<uint64_t> reopens_{0};  // OPENs with kOpenReopen (remaps of a device held before)
   std::atomic<uint64_t> closes_{0};
   std::atomic<uint64_t> sess_infos_{0};
+  std::atomic<uint64_t> watches_{0};       // WATCH requests (re-sent copies included)
+  std::atomic<uint64_t> watches_busy_{0};  // refused: the session had one held
+  std::atomic<uint64_t> watches_early_{0}; // refused: no version 4 SESS_INFO (yet)
 
  private:
   struct Volume {
-    DeviceGeometry geo;
+    DeviceGeometry geo;                  // nsectors as added; the size now is `nsectors`
+    std::atomic<uint64_t> nsectors{0};
     std::mutex mu;
     std::vector<std::byte> mem;
   };
@@ -188,6 +242,10 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     proto::SessionId id;
     std::string name;
     int paths;
+    uint8_t version = 0;
+    uint64_t epoch = 0;
+    ibtrs::ServerRequest* watch = nullptr;
+    uint64_t watch_seen = 0;
   };
   struct Held {
     ibtrs::ServerRequest* req;
@@ -197,8 +255,56 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
 
   Sess& sess_locked(ibtrs::ServerSession& s) {
     auto& c = sessions_[&s];
-    if (!c) c = std::make_unique<Sess>(Sess{next_id_++, s.name(), 0});
+    if (!c) {
+      c = std::make_unique<Sess>(Sess{next_id_++, s.name(), 0});
+      c->epoch = ++next_epoch_;
+    }
     return *c;
+  }
+
+  void watch(ibtrs::ServerRequest& r, Sess& s, const proto::Watch& m) {
+    watches_.fetch_add(1);
+    std::vector<std::byte> rsp;
+    ibtrs::ServerRequest* w = nullptr;
+    {
+      std::lock_guard l(mu_);
+      if (s.version < proto::kWatchVersion) {
+        watches_early_.fetch_add(1);
+        return r.complete(EPROTO);
+      }
+      if (s.watch != nullptr) {
+        watches_busy_.fetch_add(1);
+        return r.complete(EBUSY);
+      }
+      s.watch = &r;
+      s.watch_seen = m.epoch;
+      w = take_watch_locked(s, false, rsp);  // at once when the epoch differs (hold_notices or not)
+    }
+    complete_watch(w, rsp);
+  }
+
+  // The session's held WATCH and its answer, when it is due (`release`: always). The caller
+  // completes it after unlocking (complete_watch).
+  ibtrs::ServerRequest* take_watch_locked(Sess& s, bool release, std::vector<std::byte>& out) {
+    if (s.watch == nullptr || (!release && s.watch_seen == s.epoch)) return nullptr;
+    proto::WatchRsp rsp;
+    rsp.epoch = s.epoch;
+    for (const auto& o : table_.devices_of(s.id)) {
+      if (o.force_closed) continue;
+      rsp.entries.push_back(proto::WatchEntry{o.device_id, vols_.at(o.dev)->nsectors.load()});
+    }
+    rsp.total = static_cast<uint32_t>(rsp.entries.size());
+    ibtrs::ServerRequest* w = std::exchange(s.watch, nullptr);
+    out.resize(w->data().size());
+    auto n = proto::encode_watch_rsp(out, rsp);
+    out.resize(n.ok() ? *n : 0);
+    return w;
+  }
+  static void complete_watch(ibtrs::ServerRequest* w, const std::vector<std::byte>& rsp) {
+    if (w == nullptr) return;
+    if (rsp.empty()) return w->complete(EINVAL);
+    std::memcpy(w->data().data(), rsp.data(), rsp.size());
+    w->complete(0);
   }
 
   std::vector<Held> take_held() {
@@ -206,7 +312,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     return std::exchange(held_, {});
   }
 
-  void sess_info(ibtrs::ServerRequest& r, const proto::SessInfo& m) {
+  void sess_info(ibtrs::ServerRequest& r, Sess& s, const proto::SessInfo& m) {
     sess_infos_.fetch_add(1);
     std::optional<uint8_t> forced;
     {
@@ -219,11 +325,19 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
       w.hdr.type.set(static_cast<uint16_t>(proto::MsgType::sess_info_rsp));
       w.ver = *forced;
       std::memcpy(r.data().data(), &w, sizeof(w));
+      {
+        std::lock_guard l(mu_);
+        s.version = *forced;
+      }
       return r.complete(0);
     }
     auto v = proto::negotiate_version(m.ver);
     if (!v.ok()) return r.complete(v.error().value());
     auto n = proto::encode_sess_info_rsp(r.data(), proto::SessInfoRsp{*v});
+    if (n.ok()) {
+      std::lock_guard l(mu_);
+      s.version = *v;
+    }
     r.complete(n.ok() ? 0 : n.error().value());
   }
 
@@ -234,12 +348,17 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     auto it = vols_.find(m.dev_name);
     if (it == vols_.end()) return r.complete(ENOENT);
     Result<proto::OpenTable::Grant> g = errc(EINVAL);
+    proto::OpenRsp rsp;
     {
       std::lock_guard l(mu_);
       g = table_.open(s.id, file_of(m.dev_name), m.dev_name, m.mode);
+      rsp.size_epoch = s.version >= proto::kWatchVersion ? s.epoch : 0;
     }
     if (!g.ok()) return r.complete(g.error().value());
-    auto n = proto::encode_open_rsp(r.data(), proto::OpenRsp{g->device_id, it->second->geo});
+    rsp.device_id = g->device_id;
+    rsp.geo = it->second->geo;
+    rsp.geo.nsectors = it->second->nsectors.load();
+    auto n = proto::encode_open_rsp(r.data(), rsp);
     r.complete(n.ok() ? 0 : n.error().value());
   }
 
@@ -262,8 +381,8 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     if (!o.ok()) return r.complete(o.error().value());
     if (auto st = proto::check_op_allowed(o->mode, m.op); !st.ok()) return r.complete(st.error().value());
     Volume* v = vols_.at(o->dev).get();
-    if (m.sector > v->geo.nsectors || m.bi_size / kSectorSize > v->geo.nsectors - m.sector)
-      return r.complete(EINVAL);
+    const uint64_t nsectors = v->nsectors.load();
+    if (m.sector > nsectors || m.bi_size / kSectorSize > nsectors - m.sector) return r.complete(EINVAL);
     if (fault) {
       if (int e = fault(m)) return r.complete(e);
     }
@@ -278,6 +397,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   static void serve(ibtrs::ServerRequest& r, Volume* v, const proto::Io& m) {
     const size_t off = m.sector * kSectorSize;
     std::lock_guard l(v->mu);
+    if (off + m.bi_size > v->mem.size()) return r.complete(EIO);  // shrunk since it was checked
     switch (m.op) {
       case IoOp::read: std::memcpy(r.data().data(), v->mem.data() + off, m.bi_size); break;
       case IoOp::write: std::memcpy(v->mem.data() + off, r.data().data(), m.bi_size); break;
@@ -307,6 +427,8 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   std::optional<uint8_t> version_;
   std::atomic<bool> hold_{false};
   std::atomic<int> refuse_open_{0};
+  std::atomic<bool> hold_notices_{false};
+  uint64_t next_epoch_ = 1000;  // under mu_
 };
 
 }  // namespace ibnbd::test

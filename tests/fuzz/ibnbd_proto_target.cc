@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <span>
+#include <vector>
 
 #include "proto/ibnbd_proto.h"
 
@@ -37,7 +38,7 @@ int proto_one_input(const uint8_t* data, size_t size) {
                   size_t{data[2]} | size_t{data[3]} << 8 | size_t{data[4]} << 16 |
                       size_t{data[5]} << 24};
   std::span<const std::byte> msg(reinterpret_cast<const std::byte*>(data + 6), size - 6);
-  switch (data[0] % 4) {
+  switch (data[0] % 5) {
     case 0: {
       auto r = decode_request(msg, c);
       if (!r.ok()) break;
@@ -58,6 +59,10 @@ int proto_one_input(const uint8_t* data, size_t size) {
           if (c != carrier_of(r->io)) std::abort();
           expect_reencodes(encode_io, r->io, msg);
           break;
+        case MsgType::watch:
+          if (c.dir != ibtrs::IoDir::read || c.data_len < kWatchCarrier.data_len) std::abort();
+          expect_reencodes(encode_watch, r->watch, msg);
+          break;
         default:
           std::abort();  // responses are never requests
       }
@@ -72,6 +77,17 @@ int proto_one_input(const uint8_t* data, size_t size) {
     case 2: {
       auto r = decode_open_rsp(msg);
       if (r.ok()) expect_reencodes(encode_open_rsp, *r, msg);
+      break;
+    }
+    case 4: {
+      // A WATCH_RSP: what it lists lies in the buffer, and it encodes back to its own bytes
+      // (into a buffer of exactly what it used, so the encoder lists as many).
+      auto r = decode_watch_rsp(msg);
+      if (!r.ok()) break;
+      if (r->entries.size() > r->total || watch_buffer_bytes(r->entries.size()) > msg.size()) std::abort();
+      std::vector<std::byte> out(watch_buffer_bytes(r->entries.size()));
+      auto n = encode_watch_rsp(out, *r);
+      if (!n.ok() || *n != out.size() || std::memcmp(out.data(), msg.data(), out.size()) != 0) std::abort();
       break;
     }
     default: {
@@ -118,6 +134,8 @@ std::vector<std::vector<uint8_t>> proto_seeds() {
   g.cache_policy = kCacheWriteBack;
   add(2, kOpenCarrier, encode_open_rsp(buf, OpenRsp{9, g}));
   seeds.push_back(with_prefix(3, IoDir::read, pack_rw(IoOp::flush, kIoPreflush).value(), {}));
+  add(0, Carrier{IoDir::read, watch_buffer_bytes(256)}, encode_watch(buf, Watch{0x1122334455667788ull}));
+  add(4, kWatchCarrier, encode_watch_rsp(buf, WatchRsp{9, 3, {{0, 2048}, {2, 1u << 21}, {7, 8}}}));
   return seeds;
 }
 

@@ -666,7 +666,13 @@ std::shared_ptr<RemoteDevice> Rig::bring_up(const std::string& tag, Store store,
   BlockSessionOptions o = session_options();
   if (tune) tune(o);
   if (open_session(std::move(o)) == nullptr) return nullptr;
-  return map_rw();
+  auto d = map_rw();
+  // The session's WATCH (size notices) goes out with no epoch at open, is answered at once and
+  // posted again: a transport READ that the cases counting requests per path must not see.
+  if (d && session().size_watch().supported) {
+    EXPECT_TRUE(wait_until([&] { return session().size_watch().armed && session().size_watch().answers > 0; }));
+  }
+  return d;
 }
 
 std::vector<std::string> Rig::server_paths(const std::string& name) {

@@ -132,14 +132,26 @@ else
   not_ok "export rbd:rbd/src" "$(tail -1 "$work/err")"
 fi
 
-# Case: the image grows (`rbd resize` by another client) while mapped; the client remaps it
-# (`ibnbd device resize`). Expect: the new size in the device list and in nbdinfo of the export;
-# the bytes before stay as they were.
+# Case: the image grows (`rbd resize` by another client) while mapped, and nobody remaps it.
+# Expect: within 5 s the gateway's notice (librbd's update watch -> the session's WATCH) gives
+# the daemon's listing the new size, and a new NBD connection (nbdinfo) sees it too; the bytes
+# before stay as they were.
 if r resize --no-progress rbd/src --size 24M >/dev/null 2>&1; then
-  check_cmd "device resize rbd:rbd/src" ca device resize rbd:rbd/src
-  size=$(t nbdinfo --json "nbd+unix:///src?socket=$work/src.sock" 2>/dev/null | jq -r '.exports[0]."export-size"')
-  [ "$size" = $((24 << 20)) ] && ok "after rbd resize and device resize: nbdinfo shows 24 MiB" ||
-    not_ok "resize seen by the client" "nbdinfo says '$size'"
+  got=""
+  t_resized=$(date +%s%N)
+  for _ in $(seq 50); do
+    got=$(ca -f json device show rbd:rbd/src 2>/dev/null | jq -r '.[0].size')
+    [ "$got" = $((24 << 20)) ] && break
+    sleep 0.1
+  done
+  [ "$got" = $((24 << 20)) ] &&
+    ok "rbd resize reached the mapping by itself: device show says 24 MiB ($((($(date +%s%N) - t_resized) / 1000000)) ms after rbd resize returned)" ||
+    not_ok "rbd resize seen by the client" "device show says size '$got'"
+  size=$(t nbdinfo --size "nbd+unix:///src?socket=$work/src.sock" 2>/dev/null)
+  [ "$size" = $((24 << 20)) ] && ok "... and a new NBD connection: nbdinfo --size 24 MiB" ||
+    not_ok "resize seen through NBD" "nbdinfo says '$size'"
+  grep -q "rbd:rbd/src: size 16777216 -> 25165824 bytes" "$work/srv.log" && ok "the gateway logged the resize" ||
+    not_ok "the gateway logged the resize" "$(grep -i size "$work/srv.log" | tail -2)"
   t qemu-img convert -f raw -O raw "nbd+unix:///src?socket=$work/src.sock" "$work/src.grown" 2>/dev/null
   head -c $((16 << 20)) "$work/src.grown" >"$work/src.head" 2>/dev/null
   same "... and the first 16 MiB are what was imported" "$work/src.bin" "$work/src.head"

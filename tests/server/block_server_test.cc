@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -121,8 +122,26 @@ class Peer {
     return send(op == IoOp::read ? IoDir::read : IoDir::write, std::span(m, *n), data ? len : 0, buf_off);
   }
 
+  // WATCH with `epoch`: the answer lands in buf at `off`, room for `entries`; `w` completes.
+  bool post_watch(Waiter& w, uint64_t epoch, size_t entries = 16, size_t off = 2 << 20) {
+    std::byte m[sizeof(proto::WatchMsg)];
+    if (!proto::encode_watch(m, proto::Watch{epoch}).ok()) return false;
+    watch_seg = IoSeg{buf->data() + off, static_cast<uint32_t>(proto::watch_buffer_bytes(entries)), buf.get()};
+    IoRequest r;
+    r.dir = IoDir::read;
+    r.usr = std::span(m, sizeof(m));
+    r.data = std::span(&watch_seg, 1);
+    r.done = &Waiter::cb;
+    r.ctx = &w;
+    return s->request(r).ok();
+  }
+  Result<proto::WatchRsp> watch_rsp(size_t entries = 16, size_t off = 2 << 20) {
+    return proto::decode_watch_rsp(std::span(buf->data() + off, proto::watch_buffer_bytes(entries)));
+  }
+
   std::unique_ptr<ClientSession> s;
   std::unique_ptr<RegisteredMemory> buf;
+  IoSeg watch_seg{};
 };
 
 class BlockServerTest : public ::testing::Test {
@@ -171,6 +190,21 @@ class BlockServerTest : public ::testing::Test {
   void fill(Peer& p, size_t off, size_t len, uint32_t seed) {
     std::mt19937 rng(seed);
     for (size_t i = 0; i < len; ++i) p.buf->data()[off + i] = static_cast<std::byte>(rng());
+  }
+
+  bool wait_for(const std::function<bool()>& pred, std::chrono::milliseconds t = 5s) {
+    const auto end = std::chrono::steady_clock::now() + t;
+    while (!pred()) {
+      if (std::chrono::steady_clock::now() > end) return false;
+      std::this_thread::sleep_for(5ms);
+    }
+    return true;
+  }
+  // The server holds a WATCH of session `name`.
+  bool watching(const std::string& name) {
+    for (auto& i : server_->sessions())
+      if (i.name == name) return i.watching;
+    return false;
   }
 
   std::string root_;
@@ -314,6 +348,126 @@ TEST_F(BlockServerTest, OpenOfAHeldDeviceAnswersItsSizeNow) {
   ASSERT_EQ(b.open_dev("disk.img", AccessMode::ro, &rb), 0);
   EXPECT_EQ(rb.geo.nsectors, (4u << 20) / kSectorSize);
   EXPECT_EQ(a.io(ra.device_id, IoOp::read, 6 << 20, 4096), EIO) << "past the new end";
+}
+
+// Case: a session holds disk.img and other.img and sends a WATCH with the epoch of its OPEN; the
+// admin grows disk.img (truncate), later shrinks it. Expect: the WATCH is held (the listing
+// says so) until the periodic check sees the change, then answered within 2 s with a higher
+// epoch and every device's size by id; IO follows the new size (past the old end works, past
+// the new end is EIO). A WATCH with an epoch the session is past (0) is answered at once.
+TEST_F(BlockServerTest, AWatchIsAnsweredWhenAFileIsResized) {
+  start();
+  Peer& p = peer("watcher");
+  proto::OpenRsp rd, ro;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::rw, &rd), 0);
+  ASSERT_EQ(p.open_dev("other.img", AccessMode::ro, &ro), 0);
+  EXPECT_NE(rd.size_epoch, 0u);
+  EXPECT_EQ(ro.size_epoch, rd.size_epoch) << "nothing changed in between";
+  Waiter w;
+  ASSERT_TRUE(p.post_watch(w, rd.size_epoch));
+  EXPECT_EQ(w.wait(300ms), -ETIMEDOUT) << "held: nothing changed";
+  auto infos = server_->sessions();
+  ASSERT_EQ(infos.size(), 1u);
+  EXPECT_TRUE(infos[0].watching);
+  const auto t0 = std::chrono::steady_clock::now();
+  fs::resize_file(root_ + "/disk.img", 12 << 20);
+  ASSERT_EQ(w.wait(2500ms), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2500ms);
+  auto rsp = p.watch_rsp();
+  ASSERT_TRUE(rsp.ok()) << rsp.error().message();
+  EXPECT_GT(rsp->epoch, rd.size_epoch);
+  EXPECT_EQ(rsp->total, 2u);
+  EXPECT_EQ(rsp->entries, (std::vector<proto::WatchEntry>{{rd.device_id, (12u << 20) / kSectorSize},
+                                                          {ro.device_id, (1u << 20) / kSectorSize}}));
+  EXPECT_EQ(p.io(rd.device_id, IoOp::write, 10 << 20, 4096), 0) << "past the old end";
+
+  Waiter again;
+  ASSERT_TRUE(p.post_watch(again, rsp->epoch));
+  EXPECT_EQ(again.wait(200ms), -ETIMEDOUT);
+  fs::resize_file(root_ + "/disk.img", 4 << 20);
+  ASSERT_EQ(again.wait(2500ms), 0);
+  auto shrunk = p.watch_rsp();
+  ASSERT_TRUE(shrunk.ok());
+  EXPECT_GT(shrunk->epoch, rsp->epoch);
+  ASSERT_EQ(shrunk->entries.size(), 2u);
+  EXPECT_EQ(shrunk->entries[0].nsectors, (4u << 20) / kSectorSize);
+  EXPECT_EQ(p.io(rd.device_id, IoOp::read, 6 << 20, 4096), EIO) << "past the new end";
+
+  Waiter stale;
+  ASSERT_TRUE(p.post_watch(stale, 0));
+  EXPECT_EQ(stale.wait(1s), 0) << "an epoch the session is past: at once";
+  auto now = p.watch_rsp();
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(now->epoch, shrunk->epoch);
+}
+
+// Case: WATCH from a session before SESS_INFO, from one that agreed on version 3, a second
+// WATCH while one is held, and an answer buffer that holds one device of two. Expect: EPROTO,
+// EPROTO, EBUSY (the first stays held and still answers), and count 1 of total 2.
+TEST_F(BlockServerTest, WatchRefusalsAndAShortBuffer) {
+  start();
+  Peer& early = peer("early", false);
+  Waiter w0;
+  ASSERT_TRUE(early.post_watch(w0, 0));
+  EXPECT_EQ(w0.wait(), EPROTO);
+  Peer& old = peer("old", false);
+  ASSERT_EQ(old.sess_info(3), 0);
+  Waiter w1;
+  ASSERT_TRUE(old.post_watch(w1, 0));
+  EXPECT_EQ(w1.wait(), EPROTO);
+  proto::OpenRsp r3;
+  ASSERT_EQ(old.open_dev("other.img", AccessMode::ro, &r3), 0);
+  EXPECT_EQ(r3.size_epoch, 0u) << "reserved below version 4";
+
+  Peer& p = peer("p");
+  proto::OpenRsp rd, ro;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::ro, &rd), 0);
+  ASSERT_EQ(p.open_dev("other.img", AccessMode::ro, &ro), 0);
+  Waiter held, second;
+  ASSERT_TRUE(p.post_watch(held, rd.size_epoch));
+  ASSERT_TRUE(wait_for([&] { return server_->sessions().size() == 3 && watching("p"); }));
+  ASSERT_TRUE(p.post_watch(second, rd.size_epoch, 16, 3 << 20));
+  EXPECT_EQ(second.wait(), EBUSY);
+  EXPECT_EQ(held.wait(100ms), -ETIMEDOUT) << "the first stays held";
+  fs::resize_file(root_ + "/other.img", 2 << 20);
+  ASSERT_EQ(held.wait(2500ms), 0);
+
+  Waiter shortbuf;
+  ASSERT_TRUE(p.post_watch(shortbuf, 0, 1));
+  ASSERT_EQ(shortbuf.wait(), 0);
+  auto part = p.watch_rsp(1);
+  ASSERT_TRUE(part.ok());
+  EXPECT_EQ(part->total, 2u);
+  ASSERT_EQ(part->entries.size(), 1u);
+  EXPECT_EQ(part->entries[0].device_id, std::min(rd.device_id, ro.device_id));
+}
+
+// Case: a session with a held WATCH loses its only path (the client disconnects it); then
+// another holds one while the server is stopped. Expect: the first session is freed within
+// 2 s (the WATCH was let go, its answer lost with the path); the stop returns within 5 s and
+// the second WATCH completes.
+TEST_F(BlockServerTest, AHeldWatchKeepsNeitherTheSessionNorTheServer) {
+  start();
+  Peer& p = peer("gone");
+  proto::OpenRsp rd;
+  ASSERT_EQ(p.open_dev("disk.img", AccessMode::rw, &rd), 0);
+  Waiter w;
+  ASSERT_TRUE(p.post_watch(w, rd.size_epoch));
+  ASSERT_TRUE(wait_for([&] { return watching("gone"); }));
+  ASSERT_TRUE(p.s->disconnect_path(p.s->paths().at(0).name).ok());
+  EXPECT_TRUE(wait_for([&] { return server_->sessions().empty(); }, 2s)) << "the session was freed";
+  EXPECT_NE(w.wait(5s), -ETIMEDOUT);
+
+  Peer& q = peer("stays");
+  proto::OpenRsp rq;
+  ASSERT_EQ(q.open_dev("disk.img", AccessMode::rw, &rq), 0);
+  Waiter wq;
+  ASSERT_TRUE(q.post_watch(wq, rq.size_epoch));
+  ASSERT_TRUE(wait_for([&] { return watching("stays"); }));
+  const auto t0 = std::chrono::steady_clock::now();
+  server_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  EXPECT_NE(wq.wait(10s), -ETIMEDOUT);
 }
 
 // Case: the admin takes a device away from a session. Expect: its IO gets ENODEV, the client can

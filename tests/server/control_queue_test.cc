@@ -1,11 +1,16 @@
 // FairQueue (server/src/control_queue.h): the block server's per-session queues of control
-// requests, bounded per session and served round robin.
+// requests, bounded per session and served round robin; and the control thread's periodic task
+// (server/src/control_thread.h: the size check).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "control_queue.h"
+#include "control_thread.h"
 
 namespace ibnbd::server {
 namespace {
@@ -49,6 +54,41 @@ TEST(FairQueue, AKeyThatDrainedRejoinsAtTheBack) {
   FairQueue<int, int> none(0);
   EXPECT_FALSE(none.push(1, 1)) << "a bound of 0 takes nothing";
   EXPECT_TRUE(none.empty());
+}
+
+// Case: a periodic task of 20 ms on the control thread, first idle for 150 ms, then under a
+// stream of tasks that each take 1 ms for 150 ms; then stop(). Expect: it runs about every
+// period both times (the stream delays it by a task, never starves it), on the control thread
+// (never beside a task), and not after stop().
+TEST(ControlThread, PeriodicTaskRunsBetweenTasksAndStopsWithTheThread) {
+  ControlThread t;
+  std::atomic<int> ticks{0};
+  std::atomic<bool> in_task{false}, overlap{false};
+  t.every(std::chrono::milliseconds(20), [&] {
+    if (in_task.load()) overlap.store(true);
+    ticks.fetch_add(1);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  const int idle = ticks.load();
+  EXPECT_GE(idle, 4);
+  EXPECT_LE(idle, 8);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(150);
+  while (std::chrono::steady_clock::now() < end) {
+    t.post([&] {
+      in_task.store(true);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      in_task.store(false);
+    });
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  t.call([] { return 0; });
+  const int busy = ticks.load() - idle;
+  EXPECT_GE(busy, 3) << "a stream of tasks must not starve it";
+  EXPECT_FALSE(overlap.load());
+  t.stop();
+  const int at_stop = ticks.load();
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  EXPECT_EQ(ticks.load(), at_stop);
 }
 
 }  // namespace

@@ -182,8 +182,9 @@ struct FakeDaemon {
     if (cmd == "session_list" || cmd == "session_show")
       return listing({"sessname", "mp"}, json::array({json::array({"s1", policy})}));
     if (cmd == "device_list" || cmd == "device_show")
-      return listing({"device", "session", "access_mode", "state", "standby", "standby_state", "failovers"},
-                     json::array({json::array({"sub/b.img", "s1", "ro", "open", "s2", "ready", 1})}));
+      return listing({"device", "session", "access_mode", "state", "standby", "standby_state", "failovers", "size"},
+                     json::array({json::array({"sub/b.img", "s1", "ro", "open", "s2", "ready", 1,
+                                               json{{"bytes", 8u << 20}}})}));
     if (cmd == "path_stats") {
       ibtrs::PathStatsSnapshot st;
       st.write_cnt = 3;
@@ -272,6 +273,9 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(*(*resolve(root, "/ibnbd-client/ctl/devices"))->list(), std::vector<std::string>{"sub!b.img"});
   EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/mapping_path"), "sub/b.img\n");
   EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/access_mode"), "ro\n");
+  // Case: the device's size file. Expect: 512-byte sectors of the listing's size (the gendisk's
+  // /sys/block/<dev>/size), what the server last said.
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/size"), "16384\n");
   // Case: a device with a standby server. Expect: its standby, its state and the failovers so
   // far as files; `failover` switches (device_failover), and takes "1" only.
   EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/standby"), "s2\n");

@@ -7,7 +7,8 @@
 //   - resolve_export(), Backend::open*(): any thread; they block on the filesystem (control
 //     thread work, never an IO thread's hot path).
 //   - Backend: geometry(), size(), refresh_size() and the accessors from any thread (the size is
-//     atomic; everything else is fixed at open). A Backend must outlive every request naming it.
+//     atomic; everything else is fixed at open). watch_size() once, from the thread that owns the
+//     Backend. A Backend must outlive every request naming it.
 //   - IoEngine: one engine per server IO thread, used by that thread only ("the owning thread"):
 //     submit(), kick(), run_completions(), wait(), drain(), in_flight(). It may be created on
 //     another thread and handed over before first use. event_fd() from any thread (it does not
@@ -22,6 +23,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -142,9 +144,20 @@ class Backend {
   // start them without blocking (no FMODE_NOWAIT) and hands each to a worker thread.
   bool memory_backed() const { return memory_backed_; }
 
-  // Re-reads the store's size (st_size / BLKGETSIZE64) for the `resize` command and returns the
-  // new exported size. IO racing with a shrink fails with EIO (range check or short read).
+  // Re-reads the store's size (st_size / BLKGETSIZE64 / rbd_get_size, which for an image is
+  // librbd's view: current once its header watch told it) and returns the new exported size,
+  // which IO is checked against from then on. IO racing with a shrink fails with EIO (range
+  // check or short read). Blocks briefly (an image may refresh its header from the cluster):
+  // the server's control thread, never the IO path.
   Result<uint64_t> refresh_size();
+  // Calls `on_change` when the store's size may have changed: an RBD image's header update
+  // (rbd_update_watch; librbd also calls it for other header changes, so the callee re-reads
+  // with refresh_size()). It runs on a librbd thread and must hand off without blocking; it is
+  // never called after the Backend is destroyed (rbd_update_unwatch comes first). EOPNOTSUPP
+  // for files and block devices (their size is polled with refresh_size()) and for images
+  // opened read-only, which librbd does not watch (their size stays what it was at open until
+  // re-opened); librbd's errno otherwise.
+  Status watch_size(std::function<void()> on_change);
   // Makes every completed write durable (fdatasync; rbd_flush for an image). Blocks: for a
   // device's last close on the control thread, not the IO path.
   Status sync();

@@ -230,6 +230,17 @@ Result<uint64_t> Backend::refresh_size() {
   return s;
 }
 
+Status Backend::watch_size(std::function<void()> on_change) {
+  if (kind_ != Kind::rbd || !on_change) return errc(EOPNOTSUPP);
+  if (rbd_->on_update) return errc(EBUSY);  // once: a running watch may be calling it
+  rbd_->on_update = std::move(on_change);
+  if (const int rc = backend::rbd_watch(*rbd_); rc < 0) {
+    rbd_->on_update = nullptr;  // no watch was made: nothing calls it
+    return errc(-rc);
+  }
+  return {};
+}
+
 Result<std::string> Backend::take_over() {
   std::string fenced;
   if (kind_ != Kind::rbd || read_only_) return fenced;

@@ -151,14 +151,19 @@ struct RbdCluster::Impl {
 struct backend::RbdImage::Handles {
   rados_ioctx_t io = nullptr;
   rbd_image_t image = nullptr;
+  uint64_t watch = 0;
+  bool watching = false;
   ~Handles() {
+    // librbd waits for a callback that is running before unwatch returns: none runs later.
+    if (watching) (void)rbd_update_unwatch(image, watch);
     if (image) rbd_close(image);
     if (io) rados_ioctx_destroy(io);
   }
 };
 
 backend::RbdImage::RbdImage() = default;
-backend::RbdImage::~RbdImage() = default;
+// The handles (and with them the update watch) go before on_update, which the watch calls.
+backend::RbdImage::~RbdImage() { h.reset(); }
 
 RbdCluster::RbdCluster(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RbdCluster::~RbdCluster() = default;
@@ -223,6 +228,7 @@ Result<std::unique_ptr<Backend>> RbdCluster::open(const RbdName& name, std::stri
     return errc(EROFS);
   }
   auto img = std::make_unique<backend::RbdImage>();
+  img->read_only = o.read_only;
   img->h = std::make_unique<backend::RbdImage::Handles>();
   auto& h = *img->h;
   int rc = rados_ioctx_create(impl_->cluster, name.pool.c_str(), &h.io);
@@ -318,6 +324,23 @@ int rbd_size(RbdImage& img, uint64_t* bytes) {
 }
 int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : rbd_flush(img.h->image); }
 
+namespace {
+void update_cb(void* arg) {
+  auto* img = static_cast<RbdImage*>(arg);
+  img->on_update();
+}
+}  // namespace
+
+int rbd_watch(RbdImage& img) {
+  // A read-only image has no header watch in librbd (rbd_open_read_only), so nothing would
+  // ever call back.
+  if (img.fake || img.read_only) return -EOPNOTSUPP;
+  if (img.h->watching) return -EBUSY;
+  const int rc = rbd_update_watch(img.h->image, &img.h->watch, update_cb, &img);
+  if (rc == 0) img.h->watching = true;
+  return rc;
+}
+
 int rbd_take_over(RbdImage& img, std::string* fenced) {
   if (img.fake) return 0;  // a fake has no lock
   rbd_image_t im = img.h->image;
@@ -383,6 +406,7 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
 bool rbd_cache_volatile(RbdImage&) { return true; }
 int rbd_size(RbdImage& img, uint64_t* bytes) { return img.fake ? img.fake->size(bytes) : -EOPNOTSUPP; }
 int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : -EOPNOTSUPP; }
+int rbd_watch(RbdImage&) { return -EOPNOTSUPP; }
 int rbd_take_over(RbdImage& img, std::string*) { return img.fake ? 0 : -EOPNOTSUPP; }
 }  // namespace backend
 

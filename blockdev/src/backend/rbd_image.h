@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -29,11 +30,15 @@ struct RbdFake {
 };
 
 struct RbdImage {
-  struct Handles;  // rados_ioctx_t + rbd_image_t, and the cluster they belong to
+  struct Handles;  // rados_ioctx_t + rbd_image_t (+ the update watch), and the cluster's
   std::unique_ptr<Handles> h;
   RbdFake* fake = nullptr;  // tests only: every call goes to it instead of librbd
+  bool read_only = false;   // opened with rbd_open_read_only: librbd keeps no header watch
+  // Backend::watch_size's callback, called from librbd's thread; set before the watch and
+  // outlived by it (~RbdImage unwatches first).
+  std::function<void()> on_update;
   RbdImage();
-  ~RbdImage();  // rbd_close (which waits for its AIO), then the ioctx
+  ~RbdImage();  // rbd_update_unwatch, rbd_close (which waits for its AIO), then the ioctx
   RbdImage(const RbdImage&) = delete;
   RbdImage& operator=(const RbdImage&) = delete;
 };
@@ -69,6 +74,9 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
 
 // rbd_get_size / rbd_flush (blocking; control thread).
 int rbd_size(RbdImage& img, uint64_t* bytes);
+// rbd_update_watch with img.on_update as the callback (Backend::watch_size). -EOPNOTSUPP for a
+// fake or a read-only image.
+int rbd_watch(RbdImage& img);
 int rbd_sync(RbdImage& img);
 // Whether librbd's cache may hold writes it acknowledged (rbd_cache on, write-back): what the
 // geometry's kCacheWriteBack says to clients.

@@ -65,6 +65,8 @@ std::string_view to_string(MsgType t) {
     case MsgType::open_rsp: return "OPEN_RSP";
     case MsgType::io: return "IO";
     case MsgType::close: return "CLOSE";
+    case MsgType::watch: return "WATCH";
+    case MsgType::watch_rsp: return "WATCH_RSP";
   }
   return "?";
 }
@@ -190,6 +192,7 @@ Result<size_t> encode_open_rsp(std::span<std::byte> out, const OpenRsp& m) {
   w.max_segments.set(g.max_segments);
   w.secure_discard = g.secure_discard ? 1 : 0;
   w.cache_policy = g.cache_policy;
+  w.size_epoch.set(m.size_epoch);
   return store(out, w);
 }
 
@@ -212,6 +215,47 @@ Result<size_t> encode_io(std::span<std::byte> out, const Io& m) {
   return store(out, w);
 }
 
+Result<size_t> encode_watch(std::span<std::byte> out, const Watch& m) {
+  WatchMsg w{};
+  w.hdr = make_hdr(MsgType::watch);
+  w.epoch.set(m.epoch);
+  return store(out, w);
+}
+
+namespace {
+
+// The rules of a WATCH_RSP's contents, shared by its encoder and decoder.
+Status check_watch_rsp(uint64_t epoch, uint32_t total, std::span<const WatchEntry> entries) {
+  // 0 is the client's "none seen": an answer with it would never differ from a fresh client's.
+  if (epoch == 0 || entries.size() > total) return errc(EINVAL);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (i > 0 && entries[i].device_id <= entries[i - 1].device_id) return errc(EINVAL);
+    if (entries[i].nsectors > std::numeric_limits<uint64_t>::max() / kSectorSize) return errc(EINVAL);
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<size_t> encode_watch_rsp(std::span<std::byte> out, const WatchRsp& m) {
+  IBTRS_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
+  if (out.size() < sizeof(WatchRspMsg)) return errc(ENOBUFS);
+  const size_t fit = std::min(m.entries.size(), (out.size() - sizeof(WatchRspMsg)) / kWatchEntryBytes);
+  WatchRspMsg w{};
+  w.hdr = make_hdr(MsgType::watch_rsp);
+  w.count.set(static_cast<uint32_t>(fit));
+  w.total.set(m.total);
+  w.epoch.set(m.epoch);
+  std::memcpy(out.data(), &w, sizeof(w));
+  for (size_t i = 0; i < fit; ++i) {
+    WatchEntryMsg e{};
+    e.device_id.set(m.entries[i].device_id);
+    e.nsectors.set(m.entries[i].nsectors);
+    std::memcpy(out.data() + sizeof(w) + i * kWatchEntryBytes, &e, sizeof(e));
+  }
+  return watch_buffer_bytes(fit);
+}
+
 // ------------------------------------------------------------------------------------------
 // Decoders
 
@@ -220,7 +264,7 @@ Result<MsgType> peek_type(std::span<const std::byte> msg) {
   MsgHdr h;
   std::memcpy(&h, msg.data(), sizeof(h));
   const uint16_t t = h.type.get();
-  if (t > static_cast<uint16_t>(MsgType::close)) return errc(EBADMSG);
+  if (t > static_cast<uint16_t>(MsgType::watch_rsp)) return errc(EBADMSG);
   return static_cast<MsgType>(t);
 }
 
@@ -275,6 +319,13 @@ Result<Io> decode_io(std::span<const std::byte> usr, Carrier c) {
   return m;
 }
 
+Result<Watch> decode_watch(std::span<const std::byte> usr, Carrier c) {
+  IBTRS_ASSIGN_OR_RETURN(WatchMsg w, load_msg<WatchMsg>(usr, MsgType::watch, Len::exact));
+  if (w.hdr.reserved.get() != 0 || w.reserved.get() != 0) return errc(EINVAL);
+  if (!read_buffer_fits(c, sizeof(WatchRspMsg))) return errc(EINVAL);
+  return Watch{w.epoch.get()};
+}
+
 Result<Request> decode_request(std::span<const std::byte> usr, Carrier c) {
   Request r;
   IBTRS_ASSIGN_OR_RETURN(r.type, peek_type(usr));
@@ -295,8 +346,13 @@ Result<Request> decode_request(std::span<const std::byte> usr, Carrier c) {
       IBTRS_ASSIGN_OR_RETURN(r.io, decode_io(usr, c));
       return r;
     }
+    case MsgType::watch: {
+      IBTRS_ASSIGN_OR_RETURN(r.watch, decode_watch(usr, c));
+      return r;
+    }
     case MsgType::sess_info_rsp:
     case MsgType::open_rsp:
+    case MsgType::watch_rsp:
       break;
   }
   return errc(EBADMSG);  // a response where a request belongs
@@ -310,12 +366,15 @@ Result<SessInfoRsp> decode_sess_info_rsp(std::span<const std::byte> buf) {
   return SessInfoRsp{w.ver};
 }
 
-Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf) {
+Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf, uint8_t ver) {
   IBTRS_ASSIGN_OR_RETURN(OpenRspMsg w, load_msg<OpenRspMsg>(buf, MsgType::open_rsp, Len::at_least));
-  if (w.hdr.reserved.get() != 0 || !all_zero(w.reserved, sizeof(w.reserved))) return errc(EINVAL);
+  if (w.hdr.reserved.get() != 0) return errc(EINVAL);
+  // Reserved before version 4: a server of an older session never sets it.
+  if (ver < kWatchVersion && w.size_epoch.get() != 0) return errc(EINVAL);
   if (w.secure_discard > 1) return errc(EINVAL);
   OpenRsp m;
   m.device_id = w.device_id.get();
+  m.size_epoch = w.size_epoch.get();
   DeviceGeometry& g = m.geo;
   g.nsectors = w.nsectors.get();
   g.max_hw_sectors = w.max_hw_sectors.get();
@@ -329,6 +388,28 @@ Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf) {
   g.secure_discard = w.secure_discard != 0;
   g.cache_policy = w.cache_policy;
   IBTRS_TRY(check_geometry(g));
+  return m;
+}
+
+Result<WatchRsp> decode_watch_rsp(std::span<const std::byte> buf) {
+  IBTRS_ASSIGN_OR_RETURN(WatchRspMsg w, load_msg<WatchRspMsg>(buf, MsgType::watch_rsp, Len::at_least));
+  if (w.hdr.reserved.get() != 0 || w.reserved.get() != 0) return errc(EINVAL);
+  const uint32_t count = w.count.get();
+  // The entries the header counts must lie in the buffer: nothing is read past it, and a count
+  // the buffer cannot hold allocates nothing.
+  if (count > (buf.size() - sizeof(WatchRspMsg)) / kWatchEntryBytes) return errc(EBADMSG);
+  WatchRsp m;
+  m.epoch = w.epoch.get();
+  m.total = w.total.get();
+  if (count > m.total) return errc(EINVAL);
+  m.entries.reserve(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    WatchEntryMsg e;
+    std::memcpy(&e, buf.data() + sizeof(w) + size_t{i} * kWatchEntryBytes, sizeof(e));
+    if (e.reserved.get() != 0) return errc(EINVAL);
+    m.entries.push_back(WatchEntry{e.device_id.get(), e.nsectors.get()});
+  }
+  IBTRS_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
   return m;
 }
 

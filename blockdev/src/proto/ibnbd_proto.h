@@ -11,6 +11,8 @@
 //   IO read     transport READ; the client's buffer (bi_size bytes) receives the data
 //   IO write    transport WRITE carrying bi_size bytes of data
 //   IO flush, discard, secure_erase, write_zeroes   transport WRITE without data
+//   WATCH       transport READ; the server writes WATCH_RSP into the client's buffer when a
+//               device of the session changed size (version 4; held until then)
 // The server answers every request with an errno in the transport's response.
 //
 // Encoders check our own output with the same rules the decoders apply to the peer's, so we
@@ -19,7 +21,8 @@
 //   EBADMSG  too short, wrong length, unknown or unexpected type
 //   EINVAL   a field out of range, reserved bytes set, a carrier that does not fit the message
 // Version negotiation (negotiate_version / accept_version) answers EPROTONOSUPPORT and EPROTO.
-// Every function here is pure (no state, no allocation but the decoded dev_name): any thread.
+// Every function here is pure (no state, no allocation but the decoded dev_name and a WATCH_RSP's
+// entries): any thread.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +30,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/le.h"
 #include "ibnbd/types.h"
@@ -40,9 +44,12 @@ using ibtrs::le64;
 
 // Protocol version carried by SESS_INFO (kernel: RNBD_PROTO_VER_MAJOR). Both sides use the
 // lower of the two; a peer below kMinProtoVersion is refused. 3: OPEN carries flags
-// (kOpenReopen); a client sends them only when the session speaks 3.
-inline constexpr uint8_t kProtoVersion = 3;
+// (kOpenReopen); a client sends them only when the session speaks 3. 4: WATCH / WATCH_RSP (size
+// changes of open devices, NVMe's Asynchronous Event Request in the block protocol's words) and
+// OPEN_RSP's size_epoch; a client sends WATCH only when the session speaks 4.
+inline constexpr uint8_t kProtoVersion = 4;
 inline constexpr uint8_t kOpenFlagsVersion = 3;
+inline constexpr uint8_t kWatchVersion = 4;
 inline constexpr uint8_t kMinProtoVersion = 2;
 static_assert(kMinProtoVersion <= kProtoVersion);
 
@@ -57,6 +64,8 @@ enum class MsgType : uint16_t {
   open_rsp = 3,
   io = 4,
   close = 5,
+  watch = 6,
+  watch_rsp = 7,
 };
 std::string_view to_string(MsgType t);
 
@@ -112,7 +121,8 @@ struct OpenRspMsg {
   le16 max_segments;              // segments per request the device takes
   uint8_t secure_discard;         // 0 or 1: SECURE_ERASE supported
   uint8_t cache_policy;           // CachePolicy bits (FUA 1, WRITEBACK 2)
-  uint8_t reserved[8];            // 0
+  le64 size_epoch;                // version 4: the session's size epoch when nsectors was read
+                                  // (WATCH_RSP); 0 before (a reserved field then)
 };
 IBTRS_WIRE_STRUCT(OpenRspMsg, 56);
 
@@ -133,6 +143,36 @@ struct IoMsg {
   uint8_t reserved[6]; // 0
 };
 IBTRS_WIRE_STRUCT(IoMsg, 32);
+
+// Client -> server (version 4): left outstanding, one per session. `epoch` is the last size
+// epoch the client saw (a WATCH_RSP's, 0 for none); the server answers at once when the
+// session's epoch differs, else when a device of the session changes size (or the server lets
+// go of the watch: a path of the session went down, the server stops).
+struct WatchMsg {
+  MsgHdr hdr;         // MsgType::watch
+  le32 reserved;      // 0
+  le64 epoch;
+};
+IBTRS_WIRE_STRUCT(WatchMsg, 16);
+
+// Server -> client, written into the WATCH request's read buffer: the session's epoch and the
+// size of every device it has open, by id (ascending). When the buffer holds fewer entries than
+// the session has devices, count < total: the client asks again with a larger buffer.
+struct WatchRspMsg {
+  MsgHdr hdr;         // MsgType::watch_rsp
+  le32 count;         // entries that follow
+  le32 total;         // devices the session has open, >= count
+  le32 reserved;      // 0
+  le64 epoch;         // the session's size epoch, never 0
+};
+IBTRS_WIRE_STRUCT(WatchRspMsg, 24);
+
+struct WatchEntryMsg {
+  le32 device_id;     // as OPEN_RSP gave it
+  le32 reserved;      // 0
+  le64 nsectors;      // the device's size now, in 512-byte sectors
+};
+IBTRS_WIRE_STRUCT(WatchEntryMsg, 16);
 
 // ------------------------------------------------------------------------------------------
 // The `rw` word
@@ -181,6 +221,7 @@ struct Open {
 struct OpenRsp {
   uint32_t device_id = 0;
   DeviceGeometry geo;
+  uint64_t size_epoch = 0;  // version 4 (0 before): the session's size epoch of geo.nsectors
   bool operator==(const OpenRsp&) const = default;
 };
 struct Close {
@@ -196,6 +237,23 @@ struct Io {
   uint16_t prio = 0;
   bool operator==(const Io&) const = default;
 };
+struct Watch {
+  uint64_t epoch = 0;  // the last WATCH_RSP epoch the client saw, 0 for none
+  bool operator==(const Watch&) const = default;
+};
+struct WatchEntry {
+  uint32_t device_id = 0;
+  uint64_t nsectors = 0;
+  bool operator==(const WatchEntry&) const = default;
+};
+// The entries as the server has them (all of them: the encoder writes what fits); decoded, the
+// ones that came.
+struct WatchRsp {
+  uint64_t epoch = 0;
+  uint32_t total = 0;               // devices the session has open
+  std::vector<WatchEntry> entries;  // ascending device ids, at most `total`
+  bool operator==(const WatchRsp&) const = default;
+};
 
 // What the transport delivered with a message: the request's direction and data length
 // (write: the bytes sent; read: the size of the client's buffer).
@@ -209,6 +267,11 @@ struct Carrier {
 inline constexpr Carrier kSessInfoCarrier{ibtrs::IoDir::read, sizeof(SessInfoRspMsg)};
 inline constexpr Carrier kOpenCarrier{ibtrs::IoDir::read, sizeof(OpenRspMsg)};
 inline constexpr Carrier kCloseCarrier{ibtrs::IoDir::write, 0};
+// A WATCH's buffer holds at least the WATCH_RSP header; each kWatchEntryBytes more, one entry.
+inline constexpr Carrier kWatchCarrier{ibtrs::IoDir::read, sizeof(WatchRspMsg)};
+inline constexpr size_t kWatchEntryBytes = sizeof(WatchEntryMsg);
+// The read buffer a WATCH needs for `entries` devices.
+constexpr size_t watch_buffer_bytes(size_t entries) { return sizeof(WatchRspMsg) + entries * kWatchEntryBytes; }
 Carrier carrier_of(const Io& io);
 
 // ------------------------------------------------------------------------------------------
@@ -243,6 +306,10 @@ Result<size_t> encode_open(std::span<std::byte> out, const Open& m);
 Result<size_t> encode_open_rsp(std::span<std::byte> out, const OpenRsp& m);
 Result<size_t> encode_close(std::span<std::byte> out, const Close& m);
 Result<size_t> encode_io(std::span<std::byte> out, const Io& m);
+Result<size_t> encode_watch(std::span<std::byte> out, const Watch& m);
+// Writes the header and as many entries as `out` holds after it (count says how many; total is
+// m.total). EINVAL: epoch 0, more entries than total, ids not ascending, a size past 2^64 bytes.
+Result<size_t> encode_watch_rsp(std::span<std::byte> out, const WatchRsp& m);
 
 // ------------------------------------------------------------------------------------------
 // Decoders of peer input
@@ -255,7 +322,8 @@ Result<SessInfo> decode_sess_info(std::span<const std::byte> usr, Carrier c);
 Result<Open> decode_open(std::span<const std::byte> usr, Carrier c);
 Result<Close> decode_close(std::span<const std::byte> usr, Carrier c);
 Result<Io> decode_io(std::span<const std::byte> usr, Carrier c);
-// Any of the four above, by type; responses (and unknown types) are EBADMSG here. A tagged
+Result<Watch> decode_watch(std::span<const std::byte> usr, Carrier c);
+// Any of the five above, by type; responses (and unknown types) are EBADMSG here. A tagged
 // struct rather than a std::variant: g++ 12 with ASan warns (falsely) about moving a variant
 // that holds a std::string.
 struct Request {
@@ -264,11 +332,16 @@ struct Request {
   Open open;
   Close close;
   Io io;
+  Watch watch;
 };
 Result<Request> decode_request(std::span<const std::byte> usr, Carrier c);
 
 // Client side: the read buffer the server answered into (it may be longer than the response).
 Result<SessInfoRsp> decode_sess_info_rsp(std::span<const std::byte> buf);
-Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf);
+// `ver`: the session's version; below kWatchVersion size_epoch is a reserved field (0).
+Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf, uint8_t ver = kProtoVersion);
+// EBADMSG: shorter than its header or than the entries it counts; EINVAL: reserved bytes set,
+// epoch 0, count > total, ids not ascending, a size past 2^64 bytes.
+Result<WatchRsp> decode_watch_rsp(std::span<const std::byte> buf);
 
 }  // namespace ibnbd::proto

@@ -46,6 +46,18 @@
 // force-closed the device on the server) is returned to the caller, not retried: re-opening on
 // our own would undo the admin's force_close. remap() re-opens on request.
 //
+// Size notices (protocol 4; NVMe's Asynchronous Event Request, librbd's update watch)
+//   A session that speaks 4 keeps one WATCH outstanding (it holds one transport permit, so IO
+//   has queue_depth - 1): posted when the session opens and again after every remap, answered
+//   by the server when a device the session holds changes size (an RBD image resized, a file or
+//   block device grown or shrunk). The answer sets each device's size (size_bytes(),
+//   geometry().nsectors: what requests are checked against from then on) and emits
+//   DeviceEvent::resized; the WATCH is then posted again. An error answer is retried with a
+//   back-off, after the next remap when the session is down. A lost answer costs nothing: the
+//   WATCH carries the last epoch seen, and a server whose epoch differs answers it at once.
+//   Requests in flight when a device shrinks keep their range: the server fails those past the
+//   new end with EIO. A session of version 2 or 3 learns a size only from OPEN (remap()).
+//
 // Threading
 //   - RemoteDevice IO functions, stats and accessors: any thread, concurrently; never block.
 //     They may be called from a completion callback.
@@ -114,12 +126,15 @@ struct DeviceEvent {
   enum class Kind : uint8_t {
     remapped,      // re-opened after a reconnect or remap(): old_id -> new_id
     remap_failed,  // the server refused the re-open (error); the device is closed
+    resized,       // the server's notice of a new size: old_size -> new_size (bytes)
   };
   Kind kind = Kind::remapped;
   std::string dev_name;
   uint32_t old_id = 0;
   uint32_t new_id = 0;
   std::error_code error;
+  uint64_t old_size = 0;  // resized only
+  uint64_t new_size = 0;
 };
 
 struct DeviceStats {
@@ -134,7 +149,18 @@ struct DeviceStats {
   uint64_t errors = 0;         // user requests completed with an error
   uint64_t enodev_retries = 0; // parts re-sent after an ENODEV and a remap
   uint64_t remaps = 0;         // successful re-opens
+  uint64_t resizes = 0;        // new sizes from the server's notices (WATCH)
   uint32_t inflight = 0;       // user requests submitted and not yet completed
+};
+
+// A session's size notices (see "Size notices" above).
+struct SizeWatchInfo {
+  bool supported = false;  // the session speaks version 4
+  bool armed = false;      // its WATCH is outstanding
+  uint64_t epoch = 0;      // the server's size epoch it saw last (0: none yet)
+  uint64_t answers = 0;    // WATCH answers, errors included
+  uint64_t resizes = 0;    // device sizes changed by them
+  std::error_code last_error;  // of the last answer that failed (cleared by a good one)
 };
 
 struct BlockSessionOptions {
@@ -150,8 +176,8 @@ struct BlockSessionOptions {
   // transport request of the device. 0: those calls fail with EOPNOTSUPP.
   uint32_t bounce_slots = 8;
   // Device events; run on the thread that remapped (the session's control thread after a
-  // reconnect, the caller of remap() or of the map() that re-opened a closed device). Must not
-  // block or call control functions.
+  // reconnect, the caller of remap() or of the map() that re-opened a closed device), resizes on
+  // the session's control thread. Must not block or call control functions.
   std::function<void(const DeviceEvent&)> on_device_event;
 };
 
@@ -284,6 +310,7 @@ class BlockSession {
 
   SessionState state() const;
   uint8_t proto_version() const;  // negotiated by SESS_INFO
+  SizeWatchInfo size_watch() const;
   const std::string& name() const;
   // The transport session, for statistics and path control (add_path, disconnect_path, ...;
   // its threading rules apply).

@@ -165,7 +165,7 @@ inline constexpr int kWaitDevice = -2;   // the device is being re-opened: Devic
 struct Stats {
   std::atomic<uint64_t> reads{0}, writes{0}, flushes{0}, discards{0}, write_zeroes{0};
   std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, parts_sent{0}, errors{0};
-  std::atomic<uint64_t> enodev_retries{0}, remaps{0};
+  std::atomic<uint64_t> enodev_retries{0}, remaps{0}, resizes{0};
 };
 
 }  // namespace client
@@ -188,6 +188,10 @@ struct RemoteDevice::Impl {
   // make the server take the device over from the active gateway (fence it).
   std::atomic<bool> standby{false};
   uint64_t open_link_gen = 0;  // Session::link_gen of the last OPEN (under Session::ctl_mu)
+  // The server's size epoch of `size` (OPEN_RSP's, or the last WATCH_RSP applied; under
+  // Session::ctl_mu): a WATCH_RSP applies only when its epoch is higher, so an answer taken
+  // before this OPEN (a device id that named another device then) changes nothing.
+  uint64_t size_epoch = 0;
 
   // Limits for validation and splitting, relaxed: the server checks every part again.
   std::atomic<uint64_t> size{0};
@@ -226,6 +230,9 @@ struct RemoteDevice::Impl {
   Result<Cut> check(IoOp op, uint64_t offset, uint64_t& len, std::span<const ibtrs::IoSeg> segs,
                     bool bounced, uint32_t flags) const;
   void apply(const proto::OpenRsp& rsp, uint32_t max_io_size);
+  // A size from the server's notice (bytes, a multiple of the logical block size): the limit
+  // requests are checked against from now on.
+  void set_size(uint64_t bytes);
   bool take_slot(client::Part* p);
   client::Part* release_slot(client::Part* p);
   std::byte* slot_addr(int32_t slot) const { return bounce->data() + size_t(slot) * slot_size; }
@@ -301,6 +308,30 @@ struct BlockSession::Impl {
   std::condition_variable ctl_cv;
   CtlSlot ctl_slots[kCtlSlots];
 
+  // ---- size notices (protocol 4: WATCH; session.cc) ---------------------------------------------
+  // One WATCH outstanding while the session speaks 4 and is open. Posted by open() and then by
+  // the worker, which also takes the answers (under ctl_mu, so they are serialized with map,
+  // unmap and remap: an answer never meets a device half re-opened).
+  static constexpr uint32_t kWatchMinEntries = 256;  // the server's default devices per session
+  std::unique_ptr<ibtrs::RegisteredMemory> watch_mem;  // the answer lands here (worker; replaced
+                                                       // only while no WATCH is out)
+  uint32_t watch_entries = kWatchMinEntries;          // entries watch_mem holds
+  // Under st_mu: the transport has it; its answer waits for the worker.
+  bool watch_posted = false;
+  bool watch_answered = false;
+  int watch_err = 0;
+  bool watch_wake = false;  // an answer came since the worker's last watch_step
+  // Worker (and open() before the worker starts).
+  uint64_t watch_sent = 0;                  // the epoch the outstanding WATCH carries
+  Clock::time_point watch_due{};            // not posted before
+  std::chrono::milliseconds watch_backoff{0};
+  int watch_logged_err = 0;                 // the last error logged (each new one is, once)
+  bool watch_partial_logged = false;
+  // For size_watch().
+  std::atomic<uint64_t> watch_epoch{0};     // the last epoch seen (sent with the next WATCH)
+  std::atomic<uint64_t> watch_answers{0}, watch_resizes{0};
+  std::atomic<int> watch_last_err{0};
+
   // ---- devices ----------------------------------------------------------------------------------
   mutable std::mutex dev_mu;
   std::map<std::string, std::shared_ptr<RemoteDevice>, std::less<>> devices;
@@ -342,6 +373,12 @@ struct BlockSession::Impl {
   void run_deferred();
   bool link_changed(uint64_t gen);
   static void on_ctl_done(void* ctx, int err);
+  // Size notices: posts the WATCH (EAGAIN without a free permit; the transport's errors); the
+  // worker's step (answers, re-posts; returns when it wants to run again); the answer.
+  Status post_watch();
+  static void on_watch_done(void* ctx, int err);
+  Clock::time_point watch_step(Clock::time_point now);
+  void on_watch_answer(int err, Clock::time_point now);
   Status control(ibtrs::IoDir dir, std::span<const std::byte> usr, std::span<std::byte> rsp,
                  bool carries_id);
   Result<uint8_t> sess_info();

@@ -174,6 +174,13 @@ void Device::apply(const proto::OpenRsp& rsp, uint32_t max_io_size) {
   secure.store(geo.secure_discard && disc != 0, std::memory_order_relaxed);
   id.store(rsp.device_id, std::memory_order_release);
   gen.fetch_add(1, std::memory_order_acq_rel);
+  size_epoch = rsp.size_epoch;
+}
+
+void Device::set_size(uint64_t bytes) {
+  std::lock_guard l(mu);
+  geo.nsectors = bytes / kSectorSize;
+  size.store(bytes, std::memory_order_relaxed);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -259,6 +266,7 @@ DeviceStats RemoteDevice::stats() const {
     o.parts_sent = s.parts_sent.load(std::memory_order_relaxed);
     o.enodev_retries = s.enodev_retries.load(std::memory_order_relaxed);
     o.remaps = s.remaps.load(std::memory_order_relaxed);
+    o.resizes = s.resizes.load(std::memory_order_relaxed);
     o.inflight = impl_->inflight_reqs.load(std::memory_order_relaxed);
     return o;
   }
@@ -270,6 +278,8 @@ DeviceStats RemoteDevice::stats() const {
     o.enodev_retries += d->st.enodev_retries.load(std::memory_order_relaxed);
     o.remaps += d->st.remaps.load(std::memory_order_relaxed);
   }
+  // Both legs hear of one resize: the active one's count is the device's.
+  if (const Device* a = active_of(*fo_)) o.resizes = a->st.resizes.load(std::memory_order_relaxed);
   o.inflight = static_cast<uint32_t>(fo_->outstanding.load(std::memory_order_relaxed));
   return o;
 }

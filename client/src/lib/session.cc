@@ -20,6 +20,13 @@ constexpr auto kExpiryTick = std::chrono::milliseconds(50);
 // Polling period of the drain waits (the counters are decremented on the IO path, which does
 // not signal).
 constexpr auto kDrainPoll = std::chrono::milliseconds(1);
+// Size notices: how soon a WATCH is posted again after an answer that carried no news (the
+// server let go of it: a path went down), after finding no free permit, and the back-off after
+// errors (doubling up to its maximum).
+constexpr auto kWatchRepost = std::chrono::milliseconds(100);
+constexpr auto kWatchNoPermit = std::chrono::milliseconds(10);
+constexpr auto kWatchBackoffMin = std::chrono::milliseconds(100);
+constexpr auto kWatchBackoffMax = std::chrono::milliseconds(5000);
 
 }  // namespace
 
@@ -131,11 +138,12 @@ Result<uint8_t> Session::sess_info() {
 
 Result<proto::OpenRsp> Session::open_device(const std::string& name, AccessMode mode, bool reopen) {
   std::byte msg[sizeof(proto::OpenMsg)];
-  const uint8_t flags = reopen && version.load() >= proto::kOpenFlagsVersion ? proto::kOpenReopen : 0;
+  const uint8_t ver = version.load();
+  const uint8_t flags = reopen && ver >= proto::kOpenFlagsVersion ? proto::kOpenReopen : 0;
   IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_open(msg, proto::Open{mode, name, flags}));
   std::byte rsp[kCtlSlotSize];
   IBTRS_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
-  return proto::decode_open_rsp(rsp);
+  return proto::decode_open_rsp(rsp, ver);
 }
 
 Status Session::close_id(uint32_t id) {
@@ -145,10 +153,174 @@ Status Session::close_id(uint32_t id) {
 }
 
 void Session::emit(const DeviceEvent& e) {
-  IBTRS_LOG(info, "ibnbd %s: %s %s id %u -> %u %s", opts.transport.session_name.c_str(),
-            e.dev_name.c_str(), e.kind == DeviceEvent::Kind::remapped ? "remapped" : "remap failed",
-            e.old_id, e.new_id, e.error ? e.error.message().c_str() : "");
+  if (e.kind == DeviceEvent::Kind::resized) {
+    IBTRS_LOG(info, "ibnbd %s: %s resized by the server: %llu -> %llu bytes", opts.transport.session_name.c_str(),
+              e.dev_name.c_str(), static_cast<unsigned long long>(e.old_size),
+              static_cast<unsigned long long>(e.new_size));
+  } else {
+    IBTRS_LOG(info, "ibnbd %s: %s %s id %u -> %u %s", opts.transport.session_name.c_str(),
+              e.dev_name.c_str(), e.kind == DeviceEvent::Kind::remapped ? "remapped" : "remap failed",
+              e.old_id, e.new_id, e.error ? e.error.message().c_str() : "");
+  }
   if (opts.on_device_event) opts.on_device_event(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Size notices (WATCH, protocol 4)
+
+// open() before the worker starts, then the worker.
+Status Session::post_watch() {
+  if (!watch_mem) {
+    // One transport request carries max_io_size of data at most (4 KiB on a server of 8 KiB
+    // chunks and no chunk sets): a buffer for fewer devices then, and partial answers.
+    const size_t fit = (ts->max_io_size() - sizeof(proto::WatchRspMsg)) / proto::kWatchEntryBytes;
+    watch_entries = static_cast<uint32_t>(std::min<size_t>(watch_entries, fit));
+    IBTRS_ASSIGN_OR_RETURN(watch_mem, ts->alloc_buffer(proto::watch_buffer_bytes(watch_entries)));
+  }
+  std::byte msg[sizeof(proto::WatchMsg)];
+  const uint64_t epoch = watch_epoch.load(std::memory_order_relaxed);
+  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_watch(msg, proto::Watch{epoch}));
+  ibtrs::IoSeg seg{watch_mem->data(), static_cast<uint32_t>(proto::watch_buffer_bytes(watch_entries)),
+                   watch_mem.get()};
+  ibtrs::IoRequest req;
+  req.dir = ibtrs::IoDir::read;
+  req.usr = std::span(msg, n);
+  req.data = std::span<const ibtrs::IoSeg>(&seg, 1);
+  req.done = &Session::on_watch_done;
+  req.ctx = this;
+  {
+    std::lock_guard l(st_mu);
+    watch_posted = true;  // before the request: its answer may come at once
+  }
+  watch_sent = epoch;
+  // Never waits for a permit: the worker has other duties, and IO may hold them all for a while.
+  auto st = ts->request(req, ibtrs::PermitWait::no);
+  if (!st.ok()) {
+    std::lock_guard l(st_mu);
+    watch_posted = false;
+  }
+  return st;
+}
+
+// A transport thread: note it for the worker.
+void Session::on_watch_done(void* ctx, int err) {
+  auto* s = static_cast<Session*>(ctx);
+  {
+    std::lock_guard l(s->st_mu);
+    s->watch_posted = false;
+    s->watch_answered = true;
+    s->watch_err = err;
+    s->watch_wake = true;
+  }
+  s->st_cv.notify_all();
+}
+
+Clock::time_point Session::watch_step(Clock::time_point now) {
+  bool answered = false, posted = false;
+  int err = 0;
+  {
+    std::lock_guard l(st_mu);
+    answered = watch_answered;
+    posted = watch_posted;
+    err = watch_err;
+    watch_wake = false;
+  }
+  if (answered) {
+    // After the map, unmap or remap that holds it: the answer's ids are those of the devices
+    // as that leaves them. Never blocks the worker (its deferred completions and expiry).
+    std::unique_lock cl(ctl_mu, std::try_to_lock);
+    if (!cl.owns_lock()) return now + kExpiryTick;
+    {
+      std::lock_guard l(st_mu);
+      watch_answered = false;
+    }
+    on_watch_answer(err, now);
+  }
+  if (posted || version.load() < proto::kWatchVersion || closing.load() || !open.load())
+    return Clock::time_point::max();  // an answer or the next remap wakes the worker
+  if (now < watch_due) return watch_due;
+  auto st = post_watch();
+  if (st.ok()) return Clock::time_point::max();
+  if (st.error() == errc(EAGAIN)) {
+    watch_due = now + kWatchNoPermit;
+  } else {
+    watch_backoff = std::clamp(watch_backoff * 2, std::chrono::milliseconds(kWatchBackoffMin), kWatchBackoffMax);
+    watch_due = now + watch_backoff;
+    if (std::exchange(watch_logged_err, st.error().value()) != st.error().value())
+      IBTRS_LOG(warn, "ibnbd %s: size notices: posting the WATCH: %s (retried)", opts.transport.session_name.c_str(),
+                st.error().message().c_str());
+  }
+  return watch_due;
+}
+
+// Worker, under ctl_mu.
+void Session::on_watch_answer(int err, Clock::time_point now) {
+  watch_answers.fetch_add(1, std::memory_order_relaxed);
+  Result<proto::WatchRsp> rsp = errc(err != 0 ? err : EIO);
+  if (err == 0) rsp = proto::decode_watch_rsp(std::span(watch_mem->data(), proto::watch_buffer_bytes(watch_entries)));
+  if (!rsp.ok()) {
+    // A transport error (no path: posted again after the remap), EPROTO (a restarted server
+    // that has not seen our SESS_INFO yet), or a server that answers nonsense: not in a loop.
+    const int e = rsp.error().value();
+    watch_last_err.store(e, std::memory_order_relaxed);
+    watch_backoff = std::clamp(watch_backoff * 2, std::chrono::milliseconds(kWatchBackoffMin), kWatchBackoffMax);
+    watch_due = now + watch_backoff;
+    if (std::exchange(watch_logged_err, e) != e && !transport_error(e) && e != EPROTO)
+      IBTRS_LOG(warn, "ibnbd %s: size notices: the WATCH failed: %s (retried in %lld ms)",
+                opts.transport.session_name.c_str(), rsp.error().message().c_str(),
+                static_cast<long long>(watch_backoff.count()));
+    return;
+  }
+  watch_last_err.store(0, std::memory_order_relaxed);
+  watch_logged_err = 0;
+  watch_backoff = std::chrono::milliseconds(0);
+  // The server let go of it without news (a path went down): not at once, so that a server
+  // that keeps answering so cannot make us spin.
+  watch_due = rsp->epoch == watch_sent ? now + kWatchRepost : now;
+
+  // The mapped devices stay while ctl_mu is held (unmap takes it).
+  std::vector<Device*> mapped;
+  {
+    std::lock_guard l(dev_mu);
+    for (auto& [name, dev] : devices) mapped.push_back(dev->impl());
+  }
+  std::vector<DeviceEvent> events;
+  for (Device* d : mapped) {
+    if (d->state.load() == DeviceState::closed || rsp->epoch <= d->size_epoch) continue;
+    const uint32_t id = d->id.load();
+    auto it = std::lower_bound(rsp->entries.begin(), rsp->entries.end(), id,
+                               [](const proto::WatchEntry& e, uint32_t v) { return e.device_id < v; });
+    if (it == rsp->entries.end() || it->device_id != id) continue;
+    d->size_epoch = rsp->epoch;
+    const uint64_t lbs = d->lbs.load(std::memory_order_relaxed);
+    const uint64_t bytes = it->nsectors * kSectorSize / lbs * lbs;
+    const uint64_t old = d->size.load(std::memory_order_relaxed);
+    if (bytes == old) continue;
+    d->set_size(bytes);
+    d->st.resizes.fetch_add(1, std::memory_order_relaxed);
+    watch_resizes.fetch_add(1, std::memory_order_relaxed);
+    events.push_back(DeviceEvent{DeviceEvent::Kind::resized, d->name, id, id, {}, old, bytes});
+  }
+  if (rsp->entries.size() < rsp->total) {
+    // The buffer held only part of the session's devices: ask again with a larger one and the
+    // epoch we had, which the server answers at once. One request carries max_io_size at most;
+    // beyond that the rest stays unlisted (logged once) rather than asked for in a loop.
+    const size_t fit = (ts->max_io_size() - sizeof(proto::WatchRspMsg)) / proto::kWatchEntryBytes;
+    const auto want = static_cast<uint32_t>(std::min<size_t>(rsp->total, fit));
+    if (want > watch_entries) {
+      watch_entries = want;
+      watch_mem.reset();  // allocated anew by the next post
+      watch_due = now;
+    } else {
+      watch_epoch.store(rsp->epoch, std::memory_order_relaxed);
+      if (!std::exchange(watch_partial_logged, true))
+        IBTRS_LOG(warn, "ibnbd %s: size notices: the server lists %u devices, one answer holds %zu; the rest learn "
+                        "their size at their next remap", opts.transport.session_name.c_str(), rsp->total, fit);
+    }
+  } else {
+    watch_epoch.store(rsp->epoch, std::memory_order_relaxed);
+  }
+  for (auto& e : events) emit(e);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -244,9 +416,10 @@ void Session::worker_main() {
     }
     l.unlock();
     reap_retired();
-    const auto next = expire(now);
+    const auto next = std::min(expire(now), watch_step(now));
     l.lock();
-    if (stop || !deferred.empty()) continue;
+    // An answer that came after watch_step looked woke nobody: the worker was not waiting yet.
+    if (stop || !deferred.empty() || watch_wake) continue;
     auto wake = next;
     if (!open.load()) {
       wake = std::min(wake, now + kExpiryTick);
@@ -412,6 +585,8 @@ Result<std::unique_ptr<BlockSession>> BlockSession::open(BlockSessionOptions opt
   impl->reqs.grow(qd);
   IBTRS_ASSIGN_OR_RETURN(uint8_t ver, impl->sess_info());
   impl->version.store(ver);
+  // Outstanding when open() returns (a failure is retried by the worker).
+  if (ver >= proto::kWatchVersion) (void)impl->post_watch();
   impl->worker = std::thread([s] { s->worker_main(); });
   return std::unique_ptr<BlockSession>(new BlockSession(std::move(impl)));
 }
@@ -438,6 +613,10 @@ Session::~Impl() {
   }
   for (Device* d : devs) fail_list(d->take_waiting(), ESHUTDOWN);
   auto busy_ctl = [this] {
+    {
+      std::lock_guard l(st_mu);
+      if (watch_posted) return true;  // its answer may still land in watch_mem
+    }
     std::lock_guard l(ctl_slot_mu);
     return std::any_of(std::begin(ctl_slots), std::end(ctl_slots), [](const CtlSlot& c) { return c.busy; });
   };
@@ -473,6 +652,7 @@ Session::~Impl() {
     di->s = nullptr;
   }
   alive.clear();
+  watch_mem.reset();
   ctl_mem.reset();
   ts.reset();
 }
@@ -703,6 +883,21 @@ SessionState BlockSession::state() const {
 }
 
 uint8_t BlockSession::proto_version() const { return impl_->version.load(); }
+
+SizeWatchInfo BlockSession::size_watch() const {
+  const Impl& s = *impl_;
+  SizeWatchInfo i;
+  i.supported = s.version.load() >= proto::kWatchVersion;
+  {
+    std::lock_guard l(impl_->st_mu);
+    i.armed = s.watch_posted;
+  }
+  i.epoch = s.watch_epoch.load(std::memory_order_relaxed);
+  i.answers = s.watch_answers.load(std::memory_order_relaxed);
+  i.resizes = s.watch_resizes.load(std::memory_order_relaxed);
+  if (const int e = s.watch_last_err.load(std::memory_order_relaxed)) i.last_error = errc(e);
+  return i;
+}
 const std::string& BlockSession::name() const { return impl_->ts->name(); }
 void BlockSession::begin_batch() { impl_->ts->begin_batch(); }
 void BlockSession::end_batch() { impl_->ts->end_batch(); }

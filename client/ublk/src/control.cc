@@ -12,6 +12,12 @@
 #include "ibnbd/ublk.h"
 #include "ibnbd/unique_fd.h"
 
+#ifdef IBNBD_UBLK_UPDATE_SIZE
+// Only for UBLK_U_CMD_UPDATE_SIZE (Linux 6.16); the rest is ibnbd/ublk_uapi.h's.
+#include <linux/ublk_cmd.h>
+static_assert(ibnbd::ublk::uapi::kFUpdateSize == UBLK_F_UPDATE_SIZE);
+#endif
+
 namespace ibnbd::ublk {
 
 struct UblkControl::Impl {
@@ -117,6 +123,35 @@ Status UblkControl::set_params(uint32_t dev_id, const uapi::ublk_params& p) {
   auto r = impl_->run(uapi::kUCmdSetParams, c);
   if (!r.ok()) return r.error();
   return {};
+}
+
+bool update_size_supported() {
+#ifdef IBNBD_UBLK_UPDATE_SIZE
+  return true;
+#else
+  return false;
+#endif
+}
+
+Status UblkControl::update_size(uint32_t dev_id, uint64_t sectors) {
+#ifdef IBNBD_UBLK_UPDATE_SIZE
+  return impl_->simple(UBLK_U_CMD_UPDATE_SIZE, dev_id, sectors);
+#else
+  (void)dev_id;
+  (void)sectors;
+  return errc(EOPNOTSUPP);
+#endif
+}
+
+Result<uapi::ublk_params> UblkControl::get_params(uint32_t dev_id) {
+  uapi::ublk_params p{};
+  p.len = sizeof(p);  // the driver copies min(len, its own) bytes out
+  auto c = Impl::header(dev_id);
+  c.addr = reinterpret_cast<uintptr_t>(&p);
+  c.len = sizeof(p);
+  auto r = impl_->run(uapi::kUCmdGetParams, c);
+  if (!r.ok()) return r.error();
+  return p;
 }
 
 Status UblkControl::start_dev(uint32_t dev_id, pid_t daemon) {

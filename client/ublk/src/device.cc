@@ -439,6 +439,7 @@ struct UblkDevice::Impl {
   bool started = false;  // START_DEV / END_USER_RECOVERY done: STOP_DEV first
   bool stopped = false;
   bool recovered = false;
+  std::atomic<uint64_t> size{0};  // bytes /dev/ublkbN has (UblkDevice::size)
 
   ~Impl() { (void)stop(); }
 
@@ -543,6 +544,16 @@ std::string UblkDevice::char_path() const { return impl_->path("c"); }
 uint16_t UblkDevice::nr_queues() const { return impl_->info.nr_hw_queues; }
 uint16_t UblkDevice::queue_depth() const { return impl_->info.queue_depth; }
 bool UblkDevice::recovered() const { return impl_->recovered; }
+uint64_t UblkDevice::size() const { return impl_->size.load(std::memory_order_relaxed); }
+
+Status UblkDevice::update_size(uint64_t bytes) {
+  const uint32_t lbs = impl_->dev->geometry().logical_block_size;
+  if (lbs == 0 || bytes % lbs != 0) return errc(EINVAL);
+  if (bytes == size()) return {};
+  IBTRS_TRY(impl_->ctl->update_size(impl_->info.dev_id, bytes / kSectorSize));
+  impl_->size.store(bytes, std::memory_order_relaxed);
+  return {};
+}
 
 UblkStats UblkDevice::stats() const {
   UblkStats s;
@@ -558,13 +569,13 @@ UblkStats UblkDevice::stats() const {
 
 namespace {
 
-// The driver supports what recovery needs (6.0 has USER_RECOVERY, 6.1 REISSUE).
-Status check_features(UblkControl& ctl) {
+// The driver supports what recovery needs (6.0 has USER_RECOVERY, 6.1 REISSUE): its features.
+Result<uint64_t> check_features(UblkControl& ctl) {
   auto f = ctl.get_features();
   if (!f.ok()) return errc(EOPNOTSUPP);  // GET_FEATURES itself is 6.5+
   const uint64_t need = uapi::kFUserRecovery | uapi::kFUserRecoveryReissue;
   if ((*f & need) != need) return errc(EOPNOTSUPP);
-  return {};
+  return *f;
 }
 
 }  // namespace
@@ -582,7 +593,7 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::create(std::shared_ptr<RemoteDev
   impl->opts = o;
   impl->dev = dev;
   IBTRS_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
-  IBTRS_TRY(check_features(*impl->ctl));
+  IBTRS_ASSIGN_OR_RETURN(const uint64_t features, check_features(*impl->ctl));
 
   uapi::ublksrv_ctrl_dev_info want{};
   want.nr_hw_queues = o.nr_queues;
@@ -590,6 +601,8 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::create(std::shared_ptr<RemoteDev
   want.max_io_buf_bytes = o.max_io_bytes;
   want.dev_id = ~0u;  // the driver picks the number
   want.flags = uapi::kFUserRecovery | uapi::kFUserRecoveryReissue | uapi::kFCmdIoctlEncode;
+  // Resizes (update_size) where both this build and the kernel know them.
+  if (update_size_supported()) want.flags |= features & uapi::kFUpdateSize;
   IBTRS_ASSIGN_OR_RETURN(impl->info, impl->ctl->add_dev(want));
   impl->owned = true;  // from here on, failure paths DEL_DEV
   // The driver may have lowered the buffer size (page rounding, its own cap): requests follow.
@@ -601,6 +614,7 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::create(std::shared_ptr<RemoteDev
   IBTRS_TRY(impl->start_queues(session));
   IBTRS_TRY(impl->ctl->start_dev(impl->info.dev_id, ::getpid()));
   impl->started = true;
+  impl->size.store(params->basic.dev_sectors * kSectorSize, std::memory_order_relaxed);
   return std::unique_ptr<UblkDevice>(new UblkDevice(std::move(impl)));
 }
 
@@ -633,6 +647,9 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::recover(uint32_t dev_id, std::sh
     return errc(EINVAL);
   IBTRS_TRY(impl->start_queues(session));
   IBTRS_TRY(impl->ctl->end_user_recovery(dev_id, ::getpid()));
+  // The kernel kept the size it had: the volume may have been resized since.
+  if (auto p = impl->ctl->get_params(dev_id); p.ok())
+    impl->size.store(p->basic.dev_sectors * kSectorSize, std::memory_order_relaxed);
   impl->owned = true;
   impl->started = true;
   impl->recovered = true;

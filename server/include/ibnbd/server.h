@@ -5,8 +5,8 @@
 //
 // Threads: the IBTRS server's IO threads decode requests and submit IO to their own io_uring
 // (one per IO thread, driven as an IoThreadHook, so a request is received, submitted and
-// answered on one thread); OPEN and CLOSE, which touch the filesystem, and the admin operations
-// run on the block server's control thread. Every public function may be called from any thread
+// answered on one thread); OPEN and CLOSE, which touch the filesystem, WATCH (size notices),
+// the periodic size check and the admin operations run on the block server's control thread. Every public function may be called from any thread
 // except from inside a request's completion (none are exposed).
 #pragma once
 
@@ -70,6 +70,10 @@ struct BlockServerOptions {
   bool read_only = false;
   uint32_t engine_queue_depth = 1024;  // io_uring requests in flight per IO thread
   uint32_t max_devices_per_session = 256;
+  // How often the control thread re-reads the size of every open device (fstat, BLKGETSIZE64,
+  // librbd's cached size) and tells the sessions that hold a resized one (protocol 4's WATCH;
+  // docs/protocol.md). An RBD image's header watch tells at once besides. 0: never polled.
+  std::chrono::milliseconds size_check_interval{1000};
   // Who may connect and open what. A host must authenticate with one of its keys and may open
   // the devices its access rules grant: OPEN of another device is EACCES, in a higher mode
   // EPERM. Unlisted hosts are refused (EACCES) unless allow_any_host, which admits anyone who
@@ -123,6 +127,8 @@ struct BlockSessionInfo {
   std::string name;
   std::string host;     // the authenticated host ("" anonymous)
   uint8_t version = 0;  // negotiated (0 before SESS_INFO)
+  bool watching = false;     // its WATCH (size notices, version 4) is held by the server
+  uint64_t size_epoch = 0;   // its size epoch (changes when a device it holds is resized)
   std::vector<ibtrs::ServerPathInfo> paths;
   std::vector<SessionOpenInfo> devices;
   BlockStats stats;

@@ -246,6 +246,13 @@ NodePtr client_device_dir(const Backend& b, const std::string& dev) {
   d->add("state", field("state"));
   d->add("session", field("session"));
   d->add("access_mode", field("access_mode"));
+  // The gendisk's /sys/block/<dev>/size: 512-byte sectors, the size the server last gave (at
+  // OPEN, or in a resize notice).
+  d->add("size", Node::read_only([b, dev]() -> Result<std::string> {
+           IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
+           const json& v = cell(r, r.at("rows").at(0), "size");
+           return line(std::to_string(v.at("bytes").get<uint64_t>() / 512));
+         }));
   // Not the kernel's: a device mapped with a standby server (gateway failover). session is the
   // active one; standby is "-" for a device of one session.
   d->add("standby", field("standby"));

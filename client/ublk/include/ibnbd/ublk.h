@@ -29,8 +29,14 @@
 // process takes it back (START_USER_RECOVERY, queues, END_USER_RECOVERY). Only a destroyed
 // UblkDevice (or stop()) removes the kernel device: a crash leaves it for recovery.
 //
+// Size: the device's size at create() (its geometry then); a resize the server announces
+// (DeviceEvent::resized) reaches /dev/ublkbN through update_size(), which needs
+// UBLK_U_CMD_UPDATE_SIZE (Linux 6.16) in <linux/ublk_cmd.h> at build time and in the running
+// kernel: without it the block device keeps its size until it is unmapped and mapped again.
+//
 // Threading: the factories, stop() and the destructor from any one thread at a time, never from
-// a completion callback of the RemoteDevice; accessors and stats() from any thread.
+// a completion callback of the RemoteDevice; update_size() from any thread, not concurrently
+// with stop(); accessors and stats() from any thread.
 #pragma once
 
 #include <sys/types.h>
@@ -58,6 +64,11 @@ class UblkControl {
   UblkControl& operator=(const UblkControl&) = delete;
 
   Result<uint64_t> get_features();  // uapi::kF* bits this kernel supports
+  // UBLK_U_CMD_UPDATE_SIZE: the device's capacity in 512-byte sectors. EOPNOTSUPP when this
+  // build's <linux/ublk_cmd.h> has no such command (update_size_supported()).
+  Status update_size(uint32_t dev_id, uint64_t sectors);
+  // GET_PARAMS: what the kernel holds of the device (its size among them).
+  Result<uapi::ublk_params> get_params(uint32_t dev_id);
   // `want.dev_id` ~0u lets the kernel choose. Answers what the kernel made of it (dev_id, queues
   // clamped to the CPUs, max_io_buf_bytes page-rounded, flags).
   Result<uapi::ublksrv_ctrl_dev_info> add_dev(const uapi::ublksrv_ctrl_dev_info& want);
@@ -111,6 +122,10 @@ struct UblkStats {
   uint64_t reaped = 0;    // completions committed on the queue thread itself (no inbox)
 };
 
+// Whether this build can resize a ublk device (UBLK_U_CMD_UPDATE_SIZE in <linux/ublk_cmd.h> when
+// it was compiled; the running kernel may still lack it).
+bool update_size_supported();
+
 class UblkDevice {
  public:
   // Adds /dev/ublkbN for `dev` (the geometry, access mode and cache policy of its last OPEN) and
@@ -148,6 +163,13 @@ class UblkDevice {
   uint16_t queue_depth() const;
   bool recovered() const;  // made by recover()
   UblkStats stats() const;
+  // The size /dev/ublkbN has (bytes): the device's at create(), the kernel's at recover() (0
+  // when it could not be read), then what update_size() set.
+  uint64_t size() const;
+  // Gives /dev/ublkbN a new size (bytes, a multiple of its logical block size): the server said
+  // the volume grew or shrank. EOPNOTSUPP without UBLK_U_CMD_UPDATE_SIZE in this build or the
+  // kernel; EINVAL for a size that is not whole blocks; the driver's errno.
+  Status update_size(uint64_t bytes);
 
   struct Impl;
 

@@ -94,6 +94,9 @@ inline constexpr uint64_t kFUnprivilegedDev = 1ull << 5;
 inline constexpr uint64_t kFCmdIoctlEncode = 1ull << 6;
 inline constexpr uint64_t kFUserCopy = 1ull << 7;
 inline constexpr uint64_t kFZoned = 1ull << 8;
+// 6.16 (UBLK_F_UPDATE_SIZE): the device takes UBLK_U_CMD_UPDATE_SIZE. Set only where the build's
+// <linux/ublk_cmd.h> has the command (UblkControl::update_size) and GET_FEATURES reports it.
+inline constexpr uint64_t kFUpdateSize = 1ull << 10;
 
 // Device states (UBLK_S_DEV_*).
 inline constexpr uint16_t kStateDead = 0;
