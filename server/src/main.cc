@@ -250,7 +250,7 @@ constexpr std::string_view kValueOptions[] = {
     "handshake_timeout_ms", "hb_interval_ms", "hb_missed", "io_threads", "listen", "max_chunk_memory",
     "max_io_size", "max_paths_per_session", "max_sessions", "poll", "queue_depth", "rbd_client_id",
     "rbd_conf", "rbd_connect_timeout_s", "rbd_keyring", "rbd_namespace", "rbd_pools", "ready_file",
-    "sysfs_dir", "tls", "tls_ca", "tls_cert", "tls_key"};
+    "size_check_ms", "sysfs_dir", "tls", "tls_ca", "tls_cert", "tls_key"};
 
 Config parse(int argc, char** argv) {
   Config c;
