@@ -73,21 +73,21 @@ class ControlThread {
         l.lock();
         continue;
       }
-      auto ready = [&] { return stopping_ || !q_.empty(); };
-      if (tick_ && !stopping_) {
-        cv_.wait_until(l, next_tick_, ready);
+      if (!q_.empty()) {
+        auto t = std::move(q_.front());
+        q_.pop_front();
+        l.unlock();
+        t();
+        l.lock();
+        continue;
+      }
+      if (stopping_) return;
+      // Woken by post(), every() and stop(); whatever woke it is looked at above.
+      if (tick_) {
+        cv_.wait_until(l, next_tick_);
       } else {
-        cv_.wait(l, ready);
+        cv_.wait(l);
       }
-      if (q_.empty()) {
-        if (stopping_) return;
-        continue;  // the tick is due
-      }
-      auto t = std::move(q_.front());
-      q_.pop_front();
-      l.unlock();
-      t();
-      l.lock();
     }
   }
 

@@ -56,12 +56,14 @@ TEST(FairQueue, AKeyThatDrainedRejoinsAtTheBack) {
   EXPECT_TRUE(none.empty());
 }
 
-// Case: a periodic task of 20 ms on the control thread, first idle for 150 ms, then under a
-// stream of tasks that each take 1 ms for 150 ms; then stop(). Expect: it runs about every
-// period both times (the stream delays it by a task, never starves it), on the control thread
-// (never beside a task), and not after stop().
+// Case: a periodic task of 20 ms set on a control thread that already sleeps for want of work,
+// then 150 ms idle, then a stream of tasks that each take 1 ms for 150 ms; then stop().
+// Expect: it runs about every period both times (the stream delays it by a task, never starves
+// it), on the control thread (never beside a task), and not after stop().
 TEST(ControlThread, PeriodicTaskRunsBetweenTasksAndStopsWithTheThread) {
   ControlThread t;
+  t.call([] { return 0; });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // asleep, no task, no tick yet
   std::atomic<int> ticks{0};
   std::atomic<bool> in_task{false}, overlap{false};
   t.every(std::chrono::milliseconds(20), [&] {
