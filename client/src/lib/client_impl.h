@@ -166,6 +166,24 @@ struct Stats {
   std::atomic<uint64_t> reads{0}, writes{0}, flushes{0}, discards{0}, write_zeroes{0};
   std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, parts_sent{0}, errors{0};
   std::atomic<uint64_t> enodev_retries{0}, remaps{0}, resizes{0};
+
+  // One user request of `op` over `len` bytes (IO path: relaxed increments only).
+  void count(IoOp op, uint64_t len) {
+    switch (op) {
+      case IoOp::read:
+        reads.fetch_add(1, std::memory_order_relaxed);
+        read_bytes.fetch_add(len, std::memory_order_relaxed);
+        break;
+      case IoOp::write:
+        writes.fetch_add(1, std::memory_order_relaxed);
+        write_bytes.fetch_add(len, std::memory_order_relaxed);
+        break;
+      case IoOp::flush: flushes.fetch_add(1, std::memory_order_relaxed); break;
+      case IoOp::discard:
+      case IoOp::secure_erase: discards.fetch_add(1, std::memory_order_relaxed); break;
+      case IoOp::write_zeroes: write_zeroes.fetch_add(1, std::memory_order_relaxed); break;
+    }
+  }
 };
 
 }  // namespace client

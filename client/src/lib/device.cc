@@ -116,20 +116,7 @@ Status Device::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const ib
   r->left.store(static_cast<uint32_t>(nparts), std::memory_order_release);
   inflight_reqs.fetch_add(1, std::memory_order_acq_rel);
   sess->outstanding.fetch_add(1, std::memory_order_acq_rel);
-  switch (op) {
-    case IoOp::read:
-      st.reads.fetch_add(1, std::memory_order_relaxed);
-      st.read_bytes.fetch_add(len, std::memory_order_relaxed);
-      break;
-    case IoOp::write:
-      st.writes.fetch_add(1, std::memory_order_relaxed);
-      st.write_bytes.fetch_add(len, std::memory_order_relaxed);
-      break;
-    case IoOp::flush: st.flushes.fetch_add(1, std::memory_order_relaxed); break;
-    case IoOp::discard:
-    case IoOp::secure_erase: st.discards.fetch_add(1, std::memory_order_relaxed); break;
-    case IoOp::write_zeroes: st.write_zeroes.fetch_add(1, std::memory_order_relaxed); break;
-  }
+  st.count(op, len);
 
   SegSplitter split(segs, max_part, lbs.load(std::memory_order_relaxed));
   uint64_t pos = 0;

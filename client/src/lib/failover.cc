@@ -77,20 +77,7 @@ Status Failover::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const 
   r->since = Clock::time_point{};
   r->epoch = flushes(*r) ? writes_done.load(std::memory_order_acquire) : 0;
   outstanding.fetch_add(1, std::memory_order_acq_rel);
-  switch (op) {
-    case IoOp::read:
-      counts.reads.fetch_add(1, std::memory_order_relaxed);
-      counts.read_bytes.fetch_add(n, std::memory_order_relaxed);
-      break;
-    case IoOp::write:
-      counts.writes.fetch_add(1, std::memory_order_relaxed);
-      counts.write_bytes.fetch_add(n, std::memory_order_relaxed);
-      break;
-    case IoOp::flush: counts.flushes.fetch_add(1, std::memory_order_relaxed); break;
-    case IoOp::discard:
-    case IoOp::secure_erase: counts.discards.fetch_add(1, std::memory_order_relaxed); break;
-    case IoOp::write_zeroes: counts.write_zeroes.fetch_add(1, std::memory_order_relaxed); break;
-  }
+  counts.count(op, n);
 
   for (;;) {
     if (open.load(std::memory_order_seq_cst)) {
