@@ -26,29 +26,9 @@ for t in ceph-mon ceph-osd rbd fio nbdcopy jq cmp; do
 done
 fio --enghelp 2>/dev/null | grep -qx $'\tnbd' || { echo "1..0 # SKIP fio has no nbd engine"; exit 77; }
 
-# Not on tmpfs: bluestore opens its block file O_DIRECT.
-work=$(mktemp -d /var/tmp/ibnbd-rbd-failover.XXXXXX)
-cd "$work" || exit 1
-pids=()
-cleanup() {
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill "${pids[i]}" 2>/dev/null
-    wait "${pids[i]}" 2>/dev/null
-  done
-  bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1
-  rm -rf "$work"
-}
-trap cleanup EXIT
-t() { timeout 60 "$@"; }
-
-t0=$SECONDS
-env_out=$(bash "$top/scripts/ceph-dev.sh" start "$work/ceph" --osd-store bluestore --osd-mb 1024 --no-mgr 2>"$work/ceph.err")
-rc=$?
-[ "$rc" = 77 ] && { echo "1..0 # SKIP $(tail -1 "$work/ceph.err")"; exit 77; }
-[ "$rc" = 0 ] || { echo "not ok - ceph-dev start: $(tail -5 "$work/ceph.err")"; exit 1; }
-export CEPH_CONF=$work/ceph/ceph.conf
-echo "# cluster up in $((SECONDS - t0)) s"
-keyring=$(sed -n 's/^CEPH_IBNBD_KEYRING=//p' <<<"$env_out")
+. "$top/tests/rbd/cluster.sh"
+rbd_cluster_start ibnbd-rbd-failover
+keyring=$ibnbd_keyring
 t rbd create rbd/ha --size 16M || { echo "not ok - rbd create"; exit 1; }
 
 "$ibnbd" key generate out "$work/h.key" >/dev/null || { echo "not ok - key generate"; exit 1; }

@@ -21,29 +21,8 @@ for t in ceph-mon ceph-osd rbd qemu-img qemu-io nbdcopy nbdinfo fio jq python3 c
 done
 [ -f "$engine" ] || { echo "1..0 # SKIP $engine not built"; exit 77; }
 
-# Not on tmpfs: bluestore opens its block file O_DIRECT.
-work=$(mktemp -d /var/tmp/ibnbd-rbd-test.XXXXXX)
-cd "$work" || exit 1
-pids=()
-cleanup() {
-  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-    kill "${pids[i]}" 2>/dev/null
-    wait "${pids[i]}" 2>/dev/null
-  done
-  bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1
-  rm -rf "$work"
-}
-trap cleanup EXIT
-t() { timeout 60 "$@"; }
-
-t0=$SECONDS
-env_out=$(bash "$top/scripts/ceph-dev.sh" start "$work/ceph" --osd-store bluestore --osd-mb 1024 --no-mgr 2>"$work/ceph.err")
-rc=$?
-[ "$rc" = 77 ] && { echo "1..0 # SKIP $(tail -1 "$work/ceph.err")"; exit 77; }
-[ "$rc" = 0 ] || { echo "not ok - ceph-dev start: $(tail -5 "$work/ceph.err")"; exit 1; }
-export CEPH_CONF=$work/ceph/ceph.conf
-echo "# cluster up in $((SECONDS - t0)) s"
-ibnbd_keyring=$(sed -n 's/^CEPH_IBNBD_KEYRING=//p' <<<"$env_out")
+. "$top/tests/rbd/cluster.sh"
+rbd_cluster_start ibnbd-rbd-test
 r() { t rbd "$@"; }  # as client.admin
 
 # Images: "data" filled through the gateway, "src" filled by rbd import and read through it,
