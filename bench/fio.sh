@@ -47,7 +47,7 @@
 # A benchmark, not a test: it asserts nothing.
 #
 #   bash bench/fio.sh [--seconds N] [--fs tmpfs|ext4] [--only REGEX] [--workloads REGEX]
-#                     [--nbd-base DIR] [--perf]
+#                     [--nbd-base DIR] [--perf] [--chart PNG|none]
 #   (default 5 s per run and tmpfs; 66 runs, about 7 minutes)
 #
 # --fs ext4 puts the volumes on ext4 on a loop device over a file (root) instead of tmpfs.
@@ -61,6 +61,8 @@
 # prints a second table: context switches and system calls per IO of fio and of each serving
 # process (counts the host's load does not move; perf needs kernel.perf_event_paranoid <= 1 or
 # root).
+# --chart PNG draws the table (bench/chart.sh: IOPS, mean and p99 latency per target per
+# workload) into PNG; by default into bench/out/fio-<UTC time>.png, "none" for no chart.
 #
 # The build directory comes from $IBTRS_BUILD (default build); the binaries are built there if
 # needed (the engine needs the fio headers: scripts/fio-headers.sh). Only loopback addresses and
@@ -68,6 +70,7 @@
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
+caller_dir=$PWD
 cd "$top"
 seconds=5
 fs=tmpfs
@@ -75,6 +78,8 @@ only=
 only_workloads=
 nbd_base=
 perf=0
+chart=
+source "$top/bench/chart-lib.sh"
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;
@@ -83,7 +88,8 @@ while [ $# -gt 0 ]; do
     --workloads) only_workloads=$2; shift 2 ;;
     --nbd-base) nbd_base=$2; shift 2 ;;
     --perf) perf=1; shift ;;
-    *) echo "usage: $0 [--seconds N] [--fs tmpfs|ext4] [--only REGEX] [--workloads REGEX] [--nbd-base DIR] [--perf]" >&2; exit 2 ;;
+    --chart) chart=$(chart_arg "$caller_dir" "$2") || exit 2; shift 2 ;;
+    *) echo "usage: $0 [--seconds N] [--fs tmpfs|ext4] [--only REGEX] [--workloads REGEX] [--nbd-base DIR] [--perf] [--chart PNG|none]" >&2; exit 2 ;;
   esac
 done
 case "$fs" in tmpfs | ext4) ;; *) echo "--fs: tmpfs or ext4" >&2; exit 2 ;; esac
@@ -357,6 +363,7 @@ echo "fio $(fio --version | sed 's/^fio-//'), one job, ${seconds} s per run, a 1
 echo "options: the header of bench/fio.sh. Ratios against the workload's best peer (nbdkit, qemu-nbd):"
 echo "IOPS / its IOPS, mean latency / its mean latency."
 echo
+{
 echo "| workload | target | IOPS | MiB/s | mean us | p99 us | CPU us/IO | CPU stall % | IOPS vs best peer | mean lat vs best peer |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 for r in "${rows[@]}"; do
@@ -372,6 +379,7 @@ for r in "${rows[@]}"; do
   [ "$err" = 0 ] || ri="$ri (fio error $err)"
   echo "| $workload | $target | $iops | $mibs | $mean | $p99 | $cpu | $stall | $ri | $rl |"
 done
+} | tee "$tmp/table.md"
 echo
 for w in "4k randread qd32" "4k randwrite qd32"; do
   bi=$(best_peer "$w" iops)
@@ -417,3 +425,6 @@ if [ "$perf" = 1 ]; then
 fi
 echo
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg); the run took $(($(date +%s) - start)) s"
+bench_chart "$chart" fio "$tmp/table.md" \
+  "bench/fio.sh --seconds $seconds, $fs, $(date -u +%Y-%m-%d), commit $(git -C "$top" rev-parse --short HEAD 2>/dev/null)" \
+  IOPS "mean us=mean latency (us)" "p99 us=p99 completion latency (us)"

@@ -22,7 +22,9 @@
 # Under TCG (twice nested) the absolute rates say nothing about hardware; only the ratios, taken
 # side by side in one boot, mean anything. A benchmark, not a test: it asserts nothing.
 #
-#   bash bench/migrate-vm.sh [--guest-mb N] [--rounds N]    (default 64 MiB, 3 rounds; ~4 min)
+#   bash bench/migrate-vm.sh [--guest-mb N] [--rounds N] [--chart PNG|none]
+#                               (default 64 MiB, 3 rounds; ~4 min; the chart of the table,
+#                               bench/chart.sh, into bench/out/migrate-vm-<UTC time>.png)
 #
 # Why a script of its own and not a --vm mode of bench/migrate.sh: that one runs on the host with
 # a 2 GiB guest whose RAM is a file mapping, fio raw rows and exec/multifd/fd rows; none of that
@@ -32,13 +34,16 @@
 set -uo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
+source "$top/bench/chart-lib.sh"
 guest_mb=64
 rounds=3
+chart=
 while [ $# -gt 0 ]; do
   case "$1" in
     --guest-mb) guest_mb=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
-    *) echo "usage: $0 [--guest-mb N] [--rounds N]" >&2; exit 2 ;;
+    --chart) chart=$(chart_arg "$PWD" "$2") || exit 2; shift 2 ;;
+    *) echo "usage: $0 [--guest-mb N] [--rounds N] [--chart PNG|none]" >&2; exit 2 ;;
   esac
 done
 case "$rounds" in '' | *[!0-9]* | 0) echo "--rounds takes a whole number above 0" >&2; exit 2 ;; esac
@@ -49,8 +54,16 @@ build=$(cd "${IBTRS_BUILD:-$top/build}" && pwd)
 
 if [ "${IBTRS_VM:-}" != 1 ]; then
   nice ninja -C "$build" ibnbd-migrate ibnbd-server ibnbd >/dev/null || { echo "build failed" >&2; exit 1; }
-  exec bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --env IBTRS_BUILD="$build" -- \
-    bash "$top/bench/migrate-vm.sh" --guest-mb "$guest_mb" --rounds "$rounds"
+  # The guest prints the table; the host draws it (the guest's files live in a throw-away overlay).
+  out=$(mktemp "${TMPDIR:-/tmp}/migrate-vm.XXXXXX")
+  trap 'rm -f "$out"' EXIT
+  bash "$top/tests/vm/run-in-vm.sh" --timeout 1500 --env IBTRS_BUILD="$build" -- \
+    bash "$top/bench/migrate-vm.sh" --guest-mb "$guest_mb" --rounds "$rounds" | tee "$out"
+  rc=${PIPESTATUS[0]}
+  bench_chart "$chart" migrate-vm "$out" \
+    "bench/migrate-vm.sh --guest-mb $guest_mb --rounds $rounds, $(date -u +%Y-%m-%d), commit $(git -C "$top" rev-parse --short HEAD 2>/dev/null)" \
+    "MiB/s (median)=MiB/s (median of the rounds)" "agent CPU s/GiB=agent CPU (s per GiB)"
+  exit "$rc"
 fi
 
 for t in qemu-system-x86_64 python3 /usr/bin/time; do

@@ -22,24 +22,29 @@
 # A benchmark, not a test: it asserts nothing.
 #
 #   bash bench/rbd.sh [--seconds N] [--only REGEX] [--server-poll adaptive|block|spin]
-#                                       (default 5 s per run: 16 runs, ~2.5 min; the server's
-#                                       default --poll adaptive)
+#                     [--chart PNG|none]  (default 5 s per run: 16 runs, ~2.5 min; the server's
+#                                       default --poll adaptive; the chart of the table,
+#                                       bench/chart.sh, into bench/out/rbd-<UTC time>.png)
 #
 # The build directory comes from $IBTRS_BUILD (default build); the binaries are built there if
 # needed. Skips (exit 0, reason printed) without Ceph, qemu-nbd's rbd driver or fio's rbd engine.
 set -euo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
+caller_dir=$PWD
 cd "$top"
+source "$top/bench/chart-lib.sh"
 seconds=5
 only=
 server_poll=adaptive
+chart=
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) seconds=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
     --server-poll) server_poll=$2; shift 2 ;;
-    *) echo "usage: $0 [--seconds N] [--only REGEX] [--server-poll adaptive|block|spin]" >&2; exit 2 ;;
+    --chart) chart=$(chart_arg "$caller_dir" "$2") || exit 2; shift 2 ;;
+    *) echo "usage: $0 [--seconds N] [--only REGEX] [--server-poll adaptive|block|spin] [--chart PNG|none]" >&2; exit 2 ;;
   esac
 done
 case "$seconds" in '' | *[!0-9]* | 0) echo "--seconds takes a whole number above 0" >&2; exit 2 ;; esac
@@ -173,6 +178,7 @@ ratio() {  # ratio WORKLOAD A B: IOPS of A / IOPS of B
 echo
 echo "bash bench/rbd.sh --seconds $seconds --server-poll $server_poll  ($(nproc) cores, load after: $(cut -d' ' -f1-3 /proc/loadavg), commit $(git -C "$top" rev-parse --short HEAD))"
 echo
+{
 echo "| workload | target | IOPS | MiB/s | mean lat (us) | CPU us/IO fio | gateway | OSD | / librbd | / qemu-nbd |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
 for r in "${rows[@]}"; do
@@ -180,3 +186,6 @@ for r in "${rows[@]}"; do
   case "$rest" in failed*) echo "| $wname | $target | $rest | | | | | | | |"; continue ;; esac
   echo "| $wname | $target | ${rest//|/ | } | $(ratio "$wname" "$target" librbd) | $(ratio "$wname" "$target" qemu-nbd) |"
 done
+} | tee "$tmp/table.md"
+bench_chart "$chart" rbd "$tmp/table.md" "bench/rbd.sh --seconds $seconds, $(date -u +%Y-%m-%d), commit $(git -C "$top" rev-parse --short HEAD 2>/dev/null)" \
+  IOPS "mean lat (us)=mean latency (us)" "gateway=gateway CPU (us per IO)"

@@ -17,8 +17,9 @@ packages=(
   rdma-core ibverbs-utils rdmacm-utils perftest
   # VM rig: QEMU/TCG with Debian's 6.12 kernel, busybox initramfs
   qemu-system-x86 busybox-static kmod cpio xz-utils zstd iproute2
-  # benchmark peers and limits; stress-ng loads the CPUs beside a run (bench/fio_ab.sh --load)
-  iperf3 nbdkit fio stress-ng
+  # benchmark peers and limits; stress-ng loads the CPUs beside a run (bench/fio_ab.sh --load);
+  # gnuplot draws the benchmarks' charts (bench/chart.sh)
+  iperf3 nbdkit fio stress-ng gnuplot-nox
   # NBD clients of the client daemon's NBD export (tests/nbd/nbd_tools.sh): nbdinfo, nbdcopy,
   # nbdfuse, nbdsh; qemu-img and qemu-nbd; the kernel's nbd-client (VM tests); the ext4 and
   # loop tools of the nbdfuse + losetup case
