@@ -26,9 +26,8 @@ HB_MISSED=5
 RECONNECT_MS=200
 SESSION=soak
 
-log() { echo "# soak.sh [$(date +%T.%N | cut -c1-12)] $*"; }
-
-# ---- shared by both modes (after env is set or sourced) ------------------------------------
+# shellcheck source-path=SCRIPTDIR source=soak-lib.sh
+. "$HERE/soak-lib.sh"
 
 path_spec() {  # path_spec A|B -> the client's path argument
   case $1 in
@@ -37,73 +36,12 @@ path_spec() {  # path_spec A|B -> the client's path argument
     *) return 1 ;;
   esac
 }
+listen_spec() { case $1 in A) echo "tcp:$A_DST:$PORT" ;; B) echo "tcp:$B_DST:$PORT" ;; *) return 1 ;; esac; }
 client_dev() { case $1 in A) echo vca ;; B) echo vcb ;; *) return 1 ;; esac; }
-
-pid_alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
-# wait_gone PID: until the process is gone (it is not our child: poll), 10 s at most
-wait_gone() {
-  for _ in $(seq 200); do pid_alive "$1" || return 0; sleep 0.05; done
-  return 1
-}
-wait_file() { for _ in $(seq "${2:-200}"); do [ -e "$1" ] && return 0; sleep 0.05; done; return 1; }
-
-start_server() {
-  rm -f "$WORK/srv.ready"
-  ip netns exec "$NSS" "$SRV" --listen "tcp:$A_DST:$PORT" --listen "tcp:$B_DST:$PORT" \
-    --config "$WORK/hosts.json" --dev-search-path "$EXPORT_DIR" --control-socket "$WORK/srv.sock" \
-    --ready-file "$WORK/srv.ready" --hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED" \
-    >>"$WORK/srv.log" 2>&1 </dev/null &
-  echo $! >"$WORK/srv.pid"
-  disown  # a hook kills it with -9: no job report from this shell
-  wait_file "$WORK/srv.ready" 200 || { log "server did not start: $(tail -3 "$WORK/srv.log")"; return 1; }
-}
-
-start_client_daemon() {
-  rm -f "$WORK/cl.ready"
-  ip netns exec "$NSC" "$CLD" --host-key "$WORK/host.key" --control-socket "$WORK/cl.sock" \
-    --ready-file "$WORK/cl.ready" --state-dir "$WORK/cl-state" --hb-interval-ms "$HB_MS" \
-    --hb-missed "$HB_MISSED" --reconnect-delay-ms "$RECONNECT_MS" >>"$WORK/cl.log" 2>&1 </dev/null &
-  echo $! >"$WORK/cl.pid"
-  disown
-  wait_file "$WORK/cl.ready" 200 || { log "client daemon did not start: $(tail -3 "$WORK/cl.log")"; return 1; }
-  # The server may still hold the killed daemon's rw open until it notices the dead session.
-  local i out
-  for i in $(seq 40); do
-    if out=$(timeout 30 "$CLI" --socket "$WORK/cl.sock" client device map vol.img from \
-      "$(path_spec A)" "$(path_spec B)" rw session "$SESSION" 2>&1); then
-      break
-    fi
-    [ "$i" = 40 ] && { log "map failed: $out"; return 1; }
-    sleep 0.5
-  done
+client_mapped() {
+  map_volume vol.img || return 1
   timeout 30 "$CLI" --socket "$WORK/cl.sock" client device export vol.img unix "$WORK/vol.sock" >/dev/null ||
     { log "export failed"; return 1; }
-}
-
-# ctl JSON: one command to the client daemon's control socket, its answer on stdout
-ctl() {
-  python3 - "$WORK/cl.sock" "$1" <<'EOF'
-import socket, sys
-s = socket.socket(socket.AF_UNIX)
-s.settimeout(30)
-s.connect(sys.argv[1])
-s.sendall(sys.argv[2].encode() + b"\n")
-buf = b""
-while not buf.endswith(b"\n"):
-    d = s.recv(65536)
-    if not d:
-        break
-    buf += d
-line = buf.decode().strip().splitlines()[-1] if buf else ""
-print(line)
-sys.exit(0 if '"ok": true' in line or '"ok":true' in line else 1)
-EOF
-}
-
-fill_tmpfs() {  # until the tmpfs has no free page
-  dd if=/dev/zero of="$WORK/tmpfs/filler.1" bs=1M status=none 2>/dev/null
-  dd if=/dev/zero of="$WORK/tmpfs/filler.2" bs=4k status=none 2>/dev/null
-  return 0
 }
 
 # ---- hook mode ------------------------------------------------------------------------------
@@ -115,32 +53,19 @@ if [ "${1:-}" = hook ]; then
   phase=$2 kind=$3
   shift 3
   log "hook $phase $kind $*"
-  case $kind:$phase in
-    path-cut:start | link-flap:start) ip -n "$NSC" link set "$(client_dev "$1")" down ;;
-    path-cut:stop | link-flap:stop) ip -n "$NSC" link set "$(client_dev "$1")" up ;;
-    server-kill:start)
-      pid=$(cat "$WORK/srv.pid")
-      kill -KILL "$pid" 2>/dev/null
-      wait_gone "$pid" ;;
-    server-kill:stop) pid_alive "$(cat "$WORK/srv.pid")" || start_server ;;
-    server-stop:start) kill -STOP "$(cat "$WORK/srv.pid")" ;;
-    server-stop:stop) kill -CONT "$(cat "$WORK/srv.pid")" ;;
-    client-kill:start)
-      pid=$(cat "$WORK/cl.pid")
-      kill -KILL "$pid" 2>/dev/null
-      wait_gone "$pid" ;;
-    client-kill:stop) pid_alive "$(cat "$WORK/cl.pid")" || start_client_daemon ;;
-    enospc:start) fill_tmpfs ;;
-    enospc:stop) rm -f "$WORK"/tmpfs/filler.* ;;
-    eio:start) echo "eio $1 $2" >"$EXPORT_DIR/.soak-ctl" ;;
-    slow:start) echo "slow $1" >"$EXPORT_DIR/.soak-ctl" ;;
-    eio:stop | slow:stop) echo clear >"$EXPORT_DIR/.soak-ctl" ;;
-    policy:start) ctl "{\"cmd\": \"session_policy\", \"session\": \"$SESSION\", \"policy\": \"$1\"}" >/dev/null ;;
-    path-remove:start) timeout 30 "$CLI" --socket "$WORK/cl.sock" client path delete "$SESSION" "$(path_spec "$1")" >/dev/null ;;
-    path-remove:stop) timeout 30 "$CLI" --socket "$WORK/cl.sock" client path add "$SESSION" "$(path_spec "$1")" >/dev/null ;;
-    *) echo "soak.sh hook: unknown $phase $kind" >&2; exit 2 ;;
-  esac
+  hook_common "$phase" "$kind" "$@"
   rc=$?
+  if [ $rc = 100 ]; then
+    case $kind:$phase in
+      path-cut:start | link-flap:start) ip -n "$NSC" link set "$(client_dev "$1")" down ;;
+      path-cut:stop | link-flap:stop) ip -n "$NSC" link set "$(client_dev "$1")" up ;;
+      eio:start) echo "eio $1 $2" >"$EXPORT_DIR/.soak-ctl" ;;
+      slow:start) echo "slow $1" >"$EXPORT_DIR/.soak-ctl" ;;
+      eio:stop | slow:stop) echo clear >"$EXPORT_DIR/.soak-ctl" ;;
+      *) echo "soak.sh hook: unknown $phase $kind" >&2; exit 2 ;;
+    esac
+    rc=$?
+  fi
   [ $rc = 0 ] || log "hook $phase $kind failed: exit $rc"
   exit $rc
 fi
@@ -180,18 +105,10 @@ NSC=ibnbd-soak-c-$$ NSS=ibnbd-soak-s-$$
 MOUNTED_TMPFS=0 FS_PID=""
 
 cleanup() {
-  local rc=$? f p ns
+  local rc=$? p ns
   trap - EXIT INT TERM HUP
   [ -n "${SOAK_PID:-}" ] && kill -TERM "$SOAK_PID" 2>/dev/null && wait "$SOAK_PID" 2>/dev/null
-  # The client side first (its CLOSE reaches a live server), then the server.
-  for f in cl srv; do
-    p=$(cat "$WORK/$f.pid" 2>/dev/null)
-    if pid_alive "$p"; then
-      kill -CONT "$p" 2>/dev/null
-      kill -TERM "$p" 2>/dev/null
-      wait_gone "$p" || kill -KILL "$p" 2>/dev/null
-    fi
-  done
+  stop_daemons
   for ns in "$NSC" "$NSS"; do
     if [ -e "/run/netns/$ns" ]; then
       for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; done
@@ -292,24 +209,12 @@ SOAK_PID=$!
 wait "$SOAK_PID"
 rc=$?
 SOAK_PID=""
-# The daemons stop as an admin stops them (SIGTERM: unmap, close, sync); a sanitizer's report,
-# at exit or before, fails the run as a defect would.
-for f in cl srv; do
-  p=$(cat "$WORK/$f.pid" 2>/dev/null)
-  pid_alive "$p" && { kill -CONT "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null; wait_gone "$p"; }
-done
-if grep -lE "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log \
-    >/dev/null 2>&1; then
-  echo "# soak.sh: a sanitizer reported in a daemon's log:"
-  grep -hE -A12 "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log 2>/dev/null |
-    head -n 60 | sed 's/^/#   /'
-  [ "$rc" = 0 ] && rc=1
-fi
+# The daemons stop as an admin stops them; a sanitizer's report, at exit or before, fails the
+# run as a defect would.
+stop_daemons
+rc=$(sanitizer_verdict "$rc" "$WORK"/srv.log "$WORK"/cl.log "$WORK"/fs.log)
 if [ "$rc" != 0 ]; then
-  echo "# soak.sh: ibnbd-soak exit $rc; the hook's log:"
-  tail -n 30 "$WORK/hook.log" 2>/dev/null | sed 's/^/#   /'
-  echo "# server log:"
-  tail -n 20 "$WORK/srv.log" 2>/dev/null | sed 's/^/#   /'
-  [ "$TARGET" = nbd ] && { echo "# client daemon log:"; tail -n 20 "$WORK/cl.log" 2>/dev/null | sed 's/^/#   /'; }
+  echo "# soak.sh: ibnbd-soak exit $rc"
+  show_logs
 fi
 exit "$rc"

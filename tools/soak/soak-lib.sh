@@ -1,0 +1,153 @@
+# Sourced by the soak's environments (tools/soak/README.md): soak.sh (two network namespaces on
+# the host) and soak-vm.sh (inside the VM rig: ublk, the kernel's nbd client, device-mapper,
+# netem). What both need: waiting, the daemons' starts, the client daemon's control socket, the
+# hook's kinds that do not depend on where the links are, and the end of a run.
+#
+# The sourcing script sets, before it calls these (run mode) or in $SOAK_WORK/env (hook mode):
+#   WORK SRV CLD CLI SESSION HB_MS HB_MISSED RECONNECT_MS EXPORT_DIR
+#   NSS NSC   the server's and the client's network namespace ("" in the VM: no namespace)
+# and defines path_spec A|B (the client's path argument), listen_spec A|B (the server's) and
+# client_mapped (what follows a start of the client daemon: map, export, connect).
+# shellcheck shell=bash disable=SC2317  # functions called from traps and hooks
+
+log() { echo "# ${0##*/} [$(date +%T.%N | cut -c1-12)] $*"; }
+
+pid_alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
+# wait_gone PID: until the process is gone (it is not our child: poll), 10 s at most
+wait_gone() {
+  for _ in $(seq 200); do pid_alive "$1" || return 0; sleep 0.05; done
+  return 1
+}
+# wait_file FILE [TRIES]: 50 ms each (default 200: 10 s)
+wait_file() { for _ in $(seq "${2:-200}"); do [ -e "$1" ] && return 0; sleep 0.05; done; return 1; }
+
+# in_ns NS CMD...: CMD in network namespace NS, or here when NS is empty
+in_ns() {
+  local ns=$1
+  shift
+  if [ -n "$ns" ]; then ip netns exec "$ns" "$@"; else "$@"; fi
+}
+
+start_server() {
+  rm -f "$WORK/srv.ready"
+  in_ns "$NSS" "$SRV" --listen "$(listen_spec A)" --listen "$(listen_spec B)" \
+    --config "$WORK/hosts.json" --dev-search-path "$EXPORT_DIR" --control-socket "$WORK/srv.sock" \
+    --ready-file "$WORK/srv.ready" --hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED" \
+    >>"$WORK/srv.log" 2>&1 </dev/null &
+  echo $! >"$WORK/srv.pid"
+  disown  # a hook kills it with -9: no job report from this shell
+  wait_file "$WORK/srv.ready" 200 || { log "server did not start: $(tail -3 "$WORK/srv.log")"; return 1; }
+}
+
+# start_client_daemon [READY_TRIES]: the daemon with the run's state dir (a ublk device of a
+# killed one is recovered before the ready file appears), then client_mapped.
+start_client_daemon() {
+  rm -f "$WORK/cl.ready"
+  in_ns "$NSC" "$CLD" --host-key "$WORK/host.key" --control-socket "$WORK/cl.sock" \
+    --ready-file "$WORK/cl.ready" --state-dir "$WORK/cl-state" --hb-interval-ms "$HB_MS" \
+    --hb-missed "$HB_MISSED" --reconnect-delay-ms "$RECONNECT_MS" >>"$WORK/cl.log" 2>&1 </dev/null &
+  echo $! >"$WORK/cl.pid"
+  disown
+  wait_file "$WORK/cl.ready" "${1:-200}" || { log "client daemon did not start: $(tail -3 "$WORK/cl.log")"; return 1; }
+  client_mapped
+}
+
+# map_volume NAME [ARGS...]: map NAME over paths A and B. The server may still hold a killed
+# daemon's rw open until it notices the dead session: retried for 20 s.
+map_volume() {
+  local name=$1 i out
+  shift
+  for i in $(seq 40); do
+    out=$(timeout 60 "$CLI" --socket "$WORK/cl.sock" client device map "$name" from \
+      "$(path_spec A)" "$(path_spec B)" rw session "$SESSION" "$@" 2>&1) && return 0
+    [ "$i" = 40 ] && { log "map failed: $out"; return 1; }
+    sleep 0.5
+  done
+}
+
+# ctl JSON: one command to the client daemon's control socket, its answer on stdout
+ctl() {
+  python3 - "$WORK/cl.sock" "$1" <<'EOF'
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(30)
+s.connect(sys.argv[1])
+s.sendall(sys.argv[2].encode() + b"\n")
+buf = b""
+while not buf.endswith(b"\n"):
+    d = s.recv(65536)
+    if not d:
+        break
+    buf += d
+line = buf.decode().strip().splitlines()[-1] if buf else ""
+print(line)
+sys.exit(0 if '"ok": true' in line or '"ok":true' in line else 1)
+EOF
+}
+
+fill_tmpfs() {  # until the tmpfs has no free page
+  dd if=/dev/zero of="$WORK/tmpfs/filler.1" bs=1M status=none 2>/dev/null
+  dd if=/dev/zero of="$WORK/tmpfs/filler.2" bs=4k status=none 2>/dev/null
+  return 0
+}
+
+# hook_common PHASE KIND [ARGS]: the kinds done the same way everywhere; 100 when KIND:PHASE is
+# not one of them (the environment's own), else the step's status.
+hook_common() {
+  local phase=$1 kind=$2 pid
+  shift 2
+  case $kind:$phase in
+    server-kill:start)
+      pid=$(cat "$WORK/srv.pid")
+      kill -KILL "$pid" 2>/dev/null
+      wait_gone "$pid" ;;
+    server-kill:stop) pid_alive "$(cat "$WORK/srv.pid")" || start_server ;;
+    server-stop:start) kill -STOP "$(cat "$WORK/srv.pid")" ;;
+    server-stop:stop) kill -CONT "$(cat "$WORK/srv.pid")" ;;
+    client-kill:start)
+      pid=$(cat "$WORK/cl.pid")
+      kill -KILL "$pid" 2>/dev/null
+      wait_gone "$pid" ;;
+    client-kill:stop) pid_alive "$(cat "$WORK/cl.pid")" || start_client_daemon "${CL_READY_TRIES:-200}" ;;
+    enospc:start) fill_tmpfs ;;
+    enospc:stop) rm -f "$WORK"/tmpfs/filler.* ;;
+    policy:start) ctl "{\"cmd\": \"session_policy\", \"session\": \"$SESSION\", \"policy\": \"$1\"}" >/dev/null ;;
+    path-remove:start) timeout 30 "$CLI" --socket "$WORK/cl.sock" client path delete "$SESSION" "$(path_spec "$1")" >/dev/null ;;
+    path-remove:stop) timeout 30 "$CLI" --socket "$WORK/cl.sock" client path add "$SESSION" "$(path_spec "$1")" >/dev/null ;;
+    *) return 100 ;;
+  esac
+}
+
+# stop_daemons: as an admin stops them (SIGTERM: unmap, close, sync), the client side first (its
+# CLOSE reaches a live server); KILL after 10 s.
+stop_daemons() {
+  local f p
+  for f in cl srv; do
+    p=$(cat "$WORK/$f.pid" 2>/dev/null)
+    if pid_alive "$p"; then
+      kill -CONT "$p" 2>/dev/null
+      kill -TERM "$p" 2>/dev/null
+      wait_gone "$p" || kill -KILL "$p" 2>/dev/null
+    fi
+  done
+}
+
+# sanitizer_verdict RC LOG...: RC, or 1 when a sanitizer reported in one of the logs (printed)
+sanitizer_verdict() {
+  local rc=$1
+  shift
+  if grep -lE "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$@" >/dev/null 2>&1; then
+    echo "# ${0##*/}: a sanitizer reported in a daemon's log:" >&2
+    grep -hE -A12 "ERROR: (Address|Leak|Thread)Sanitizer|runtime error:" "$@" 2>/dev/null |
+      head -n 60 | sed 's/^/#   /' >&2
+    [ "$rc" = 0 ] && rc=1
+  fi
+  echo "$rc"
+}
+
+# show_logs: the tails a failed run needs
+show_logs() {
+  echo "# hook log:"; tail -n 30 "$WORK/hook.log" 2>/dev/null | sed 's/^/#   /'
+  echo "# server log:"; tail -n 20 "$WORK/srv.log" 2>/dev/null | sed 's/^/#   /'
+  if [ -s "$WORK/cl.log" ]; then echo "# client daemon log:"; tail -n 20 "$WORK/cl.log" | sed 's/^/#   /'; fi
+}
