@@ -14,6 +14,8 @@ set -u -o pipefail
 build=$(cd "${1:?usage: $0 BUILD_DIR}" && pwd) || exit 1
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 soak=$here/../../tools/soak/soak.sh
+# shellcheck source-path=SCRIPTDIR source=verdict.sh
+. "$here/verdict.sh"
 lib_seed=${SOAK_LIB_SEED:-17}
 nbd_seed=${SOAK_NBD_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
 dur=${SOAK_DURATION:-60s}
@@ -50,21 +52,10 @@ for t in lib nbd; do
   # The faults must have happened and bitten: most kinds at least once, and the backend
   # faults seen as errors by the application.
   if command -v jq >/dev/null && [ -s "$out/$t.json" ]; then
-    j=$out/$t.json
-    why=()
-    kinds=$(jq -r '[.faults[].kind] | join(",")' "$j")
-    n=$(jq '.faults | length' "$j")
     # (A fault waits for IO to flow again after the one before: a slow host, ASan's build, runs
     # fewer of them in the minute; six kinds is what any of them ran so far with room to spare.)
-    [ "$n" -ge 6 ] || why+=("only $n kinds of fault ran ($kinds)")
-    if jq -e '.faults[] | select(.kind == "enospc")' "$j" >/dev/null; then
-      [ "$(jq '.errors.enospc' "$j")" -gt 0 ] || why+=("enospc ran but no write saw ENOSPC")
-    fi
-    if jq -e '.faults[] | select(.kind == "eio")' "$j" >/dev/null; then
-      [ "$(jq '.errors.eio' "$j")" -gt 0 ] || why+=("eio ran but no request saw EIO")
-    fi
-    [ "$(jq ".blocks_checked.verified" "$j")" -ge "$(jq ".blocks" "$j")" ] ||
-      why+=("the final verify read $(jq '.blocks_checked.verified' "$j") of $(jq '.blocks' "$j") blocks")
+    soak_json_why "$out/$t.json" 6
+    kinds=$(jq -r '[.faults[].kind] | join(",")' "$out/$t.json")
     if [ ${#why[@]} -eq 0 ]; then
       echo "ok - soak $t: clean, faults $kinds"
     else

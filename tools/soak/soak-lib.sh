@@ -21,16 +21,15 @@ wait_gone() {
 # wait_file FILE [TRIES]: 50 ms each (default 200: 10 s)
 wait_file() { for _ in $(seq "${2:-200}"); do [ -e "$1" ] && return 0; sleep 0.05; done; return 1; }
 
-# in_ns NS CMD...: CMD in network namespace NS, or here when NS is empty
-in_ns() {
-  local ns=$1
-  shift
-  if [ -n "$ns" ]; then ip netns exec "$ns" "$@"; else "$@"; fi
-}
+# in_ns NS: the command prefix that runs in network namespace NS (none when NS is empty); a
+# prefix, not a function, so that `"${run[@]}" DAEMON &` leaves the daemon's own pid in $!
+in_ns() { run=(); [ -z "$1" ] || run=(ip netns exec "$1"); }
 
 start_server() {
+  local run
   rm -f "$WORK/srv.ready"
-  in_ns "$NSS" "$SRV" --listen "$(listen_spec A)" --listen "$(listen_spec B)" \
+  in_ns "$NSS"
+  "${run[@]}" "$SRV" --listen "$(listen_spec A)" --listen "$(listen_spec B)" \
     --config "$WORK/hosts.json" --dev-search-path "$EXPORT_DIR" --control-socket "$WORK/srv.sock" \
     --ready-file "$WORK/srv.ready" --hb-interval-ms "$HB_MS" --hb-missed "$HB_MISSED" \
     >>"$WORK/srv.log" 2>&1 </dev/null &
@@ -42,8 +41,10 @@ start_server() {
 # start_client_daemon [READY_TRIES]: the daemon with the run's state dir (a ublk device of a
 # killed one is recovered before the ready file appears), then client_mapped.
 start_client_daemon() {
+  local run
   rm -f "$WORK/cl.ready"
-  in_ns "$NSC" "$CLD" --host-key "$WORK/host.key" --control-socket "$WORK/cl.sock" \
+  in_ns "$NSC"
+  "${run[@]}" "$CLD" --host-key "$WORK/host.key" --control-socket "$WORK/cl.sock" \
     --ready-file "$WORK/cl.ready" --state-dir "$WORK/cl-state" --hb-interval-ms "$HB_MS" \
     --hb-missed "$HB_MISSED" --reconnect-delay-ms "$RECONNECT_MS" >>"$WORK/cl.log" 2>&1 </dev/null &
   echo $! >"$WORK/cl.pid"
