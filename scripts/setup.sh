@@ -26,8 +26,9 @@ packages=(
   libnbd-bin qemu-utils nbd-client e2fsprogs mount jq
   # the install test: systemd-analyze verify on the units (tests/install/install.sh)
   systemd
-  # the reliability soak (tools/soak/soak.sh): its hook speaks to the client daemon's socket
-  python3
+  # the reliability soak (tools/soak/soak.sh): its hook speaks to the client daemon's socket;
+  # its VM slice (soak-vm.sh) puts the volume on a device-mapper table over a loop device
+  python3 dmsetup
   # RBD exports (blockdev's rbd backend) and the single-host Ceph cluster of the tests and the
   # benchmark (scripts/ceph-dev.sh); qemu-block-extra: qemu-nbd's rbd: driver (bench/rbd.sh)
   librbd-dev librados-dev ceph-mon ceph-osd ceph-mgr ceph-common rbd-nbd qemu-block-extra
