@@ -152,3 +152,51 @@ show_logs() {
   echo "# server log:"; tail -n 20 "$WORK/srv.log" 2>/dev/null | sed 's/^/#   /'
   if [ -s "$WORK/cl.log" ]; then echo "# client daemon log:"; tail -n 20 "$WORK/cl.log" | sed 's/^/#   /'; fi
 }
+
+# hook_mode hook PHASE KIND [ARGS]: the hook's entry (ibnbd-soak runs `SCRIPT hook ...` with
+# SOAK_WORK set): the run's env file, the common kinds, then the script's env_hook PHASE KIND
+# [ARGS] for the others (2 for a kind it does not know). Exits with the step's status.
+hook_mode() {
+  local phase=$2 kind=$3 rc
+  shift 3
+  [ -n "${SOAK_WORK:-}" ] && [ -r "$SOAK_WORK/env" ] || { echo "${0##*/} hook: SOAK_WORK not set" >&2; exit 2; }
+  # shellcheck source=/dev/null
+  . "$SOAK_WORK/env"
+  log "hook $phase $kind $*"
+  hook_common "$phase" "$kind" "$@"
+  rc=$?
+  if [ $rc = 100 ]; then
+    env_hook "$phase" "$kind" "$@"
+    rc=$?
+  fi
+  [ $rc = 0 ] || log "hook $phase $kind failed: exit $rc"
+  exit $rc
+}
+
+# parse_run_args DEFAULT_TARGET BUILD_DIR [OPTIONS]: sets BUILD (absolute), TARGET, SEED,
+# DURATION, FAULTS, SIZE, JSON, KEEP and EXTRA (after --); an option it does not know goes to the
+# script's env_option OPTION [VALUE], which sets `took` to the words it used (0: unknown).
+# shellcheck disable=SC2034  # the caller's globals
+parse_run_args() {
+  TARGET=$1 BUILD=${2:-} SEED="" DURATION=60s FAULTS=all SIZE=64M JSON="" KEEP=0 EXTRA=()
+  [ -n "$BUILD" ] && [ -d "$BUILD" ] || { echo "usage: $0 BUILD_DIR [options] (see the top of the file)" >&2; exit 2; }
+  BUILD=$(cd "$BUILD" && pwd)
+  shift 2
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --target) TARGET=$2; shift 2 ;;
+      --seed) SEED=$2; shift 2 ;;
+      --duration) DURATION=$2; shift 2 ;;
+      --faults) FAULTS=$2; shift 2 ;;
+      --size) SIZE=$2; shift 2 ;;
+      --json) JSON=$2; shift 2 ;;
+      --keep) KEEP=1; shift ;;
+      --) shift; EXTRA=("$@"); break ;;
+      *)
+        took=0
+        env_option "$@"
+        [ "$took" -gt 0 ] || { echo "${0##*/}: unknown option $1" >&2; exit 2; }
+        shift "$took" ;;
+    esac
+  done
+}

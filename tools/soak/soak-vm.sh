@@ -108,52 +108,28 @@ block_port() {
 
 # ---- hook mode ------------------------------------------------------------------------------
 
-if [ "${1:-}" = hook ]; then
-  [ -n "${SOAK_WORK:-}" ] && [ -r "$SOAK_WORK/env" ] || { echo "soak-vm.sh hook: SOAK_WORK not set" >&2; exit 2; }
-  # shellcheck source=/dev/null
-  . "$SOAK_WORK/env"
-  phase=$2 kind=$3
-  shift 3
-  log "hook $phase $kind $*"
-  hook_common "$phase" "$kind" "$@"
-  rc=$?
-  if [ $rc = 100 ]; then
-    case $kind:$phase in
-      path-cut:start | link-flap:start) block_port "$(port_of "$1")" add ;;
-      path-cut:stop | link-flap:stop) block_port "$(port_of "$1")" del ;;
-      eio:start) dm_swap error "$1" "$2" ;;
-      slow:start) dm_swap delay $((($1 + 999) / 1000)) ;;
-      eio:stop | slow:stop) dm_swap ;;
-      *) echo "soak-vm.sh hook: unknown $phase $kind" >&2; exit 2 ;;
-    esac
-    rc=$?
-  fi
-  [ $rc = 0 ] || log "hook $phase $kind failed: exit $rc"
-  exit $rc
-fi
+# env_hook PHASE KIND [ARGS]: the kinds this environment does its own way (hook_mode)
+env_hook() {
+  local phase=$1 kind=$2
+  shift 2
+  case $kind:$phase in
+    path-cut:start | link-flap:start) block_port "$(port_of "$1")" add ;;
+    path-cut:stop | link-flap:stop) block_port "$(port_of "$1")" del ;;
+    eio:start) dm_swap error "$1" "$2" ;;
+    slow:start) dm_swap delay $((($1 + 999) / 1000)) ;;
+    eio:stop | slow:stop) dm_swap ;;
+    *) echo "soak-vm.sh hook: unknown $phase $kind" >&2; return 2 ;;
+  esac
+}
+
+[ "${1:-}" = hook ] && hook_mode "$@"
 
 # ---- run mode -------------------------------------------------------------------------------
 
 skip() { echo "1..0 # SKIP $*"; exit 77; }
-BUILD=${1:-}
-[ -n "$BUILD" ] && [ -d "$BUILD" ] || { echo "usage: $0 BUILD_DIR [options] (see the top of the file)" >&2; exit 2; }
-BUILD=$(cd "$BUILD" && pwd)
-shift
-TARGET=ublk SEED="" DURATION=60s FAULTS=all SIZE=64M NETEM="" JSON="" KEEP=0 EXTRA=()
-while [ $# -gt 0 ]; do
-  case $1 in
-    --target) TARGET=$2; shift 2 ;;
-    --seed) SEED=$2; shift 2 ;;
-    --duration) DURATION=$2; shift 2 ;;
-    --faults) FAULTS=$2; shift 2 ;;
-    --size) SIZE=$2; shift 2 ;;
-    --netem) NETEM=$2; shift 2 ;;
-    --json) JSON=$2; shift 2 ;;
-    --keep) KEEP=1; shift ;;
-    --) shift; EXTRA=("$@"); break ;;
-    *) echo "soak-vm.sh: unknown option $1" >&2; exit 2 ;;
-  esac
-done
+NETEM=""
+env_option() { if [ "$1" = --netem ]; then NETEM=$2 took=2; fi; }
+parse_run_args ublk "$@"
 case $TARGET in ublk | nbd-kernel) ;; *) echo "soak-vm.sh: --target ublk or nbd-kernel" >&2; exit 2 ;; esac
 SIZE_BYTES=$(numfmt --from=iec "$SIZE") && [ $((SIZE_BYTES % 4096)) = 0 ] ||
   { echo "soak-vm.sh: bad --size $SIZE (a multiple of 4 KiB)" >&2; exit 2; }

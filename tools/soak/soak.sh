@@ -46,51 +46,27 @@ client_mapped() {
 
 # ---- hook mode ------------------------------------------------------------------------------
 
-if [ "${1:-}" = hook ]; then
-  [ -n "${SOAK_WORK:-}" ] && [ -r "$SOAK_WORK/env" ] || { echo "soak.sh hook: SOAK_WORK not set" >&2; exit 2; }
-  # shellcheck source=/dev/null
-  . "$SOAK_WORK/env"
-  phase=$2 kind=$3
-  shift 3
-  log "hook $phase $kind $*"
-  hook_common "$phase" "$kind" "$@"
-  rc=$?
-  if [ $rc = 100 ]; then
-    case $kind:$phase in
-      path-cut:start | link-flap:start) ip -n "$NSC" link set "$(client_dev "$1")" down ;;
-      path-cut:stop | link-flap:stop) ip -n "$NSC" link set "$(client_dev "$1")" up ;;
-      eio:start) echo "eio $1 $2" >"$EXPORT_DIR/.soak-ctl" ;;
-      slow:start) echo "slow $1" >"$EXPORT_DIR/.soak-ctl" ;;
-      eio:stop | slow:stop) echo clear >"$EXPORT_DIR/.soak-ctl" ;;
-      *) echo "soak.sh hook: unknown $phase $kind" >&2; exit 2 ;;
-    esac
-    rc=$?
-  fi
-  [ $rc = 0 ] || log "hook $phase $kind failed: exit $rc"
-  exit $rc
-fi
+# env_hook PHASE KIND [ARGS]: the kinds this environment does its own way (hook_mode)
+env_hook() {
+  local phase=$1 kind=$2
+  shift 2
+  case $kind:$phase in
+    path-cut:start | link-flap:start) ip -n "$NSC" link set "$(client_dev "$1")" down ;;
+    path-cut:stop | link-flap:stop) ip -n "$NSC" link set "$(client_dev "$1")" up ;;
+    eio:start) echo "eio $1 $2" >"$EXPORT_DIR/.soak-ctl" ;;
+    slow:start) echo "slow $1" >"$EXPORT_DIR/.soak-ctl" ;;
+    eio:stop | slow:stop) echo clear >"$EXPORT_DIR/.soak-ctl" ;;
+    *) echo "soak.sh hook: unknown $phase $kind" >&2; return 2 ;;
+  esac
+}
+
+[ "${1:-}" = hook ] && hook_mode "$@"
 
 # ---- run mode -------------------------------------------------------------------------------
 
 skip() { echo "1..0 # SKIP $*"; exit 77; }
-BUILD=${1:-}
-[ -n "$BUILD" ] && [ -d "$BUILD" ] || { echo "usage: $0 BUILD_DIR [options] (see the top of the file)" >&2; exit 2; }
-BUILD=$(cd "$BUILD" && pwd)
-shift
-TARGET=lib SEED="" DURATION=60s FAULTS=all SIZE=64M JSON="" KEEP=0 EXTRA=()
-while [ $# -gt 0 ]; do
-  case $1 in
-    --target) TARGET=$2; shift 2 ;;
-    --seed) SEED=$2; shift 2 ;;
-    --duration) DURATION=$2; shift 2 ;;
-    --faults) FAULTS=$2; shift 2 ;;
-    --size) SIZE=$2; shift 2 ;;
-    --json) JSON=$2; shift 2 ;;
-    --keep) KEEP=1; shift ;;
-    --) shift; EXTRA=("$@"); break ;;
-    *) echo "soak.sh: unknown option $1" >&2; exit 2 ;;
-  esac
-done
+env_option() { :; }
+parse_run_args lib "$@"
 case $TARGET in lib | nbd) ;; *) echo "soak.sh: --target lib or nbd" >&2; exit 2 ;; esac
 
 [ "$(id -u)" = 0 ] || skip "not root: network namespaces and a tmpfs mount need it"
