@@ -3,7 +3,8 @@
 # a file on ibnbd-soak-fs (--file: O_DIRECT through FUSE) three times: honest, with writes to
 # the first MiB acknowledged and dropped, and with them torn (their last 64 bytes unwritten).
 # Expect: exit 0 with nothing found; exit 1 with lost blocks (and nothing torn); exit 1 with torn
-# blocks. A checker that never fails proves nothing. Skips (77) without FUSE.
+# blocks. A checker that never fails proves nothing. And the schedule's end with hooks slower
+# than its plan. Skips (77) without FUSE.
 #
 #   bash tests/soak/soak_selftest.sh BUILD_DIR
 # shellcheck disable=SC2317  # cleanup runs from a trap
@@ -70,5 +71,20 @@ if [ "$rc" = 1 ] && [ "${torn:-0}" -gt 0 ]; then
   ok "torn writes: found $torn torn blocks"
 else
   not_ok "torn writes" "exit $rc, torn ${torn:-none}: $(tail -5 "$work/tear.log")"
+fi
+# Case: hooks slower than the plan (a TCG guest's: every step 2 s), a plain file, seed 4 (6
+# faults planned in 12 s). Expect: a clean run that stops starting faults at its end: fewer of
+# them ran than were planned (before, a late fault's start in the past was not checked against
+# the end, and the plan's rest ran one after the other after the IO had stopped).
+printf '#!/bin/sh\nsleep 2\n' >"$work/slow-hook"
+truncate -s 16M "$work/back/late.img"
+timeout 120 "$soak" --file "$work/back/late.img" --seed 4 --duration 12s --interval 6s --qd 4 --faults server-stop \
+  --hb-timeout-ms 100 --gap-ms 100,100 --hook "sh $work/slow-hook" --json "$work/late.json" >"$work/late.log" 2>&1
+rc=$?
+ran=$(field late .faults_run) planned=$(field late .faults_planned)
+if [ "$rc" = 0 ] && [ "${planned:-0}" -ge 5 ] && [ "${ran:-99}" -lt "$planned" ]; then
+  ok "late faults: $ran of $planned ran, none after the end"
+else
+  not_ok "late faults" "exit $rc, $ran of $planned ran: $(tail -5 "$work/late.log")"
 fi
 exit "$failed"

@@ -1,7 +1,7 @@
 # Sourced by the soak's ctest wrappers (soak_short.sh, vm_soak_short.sh): what a clean run's
 # --json must also show for the run to count -- that its faults happened and bit.
-#   soak_json_why JSON MIN_FAULTS [KIND...]: fills the array `why` with the reasons it does not
-#   (empty: it counts): fewer than MIN_FAULTS faults ran, a KIND never ran, ENOSPC or EIO faults
+#   soak_json_why JSON MIN_KINDS [KIND...]: fills the array `why` with the reasons it does not
+#   (empty: it counts): fewer than MIN_KINDS kinds of fault ran, a KIND never ran, ENOSPC or EIO faults
 #   that no request saw, a final verify that did not read every block.
 # shellcheck shell=bash
 soak_json_why() {
@@ -10,7 +10,7 @@ soak_json_why() {
   why=()
   kinds=$(jq -r '[.faults[].kind] | join(",")' "$j")
   n=$(jq '.faults | length' "$j")
-  [ "$n" -ge "$min" ] || why+=("only $n faults ran ($kinds)")
+  [ "$n" -ge "$min" ] || why+=("only $n kinds of fault ran ($kinds)")
   for k in "$@"; do
     case ,$kinds, in *,"$k",*) ;; *) why+=("no $k ran") ;; esac
   done

@@ -29,7 +29,8 @@ if [ "$rc" != 0 ]; then
   echo "not ok - vm soak (seed $seed): exit $rc"
   exit 1
 fi
-# Two faults at least (a loaded host's TCG guest runs few in 25 s), the ublk recovery among them.
+# Two kinds of fault at least (a loaded host's TCG guest runs few in 25 s), client-kill (the
+# ublk recovery) among them.
 soak_json_why "$json" 2 client-kill
 if [ ${#why[@]} -ne 0 ]; then
   echo "not ok - vm soak (seed $seed): ${why[*]}"

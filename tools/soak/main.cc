@@ -1017,7 +1017,11 @@ struct Soak {
   }
 
   // Sleeps until `t` unless told to stop; true when it slept the whole time.
+  // False once the run is ending, also for a time already past: a fault that is late (the one
+  // before ran long: slow hooks under TCG) must not start after the end, or the schedule's rest
+  // would run one by one, each waiting up to 60 s for IO that has stopped.
   bool sleep_until(int64_t t) {
+    if (stop_faults.load()) return false;
     while (now_ns() < t) {
       if (stop_faults.load()) return false;
       ::usleep(static_cast<useconds_t>(std::min<int64_t>(50000, (t - now_ns()) / 1000 + 1)));

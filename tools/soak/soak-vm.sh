@@ -10,7 +10,7 @@
 #   tests/vm/run-in-vm.sh [--modprobe ...] -- bash tools/soak/soak-vm.sh BUILD_DIR
 #        [--target ublk|nbd-kernel] [--seed N] [--duration 60s] [--faults all|K1,K2,...]
 #        [--size 64M] [--netem 'delay 2ms 1ms loss 0.5% duplicate 0.5% reorder 10%']
-#        [--json FILE] [--keep] [-- IBNBD-SOAK ARGS...]
+#        [--json FILE] [--keep] [--ext4] [-- IBNBD-SOAK ARGS...]
 #   bash tools/soak/soak-vm.sh hook start|stop KIND [ARGS]    (ibnbd-soak calls it; SOAK_WORK set)
 #
 # Paths: A tcp:198.18.0.1@tcp:198.18.0.2:12381, B the same to port 12382 (the rig has one address
@@ -127,8 +127,13 @@ env_hook() {
 # ---- run mode -------------------------------------------------------------------------------
 
 skip() { echo "1..0 # SKIP $*"; exit 77; }
-NETEM=""
-env_option() { if [ "$1" = --netem ]; then NETEM=$2 took=2; fi; }
+NETEM="" EXT4=0
+env_option() {
+  case $1 in
+    --netem) NETEM=$2 took=2 ;;
+    --ext4) EXT4=1 took=1 ;;
+  esac
+}
 parse_run_args ublk "$@"
 case $TARGET in ublk | nbd-kernel) ;; *) echo "soak-vm.sh: --target ublk or nbd-kernel" >&2; exit 2 ;; esac
 SIZE_BYTES=$(numfmt --from=iec "$SIZE") && [ $((SIZE_BYTES % 4096)) = 0 ] ||
@@ -154,6 +159,7 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM HUP
   [ -n "${SOAK_PID:-}" ] && kill -TERM "$SOAK_PID" 2>/dev/null && wait "$SOAK_PID" 2>/dev/null
+  [ -n "${MNT:-}" ] && timeout 60 umount "$MNT" 2>/dev/null
   [ -n "$NBD" ] && timeout 20 nbd-client -d "$NBD" >/dev/null 2>&1
   stop_daemons
   block_port "$PORT_A" del
@@ -194,6 +200,14 @@ fi
 # ENOSPC only from the file itself: the loop driver turns every error of its file but
 # EOPNOTSUPP into EIO (drivers/block/loop.c, 6.12), so a full tmpfs under the dm backend would
 # be an EIO no fault explains.
+if [ "$EXT4" = 1 ]; then
+  [ "$FAULTS" = all ] && FAULTS=server-kill,server-stop && [ "$TARGET" = ublk ] && FAULTS+=,client-kill
+  [ -n "$SEED" ] || SEED=$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+  case ,$FAULTS, in
+    *,path-cut,* | *,link-flap,* | *,eio,* | *,slow,* | *,enospc,* | *,policy,* | *,path-remove,*)
+      echo "soak-vm.sh: --ext4 runs server-kill, server-stop and client-kill only" >&2; exit 2 ;;
+  esac
+fi
 if [ "$FAULTS" = all ]; then
   FAULTS=path-cut,link-flap,server-kill,server-stop,policy,path-remove
   [ "$TARGET" = ublk ] && FAULTS+=,client-kill
@@ -244,6 +258,81 @@ else
   timeout 60 nbd-client -unix "$WORK/vol.sock" "$NBD" -N "$VOL" -b 4096 >"$WORK/nbd.log" 2>&1 ||
     { echo "soak-vm.sh: nbd-client: $(tail -2 "$WORK/nbd.log")" >&2; exit 3; }
   DEV=$NBD
+fi
+
+# ext4_run: --ext4 instead of ibnbd-soak. ext4 on the device; a writer creates files (4 KiB to
+# 256 KiB of random bytes) and rewrites old ones in place, each made durable (dd conv=fsync,
+# then syncfs) before its checksum is recorded outside the device; meanwhile the faults of
+# --faults (server-kill, server-stop, client-kill) at seeded times, 3-8 s apart. Then: unmount,
+# e2fsck -fn, mount again (nothing from the page cache) and every recorded file must read back
+# as recorded. Fails on a mismatch, a missing file, an error the writer saw, a dirty fsck.
+ext4_run() {
+  local mnt=$WORK/mnt end i n kinds k bad=0 faults=0 werr
+  command -v mkfs.ext4 >/dev/null && command -v e2fsck >/dev/null || skip "no mkfs.ext4 / e2fsck"
+  mkdir -p "$mnt"
+  timeout 300 mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 "$DEV" >"$WORK/mkfs.log" 2>&1 &&
+    timeout 60 mount "$DEV" "$mnt" || { echo "soak-vm.sh: mkfs.ext4 + mount: $(tail -2 "$WORK/mkfs.log")" >&2; return 3; }
+  MNT=$mnt
+  : >"$WORK/durable"
+  (
+    i=0 RANDOM=$((SEED + 1))
+    while [ ! -e "$WORK/stop" ]; do
+      if [ $i -gt 8 ] && [ $((RANDOM % 4)) = 0 ]; then f=f$((RANDOM % i + 1)) conv=fsync,notrunc
+      else i=$((i + 1)) f=f$i conv=fsync; fi
+      timeout 120 dd if=/dev/urandom of="$mnt/$f" bs=4k count=$((RANDOM % 64 + 1)) conv="$conv" status=none &&
+        timeout 120 sync -f "$mnt" || { echo "$f" >>"$WORK/writer.err"; continue; }
+      (cd "$mnt" && sha256sum "$f") >>"$WORK/durable"
+    done
+  ) &
+  local writer=$!
+  IFS=, read -r -a kinds <<<"$FAULTS"
+  RANDOM=$SEED
+  case $DURATION in
+    *m) end=$((SECONDS + ${DURATION%m} * 60)) ;;
+    *s) end=$((SECONDS + ${DURATION%s})) ;;
+    *) end=$((SECONDS + DURATION)) ;;
+  esac
+  while [ $((SECONDS + 8)) -lt "$end" ]; do
+    sleep $((RANDOM % 6 + 3))
+    k=${kinds[$((RANDOM % ${#kinds[@]}))]}
+    log "ext4: $k"
+    hook_common start "$k" >>"$WORK/hook.log" 2>&1 || { log "ext4: $k start failed"; bad=1; }
+    [ "$k" = server-stop ] && sleep $(((HB_MS * HB_MISSED) / 1000 + 1))
+    sleep 0.$((RANDOM % 9 + 1))
+    hook_common stop "$k" >>"$WORK/hook.log" 2>&1 || { log "ext4: $k stop failed"; bad=1; }
+    faults=$((faults + 1))
+  done
+  touch "$WORK/stop"
+  wait "$writer"
+  # The latest record of each file is what it must hold.
+  tac "$WORK/durable" | awk '!seen[$2]++' >"$WORK/expect"
+  n=$(wc -l <"$WORK/expect")
+  werr=$(cat "$WORK/writer.err" 2>/dev/null | wc -l)
+  timeout 120 umount "$mnt" || { echo "soak-vm.sh: umount failed" >&2; return 1; }
+  MNT=""
+  if ! timeout 300 e2fsck -fn "$DEV" >"$WORK/fsck.log" 2>&1; then
+    echo "# e2fsck -fn: $(tail -5 "$WORK/fsck.log")"
+    bad=1
+  fi
+  timeout 60 mount "$DEV" "$mnt" || { echo "soak-vm.sh: remount failed" >&2; return 1; }
+  MNT=$mnt
+  (cd "$mnt" && sha256sum -c --quiet "$WORK/expect") >"$WORK/check.log" 2>&1 || bad=1
+  echo "== ext4 crash consistency: seed $SEED, $DURATION, $faults faults ($FAULTS), $(wc -l <"$WORK/durable") durable writes of $n files, writer errors $werr, mismatches $(grep -c -v '^$' "$WORK/check.log")"
+  [ -s "$WORK/check.log" ] && sed 's/^/#   /' "$WORK/check.log" | head -20
+  timeout 60 umount "$mnt"
+  MNT=""
+  [ "$werr" = 0 ] || bad=1
+  [ "$bad" = 0 ] && echo "verdict        clean" || echo "verdict        DEFECTS"
+  return "$bad"
+}
+
+if [ "$EXT4" = 1 ]; then
+  ext4_run
+  rc=$?
+  stop_daemons
+  rc=$(sanitizer_verdict "$rc" "$WORK"/srv.log "$WORK"/cl.log)
+  [ "$rc" = 0 ] || show_logs
+  exit "$rc"
 fi
 
 # shellcheck disable=SC2054  # A,B is one argument
