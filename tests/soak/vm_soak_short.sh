@@ -5,6 +5,7 @@
 # both paths cut in turn -- under light netem loss, duplication and reordering on the veths.
 # Fails on any lost, torn, stale or corrupt block, an error no fault explains, a failed hook, a
 # client-kill that did not run, an eio no request saw, or a final verify that missed blocks.
+# Faults that no longer fit (slow hooks) are not started after the 25 s.
 #
 #   tests/vm/run-in-vm.sh --modprobe dm_mod --modprobe loop ... -- bash tests/soak/vm_soak_short.sh BUILD_DIR
 #   env: SOAK_VM_SEED (17), SOAK_VM_DURATION (25s)
@@ -29,9 +30,9 @@ if [ "$rc" != 0 ]; then
   echo "not ok - vm soak (seed $seed): exit $rc"
   exit 1
 fi
-# Two kinds of fault at least (a loaded host's TCG guest runs few in 25 s), client-kill (the
-# ublk recovery) among them.
-soak_json_why "$json" 2 client-kill
+# client-kill (the ublk recovery, seed 17's first fault) at least: a loaded host's TCG guest
+# runs only it in 25 s (measured: its hooks took 39 s at load 10); a quiet one runs more.
+soak_json_why "$json" 1 client-kill
 if [ ${#why[@]} -ne 0 ]; then
   echo "not ok - vm soak (seed $seed): ${why[*]}"
   exit 1
