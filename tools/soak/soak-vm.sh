@@ -307,7 +307,7 @@ ext4_run() {
   # The latest record of each file is what it must hold.
   tac "$WORK/durable" | awk '!seen[$2]++' >"$WORK/expect"
   n=$(wc -l <"$WORK/expect")
-  werr=$(cat "$WORK/writer.err" 2>/dev/null | wc -l)
+  werr=$(wc -l <"$WORK/writer.err" 2>/dev/null || echo 0)
   timeout 120 umount "$mnt" || { echo "soak-vm.sh: umount failed" >&2; return 1; }
   MNT=""
   if ! timeout 300 e2fsck -fn "$DEV" >"$WORK/fsck.log" 2>&1; then
