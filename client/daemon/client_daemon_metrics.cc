@@ -31,7 +31,7 @@ std::optional<std::string> ClientDaemon::metrics() {
                          ibtrs::to_string(p.state), kPathStates);
       if (p.latency)
         e.gauge("ibnbd_path_heartbeat_rtt_seconds", "The path's last heartbeat round trip.", pl,
-                static_cast<double>(p.latency->count()) * 1e-9);
+                static_cast<double>(p.latency->count()) / 1e9);
     }
   }
 

@@ -250,12 +250,12 @@ void path_stats(Exposition& e, const Labels& labels, const ibtrs::PathStatsSnaps
   }();
   const char* lat_help = "Request latency on the path (stats/rdma_lat): submission to completion.";
   e.histogram("ibnbd_path_latency_seconds", lat_help, rd, bounds, s.lat_read,
-              static_cast<double>(s.lat_sum_read_ns) * 1e-9);
+              static_cast<double>(s.lat_sum_read_ns) / 1e9);
   e.histogram("ibnbd_path_latency_seconds", lat_help, wr, bounds, s.lat_write,
-              static_cast<double>(s.lat_sum_write_ns) * 1e-9);
+              static_cast<double>(s.lat_sum_write_ns) / 1e9);
   e.gauge("ibnbd_path_latency_max_seconds", "The longest request latency since the last reset.", rd,
-          static_cast<double>(s.lat_max_read_ns) * 1e-9);
-  e.gauge("ibnbd_path_latency_max_seconds", "", wr, static_cast<double>(s.lat_max_write_ns) * 1e-9);
+          static_cast<double>(s.lat_max_read_ns) / 1e9);
+  e.gauge("ibnbd_path_latency_max_seconds", "", wr, static_cast<double>(s.lat_max_write_ns) / 1e9);
   e.counter("ibnbd_path_polls_total", "Completion-queue polls that returned completions (stats/wc_completion).",
             labels, s.polls);
   e.counter("ibnbd_path_polled_completions_total", "Completions those polls returned.", labels,

@@ -122,7 +122,7 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(const sockaddr_storage& ad
   const int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   const socklen_t len = addr.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
-  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0 || ::listen(fd.get(), 64) != 0)
+  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), len) != 0 || ::listen(fd.get(), 128) != 0)
     return errc(errno);
   sockaddr_storage bound{};
   socklen_t blen = sizeof(bound);
