@@ -4,24 +4,21 @@
 # also start a Prometheus server on this machine: the package is downloaded (apt-get download)
 # and only promtool is extracted into a cache, nothing installed.
 #
-#   scripts/promtool.sh [--cached-only] [--cache DIR]
+#   scripts/promtool.sh [--cached-only]
 #
 #   --cached-only  no apt, no network: print it if the cache (or PATH) has it, else exit 3
-#   --cache DIR    default $IBNBD_PROMTOOL_CACHE or /var/cache/ibnbd
+#   The cache: $IBNBD_PROMTOOL_CACHE, default /var/cache/ibnbd (fio-headers.sh's too).
 #
 # Exit: 0 and the path on stdout; 1 it cannot be had (the reason on stderr); 2 usage;
 # 3 --cached-only and nothing cached.
 set -euo pipefail
 
 cache=${IBNBD_PROMTOOL_CACHE:-/var/cache/ibnbd}
-cached_only=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --cached-only) cached_only=1; shift ;;
-    --cache) cache=${2:?--cache needs a directory}; shift 2 ;;
-    *) echo "usage: $0 [--cached-only] [--cache DIR]" >&2; exit 2 ;;
-  esac
-done
+case "${1:-}" in
+  "") cached_only=0 ;;
+  --cached-only) cached_only=1 ;;
+  *) echo "usage: $0 [--cached-only]" >&2; exit 2 ;;
+esac
 say() { echo "promtool: $*" >&2; }
 
 if command -v promtool >/dev/null; then command -v promtool; exit 0; fi

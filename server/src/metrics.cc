@@ -76,6 +76,18 @@ void append_labels(std::string& out, const Labels& labels, std::string_view le =
   out += '}';
 }
 
+// One sample line: NAME[SUFFIX]{LABELS[,le]} VALUE.
+template <typename V>
+void append_sample(std::string& out, std::string_view name, std::string_view suffix, const Labels& labels, V v,
+                   std::string_view le = {}) {
+  out.append(name);
+  out.append(suffix);
+  append_labels(out, labels, le);
+  out += ' ';
+  append_number(out, v);
+  out += '\n';
+}
+
 // HELP text escapes backslash and newline only.
 std::string escape_help(std::string_view h) {
   std::string out;
@@ -157,21 +169,11 @@ std::string& Exposition::samples(std::string_view name, std::string_view help, s
 }
 
 void Exposition::counter(std::string_view name, std::string_view help, const Labels& labels, uint64_t v) {
-  std::string& out = samples(name, help, "counter");
-  out.append(name);
-  append_labels(out, labels);
-  out += ' ';
-  append_number(out, v);
-  out += '\n';
+  append_sample(samples(name, help, "counter"), name, "", labels, v);
 }
 
 void Exposition::gauge(std::string_view name, std::string_view help, const Labels& labels, double v) {
-  std::string& out = samples(name, help, "gauge");
-  out.append(name);
-  append_labels(out, labels);
-  out += ' ';
-  append_number(out, v);
-  out += '\n';
+  append_sample(samples(name, help, "gauge"), name, "", labels, v);
 }
 
 void Exposition::histogram(std::string_view name, std::string_view help, const Labels& labels,
@@ -183,26 +185,11 @@ void Exposition::histogram(std::string_view name, std::string_view help, const L
     std::string le;
     if (i < bounds.size()) append_number(le, bounds[i]);
     else le = "+Inf";
-    out.append(name);
-    out += "_bucket";
-    append_labels(out, labels, le);
-    out += ' ';
-    append_number(out, cumulative);
-    out += '\n';
+    append_sample(out, name, "_bucket", labels, cumulative, le);
     if (i >= bounds.size()) break;  // one +Inf bucket, whatever counts holds beyond it
   }
-  out.append(name);
-  out += "_sum";
-  append_labels(out, labels);
-  out += ' ';
-  append_number(out, sum);
-  out += '\n';
-  out.append(name);
-  out += "_count";
-  append_labels(out, labels);
-  out += ' ';
-  append_number(out, cumulative);
-  out += '\n';
+  append_sample(out, name, "_sum", labels, sum);
+  append_sample(out, name, "_count", labels, cumulative);
 }
 
 std::string Exposition::str() const {

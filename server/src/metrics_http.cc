@@ -5,7 +5,9 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <exception>
 #include <vector>
 
 #include "ibtrs/address.h"
@@ -111,7 +113,12 @@ std::string respond(std::string_view request, const HttpServer::Collector& colle
   const bool head = method == "HEAD";
   if (target.substr(0, target.find('?')) != "/metrics") return error_reply("404 Not Found", head);
   if (method != "GET" && !head) return error_reply("405 Method Not Allowed", false, "Allow: GET, HEAD\r\n");
-  auto body = collect();
+  std::optional<std::string> body;
+  try {
+    body = collect();
+  } catch (const std::exception&) {  // the thread's edge: a failed scrape, not a dead daemon
+    return error_reply("500 Internal Server Error", head);
+  }
   if (!body) return error_reply("503 Service Unavailable", head);
   return reply("200 OK", "text/plain; version=0.0.4; charset=utf-8", *body, head);
 }
@@ -209,8 +216,8 @@ void HttpServer::loop() {
       if (c.phase == Conn::Phase::writing) done[i] = !flush(c) || (ev & (POLLERR | POLLHUP)) != 0;
       else done[i] = !on_readable(c);
     }
-    size_t i = 0;
-    std::erase_if(conns, [&](const Conn&) { return done[i++]; });
+    for (size_t i = conns.size(); i-- > 0;)
+      if (done[i]) conns.erase(conns.begin() + static_cast<std::ptrdiff_t>(i));
     if ((pfds[1].revents & POLLIN) == 0) continue;
     for (;;) {
       UniqueFd fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
