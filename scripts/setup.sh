@@ -58,3 +58,12 @@ if fio_tree=$(bash "$(dirname "$0")/fio-headers.sh"); then
 else
   echo "setup: no fio headers (see above): the fio engine will not be built" >&2
 fi
+
+# promtool, which lints the daemons' Prometheus metrics in the tests: taken out of Debian's
+# prometheus package into a cache, not installed (the package would start a Prometheus server
+# on this machine). Cached; a failure here only makes that check skip.
+if promtool=$(bash "$(dirname "$0")/promtool.sh"); then
+  echo "setup: promtool at $promtool"
+else
+  echo "setup: no promtool (see above): the metrics lint will skip" >&2
+fi

@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -62,6 +63,11 @@ class ClientDaemon {
 
   // One admin command (see client/README.md, "Control socket"). Never throws.
   nlohmann::json handle(const nlohmann::json& req, const ControlSocket::Emit& emit);
+
+  // The Prometheus text of the daemon's counters (client_daemon_metrics.cc; the metrics
+  // endpoint's collector). Nothing when a command has held the daemon for kMetricsWait.
+  std::optional<std::string> metrics();
+  static constexpr std::chrono::milliseconds kMetricsWait{1000};
 
  private:
   struct Sess {
@@ -126,7 +132,7 @@ class ClientDaemon {
   ublk::UblkOptions ublk_options(const RemoteDevice& d, uint16_t queue_depth) const;
 
   ClientDaemonOptions opts_;
-  std::mutex mu_;  // serializes commands
+  std::timed_mutex mu_;  // serializes commands (timed: metrics() does not wait out a long one)
   std::map<std::string, Sess, std::less<>> sessions_;
   // Failover devices by name (device map ... standby ...): the device, and its sessions as
   // mapped (the first was active then). Their legs are in both sessions' device lists, which

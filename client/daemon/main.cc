@@ -8,6 +8,7 @@
 //                [--connect-timeout-ms N] [--ready-file PATH]
 //                [--state-dir DIR] [--ublk-queue-depth N] [--ublk-reap caller|thread]
 //                [--sysfs-dir DIR] [--host-key FILE] [--host-id ID] [--config FILE]
+//                [--metrics-listen [ADDR:]PORT]
 #include <signal.h>
 #include <unistd.h>
 
@@ -15,12 +16,14 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "client_daemon.h"
+#include "metrics_http.h"
 #include "sysfs/mount.h"
 #include "sysfs/trees.h"
 
@@ -34,7 +37,7 @@ const char kUsage[] =
     "                    [--state-dir DIR] [--ublk-queue-depth N] [--ublk-reap caller|thread]\n"
     "                    [--sysfs-dir DIR] [--host-key FILE] [--host-id ID] [--config FILE]\n"
     "                    [--tls off|on [--tls-ca FILE [--tls-cert FILE --tls-key FILE]\n"
-    "                     [--tls-server-name NAME]]]\n"
+    "                     [--tls-server-name NAME]]] [--metrics-listen [ADDR:]PORT]\n"
     "  --control-socket: default /run/ibnbd-client.sock (the CLI's default too). PATH.lock\n"
     "    beside it (flock) keeps a second daemon off a live socket; a dead daemon's is reused.\n"
     "  --ready-file: written once the control socket accepts commands (after the ublk\n"
@@ -57,6 +60,8 @@ const char kUsage[] =
     "         certificate verified (--tls-server-name: the DNS name or IP address it must\n"
     "         carry; without it any certificate the CA signed is taken) and --tls-cert and\n"
     "         --tls-key a client certificate presented.\n"
+    "  --metrics-listen [ADDR:]PORT: Prometheus metrics over HTTP (GET /metrics; client/README.md,\n"
+    "         \"Metrics\"); ADDR 127.0.0.1 unless named (0.0.0.0 or [::] for every address).\n"
     "  --config FILE: JSON with the options' names, e.g. {\"host_key\": \"/etc/ibnbd/host.key\",\n"
     "         \"io_threads\": 4}; options on the command line win.\n";
 
@@ -75,17 +80,28 @@ uint64_t number(const char* flag, const char* v, uint64_t lo, uint64_t hi) {
 }
 
 // One option by its command-line name: from argv, or from --config (JSON names use '_').
-void apply(ibnbd::ClientDaemonOptions& o, std::string& socket_path, std::string& ready_file,
-           std::string& sysfs_dir, const std::string& a, const char* v) {
-  if (a == "--control-socket") socket_path = v;
-  else if (a == "--ready-file") ready_file = v;
+struct Paths {
+  std::string socket = "/run/ibnbd-client.sock";
+  std::string ready_file;
+  std::string sysfs_dir;
+  std::optional<sockaddr_storage> metrics;
+};
+
+void apply(ibnbd::ClientDaemonOptions& o, Paths& paths, const std::string& a, const char* v) {
+  if (a == "--control-socket") paths.socket = v;
+  else if (a == "--ready-file") paths.ready_file = v;
   else if (a == "--state-dir") o.state_dir = v;
   else if (a == "--ublk-queue-depth") o.ublk_queue_depth = static_cast<uint16_t>(number(a.c_str(), v, 1, 4096));
   else if (a == "--ublk-reap") {
     const std::string_view m(v);
     if (m != "caller" && m != "thread") die("--ublk-reap: caller or thread");
     o.ublk_reap = m == "caller";
-  } else if (a == "--sysfs-dir") sysfs_dir = v;
+  } else if (a == "--sysfs-dir") paths.sysfs_dir = v;
+  else if (a == "--metrics-listen") {
+    auto m = ibnbd::metrics::parse_listen(v);
+    if (!m) die("--metrics-listen '" + std::string(v) + "': expected PORT, :PORT or ADDR:PORT (ADDR numeric, IPv6 in [])");
+    paths.metrics = *m;
+  }
   else if (a == "--io-threads") o.io_threads = static_cast<uint32_t>(number("--io-threads", v, 0, 64));
   else if (a == "--hb-interval-ms") o.heartbeat.interval = std::chrono::milliseconds(number(a.c_str(), v, 1, 3600000));
   else if (a == "--hb-missed") o.heartbeat.missed_max = static_cast<uint32_t>(number(a.c_str(), v, 1, 1000));
@@ -137,9 +153,7 @@ std::vector<std::pair<std::string, std::string>> read_config(const std::string& 
 
 int main(int argc, char** argv) {
   ibnbd::ClientDaemonOptions o;
-  std::string socket_path = "/run/ibnbd-client.sock";
-  std::string ready_file;
-  std::string sysfs_dir;
+  Paths paths;
   std::vector<std::pair<std::string, std::string>> cli, config;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -152,7 +166,10 @@ int main(int argc, char** argv) {
     else cli.emplace_back(a, argv[++i]);
   }
   for (auto* list : {&config, &cli})
-    for (auto& [a, v] : *list) apply(o, socket_path, ready_file, sysfs_dir, a, v.c_str());
+    for (auto& [a, v] : *list) apply(o, paths, a, v.c_str());
+  const std::string& socket_path = paths.socket;
+  const std::string& ready_file = paths.ready_file;
+  const std::string& sysfs_dir = paths.sysfs_dir;
   if (o.tls.cert_file.empty() != o.tls.key_file.empty()) die("--tls-cert and --tls-key go together");
   if (!o.tls.cert_file.empty() && o.tls.ca_file.empty()) die("--tls-cert needs --tls-ca (the server's CA)");
   if (!o.host_key.empty()) {
@@ -198,11 +215,29 @@ int main(int argc, char** argv) {
     }
     sysfs_mount = std::move(*m);
   }
+  std::unique_ptr<ibnbd::metrics::HttpServer> metrics;
+  std::string ready = "ready " + socket_path + "\n";
+  if (paths.metrics) {
+    auto m = ibnbd::metrics::HttpServer::start(*paths.metrics, [&daemon] { return daemon.metrics(); });
+    if (!m) {
+      std::fprintf(stderr, "ibnbd-client: metrics on %s: %s\n", ibnbd::metrics::to_string(*paths.metrics).c_str(),
+                   m.error().message().c_str());
+      return 1;
+    }
+    metrics = std::move(*m);
+    ready += "metrics http://" + ibnbd::metrics::to_string(metrics->address()) + "/metrics\n";
+  }
   std::fprintf(stderr, "ibnbd-client: ready on %s\n", socket_path.c_str());
-  if (!ready_file.empty()) std::ofstream(ready_file) << "ready " << socket_path << "\n";
+  if (!ready_file.empty()) {
+    // Whole or not at all: a reader that sees the file sees every line.
+    const std::string tmp = ready_file + ".tmp";
+    std::ofstream(tmp) << ready;
+    ::rename(tmp.c_str(), ready_file.c_str());
+  }
   int sig = 0;
   sigwait(&set, &sig);
   std::fprintf(stderr, "ibnbd-client: %s: unmapping\n", strsignal(sig));
+  metrics.reset();
   sysfs_mount.reset();
   ctl->reset();
   if (!ready_file.empty()) ::unlink(ready_file.c_str());

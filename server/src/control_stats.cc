@@ -17,6 +17,8 @@ json stats_to_json(const ibtrs::PathStatsSnapshot& s) {
           {"lat_write", s.lat_write},
           {"lat_max_read_ns", s.lat_max_read_ns},
           {"lat_max_write_ns", s.lat_max_write_ns},
+          {"lat_sum_read_ns", s.lat_sum_read_ns},
+          {"lat_sum_write_ns", s.lat_sum_write_ns},
           {"polls", s.polls},
           {"polled_completions", s.polled_completions},
           {"poll_max", s.poll_max},
@@ -48,6 +50,8 @@ ibtrs::PathStatsSnapshot stats_from_json(const json& j) {
   arr("lat_write", s.lat_write);
   u("lat_max_read_ns", s.lat_max_read_ns);
   u("lat_max_write_ns", s.lat_max_write_ns);
+  u("lat_sum_read_ns", s.lat_sum_read_ns);
+  u("lat_sum_write_ns", s.lat_sum_write_ns);
   u("polls", s.polls);
   u("polled_completions", s.polled_completions);
   u("poll_max", s.poll_max);

@@ -24,7 +24,9 @@
 #include <nlohmann/json.hpp>
 
 #include "control_socket.h"
+#include "metrics_http.h"
 #include "server_commands.h"
+#include "server_metrics.h"
 #include "sysfs/mount.h"
 #include "sysfs/trees.h"
 #include "ibnbd/server.h"
@@ -44,7 +46,7 @@ const char kUsage[] =
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
     "                    [--handshake-timeout-ms N] [--ack-timeout-ms N] [--size-check-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
-    "                    [--allow-any-host]\n"
+    "                    [--allow-any-host] [--metrics-listen [ADDR:]PORT]\n"
     "                    [--rbd-conf FILE] [--rbd-client-id ID] [--rbd-keyring FILE]\n"
     "                    [--rbd-pools POOL,...] [--rbd-namespace NS]\n"
     "                    [--tls off|on|required [--tls-cert FILE --tls-key FILE [--tls-ca FILE]]]\n"
@@ -69,6 +71,8 @@ const char kUsage[] =
     "         is disconnected). Refusals: `ibnbd server refusals`.\n"
     "  --size-check-ms: how often the size of every open device is re-read (default 1000; 0\n"
     "         never): a resized one is announced to the sessions that hold it (protocol 4).\n"
+    "  --metrics-listen [ADDR:]PORT: Prometheus metrics over HTTP (GET /metrics; server/README.md,\n"
+    "         \"Metrics\"); ADDR 127.0.0.1 unless named (0.0.0.0 or [::] for every address).\n"
     "  --sysfs-dir DIR: serves the kernel's control files (DIR/ibtrs-server/<session>/paths/...,\n"
     "         DIR/ibnbd-server/ctl/devices/...) through FUSE, e.g. /run/ibnbd-server/sysfs;\n"
     "         off by default (sysfs-emu/README.md).\n"
@@ -97,6 +101,7 @@ struct Config {
   std::string control_socket = "/run/ibnbd-server.sock";
   std::string ready_file;
   std::string sysfs_dir;
+  std::optional<sockaddr_storage> metrics_listen;
 };
 
 // One setting by name, from the command line (text) or the config file (JSON).
@@ -177,6 +182,10 @@ void apply(Config& c, const std::string& key, const json& v) {
     c.ready_file = text();
   } else if (key == "sysfs_dir") {
     c.sysfs_dir = text();
+  } else if (key == "metrics_listen") {
+    auto a = ibnbd::metrics::parse_listen(text());
+    if (!a) die("metrics_listen '" + text() + "': expected PORT, :PORT or ADDR:PORT (ADDR numeric, IPv6 in [])");
+    c.metrics_listen = *a;
   } else if (key == "allow_any_host") {
     c.o.allow_any_host = flag();
   } else if (key == "tls") {
@@ -248,7 +257,7 @@ void apply(Config& c, const std::string& key, const json& v) {
 constexpr std::string_view kValueOptions[] = {
     "ack_timeout_ms", "chunk_size", "config", "control_socket", "dev_search_path", "direct_io",
     "handshake_timeout_ms", "hb_interval_ms", "hb_missed", "io_threads", "listen", "max_chunk_memory",
-    "max_io_size", "max_paths_per_session", "max_sessions", "poll", "queue_depth", "rbd_client_id",
+    "max_io_size", "max_paths_per_session", "max_sessions", "metrics_listen", "poll", "queue_depth", "rbd_client_id",
     "rbd_conf", "rbd_connect_timeout_s", "rbd_keyring", "rbd_namespace", "rbd_pools", "ready_file",
     "size_check_ms", "sysfs_dir", "tls", "tls_ca", "tls_cert", "tls_key"};
 
@@ -382,8 +391,19 @@ int main(int argc, char** argv) {
     }
     sysfs_mount = std::move(*m);
   }
+  std::unique_ptr<ibnbd::metrics::HttpServer> metrics;
+  if (c.metrics_listen) {
+    auto m = ibnbd::metrics::HttpServer::start(*c.metrics_listen, [&s] { return ibnbd::server_metrics(s); });
+    if (!m) {
+      std::fprintf(stderr, "ibnbd-server: metrics on %s: %s\n", ibnbd::metrics::to_string(*c.metrics_listen).c_str(),
+                   m.error().message().c_str());
+      return 1;
+    }
+    metrics = std::move(*m);
+  }
   std::string lines;
   for (auto& a : s.addresses()) lines += "listening " + a.to_string() + "\n";
+  if (metrics) lines += "metrics http://" + ibnbd::metrics::to_string(metrics->address()) + "/metrics\n";
   std::fputs(lines.c_str(), stdout);
   std::fflush(stdout);
   if (!c.ready_file.empty()) {
@@ -394,6 +414,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&set, &sig);
   std::fprintf(stderr, "ibnbd-server: %s: closing sessions\n", strsignal(sig));
+  metrics.reset();      // it reads the server too
   sysfs_mount.reset();  // the files call into the server: they go first
   ctl->reset();
   srv->reset();

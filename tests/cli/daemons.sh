@@ -40,13 +40,13 @@ truncate -s 16M "$work/export/sub/b.img"
 ln -s /etc/passwd "$work/export/escape"
 ibnbd_auth "$work"
 "$srv" "${listen[@]}" "${srv_auth[@]}" --dev-search-path "$work/export" \
-  --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" --hb-interval-ms 200 \
+  --control-socket "$work/srv.sock" --ready-file "$work/srv.ready" --hb-interval-ms 200 --metrics-listen 0 \
   >"$work/srv.log" 2>&1 &
 pids+=($!)
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
 "$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 200 \
-  --reconnect-delay-ms 200 --state-dir "$work/state" >"$work/cl.log" 2>&1 &
+  --reconnect-delay-ms 200 --state-dir "$work/state" --metrics-listen 0 >"$work/cl.log" 2>&1 &
 pids+=($!)
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
 
@@ -178,6 +178,107 @@ n=$(c -f json device list | jq length)
 expect "write + verify 64 MiB" 0 c device io a.img bs 256K qd 8
 split=$(c -f json path list t1 | jq '[.[] | select(.tx_bytes > 0)] | length')
 [ "$split" = 2 ] && ok "IO on both paths" || not_ok "IO on both paths" "$split paths carried writes"
+
+# Case: the Prometheus endpoints of both daemons (--metrics-listen 0: a free loopback port),
+# scraped before and after a read, linted by promtool. Expect: loopback addresses; 200 with the
+# 0.0.4 content type; the bytes read moved on the client's device and path and on the server's
+# session and device; HEAD 200 without a body, other paths 404, other methods 405.
+# http ADDR:PORT REQUEST: the raw response (bash's /dev/tcp: no curl in the VM rig).
+http() {
+  local fd
+  exec {fd}<>"/dev/tcp/${1%:*}/${1##*:}" || return 1
+  printf '%b' "$2" >&$fd
+  timeout 10 cat <&$fd
+  exec {fd}>&-
+}
+scrape() { http "$1" 'GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n' | tr -d '\r' | sed '1,/^$/d'; }
+# metric FILE NAME{LABELS}: the value of that sample ("" when missing).
+metric() { grep -F "$2 " "$1" | head -1 | sed 's/.* //'; }
+srv_m=$(sed -n 's|^metrics http://\(.*\)/metrics$|\1|p' "$work/srv.ready")
+cl_m=$(sed -n 's|^metrics http://\(.*\)/metrics$|\1|p' "$work/cl.ready")
+case "$srv_m $cl_m" in 127.0.0.1:[1-9]*" "127.0.0.1:[1-9]*) ok "metrics on loopback ($srv_m, $cl_m)" ;;
+  *) not_ok "metrics on loopback" "server '$srv_m', client '$cl_m'" ;; esac
+scrape "$cl_m" >"$work/cl0.prom"
+scrape "$srv_m" >"$work/srv0.prom"
+expect "read 8 MiB for the metrics" 0 c device io a.img size 8M bs 64K qd 4 mode verify
+scrape "$cl_m" >"$work/cl1.prom"
+scrape "$srv_m" >"$work/srv1.prom"
+moved() {  # moved NAME FILE0 FILE1 SERIES: the series grew by at least 8 MiB
+  local a b
+  a=$(metric "$2" "$4")
+  b=$(metric "$3" "$4")
+  [ -n "$a" ] && [ -n "$b" ] && [ $((b - a)) -ge $((8 << 20)) ] && ok "$1 ($a -> $b)" || not_ok "$1" "'$a' -> '$b'"
+}
+moved "client device bytes read moved" "$work/cl0.prom" "$work/cl1.prom" \
+  'ibnbd_client_device_bytes_total{device="a.img",session="t1",direction="read"}'
+moved "server session bytes read moved" "$work/srv0.prom" "$work/srv1.prom" \
+  'ibnbd_server_session_bytes_total{session="t1",direction="read"}'
+moved "server device bytes read moved" "$work/srv0.prom" "$work/srv1.prom" \
+  "ibnbd_server_device_bytes_total{device=\"$work/export/a.img\",direction=\"read\"}"
+sum_paths() { grep '^ibnbd_path_bytes_total{.*direction="read"}' "$1" | awk '{s += $2} END {print s + 0}'; }
+[ $(($(sum_paths "$work/cl1.prom") - $(sum_paths "$work/cl0.prom"))) -ge $((8 << 20)) ] &&
+  ok "client path bytes read moved" || not_ok "client path bytes read moved" "$(sum_paths "$work/cl0.prom") -> $(sum_paths "$work/cl1.prom")"
+n=$(grep -c '^ibnbd_path_state{session="t1",.*state="connected"} 1$' "$work/cl1.prom")
+[ "$n" = 2 ] && ok "both paths' state is connected" || not_ok "both paths' state is connected" "$n"
+cnt=$(grep '^ibnbd_path_latency_seconds_count{.*direction="read"}' "$work/cl1.prom" | awk '{s += $2} END {print s + 0}')
+inf=$(grep '^ibnbd_path_latency_seconds_bucket{.*direction="read",le="+Inf"}' "$work/cl1.prom" | awk '{s += $2} END {print s + 0}')
+[ "$cnt" -gt 0 ] && [ "$cnt" = "$inf" ] && ok "latency histogram: +Inf == _count ($cnt)" || not_ok "latency histogram" "count $cnt, +Inf $inf"
+grep -q '^ibnbd_build_info{daemon="server",version="[0-9.]*"} 1$' "$work/srv1.prom" && grep -q '^process_start_time_seconds ' "$work/cl1.prom" &&
+  grep -q '^ibnbd_server_refusals_total{reason="session_limit"} 0$' "$work/srv1.prom" &&
+  grep -q '^ibnbd_server_paths_authenticated_total [1-9]' "$work/srv1.prom" &&
+  ok "build info, start time, refusals, authentications" || not_ok "build info, start time, refusals, authentications" "$(head -5 "$work/srv1.prom")"
+if promtool=$(bash "$(dirname "${BASH_SOURCE[0]}")/../../scripts/promtool.sh" 2>"$work/promtool.err"); then
+  for f in cl1 srv1; do
+    "$promtool" check metrics <"$work/$f.prom" >"$work/lint" 2>&1 && ok "promtool check metrics: $f" ||
+      not_ok "promtool check metrics: $f" "$(head -5 "$work/lint")"
+  done
+else
+  echo "ok - promtool check metrics # SKIP $(tail -1 "$work/promtool.err")"
+fi
+r=$(http "$cl_m" 'HEAD /metrics HTTP/1.1\r\n\r\n' | tr -d '\r')
+[ "$(head -1 <<<"$r")" = "HTTP/1.1 200 OK" ] && [ -z "$(sed '1,/^$/d' <<<"$r")" ] && ok "HEAD: 200, no body" ||
+  not_ok "HEAD: 200, no body" "$(head -3 <<<"$r")"
+st() { http "$1" "$2" | head -1 | tr -d '\r'; }
+[ "$(st "$srv_m" 'GET / HTTP/1.1\r\n\r\n')" = "HTTP/1.1 404 Not Found" ] && ok "GET / is 404" || not_ok "GET / is 404" "$(st "$srv_m" 'GET / HTTP/1.1\r\n\r\n')"
+[ "$(st "$srv_m" 'POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n')" = "HTTP/1.1 405 Method Not Allowed" ] &&
+  ok "POST is 405" || not_ok "POST is 405" "$(st "$srv_m" 'POST /metrics HTTP/1.1\r\n\r\n')"
+
+# Case: hostile scrapers on the client daemon: one that connects and says nothing, 100 KiB of
+# headers, garbage bytes, 200 connections at once (half silent, half garbage). Expect: each gets
+# an error (400, 431) or a close; a good scrape is answered during the flood and after it; the
+# daemon keeps serving IO; the silent one is closed by the server (its 5 s per connection).
+exec {silent}<>"/dev/tcp/${cl_m%:*}/${cl_m##*:}"
+big=$(head -c 102400 /dev/zero | tr '\0' a)
+[ "$(st "$cl_m" "GET /metrics HTTP/1.1\r\nX-Big: $big\r\n\r\n")" = "HTTP/1.1 431 Request Header Fields Too Large" ] &&
+  ok "100 KiB of headers: 431" || not_ok "100 KiB of headers: 431" "'$(st "$cl_m" "GET /metrics HTTP/1.1\r\nX-Big: $big\r\n\r\n")'"
+g=$(st "$cl_m" "$(head -c 2048 /dev/urandom | od -An -tx1 | tr -d ' \n' | sed 's/../\\x&/g')\r\n\r\n")
+case "$g" in "HTTP/1.1 400 Bad Request"|"HTTP/1.1 431 "*|"") ok "garbage: an error or a close ('$g')" ;;
+  *) not_ok "garbage: an error or a close" "'$g'" ;; esac
+flood=()
+for i in $(seq 200); do
+  exec {fd}<>"/dev/tcp/${cl_m%:*}/${cl_m##*:}" || break
+  [ $((i % 2)) = 0 ] && printf '\x16\x03\x01\x00\xff garbage\r\n\r\n' >&$fd 2>/dev/null
+  flood+=("$fd")
+done
+[ ${#flood[@]} = 200 ] && ok "200 scrapers connected" || not_ok "200 scrapers connected" "${#flood[@]}"
+scrape "$cl_m" >"$work/cl2.prom"
+grep -q '^ibnbd_client_device_bytes_total{device="a.img"' "$work/cl2.prom" && ok "a scrape during the flood is answered" ||
+  not_ok "a scrape during the flood is answered" "$(head -3 "$work/cl2.prom")"
+bad=0
+for i in "${!flood[@]}"; do
+  [ $((i % 2)) = 1 ] || continue  # the garbage ones: answered 400 or dropped, at once
+  l=$(timeout 3 head -c 24 <&"${flood[$i]}" 2>/dev/null)
+  case "$l" in "HTTP/1.1 400 Bad Request"|"") ;; *) bad=$((bad + 1)) ;; esac
+done
+[ "$bad" = 0 ] && ok "every garbage scraper got 400 or a close" || not_ok "every garbage scraper got 400 or a close" "$bad others"
+for fd in "${flood[@]}"; do exec {fd}>&-; done
+expect "IO beside the flood" 0 c device io a.img size 4M bs 64K qd 4
+scrape "$cl_m" >"$work/cl3.prom"
+grep -q '^ibnbd_client_device_bytes_total{device="a.img"' "$work/cl3.prom" && ok "a scrape after the flood is answered" ||
+  not_ok "a scrape after the flood is answered" "$(head -3 "$work/cl3.prom")"
+timeout 10 cat <&$silent >/dev/null
+[ $? = 0 ] && ok "the silent scraper was closed by the server" || not_ok "the silent scraper was closed by the server" "still open after 10 s"
+exec {silent}>&-
 
 # Case: a path is disconnected, IO runs, the path is reconnected. Expect: no IO error.
 p0=$(c -f json path list t1 | jq -r '.[0].pathname')

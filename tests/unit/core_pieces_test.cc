@@ -314,6 +314,8 @@ TEST(Stats, CountsAndSnapshots) {
   EXPECT_EQ(snap.lat_write[latency_bucket(30'000)], 1u);
   EXPECT_EQ(snap.lat_read[latency_bucket(3'000'000)], 1u);
   EXPECT_EQ(snap.lat_max_read_ns, 3'000'000u);
+  EXPECT_EQ(snap.lat_sum_read_ns, 3'000'000u);
+  EXPECT_EQ(snap.lat_sum_write_ns, 30'000u);
   EXPECT_EQ(snap.polls, 2u);
   EXPECT_EQ(snap.polled_completions, 4u);
   EXPECT_EQ(snap.poll_max, 3u);
@@ -351,6 +353,7 @@ TEST(Stats, ResetOfOneGroupLeavesTheOthers) {
   EXPECT_EQ(a.write_cnt, 0u);
   EXPECT_EQ(a.write_bytes, 0u);
   EXPECT_EQ(a.lat_max_write_ns, 2'000'000u) << "rdma_lat is another file";
+  EXPECT_EQ(a.lat_sum_write_ns, 2'000'000u) << "the sum is rdma_lat's too";
   EXPECT_EQ(a.polls, 1u);
   EXPECT_EQ(a.reconnects_ok, 1u);
   EXPECT_EQ(a.sg_entries[2], 1u);
@@ -360,6 +363,7 @@ TEST(Stats, ResetOfOneGroupLeavesTheOthers) {
   a = s.snapshot();
   EXPECT_EQ(a.lat_write[latency_bucket(2'000'000)], 0u);
   EXPECT_EQ(a.lat_max_write_ns, 0u);
+  EXPECT_EQ(a.lat_sum_write_ns, 0u);
   EXPECT_EQ(a.polls, 0u);
   EXPECT_EQ(a.poll_max, 0u);
   EXPECT_EQ(a.reconnects_ok, 1u);

@@ -93,6 +93,8 @@ PathStatsSnapshot& PathStatsSnapshot::operator+=(const PathStatsSnapshot& o) {
   }
   lat_max_read_ns = std::max(lat_max_read_ns, o.lat_max_read_ns);
   lat_max_write_ns = std::max(lat_max_write_ns, o.lat_max_write_ns);
+  lat_sum_read_ns += o.lat_sum_read_ns;
+  lat_sum_write_ns += o.lat_sum_write_ns;
   polls += o.polls;
   polled_completions += o.polled_completions;
   poll_max = std::max(poll_max, o.poll_max);

@@ -107,6 +107,9 @@ struct PathStatsSnapshot {
   std::array<uint64_t, kLatBuckets> lat_write{};
   uint64_t lat_max_read_ns = 0;
   uint64_t lat_max_write_ns = 0;
+  // The latencies added up (the histograms' sum: Prometheus' _sum, a mean per interval).
+  uint64_t lat_sum_read_ns = 0;
+  uint64_t lat_sum_write_ns = 0;
   uint64_t polls = 0;              // CQ polls that returned completions
   uint64_t polled_completions = 0;
   uint64_t poll_max = 0;           // most completions one poll returned

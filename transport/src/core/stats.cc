@@ -63,6 +63,7 @@ void PathStats::on_complete(uint32_t shard, bool write, uint64_t latency_ns, uin
   bump(s.completed, 1);
   bump((write ? s.lat_write : s.lat_read)[latency_bucket(latency_ns)], 1);
   raise_to(write ? s.lat_max_write : s.lat_max_read, latency_ns);
+  bump(write ? s.lat_sum_write : s.lat_sum_read, latency_ns);
   submit_shard %= static_cast<uint32_t>(shards_.size());
   if (submit_shard != shard % shards_.size()) {
     bump(s.migrated_to, 1);
@@ -110,6 +111,8 @@ PathStatsSnapshot PathStats::raw() const {
     }
     r.lat_max_read_ns = std::max(r.lat_max_read_ns, get(s.lat_max_read));
     r.lat_max_write_ns = std::max(r.lat_max_write_ns, get(s.lat_max_write));
+    r.lat_sum_read_ns += get(s.lat_sum_read);
+    r.lat_sum_write_ns += get(s.lat_sum_write);
     r.polls += get(s.polls);
     r.polled_completions += get(s.polled);
     r.poll_max = std::max(r.poll_max, get(s.poll_max));
@@ -136,6 +139,8 @@ PathStatsSnapshot PathStats::snapshot() const {
     r.lat_read[i] -= b.lat_read[i];
     r.lat_write[i] -= b.lat_write[i];
   }
+  r.lat_sum_read_ns -= b.lat_sum_read_ns;
+  r.lat_sum_write_ns -= b.lat_sum_write_ns;
   r.polls -= b.polls;
   r.polled_completions -= b.polled_completions;
   for (size_t i = 0; i < kSgBuckets; ++i) r.sg_entries[i] -= b.sg_entries[i];
@@ -167,6 +172,8 @@ void PathStats::reset(StatsGroup group) {
   if (all || group == StatsGroup::rdma_lat) {
     b.lat_read = now.lat_read;
     b.lat_write = now.lat_write;
+    b.lat_sum_read_ns = now.lat_sum_read_ns;
+    b.lat_sum_write_ns = now.lat_sum_write_ns;
   }
   if (all || group == StatsGroup::wc_completion) {
     b.polls = now.polls;

@@ -57,6 +57,7 @@ class PathStats {
     std::atomic<uint64_t> failovered{0}, reconnects_ok{0}, reconnects_failed{0};
     std::array<std::atomic<uint64_t>, kLatBuckets> lat_read{}, lat_write{};
     std::atomic<uint64_t> lat_max_read{0}, lat_max_write{0};
+    std::atomic<uint64_t> lat_sum_read{0}, lat_sum_write{0};
     std::atomic<uint64_t> polls{0}, polled{0}, poll_max{0};
     std::array<std::atomic<uint64_t>, kSgBuckets> sg{};
     std::atomic<uint64_t> migrated_to{0};
