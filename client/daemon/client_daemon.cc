@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ibnbd/nbd_device_export.h"
+#include "ibtrs/gid.h"
 #include "ibtrs/tls.h"
 
 namespace ibnbd {
@@ -389,6 +390,8 @@ json ClientDaemon::device_map(const json& req) {
   for (auto& p : req.at("paths")) {
     auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
     if (!spec.ok()) return err(EINVAL, "path '" + p.get<std::string>() + "': " + spec.error().message());
+    std::string why;
+    if (auto st = ibtrs::check_gid_path(*spec, &why); !st.ok()) return err(st.error().value(), "path '" + p.get<std::string>() + "': " + why);
     // Two paths of one session with the same name would be one path twice (the library says
     // only EEXIST): name it.
     for (auto& known : paths)
@@ -452,6 +455,9 @@ json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessM
   for (auto& p : req.at("standby_paths")) {
     auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
     if (!spec.ok()) return err(EINVAL, "standby path '" + p.get<std::string>() + "': " + spec.error().message());
+    std::string why;
+    if (auto st = ibtrs::check_gid_path(*spec, &why); !st.ok())
+      return err(st.error().value(), "standby path '" + p.get<std::string>() + "': " + why);
     spaths.push_back(*spec);
     spath_strs.push_back(p.get<std::string>());
   }
@@ -1036,6 +1042,8 @@ json ClientDaemon::path_op(const json& req, const std::string& op) {
   if (op == "add") {
     auto spec = ibtrs::PathSpec::parse(path);
     if (!spec.ok()) return err(EINVAL, "path '" + path + "': " + spec.error().message());
+    std::string why;
+    if (st = ibtrs::check_gid_path(*spec, &why); !st.ok()) return err(st.error().value(), "path '" + path + "': " + why);
     st = t.add_path(*spec);
     if (st.error() == std::errc::file_exists)
       return err(EEXIST, "session " + n + " has path " + spec->name() + " already");
