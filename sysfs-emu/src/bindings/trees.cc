@@ -56,7 +56,6 @@ const json& cell(const json& rsp, const json& row, const char* col) {
   throw std::out_of_range(col);
 }
 
-
 ReadFn text(std::string s) {
   return [s = std::move(s)]() -> Result<std::string> { return s; };
 }
