@@ -145,7 +145,13 @@ T=$C/ibtrs-client/t1
 check "one path" "$(ls "$T/paths" | wc -l)" 1
 
 # ---- add_path ----
-expect_wr "add_path" "$T/add_path" "${addrs[1]}" ok
+if [ "$fabric" = rdma ]; then
+  # The kernel's gid: form on both sides (RoCE v2 GIDs of the rxe ports: their IPv4 addresses).
+  expect_wr "add_path gid:SRC@gid:DST" "$T/add_path" \
+    "gid:::ffff:$IBTRS_RDMA_ADDR_A@gid:[::ffff:$IBTRS_RDMA_ADDR_B]:${addrs[1]##*:}" ok
+else
+  expect_wr "add_path" "$T/add_path" "${addrs[1]}" ok
+fi
 check "two paths" "$(ls "$T/paths" | wc -l)" 2
 mapfile -t P < <(ls "$T/paths")
 for p in "${P[@]}"; do check "path $p connected" "$(rd "$T/paths/$p/state")" connected; done
@@ -174,6 +180,10 @@ else
 fi
 expect_wr "add_path garbage" "$T/add_path" "ip:not-an-address" "$EINVAL"
 expect_wr "add_path of an existing path is EEXIST" "$T/add_path" "${addrs[1]}" "File exists"
+expect_wr "add_path with a source GID no port has (ENODEV)" "$T/add_path" "gid:::ffff:192.0.2.1@gid:::ffff:192.0.2.2" "No such device"
+grep -q "gid:0000:0000:0000:0000:0000:ffff:c000:0201: no local RDMA port has this GID" "$work/cl.log" &&
+  ok "... and the log names the GID" || not_ok "... and the log names the GID" "$(tail -2 "$work/cl.log")"
+expect_wr "add_path to a link-local GID (no IP form)" "$T/add_path" "gid:fe80::1" "Cannot assign requested address"
 expect_wr "mp_policy unknown" "$T/mp_policy" "fastest" "$EINVAL"
 expect_wr "max_reconnect_attempts 10000" "$T/max_reconnect_attempts" 10000 "$EINVAL"
 expect_wr "max_reconnect_attempts abc" "$T/max_reconnect_attempts" abc "$EINVAL"
