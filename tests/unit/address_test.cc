@@ -136,6 +136,13 @@ TEST(Gid, GidFormsMeanRdmaAndKeepTheirGid) {
   EXPECT_FALSE(Address::parse("ip:198.18.0.1", FabricKind::tcp)->gid);
   EXPECT_EQ(Address::parse("ip:198.18.0.1", FabricKind::tcp)->fabric, FabricKind::tcp);
   EXPECT_TRUE(Address::parse("gid:fe80::1", FabricKind::loopback).ok()) << "tests' in-process fabric";
+  // Case: a path of gid: forms, the destination with a port in brackets. Expect: that port kept
+  // (the kernel's forms without one take the given port), the GID form in its text.
+  auto p = PathSpec::parse(std::string("gid:") + kV4A + "@gid:[::ffff:198.18.0.2]:4000");
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->destination.to_string(), "gid:[::ffff:198.18.0.2]:4000");
+  EXPECT_EQ(p->name(), "ip:198.18.0.1@ip:198.18.0.2:4000");
+  EXPECT_EQ(PathSpec::parse("gid:::ffff:198.18.0.2", FabricKind::tcp, 99)->destination.port, 99);
 }
 
 TEST(Gid, RoceGidsResolveToTheirIpForm) {
