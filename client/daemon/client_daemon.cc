@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ibnbd/nbd_device_export.h"
+#include "ibtrs/gid.h"
 #include "ibtrs/tls.h"
 
 namespace ibnbd {
@@ -27,6 +28,11 @@ using Clock = std::chrono::steady_clock;
 namespace tls = ibtrs::tls;
 
 json err(int e, const std::string& text = {}) { return ControlSocket::error(e, text); }
+
+// A ublk map without ublk_drv: the module, and the way to a block device without it.
+const std::string kUblkMissing = "ublk: ublk_drv not loaded (no ";
+constexpr const char* kUblkMissingHint =
+    "): modprobe ublk_drv, or map without ublk and serve the device over NBD (ibnbd device export)";
 json err(std::error_code ec, const std::string& what) {
   return ControlSocket::error(ec.value(), what + ": " + ec.message());
 }
@@ -384,6 +390,8 @@ json ClientDaemon::device_map(const json& req) {
   for (auto& p : req.at("paths")) {
     auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
     if (!spec.ok()) return err(EINVAL, "path '" + p.get<std::string>() + "': " + spec.error().message());
+    std::string why;
+    if (auto st = ibtrs::check_gid_path(*spec, &why); !st.ok()) return err(st.error().value(), "path '" + p.get<std::string>() + "': " + why);
     // Two paths of one session with the same name would be one path twice (the library says
     // only EEXIST): name it.
     for (auto& known : paths)
@@ -407,6 +415,7 @@ json ClientDaemon::device_map(const json& req) {
     return err(EEXIST, "device " + dev + " is mapped through session " + old_s->s->name());
   // exclusive (the kernel's map_device): mapping a mapped device again is EEXIST, not a no-op.
   if (old_d && req.value("exclusive", false)) return err(EEXIST, "device " + dev + " is already mapped");
+  if (json e = want_ublk ? ublk_unavailable() : json(); !e.is_null()) return e;
   std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
   const std::string host = req.contains("host") ? str_arg(req, "host") : "";
   const std::string tls = req.contains("tls") ? str_arg(req, "tls") : "";
@@ -446,6 +455,9 @@ json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessM
   for (auto& p : req.at("standby_paths")) {
     auto spec = ibtrs::PathSpec::parse(p.get<std::string>());
     if (!spec.ok()) return err(EINVAL, "standby path '" + p.get<std::string>() + "': " + spec.error().message());
+    std::string why;
+    if (auto st = ibtrs::check_gid_path(*spec, &why); !st.ok())
+      return err(st.error().value(), "standby path '" + p.get<std::string>() + "': " + why);
     spaths.push_back(*spec);
     spath_strs.push_back(p.get<std::string>());
   }
@@ -467,6 +479,7 @@ json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessM
   const uint32_t depth = req.value("ublk_queue_depth", uint32_t{opts_.ublk_queue_depth});
   if (want_ublk && (depth == 0 || depth > ublk::uapi::kMaxQueueDepth))
     return err(EINVAL, "ublk_queue_depth: 1.." + std::to_string(ublk::uapi::kMaxQueueDepth));
+  if (json e = want_ublk ? ublk_unavailable() : json(); !e.is_null()) return e;
   const std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
   const std::string host = req.contains("host") ? str_arg(req, "host") : "";
   const std::string tls = req.contains("tls") ? str_arg(req, "tls") : "";
@@ -550,12 +563,19 @@ ublk::UblkOptions ClientDaemon::ublk_options(const RemoteDevice& d, uint16_t que
   return o;
 }
 
+// Before anything is opened: without ublk_drv the map would open the session and the device on
+// the server only to close them again (ublk_start still checks: the module may go meanwhile).
+json ClientDaemon::ublk_unavailable() const {
+  if (::access(opts_.ublk_control.c_str(), F_OK) == 0) return nullptr;
+  return err(ENODEV, kUblkMissing + opts_.ublk_control + kUblkMissingHint);
+}
+
 json ClientDaemon::ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                               uint16_t queue_depth) {
   auto u = ublk::UblkDevice::create(d, *s.s, ublk_options(*d, queue_depth));
   if (!u.ok()) {
     if (u.error() == std::errc::no_such_device && ::access(opts_.ublk_control.c_str(), F_OK) != 0)
-      return err(ENODEV, "ublk: ublk_drv not loaded (no " + opts_.ublk_control + "; modprobe ublk_drv)");
+      return err(ENODEV, kUblkMissing + opts_.ublk_control + kUblkMissingHint);
     return err(u.error(), "ublk device for " + d->name());
   }
   UblkRecord r = rec;
@@ -1022,6 +1042,8 @@ json ClientDaemon::path_op(const json& req, const std::string& op) {
   if (op == "add") {
     auto spec = ibtrs::PathSpec::parse(path);
     if (!spec.ok()) return err(EINVAL, "path '" + path + "': " + spec.error().message());
+    std::string why;
+    if (st = ibtrs::check_gid_path(*spec, &why); !st.ok()) return err(st.error().value(), "path '" + path + "': " + why);
     st = t.add_path(*spec);
     if (st.error() == std::errc::file_exists)
       return err(EEXIST, "session " + n + " has path " + spec->name() + " already");

@@ -121,6 +121,8 @@ class ClientDaemon {
   Result<Sess*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths,
                              const std::string& host_key, const std::string& host, const std::string& tls,
                              std::string* why);
+  // ENODEV naming ublk_drv when --ublk-control is missing (the module is not loaded), else null.
+  nlohmann::json ublk_unavailable() const;
   // Serves a mapped device as /dev/ublkbN and records it. The answer is an error or null.
   nlohmann::json ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                             uint16_t queue_depth);

@@ -207,7 +207,8 @@ int main(int argc, char** argv) {
   if (!sysfs_dir.empty()) {
     auto m = sysfs::mount_for_daemon(sysfs::client_tree([&daemon](const nlohmann::json& req) {
                                        return daemon.handle(req, [](const nlohmann::json&) { return true; });
-                                     }),
+                                     },
+                                     [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); }),
                                      sysfs_dir, "ibnbd-client");
     if (!m) {
       std::fprintf(stderr, "ibnbd-client: sysfs tree at %s: %s\n", sysfs_dir.c_str(), m.error().message().c_str());

@@ -383,7 +383,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!c.sysfs_dir.empty()) {
     auto m = sysfs::mount_for_daemon(
-        sysfs::server_tree([&s](const json& req) { return ibnbd::server_command(s, req); }), c.sysfs_dir,
+        sysfs::server_tree([&s](const json& req) { return ibnbd::server_command(s, req); },
+                           [](const std::string& l) { std::fprintf(stderr, "ibnbd-server: %s\n", l.c_str()); }),
+        c.sysfs_dir,
         "ibnbd-server");
     if (!m) {
       std::fprintf(stderr, "ibnbd-server: sysfs tree at %s: %s\n", c.sysfs_dir.c_str(), m.error().message().c_str());

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The daemons' sysfs trees (sysfs-emu) driven only through the files, with echo and cat as
 # blktests drives the kernel's: ibnbd-server and ibnbd-client started with --sysfs-dir, a
-# device mapped through map_device, paths added, removed, disconnected and reconnected, the
+# device mapped through map_device (a /dev/ublkbN carrying the data where ublk_drv is loaded and
+# removed by unmap_device; ENODEV and the reason in the log elsewhere), paths added, removed, disconnected and reconnected, the
 # policy switched and seen in stats/rdma, every stats file read and checked against its format
 # and reset, every malformed write refused with the kernel's errno and nothing changed (checked
 # with the CLI's JSON), the server's tree (sessions, paths, force_close), paths flapping under
@@ -71,7 +72,7 @@ srv_pid=$!
 wait_for "$work/srv.ready" || { echo "not ok - server start: $(cat "$work/srv.log")"; exit 1; }
 mapfile -t addrs < <(sed -n "s/^listening /$src/p" "$work/srv.ready")
 "$cld" "${cld_auth[@]}" --control-socket "$work/cl.sock" --ready-file "$work/cl.ready" --hb-interval-ms 1000 \
-  --reconnect-delay-ms 200 --sysfs-dir "$work/clfs" >"$work/cl.log" 2>&1 &
+  --reconnect-delay-ms 200 --sysfs-dir "$work/clfs" --state-dir "$work/state" >"$work/cl.log" 2>&1 &
 pids+=($!)
 cl_pid=$!
 wait_for "$work/cl.ready" || { echo "not ok - client start: $(cat "$work/cl.log")"; exit 1; }
@@ -100,8 +101,36 @@ snapshot() {
 # ---- map through map_device ----
 MAP=$C/ibnbd-client/ctl/map_device
 rd "$MAP" | grep -q '^Usage: echo "sessname=' && ok "map_device shows its usage" || not_ok "map_device usage" "$(rd "$MAP")"
-expect_wr "map_device" "$MAP" "sessname=t1 path=${addrs[0]} device_path=a.img access_mode=rw" ok
 D=$C/ibnbd-client/ctl/devices/a.img
+# map_device makes the block device, as the kernel's makes /dev/rnbdN: /dev/ublkbN where ublk_drv
+# is loaded (the VM rig), else ENODEV with the reason in the daemon's log and nothing mapped (then
+# the CLI maps the device in the library, for the rest of the test).
+if [ -e /dev/ublk-control ] && [ "$(id -u)" = 0 ]; then
+  expect_wr "map_device" "$MAP" "sessname=t1 path=${addrs[0]} device_path=a.img access_mode=rw" ok
+  blk=$(rd "$D/block")
+  [[ $blk =~ ^ublkb[0-9]+$ ]] && [ -b "/dev/$blk" ] && ok "map_device made /dev/$blk (devices/a.img/block)" ||
+    not_ok "map_device made a block device" "block '$blk': $(ls /dev/ublkb* 2>&1)"
+  check "the CLI shows it" "$(c -f json device show a.img | jq -r '.[0].ublk')" "/dev/$blk"
+  # Case: data through the block device. Expect: what is written there is in the exported file
+  # and reads back.
+  head -c $((4 << 20)) /dev/urandom >"$work/pat"
+  if timeout 60 dd if="$work/pat" of="/dev/$blk" bs=1M seek=1 oflag=direct,sync status=none &&
+    cmp <(timeout 60 dd if="/dev/$blk" bs=1M skip=1 count=4 iflag=direct status=none) "$work/pat" &&
+    cmp <(tail -c +$((1 + (1 << 20))) "$work/export/a.img" | head -c $((4 << 20))) "$work/pat"; then
+    ok "/dev/$blk writes reach the export and read back"
+  else
+    not_ok "/dev/$blk writes reach the export and read back" "differ"
+  fi
+else
+  expect_wr "map_device without ublk_drv is ENODEV" "$MAP" "sessname=t1 path=${addrs[0]} device_path=a.img access_mode=rw" "No such device"
+  grep -q "sysfs: device_map: ublk: ublk_drv not loaded .*modprobe ublk_drv" "$work/cl.log" &&
+    ok "... and the daemon's log says why" || not_ok "... and the daemon's log says why" "$(tail -3 "$work/cl.log")"
+  check "... and nothing is mapped" "$(c -f json device list | jq length)" 0
+  check "... nor opened on the server" "$(ls "$S/ibnbd-server/ctl/devices" | wc -l)" 0
+  c device map a.img from "${addrs[0]}" rw session t1 >/dev/null &&
+    ok "the CLI maps it in the library" || not_ok "the CLI maps it in the library" "failed"
+  check "device block: none" "$(rd "$D/block")" -
+fi
 check "device state" "$(rd "$D/state")" open
 check "device session" "$(rd "$D/session")" t1
 check "device access_mode" "$(rd "$D/access_mode")" rw
@@ -138,9 +167,17 @@ expect_wr "map_device with a bad access_mode" "$MAP" "sessname=t1 path=${addrs[0
 expect_wr "map_device with a bad path" "$MAP" "sessname=t1 path=nowhere device_path=sub/b.img" "$EINVAL"
 expect_wr "map_device with 7 paths" "$MAP" "sessname=t1 $(for _ in 1 2 3 4 5 6 7; do printf 'path=%s ' "${addrs[0]}"; done)device_path=sub/b.img" "$EINVAL"
 expect_wr "map_device of a mapped device is EEXIST" "$MAP" "sessname=t1 path=${addrs[0]} device_path=a.img" "File exists"
-expect_wr "map_device of a missing file is ENOENT (server)" "$MAP" "sessname=t1 path=${addrs[0]} device_path=nope.img" "No such file or directory"
+if [ -n "${blk:-}" ]; then
+  expect_wr "map_device of a missing file is ENOENT (server)" "$MAP" "sessname=t1 path=${addrs[0]} device_path=nope.img" "No such file or directory"
+else
+  expect_wr "map_device without ublk_drv asks no server (ENODEV)" "$MAP" "sessname=t1 path=${addrs[0]} device_path=nope.img" "No such device"
+fi
 expect_wr "add_path garbage" "$T/add_path" "ip:not-an-address" "$EINVAL"
 expect_wr "add_path of an existing path is EEXIST" "$T/add_path" "${addrs[1]}" "File exists"
+expect_wr "add_path with a source GID no port has (ENODEV)" "$T/add_path" "gid:::ffff:192.0.2.1@gid:::ffff:192.0.2.2" "No such device"
+grep -q "gid:0000:0000:0000:0000:0000:ffff:c000:0201: no local RDMA port has this GID" "$work/cl.log" &&
+  ok "... and the log names the GID" || not_ok "... and the log names the GID" "$(tail -2 "$work/cl.log")"
+expect_wr "add_path to a link-local GID (no IP form)" "$T/add_path" "gid:fe80::1" "Cannot assign requested address"
 expect_wr "mp_policy unknown" "$T/mp_policy" "fastest" "$EINVAL"
 expect_wr "max_reconnect_attempts 10000" "$T/max_reconnect_attempts" 10000 "$EINVAL"
 expect_wr "max_reconnect_attempts abc" "$T/max_reconnect_attempts" abc "$EINVAL"
@@ -358,6 +395,10 @@ c device io a.img size 4M bs 64K qd 4 >/dev/null 2>&1 && ok "IO after flapping" 
 # ---- unmap ----
 expect_wr "unmap_device" "$D/unmap_device" normal ok
 [ -e "$D" ] && not_ok "the device's directory is gone" "still there" || ok "the device's directory is gone"
+if [ -n "${blk:-}" ]; then
+  [ -e "/dev/$blk" ] && not_ok "unmap_device removed /dev/$blk" "still there" || ok "unmap_device removed /dev/$blk"
+  check "... and its record" "$(ls "$work/state" 2>/dev/null | wc -l)" 0
+fi
 check "the CLI agrees: nothing mapped" "$(c -f json device list | jq length)" 0
 [ -e "$T" ] && not_ok "the session went with its last device" "still there" || ok "the session went with its last device"
 wait_until 10 count_is "$S/ibnbd-server/ctl/devices" 0 && ok "the server closed the device" ||

@@ -62,6 +62,7 @@ TEST(Parse, MapDeviceTakesTheKernelSyntax) {
   EXPECT_EQ(req["cmd"], "device_map");
   EXPECT_EQ(req["exclusive"], true);
   EXPECT_EQ(req["session"], "s1");
+  EXPECT_EQ(req["ublk"], true) << "the kernel's map_device makes a block device";
   // dest_port applies to the kernel's address forms, in any order of the options.
   auto p = parse_map_device("path=ip:10.0.0.1,ip:10.0.0.2 dest_port=4321 sessname=s device_path=d");
   ASSERT_TRUE(p.ok());
@@ -169,6 +170,8 @@ struct FakeDaemon {
   std::vector<json> seen;
   std::string policy = "min-inflight";
   bool has_path2 = true;
+  bool ublk_drv = true;            // device_map: false answers as a daemon without ublk_drv
+  std::string ublk = "/dev/ublkb3";  // the device's block device ("" for none)
 
   json operator()(const json& req) {
     std::lock_guard l(mu);
@@ -182,9 +185,11 @@ struct FakeDaemon {
     if (cmd == "session_list" || cmd == "session_show")
       return listing({"sessname", "mp"}, json::array({json::array({"s1", policy})}));
     if (cmd == "device_list" || cmd == "device_show")
-      return listing({"device", "session", "access_mode", "state", "standby", "standby_state", "failovers", "size"},
+      return listing({"device", "session", "access_mode", "state", "standby", "standby_state", "failovers", "size", "ublk"},
                      json::array({json::array({"sub/b.img", "s1", "ro", "open", "s2", "ready", 1,
-                                               json{{"bytes", 8u << 20}}})}));
+                                               json{{"bytes", 8u << 20}}, ublk})}));
+    if (cmd == "device_map" && !ublk_drv)
+      return {{"ok", false}, {"errno", ENODEV}, {"error", "ublk: ublk_drv not loaded (no /dev/ublk-control): modprobe ublk_drv"}};
     if (cmd == "path_stats") {
       ibtrs::PathStatsSnapshot st;
       st.write_cnt = 3;
@@ -232,7 +237,9 @@ int write_at(const NodePtr& root, const char* path, std::string_view data) {
 
 TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   auto fake = std::make_shared<FakeDaemon>();
-  NodePtr root = client_tree([fake](const json& r) { return (*fake)(r); });
+  auto logged = std::make_shared<std::vector<std::string>>();
+  NodePtr root = client_tree([fake](const json& r) { return (*fake)(r); },
+                             [logged](const std::string& l) { logged->push_back(l); });
   EXPECT_EQ(*(*resolve(root, "/ibtrs-client"))->list(), std::vector<std::string>{"s1"});
   EXPECT_EQ(read_at(root, "/ibtrs-client/s1/mp_policy"), "min-inflight (MI: 1)\n");
   EXPECT_EQ(write_at(root, "/ibtrs-client/s1/mpath_policy", "rr\n"), 0);
@@ -298,6 +305,19 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=z nr_poll_queues=2"), EOPNOTSUPP);
   EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=z nr_poll_queues=-1"), EOPNOTSUPP);
   EXPECT_EQ(fake->seen.size(), calls);
+  EXPECT_NE(logged->back().find("nr_poll_queues=-1"), std::string::npos) << logged->back();
+  // Case: the device's block device. Expect: `block` names it as /sys/block does; "-" for a
+  // device mapped in the library only (the CLI without --ublk).
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/block"), "ublkb3\n");
+  fake->ublk = "";
+  EXPECT_EQ(read_at(root, "/ibnbd-client/ctl/devices/sub!b.img/block"), "-\n");
+  // Case: map_device on a daemon without ublk_drv. Expect: the daemon's ENODEV, and its reason
+  // (naming the module) in the log, since the writer sees only the errno.
+  fake->ublk_drv = false;
+  logged->clear();
+  EXPECT_EQ(write_at(root, "/ibnbd-client/ctl/map_device", "sessname=s1 path=ip:10.0.0.1 device_path=w"), ENODEV);
+  ASSERT_EQ(logged->size(), 1u);
+  EXPECT_EQ(logged->front(), "sysfs: device_map: ublk: ublk_drv not loaded (no /dev/ublk-control): modprobe ublk_drv");
 }
 
 TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {

@@ -111,11 +111,20 @@ Result<Address> Address::parse(std::string_view text, FabricKind default_fabric)
   if (rest.empty()) return errc(EINVAL);
 
   if (scheme == "ip" || scheme == "gid") {
+    const bool gid = scheme == "gid";
+    // A GID means RDMA, whatever the default (the in-process fabric of tests aside).
+    const FabricKind kind = gid && default_fabric != FabricKind::loopback ? FabricKind::rdma : default_fabric;
     // The kernel's forms carry no port; a bracketed IPv6 may, as an extension.
-    if (rest.front() == '[') return parse_host_port(default_fabric, rest);
+    if (rest.front() == '[') {
+      if (gid && rest.find(':') == std::string_view::npos) return errc(EINVAL);
+      auto a = parse_host_port(kind, rest);
+      if (a) a->gid = gid;
+      return a;
+    }
     Address a;
-    a.fabric = default_fabric;
-    if (scheme == "gid" && rest.find(':') == std::string_view::npos) return errc(EINVAL);
+    a.fabric = kind;
+    a.gid = gid;
+    if (gid && rest.find(':') == std::string_view::npos) return errc(EINVAL);
     if (!parse_host(rest, a.port, a.sa)) return errc(EINVAL);
     if (default_fabric == FabricKind::loopback) {
       a.name = std::string(rest);
@@ -173,7 +182,8 @@ std::string Address::host_string() const {
 }
 
 std::string Address::to_string() const {
-  std::string out(ibtrs::to_string(fabric));
+  const bool gid_form = gid && fabric == FabricKind::rdma;
+  std::string out(gid_form ? std::string_view("gid") : ibtrs::to_string(fabric));
   out += ':';
   if (fabric == FabricKind::loopback) {
     out += name;
@@ -182,6 +192,11 @@ std::string Address::to_string() const {
     if (sa.ss_family == AF_INET6) {
       inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&sa)->sin6_addr, buf, sizeof(buf));
       out += '[';
+      out += buf;
+      out += ']';
+    } else if (gid_form) {  // the GID form of an IPv4 host
+      inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&sa)->sin_addr, buf, sizeof(buf));
+      out += "[::ffff:";
       out += buf;
       out += ']';
     } else {

@@ -30,9 +30,11 @@ Result<PathSpec> PathSpec::parse(std::string_view text, FabricKind default_fabri
   if (dst.find_first_of(",@") != std::string_view::npos) return errc(EINVAL);
   auto with_port = [&](std::string_view t) -> Result<Address> {
     const bool kernel_form = t.rfind("ip:", 0) == 0 || t.rfind("gid:", 0) == 0;
+    // The kernel's forms carry no port; ours in brackets may ("gid:[GID]:PORT"), and keep it.
+    const bool own_port = kernel_form && t.find("]:") != std::string_view::npos;
     auto a = Address::parse(t, default_fabric);
     if (!a) return a.error();
-    return kernel_form ? a->with_port(port) : *a;
+    return kernel_form && !own_port ? a->with_port(port) : *a;
   };
   PathSpec p;
   auto d = with_port(dst);

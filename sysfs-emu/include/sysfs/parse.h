@@ -55,7 +55,8 @@ struct MapDeviceOptions {
 };
 inline constexpr size_t kMaxMapPaths = 6;  // the kernel's map_device limit (rnbd-clt-sysfs.c)
 Result<MapDeviceOptions> parse_map_device(std::string_view text);
-// The client daemon's device_map request for them (exclusive: mapping twice is EEXIST).
+// The client daemon's device_map request for them (exclusive: mapping twice is EEXIST; ublk:
+// the block device, or ENODEV without ublk_drv, as the kernel's map_device makes /dev/rnbdN).
 nlohmann::json map_device_request(const MapDeviceOptions& o);
 
 // A daemon object's name as a directory entry: '/' becomes '!' (as the kernel names kobjects

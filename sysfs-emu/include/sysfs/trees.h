@@ -19,10 +19,14 @@
 namespace sysfs {
 
 using Backend = std::function<nlohmann::json(const nlohmann::json& request)>;
+// Log contract: called on a FUSE worker thread when a write fails, with one line naming the
+// command and the daemon's reason ("sysfs: device_map: ublk: ublk_drv not loaded ..."): the
+// writer sees only the errno. Empty: nothing is logged.
+using Log = std::function<void(const std::string& line)>;
 
 // ibnbd-client's root: ibtrs-client/<session>/..., ibnbd-client/ctl/{map_device, devices/...}.
-NodePtr client_tree(Backend backend);
+NodePtr client_tree(Backend backend, Log log = {});
 // ibnbd-server's root: ibtrs-server/<session>/paths/..., ibnbd-server/ctl/devices/...
-NodePtr server_tree(Backend backend);
+NodePtr server_tree(Backend backend, Log log = {});
 
 }  // namespace sysfs

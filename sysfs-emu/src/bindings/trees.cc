@@ -4,6 +4,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 
 #include "control_stats.h"
 #include "sysfs/format.h"
@@ -18,16 +19,33 @@ using ibtrs::errc;
 
 // ---- talking to the daemon ----
 
-Result<json> call(const Backend& b, const json& req) {
+std::string line(std::string s) { return s + "\n"; }
+std::string str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+// The backend and the log the tree's files share (copied into each file's callbacks).
+struct Daemon {
+  Backend backend;
+  Log log;
+  json operator()(const json& req) const { return backend(req); }
+};
+
+Result<json> call(const Daemon& b, const json& req) {
   json r = b(req);
   if (r.is_object() && r.value("ok", false)) return r;
   int e = r.is_object() ? r.value("errno", EIO) : EIO;
   return errc(e > 0 ? e : EIO);
 }
 
-Status act(const Backend& b, const json& req) {
-  auto r = call(b, req);
-  return r ? Status{} : Status{r.error()};
+// A write's command. The writer sees only the errno; the daemon's reason goes to the log.
+Status act(const Daemon& b, const json& req) {
+  json r = b(req);
+  if (r.is_object() && r.value("ok", false)) return {};
+  const int e = r.is_object() ? r.value("errno", EIO) : EIO;
+  if (b.log) {
+    const json why = r.is_object() ? r.value("error", json()) : json();
+    b.log("sysfs: " + str(req.value("cmd", json("?"))) + ": " + (why.is_string() ? why.get<std::string>() : std::strerror(e > 0 ? e : EIO)));
+  }
+  return errc(e > 0 ? e : EIO);
 }
 
 // The cell `col` of a listing answer ({"columns": [{"name"}...], "rows": [[...]]}).
@@ -37,9 +55,6 @@ const json& cell(const json& rsp, const json& row, const char* col) {
     if (cols[i].at("name") == col) return row.at(i);
   throw std::out_of_range(col);
 }
-
-std::string line(std::string s) { return s + "\n"; }
-std::string str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
 ReadFn text(std::string s) {
   return [s = std::move(s)]() -> Result<std::string> { return s; };
@@ -57,7 +72,7 @@ std::vector<std::string> names(const json& arr, const char* key) {
 
 // ---- paths (both sides answer path_stats alike) ----
 
-Result<json> path_info(const Backend& b, const std::string& sess, const std::string& path) {
+Result<json> path_info(const Daemon& b, const std::string& sess, const std::string& path) {
   IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
   const json& ps = r.at("paths");
   if (ps.empty()) return errc(ENOENT);
@@ -71,7 +86,7 @@ std::string hca_port(const json& p) {
   return line(str(p.at("hca_port")));
 }
 
-Result<std::vector<std::string>> path_names(const Backend& b, const std::string& sess) {
+Result<std::vector<std::string>> path_names(const Daemon& b, const std::string& sess) {
   IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
   return names(r.at("paths"), "name");
 }
@@ -137,7 +152,7 @@ NodePtr stats_dir(const PathInfo& info,
   return d;
 }
 
-NodePtr client_path_dir(const Backend& b, const std::string& sess, const std::string& path) {
+NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::string& path) {
   PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
   auto path_cmd = [b, sess, path](const char* cmd) {
     return [b, sess, path, cmd](std::string_view t) -> Status {
@@ -170,7 +185,7 @@ NodePtr client_path_dir(const Backend& b, const std::string& sess, const std::st
 
 // ---- ibtrs-client/<session>/ ----
 
-NodePtr client_session_dir(const Backend& b, const std::string& sess) {
+NodePtr client_session_dir(const Daemon& b, const std::string& sess) {
   auto d = Node::dir();
   d->add("add_path",
          action("Usage: echo [<source addr>@]<destination addr> > add_path\n\n"
@@ -212,7 +227,7 @@ NodePtr client_session_dir(const Backend& b, const std::string& sess) {
   return d;
 }
 
-Result<std::vector<std::string>> listing_names(const Backend& b, const char* cmd, const char* col) {
+Result<std::vector<std::string>> listing_names(const Daemon& b, const char* cmd, const char* col) {
   IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", cmd}}));
   std::vector<std::string> out;
   for (auto& row : r.at("rows")) out.push_back(escape_name(str(cell(r, row, col))));
@@ -221,7 +236,7 @@ Result<std::vector<std::string>> listing_names(const Backend& b, const char* cmd
 
 // ---- ibnbd-client/ctl/ ----
 
-NodePtr client_device_dir(const Backend& b, const std::string& dev) {
+NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
   auto field = [b, dev](const char* col) {
     return Node::read_only([b, dev, col]() -> Result<std::string> {
       IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
@@ -263,10 +278,18 @@ NodePtr client_device_dir(const Backend& b, const std::string& dev) {
            return act(b, {{"cmd", "device_failover"}, {"device", dev}});
          }));
   d->add("mapping_path", Node::read_only(text(line(dev))));
+  // The block device map_device made (the kernel's devices/<name> is a link into
+  // /sys/block/rnbdN/): its /sys/block name, "ublkb0"; "-" for a device mapped in the library
+  // only (ibnbd device map without --ublk).
+  d->add("block", Node::read_only([b, dev]() -> Result<std::string> {
+           IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
+           const std::string path = str(cell(r, r.at("rows").at(0), "ublk"));
+           return line(path.empty() ? "-" : path.substr(path.rfind('/') + 1));
+         }));
   return d;
 }
 
-NodePtr ibnbd_client_dir(const Backend& b) {
+NodePtr ibnbd_client_dir(const Daemon& b) {
   auto ctl = Node::dir();
   ctl->add("map_device",
            action("Usage: echo \"sessname=<name> path=<[srcaddr@]dstaddr> [path=<[srcaddr@]dstaddr>] "
@@ -277,7 +300,13 @@ NodePtr ibnbd_client_dir(const Backend& b) {
                     IBTRS_ASSIGN_OR_RETURN(MapDeviceOptions o, parse_map_device(t));
                     // The kernel's poll queues (blk-mq HCTX_TYPE_POLL) have no counterpart in a
                     // ublk device: refused rather than taken and ignored. 0 asks for none.
-                    if (o.nr_poll_queues.value_or(0) != 0) return errc(EOPNOTSUPP);
+                    if (o.nr_poll_queues.value_or(0) != 0) {
+                      if (b.log) b.log("sysfs: map_device: nr_poll_queues=" + std::to_string(*o.nr_poll_queues) +
+                                       ": a ublk device has no poll queues (0 or none)");
+                      return errc(EOPNOTSUPP);
+                    }
+                    // As the kernel makes /dev/rnbdN: the daemon serves it as /dev/ublkbN, or
+                    // refuses (ENODEV without ublk_drv) and maps nothing.
                     return act(b, map_device_request(o));
                   }));
   ctl->add("devices", Node::dynamic_dir([b] { return listing_names(b, "device_list", "device"); },
@@ -291,7 +320,7 @@ NodePtr ibnbd_client_dir(const Backend& b) {
 
 // ---- server side ----
 
-NodePtr server_path_dir(const Backend& b, const std::string& sess, const std::string& path) {
+NodePtr server_path_dir(const Daemon& b, const std::string& sess, const std::string& path) {
   PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
   auto d = Node::dir();
   d->add("disconnect", action("Usage: echo 1 > disconnect\n", [b, sess, path](std::string_view t) -> Status {
@@ -308,7 +337,7 @@ NodePtr server_path_dir(const Backend& b, const std::string& sess, const std::st
 
 // ctl/: the server's refusals (ibtrs/refusals.h), one read-only file per reason with its count,
 // and reset_refusals (echo 1) to zero them.
-NodePtr ibtrs_server_ctl(const Backend& b) {
+NodePtr ibtrs_server_ctl(const Daemon& b) {
   auto count_of = [b](const std::string& reason) -> Result<json> {
     IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
     for (auto& e : r.at("refusals"))
@@ -337,7 +366,7 @@ NodePtr ibtrs_server_ctl(const Backend& b) {
 }
 
 // The sessions, and ctl/ beside them (a session named "ctl" is shadowed here; the CLI lists it).
-NodePtr ibtrs_server_dir(const Backend& b) {
+NodePtr ibtrs_server_dir(const Daemon& b) {
   auto sessions = [b]() -> Result<std::vector<std::string>> {
     IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
     auto n = names(r.at("sessions"), "name");
@@ -359,21 +388,21 @@ NodePtr ibtrs_server_dir(const Backend& b) {
 }
 
 // The holders of one exported device, from the `devices` answer.
-Result<json> device_holders(const Backend& b, const std::string& dev) {
+Result<json> device_holders(const Daemon& b, const std::string& dev) {
   IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
   for (auto& d : r.at("devices"))
     if (d.at("name") == dev) return d.at("sessions");
   return errc(ENOENT);
 }
 
-Result<json> device_holder(const Backend& b, const std::string& dev, const std::string& sess) {
+Result<json> device_holder(const Daemon& b, const std::string& dev, const std::string& sess) {
   IBTRS_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
   for (auto& h : hs)
     if (h.at("session") == sess) return h;
   return errc(ENOENT);
 }
 
-NodePtr server_holder_dir(const Backend& b, const std::string& dev, const std::string& sess) {
+NodePtr server_holder_dir(const Daemon& b, const std::string& dev, const std::string& sess) {
   auto mode = [b, dev, sess]() -> Result<std::string> {
     IBTRS_ASSIGN_OR_RETURN(json h, device_holder(b, dev, sess));
     return str(h.at("access_mode"));
@@ -395,7 +424,7 @@ NodePtr server_holder_dir(const Backend& b, const std::string& dev, const std::s
   return d;
 }
 
-NodePtr ibnbd_server_dir(const Backend& b) {
+NodePtr ibnbd_server_dir(const Daemon& b) {
   auto devices = [b]() -> Result<std::vector<std::string>> {
     IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
     return names(r.at("devices"), "name");
@@ -421,8 +450,8 @@ NodePtr ibnbd_server_dir(const Backend& b) {
 
 }  // namespace
 
-NodePtr client_tree(Backend backend) {
-  const Backend& b = backend;
+NodePtr client_tree(Backend backend, Log log) {
+  const Daemon b{std::move(backend), std::move(log)};
   auto root = Node::dir();
   root->add("ibtrs-client", Node::dynamic_dir([b] { return listing_names(b, "session_list", "sessname"); },
                                               [b](const std::string& n) -> Result<NodePtr> {
@@ -432,10 +461,11 @@ NodePtr client_tree(Backend backend) {
   return root;
 }
 
-NodePtr server_tree(Backend backend) {
+NodePtr server_tree(Backend backend, Log log) {
+  const Daemon b{std::move(backend), std::move(log)};
   auto root = Node::dir();
-  root->add("ibtrs-server", ibtrs_server_dir(backend));
-  root->add("ibnbd-server", ibnbd_server_dir(backend));
+  root->add("ibtrs-server", ibtrs_server_dir(b));
+  root->add("ibnbd-server", ibnbd_server_dir(b));
   return root;
 }
 

@@ -115,7 +115,7 @@ Result<MapDeviceOptions> parse_map_device(std::string_view text) {
 
 nlohmann::json map_device_request(const MapDeviceOptions& o) {
   return {{"cmd", "device_map"}, {"device", o.device_path}, {"session", o.sessname},
-          {"paths", o.paths}, {"access_mode", o.access_mode}, {"exclusive", true}};
+          {"paths", o.paths}, {"access_mode", o.access_mode}, {"exclusive", true}, {"ublk", true}};
 }
 
 std::string escape_name(std::string_view name) {

@@ -3,8 +3,10 @@
 //   rdma:HOST[:PORT]       rdma-core (RoCE / IB / iWARP)   rdma:198.18.0.1
 //   loopback:NAME[:PORT]   in-process fabric for tests     loopback:srv
 //   ip:IPV4 | ip:IPV6      the kernel's sysfs syntax; fabric = the configured default
-//   gid:GID                the kernel's sysfs syntax; a GID is an IPv6-form address (RoCE GIDs
-//                          of IPv4 hosts are ::ffff:a.b.c.d and map back to that IPv4 address)
+//   gid:GID                the kernel's sysfs syntax; always rdma (loopback in tests). A GID is an
+//                          IPv6-form address (RoCE GIDs of IPv4 hosts are ::ffff:a.b.c.d and map
+//                          back to that IPv4 address); ibtrs/gid.h checks it against the GID
+//                          tables and gives rdma_cm its IP form. gid:[GID]:PORT carries a port.
 // HOST is numeric (IPv4, or IPv6 in brackets): the project never resolves names, so an address
 // cannot silently reach a host it did not name. PORT defaults to 1234, the kernel's RTRS port.
 #pragma once
@@ -34,11 +36,15 @@ struct Address {
   // For loopback: the in-process endpoint name.
   std::string name;
   uint16_t port = kDefaultPort;
+  // Written as gid: (sa holds the GID's IPv6 form, or IPv4 for ::ffff:a.b.c.d): resolved by
+  // resolve_gid_address (ibtrs/gid.h) before rdma_cm sees it; the tcp fabric refuses it.
+  bool gid = false;
 
-  // `default_fabric` is what "ip:" and "gid:" forms map to.
+  // `default_fabric` is what "ip:" forms map to.
   static Result<Address> parse(std::string_view text, FabricKind default_fabric = FabricKind::tcp);
 
-  // Canonical text, e.g. "tcp:127.0.0.1:1234", "rdma:[fe80::1]:1234", "loopback:srv:1234".
+  // Canonical text, e.g. "tcp:127.0.0.1:1234", "rdma:[fe80::1]:1234", "loopback:srv:1234",
+  // "gid:[::ffff:198.18.0.1]:1234".
   std::string to_string() const;
   // Host part only, as the kernel's sysfs prints it in src_addr/dst_addr: "ip:127.0.0.1".
   std::string host_string() const;

@@ -62,6 +62,7 @@
 #include "common/secure_random.h"
 #include "fabric/providers.h"
 #include "fabric/rdma/rdma_private_data.h"
+#include "ibtrs/gid.h"
 
 namespace ibtrs::fabric {
 namespace {
@@ -1147,6 +1148,13 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
   if (!valid_ip_address(params.remote)) return errc(EINVAL);
   if (params.source != nullptr && !valid_ip_address(*params.source)) return errc(EINVAL);
   IBTRS_TRY(check_caps(params.caps, kMaxQueueDepth, kMaxSgePerWr));
+  // gid: addresses: their IP form, checked against the GID tables (ibtrs/gid.h).
+  IBTRS_ASSIGN_OR_RETURN(const Address remote, resolve_gid_address(params.remote, false));
+  std::optional<Address> source;
+  if (params.source != nullptr) {
+    IBTRS_ASSIGN_OR_RETURN(Address s, resolve_gid_address(*params.source, true));
+    source = s;
+  }
 
   const auto deadline = Clock::now() + params.timeout;
   IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
@@ -1154,12 +1162,12 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
   if (rdma_create_id(channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return last_error();
   IdPtr id(raw);
 
-  sockaddr_storage dst = params.remote.sa;
+  sockaddr_storage dst = remote.sa;
   sockaddr_storage src{};
-  if (params.source != nullptr) src = params.source->sa;
+  if (source) src = source->sa;
   int resolve_ms = static_cast<int>(std::min<int64_t>(kResolveAddrTimeout.count(),
                                                       std::max(ms_left(deadline), 1)));
-  if (rdma_resolve_addr(id.get(), params.source != nullptr ? reinterpret_cast<sockaddr*>(&src) : nullptr,
+  if (rdma_resolve_addr(id.get(), source ? reinterpret_cast<sockaddr*>(&src) : nullptr,
                         reinterpret_cast<sockaddr*>(&dst), resolve_ms) != 0) {
     return errno == ENODEV ? errc(ENETUNREACH) : last_error();
   }
@@ -1413,9 +1421,17 @@ void RdmaFabric::unregister_core(ConnCore* core) {
   idle_.wait(lk, [&] { return core->dispatching == 0; });
 }
 
-Result<Domain*> RdmaFabric::domain_for(const Address& remote, const Address* source) {
-  if (!valid_ip_address(remote)) return errc(EINVAL);
-  if (source != nullptr && !valid_ip_address(*source)) return errc(EINVAL);
+Result<Domain*> RdmaFabric::domain_for(const Address& remote_in, const Address* source_in) {
+  if (!valid_ip_address(remote_in)) return errc(EINVAL);
+  if (source_in != nullptr && !valid_ip_address(*source_in)) return errc(EINVAL);
+  // gid: addresses: their IP form (ibtrs/gid.h); the same check connect() makes.
+  IBTRS_ASSIGN_OR_RETURN(const Address remote, resolve_gid_address(remote_in, false));
+  std::optional<Address> source_ip;
+  if (source_in != nullptr) {
+    IBTRS_ASSIGN_OR_RETURN(Address s, resolve_gid_address(*source_in, true));
+    source_ip = s;
+  }
+  const Address* source = source_ip ? &*source_ip : nullptr;
   IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return last_error();
@@ -1454,11 +1470,12 @@ Result<std::unique_ptr<Listener>> RdmaFabric::listen(const Address& local, const
   if (o.tls || o.tls_required) return errc(EPROTONOSUPPORT);
   const int backlog = o.backlog;
   if (!valid_ip_address(local) || backlog <= 0) return errc(EINVAL);
+  IBTRS_ASSIGN_OR_RETURN(const Address bind_to, resolve_gid_address(local, true));
   IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return last_error();
   IdPtr id(raw);
-  sockaddr_storage addr = local.sa;
+  sockaddr_storage addr = bind_to.sa;
   if (rdma_bind_addr(id.get(), reinterpret_cast<sockaddr*>(&addr)) != 0) return last_error();
   if (rdma_listen(id.get(), backlog) != 0) return last_error();
   return std::unique_ptr<Listener>(new RdmaListener(*this, std::move(channel), std::move(id)));

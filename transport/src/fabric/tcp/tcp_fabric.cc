@@ -1532,13 +1532,16 @@ class TcpFabric final : public Fabric {
  public:
   explicit TcpFabric(const FabricOptions& o) : domain_(this, 0, o.busy_poll) {}
   FabricKind kind() const override { return FabricKind::tcp; }
-  Result<Domain*> domain_for(const Address& remote, const Address*) override {
+  Result<Domain*> domain_for(const Address& remote, const Address* source) override {
+    // A GID is an RDMA address (Address::parse makes gid: rdma; one built in code may not be).
+    if (remote.gid || (source != nullptr && source->gid)) return errc(EAFNOSUPPORT);
     if (remote.fabric != FabricKind::tcp) return errc(EINVAL);
     return static_cast<Domain*>(&domain_);
   }
   using Fabric::listen;
   Result<std::unique_ptr<Listener>> listen(const Address& local, const ListenOptions& o) override {
     const int backlog = o.backlog;
+    if (local.gid) return errc(EAFNOSUPPORT);
     if (local.fabric != FabricKind::tcp || backlog <= 0 || (o.tls_required && !o.tls) ||
         (o.tls && o.tls->role() != tls::Role::server))
       return errc(EINVAL);
