@@ -145,7 +145,13 @@ T=$C/ibtrs-client/t1
 check "one path" "$(ls "$T/paths" | wc -l)" 1
 
 # ---- add_path ----
-expect_wr "add_path" "$T/add_path" "${addrs[1]}" ok
+if [ "$fabric" = rdma ]; then
+  # The kernel's gid: form on both sides (RoCE v2 GIDs of the rxe ports: their IPv4 addresses).
+  expect_wr "add_path gid:SRC@gid:DST" "$T/add_path" \
+    "gid:::ffff:$IBTRS_RDMA_ADDR_A@gid:[::ffff:$IBTRS_RDMA_ADDR_B]:${addrs[1]##*:}" ok
+else
+  expect_wr "add_path" "$T/add_path" "${addrs[1]}" ok
+fi
 check "two paths" "$(ls "$T/paths" | wc -l)" 2
 mapfile -t P < <(ls "$T/paths")
 for p in "${P[@]}"; do check "path $p connected" "$(rd "$T/paths/$p/state")" connected; done
