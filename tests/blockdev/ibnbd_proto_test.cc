@@ -206,7 +206,7 @@ TEST(IbnbdLayout, IoBytesAreLittleEndian) {
 // Case: every op with every combination of flags it may carry. Expect: pack/unpack round trip,
 // op in the low 8 bits.
 TEST(IbnbdRw, PacksEveryOpAndFlag) {
-  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::write_zeroes); ++o) {
+  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::block_status); ++o) {
     for (uint32_t f = 0; f <= kIoFlagsMask; f += 1u << 8) {
       const auto op = static_cast<IoOp>(o);
       auto rw = pack_rw(op, f);
@@ -221,10 +221,10 @@ TEST(IbnbdRw, PacksEveryOpAndFlag) {
 
 // Case: ops and flags outside the known ones. Expect: EINVAL both ways.
 TEST(IbnbdRw, RefusesUnknownOpsAndFlags) {
-  EXPECT_EQ(err_of(pack_rw(static_cast<IoOp>(6), 0)), EINVAL);
+  EXPECT_EQ(err_of(pack_rw(static_cast<IoOp>(7), 0)), EINVAL);
   EXPECT_EQ(err_of(pack_rw(IoOp::write, 1u << 12)), EINVAL);
   EXPECT_EQ(err_of(pack_rw(IoOp::write, 1u)), EINVAL) << "a flag in the op bits";
-  EXPECT_EQ(err_of(unpack_rw(6)), EINVAL);
+  EXPECT_EQ(err_of(unpack_rw(7)), EINVAL);
   EXPECT_EQ(err_of(unpack_rw(0xff)), EINVAL);
   EXPECT_EQ(err_of(unpack_rw(1u | (1u << 12))), EINVAL);
   EXPECT_EQ(err_of(unpack_rw(1u | (1u << 31))), EINVAL);
@@ -290,12 +290,14 @@ TEST(IbnbdRoundTrip, IoOfEveryOp) {
       io(IoOp::secure_erase, 4096),
       io(IoOp::write_zeroes, 1u << 30, kIoNoUnmap),
       io(IoOp::write_zeroes, 512),
+      io(IoOp::block_status, 1u << 30),
   };
   for (const Io& m : cases) {
     const Carrier c = carrier_of(m);
     switch (m.op) {
       case IoOp::read: EXPECT_EQ(c, (Carrier{IoDir::read, m.bi_size})); break;
       case IoOp::write: EXPECT_EQ(c, (Carrier{IoDir::write, m.bi_size})); break;
+      case IoOp::block_status: EXPECT_EQ(c, (Carrier{IoDir::read, kBlockStatusReplyBytes})); break;
       default: EXPECT_EQ(c, (Carrier{IoDir::write, 0})); break;
     }
     auto d = decode_io(enc_io(m), c);
@@ -585,7 +587,7 @@ TEST(IbnbdRefuse, RequestsWithTrailingBytes) {
 // Case: unknown types, responses sent as requests, and a message handed to the wrong decoder.
 // Expect: EBADMSG.
 TEST(IbnbdRefuse, UnknownAndMisplacedTypes) {
-  for (uint16_t t : {uint16_t{8}, uint16_t{0x100}, uint16_t{0xffff}}) {
+  for (uint16_t t : {uint16_t{9}, uint16_t{0x100}, uint16_t{0xffff}}) {
     MsgHdr h{};
     h.type.set(t);
     Bytes b = wire(h);
@@ -593,6 +595,10 @@ TEST(IbnbdRefuse, UnknownAndMisplacedTypes) {
     EXPECT_EQ(err_of(peek_type(b)), EBADMSG) << t;
     EXPECT_EQ(err_of(decode_request(b, kCloseCarrier)), EBADMSG) << t;
   }
+  const Extent one[] = {{512, 0}};
+  Bytes st(kBlockStatusReplyBytes);
+  ASSERT_TRUE(encode_block_status_rsp(st, one, 512).ok());
+  EXPECT_EQ(err_of(decode_request(st, kCloseCarrier)), EBADMSG) << "BLOCK_STATUS_RSP as a request";
   EXPECT_EQ(err_of(decode_request(enc_sess_info_rsp(SessInfoRsp{}), kSessInfoCarrier)), EBADMSG);
   EXPECT_EQ(err_of(decode_request(enc_open_rsp(OpenRsp{1, full_geometry()}), kOpenCarrier)), EBADMSG);
   EXPECT_EQ(err_of(decode_close(enc_io(io(IoOp::flush, 0)), kCloseCarrier)), EBADMSG);
@@ -630,7 +636,7 @@ TEST(IbnbdRefuse, BadOpen) {
 TEST(IbnbdRefuse, BadIo) {
   const IoMsg base = as_wire<IoMsg>(enc_io(io(IoOp::discard, 4096)));
   std::vector<std::pair<const char*, IoMsg>> cases;
-  auto m = base; m.rw.set(6); cases.push_back({"op 6", m});
+  auto m = base; m.rw.set(7); cases.push_back({"op 7", m});
   m = base; m.rw.set(0xff); cases.push_back({"op 255", m});
   m = base; m.rw.set(3 | (1u << 12)); cases.push_back({"flag bit 12", m});
   m = base; m.rw.set(3 | (1u << 31)); cases.push_back({"flag bit 31", m});

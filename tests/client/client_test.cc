@@ -1238,7 +1238,7 @@ TEST_F(Client, BlockStatusOfOldAndHostileServers) {
   srv_.answer_status_with(raw);
   EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 4096, l, done); }), -EPROTO);
   EXPECT_EQ(l.count, 0u);
-  m.count.set(proto::kMaxExtents + 1);
+  m.count.set(kMaxExtents + 1);
   std::memcpy(raw.data(), &m, sizeof(m));
   srv_.answer_status_with(raw);
   EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 1 << 20, l, done); }), -EPROTO);

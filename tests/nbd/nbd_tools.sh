@@ -136,9 +136,9 @@ truncate -s 1G "$work/export/sparse.img"
 for mib in 0 300 1023; do
   head -c 1M /dev/urandom | dd of="$work/export/sparse.img" bs=1M seek=$mib conv=notrunc status=none
 done
-srv_read() {
+srv_read() {  # bytes the server sent of sparse.img (tx: its READ data)
   "$ibnbd" --socket "$work/srv.sock" server -f json device list |
-    jq '[.[] | select(.device | test("sparse.img")) | .stats.read_bytes] | add // 0'
+    jq '[.[] | select(.device | test("sparse.img")) | .tx_bytes] | add'
 }
 check_cmd "map sparse.img ro" c device map sparse.img from "$addr" ro
 check_cmd "export sparse.img" c device export sparse.img unix "$work/sparse.sock"
@@ -167,8 +167,11 @@ check_cmd "qemu-img convert -n of the sparse volume" t qemu-img convert -n -f ra
   "nbd:unix:$work/sparse.sock:exportname=sparse.img" "$work/sparse.qemu"
 sparse_copy "qemu-img convert -n" "$work/sparse.qemu"
 read1=$(srv_read)
-[ $((read1 - read0)) -lt $((32 << 20)) ] && ok "the server read $(((read1 - read0) >> 10)) KiB for two copies of 1 GiB" ||
-  not_ok "the holes were skipped" "the server read $((read1 - read0)) bytes"
+# At least the data of both copies (the counter counts), well under one 1 GiB read.
+read=$((${read1:-0} - ${read0:-0}))
+[ "$read" -ge $((6 << 20)) ] && [ "$read" -lt $((32 << 20)) ] &&
+  ok "the server read $((read >> 10)) KiB for two copies of 1 GiB: the holes were skipped" ||
+  not_ok "the holes were skipped" "the server read $read bytes ('$read0' -> '$read1')"
 rm -f "$work/sparse.nbdcopy" "$work/sparse.qemu"
 check_cmd "unmap sparse.img" c device unmap sparse.img
 

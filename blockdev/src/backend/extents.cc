@@ -16,19 +16,18 @@ constexpr uint64_t kSector = kSectorSize;
 uint64_t down(uint64_t v) { return v / kSector * kSector; }
 uint64_t up(uint64_t v, uint64_t limit) { return std::min(limit, (v + kSector - 1) / kSector * kSector); }
 
-// Appends [.., +len) with `flags`, merged into the last extent when they agree. False when full.
-bool add(std::span<Extent> out, uint32_t& n, uint64_t len, uint32_t flags) {
+}  // namespace
+
+bool append_extent(std::span<Extent> out, uint32_t* n, uint64_t len, uint32_t flags) {
   if (len == 0) return true;
-  if (n > 0 && out[n - 1].flags == flags) {
-    out[n - 1].length += len;
+  if (*n > 0 && out[*n - 1].flags == flags) {
+    out[*n - 1].length += len;
     return true;
   }
-  if (n == out.size()) return false;
-  out[n++] = Extent{len, flags};
+  if (*n == out.size()) return false;
+  out[(*n)++] = Extent{len, flags};
   return true;
 }
-
-}  // namespace
 
 int file_extents(int fd, uint64_t offset, uint64_t len, std::span<Extent> out, uint32_t* n) {
   *n = 0;
@@ -45,7 +44,7 @@ int file_extents(int fd, uint64_t offset, uint64_t len, std::span<Extent> out, u
     } else if (errno == ENXIO) {
       data_at = end;  // no data from pos on: a hole to the end (past EOF too)
     } else if (errno == EINVAL || errno == EOPNOTSUPP) {
-      (void)add(out, *n, end - pos, 0);  // no SEEK_DATA here: all data is a true answer
+      (void)append_extent(out, n, end - pos, 0);  // no SEEK_DATA here: all data is a true answer
       return 0;
     } else {
       return -errno;
@@ -53,7 +52,7 @@ int file_extents(int fd, uint64_t offset, uint64_t len, std::span<Extent> out, u
     // A hole up to the sector the data starts in.
     const uint64_t hole_end = std::min(end, down(data_at));
     if (hole_end > pos) {
-      if (!add(out, *n, hole_end - pos, kExtentHole | kExtentZero)) return 0;
+      if (!append_extent(out, n, hole_end - pos, kExtentHole | kExtentZero)) return 0;
       pos = hole_end;
       continue;
     }
@@ -68,7 +67,7 @@ int file_extents(int fd, uint64_t offset, uint64_t len, std::span<Extent> out, u
     }
     // Data up to the end of the sector the hole starts in (at least one sector: pos is in data).
     const uint64_t data_end = std::max(up(hole_at, end), std::min(end, pos + kSector));
-    if (!add(out, *n, data_end - pos, 0)) return 0;
+    if (!append_extent(out, n, data_end - pos, 0)) return 0;
     pos = data_end;
   }
   return 0;

@@ -16,6 +16,10 @@
 
 namespace ibnbd::backend {
 
+// Appends `len` bytes with `flags` to out[0..*n), merged into the last extent when the flags
+// agree. False when out is full (nothing added). len 0 adds nothing.
+bool append_extent(std::span<Extent> out, uint32_t* n, uint64_t len, uint32_t flags);
+
 // The extents of [offset, offset + len) of a regular file: holes (kExtentHole | kExtentZero)
 // and data (0), boundaries on 512-byte sectors (a sector partly data is data), at most
 // out.size() of them. *n receives how many; they cover a prefix of the range, > 0 bytes unless

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/extents.h"
 #include "backend/rbd_image.h"
 
 #ifdef IBNBD_HAVE_RBD
@@ -329,16 +330,7 @@ struct DiffWalk {
   uint32_t n = 0;
   uint64_t pos = 0;  // described up to here
   uint64_t end = 0;
-  bool add(uint64_t len, uint32_t flags) {
-    if (len == 0) return true;
-    if (n > 0 && out[n - 1].flags == flags) {
-      out[n - 1].length += len;
-      return true;
-    }
-    if (n == out.size()) return false;
-    out[n++] = Extent{len, flags};
-    return true;
-  }
+  bool add(uint64_t len, uint32_t flags) { return append_extent(out, &n, len, flags); }
 };
 constexpr int kDiffFull = -ENOSPC;  // the walk's own stop: out is full
 int diff_cb(uint64_t offs, size_t len, int exists, void* arg) {
