@@ -1236,12 +1236,12 @@ TEST_F(Client, BlockStatusOfOldAndHostileServers) {
   std::memcpy(raw.data(), &m, sizeof(m));
   std::memcpy(raw.data() + sizeof(m), &e, sizeof(e));
   srv_.answer_status_with(raw);
-  EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 4096, l, done); }), -EPROTO);
+  EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 4096, l, done); }), EPROTO);
   EXPECT_EQ(l.count, 0u);
   m.count.set(kMaxExtents + 1);
   std::memcpy(raw.data(), &m, sizeof(m));
   srv_.answer_status_with(raw);
-  EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 1 << 20, l, done); }), -EPROTO);
+  EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 1 << 20, l, done); }), EPROTO);
   EXPECT_EQ(l.count, 0u);
 }
 
@@ -1379,7 +1379,15 @@ TEST_F(Failover, ServesEveryOpOnTheActiveWithAnIdleStandby) {
   EXPECT_EQ(x, y);
   EXPECT_EQ(sync([&](IoDone done) { return d->write(1, std::span<const IoSeg>(), 0, done); }), -EINVAL)
       << "refused by the call, as a plain device refuses it";
-  EXPECT_TRUE(ios_of("vol0").size() >= 7u);
+  // BLOCK_STATUS through the active leg: [0, 4 KiB) was zeroed (a hole of the RAM volume),
+  // [4 KiB, 8 KiB) holds the pattern.
+  ExtentList l;
+  EXPECT_EQ(sync([&](IoDone done) { return d->block_status(0, 1 << 20, l, done); }), 0);
+  ASSERT_GE(l.count, 2u);
+  EXPECT_EQ(l.e[0], (Extent{4096, kExtentHole | kExtentZero}));
+  EXPECT_EQ(l.e[1].flags, 0u);
+  EXPECT_EQ(l.covered(), 1u << 20);
+  EXPECT_TRUE(ios_of("vol0").size() >= 8u);
   EXPECT_EQ(srv2_.io_count(), 0u) << "the standby served no IO";
   auto fi = d->failover();
   ASSERT_TRUE(fi.has_value());
