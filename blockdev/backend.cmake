@@ -41,13 +41,14 @@ add_library(ibnbd_backend STATIC
   src/backend/export_path.cc
   src/backend/backend.cc
   src/backend/blocking_worker.cc
+  src/backend/extents.cc
   src/backend/io_engine.cc
   src/backend/rbd.cc
 )
 target_include_directories(ibnbd_backend PRIVATE src)
 target_link_libraries(ibnbd_backend
   PUBLIC ibnbd_types Threads::Threads
-  PRIVATE ${IBNBD_URING} ibtrs_build_flags)
+  PRIVATE ${IBNBD_URING} ibtrs_build_flags ibnbd_proto_internal)
 if(IBNBD_HAVE_RBD)
   target_compile_definitions(ibnbd_backend PRIVATE IBNBD_HAVE_RBD)
   target_include_directories(ibnbd_backend SYSTEM PRIVATE ${RBD_INCLUDE})

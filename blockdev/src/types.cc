@@ -33,6 +33,7 @@ std::string_view to_string(IoOp op) {
     case IoOp::discard: return "discard";
     case IoOp::secure_erase: return "secure_erase";
     case IoOp::write_zeroes: return "write_zeroes";
+    case IoOp::block_status: return "block_status";
   }
   return "?";
 }

@@ -51,7 +51,7 @@ void log_warn(const std::string& what, const std::string& who, const std::string
 
 struct Counters {
   std::atomic<uint64_t> read_ops{0}, read_bytes{0}, write_ops{0}, write_bytes{0};
-  std::atomic<uint64_t> flush_ops{0}, discard_ops{0}, write_zeroes_ops{0}, errors{0};
+  std::atomic<uint64_t> flush_ops{0}, discard_ops{0}, write_zeroes_ops{0}, status_ops{0}, errors{0};
   std::atomic<int64_t> inflight{0};
 
   void done(IoOp op, uint32_t bytes, int err) {
@@ -64,6 +64,7 @@ struct Counters {
       case IoOp::discard:
       case IoOp::secure_erase: discard_ops.fetch_add(1, r); break;
       case IoOp::write_zeroes: write_zeroes_ops.fetch_add(1, r); break;
+      case IoOp::block_status: status_ops.fetch_add(1, r); break;
     }
   }
   BlockStats snapshot() const {
@@ -76,6 +77,7 @@ struct Counters {
     s.flush_ops = flush_ops.load(r);
     s.discard_ops = discard_ops.load(r);
     s.write_zeroes_ops = write_zeroes_ops.load(r);
+    s.status_ops = status_ops.load(r);
     s.errors = errors.load(r);
     s.inflight = inflight.load(r);
     return s;
@@ -496,7 +498,8 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     q.flags = io.flags;
     q.offset = io.sector * kSectorSize;
     q.len = io.bi_size;
-    if (io.op == IoOp::read || io.op == IoOp::write) q.buf = r.data();
+    // READ data, WRITE data, or the room for a BLOCK_STATUS answer: the client's buffer.
+    if (io.op == IoOp::read || io.op == IoOp::write || io.op == IoOp::block_status) q.buf = r.data();
     q.done = &Impl::io_done;
     q.ctx = &c;
     auto st = h->engine->submit(q);

@@ -15,7 +15,7 @@ using nlohmann::json;
 json stats_json(const BlockStats& s) {
   return {{"read_ops", s.read_ops}, {"read_bytes", s.read_bytes}, {"write_ops", s.write_ops},
           {"write_bytes", s.write_bytes}, {"flush_ops", s.flush_ops}, {"discard_ops", s.discard_ops},
-          {"write_zeroes_ops", s.write_zeroes_ops}, {"errors", s.errors}, {"inflight", s.inflight}};
+          {"write_zeroes_ops", s.write_zeroes_ops}, {"status_ops", s.status_ops}, {"errors", s.errors}, {"inflight", s.inflight}};
 }
 
 json path_json(const ibtrs::ServerPathInfo& p) {

@@ -146,12 +146,12 @@ TEST(DeviceOpeners, UnknownModeIsInvalid) {
   EXPECT_TRUE(d.empty());
 }
 
-// Case: every op for every mode. Expect: ro may READ and FLUSH only (EPERM otherwise); writers
-// may do everything.
+// Case: every op for every mode. Expect: ro may READ, FLUSH and BLOCK_STATUS only (EPERM
+// otherwise); writers may do everything.
 TEST(Access, OpsAllowedByMode) {
-  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::write_zeroes); ++o) {
+  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::block_status); ++o) {
     const auto op = static_cast<IoOp>(o);
-    const bool ro_ok = op == IoOp::read || op == IoOp::flush;
+    const bool ro_ok = op == IoOp::read || op == IoOp::flush || op == IoOp::block_status;
     EXPECT_EQ(check_op_allowed(kRo, op).ok(), ro_ok) << to_string(op);
     if (!ro_ok) {
       EXPECT_EQ(check_op_allowed(kRo, op).error().value(), EPERM);

@@ -11,3 +11,4 @@ ibtrs_test(unit_backend_rbd SOURCES backend_rbd_test.cc GTEST_MAIN LABELS unit)
 foreach(t unit_backend_export unit_backend_io unit_backend_bdev unit_backend_rbd)
   target_link_libraries(${t} PRIVATE ibnbd_backend_internal)
 endforeach()
+target_link_libraries(unit_backend_io PRIVATE ibnbd_proto_internal)  # BLOCK_STATUS answers

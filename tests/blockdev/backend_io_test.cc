@@ -14,6 +14,7 @@
 
 #include "backend/engine_slot.h"
 #include "backend_test_util.h"
+#include "proto/ibnbd_proto.h"
 #include "ibnbd/backend.h"
 
 namespace ibnbd::test {
@@ -558,6 +559,98 @@ TEST(FileIo, DestroyWithRequestsInFlight) {
   ASSERT_TRUE(r.eng->kick().ok());
   r.eng.reset();
   EXPECT_EQ(calls, 0);
+}
+
+
+// ------------------------------------------------------------------------------------------
+// BLOCK_STATUS
+
+// Asks the engine where the data of [off, off + len) is; the decoded answer, or an errno.
+int status_of(Rig& r, uint64_t off, uint32_t len, ExtentList& out) {
+  AlignedBuf ans(proto::kBlockStatusReplyBytes);
+  IoRequest q = range_op(*r.be, IoOp::block_status, off, len);
+  q.buf = std::span(ans.span().data(), proto::kBlockStatusReplyBytes);
+  if (int e = run_io(*r.eng, q); e != 0) return e;
+  auto st = proto::decode_block_status_rsp(q.buf, len, out);
+  return st.ok() ? 0 : st.error().value();
+}
+
+constexpr uint32_t kHoleZero = kExtentHole | kExtentZero;
+
+// Case: an 8 MiB sparse file with 64 KiB of data at 1 MiB and 4 KiB at 5 MiB (SEEK_DATA /
+// SEEK_HOLE on tmpfs and on the O_DIRECT filesystem). Expect: hole, data, hole, data, hole,
+// exactly those ranges; a question starting inside the data starts with data; a read-only
+// backend answers too (BLOCK_STATUS reads nothing).
+TEST_P(EachFs, BlockStatusFindsTheHolesOfASparseFile) {
+  AlignedBuf w(64 << 10);
+  fill_pattern(w.span(), 9, 0);
+  ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, 1 << 20, w.span(), kIoFua)), 0);
+  ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, 5 << 20, w.span().first(4096), kIoFua)), 0);
+  ExtentList l;
+  ASSERT_EQ(status_of(r, 0, kFileSize, l), 0);
+  ASSERT_EQ(l.count, 5u);
+  EXPECT_EQ(l.e[0], (Extent{1 << 20, kHoleZero}));
+  EXPECT_EQ(l.e[1], (Extent{64 << 10, 0}));
+  EXPECT_EQ(l.e[2], (Extent{(4 << 20) - (64 << 10), kHoleZero}));
+  EXPECT_EQ(l.e[3], (Extent{4096, 0}));
+  EXPECT_EQ(l.e[4], (Extent{kFileSize - (5 << 20) - 4096, kHoleZero}));
+  ASSERT_EQ(status_of(r, (1 << 20) + 4096, 1 << 20, l), 0);
+  ASSERT_EQ(l.count, 2u);
+  EXPECT_EQ(l.e[0], (Extent{60 << 10, 0}));
+  EXPECT_EQ(l.covered(), 1u << 20);
+  Rig ro;
+  ASSERT_EQ(ro.open(r.path, OpenOptions{.read_only = true, .direct = r.be->direct() ? DirectIo::require : DirectIo::off}, 4), "");
+  ASSERT_EQ(status_of(ro, 0, kFileSize, l), 0);
+  EXPECT_EQ(l.count, 5u);
+}
+
+// Case: a file with 200 separate 4 KiB data blocks (400 extents). Expect: one answer holds
+// kMaxExtents extents over a prefix; asking again from its end, and so on, walks the whole file
+// in 4 answers, each bounded, together exactly the file's layout.
+TEST(FileIo, BlockStatusAnswersArePrefixesOfBoundedLength) {
+  Rig r;
+  RIG_OR_SKIP(r, Fs::tmpfs);
+  AlignedBuf w(4096);
+  fill_pattern(w.span(), 3, 0);
+  for (uint64_t i = 0; i < 200; ++i)
+    ASSERT_EQ(run_io(*r.eng, rw(*r.be, IoOp::write, i * 32768 + 16384, w.span())), 0);
+  uint64_t pos = 0;
+  int answers = 0;
+  uint64_t data = 0;
+  ExtentList l;
+  while (pos < kFileSize && answers < 10) {
+    ASSERT_EQ(status_of(r, pos, static_cast<uint32_t>(kFileSize - pos), l), 0);
+    ASSERT_GE(l.count, 1u);
+    ASSERT_LE(l.count, kMaxExtents);
+    for (uint32_t i = 0; i < l.count; ++i)
+      if (l.e[i].flags == 0) data += l.e[i].length;
+    pos += l.covered();
+    ++answers;
+  }
+  EXPECT_EQ(pos, kFileSize);
+  EXPECT_EQ(answers, 4) << "401 extents, 128 per answer";
+  EXPECT_EQ(data, 200u * 4096);
+}
+
+// Case: BLOCK_STATUS the engine refuses: past the end, with flags, without an answer buffer
+// (or one too small), a range off 512 bytes. Expect: EIO (as READ), EINVAL otherwise, and no
+// callback.
+TEST(FileIo, BlockStatusRefusals) {
+  Rig r;
+  RIG_OR_SKIP(r, Fs::tmpfs);
+  AlignedBuf ans(proto::kBlockStatusReplyBytes);
+  auto q = [&](uint64_t off, uint32_t len, uint32_t flags = 0, size_t buf = proto::kBlockStatusReplyBytes) {
+    IoRequest x = range_op(*r.be, IoOp::block_status, off, len, flags);
+    x.buf = std::span(ans.span().data(), buf);
+    x.done = [](void*, int) { ADD_FAILURE() << "called back"; };
+    return r.eng->submit(x);
+  };
+  EXPECT_EQ(q(kFileSize - 4096, 8192).error(), std::errc::io_error);
+  EXPECT_EQ(q(0, 4096, kIoFua).error(), std::errc::invalid_argument);
+  EXPECT_EQ(q(0, 4096, 0, 0).error(), std::errc::invalid_argument);
+  EXPECT_EQ(q(0, 4096, 0, proto::kBlockStatusReplyBytes - 1).error(), std::errc::invalid_argument);
+  EXPECT_EQ(q(100, 4096).error(), std::errc::invalid_argument);
+  EXPECT_EQ(q(0, 0).error(), std::errc::invalid_argument);
 }
 
 }  // namespace

@@ -153,8 +153,13 @@ TEST(IbnbdLayout, EnumValuesAreTheKernels) {
   EXPECT_EQ(static_cast<uint8_t>(IoOp::write_zeroes), 5);
   EXPECT_EQ(kIoSync, 1u << 8);
   EXPECT_EQ(kIoNoUnmap, 1u << 11);
-  EXPECT_EQ(kProtoVersion, 4);
+  EXPECT_EQ(kProtoVersion, 5);
   EXPECT_EQ(kWatchVersion, 4);
+  EXPECT_EQ(kBlockStatusVersion, 5);
+  EXPECT_EQ(static_cast<uint8_t>(IoOp::block_status), 6) << "ours: the kernel has no BLOCK_STATUS";
+  EXPECT_EQ(static_cast<uint16_t>(MsgType::block_status_rsp), 8);
+  EXPECT_EQ(kExtentHole, 1u) << "NBD_STATE_HOLE";
+  EXPECT_EQ(kExtentZero, 2u) << "NBD_STATE_ZERO";
   EXPECT_EQ(kMinProtoVersion, 2) << "version 2 peers (no OPEN flags) are still served";
   EXPECT_EQ(kOpenReopen, 1);
 }
@@ -201,7 +206,7 @@ TEST(IbnbdLayout, IoBytesAreLittleEndian) {
 // Case: every op with every combination of flags it may carry. Expect: pack/unpack round trip,
 // op in the low 8 bits.
 TEST(IbnbdRw, PacksEveryOpAndFlag) {
-  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::write_zeroes); ++o) {
+  for (uint8_t o = 0; o <= static_cast<uint8_t>(IoOp::block_status); ++o) {
     for (uint32_t f = 0; f <= kIoFlagsMask; f += 1u << 8) {
       const auto op = static_cast<IoOp>(o);
       auto rw = pack_rw(op, f);
@@ -216,10 +221,10 @@ TEST(IbnbdRw, PacksEveryOpAndFlag) {
 
 // Case: ops and flags outside the known ones. Expect: EINVAL both ways.
 TEST(IbnbdRw, RefusesUnknownOpsAndFlags) {
-  EXPECT_EQ(err_of(pack_rw(static_cast<IoOp>(6), 0)), EINVAL);
+  EXPECT_EQ(err_of(pack_rw(static_cast<IoOp>(7), 0)), EINVAL);
   EXPECT_EQ(err_of(pack_rw(IoOp::write, 1u << 12)), EINVAL);
   EXPECT_EQ(err_of(pack_rw(IoOp::write, 1u)), EINVAL) << "a flag in the op bits";
-  EXPECT_EQ(err_of(unpack_rw(6)), EINVAL);
+  EXPECT_EQ(err_of(unpack_rw(7)), EINVAL);
   EXPECT_EQ(err_of(unpack_rw(0xff)), EINVAL);
   EXPECT_EQ(err_of(unpack_rw(1u | (1u << 12))), EINVAL);
   EXPECT_EQ(err_of(unpack_rw(1u | (1u << 31))), EINVAL);
@@ -285,12 +290,14 @@ TEST(IbnbdRoundTrip, IoOfEveryOp) {
       io(IoOp::secure_erase, 4096),
       io(IoOp::write_zeroes, 1u << 30, kIoNoUnmap),
       io(IoOp::write_zeroes, 512),
+      io(IoOp::block_status, 1u << 30),
   };
   for (const Io& m : cases) {
     const Carrier c = carrier_of(m);
     switch (m.op) {
       case IoOp::read: EXPECT_EQ(c, (Carrier{IoDir::read, m.bi_size})); break;
       case IoOp::write: EXPECT_EQ(c, (Carrier{IoDir::write, m.bi_size})); break;
+      case IoOp::block_status: EXPECT_EQ(c, (Carrier{IoDir::read, kBlockStatusReplyBytes})); break;
       default: EXPECT_EQ(c, (Carrier{IoDir::write, 0})); break;
     }
     auto d = decode_io(enc_io(m), c);
@@ -580,7 +587,7 @@ TEST(IbnbdRefuse, RequestsWithTrailingBytes) {
 // Case: unknown types, responses sent as requests, and a message handed to the wrong decoder.
 // Expect: EBADMSG.
 TEST(IbnbdRefuse, UnknownAndMisplacedTypes) {
-  for (uint16_t t : {uint16_t{8}, uint16_t{0x100}, uint16_t{0xffff}}) {
+  for (uint16_t t : {uint16_t{9}, uint16_t{0x100}, uint16_t{0xffff}}) {
     MsgHdr h{};
     h.type.set(t);
     Bytes b = wire(h);
@@ -588,6 +595,10 @@ TEST(IbnbdRefuse, UnknownAndMisplacedTypes) {
     EXPECT_EQ(err_of(peek_type(b)), EBADMSG) << t;
     EXPECT_EQ(err_of(decode_request(b, kCloseCarrier)), EBADMSG) << t;
   }
+  const Extent one[] = {{512, 0}};
+  Bytes st(kBlockStatusReplyBytes);
+  ASSERT_TRUE(encode_block_status_rsp(st, one, 512).ok());
+  EXPECT_EQ(err_of(decode_request(st, kCloseCarrier)), EBADMSG) << "BLOCK_STATUS_RSP as a request";
   EXPECT_EQ(err_of(decode_request(enc_sess_info_rsp(SessInfoRsp{}), kSessInfoCarrier)), EBADMSG);
   EXPECT_EQ(err_of(decode_request(enc_open_rsp(OpenRsp{1, full_geometry()}), kOpenCarrier)), EBADMSG);
   EXPECT_EQ(err_of(decode_close(enc_io(io(IoOp::flush, 0)), kCloseCarrier)), EBADMSG);
@@ -625,7 +636,7 @@ TEST(IbnbdRefuse, BadOpen) {
 TEST(IbnbdRefuse, BadIo) {
   const IoMsg base = as_wire<IoMsg>(enc_io(io(IoOp::discard, 4096)));
   std::vector<std::pair<const char*, IoMsg>> cases;
-  auto m = base; m.rw.set(6); cases.push_back({"op 6", m});
+  auto m = base; m.rw.set(7); cases.push_back({"op 7", m});
   m = base; m.rw.set(0xff); cases.push_back({"op 255", m});
   m = base; m.rw.set(3 | (1u << 12)); cases.push_back({"flag bit 12", m});
   m = base; m.rw.set(3 | (1u << 31)); cases.push_back({"flag bit 31", m});
@@ -762,6 +773,133 @@ TEST(IbnbdEncode, RefusesInvalidMessages) {
 
 // ------------------------------------------------------------------------------------------
 // Text forms (blockdev/src/types.cc)
+
+// ------------------------------------------------------------------------------------------
+// BLOCK_STATUS (version 5)
+
+Io status_io(uint64_t sector, uint32_t len) { return Io{3, sector, IoOp::block_status, 0, len, 0}; }
+
+// A BLOCK_STATUS_RSP as a hostile server could write it: header fields and raw entries.
+Bytes raw_status(uint32_t count, std::vector<std::pair<uint32_t, uint32_t>> entries, size_t buf = kBlockStatusReplyBytes) {
+  Bytes b(std::max(buf, sizeof(BlockStatusRspMsg) + entries.size() * sizeof(ExtentMsg)));
+  BlockStatusRspMsg h{};
+  h.hdr.type.set(static_cast<uint16_t>(MsgType::block_status_rsp));
+  h.count.set(count);
+  std::memcpy(b.data(), &h, sizeof(h));
+  for (size_t i = 0; i < entries.size(); ++i) {
+    ExtentMsg e{};
+    e.length.set(entries[i].first);
+    e.flags.set(entries[i].second);
+    std::memcpy(b.data() + sizeof(h) + i * sizeof(e), &e, sizeof(e));
+  }
+  b.resize(buf);
+  return b;
+}
+
+// Case: the layout of the answer and the IO that asks. Expect: 16-byte header, 8-byte entries,
+// the client's buffer holds kMaxExtents of them; the IO rides a READ of exactly that buffer,
+// whatever the range.
+TEST(IbnbdBlockStatus, LayoutAndCarrier) {
+  EXPECT_EQ(sizeof(BlockStatusRspMsg), 16u);
+  EXPECT_EQ(offsetof(BlockStatusRspMsg, count), 4u);
+  EXPECT_EQ(sizeof(ExtentMsg), 8u);
+  EXPECT_EQ(offsetof(ExtentMsg, flags), 4u);
+  EXPECT_EQ(kMaxExtents, 128u);
+  EXPECT_EQ(kBlockStatusReplyBytes, 16u + 128 * 8);
+  const Io io = status_io(2048, 1u << 30);
+  EXPECT_EQ(carrier_of(io), (Carrier{IoDir::read, kBlockStatusReplyBytes}));
+  auto d = decode_io(enc_io(io), carrier_of(io));
+  ASSERT_TRUE(d.ok()) << d.error().message();
+  EXPECT_EQ(*d, io);
+}
+
+// Case: hostile BLOCK_STATUS requests at the server: flags on it, zero length, a length off 512,
+// a range past 2^64, the answer's buffer too small, too large, or a WRITE. Expect: EINVAL each.
+// (A range past the device is the engine's EIO, as for READ.)
+TEST(IbnbdBlockStatus, ServerRefusesBadRequests) {
+  for (uint32_t f : {uint32_t{kIoFua}, uint32_t{kIoPreflush}, uint32_t{kIoNoUnmap}}) {
+    Io io = status_io(0, 4096);
+    io.flags = f;
+    EXPECT_EQ(check_io(io).error(), std::errc::invalid_argument) << f;
+  }
+  EXPECT_EQ(check_io(status_io(0, 0)).error(), std::errc::invalid_argument) << "zero length";
+  EXPECT_EQ(check_io(status_io(0, 4000)).error(), std::errc::invalid_argument) << "unaligned";
+  EXPECT_EQ(check_io(status_io(std::numeric_limits<uint64_t>::max() / 512, 4096)).error(),
+            std::errc::invalid_argument) << "past 2^64";
+  const Bytes b = enc_io(status_io(8, 4096));
+  for (Carrier c : {Carrier{IoDir::read, kBlockStatusReplyBytes - 1}, Carrier{IoDir::read, kBlockStatusReplyBytes + 1},
+                    Carrier{IoDir::read, 4096}, Carrier{IoDir::write, kBlockStatusReplyBytes}})
+    EXPECT_EQ(decode_io(b, c).error(), std::errc::invalid_argument) << c.data_len;
+}
+
+// Case: an answer of three extents (hole, data, hole-and-zero... as a file's) over a prefix of
+// the range. Expect: it round-trips; covered() is the prefix; the whole range may be covered.
+TEST(IbnbdBlockStatus, AnswerRoundTrips) {
+  const std::vector<Extent> ex = {{1u << 20, kExtentHole | kExtentZero}, {4096, 0}, {512, kExtentZero}};
+  Bytes b(kBlockStatusReplyBytes);
+  auto n = encode_block_status_rsp(b, ex, 8u << 20);
+  ASSERT_TRUE(n.ok()) << n.error().message();
+  EXPECT_EQ(*n, 16u + 3 * 8);
+  ExtentList l;
+  ASSERT_TRUE(decode_block_status_rsp(b, 8u << 20, l).ok());
+  ASSERT_EQ(l.count, 3u);
+  for (size_t i = 0; i < ex.size(); ++i) EXPECT_EQ(l.e[i], ex[i]);
+  EXPECT_EQ(l.covered(), (1u << 20) + 4096 + 512);
+  EXPECT_TRUE(decode_block_status_rsp(b, l.covered(), l).ok()) << "exactly the range";
+}
+
+// Case: hostile answers at the client: zero-length extents, lengths off 512, extents that
+// overrun the range, unknown flags, reserved bytes, no extent, a count beyond the buffer or
+// beyond kMaxExtents, a short buffer, another type. Expect: EINVAL or EBADMSG as documented,
+// and `out` left empty (the caller never sees half an answer).
+TEST(IbnbdBlockStatus, ClientRefusesBadAnswers) {
+  ExtentList l;
+  auto refused = [&](const Bytes& b, uint64_t range, std::errc want, const char* what) {
+    l.count = 7;
+    auto st = decode_block_status_rsp(b, range, l);
+    ASSERT_FALSE(st.ok()) << what;
+    EXPECT_EQ(st.error(), want) << what;
+    EXPECT_EQ(l.count, 0u) << what;
+  };
+  refused(raw_status(1, {{0, 0}}), 4096, std::errc::invalid_argument, "zero length");
+  refused(raw_status(1, {{1000, 0}}), 4096, std::errc::invalid_argument, "length off 512");
+  refused(raw_status(2, {{4096, 0}, {512, 1}}), 4096, std::errc::invalid_argument, "overruns the range");
+  refused(raw_status(1, {{8192, 0}}), 4096, std::errc::invalid_argument, "one extent past the range");
+  refused(raw_status(2, {{0xfffffe00u, 0}, {0xfffffe00u, 0}}), 0x100000000ull, std::errc::invalid_argument,
+          "a sum that would wrap 32 bits");
+  refused(raw_status(1, {{512, 4}}), 4096, std::errc::invalid_argument, "unknown flag");
+  refused(raw_status(0, {}), 4096, std::errc::invalid_argument, "no extent");
+  Bytes r = raw_status(1, {{512, 0}});
+  r[8] = std::byte{1};
+  refused(r, 4096, std::errc::invalid_argument, "reserved bytes");
+  r = raw_status(1, {{512, 0}});
+  r[2] = std::byte{1};
+  refused(r, 4096, std::errc::invalid_argument, "header reserved");
+  refused(raw_status(kMaxExtents + 1, {}, kBlockStatusReplyBytes + 8), 1u << 30, std::errc::bad_message,
+          "more than kMaxExtents, buffer large enough");
+  refused(raw_status(3, {{512, 0}}, 16 + 8), 4096, std::errc::bad_message, "count beyond the buffer");
+  refused(raw_status(0xffffffffu, {}, 16), 4096, std::errc::bad_message, "count 2^32-1");
+  refused(prefix(raw_status(1, {{512, 0}}), 15), 4096, std::errc::bad_message, "shorter than the header");
+  refused(enc_watch_rsp(two_devices()), 4096, std::errc::bad_message, "a WATCH_RSP");
+}
+
+// Case: our own answers breaking the rules, and a buffer too small. Expect: EINVAL / ENOBUFS,
+// so the server never sends what the client refuses.
+TEST(IbnbdBlockStatus, EncoderRefusesWhatTheDecoderWould) {
+  Bytes b(kBlockStatusReplyBytes);
+  EXPECT_EQ(encode_block_status_rsp(b, {}, 4096).error(), std::errc::invalid_argument);
+  const std::vector<Extent> zero = {{0, 0}};
+  EXPECT_EQ(encode_block_status_rsp(b, zero, 4096).error(), std::errc::invalid_argument);
+  const std::vector<Extent> over = {{8192, 0}};
+  EXPECT_EQ(encode_block_status_rsp(b, over, 4096).error(), std::errc::invalid_argument);
+  const std::vector<Extent> flag = {{512, 8}};
+  EXPECT_EQ(encode_block_status_rsp(b, flag, 4096).error(), std::errc::invalid_argument);
+  const std::vector<Extent> many(kMaxExtents + 1, Extent{512, 0});
+  EXPECT_EQ(encode_block_status_rsp(b, many, 1u << 20).error(), std::errc::invalid_argument);
+  const std::vector<Extent> one = {{512, 0}};
+  Bytes small(16 + 7);
+  EXPECT_EQ(encode_block_status_rsp(small, one, 4096).error(), std::errc::no_buffer_space);
+}
 
 // Case: access modes as users write them. Expect: the kernel's words, a trailing newline
 // tolerated, anything else refused; to_string gives the words back.

@@ -1160,6 +1160,91 @@ TEST_F(Client, AServerBelowVersionFourGetsNoWatch) {
   EXPECT_EQ(d->size_bytes(), 20u << 20);
 }
 
+// Case: BLOCK_STATUS of a 16 MiB volume with 64 KiB written at 1 MiB and 4 KiB at 9 MiB, over
+// the whole device and from inside the data, on an rw and an ro mapping. Expect: hole, data,
+// hole, data, hole with the server's flags; a question inside the data starts with data; the
+// request went to the server once each, as one IO of op block_status over the range.
+TEST_F(Client, BlockStatusReportsTheServersHoles) {
+  start_server(1);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->proto_version(), proto::kBlockStatusVersion);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  std::vector<std::byte> x(65536, std::byte{7});
+  ASSERT_EQ(sync([&](IoDone done) { return d->write_copy(1 << 20, x, 0, done); }), 0);
+  ASSERT_EQ(sync([&](IoDone done) { return d->write_copy(9 << 20, std::span(x).first(4096), 0, done); }), 0);
+  const size_t before = ios_of("vol0").size();
+  ExtentList l;
+  ASSERT_EQ(sync([&](IoDone done) { return d->block_status(0, kVolSize, l, done); }), 0);
+  constexpr uint32_t hz = kExtentHole | kExtentZero;
+  ASSERT_EQ(l.count, 5u);
+  EXPECT_EQ(l.e[0], (Extent{1 << 20, hz}));
+  EXPECT_EQ(l.e[1], (Extent{65536, 0}));
+  EXPECT_EQ(l.e[2], (Extent{(8 << 20) - 65536, hz}));
+  EXPECT_EQ(l.e[3], (Extent{4096, 0}));
+  EXPECT_EQ(l.e[4], (Extent{kVolSize - (9 << 20) - 4096, hz}));
+  ASSERT_EQ(sync([&](IoDone done) { return d->block_status((1 << 20) + 4096, 1 << 20, l, done); }), 0);
+  ASSERT_EQ(l.count, 2u);
+  EXPECT_EQ(l.e[0], (Extent{61440, 0}));
+  auto ios = ios_of("vol0", before);
+  ASSERT_EQ(ios.size(), 2u);
+  EXPECT_EQ(ios[0].io.op, IoOp::block_status);
+  EXPECT_EQ(ios[0].io.bi_size, kVolSize);
+  EXPECT_EQ(d->stats().block_status, 2u);
+  EXPECT_EQ(d->stats().read_bytes, 0u) << "a question reads no data";
+  BlockSession* s2 = open(options(1, "ro"));
+  ASSERT_NE(s2, nullptr);
+  auto r = map(*s2, "vol0", AccessMode::ro);
+  ASSERT_NE(r, nullptr);
+  ASSERT_EQ(sync([&](IoDone done) { return r->block_status(0, 2 << 20, l, done); }), 0);
+  EXPECT_EQ(l.count, 3u);
+  // Refused before anything is sent: past the end, unaligned, empty.
+  EXPECT_EQ(sync([&](IoDone done) { return d->block_status(kVolSize - 512, 1024, l, done); }), -EINVAL);
+  EXPECT_EQ(sync([&](IoDone done) { return d->block_status(100, 512, l, done); }), -EINVAL);
+  EXPECT_EQ(sync([&](IoDone done) { return d->block_status(0, 0, l, done); }), -EINVAL);
+}
+
+// Case: a server that speaks version 4 (no BLOCK_STATUS), and a hostile server whose answers
+// break the rules (an extent past the range; a count beyond the buffer). Expect: the old one is
+// never asked: the library answers one data extent of the whole range; the hostile answers fail
+// the request with EPROTO and leave the list empty.
+TEST_F(Client, BlockStatusOfOldAndHostileServers) {
+  start_server(1);
+  srv_.answer_version(4);
+  BlockSession* s = open(options());
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  const size_t before = ios_of("vol0").size();
+  ExtentList l;
+  ASSERT_EQ(sync([&](IoDone done) { return d->block_status(4096, 1 << 20, l, done); }), 0);
+  ASSERT_EQ(l.count, 1u);
+  EXPECT_EQ(l.e[0], (Extent{1 << 20, 0}));
+  EXPECT_EQ(ios_of("vol0", before).size(), 0u) << "nothing was sent";
+  srv_.answer_version(std::nullopt);
+  BlockSession* h = open(options(1, "hostile"));
+  ASSERT_NE(h, nullptr);
+  auto hd = map(*h, "vol1");
+  ASSERT_NE(hd, nullptr);
+  proto::BlockStatusRspMsg m{};
+  m.hdr.type.set(static_cast<uint16_t>(proto::MsgType::block_status_rsp));
+  m.count.set(1);
+  proto::ExtentMsg e{};
+  e.length.set(8192);
+  std::vector<std::byte> raw(sizeof(m) + sizeof(e));
+  std::memcpy(raw.data(), &m, sizeof(m));
+  std::memcpy(raw.data() + sizeof(m), &e, sizeof(e));
+  srv_.answer_status_with(raw);
+  EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 4096, l, done); }), EPROTO);
+  EXPECT_EQ(l.count, 0u);
+  m.count.set(kMaxExtents + 1);
+  std::memcpy(raw.data(), &m, sizeof(m));
+  srv_.answer_status_with(raw);
+  EXPECT_EQ(sync([&](IoDone done) { return hd->block_status(0, 1 << 20, l, done); }), EPROTO);
+  EXPECT_EQ(l.count, 0u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Failover devices: two fake servers exporting one RAM volume (two gateways of one store), a
 // session to each, the device mapped through both (client.h, "Gateway failover").
@@ -1294,7 +1379,15 @@ TEST_F(Failover, ServesEveryOpOnTheActiveWithAnIdleStandby) {
   EXPECT_EQ(x, y);
   EXPECT_EQ(sync([&](IoDone done) { return d->write(1, std::span<const IoSeg>(), 0, done); }), -EINVAL)
       << "refused by the call, as a plain device refuses it";
-  EXPECT_TRUE(ios_of("vol0").size() >= 7u);
+  // BLOCK_STATUS through the active leg: [0, 4 KiB) was zeroed (a hole of the RAM volume),
+  // [4 KiB, 8 KiB) holds the pattern.
+  ExtentList l;
+  EXPECT_EQ(sync([&](IoDone done) { return d->block_status(0, 1 << 20, l, done); }), 0);
+  ASSERT_GE(l.count, 2u);
+  EXPECT_EQ(l.e[0], (Extent{4096, kExtentHole | kExtentZero}));
+  EXPECT_EQ(l.e[1].flags, 0u);
+  EXPECT_EQ(l.covered(), 1u << 20);
+  EXPECT_TRUE(ios_of("vol0").size() >= 8u);
   EXPECT_EQ(srv2_.io_count(), 0u) << "the standby served no IO";
   auto fi = d->failover();
   ASSERT_TRUE(fi.has_value());

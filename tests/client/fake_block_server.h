@@ -155,6 +155,11 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
     }
   }
   void refuse_open(int err) { refuse_open_.store(err); }
+  // BLOCK_STATUS answers these bytes instead of the volume's extents (a hostile server).
+  void answer_status_with(std::vector<std::byte> raw) {
+    std::lock_guard l(mu_);
+    status_raw_ = std::move(raw);
+  }
   // Answers SESS_INFO with this version instead of negotiating.
   void answer_version(std::optional<uint8_t> v) {
     std::lock_guard l(mu_);
@@ -391,6 +396,13 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
       held_.push_back(Held{&r, v, m});
       return;
     }
+    if (m.op == IoOp::block_status) {
+      std::lock_guard l(mu_);
+      if (!status_raw_.empty()) {
+        std::memcpy(r.data().data(), status_raw_.data(), std::min(status_raw_.size(), r.data().size()));
+        return r.complete(0);
+      }
+    }
     serve(r, v, m);
   }
 
@@ -406,8 +418,32 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
       case IoOp::discard:
       case IoOp::secure_erase:
       case IoOp::write_zeroes: std::memset(v->mem.data() + off, 0, m.bi_size); break;
+      case IoOp::block_status: return r.complete(status(r, *v, off, m.bi_size));
     }
     r.complete(0);
+  }
+
+  // A RAM volume's holes: its 4 KiB blocks of zeros (as a thinly provisioned store that unmaps
+  // what is discarded), at most kMaxExtents extents over a prefix of the range.
+  static int status(ibtrs::ServerRequest& r, const Volume& v, size_t off, uint32_t len) {
+    Extent e[kMaxExtents];
+    uint32_t n = 0;
+    for (size_t pos = 0; pos < len;) {
+      const size_t step = std::min<size_t>(4096 - (off + pos) % 4096, len - pos);
+      const std::byte* p = v.mem.data() + off + pos;
+      const uint32_t f = std::all_of(p, p + step, [](std::byte b) { return b == std::byte{0}; })
+                             ? kExtentHole | kExtentZero : 0u;
+      if (n > 0 && e[n - 1].flags == f) {
+        e[n - 1].length += step;
+      } else if (n == kMaxExtents) {
+        break;
+      } else {
+        e[n++] = Extent{step, f};
+      }
+      pos += step;
+    }
+    auto w = proto::encode_block_status_rsp(r.data(), std::span<const Extent>(e, n), len);
+    return w.ok() ? 0 : w.error().value();
   }
 
   // One volume is one store: its address is its identity, whatever name it is opened by.
@@ -425,6 +461,7 @@ class FakeBlockServer final : public ibtrs::ServerHandler {
   std::vector<Held> held_;
   std::function<int(const proto::Io&)> io_fault_;
   std::optional<uint8_t> version_;
+  std::vector<std::byte> status_raw_;
   std::atomic<bool> hold_{false};
   std::atomic<int> refuse_open_{0};
   std::atomic<bool> hold_notices_{false};

@@ -38,7 +38,7 @@ int proto_one_input(const uint8_t* data, size_t size) {
                   size_t{data[2]} | size_t{data[3]} << 8 | size_t{data[4]} << 16 |
                       size_t{data[5]} << 24};
   std::span<const std::byte> msg(reinterpret_cast<const std::byte*>(data + 6), size - 6);
-  switch (data[0] % 5) {
+  switch (data[0] % 6) {
     case 0: {
       auto r = decode_request(msg, c);
       if (!r.ok()) break;
@@ -90,6 +90,19 @@ int proto_one_input(const uint8_t* data, size_t size) {
       if (!n.ok() || *n != out.size() || std::memcmp(out.data(), msg.data(), out.size()) != 0) std::abort();
       break;
     }
+    case 5: {
+      // A BLOCK_STATUS_RSP; the carrier's length field doubles as the range asked about. What
+      // it lists lies in the buffer and in the range, and encodes back to its own bytes.
+      const uint64_t range = c.data_len;
+      static ExtentList l;  // 2 KiB: off the fuzzer's stack
+      if (!decode_block_status_rsp(msg, range, l).ok()) break;
+      const size_t used = sizeof(BlockStatusRspMsg) + l.count * sizeof(ExtentMsg);
+      if (l.count == 0 || l.count > kMaxExtents || used > msg.size() || l.covered() > range) std::abort();
+      std::vector<std::byte> out(used);
+      auto n = encode_block_status_rsp(out, std::span<const Extent>(l.e, l.count), range);
+      if (!n.ok() || *n != used || std::memcmp(out.data(), msg.data(), used) != 0) std::abort();
+      break;
+    }
     default: {
       // The carrier's length field doubles as the rw word.
       const auto rw = static_cast<uint32_t>(c.data_len);
@@ -136,6 +149,14 @@ std::vector<std::vector<uint8_t>> proto_seeds() {
   seeds.push_back(with_prefix(3, IoDir::read, pack_rw(IoOp::flush, kIoPreflush).value(), {}));
   add(0, Carrier{IoDir::read, watch_buffer_bytes(256)}, encode_watch(buf, Watch{0x1122334455667788ull}));
   add(4, kWatchCarrier, encode_watch_rsp(buf, WatchRsp{9, 3, {{0, 2048}, {2, 1u << 21}, {7, 8}}}));
+  Io bs;
+  bs.device_id = 2;
+  bs.sector = 4096;
+  bs.op = IoOp::block_status;
+  bs.bi_size = 1u << 30;
+  add(0, carrier_of(bs), encode_io(buf, bs));
+  const Extent ex[] = {{1u << 20, kExtentHole | kExtentZero}, {65536, 0}, {4096, kExtentZero}};
+  add(5, Carrier{IoDir::read, 8u << 20}, encode_block_status_rsp(buf, ex, 8u << 20));
   return seeds;
 }
 

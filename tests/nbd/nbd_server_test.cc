@@ -395,6 +395,62 @@ TEST_F(NbdServerTest, StructuredRepliesAndBlockStatus) {
   expect_error(*c, kCmdBlockStatus, 0, 0, 0, kEinval);              // nothing to describe
 }
 
+// The descriptors of a BLOCK_STATUS reply: (length, status) pairs after the context id.
+std::vector<std::pair<uint32_t, uint32_t>> descriptors(const Bytes& payload) {
+  std::vector<std::pair<uint32_t, uint32_t>> d;
+  for (size_t i = 4; i + 8 <= payload.size(); i += 8) d.emplace_back(get32(payload.data() + i), get32(payload.data() + i + 4));
+  return d;
+}
+
+// Case: an export that knows its holes (1 MiB hole, 64 KiB data, 512 zero bytes, then a long run
+// of 4 KiB data / 4 KiB hole, more than one answer holds). Expect: the descriptors are the
+// export's, NBD_STATE_HOLE | NBD_STATE_ZERO as the export says; REQ_ONE gives one; an unaligned
+// request is asked of the export from the block before and answered from its own offset, never
+// past its end; a long range gets at most kMaxExtents descriptors covering a prefix.
+TEST_F(NbdServerTest, BlockStatusAnswersTheExportsExtents) {
+  start(true, {}, [](RamExport& r) {
+    r.layout = {{1 << 20, kExtentHole | kExtentZero}, {65536, 0}, {512, kExtentZero}};
+    uint64_t pos = (1 << 20) + 65536 + 512;
+    while (pos < kSize) {
+      const uint64_t n = std::min<uint64_t>(4096, kSize - pos);
+      r.layout.push_back(Extent{n, r.layout.size() % 2 ? uint32_t{kExtentHole} : 0u});
+      pos += n;
+    }
+  });
+  auto c = ready(true, true);
+  ASSERT_TRUE(c->request(kCmdBlockStatus, 0, 1, 0, (1 << 20) + 65536 + 512));
+  auto r = c->reply();
+  ASSERT_TRUE(r && r->structured);
+  EXPECT_EQ(r->type, kReplyBlockStatus);
+  EXPECT_EQ(r->flags, kReplyFlagDone);
+  EXPECT_EQ(get32(r->payload.data()), kBaseAllocationId);
+  using D = std::vector<std::pair<uint32_t, uint32_t>>;
+  EXPECT_EQ(descriptors(r->payload), (D{{1 << 20, kStateHole | kStateZero}, {65536, 0}, {512, kStateZero}}));
+  ASSERT_TRUE(c->request(kCmdBlockStatus, kCmdFlagReqOne, 2, 0, 4 << 20));
+  r = c->reply();
+  ASSERT_TRUE(r && r->structured);
+  EXPECT_EQ(descriptors(r->payload), (D{{1 << 20, kStateHole | kStateZero}}));
+  // Unaligned: 100 bytes into the hole, 1 MiB + 100 long (ends 200 bytes into the data).
+  ASSERT_TRUE(c->request(kCmdBlockStatus, 0, 3, 100, (1 << 20) + 100));
+  r = c->reply();
+  ASSERT_TRUE(r && r->structured);
+  EXPECT_EQ(descriptors(r->payload), (D{{(1 << 20) - 100, kStateHole | kStateZero}, {200, 0}}));
+  EXPECT_EQ(ram_->status_offset.load(), 0u);
+  EXPECT_EQ(ram_->status_len.load(), (1u << 20) + 512);
+  // The run of small extents: at most kMaxExtents descriptors, a prefix of the range.
+  const uint64_t run = (1 << 20) + 65536 + 512;
+  ASSERT_TRUE(c->request(kCmdBlockStatus, 0, 4, run, static_cast<uint32_t>(kSize - run)));
+  r = c->reply();
+  ASSERT_TRUE(r && r->structured);
+  const D d = descriptors(r->payload);
+  EXPECT_EQ(d.size(), kMaxExtents);
+  uint64_t sum = 0;
+  for (auto [len, st] : d) sum += len;
+  EXPECT_LT(sum, kSize - run);
+  EXPECT_EQ(d[0].second, kStateHole);
+  EXPECT_EQ(d[1].second, 0u);
+}
+
 // Case: requests outside the device or the rules. Expect: EINVAL for reads, trims, caches past
 // the end, misaligned or unknown ones and bad flags; ENOSPC for writes past the end (their
 // payload is still read, so the next request is parsed right); EPERM is not involved.

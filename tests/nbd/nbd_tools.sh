@@ -126,6 +126,55 @@ check_cmd "qemu-img convert into the export (nbd:unix:)" t qemu-img convert -n -
 check_cmd "qemu-img convert out of the export (nbd://)" t qemu-img convert -f raw -O raw "$tcp_uri" "$work/back.raw"
 check_cmd "qemu-img: cmp" cmp "$work/img.raw" "$work/back.raw"
 
+# Case: a 1 GiB sparse volume with 3 MiB of data at three offsets (0, 300 MiB, the last MiB),
+# mapped ro and exported (BLOCK_STATUS: the server's SEEK_DATA/SEEK_HOLE through the protocol to
+# NBD's base:allocation). Expect: nbdinfo --map shows exactly 3 MiB of data and the rest as
+# hole,zero; nbdcopy and qemu-img convert -n copy it to sparse files byte-equal (cmp) that stay
+# sparse (du under 16 MiB); the server read about the data only (under 32 MiB, not 1 GiB, for
+# both copies): the holes were skipped, not read.
+truncate -s 1G "$work/export/sparse.img"
+for mib in 0 300 1023; do
+  head -c 1M /dev/urandom | dd of="$work/export/sparse.img" bs=1M seek=$mib conv=notrunc status=none
+done
+srv_read() {  # bytes the server sent of sparse.img (tx: its READ data)
+  "$ibnbd" --socket "$work/srv.sock" server -f json device list |
+    jq '[.[] | select(.device | test("sparse.img")) | .tx_bytes] | add'
+}
+check_cmd "map sparse.img ro" c device map sparse.img from "$addr" ro
+check_cmd "export sparse.img" c device export sparse.img unix "$work/sparse.sock"
+suri="nbd+unix:///sparse.img?socket=$work/sparse.sock"
+if t nbdinfo --map "$suri" >"$work/map.txt" 2>"$work/err"; then
+  got=$(awk '$3 == 0 {d += $2} $3 == 3 {h += $2} END {print d + 0, h + 0}' "$work/map.txt")
+  want="$((3 << 20)) $(((1 << 30) - (3 << 20)))"
+  [ "$got" = "$want" ] && ok "nbdinfo --map: 3 MiB data, the rest hole,zero" ||
+    not_ok "nbdinfo --map" "data/hole bytes '$got', want '$want': $(head -5 "$work/map.txt")"
+else
+  not_ok "nbdinfo --map" "$(cat "$work/err")"
+fi
+read0=$(srv_read)
+sparse_copy() {  # sparse_copy NAME FILE: byte-equal to the server's file and sparse
+  if ! cmp -s "$work/export/sparse.img" "$2"; then not_ok "$1: byte-equal" "cmp differs"; return; fi
+  local kib
+  kib=$(du -k "$2" | cut -f1)
+  [ "$kib" -lt 16384 ] && ok "$1: byte-equal, the copy stays sparse (${kib} KiB)" ||
+    not_ok "$1: the copy stays sparse" "du ${kib} KiB"
+}
+rm -f "$work/sparse.nbdcopy"
+check_cmd "nbdcopy of the sparse volume" t nbdcopy "$suri" "$work/sparse.nbdcopy"
+sparse_copy "nbdcopy" "$work/sparse.nbdcopy"
+truncate -s 1G "$work/sparse.qemu"
+check_cmd "qemu-img convert -n of the sparse volume" t qemu-img convert -n -f raw -O raw \
+  "nbd:unix:$work/sparse.sock:exportname=sparse.img" "$work/sparse.qemu"
+sparse_copy "qemu-img convert -n" "$work/sparse.qemu"
+read1=$(srv_read)
+# At least the data of both copies (the counter counts), well under one 1 GiB read.
+read=$((${read1:-0} - ${read0:-0}))
+[ "$read" -ge $((6 << 20)) ] && [ "$read" -lt $((32 << 20)) ] &&
+  ok "the server read $((read >> 10)) KiB for two copies of 1 GiB: the holes were skipped" ||
+  not_ok "the holes were skipped" "the server read $read bytes ('$read0' -> '$read1')"
+rm -f "$work/sparse.nbdcopy" "$work/sparse.qemu"
+check_cmd "unmap sparse.img" c device unmap sparse.img
+
 # Case: nbdfuse exposes the export as a file; losetup makes it a real /dev/loopN; ext4 on it,
 # files written, unmounted, fsck. Expect: files read back the same after a remount, fsck clean.
 if [ ! -e /dev/loop-control ] || [ ! -e /dev/fuse ]; then

@@ -127,6 +127,26 @@ class RamExport final : public Export {
     }, d);
   }
 
+  // BLOCK_STATUS from `layout` (extents from offset 0 over the whole device; set before the
+  // server starts); empty: the default answer (all data). The last question asked is kept.
+  std::vector<Extent> layout;
+  std::atomic<uint64_t> status_offset{0}, status_len{0};
+  Status block_status(uint64_t off, uint64_t len, ExtentList& out, Done d) override {
+    if (layout.empty()) return Export::block_status(off, len, out, d);
+    status_offset = off;
+    status_len = len;
+    return run([=, this, &out] {
+      out.count = 0;
+      uint64_t pos = 0;
+      for (const Extent& e : layout) {
+        const uint64_t from = std::max(pos, off), to = std::min(pos + e.length, off + len);
+        if (from < to && out.count < kMaxExtents) out.e[out.count++] = Extent{to - from, e.flags};
+        pos += e.length;
+      }
+      return 0;
+    }, d);
+  }
+
   // The next submitted op returns `e` (0: off); async_error: the next op completes with it.
   void fail_next(int e) { fail_.store(e); }
   void fail_next_completion(int e) { fail_done_.store(e); }

@@ -214,6 +214,11 @@ class Backend {
 //                 (drivers/block/loop.c, lo_fallocate). Block devices take the same fallocate
 //                 modes (blkdev_fallocate: ZERO_RANGE = zeroout, PUNCH_HOLE = zeroout that unmaps).
 //   SECURE_ERASE  EOPNOTSUPP | BLKSECDISCARD on the helper thread
+//   BLOCK_STATUS  the helper thread writes the wire answer (proto::BLOCK_STATUS_RSP, at most
+//                 kMaxExtents extents over a prefix of the range) into `buf`: files by
+//                 lseek(SEEK_DATA / SEEK_HOLE), holes reading as zeros | all data; RBD images by
+//                 rbd_diff_iterate2 over at most 256 MiB per answer. lseek may wait for the
+//                 filesystem's metadata like a read: never on the owning thread.
 //   FUA on discard / write-zeroes: an fdatasync linked after the fallocate or ioctl.
 //
 // BLKDISCARD / BLKSECDISCARD: io_uring of 6.1 has no discard for block devices and the ioctls
@@ -241,7 +246,8 @@ struct IoRequest {
   uint64_t offset = 0;  // bytes
   uint32_t len = 0;     // bytes; READ/WRITE: the sum of the segments
   // READ/WRITE: the caller's memory (the transport chunk) — the kernel reads or writes it
-  // directly, no copy. Either one buffer or up to kMaxIoSegments segments (the iovec array is
+  // directly, no copy. BLOCK_STATUS: `buf` of at least proto::kBlockStatusReplyBytes receives
+  // the answer. Either one buffer or up to kMaxIoSegments segments (the iovec array is
   // copied; the memory it points to must stay valid until the callback).
   std::span<std::byte> buf;
   std::span<const iovec> iov;
@@ -281,6 +287,7 @@ class IoEngine {
   // Queues one request; it starts at the next kick(). On error no callback will come:
   //   EAGAIN      queue_depth requests in flight
   //   EINVAL      no backend/callback, unknown op or flag, segments that do not add up to len,
+  //               a BLOCK_STATUS with flags, no answer buffer, or a range off 512 bytes,
   //               more than kMaxIoSegments, or an offset/length/address off the backend's
   //               O_DIRECT alignment
   //   EIO         the range ends beyond the exported size (the kernel's bio_check_eod)

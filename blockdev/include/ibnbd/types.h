@@ -28,7 +28,8 @@ std::string_view to_string(AccessMode m);
 // G/GiB, T/TiB). Nothing for other text or a value that overflows 64 bits.
 std::optional<uint64_t> parse_size(std::string_view s);
 
-// Operation of an IO (low 8 bits of the wire `rw`, kernel RNBD_OP_*).
+// Operation of an IO (low 8 bits of the wire `rw`, kernel RNBD_OP_*; block_status is ours,
+// protocol 5: the kernel's rnbd has no such op).
 enum class IoOp : uint8_t {
   read = 0,
   write = 1,
@@ -36,6 +37,7 @@ enum class IoOp : uint8_t {
   discard = 3,
   secure_erase = 4,
   write_zeroes = 5,
+  block_status = 6,  // which parts of a range hold data (NVMe Get LBA Status, NBD BLOCK_STATUS)
 };
 std::string_view to_string(IoOp op);
 
@@ -55,6 +57,36 @@ enum CachePolicy : uint8_t {
 };
 
 inline constexpr uint32_t kSectorSize = 512;  // the wire counts in 512-byte sectors
+
+// Allocation state of a stretch of a device (BLOCK_STATUS). The bits are NBD's base:allocation
+// (NBD_STATE_HOLE, NBD_STATE_ZERO), so a frontend passes them on as they are. 0: data, which is
+// always a true answer.
+enum ExtentFlag : uint32_t {
+  kExtentHole = 1u << 0,  // not allocated: writing there allocates
+  kExtentZero = 1u << 1,  // reads as zeros
+};
+inline constexpr uint32_t kExtentFlagsMask = kExtentHole | kExtentZero;
+
+struct Extent {
+  uint64_t length = 0;  // bytes, > 0
+  uint32_t flags = 0;   // ExtentFlag bits
+  bool operator==(const Extent&) const = default;
+};
+
+// Extents one BLOCK_STATUS answer carries at most. An answer describes a prefix of the range
+// asked for (at least one extent); the caller asks again from where it ended.
+inline constexpr uint32_t kMaxExtents = 128;
+
+// One answer: extents e[0..count) in order from the range's start, no gaps.
+struct ExtentList {
+  uint32_t count = 0;
+  Extent e[kMaxExtents];
+  uint64_t covered() const {
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < count; ++i) n += e[i].length;
+    return n;
+  }
+};
 
 // The identity of an exported store: what makes two names one device. Access rules count
 // holders per FileId, never per name, so a symlink, "./f.img" or "/root/f.img" cannot add a

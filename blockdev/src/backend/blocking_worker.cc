@@ -1,5 +1,7 @@
 #include "backend/blocking_worker.h"
 
+#include "backend/extents.h"
+
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
@@ -58,8 +60,13 @@ void BlockingWorker::loop() {
     batch.swap(jobs_);
     lk.unlock();
     for (const Job& j : batch) {
-      uint64_t range[2] = {j.offset, j.len};
-      int res = ::ioctl(j.fd, j.request, range) == 0 ? 0 : -errno;
+      int res = 0;
+      if (j.status_of != nullptr) {
+        res = block_status(*j.status_of, j.offset, j.len, std::span(j.out, j.out_len));
+      } else {
+        uint64_t range[2] = {j.offset, j.len};
+        res = ::ioctl(j.fd, j.request, range) == 0 ? 0 : -errno;
+      }
       {
         std::lock_guard g(mu_);
         done_.push_back({j.tag, res});

@@ -1,6 +1,7 @@
 // BlockingWorker: one helper thread that runs the block-device ioctls io_uring cannot carry
 // (BLKDISCARD, BLKSECDISCARD: io_uring of 6.1 has no discard op for block devices, and the ioctl
-// blocks for as long as the device takes). Results are collected under a lock and announced on the
+// blocks for as long as the device takes), and BLOCK_STATUS (backend/extents.h: lseek
+// SEEK_DATA / SEEK_HOLE waits for the filesystem's metadata, rbd_diff_iterate2 for the cluster). Results are collected under a lock and announced on the
 // engine's eventfd, so the owning thread picks them up in run_completions() like CQEs.
 //
 // Threading: start(), post(), take_done() and the destructor on the engine's owning thread; the
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "ibnbd/backend.h"
 #include "ibnbd/types.h"
 
 namespace ibnbd::backend {
@@ -22,10 +24,14 @@ class BlockingWorker {
  public:
   struct Job {
     int fd;
-    unsigned long request;  // BLKDISCARD or BLKSECDISCARD
+    unsigned long request;  // BLKDISCARD or BLKSECDISCARD; unused for BLOCK_STATUS
     uint64_t offset;
     uint64_t len;
     uint64_t tag;  // handed back with the result
+    // BLOCK_STATUS of this backend when set: its answer is written into out[0..out_len).
+    Backend* status_of = nullptr;
+    std::byte* out = nullptr;
+    size_t out_len = 0;
   };
   struct Done {
     uint64_t tag;

@@ -19,6 +19,7 @@
 #include "backend/engine_slot.h"
 #include "backend/rbd_image.h"
 #include "ibnbd/backend.h"
+#include "proto/ibnbd_proto.h"
 
 namespace ibnbd {
 
@@ -27,6 +28,7 @@ using backend::Slot;
 using backend::stage_bit;
 using backend::Tag;
 using backend::ZeroWay;
+using proto::kBlockStatusReplyBytes;
 
 namespace {
 
@@ -53,7 +55,7 @@ uint32_t round_up_pow2(uint32_t v) {
 }
 
 bool is_data(IoOp op) { return op == IoOp::read || op == IoOp::write; }
-bool writes(IoOp op) { return op != IoOp::read && op != IoOp::flush; }
+bool writes(IoOp op) { return op != IoOp::read && op != IoOp::flush && op != IoOp::block_status; }
 bool on_rbd(const Backend* b) { return b->kind() == Backend::Kind::rbd; }
 
 }  // namespace
@@ -200,7 +202,7 @@ const EngineCaps& IoEngine::caps() const { return impl_->caps; }
 
 Status IoEngine::Impl::validate(const IoRequest& r) const {
   if (!r.backend || !r.done) return errc(EINVAL);
-  if (static_cast<uint8_t>(r.op) > static_cast<uint8_t>(IoOp::write_zeroes)) return errc(EINVAL);
+  if (static_cast<uint8_t>(r.op) > static_cast<uint8_t>(IoOp::block_status)) return errc(EINVAL);
   if (r.flags & ~kIoFlagsMask) return errc(EINVAL);
   const Backend& b = *r.backend;
   if (writes(r.op) && b.read_only()) return errc(EROFS);
@@ -236,6 +238,12 @@ Status IoEngine::Impl::validate(const IoRequest& r) const {
     case IoOp::secure_erase:
       if (b.kind() != Backend::Kind::block_device) return errc(EOPNOTSUPP);
       return {};
+    case IoOp::block_status:
+      // The answer is written into buf: room for the largest one, and a range whose extents
+      // fit the answer's 32-bit lengths.
+      if (!r.iov.empty() || r.buf.size() < kBlockStatusReplyBytes || r.len == 0) return errc(EINVAL);
+      if (r.flags != 0 || r.len % kSectorSize != 0 || r.offset % kSectorSize != 0) return errc(EINVAL);
+      return {};
     default:
       return {};
   }
@@ -266,8 +274,8 @@ Status IoEngine::submit(const IoRequest& r) {
   m.check_owner();
   IBTRS_TRY(m.validate(r));
   if (m.free_slots.empty()) return errc(EAGAIN);
-  if (r.op == IoOp::discard || r.op == IoOp::secure_erase) {
-    if (r.backend->kind() == Backend::Kind::block_device && !m.worker) {
+  if (r.op == IoOp::discard || r.op == IoOp::secure_erase || r.op == IoOp::block_status) {
+    if ((r.backend->kind() == Backend::Kind::block_device || r.op == IoOp::block_status) && !m.worker) {
       m.worker = std::make_unique<BlockingWorker>(m.depth, m.efd.get());
       if (Status st = m.worker->start(); !st.ok()) {
         m.worker.reset();
@@ -298,7 +306,7 @@ Status IoEngine::submit(const IoRequest& r) {
   m.plan(s);
   m.free_slots.pop_back();
   ++m.in_flight;
-  if (on_rbd(s.be)) {
+  if (on_rbd(s.be) && s.op != IoOp::block_status) {
     if (const int rc = m.rbd_next(s); rc < 0) {  // librbd refused it at once: no callback
       s.in_use = false;
       ++s.gen;
@@ -333,7 +341,9 @@ Status IoEngine::Impl::start_round(Slot& s) {
   s.err = 0;
   const uint32_t idx = static_cast<uint32_t>(&s - slots.data());
   auto on_helper = [&s](uint8_t st) {
-    return st == backend::kStageMain && s.be->kind() == Backend::Kind::block_device &&
+    if (st != backend::kStageMain) return false;
+    if (s.op == IoOp::block_status) return true;
+    return s.be->kind() == Backend::Kind::block_device &&
            (s.op == IoOp::discard || s.op == IoOp::secure_erase) && s.len > 0;
   };
   auto todo = [&s](uint8_t st) { return (s.planned & stage_bit(st)) && !(s.ok & stage_bit(st)); };
@@ -341,8 +351,14 @@ Status IoEngine::Impl::start_round(Slot& s) {
   while (first < backend::kStageCount && !todo(first)) ++first;
   if (first == backend::kStageCount) return {};
   if (on_helper(first)) {
-    worker->post({s.be->fd(), s.op == IoOp::discard ? BLKDISCARD : BLKSECDISCARD, s.offset, s.len,
-                  backend::pack_tag({idx, first, s.gen})});
+    BlockingWorker::Job j{s.be->fd(), s.op == IoOp::discard ? BLKDISCARD : BLKSECDISCARD, s.offset, s.len,
+                          backend::pack_tag({idx, first, s.gen})};
+    if (s.op == IoOp::block_status) {
+      j.status_of = s.be;
+      j.out = static_cast<std::byte*>(s.iov[0].iov_base);
+      j.out_len = s.iov[0].iov_len;
+    }
+    worker->post(j);
     s.round = stage_bit(first);
     s.pending = 1;
     return {};

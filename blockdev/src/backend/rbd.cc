@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/extents.h"
 #include "backend/rbd_image.h"
 
 #ifdef IBNBD_HAVE_RBD
@@ -322,6 +323,43 @@ bool rbd_cache_volatile(RbdImage& img) {
 int rbd_size(RbdImage& img, uint64_t* bytes) {
   return img.fake ? img.fake->size(bytes) : rbd_get_size(img.h->image, bytes);
 }
+
+namespace {
+struct DiffWalk {
+  std::span<Extent> out;
+  uint32_t n = 0;
+  uint64_t pos = 0;  // described up to here
+  uint64_t end = 0;
+  bool add(uint64_t len, uint32_t flags) { return append_extent(out, &n, len, flags); }
+};
+constexpr int kDiffFull = -ENOSPC;  // the walk's own stop: out is full
+int diff_cb(uint64_t offs, size_t len, int exists, void* arg) {
+  auto* w = static_cast<DiffWalk*>(arg);
+  // Sector boundaries (a sector partly allocated is data), in order, inside the range; librbd
+  // reports in ascending order, and anything else ends the walk where it is.
+  uint64_t from = offs / kSectorSize * kSectorSize;
+  uint64_t to = std::min(w->end, (offs + len + kSectorSize - 1) / kSectorSize * kSectorSize);
+  from = std::max(from, w->pos);
+  if (to <= from || !exists) return 0;  // exists = 0: discarded since from_snap, none here
+  if (!w->add(from - w->pos, kExtentHole | kExtentZero)) return kDiffFull;
+  w->pos = from;
+  if (!w->add(to - from, 0)) return kDiffFull;
+  w->pos = to;
+  return w->n == w->out.size() ? kDiffFull : 0;
+}
+}  // namespace
+
+int rbd_extents(RbdImage& img, uint64_t off, uint64_t len, std::span<Extent> out, uint32_t* n) {
+  *n = 0;
+  if (img.fake || out.empty()) return -EOPNOTSUPP;
+  DiffWalk w{out, 0, off, off + std::min(len, kRbdExtentsSpan)};
+  const int rc = rbd_diff_iterate2(img.h->image, nullptr, off, w.end - off, 1, 0, &diff_cb, &w);
+  if (rc < 0 && rc != kDiffFull) return rc;
+  // Full: the answer ends with the last allocated extent; else the rest of the span is a hole.
+  if (rc != kDiffFull) (void)w.add(w.end - w.pos, kExtentHole | kExtentZero);
+  *n = w.n;
+  return 0;
+}
 int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : rbd_flush(img.h->image); }
 
 namespace {
@@ -405,6 +443,10 @@ int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iove
 }
 bool rbd_cache_volatile(RbdImage&) { return true; }
 int rbd_size(RbdImage& img, uint64_t* bytes) { return img.fake ? img.fake->size(bytes) : -EOPNOTSUPP; }
+int rbd_extents(RbdImage&, uint64_t, uint64_t, std::span<Extent>, uint32_t* n) {
+  *n = 0;
+  return -EOPNOTSUPP;
+}
 int rbd_sync(RbdImage& img) { return img.fake ? img.fake->sync() : -EOPNOTSUPP; }
 int rbd_watch(RbdImage&) { return -EOPNOTSUPP; }
 int rbd_take_over(RbdImage& img, std::string*) { return img.fake ? 0 : -EOPNOTSUPP; }

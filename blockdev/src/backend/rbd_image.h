@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "ibnbd/backend.h"
@@ -71,6 +72,15 @@ enum class RbdStage : uint8_t {
 // errno: librbd refused it at once, nothing was started).
 int rbd_start(RbdImage& img, RbdStage st, uint64_t off, uint64_t len, const iovec* iov, int niov,
               bool nounmap, RbdAio* aio);
+
+// BLOCK_STATUS of an image (backend/extents.h): rbd_diff_iterate2 from the image's creation
+// (no from-snapshot, parents included, exact extents rather than whole objects) over at most
+// kRbdExtentsSpan bytes of [off, off + len): allocated extents are data, the rest holes that
+// read as zeros. At most out.size() extents into out, *n of them, a prefix of the range.
+// Blocks on the cluster (the engine's helper thread). -EOPNOTSUPP for a fake or without librbd
+// (the caller answers all data).
+inline constexpr uint64_t kRbdExtentsSpan = 256ull << 20;
+int rbd_extents(RbdImage& img, uint64_t off, uint64_t len, std::span<Extent> out, uint32_t* n);
 
 // rbd_get_size / rbd_flush (blocking; control thread).
 int rbd_size(RbdImage& img, uint64_t* bytes);

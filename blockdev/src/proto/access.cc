@@ -12,8 +12,9 @@ bool known_mode(AccessMode m) { return static_cast<uint8_t>(m) <= static_cast<ui
 
 Status check_op_allowed(AccessMode mode, IoOp op) {
   if (is_writer(mode)) return {};
-  // Reading changes nothing, and a FLUSH of a device nobody writes through us is harmless.
-  if (op == IoOp::read || op == IoOp::flush) return {};
+  // Reading changes nothing (nor does asking where the data is: BLOCK_STATUS), and a FLUSH of
+  // a device nobody writes through us is harmless.
+  if (op == IoOp::read || op == IoOp::flush || op == IoOp::block_status) return {};
   return errc(EPERM);
 }
 

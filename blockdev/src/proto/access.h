@@ -39,7 +39,7 @@ using SessionId = uint64_t;
 // rw and migration holders may write; they are what the rules count.
 inline constexpr bool is_writer(AccessMode m) { return m != AccessMode::ro; }
 
-// EPERM when a holder with `mode` may not do `op`: ro holders READ and FLUSH only.
+// EPERM when a holder with `mode` may not do `op`: ro holders READ, FLUSH and BLOCK_STATUS only.
 Status check_op_allowed(AccessMode mode, IoOp op);
 
 struct Holder {

@@ -10,9 +10,8 @@ namespace ibnbd::proto {
 namespace {
 
 constexpr uint8_t kCachePolicyMask = kCacheFua | kCacheWriteBack;
-constexpr uint32_t kMaxLogicalBlockSize = 64 * 1024;
 
-bool known_op(IoOp op) { return static_cast<uint8_t>(op) <= static_cast<uint8_t>(IoOp::write_zeroes); }
+bool known_op(IoOp op) { return static_cast<uint8_t>(op) <= static_cast<uint8_t>(IoOp::block_status); }
 
 bool known_mode(uint8_t m) { return m <= static_cast<uint8_t>(AccessMode::migration); }
 
@@ -67,6 +66,7 @@ std::string_view to_string(MsgType t) {
     case MsgType::close: return "CLOSE";
     case MsgType::watch: return "WATCH";
     case MsgType::watch_rsp: return "WATCH_RSP";
+    case MsgType::block_status_rsp: return "BLOCK_STATUS_RSP";
   }
   return "?";
 }
@@ -87,6 +87,7 @@ Carrier carrier_of(const Io& io) {
   switch (io.op) {
     case IoOp::read: return {ibtrs::IoDir::read, io.bi_size};
     case IoOp::write: return {ibtrs::IoDir::write, io.bi_size};
+    case IoOp::block_status: return {ibtrs::IoDir::read, kBlockStatusReplyBytes};
     default: return kCloseCarrier;  // every other op is a WRITE without data
   }
 }
@@ -117,6 +118,8 @@ Status check_geometry(const DeviceGeometry& g) {
 Status check_io(const Io& io) {
   IBTRS_TRY(pack_rw(io.op, io.flags));
   if ((io.flags & kIoNoUnmap) != 0 && io.op != IoOp::write_zeroes) return errc(EINVAL);
+  // A question, not an IO: there is nothing to make durable or to order against.
+  if (io.op == IoOp::block_status && io.flags != 0) return errc(EINVAL);
   if (io.bi_size % kSectorSize != 0) return errc(EINVAL);
   if ((io.op == IoOp::flush) != (io.bi_size == 0)) return errc(EINVAL);
   // The backend works in bytes: the end of the range must be representable.
@@ -256,6 +259,44 @@ Result<size_t> encode_watch_rsp(std::span<std::byte> out, const WatchRsp& m) {
   return watch_buffer_bytes(fit);
 }
 
+namespace {
+
+// The rules of a BLOCK_STATUS_RSP's extents, shared by its encoder and decoder.
+Status check_extents(std::span<const Extent> extents, uint64_t range_len) {
+  if (extents.empty() || extents.size() > kMaxExtents) return errc(EINVAL);
+  uint64_t sum = 0;
+  for (const Extent& e : extents) {
+    if (e.length == 0 || e.length % kSectorSize != 0 || (e.flags & ~kExtentFlagsMask) != 0)
+      return errc(EINVAL);
+    if (e.length > range_len - sum) return errc(EINVAL);  // runs past the range (sum <= range_len)
+    sum += e.length;
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<size_t> encode_block_status_rsp(std::span<std::byte> out, std::span<const Extent> extents,
+                                       uint64_t range_len) {
+  IBTRS_TRY(check_extents(extents, range_len));
+  const size_t len = sizeof(BlockStatusRspMsg) + extents.size() * sizeof(ExtentMsg);
+  if (out.size() < len) return errc(ENOBUFS);
+  BlockStatusRspMsg w{};
+  w.hdr = make_hdr(MsgType::block_status_rsp);
+  w.count.set(static_cast<uint32_t>(extents.size()));
+  std::memcpy(out.data(), &w, sizeof(w));
+  for (size_t i = 0; i < extents.size(); ++i) {
+    ExtentMsg e{};
+    // check_extents bounds each length by the range, which the caller keeps to 32 bits; a
+    // longer one could not have come from one request.
+    if (extents[i].length > std::numeric_limits<uint32_t>::max()) return errc(EINVAL);
+    e.length.set(static_cast<uint32_t>(extents[i].length));
+    e.flags.set(extents[i].flags);
+    std::memcpy(out.data() + sizeof(w) + i * sizeof(e), &e, sizeof(e));
+  }
+  return len;
+}
+
 // ------------------------------------------------------------------------------------------
 // Decoders
 
@@ -264,7 +305,7 @@ Result<MsgType> peek_type(std::span<const std::byte> msg) {
   MsgHdr h;
   std::memcpy(&h, msg.data(), sizeof(h));
   const uint16_t t = h.type.get();
-  if (t > static_cast<uint16_t>(MsgType::watch_rsp)) return errc(EBADMSG);
+  if (t > static_cast<uint16_t>(MsgType::block_status_rsp)) return errc(EBADMSG);
   return static_cast<MsgType>(t);
 }
 
@@ -353,6 +394,7 @@ Result<Request> decode_request(std::span<const std::byte> usr, Carrier c) {
     case MsgType::sess_info_rsp:
     case MsgType::open_rsp:
     case MsgType::watch_rsp:
+    case MsgType::block_status_rsp:
       break;
   }
   return errc(EBADMSG);  // a response where a request belongs
@@ -411,6 +453,24 @@ Result<WatchRsp> decode_watch_rsp(std::span<const std::byte> buf) {
   }
   IBTRS_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
   return m;
+}
+
+Status decode_block_status_rsp(std::span<const std::byte> buf, uint64_t range_len, ExtentList& out) {
+  out.count = 0;
+  IBTRS_ASSIGN_OR_RETURN(BlockStatusRspMsg w,
+                         load_msg<BlockStatusRspMsg>(buf, MsgType::block_status_rsp, Len::at_least));
+  if (w.hdr.reserved.get() != 0 || !all_zero(w.reserved, sizeof(w.reserved))) return errc(EINVAL);
+  const uint32_t count = w.count.get();
+  // Nothing past the buffer is read and nothing past `out` written, whatever count says.
+  if (count > kMaxExtents || count > (buf.size() - sizeof(w)) / sizeof(ExtentMsg)) return errc(EBADMSG);
+  for (uint32_t i = 0; i < count; ++i) {
+    ExtentMsg e;
+    std::memcpy(&e, buf.data() + sizeof(w) + size_t{i} * sizeof(e), sizeof(e));
+    out.e[i] = Extent{e.length.get(), e.flags.get()};
+  }
+  if (Status st = check_extents(std::span<const Extent>(out.e, count), range_len); !st.ok()) return st;
+  out.count = count;
+  return {};
 }
 
 }  // namespace ibnbd::proto

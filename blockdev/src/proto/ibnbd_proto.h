@@ -13,6 +13,8 @@
 //   IO flush, discard, secure_erase, write_zeroes   transport WRITE without data
 //   WATCH       transport READ; the server writes WATCH_RSP into the client's buffer when a
 //               device of the session changed size (version 4; held until then)
+//   IO block_status  transport READ of exactly kBlockStatusReplyBytes; the server writes
+//               BLOCK_STATUS_RSP (the extents of a prefix of the range) into the buffer (version 5)
 // The server answers every request with an errno in the transport's response.
 //
 // Encoders check our own output with the same rules the decoders apply to the peer's, so we
@@ -46,12 +48,18 @@ using ibtrs::le64;
 // lower of the two; a peer below kMinProtoVersion is refused. 3: OPEN carries flags
 // (kOpenReopen); a client sends them only when the session speaks 3. 4: WATCH / WATCH_RSP (size
 // changes of open devices, NVMe's Asynchronous Event Request in the block protocol's words) and
-// OPEN_RSP's size_epoch; a client sends WATCH only when the session speaks 4.
-inline constexpr uint8_t kProtoVersion = 4;
+// OPEN_RSP's size_epoch; a client sends WATCH only when the session speaks 4. 5: the IO op
+// block_status / BLOCK_STATUS_RSP (holes and zeros of a range); a client sends it only when the
+// session speaks 5 and answers "all data" itself otherwise.
+inline constexpr uint8_t kProtoVersion = 5;
 inline constexpr uint8_t kOpenFlagsVersion = 3;
 inline constexpr uint8_t kWatchVersion = 4;
+inline constexpr uint8_t kBlockStatusVersion = 5;
 inline constexpr uint8_t kMinProtoVersion = 2;
 static_assert(kMinProtoVersion <= kProtoVersion);
+
+// The largest logical block size a device may have (OPEN_RSP).
+inline constexpr uint32_t kMaxLogicalBlockSize = 64 * 1024;
 
 // dev_name field of OPEN (kernel: NAME_MAX); the name itself needs a NUL, so 254 bytes at most.
 inline constexpr size_t kDevNameField = 255;
@@ -66,6 +74,7 @@ enum class MsgType : uint16_t {
   close = 5,
   watch = 6,
   watch_rsp = 7,
+  block_status_rsp = 8,
 };
 std::string_view to_string(MsgType t);
 
@@ -173,6 +182,26 @@ struct WatchEntryMsg {
   le64 nsectors;      // the device's size now, in 512-byte sectors
 };
 IBTRS_WIRE_STRUCT(WatchEntryMsg, 16);
+
+// Server -> client (version 5), written into the read buffer of an IO of op block_status
+// (IoMsg's sector and bi_size are the range): extents in order from the range's start, without
+// gaps, covering a prefix of it (count >= 1; the client asks again from where they end).
+struct BlockStatusRspMsg {
+  MsgHdr hdr;           // MsgType::block_status_rsp
+  le32 count;           // extents that follow, 1..kMaxExtents
+  uint8_t reserved[8];  // 0
+};
+IBTRS_WIRE_STRUCT(BlockStatusRspMsg, 16);
+
+struct ExtentMsg {
+  le32 length;  // bytes, a multiple of 512, > 0 (a range is at most bi_size: 32 bits)
+  le32 flags;   // ExtentFlag bits (hole 1, zero 2); others 0
+};
+IBTRS_WIRE_STRUCT(ExtentMsg, 8);
+
+// The read buffer of a block_status IO: the header and kMaxExtents entries, whatever count the
+// answer has.
+inline constexpr size_t kBlockStatusReplyBytes = sizeof(BlockStatusRspMsg) + kMaxExtents * sizeof(ExtentMsg);
 
 // ------------------------------------------------------------------------------------------
 // The `rw` word
@@ -283,8 +312,9 @@ Status check_dev_name(std::string_view name);
 // Block sizes powers of two (logical 512..64 KiB, physical >= logical), max_hw_sectors > 0, the
 // size in bytes fits 64 bits, known cache policy bits.
 Status check_geometry(const DeviceGeometry& g);
-// A known op and flags (NOUNMAP only on WRITE_ZEROES), bi_size a multiple of 512 (0 exactly for
-// FLUSH, > 0 otherwise), and the byte range sector * 512 + bi_size fits 64 bits.
+// A known op and flags (NOUNMAP only on WRITE_ZEROES, none on BLOCK_STATUS), bi_size a multiple
+// of 512 (0 exactly for FLUSH, > 0 otherwise), and the byte range sector * 512 + bi_size fits 64
+// bits.
 Status check_io(const Io& io);
 
 // ------------------------------------------------------------------------------------------
@@ -310,6 +340,11 @@ Result<size_t> encode_watch(std::span<std::byte> out, const Watch& m);
 // Writes the header and as many entries as `out` holds after it (count says how many; total is
 // m.total). EINVAL: epoch 0, more entries than total, ids not ascending, a size past 2^64 bytes.
 Result<size_t> encode_watch_rsp(std::span<std::byte> out, const WatchRsp& m);
+// The answer to a block_status IO over `range_len` bytes: the extents of a prefix of it.
+// EINVAL: no extent or more than kMaxExtents, a length 0 or not a multiple of 512, extents that
+// run past range_len, unknown flags.
+Result<size_t> encode_block_status_rsp(std::span<std::byte> out, std::span<const Extent> extents,
+                                       uint64_t range_len);
 
 // ------------------------------------------------------------------------------------------
 // Decoders of peer input
@@ -343,5 +378,10 @@ Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf, uint8_t ver = kP
 // EBADMSG: shorter than its header or than the entries it counts; EINVAL: reserved bytes set,
 // epoch 0, count > total, ids not ascending, a size past 2^64 bytes.
 Result<WatchRsp> decode_watch_rsp(std::span<const std::byte> buf);
+// The answer to a block_status IO over `range_len` bytes, into `out` (nothing allocated).
+// EBADMSG: shorter than its header or than the entries it counts, more than kMaxExtents;
+// EINVAL: reserved bytes set, no extent, a length 0 or not a multiple of 512, extents that run
+// past range_len, unknown flags.
+Status decode_block_status_rsp(std::span<const std::byte> buf, uint64_t range_len, ExtentList& out);
 
 }  // namespace ibnbd::proto

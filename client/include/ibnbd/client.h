@@ -143,6 +143,7 @@ struct DeviceStats {
   uint64_t flushes = 0;
   uint64_t discards = 0;       // DISCARD and SECURE_ERASE
   uint64_t write_zeroes = 0;
+  uint64_t block_status = 0;   // BLOCK_STATUS questions (no data read)
   uint64_t read_bytes = 0;
   uint64_t write_bytes = 0;
   uint64_t parts_sent = 0;     // transport requests (a split request counts each part)
@@ -225,6 +226,16 @@ class RemoteDevice {
   // no_unmap: the range must stay allocated (NOUNMAP).
   Status write_zeroes(uint64_t offset, uint64_t len, bool no_unmap, IoDone done);
   Status secure_erase(uint64_t offset, uint64_t len, IoDone done);
+  // Where the data of [offset, offset + len) lies (protocol 5; NBD's base:allocation, NVMe's
+  // Get LBA Status): `out` receives 1..kMaxExtents extents, in order from `offset` without
+  // gaps, covering a prefix of the range (of at most 4 GiB - 64 KiB): ask again from where they
+  // end. Flags kExtentHole | kExtentZero for a hole of a sparse file or image, 0 for data (a
+  // block device is all data). A session below version 5 (or one a remap took to an older
+  // server) is answered by the library: one extent of the whole (cut) range, data. The answer
+  // travels in a bounce buffer: EOPNOTSUPP without them. A server's answer that breaks the
+  // protocol's rules fails the request with EPROTO. `out` must stay valid until the callback;
+  // it is only written before it runs. Allowed in every access mode (as READ).
+  Status block_status(uint64_t offset, uint64_t len, ExtentList& out, IoDone done);
   // Copying variants for unregistered memory (see the top of this file). EOPNOTSUPP without
   // bounce buffers.
   Status read_copy(uint64_t offset, std::span<std::byte> out, IoDone done, uint16_t prio = 0);

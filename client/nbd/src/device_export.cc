@@ -123,4 +123,8 @@ Status DeviceExport::write_zeroes(uint64_t offset, uint64_t len, bool no_hole, D
   return dev_->write_zeroes(offset, len, no_hole, io_done(done));
 }
 
+Status DeviceExport::block_status(uint64_t offset, uint64_t len, ExtentList& out, Done done) {
+  return dev_->block_status(offset, len, out, io_done(done));
+}
+
 }  // namespace ibnbd::nbd

@@ -225,13 +225,16 @@ struct ErrorChunk {
 };
 IBTRS_WIRE_STRUCT(ErrorChunk, 26);
 
-// NBD_REPLY_TYPE_BLOCK_STATUS with one descriptor (all this server ever sends).
-struct BlockStatusChunk {
+// NBD_REPLY_TYPE_BLOCK_STATUS: header plus the context id, then the descriptors.
+struct BlockStatusHdr {
   ChunkHdr hdr;
   be32 context_id;
+};
+IBTRS_WIRE_STRUCT(BlockStatusHdr, 24);
+struct BlockDescriptor {
   be32 length;  // of the extent
   be32 status;  // kStateHole / kStateZero
 };
-IBTRS_WIRE_STRUCT(BlockStatusChunk, 32);
+IBTRS_WIRE_STRUCT(BlockDescriptor, 8);
 
 }  // namespace ibnbd::nbd::wire

@@ -91,7 +91,12 @@ struct Slot {
   std::byte* data = nullptr;
   size_t lent = 0;
   std::vector<std::byte> buf;
-  // The reply: header (and an error message) in hdr, then data (READ) from `data`.
+  // BLOCK_STATUS: the export's answer (made at the slot's first one, kept with the slot), and
+  // the range asked of it: the request's, widened to the export's blocks.
+  std::unique_ptr<ExtentList> extents;
+  uint64_t status_offset = 0;
+  // The reply: header (and an error message) in hdr, then data (READ; BLOCK_STATUS's
+  // descriptors, in buf) from `data`.
   unsigned char hdr[128];
   size_t hdr_len = 0;
   size_t data_len = 0;
@@ -236,6 +241,7 @@ struct NbdServer::Impl {
   void submit(Conn& c, Slot& s);
   void complete(Conn& c, Slot& s);
   void reply(Conn& c, Slot& s, int err);
+  void block_status_reply(Conn& c, Slot& s);
   Slot& take_slot(Conn& c, uint64_t data_bytes);
   void release(Conn& c, Slot& s);
 };

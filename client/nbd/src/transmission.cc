@@ -283,7 +283,6 @@ void NbdServer::Impl::start_request(Conn& c, Slot& s) {
   if (s.type == kCmdWriteZeroes && (s.flags & kCmdFlagFastZero) && !i.fast_zero)
     return reply(c, s, EOPNOTSUPP);  // "MUST fail quickly with NBD_ENOTSUP"
   if (s.type == kCmdCache) return reply(c, s, 0);  // no cache on this side: nothing to load
-  if (s.type == kCmdBlockStatus) return reply(c, s, 0);
   submit(c, s);
 }
 
@@ -309,6 +308,17 @@ void NbdServer::Impl::submit(Conn& c, Slot& s) {
       s.flush_after = fua;
       st = c.exp->write_zeroes(s.offset, s.length, s.flags & kCmdFlagNoHole, d);
       break;
+    case kCmdBlockStatus: {
+      // BLOCK_STATUS need not be aligned; the export's question is, so it is widened to whole
+      // blocks (inside the export: its size is a multiple of min_block) and the answer cut
+      // back to the request in reply().
+      if (!s.extents) s.extents = std::make_unique<ExtentList>();
+      const uint64_t b = c.info.min_block;
+      s.status_offset = s.offset / b * b;
+      const uint64_t end = (s.offset + s.length + b - 1) / b * b;
+      st = c.exp->block_status(s.status_offset, end - s.status_offset, *s.extents, d);
+      break;
+    }
     default:
       st = ibtrs::errc(EINVAL);
   }
@@ -333,6 +343,52 @@ void NbdServer::Impl::complete(Conn& c, Slot& s) {
   if (s.type == kCmdWrite && s.err == 0)
     stats.write_bytes.fetch_add(s.length, std::memory_order_relaxed);
   reply(c, s, s.err);
+}
+
+// base:allocation: the export's extents, from the request's offset (the question began at the
+// block before it), never past the request's end (so also right for REQ_ONE, which "MUST NOT"
+// exceed the length), at most one with REQ_ONE. Statuses are the export's ExtentFlag bits,
+// which are NBD's. An answer that does not reach the request's offset (an export breaking its
+// contract) is said as data, which is always true.
+void NbdServer::Impl::block_status_reply(Conn&, Slot& s) {
+  static_assert(kExtentHole == kStateHole && kExtentZero == kStateZero);
+  const ExtentList& l = *s.extents;
+  const size_t max = (s.flags & kCmdFlagReqOne) ? 1 : kMaxExtents;
+  // Room for the longest answer, once per slot (kept: below kKeepBuffer).
+  if (s.buf.size() < kMaxExtents * sizeof(BlockDescriptor)) s.buf.resize(kMaxExtents * sizeof(BlockDescriptor));
+  uint64_t skip = s.offset - s.status_offset;
+  uint64_t left = s.length;
+  size_t n = 0;
+  for (uint32_t i = 0; i < l.count && n < max && left > 0; ++i) {
+    uint64_t len = l.e[i].length;
+    if (len <= skip) {
+      skip -= len;
+      continue;
+    }
+    len = std::min(len - skip, left);
+    skip = 0;
+    BlockDescriptor d;
+    d.length.set(static_cast<uint32_t>(len));  // <= s.length, a 32-bit request field
+    d.status.set(l.e[i].flags & (kStateHole | kStateZero));
+    std::memcpy(s.buf.data() + n * sizeof(d), &d, sizeof(d));
+    ++n;
+    left -= len;
+  }
+  if (n == 0) {
+    BlockDescriptor d;
+    d.length.set(s.length);
+    d.status.set(0);
+    std::memcpy(s.buf.data(), &d, sizeof(d));
+    n = 1;
+  }
+  BlockStatusHdr h;
+  chunk_hdr(h.hdr, kReplyFlagDone, kReplyBlockStatus, s.handle,
+            static_cast<uint32_t>(sizeof(h.context_id) + n * sizeof(BlockDescriptor)));
+  h.context_id.set(kBaseAllocationId);
+  std::memcpy(s.hdr, &h, sizeof(h));
+  s.hdr_len = sizeof(h);
+  s.data = s.buf.data();
+  s.data_len = n * sizeof(BlockDescriptor);
 }
 
 // Builds the reply in the slot and queues it. Structured replies carry READ data and every
@@ -370,16 +426,7 @@ void NbdServer::Impl::reply(Conn& c, Slot& s, int err) {
       s.hdr_len = sizeof(d);
       s.data_len = s.length;
     } else {
-      // base:allocation: the whole range is data. The server does not tell us where its holes
-      // are, and status 0 is always a safe answer ("a server MAY always safely report a status
-      // of 0 for any block").
-      BlockStatusChunk b;
-      chunk_hdr(b.hdr, kReplyFlagDone, kReplyBlockStatus, s.handle, 12);
-      b.context_id.set(kBaseAllocationId);
-      b.length.set(s.length);
-      b.status.set(0);
-      std::memcpy(s.hdr, &b, sizeof(b));
-      s.hdr_len = sizeof(b);
+      block_status_reply(c, s);
     }
   } else {
     SimpleReply r;

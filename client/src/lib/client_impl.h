@@ -161,9 +161,11 @@ struct DeferCompletions {
 // try_send outcomes besides 0 (sent) and a positive errno.
 inline constexpr int kWaitSession = -1;  // no permit, or the session is not open: Session::queue
 inline constexpr int kWaitDevice = -2;   // the device is being re-opened: Device::held
+inline constexpr int kAnsweredHere = -3;  // a BLOCK_STATUS the session's version cannot carry,
+                                          // answered "all data" by the library: done, 0
 
 struct Stats {
-  std::atomic<uint64_t> reads{0}, writes{0}, flushes{0}, discards{0}, write_zeroes{0};
+  std::atomic<uint64_t> reads{0}, writes{0}, flushes{0}, discards{0}, write_zeroes{0}, block_status{0};
   std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, parts_sent{0}, errors{0};
   std::atomic<uint64_t> enodev_retries{0}, remaps{0}, resizes{0};
 
@@ -182,6 +184,7 @@ struct Stats {
       case IoOp::discard:
       case IoOp::secure_erase: discards.fetch_add(1, std::memory_order_relaxed); break;
       case IoOp::write_zeroes: write_zeroes.fetch_add(1, std::memory_order_relaxed); break;
+      case IoOp::block_status: block_status.fetch_add(1, std::memory_order_relaxed); break;
     }
   }
 };

@@ -73,6 +73,12 @@ Result<Device::Cut> Device::check(IoOp op, uint64_t offset, uint64_t& len, std::
     case IoOp::write_zeroes:
       max_part = max_wz.load(std::memory_order_relaxed);
       break;
+    case IoOp::block_status:
+      // The answer lands in a bounce slot; the range is one part, cut to what the answer's
+      // 32-bit lengths can say (it covers a prefix anyway: the caller asks again).
+      if (!bounced || bounce == nullptr || slot_size < proto::kBlockStatusReplyBytes) return errc(EOPNOTSUPP);
+      max_part = UINT32_MAX / proto::kMaxLogicalBlockSize * proto::kMaxLogicalBlockSize;  // a multiple of any block
+      break;
   }
   uint64_t nparts = 1;
   if (op != IoOp::flush) {
@@ -84,6 +90,8 @@ Result<Device::Cut> Device::check(IoOp op, uint64_t offset, uint64_t& len, std::
       return errc(EINVAL);
     if (data && !bounced) {
       IBTRS_ASSIGN_OR_RETURN(nparts, count_parts(segs, max_part, block));
+    } else if (op == IoOp::block_status) {
+      nparts = 1;
     } else {
       nparts = range_parts(len, max_part);
     }
@@ -109,7 +117,7 @@ Status Device::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const ib
   UserReq* r = sess->reqs.get();
   r->dev = this;
   r->done = done;
-  r->dir = op == IoOp::read ? ibtrs::IoDir::read : ibtrs::IoDir::write;
+  r->dir = op == IoOp::read || op == IoOp::block_status ? ibtrs::IoDir::read : ibtrs::IoDir::write;
   r->bounce = bounced;
   r->err.store(0, std::memory_order_relaxed);
   // All parts are counted before the first goes out, so none can complete the request early.
@@ -246,6 +254,7 @@ DeviceStats RemoteDevice::stats() const {
   o.flushes = s.flushes.load(std::memory_order_relaxed);
   o.discards = s.discards.load(std::memory_order_relaxed);
   o.write_zeroes = s.write_zeroes.load(std::memory_order_relaxed);
+  o.block_status = s.block_status.load(std::memory_order_relaxed);
   o.read_bytes = s.read_bytes.load(std::memory_order_relaxed);
   o.write_bytes = s.write_bytes.load(std::memory_order_relaxed);
   o.errors = s.errors.load(std::memory_order_relaxed);
@@ -300,6 +309,10 @@ Status RemoteDevice::write_zeroes(uint64_t offset, uint64_t len, bool no_unmap, 
 }
 Status RemoteDevice::secure_erase(uint64_t offset, uint64_t len, IoDone done) {
   return IBNBD_SUBMIT(IoOp::secure_erase, offset, len, {}, nullptr, 0, done, 0);
+}
+Status RemoteDevice::block_status(uint64_t offset, uint64_t len, ExtentList& out, IoDone done) {
+  out.count = 0;
+  return IBNBD_SUBMIT(IoOp::block_status, offset, len, {}, reinterpret_cast<std::byte*>(&out), 0, done, 0);
 }
 Status RemoteDevice::read_copy(uint64_t offset, std::span<std::byte> out, IoDone done,
                                uint16_t prio) {

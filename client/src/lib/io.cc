@@ -24,7 +24,9 @@ void Session::advance(Part* p) {
     if (p->slot < 0 && !d->take_slot(p)) return;  // waits for a slot; release_slot resumes it
     std::byte* b = d->slot_addr(p->slot);
     if (r->dir == ibtrs::IoDir::write) std::memcpy(b, p->user, p->io.bi_size);
-    p->segs[0] = ibtrs::IoSeg{b, p->io.bi_size, d->bounce.get()};
+    // A BLOCK_STATUS's buffer is its answer, whatever the range (proto::carrier_of).
+    const uint32_t blen = p->io.op == IoOp::block_status ? uint32_t{proto::kBlockStatusReplyBytes} : p->io.bi_size;
+    p->segs[0] = ibtrs::IoSeg{b, blen, d->bounce.get()};
     p->nseg = 1;
   }
   send_or_queue(p);
@@ -51,7 +53,7 @@ void Session::send_or_queue(Part* p) {
       if (hold(p)) return;
       continue;  // the remap finished meanwhile
     }
-    finish_part(p, r);
+    finish_part(p, r == kAnsweredHere ? 0 : r);
     return;
   }
 }
@@ -70,6 +72,15 @@ int Session::try_send(Part* p) {
   if (d->remapping.load(std::memory_order_seq_cst)) {
     left_transport(d);
     return kWaitDevice;
+  }
+  if (p->io.op == IoOp::block_status && version.load(std::memory_order_relaxed) < proto::kBlockStatusVersion) {
+    // A server before protocol 5 cannot say where holes are; "all data" is always true (as
+    // NBD's spec says of status 0). Asked again after every remap: the server may change.
+    left_transport(d);
+    auto* out = reinterpret_cast<ExtentList*>(p->user);
+    out->count = 1;
+    out->e[0] = Extent{p->io.bi_size, 0};
+    return kAnsweredHere;
   }
   p->dev_gen = d->gen.load(std::memory_order_acquire);
   p->io.device_id = d->id.load(std::memory_order_acquire);
@@ -126,7 +137,7 @@ void Session::pump() {
     if (r == kWaitDevice) {
       if (!hold(p)) send_or_queue(p);
     } else {
-      finish_part(p, r);
+      finish_part(p, r == kAnsweredHere ? 0 : r);
     }
     l.lock();
   }
@@ -167,8 +178,18 @@ void Session::on_part_done(void* ctx, int err) {
     }
   }
   s->left_transport(d);
-  if (err == 0 && p->slot >= 0 && r->dir == ibtrs::IoDir::read)
+  if (err == 0 && p->slot >= 0 && p->io.op == IoOp::block_status) {
+    // Decoded straight from the slot into the caller's list; a server's answer that breaks
+    // the rules fails the request rather than reaching the caller.
+    const std::span<const std::byte> ans(d->slot_addr(p->slot), proto::kBlockStatusReplyBytes);
+    auto st = proto::decode_block_status_rsp(ans, p->io.bi_size, *reinterpret_cast<ExtentList*>(p->user));
+    if (!st.ok()) {
+      IBTRS_LOG(error, "ibnbd %s: bad BLOCK_STATUS answer: %s", d->name.c_str(), st.error().message().c_str());
+      err = EPROTO;
+    }
+  } else if (err == 0 && p->slot >= 0 && r->dir == ibtrs::IoDir::read) {
     std::memcpy(p->user, d->slot_addr(p->slot), p->io.bi_size);
+  }
   s->finish_part(p, err);
 }
 

@@ -96,6 +96,7 @@ struct BlockStats {
   uint64_t read_ops = 0, read_bytes = 0;
   uint64_t write_ops = 0, write_bytes = 0;
   uint64_t flush_ops = 0, discard_ops = 0, write_zeroes_ops = 0;
+  uint64_t status_ops = 0;  // BLOCK_STATUS questions (protocol 5): they read no data
   uint64_t errors = 0;
   int64_t inflight = 0;
 };

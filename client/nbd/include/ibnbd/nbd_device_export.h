@@ -61,6 +61,8 @@ class DeviceExport final : public Export {
   Status flush(Done done) override;
   Status trim(uint64_t offset, uint64_t len, Done done) override;
   Status write_zeroes(uint64_t offset, uint64_t len, bool no_hole, Done done) override;
+  // RemoteDevice::block_status: the server's holes (all data from a server before protocol 5).
+  Status block_status(uint64_t offset, uint64_t len, ExtentList& out, Done done) override;
   void begin_batch() override { dev_->begin_batch(); }
   void end_batch() override { dev_->end_batch(); }
   std::span<std::byte> request_memory() override;

@@ -12,7 +12,9 @@
 //   but STARTTLS and ABORT gets NBD_REP_ERR_TLS_REQD until the upgrade, as nbdkit --tls=require
 //   does); every other option gets NBD_REP_ERR_UNSUP (STARTTLS too without credentials: NOTLS).
 //   Transmission: READ, WRITE, DISC, FLUSH, TRIM, CACHE, WRITE_ZEROES, BLOCK_STATUS; flags FUA,
-//   NO_HOLE, DF, REQ_ONE, FAST_ZERO. Many requests are in flight per connection and replies go
+//   NO_HOLE, DF, REQ_ONE, FAST_ZERO. BLOCK_STATUS answers from Export::block_status: one
+//   BLOCK_STATUS chunk of at most kMaxExtents descriptors (one with REQ_ONE) over a prefix of
+//   the range, never past its end. Many requests are in flight per connection and replies go
 //   out in completion order. Structured replies when negotiated, simple replies otherwise.
 //
 // Data path
@@ -51,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "ibnbd/types.h"
 #include "ibtrs/result.h"
 #include "ibtrs/tls.h"
 
@@ -101,6 +104,16 @@ class Export {
   virtual Status trim(uint64_t offset, uint64_t len, Done done) = 0;
   // no_hole: the range must stay allocated (NBD_CMD_FLAG_NO_HOLE).
   virtual Status write_zeroes(uint64_t offset, uint64_t len, bool no_hole, Done done) = 0;
+  // NBD_CMD_BLOCK_STATUS (base:allocation): the extents of a prefix of [offset, offset + len)
+  // into `out` (ibnbd::RemoteDevice::block_status's rules; ExtentFlag bits are NBD's
+  // NBD_STATE_HOLE / NBD_STATE_ZERO). The default answers "all data" at once, which the spec
+  // allows of any block.
+  virtual Status block_status(uint64_t /*offset*/, uint64_t len, ExtentList& out, Done done) {
+    out.count = 1;
+    out.e[0] = Extent{len, 0};
+    done.fn(done.ctx, 0);
+    return {};
+  }
   // Around the requests the server submits from one parse of a connection's input: an export
   // may hold their submission back and hand them on together at end_batch() (the device
   // export: a submission batch of its session). Called on the server's loop thread, which
