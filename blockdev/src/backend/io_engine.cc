@@ -72,6 +72,10 @@ struct IoEngine::Impl {
   uint32_t kernel_sqes = 0;          // submitted SQEs whose CQE has not been reaped
   std::unique_ptr<BlockingWorker> worker;
   std::vector<BlockingWorker::Done> worker_done;
+  // Jobs posted to the worker whose results were not taken yet: a pass looks at the worker
+  // (its eventfd signal, its mutex) only while there are some, not on every pass of an engine
+  // that once discarded or answered a BLOCK_STATUS.
+  uint32_t worker_busy = 0;
   bool sync_memory_files = false;
   std::vector<uint32_t> ready;      // slots finished inside submit(), callbacks not yet run
   std::vector<uint32_t> ready_run;  // the batch run_completions() is calling back
@@ -359,6 +363,7 @@ Status IoEngine::Impl::start_round(Slot& s) {
       j.out_len = s.iov[0].iov_len;
     }
     worker->post(j);
+    ++worker_busy;
     s.round = stage_bit(first);
     s.pending = 1;
     return {};
@@ -569,7 +574,7 @@ uint32_t IoEngine::run_completions() {
   // an earlier one saves the read(2).
   // RBD completions signal the eventfd only when their list was empty: it needs reading only
   // when the list holds something (a busy-polling owner would otherwise read(2) every pass).
-  if (m.efd_maybe || m.worker || m.rbd_done.load(std::memory_order_acquire) != nullptr ||
+  if (m.efd_maybe || m.worker_busy > 0 || m.rbd_done.load(std::memory_order_acquire) != nullptr ||
       io_uring_cq_ready(&m.ring) > 0) {
     uint64_t cnt = 0;
     [[maybe_unused]] ssize_t rd = ::read(m.efd.get(), &cnt, sizeof(cnt));
@@ -591,8 +596,9 @@ uint32_t IoEngine::run_completions() {
     m.efd_maybe = true;  // CQEs after our read signalled the eventfd again (or may have)
     for (unsigned i = 0; i < n; ++i) m.on_result(batch[i].tag, batch[i].res);
   }
-  if (m.worker) {
+  if (m.worker_busy > 0) {
     m.worker->take_done(m.worker_done);
+    m.worker_busy -= static_cast<uint32_t>(m.worker_done.size());
     for (const auto& d : m.worker_done) m.on_result(d.tag, d.res);
   }
   if (m.rbd_started > 0) m.rbd_take(true);
