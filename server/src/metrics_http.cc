@@ -190,13 +190,16 @@ void HttpServer::loop() {
     }
   };
 
+  Clock::time_point accept_paused_until{};
   for (;;) {
     const auto now = Clock::now();
     std::erase_if(conns, [&](const Conn& c) { return now >= c.deadline; });
     pfds.clear();
     pfds.push_back({stop_.get(), POLLIN, 0});
-    pfds.push_back({listen_.get(), POLLIN, 0});
+    const bool accepting = now >= accept_paused_until;
+    pfds.push_back({listen_.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
     auto next = now + std::chrono::seconds(60);
+    if (!accepting) next = std::min(next, accept_paused_until);
     for (auto& c : conns) {
       pfds.push_back({c.fd.get(), static_cast<short>(c.phase == Conn::Phase::writing ? POLLOUT : POLLIN), 0});
       next = std::min(next, c.deadline);
@@ -221,7 +224,11 @@ void HttpServer::loop() {
     if ((pfds[1].revents & POLLIN) == 0) continue;
     for (;;) {
       UniqueFd fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-      if (!fd) break;  // EAGAIN: all taken; EMFILE and the like: the next poll retries
+      if (!fd) {
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+          accept_paused_until = Clock::now() + kAcceptBackoff;
+        break;  // EAGAIN: all taken; ECONNABORTED and the like: the next poll retries
+      }
       if (conns.size() >= kMaxConnections) {
         // Room for the new one: drop a connection already answered, else the oldest one still
         // sending its request; when every slot is sending an answer, the new one waits no

@@ -42,6 +42,9 @@ class HttpServer {
   static constexpr size_t kMaxRequest = 8192;        // request line and headers
   static constexpr size_t kMaxConnections = 32;
   static constexpr std::chrono::milliseconds kConnectionTimeout{5000};
+  // After accept() fails for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM),
+  // the listening socket stays readable: it is left out of the poll this long, not spun on.
+  static constexpr std::chrono::milliseconds kAcceptBackoff{100};
 
   // Binds and listens on `addr`, then serves on a thread of its own until destroyed. Errors:
   // what socket/bind/listen return (EADDRINUSE, EACCES, EADDRNOTAVAIL, ...).

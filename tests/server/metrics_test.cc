@@ -3,6 +3,8 @@
 // daemons' real scrapes (promtool, hostile scrapers) are tests/cli/daemons.sh's.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -229,6 +231,53 @@ TEST(Http, ServesAndShedsSilentConnections) {
   }
   EXPECT_EQ(status_of(send_request(port, "GET /metrics HTTP/1.1\r\n\r\n")), "HTTP/1.1 200 OK");
   for (int fd : silent) ::close(fd);
+}
+
+// Case: the daemon is out of descriptors (RLIMIT_NOFILE reached) while a scraper connects, so
+// accept() fails with EMFILE and the listening socket stays readable; then descriptors free up.
+// Expect: the metrics thread backs off instead of spinning on poll + accept (the process's CPU
+// over 400 ms stays far below 400 ms: a spin would take all of it), and the waiting scraper is
+// served once descriptors are back.
+TEST(Http, BacksOffWhenOutOfDescriptors) {
+  auto addr = parse_listen("0");
+  ASSERT_TRUE(addr);
+  auto srv = HttpServer::start(*addr, [] { return std::optional<std::string>("ibnbd_x 1\n"); });
+  ASSERT_TRUE(srv) << srv.error().message();
+  sockaddr_in sa = reinterpret_cast<const sockaddr_in&>((*srv)->address());
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(client, 0);
+
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = 256;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<int> fill;
+  for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) fill.push_back(fd);
+  ASSERT_EQ(errno, EMFILE);
+  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);  // queued by the kernel
+
+  auto cpu_ms = [] {
+    rusage ru{};
+    ::getrusage(RUSAGE_SELF, &ru);
+    return (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000.0 + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1000.0;
+  };
+  const double before = cpu_ms();
+  ::usleep(400 * 1000);
+  const double spent = cpu_ms() - before;
+
+  for (int fd : fill) ::close(fd);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &old), 0);
+  EXPECT_LT(spent, 150.0) << "the metrics thread spun on a listening socket it could not accept from";
+
+  const std::string req = "GET /metrics HTTP/1.1\r\n\r\n";
+  ASSERT_EQ(::send(client, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+  std::string r;
+  char buf[4096];
+  for (ssize_t n; (n = ::recv(client, buf, sizeof(buf), 0)) > 0;) r.append(buf, static_cast<size_t>(n));
+  ::close(client);
+  EXPECT_EQ(status_of(r), "HTTP/1.1 200 OK");
 }
 
 }  // namespace
