@@ -30,8 +30,12 @@ r() { t rbd "$@"; }  # as client.admin
 head -c $((16 << 20)) /dev/urandom >"$work/data.bin"
 head -c $((16 << 20)) /dev/urandom >"$work/src.bin"
 head -c $((8 << 20)) /dev/urandom >"$work/ops.bin"
+# "sparse": 64 MiB with 1 MiB of data at 8 MiB and at 40 MiB (rbd import writes no zero blocks).
+truncate -s 64M "$work/sparse.bin" && head -c $((1 << 20)) /dev/urandom | dd of="$work/sparse.bin" bs=1M seek=8 conv=notrunc status=none &&
+  head -c $((1 << 20)) /dev/urandom | dd of="$work/sparse.bin" bs=1M seek=40 conv=notrunc status=none ||
+  { echo "not ok - making sparse.bin"; exit 1; }
 r create rbd/data --size 16M && r import --no-progress "$work/src.bin" rbd/src && r import --no-progress "$work/ops.bin" rbd/ops &&
-  r create rbd/io --size 32M && r create rbd/b-img --size 4M ||
+  r create rbd/io --size 32M && r create rbd/b-img --size 4M && r import --no-progress "$work/sparse.bin" rbd/sparse ||
   { echo "not ok - creating the images"; exit 1; }
 
 # Two hosts: A may open every image of pool rbd in every mode and the files; B only rbd/b-* ro.
@@ -110,6 +114,30 @@ if uri=$(export_unix rbd:rbd/src src); then
 else
   not_ok "export rbd:rbd/src" "$(tail -1 "$work/err")"
 fi
+
+# Case: a sparse image (2 MiB of data in 64 MiB) mapped ro and exported. Expect: the extents the
+# gateway reads with rbd_diff_iterate2 reach NBD's base:allocation: nbdinfo --map shows both data
+# ranges and holes for the rest (RADOS objects are 4 MiB: a data extent may round up to its
+# objects, never beyond); nbdcopy's copy equals the image.
+check_cmd "map rbd:rbd/sparse ro" ca device map rbd:rbd/sparse from "$addr" ro
+if uri=$(export_unix rbd:rbd/sparse sparse); then
+  if t nbdinfo --map "$uri" >"$work/sparse.map" 2>"$work/err"; then
+    # Data bytes, and whether each written MiB lies inside a data extent.
+    got=$(awk '$3 == 0 { d += $2; if ($1 <= 8388608 && $1 + $2 >= 9437184) a = 1; if ($1 <= 41943040 && $1 + $2 >= 42991616) b = 1 }
+      END { print d + 0, a + 0, b + 0 }' "$work/sparse.map")
+    read -r data has_a has_b <<<"$got"
+    [ "$has_a" = 1 ] && [ "$has_b" = 1 ] && [ "$data" -ge $((2 << 20)) ] && [ "$data" -le $((8 << 20)) ] &&
+      ok "nbdinfo --map: both written MiB data, $data bytes of data in 64 MiB, the rest holes" ||
+      not_ok "rbd extents" "data bytes $data (2..8 MiB), 8 MiB in data $has_a, 40 MiB in data $has_b: $(head -6 "$work/sparse.map" | tr '\n' ' ')"
+  else
+    not_ok "nbdinfo --map of rbd:rbd/sparse" "$(cat "$work/err")"
+  fi
+  check_cmd "nbdcopy out of rbd:rbd/sparse" t nbdcopy "$uri" "$work/sparse.out"
+  same "the sparse image through the gateway: equal" "$work/sparse.bin" "$work/sparse.out"
+else
+  not_ok "export rbd:rbd/sparse" "$(tail -1 "$work/err")"
+fi
+check_cmd "unmap rbd:rbd/sparse" ca device unmap rbd:rbd/sparse
 
 # Case: the image grows (`rbd resize` by another client) while mapped, and nobody remaps it.
 # Expect: within 5 s the gateway's notice (librbd's update watch -> the session's WATCH) gives
