@@ -113,11 +113,13 @@ expect "no-qemu-left-after-sigterm" no_qemu_left
 
 # --- 5: a guest that dies before its command starts is booted again, once, and the log says why.
 # (One boot panicking and the next succeeding is the hang case below with a panic for a cause: the
-# retry path is the same, so it is not booted separately.)
+# retry path is the same, so it is not booted separately.) The reason is checked for its form,
+# not for the injected "Kernel panic": TCG's own early Oops can kill a boot first (seen in CI:
+# the log then quotes the Oops' last lines), and that is the same retry path.)
 rc=0
 IBTRS_VM_TEST_BOOT_FAULT=panic-always run -- sh -c 'echo command-ran' >"$out" 2>"$err" || rc=$?
 if [ "$rc" = 125 ] && ! grep -q command-ran "$out" && [ "$(grep -c 'booting it again' "$err")" = 1 ] &&
-   grep -q 'died before its command started.*Kernel panic.*booting it again' "$err" &&
+   grep -Eq 'died before its command started \((QEMU exited|its command had not started).+\); booting it again' "$err" &&
    grep -q 'died again before its command started' "$err"; then
   pass "boot-panic-twice-fails-125"
 else
