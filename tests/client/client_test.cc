@@ -188,6 +188,16 @@ class Client : public ::testing::Test {
     return d.ok() ? *d : nullptr;
   }
 
+  // One server that answers protocol `version`, a session to it and vol0 mapped rw (nulls on
+  // failure, with the reason reported).
+  std::pair<BlockSession*, std::shared_ptr<RemoteDevice>> open_at_version(uint8_t version) {
+    start_server(1);
+    srv_.answer_version(version);
+    BlockSession* s = open(options());
+    EXPECT_NE(s, nullptr);
+    return {s, s != nullptr ? map(*s, "vol0") : nullptr};
+  }
+
   static int write(RemoteDevice& d, uint64_t off, ibtrs::RegisteredMemory& m, size_t boff, uint32_t len,
                    uint32_t flags = 0) {
     IoSeg seg{m.data() + boff, len, &m};
@@ -1143,12 +1153,8 @@ TEST_F(Client, ASecondWatchIsRefused) {
 // never sends a WATCH, every permit is IO's, and the device keeps its size until it is
 // re-opened (remap), which gives the new one.
 TEST_F(Client, AServerBelowVersionFourGetsNoWatch) {
-  start_server(1);
-  srv_.answer_version(3);
-  BlockSession* s = open(options());
-  ASSERT_NE(s, nullptr);
-  auto d = map(*s, "vol0");
-  ASSERT_NE(d, nullptr);
+  auto [s, d] = open_at_version(3);
+  ASSERT_TRUE(s && d);
   EXPECT_FALSE(s->size_watch().supported);
   srv_.resize("vol0", 20 << 20);
   std::this_thread::sleep_for(300ms);
@@ -1210,12 +1216,8 @@ TEST_F(Client, BlockStatusReportsTheServersHoles) {
 // never asked: the library answers one data extent of the whole range; the hostile answers fail
 // the request with EPROTO and leave the list empty.
 TEST_F(Client, BlockStatusOfOldAndHostileServers) {
-  start_server(1);
-  srv_.answer_version(4);
-  BlockSession* s = open(options());
-  ASSERT_NE(s, nullptr);
-  auto d = map(*s, "vol0");
-  ASSERT_NE(d, nullptr);
+  auto [s, d] = open_at_version(4);
+  ASSERT_TRUE(s && d);
   const size_t before = ios_of("vol0").size();
   ExtentList l;
   ASSERT_EQ(sync([&](IoDone done) { return d->block_status(4096, 1 << 20, l, done); }), 0);
