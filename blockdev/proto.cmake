@@ -6,8 +6,8 @@ add_library(ibnbd_proto STATIC
   src/proto/access.cc
 )
 target_include_directories(ibnbd_proto PUBLIC include PRIVATE src)
-# ibtrs_internal for the wire integers (common/le.h) that the transport's structs use too.
-target_link_libraries(ibnbd_proto PUBLIC ibnbd_types PRIVATE ibtrs_internal ibtrs_build_flags)
+# The transport's wire headers for the wire integers (common/le.h) its structs use too.
+target_link_libraries(ibnbd_proto PUBLIC ibnbd_types PRIVATE ibtrs_wire_internal ibtrs_build_flags)
 
 # The private headers, for the project's own tests and fuzzers.
 add_library(ibnbd_proto_internal INTERFACE)

@@ -10,7 +10,7 @@ add_library(ibnbd_migrate_qemu STATIC
   ${CMAKE_CURRENT_LIST_DIR}/src/qemu_rdma_ram.cc
 )
 target_include_directories(ibnbd_migrate_qemu PUBLIC ${CMAKE_CURRENT_LIST_DIR}/src)
-target_link_libraries(ibnbd_migrate_qemu PUBLIC ibtrs_internal PRIVATE ibtrs_build_flags)
+target_link_libraries(ibnbd_migrate_qemu PUBLIC ibtrs_wire_internal PRIVATE ibtrs_build_flags)
 # The protocol over rdma-core (the agent's `rdma ADDR:PORT`, the hostile-peer test tool): only
 # when libibverbs / librdmacm are there; the agent says so otherwise.
 if(IBTRS_HAVE_RDMA)
