@@ -14,7 +14,7 @@
 set -uo pipefail
 
 top=$(cd "$(dirname "$0")/.." && pwd)
-cd "$top"
+cd "$top" || exit 1
 stages=${IBTRS_STAGES:-"build host vm asan tsan fuzz"}
 jobs=$(nproc)
 passed=0
@@ -106,15 +106,25 @@ wait_build() {  # wait_build NAME: the background build's result, its log's tail
 # stage through shell, for about a minute each, and find nothing a sanitizer would. The short
 # soak (label soak, ~65 s) runs in the default build only, for the suite's 35 minutes; its
 # daemons under ASan: `ctest --test-dir build-asan -L soak` (clean when it was merged).
-asan_tests() { wait_build asan && host_tests build-asan '^(rdma|vm|vm_one|netns|soak)$'; }
+# seed_costs DIR: the default build's test times as DIR's timing history, so that ctest starts
+# the long tests first there too (their order under a sanitizer is much the same).
+seed_costs() {
+  local from=build/Testing/Temporary/CTestCostData.txt
+  [ -e "$from" ] && [ ! -e "$1/Testing/Temporary/CTestCostData.txt" ] || return 0
+  mkdir -p "$1/Testing/Temporary" && cp "$from" "$1/Testing/Temporary/"
+}
+asan_tests() { wait_build asan && seed_costs build-asan && host_tests build-asan '^(rdma|vm|vm_one|netns|soak)$'; }
 # TSan also leaves out twins whose difference is not threads: always_invalidate's re-keying
 # (session_*_inv: memory registration, ASan's domain), integration over loopback (its tcp twin
-# runs; fabric_conformance_loopback covers the loopback fabric's threads), and rbd_gateway's
-# functional round (rbd_failover keeps librbd's callbacks and the failover thread under TSan):
-# ~170 s of the stage's test time, for the suite's 35 minutes.
+# runs; fabric_conformance_loopback covers the loopback fabric's threads), the client library's
+# scenarios over tcp (their loopback twin runs; the tcp provider's threads are
+# fabric_conformance_tcp's and session_tcp's), rbd_gateway's functional round (rbd_failover keeps
+# librbd's callbacks and the failover thread under TSan), and the shell-only install and chart
+# tests: ~260 s of the stage's test time, for the suite's 35 minutes.
 tsan_tests() {
-  wait_build tsan &&
-    host_tests build-tsan '^(rdma|vm|vm_one|netns)$' '^(session_loopback_inv|session_tcp_inv|integration_loopback|rbd_gateway)$'
+  wait_build tsan && seed_costs build-tsan &&
+    host_tests build-tsan '^(rdma|vm|vm_one|netns)$' \
+      '^(session_loopback_inv|session_tcp_inv|integration_loopback|ibnbd_client_tcp|rbd_gateway|install_layout|bench_chart)$'
 }
 # Two fuzzers at a time: each is one process on one core.
 fuzz_tests() { wait_build fuzz && ctest --test-dir build-fuzz -L fuzz --output-on-failure -j 2; }
