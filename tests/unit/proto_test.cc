@@ -23,6 +23,15 @@ std::vector<std::byte> bytes(const T& v) {
   return std::vector<std::byte>(s.begin(), s.end());
 }
 
+// Whether `parse` refuses the message `b` one byte short and one byte long.
+template <typename Parse>
+bool short_long(Parse parse, std::vector<std::byte> b) {
+  auto shorter = b;
+  shorter.pop_back();
+  b.push_back(std::byte{0});
+  return !parse(shorter, nullptr).ok() && !parse(b, nullptr).ok();
+}
+
 TEST(ImmLayout, SplitsThePayloadByQueueDepth) {
   auto l = imm_layout(512, 128 * 1024);
   ASSERT_TRUE(l.ok());
@@ -303,12 +312,6 @@ TEST(Auth, RefusesHostileMessages) {
   f.reason.set(0);
   EXPECT_FALSE(parse_auth_failure(bytes(f), nullptr).ok());
   // Lengths: one byte short or long of each is refused.
-  auto short_long = [](auto parse, std::vector<std::byte> b) {
-    auto shorter = b;
-    shorter.pop_back();
-    b.push_back(std::byte{0});
-    return !parse(shorter, nullptr).ok() && !parse(b, nullptr).ok();
-  };
   EXPECT_TRUE(short_long(parse_auth_challenge, bytes(cb)));
   EXPECT_TRUE(short_long(parse_auth_reply, bytes(rb)));
   EXPECT_TRUE(short_long(parse_auth_success, bytes(make_auth_success(sv))));
@@ -360,12 +363,6 @@ TEST(Fence, MessagesRoundTripAndRefuseHostileOnes) {
   badr.reserved0.set(1);
   EXPECT_FALSE(parse_fence_rsp(bytes(badr), nullptr).ok());
   EXPECT_FALSE(parse_fence_rsp(bytes(make_fence_rsp(kFenceNotLive, Uuid{}, 4)), nullptr).ok());
-  auto short_long = [](auto parse, std::vector<std::byte> b) {
-    auto shorter = b;
-    shorter.pop_back();
-    b.push_back(std::byte{0});
-    return !parse(shorter, nullptr).ok() && !parse(b, nullptr).ok();
-  };
   EXPECT_TRUE(short_long(parse_path_fence, bytes(f)));
   EXPECT_TRUE(short_long(parse_fence_rsp, bytes(rsp)));
   // Same size, other type: neither is taken for the other.

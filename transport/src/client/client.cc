@@ -206,6 +206,17 @@ void Con::repost_recvs() {
   }
 }
 
+Status Con::send_svc(size_t off, std::span<const std::byte> msg) {
+  if (!conn || off + msg.size() > svc_len) return errc(ENOTCONN);
+  std::memcpy(svc_buf.get() + off, msg.data(), msg.size());
+  Sge sge = svc_mr->sge(off, static_cast<uint32_t>(msg.size()));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  return conn->post_send(std::span(&wr, 1));
+}
+
 bool Con::take_rkey(uint32_t slot, uint32_t len) {
   Session& s = *path->s;
   if (!rkeys || slot >= recv_depth || len < sizeof(proto::RkeyRsp)) return false;
@@ -780,13 +791,7 @@ void Session::fence_kick() {
                          sizeof(proto::InfoReq) + sizeof(proto::AuthReply) +
                          size_t{f.path->slot} * sizeof(proto::PathFence);
       const auto m = proto::make_path_fence(f.path->uuid, f.recon);
-      std::memcpy(svc->svc_buf.get() + off, &m, sizeof(m));
-      Sge sge = svc->svc_mr->sge(off, sizeof(m));
-      SendWr wr{};
-      wr.wr_id = wr_id(kWrSvc);
-      wr.opcode = Opcode::send;
-      wr.sg_list = std::span(&sge, 1);
-      if (svc->conn->post_send(std::span(&wr, 1)).ok()) {
+      if (svc->send_svc(off, proto::as_bytes_of(m)).ok()) {
         f.carrier = pa;
         f.carrier_gen = pa->gen.load(std::memory_order_acquire);
         IBTRS_LOG(info, "path %s: fencing incarnation %u (%zu writes wait) over path %s",
@@ -1149,14 +1154,7 @@ Status Session::establish(Path* path) {
   // INFO_REQ, [the authentication], INFO_RSP on the service connection.
   Con* svc = path->cons[0].get();
   IBTRS_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
-  const size_t req_off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot;
-  std::memcpy(svc->svc_buf.get() + req_off, &info, sizeof(info));
-  Sge sge = svc->svc_mr->sge(req_off, sizeof(info));
-  SendWr wr{};
-  wr.wr_id = wr_id(kWrSvc);
-  wr.opcode = Opcode::send;
-  wr.sg_list = std::span(&sge, 1);
-  IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
+  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot, proto::as_bytes_of(info)));
   const auto deadline = core::Clock::now() + opts.connect_timeout;
   if (opts.auth.enabled()) IBTRS_TRY(authenticate(path, deadline));
   IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> rsp, next_svc_msg(path, deadline));
@@ -1261,14 +1259,8 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
   }
   auto reply = proto::make_auth_reply(v);
   if (!reply.ok()) return fail(EINVAL, "host id unusable on the wire");
-  const size_t off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq);
-  std::memcpy(svc->svc_buf.get() + off, &*reply, sizeof(*reply));
-  Sge sge = svc->svc_mr->sge(off, sizeof(*reply));
-  SendWr wr{};
-  wr.wr_id = wr_id(kWrSvc);
-  wr.opcode = Opcode::send;
-  wr.sg_list = std::span(&sge, 1);
-  IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
+  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq),
+                          proto::as_bytes_of(*reply)));
 
   IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m2, next_svc_msg(path, deadline));
   if (auto r = refusal(m2)) return *r;

@@ -111,6 +111,9 @@ struct Con final : core::CqHandler {
   void repost_recvs();
   // The next RECV to post; `sge` backs its scatter list.
   fabric::RecvWr next_recv(fabric::Sge& sge);
+  // Service connection: SENDs `msg` from its buffer at `off` (a place no other message in flight
+  // uses). ENOTCONN when the connection is gone.
+  Status send_svc(size_t off, std::span<const std::byte> msg);
   // An RKEY_RSP arrived in RECV slot `slot`: the chunk's new key on this path. False: malformed.
   bool take_rkey(uint32_t slot, uint32_t len);
 };

@@ -232,6 +232,9 @@ struct Req final : ServerRequest {
 
   void complete(int err) override;
   void start(Con* c, uint32_t offset);
+  // Poller of c: a copy deferred behind a busy chunk gets its turn (or is dropped when its
+  // connection closed meanwhile).
+  void run_deferred(Con* c, uint32_t offset);
   // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
   // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
   // sets `*changed`; where the revoked key itself comes back (software providers) the client's
@@ -591,19 +594,33 @@ void Req::complete(int err) {
   if (next != nullptr) {
     Req* self = this;
     next->poller->post([self, next, next_off] {
-      // A copy that arrived on a connection closed since (a broken one, or a path fenced by
-      // PATH_FENCE) never starts: its client fails it over, and after a fence the resent copy
-      // may already have run, with newer writes after it. close_path closes the gate before
-      // it waits for this poller, so a copy that saw it open has started by then.
-      if (next->gate.is_open()) {
-        self->start(next, next_off);
-      } else {
-        self->state.store(0, std::memory_order_release);
-      }
+      self->run_deferred(next, next_off);
       self->s->request_done();  // the deferral's own count
     });
   }
   ss.request_done();
+}
+
+void Req::run_deferred(Con* c, uint32_t offset) {
+  // A copy that arrived on a connection closed since (a broken one, or a path fenced by
+  // PATH_FENCE) never starts: its client fails it over, and after a fence the resent copy may
+  // already have run, with newer writes after it. close_path closes the gate before it waits
+  // for this poller, so a copy that saw it open has started by then.
+  if (c->gate.is_open()) {
+    start(c, offset);
+    return;
+  }
+  uint32_t busy = 1;
+  if (state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) return;
+  // Another copy was deferred behind this one meanwhile: its turn, on its connection's poller.
+  Con* next = deferred_con;
+  const uint32_t next_off = deferred_offset;
+  state.store(1, std::memory_order_release);
+  Req* self = this;
+  next->poller->post([self, next, next_off] {
+    self->run_deferred(next, next_off);
+    self->s->request_done();  // that deferral's own count
+  });
 }
 
 bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
