@@ -308,8 +308,7 @@ void Con::on_completions(std::span<Completion> wcs) {
           why = errc(EPROTO);
           continue;
         }
-        Path* carrier = path;
-        s.worker->post([&s, carrier, fv = *v] { s.fence_answered(carrier, fv); });
+        s.fence_answered(*v);
         continue;
       }
       if (svc_buf == nullptr || part < kSvcInfoRecv || part > kSvcAuthRecv + 1) {
@@ -767,10 +766,11 @@ void Session::fence_wait(uint32_t p, Path* path, uint16_t recon) {
     fence_waiting.fetch_add(1, std::memory_order_acq_rel);
   }
   path->fence_waited.fetch_add(1, std::memory_order_relaxed);
-  if (fresh) worker->post([this] { fence_kick(); });
+  // Not the worker's: it may sit in a connect for up to connect_timeout.
+  if (fresh) svc_poller->post([this] { fence_kick(); });
 }
 
-// Worker.
+// Any thread (the service poller, the worker).
 void Session::fence_kick() {
   if (!geo_set.load(std::memory_order_acquire) || !fence_on()) return;
   std::lock_guard lock(fence_mu);
@@ -802,7 +802,7 @@ void Session::fence_kick() {
   }
 }
 
-// Worker.
+// Any thread.
 void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
   std::vector<Fence> done;
   {
@@ -837,16 +837,16 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
   }
 }
 
-// Worker.
-void Session::fence_answered(Path* carrier, const proto::FenceView& v) {
+// Service poller. An answer to no fence of ours (one whose writes all expired, or a server's
+// invention) releases nothing.
+void Session::fence_answered(const proto::FenceView& v) {
   Path* fenced = nullptr;
-  for (auto& p : all_paths)
-    if (p->uuid == v.path_uuid) fenced = p.get();
-  if (fenced == nullptr) {
-    IBTRS_LOG(warn, "path %s: FENCE_RSP for a path of no session of ours", carrier->name.c_str());
-    return;
+  {
+    std::lock_guard lock(fence_mu);
+    for (const Fence& f : fences)
+      if (f.path->uuid == v.path_uuid) fenced = f.path;
   }
-  fence_release(fenced, v.recon_cnt, true);
+  if (fenced != nullptr) fence_release(fenced, v.recon_cnt, true);
 }
 
 // Worker: resubmits parked requests, fails the expired ones (or all with `fail_all`).

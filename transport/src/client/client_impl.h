@@ -307,7 +307,7 @@ struct Session {
   void park(uint32_t p);
   bool fence_on() const { return (geo.flags & proto::kConRspFence) != 0; }
   // Lease holder of a connection of `path` that broke in incarnation `recon`: write `p` waits
-  // for the fence of that incarnation (the first one asks the worker to send PATH_FENCE).
+  // for the fence of that incarnation (the first one has the service poller send PATH_FENCE).
   void fence_wait(uint32_t p, Path* path, uint16_t recon);
   bool any_path_may_return() const;
   // The registration of `m` that this session's requests use: `m` itself when it was made
@@ -361,13 +361,14 @@ struct Session {
   void on_path_up(Path* path);
   void on_path_down(Path* path, std::error_code why);
   void run_pending(bool fail_all, int err);
-  // Sends PATH_FENCE for every fence not on its way over a connected path.
+  // Sends PATH_FENCE for every fence not on its way over a connected path. Any thread: the
+  // fence does not wait behind the worker, which may sit in a connect for connect_timeout.
   void fence_kick();
   // Fences of `path` up to incarnation `upto` (inclusive or not) are confirmed: their writes
-  // are posted (or parked).
+  // are posted (or parked). Any thread.
   void fence_release(Path* path, uint16_t upto, bool inclusive);
-  // A FENCE_RSP arrived on `carrier`.
-  void fence_answered(Path* carrier, const proto::FenceView& v);
+  // A FENCE_RSP arrived (service poller).
+  void fence_answered(const proto::FenceView& v);
   // Fails the parked requests for which `which(done, ctx)` holds with `err` (ClientSession::
   // fail_waiting).
   void fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err);
