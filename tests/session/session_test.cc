@@ -740,6 +740,43 @@ TEST_F(Fence, WithoutTheFenceALandedWriteOverwritesANewerOne) {
   EXPECT_EQ(o.fences_answered, 0u);
 }
 
+// Case: one path; a write the server holds; the server drops the path; the client has no other
+// path to send PATH_FENCE on, and reconnects the path.
+// Expect: the write waits for the fence until the reconnect, whose acceptance confirms the
+// old incarnation closed (no PATH_FENCE went out); then it is resent (into the server's new
+// session: the old one ended with its last path) and completes; its bytes are on the volume.
+TEST_F(Fence, TheBrokenPathsOwnReconnectConfirmsItsFence) {
+  start_server(1);
+  open(options(1));
+  vol_.hold(true);
+  std::memset(buf_->data(), 0x44, 4096);
+  VolHdr h{0, 4096, kVolMagic};
+  IoSeg seg{buf_->data(), 4096, buf_.get()};
+  Waiter w;
+  ASSERT_TRUE(client_->request(IoRequest{IoDir::write,
+                                         std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+                                         std::span(&seg, 1), &Waiter::cb, &w})
+                  .ok());
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+  const std::string name = client_->paths()[0].name;
+  ASSERT_TRUE(server_->with_session("sess", [&](ServerSession& ss) {
+                       EXPECT_TRUE(ss.disconnect_path(ss.paths()[0].name).ok());
+                     }).ok());
+  // The path comes back (a new incarnation); the write was failed over to the fence's list.
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = client_->paths();
+    return ps[0].recon_cnt > 0 && ps[0].state == ClientPathState::connected && ps[0].fence.fenced == 1;
+  }));
+  EXPECT_EQ(client_->paths()[0].fence.waited, 1u);
+  EXPECT_EQ(server_->usage().fences_answered, 0u) << "no PATH_FENCE: the reconnect confirmed it";
+  EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 2; })) << "the resent copy";
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  EXPECT_EQ(w.wait(5s), 0);
+  EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
+  EXPECT_EQ(vol_.mem()[4095], std::byte{0x44});
+}
+
 TEST_F(Session, LostHeartbeatsTakeThePathDownAndItsIoMoves) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   start_server(2);
