@@ -637,6 +637,13 @@ class Fence : public Session {
     ClientPathInfo::Fence fence;   // the cut path's fence counters
     uint64_t fences_answered = 0;  // the server's
   };
+  // A write of `seg` to the volume at `h` that completes into `w` (all the caller's, alive
+  // until it completes).
+  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w) {
+    return client_->request(IoRequest{IoDir::write,
+                                      std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+                                      std::span(&seg, 1), &Waiter::cb, &w});
+  }
   Outcome run(bool path_fence) {
     Outcome o;
     so_.path_fence = path_fence && std::getenv("IBTRS_TEST_NO_FENCE") == nullptr;
@@ -654,11 +661,8 @@ class Fence : public Session {
     VolHdr h1{0, 4096, kVolMagic};
     IoSeg s1{buf_->data(), 4096, buf_.get()};
     Waiter w1;
-    EXPECT_TRUE(client_->request(IoRequest{IoDir::write,
-                                           std::span(reinterpret_cast<const std::byte*>(&h1), sizeof(h1)),
-                                           std::span(&s1, 1), &Waiter::cb, &w1})
-                    .ok());
-    // W1's path: the one with a request in flight (the server does not see it for 400 ms).
+    EXPECT_TRUE(write_async(h1, s1, w1).ok());
+    // W1's path: the one with a request in flight (the server does not see it for 500 ms).
     std::string victim;
     EXPECT_TRUE(wait_until([&] {
       for (auto& p : client_->paths())
@@ -685,10 +689,7 @@ class Fence : public Session {
     VolHdr hr{1 << 20, 2048, kVolMagic};
     std::memset(buf_->data() + 12288, 0x33, 2048);
     IoSeg sr{buf_->data() + 12288, 2048, buf_.get()};
-    EXPECT_TRUE(client_->request(IoRequest{IoDir::write,
-                                           std::span(reinterpret_cast<const std::byte*>(&hr), sizeof(hr)),
-                                           std::span(&sr, 1), &Waiter::cb, &rd})
-                    .ok());
+    EXPECT_TRUE(write_async(hr, sr, rd).ok());
     EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() > before; }, 5s));
     vol_.hold(false);
     EXPECT_EQ(io(IoDir::write, 4096, 0, 4096), 0) << "W2";
@@ -753,10 +754,7 @@ TEST_F(Fence, TheBrokenPathsOwnReconnectConfirmsItsFence) {
   VolHdr h{0, 4096, kVolMagic};
   IoSeg seg{buf_->data(), 4096, buf_.get()};
   Waiter w;
-  ASSERT_TRUE(client_->request(IoRequest{IoDir::write,
-                                         std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
-                                         std::span(&seg, 1), &Waiter::cb, &w})
-                  .ok());
+  ASSERT_TRUE(write_async(h, seg, w).ok());
   ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
   const std::string name = client_->paths()[0].name;
   ASSERT_TRUE(server_->with_session("sess", [&](ServerSession& ss) {
