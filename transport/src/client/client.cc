@@ -391,10 +391,13 @@ void Con::go_down(std::error_code why) {
       path->stats.on_failover(poller->index());
       if (s.closing.load(std::memory_order_acquire)) {
         s.finish(p, ECONNABORTED, poller->index());
-      } else if (r.dir == IoDir::write && s.fence_on()) {
+      } else if (s.fence_on()) {
         // Its bytes may have landed at the server and wait there, unpolled, for a poller of
         // this incarnation: resent elsewhere at once, the old copy could run after the new
-        // one and after newer writes to the same blocks. It waits for the fence.
+        // one and after newer writes to the same blocks. It waits for the fence. A read too:
+        // its windows are revoked, but its old copy, polled late, parses the chunk at its old
+        // offset after a newer request reused it -- a write whose data the server would take
+        // for a message.
         s.fence_wait(p, path, path->recon_cnt.load(std::memory_order_acquire));
       } else if (!s.post(p, path)) {
         s.park(p);
