@@ -11,6 +11,7 @@
 #include <numeric>
 #include <thread>
 
+#include "fabric/loopback/loopback.h"
 #include "fabric_harness.h"
 
 namespace ibtrs::fabric::testing {
@@ -487,6 +488,60 @@ TEST_F(Conformance, DisconnectFlushesBothSides) {
   EXPECT_EQ(cli_.done[0].status, WcStatus::flush_error);
   EXPECT_EQ(srv_.done[0].status, WcStatus::flush_error);
   EXPECT_TRUE(drive(cli_, srv_, [&] { return cli_.disconnects == 1 && srv_.disconnects == 1; }, 20s));
+}
+
+// Case (loopback: the fault injector is its own): a 4 KiB WRITE_WITH_IMM under a
+// late_completion rule of 300 ms (a CQE written that the receiver has not polled), then the
+// sender breaks the connection at once.
+// Expect: the bytes are in the receiver's memory and the sender's completion is a success at
+// once; the receiver's CQ shows nothing for ~300 ms, the break's flush neither; then the RECV's
+// completion with its immediate and length, and only after it the flush (CQ order). A heartbeat
+// (zero bytes) does not match the rule's min_bytes.
+TEST_F(Conformance, ALateCompletionShowsAfterItsDelayEvenPastABreak) {
+  if (kind_ != FabricKind::loopback) GTEST_SKIP() << "fault injection is the loopback provider's";
+  namespace lb = loopback;
+  lb::faults().clear();
+  QueueCaps caps{16, 16, 1, 1};
+  connect_pair(cli_, srv_, caps);
+  Buffer target = Buffer::make(*server_domain_, 8192, kRemoteWrite);
+  Buffer src = Buffer::make(*client_domain_, 4096, 0);
+  src.pattern(5);
+  RecvWr r[3] = {{1, {}}, {2, {}}, {3, {}}};
+  ASSERT_TRUE(srv_.conn->post_recv({r, 3}).ok());
+  lb::FaultRule late;
+  late.action = lb::FaultAction::late_completion;
+  late.opcode = Opcode::write_with_imm;
+  late.direction = lb::Direction::to_server;
+  late.delay = 300ms;
+  late.min_bytes = 1;  // not the heartbeat-like zero-length write first
+  const uint64_t rule = lb::faults().add(late);
+  SendWr hb{8, Opcode::write_with_imm, {}, 0, 0, 0x80000000u};
+  ASSERT_TRUE(cli_.conn->post_send({&hb, 1}).ok());
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == 1 && cli_.done.size() == 1; }));
+  EXPECT_EQ(srv_.done[0].imm, 0x80000000u) << "a zero-length write passes the rule";
+  Sge s = src.sge(0, 4096);
+  SendWr w{9, Opcode::write_with_imm, {&s, 1}, target.mr->remote_addr(0), target.mr->rkey(), 0x1234};
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(cli_.conn->post_send({&w, 1}).ok());
+  EXPECT_EQ(0, std::memcmp(target.bytes.data(), src.bytes.data(), 4096)) << "landed at once";
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return cli_.done.size() == 2; }));
+  EXPECT_TRUE(ok(cli_.done[1])) << to_string(cli_.done[1].status);
+  EXPECT_EQ(cli_.done[1].wr_id, 9u);
+  cli_.conn->disconnect();
+  drive(cli_, srv_, [&] { return srv_.done.size() > 1; }, 150ms);
+  EXPECT_EQ(srv_.done.size(), 1u) << "nothing shows before the delay, the break's flush neither";
+  ASSERT_TRUE(drive(cli_, srv_, [&] { return srv_.done.size() == 3; }, 5s));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 290ms);
+  const Completion& c = srv_.done[1];
+  EXPECT_TRUE(ok(c)) << to_string(c.status);
+  EXPECT_EQ(c.wr_id, 2u);
+  EXPECT_EQ(c.opcode, Opcode::recv_rdma_with_imm);
+  EXPECT_EQ(c.imm, 0x1234u);
+  EXPECT_EQ(c.byte_len, 4096u);
+  EXPECT_EQ(srv_.done[2].status, WcStatus::flush_error) << "the break's flush (RECV 3) after it";
+  EXPECT_EQ(srv_.done[2].wr_id, 3u);
+  EXPECT_EQ(lb::faults().hits(rule), 1u);
+  lb::faults().clear();
 }
 
 // Case: 64 signalled WRITEs posted in one batch, then the CQ is polled with room for 64.

@@ -26,7 +26,7 @@ void put(std::vector<uint8_t>& out, const T& v) {
 // Input: [selector][selector-specific parameters][message bytes].
 int proto_one_input(const uint8_t* data, size_t size) {
   if (size < 5) return 0;
-  const uint8_t which = data[0] % 5;
+  const uint8_t which = data[0] % 7;
   uint32_t param;
   std::memcpy(&param, data + 1, 4);
   std::span<const std::byte> msg(reinterpret_cast<const std::byte*>(data + 5), size - 5);
@@ -48,6 +48,24 @@ int proto_one_input(const uint8_t* data, size_t size) {
     case 3: {
       auto r = parse_info_rsp(msg, static_cast<uint16_t>(param), param >> 16 << 12, &why);
       if (r.ok() && !inside(std::as_bytes(*r), msg)) std::abort();
+      break;
+    }
+    case 5: {
+      // PATH_FENCE: one encoding per message (what is accepted is what the builder makes).
+      auto r = parse_path_fence(msg, &why);
+      if (r.ok()) {
+        const PathFence back = make_path_fence(r->path_uuid, r->recon_cnt);
+        if (msg.size() != sizeof(back) || std::memcmp(&back, msg.data(), sizeof(back)) != 0) std::abort();
+      }
+      break;
+    }
+    case 6: {
+      auto r = parse_fence_rsp(msg, &why);
+      if (r.ok()) {
+        if (r->status != kFenceClosed && r->status != kFenceNotLive) std::abort();
+        const FenceRsp back = make_fence_rsp(r->status, r->path_uuid, r->recon_cnt);
+        if (msg.size() != sizeof(back) || std::memcmp(&back, msg.data(), sizeof(back)) != 0) std::abort();
+      }
       break;
     }
     default: {
@@ -110,6 +128,16 @@ std::vector<std::vector<uint8_t>> proto_seeds() {
   {
     std::vector<uint8_t> s{2, 0, 0, 0, 0};
     put(s, make_info_req("sess", "ip:1.2.3.4@ip:5.6.7.8").value());
+    seeds.push_back(s);
+  }
+  {
+    std::vector<uint8_t> s{5, 0, 0, 0, 0};
+    put(s, make_path_fence(b, 3));
+    seeds.push_back(s);
+  }
+  {
+    std::vector<uint8_t> s{6, 0, 0, 0, 0};
+    put(s, make_fence_rsp(kFenceClosed, b, 3));
     seeds.push_back(s);
   }
   {

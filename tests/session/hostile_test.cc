@@ -150,6 +150,41 @@ class Hostile : public ::testing::Test {
     honest_client_works();
   }
 
+  // Sends `msg` (a PATH_FENCE, or what a test makes of one) on service connection `svc` and
+  // returns the FENCE_RSP that answers it; nullopt when none came within 3 s (heartbeats
+  // arriving meanwhile are skipped).
+  std::optional<FenceView> fence(Con& svc, std::span<const std::byte> msg) {
+    std::memcpy(buf_ + 2048, msg.data(), msg.size());
+    fabric::Sge s = mr_->sge(2048, static_cast<uint32_t>(msg.size()));
+    fabric::SendWr w{};
+    w.opcode = Opcode::send;
+    w.sg_list = std::span(&s, 1);
+    if (!svc.conn->post_send(std::span(&w, 1)).ok()) return std::nullopt;
+    fabric::Completion wc[8];
+    for (int i = 0; i < 60; ++i) {
+      const size_t n = svc.cq->wait(wc, 50ms);
+      for (size_t k = 0; k < n; ++k) {
+        if (wc[k].status != fabric::WcStatus::success) return std::nullopt;
+        if (wc[k].opcode != Opcode::recv) continue;
+        std::string why;
+        auto v = parse_fence_rsp(std::span<const std::byte>(buf_ + 8192, wc[k].byte_len), &why);
+        EXPECT_TRUE(v.ok()) << why;
+        if (v.ok()) return *v;
+        return std::nullopt;
+      }
+    }
+    return std::nullopt;
+  }
+  std::optional<FenceView> fence(Con& svc, const Uuid& path, uint16_t recon) {
+    const PathFence m = make_path_fence(path, recon);
+    return fence(svc, as_bytes_of(m));
+  }
+  bool fence_offered() const {
+    std::string why;
+    auto r = parse_con_rsp(peer_->last_con_rsp(), &why);
+    return r.ok() && (r->flags.get() & kConRspFence) != 0;
+  }
+
   // An honest client still gets served.
   void honest_client_works() {
     ClientOptions co;
@@ -327,6 +362,93 @@ TEST_F(Hostile, GarbageInfoRequestClosesThePath) {
   w.sg_list = std::span(&s, 1);
   ASSERT_TRUE(cons[0].conn->post_send(std::span(&w, 1)).ok());
   EXPECT_TRUE(closed_by_server(cons));
+  honest_client_works();
+}
+
+// Case: a session of two raw paths A and B (protocol 2.3), and another session with path C.
+// C fences A; B fences an unknown path; B fences A; B fences A again.
+// Expect: the flag was offered; C's fence finds nothing (another session's path is never
+// found) and A stays up; the unknown path is answered "not live"; B's fence of A closes A
+// ("closed") while B stays up; the repeat is "not live". Each answer names the fence's path and
+// incarnation, and the server counts 4 answers, 1 close.
+TEST_F(Hostile, APathFenceClosesTheNamedPathOfItsOwnSessionOnly) {
+  std::vector<Con> a, b, c;
+  std::vector<ChunkDesc> chunks;
+  ASSERT_TRUE(establish(a, chunks));
+  EXPECT_TRUE(fence_offered()) << "a client of 2.3 is offered the fence";
+  const Uuid path_a = to_uuid(path_);
+  path_ = Uuid16::random();
+  ASSERT_TRUE(establish(b, chunks));
+  sess_ = Uuid16::random();
+  path_ = Uuid16::random();
+  ASSERT_TRUE(establish(c, chunks, "other"));
+
+  auto r = fence(c[0], path_a, 0);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->status, kFenceNotLive) << "another session's path is not found";
+  EXPECT_EQ(r->path_uuid, path_a);
+  EXPECT_FALSE(RawPeer::closed_by_server(a, 300ms)) << "A stays up";
+
+  Uuid unknown = to_uuid(Uuid16::random());
+  r = fence(b[0], unknown, 7);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->status, kFenceNotLive);
+  EXPECT_EQ(r->path_uuid, unknown);
+  EXPECT_EQ(r->recon_cnt, 7u);
+
+  r = fence(b[0], path_a, 0);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->status, kFenceClosed);
+  EXPECT_TRUE(closed_by_server(a)) << "the server closed A before it answered";
+  for (auto& k : b) EXPECT_EQ(k.conn->state(), fabric::ConnState::connected);
+  r = fence(b[0], path_a, 0);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->status, kFenceNotLive) << "closed already";
+  // The server counts an answer once it is posted: the client may have it before that.
+  EXPECT_TRUE(wait_until([&] { return server_->usage().fences_answered == 4; }, 3s));
+  EXPECT_EQ(server_->usage().fences_closed, 1u);
+  honest_client_works();
+}
+
+// Case: PATH_FENCE messages no honest client sends, each on a fresh path: a reserved byte set,
+// one byte short, a nil path uuid, the path it comes on.
+// Expect: each closes its carrier path with a protocol_error refusal and no FENCE_RSP.
+TEST_F(Hostile, AMalformedPathFenceClosesThePath) {
+  for (int kind = 0; kind < 4; ++kind) {
+    std::vector<Con> cons;
+    std::vector<ChunkDesc> chunks;
+    sess_ = Uuid16::random();
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(cons, chunks));
+    const uint64_t before = server_->refusals().count(refusal::kProtocolError);
+    PathFence m = make_path_fence(to_uuid(Uuid16::random()), 0);
+    size_t len = sizeof(m);
+    if (kind == 0) m.reserved2[3] = 1;
+    if (kind == 1) len -= 1;
+    if (kind == 2) m = make_path_fence(Uuid{}, 0);
+    if (kind == 3) m = make_path_fence(to_uuid(path_), 0);
+    EXPECT_FALSE(fence(cons[0], std::span(reinterpret_cast<const std::byte*>(&m), len)).has_value())
+        << kind;
+    EXPECT_TRUE(closed_by_server(cons)) << kind;
+    EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), before + 1) << kind;
+  }
+  honest_client_works();
+}
+
+// Case: a raw client of protocol 2.2 (before the fence) establishes a path, then sends a
+// PATH_FENCE anyway.
+// Expect: its CON_RSP has no kConRspFence (a 2.2 client refuses unknown flags), and the
+// PATH_FENCE is a protocol error that closes the path.
+TEST_F(Hostile, AClientOfMinor2IsNotOfferedTheFence) {
+  std::vector<Con> cons;
+  const auto chunks = peer_->establish(cons, "old", 48, to_uuid(sess_), to_uuid(path_), 64,
+                                       static_cast<uint16_t>(kVersionMajor << 8 | 2));
+  ASSERT_FALSE(chunks.empty());
+  EXPECT_FALSE(fence_offered());
+  const uint64_t before = server_->refusals().count(refusal::kProtocolError);
+  EXPECT_FALSE(fence(cons[0], to_uuid(Uuid16::random()), 0).has_value());
+  EXPECT_TRUE(closed_by_server(cons));
+  EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), before + 1);
   honest_client_works();
 }
 

@@ -99,13 +99,14 @@ class RawPeer {
     return establish(cons, sessname, qd, to_uuid(Uuid16::random()), to_uuid(Uuid16::random()),
                      io_send_depth);
   }
-  // The same for the session and path given.
+  // The same for the session and path given, speaking protocol `version`.
   std::vector<ChunkDesc> establish(std::vector<RawCon>& cons, const std::string& sessname,
                                    uint16_t qd, const Uuid& sess, const Uuid& path,
-                                   uint32_t io_send_depth = 64) {
+                                   uint32_t io_send_depth = 64, uint16_t version = kVersion) {
     for (uint16_t cid = 0; cid < 2; ++cid) {
-      auto c = connect(make_con_req(cid, 2, 0, cid == 0, sess, path), nullptr,
-                       cid == 0 ? 64 : io_send_depth);
+      auto req = make_con_req(cid, 2, 0, cid == 0, sess, path);
+      req.version.set(version);
+      auto c = connect(req, nullptr, cid == 0 ? 64 : io_send_depth);
       if (!c.ok()) return {};
       cons.push_back(std::move(*c));
     }

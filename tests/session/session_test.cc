@@ -619,6 +619,162 @@ TEST_F(Session, LoadSurvivesAPathBreakingMidway) {
       << "the break was seen";
 }
 
+// The lost write of a failover (docs/protocol.md, "Failover fence"): W1 (4 KiB of 0x11 at
+// volume offset 0) lands at the server on one path, but its completion there shows only 400 ms
+// later (loopback late_completion: a CQE the server's poller has not taken yet), and the
+// server's worker is busy for 900 ms (as under load), so it closes the path late. The client
+// cuts that path while W1 is unanswered; W1 fails over. Once W1 completes, the application
+// writes W2 (0x22) to the same blocks, from another chunk (a 2 KiB write elsewhere, held
+// meanwhile, takes W1's: the lowest permit), waits past the late completion and reads back.
+class Fence : public Session {
+ protected:
+  struct Outcome {
+    bool w2_intact = false;   // W2's 4 KiB read back
+    bool w1_over_w2 = false;  // W1's bytes read back where W2's were (past the first 2112: the
+                              // old copy takes its data from the chunk, which the 2 KiB write
+                              // reused)
+    bool w1_after_release = false;  // W1 completed after the server's worker was free again
+    ClientPathInfo::Fence fence;   // the cut path's fence counters
+    uint64_t fences_answered = 0;  // the server's
+  };
+  // A write of `seg` to the volume at `h` that completes into `w` (all the caller's, alive
+  // until it completes).
+  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w) {
+    return client_->request(IoRequest{IoDir::write,
+                                      std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+                                      std::span(&seg, 1), &Waiter::cb, &w});
+  }
+  Outcome run(bool path_fence) {
+    Outcome o;
+    so_.path_fence = path_fence && std::getenv("IBTRS_TEST_NO_FENCE") == nullptr;
+    start_server(2);
+    open(options(2));
+    std::memset(buf_->data(), 0x11, 4096);
+    std::memset(buf_->data() + 4096, 0x22, 4096);
+    lb::FaultRule late;
+    late.action = lb::FaultAction::late_completion;
+    late.opcode = fabric::Opcode::write_with_imm;
+    late.direction = lb::Direction::to_server;
+    late.delay = 500ms;
+    late.min_bytes = 4096;  // W1, not a heartbeat
+    const uint64_t rule = lb::faults().add(late);
+    VolHdr h1{0, 4096, kVolMagic};
+    IoSeg s1{buf_->data(), 4096, buf_.get()};
+    Waiter w1;
+    EXPECT_TRUE(write_async(h1, s1, w1).ok());
+    // W1's path: the one with a request in flight (the server does not see it for 500 ms).
+    std::string victim;
+    EXPECT_TRUE(wait_until([&] {
+      for (auto& p : client_->paths())
+        if (p.inflight == 1) victim = p.name;
+      return !victim.empty();
+    }));
+    EXPECT_EQ(lb::faults().hits(rule), 1u) << "W1 took the late completion";
+    std::atomic<bool> inside{false};
+    std::chrono::steady_clock::time_point released;
+    std::thread busy([&] {
+      (void)server_->with_session("sess", [&](ServerSession&) {
+        inside = true;
+        std::this_thread::sleep_for(900ms);
+        released = std::chrono::steady_clock::now();
+      });
+    });
+    EXPECT_TRUE(wait_until([&] { return inside.load(); }));
+    EXPECT_TRUE(client_->disconnect_path(victim).ok());
+    EXPECT_EQ(w1.wait(5s), 0) << "W1 failed over and completed";
+    const auto w1_done = std::chrono::steady_clock::now();
+    const uint64_t before = vol_.requests_.load();
+    vol_.hold(true);
+    Waiter rd;
+    VolHdr hr{1 << 20, 2048, kVolMagic};
+    std::memset(buf_->data() + 12288, 0x33, 2048);
+    IoSeg sr{buf_->data() + 12288, 2048, buf_.get()};
+    EXPECT_TRUE(write_async(hr, sr, rd).ok());
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() > before; }, 5s));
+    vol_.hold(false);
+    EXPECT_EQ(io(IoDir::write, 4096, 0, 4096), 0) << "W2";
+    for (auto* r : vol_.take_held()) vol_.serve(*r);
+    EXPECT_EQ(rd.wait(5s), 0);
+    // W1's old copy, the resent one, the 2 KiB write and W2 all reached the server.
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() >= 4; }, 5s));
+    busy.join();
+    std::this_thread::sleep_for(50ms);
+    std::memset(buf_->data() + 8192, 0, 4096);
+    EXPECT_EQ(io(IoDir::read, 4096, 0, 8192), 0);
+    const std::byte* got = buf_->data() + 8192;
+    o.w2_intact = std::count(got, got + 4096, std::byte{0x22}) == 4096;
+    o.w1_over_w2 = std::count(got + 2112, got + 4096, std::byte{0x11}) == 4096 - 2112;
+    o.w1_after_release = w1_done >= released;
+    if (auto* p = path_info(client_->paths(), victim)) o.fence = p->fence;
+    o.fences_answered = server_->usage().fences_answered;
+    return o;
+  }
+};
+
+// Case: the scenario above with the failover fence (a server of 2.3).
+// Expect: W2's bytes read back; W1 completed only after the server's worker was free, i.e.
+// after the fence was answered; one write of the cut path waited for one fence, which the
+// server answered.
+TEST_F(Fence, AWriteLeftOnABrokenPathNeverOverwritesANewerOne) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  const Outcome o = run(true);
+  EXPECT_TRUE(o.w2_intact) << "W2 must survive W1's old copy";
+  EXPECT_FALSE(o.w1_over_w2) << "a lost write: W1's old copy ran after W2";
+  EXPECT_TRUE(o.w1_after_release) << "W1 was resent only after the fence";
+  EXPECT_EQ(o.fence.waited, 1u);
+  EXPECT_EQ(o.fence.fenced, 1u);
+  EXPECT_GT(o.fence.last_rtt.count(), 0);
+  EXPECT_GE(o.fences_answered, 1u);
+}
+
+// Case: the same against a server without the fence (ServerOptions::path_fence off: a server
+// of 2.2). Expect: the hazard the fence closes, as documented: W1's old copy runs after W2
+// and W2 is lost (W1's bytes read back, the chunk's new first bytes before them); no write
+// waited for a fence. This also shows that the scenario reproduces the defect.
+TEST_F(Fence, WithoutTheFenceALandedWriteOverwritesANewerOne) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  const Outcome o = run(false);
+  EXPECT_FALSE(o.w2_intact);
+  EXPECT_TRUE(o.w1_over_w2) << "the old copy overwrote W2";
+  EXPECT_FALSE(o.w1_after_release) << "W1 was resent at once";
+  EXPECT_EQ(o.fence.waited, 0u);
+  EXPECT_EQ(o.fences_answered, 0u);
+}
+
+// Case: one path; a write the server holds; the server drops the path; the client has no other
+// path to send PATH_FENCE on, and reconnects the path.
+// Expect: the write waits for the fence until the reconnect, whose acceptance confirms the
+// old incarnation closed (no PATH_FENCE went out); then it is resent (into the server's new
+// session: the old one ended with its last path) and completes; its bytes are on the volume.
+TEST_F(Fence, TheBrokenPathsOwnReconnectConfirmsItsFence) {
+  start_server(1);
+  open(options(1));
+  vol_.hold(true);
+  std::memset(buf_->data(), 0x44, 4096);
+  VolHdr h{0, 4096, kVolMagic};
+  IoSeg seg{buf_->data(), 4096, buf_.get()};
+  Waiter w;
+  ASSERT_TRUE(write_async(h, seg, w).ok());
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+  const std::string name = client_->paths()[0].name;
+  ASSERT_TRUE(server_->with_session("sess", [&](ServerSession& ss) {
+                       EXPECT_TRUE(ss.disconnect_path(ss.paths()[0].name).ok());
+                     }).ok());
+  // The path comes back (a new incarnation); the write was failed over to the fence's list.
+  ASSERT_TRUE(wait_until([&] {
+    auto ps = client_->paths();
+    return ps[0].recon_cnt > 0 && ps[0].state == ClientPathState::connected && ps[0].fence.fenced == 1;
+  }));
+  EXPECT_EQ(client_->paths()[0].fence.waited, 1u);
+  EXPECT_EQ(server_->usage().fences_answered, 0u) << "no PATH_FENCE: the reconnect confirmed it";
+  EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 2; })) << "the resent copy";
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  EXPECT_EQ(w.wait(5s), 0);
+  EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
+  EXPECT_EQ(vol_.mem()[4095], std::byte{0x44});
+}
+
 TEST_F(Session, LostHeartbeatsTakeThePathDownAndItsIoMoves) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   start_server(2);

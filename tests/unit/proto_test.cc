@@ -23,6 +23,15 @@ std::vector<std::byte> bytes(const T& v) {
   return std::vector<std::byte>(s.begin(), s.end());
 }
 
+// Whether `parse` refuses the message `b` one byte short and one byte long.
+template <typename Parse>
+bool short_long(Parse parse, std::vector<std::byte> b) {
+  auto shorter = b;
+  shorter.pop_back();
+  b.push_back(std::byte{0});
+  return !parse(shorter, nullptr).ok() && !parse(b, nullptr).ok();
+}
+
 TEST(ImmLayout, SplitsThePayloadByQueueDepth) {
   auto l = imm_layout(512, 128 * 1024);
   ASSERT_TRUE(l.ok());
@@ -303,18 +312,66 @@ TEST(Auth, RefusesHostileMessages) {
   f.reason.set(0);
   EXPECT_FALSE(parse_auth_failure(bytes(f), nullptr).ok());
   // Lengths: one byte short or long of each is refused.
-  auto short_long = [](auto parse, std::vector<std::byte> b) {
-    auto shorter = b;
-    shorter.pop_back();
-    b.push_back(std::byte{0});
-    return !parse(shorter, nullptr).ok() && !parse(b, nullptr).ok();
-  };
   EXPECT_TRUE(short_long(parse_auth_challenge, bytes(cb)));
   EXPECT_TRUE(short_long(parse_auth_reply, bytes(rb)));
   EXPECT_TRUE(short_long(parse_auth_success, bytes(make_auth_success(sv))));
   EXPECT_TRUE(short_long(parse_auth_failure, bytes(make_auth_failure(1, EACCES))));
   // A failure is not a success of the same size class, nor the other way round.
   EXPECT_FALSE(parse_auth_failure(bytes(make_auth_success(sv)), nullptr).ok());
+}
+
+// Case: PATH_FENCE and FENCE_RSP built and parsed back; then each with a reserved byte set, a
+// nil path uuid, one byte short or long, the other's type; FENCE_RSP with an unknown status.
+// Expect: the round trips keep path, incarnation and status; every hostile variant is refused
+// with a reason; kConRspFence is a known CON_RSP flag; the version says minor 3.
+TEST(Fence, MessagesRoundTripAndRefuseHostileOnes) {
+  std::string why;
+  const auto f = make_path_fence(uuid(7), 0xfffe);
+  auto pf = parse_path_fence(bytes(f), &why);
+  ASSERT_TRUE(pf.ok()) << why;
+  EXPECT_EQ(pf->path_uuid, uuid(7));
+  EXPECT_EQ(pf->recon_cnt, 0xfffe);
+  EXPECT_EQ(*peek_msg_type(bytes(f)), MsgType::path_fence);
+  for (uint16_t st : {kFenceClosed, kFenceNotLive}) {
+    auto r = parse_fence_rsp(bytes(make_fence_rsp(st, uuid(9), 4)), &why);
+    ASSERT_TRUE(r.ok()) << why;
+    EXPECT_EQ(r->status, st);
+    EXPECT_EQ(r->path_uuid, uuid(9));
+    EXPECT_EQ(r->recon_cnt, 4);
+  }
+  auto bad = f;
+  bad.reserved0.set(1);
+  EXPECT_FALSE(parse_path_fence(bytes(bad), &why).ok());
+  bad = f;
+  bad.reserved1.set(1);
+  EXPECT_FALSE(parse_path_fence(bytes(bad), &why).ok());
+  bad = f;
+  bad.reserved2[7] = 1;
+  EXPECT_FALSE(parse_path_fence(bytes(bad), &why).ok());
+  EXPECT_NE(why.find("reserved"), std::string::npos) << why;
+  EXPECT_FALSE(parse_path_fence(bytes(make_path_fence(Uuid{}, 1)), &why).ok());
+  EXPECT_NE(why.find("nil"), std::string::npos) << why;
+  auto rsp = make_fence_rsp(kFenceClosed, uuid(9), 4);
+  auto badr = rsp;
+  badr.status.set(2);
+  EXPECT_FALSE(parse_fence_rsp(bytes(badr), &why).ok());
+  EXPECT_NE(why.find("status"), std::string::npos) << why;
+  badr = rsp;
+  badr.reserved1[0] = 1;
+  EXPECT_FALSE(parse_fence_rsp(bytes(badr), nullptr).ok());
+  badr = rsp;
+  badr.reserved0.set(1);
+  EXPECT_FALSE(parse_fence_rsp(bytes(badr), nullptr).ok());
+  EXPECT_FALSE(parse_fence_rsp(bytes(make_fence_rsp(kFenceNotLive, Uuid{}, 4)), nullptr).ok());
+  EXPECT_TRUE(short_long(parse_path_fence, bytes(f)));
+  EXPECT_TRUE(short_long(parse_fence_rsp, bytes(rsp)));
+  // Same size, other type: neither is taken for the other.
+  EXPECT_FALSE(parse_path_fence(bytes(rsp), nullptr).ok());
+  EXPECT_FALSE(parse_fence_rsp(bytes(f), nullptr).ok());
+  auto c = parse_con_rsp(bytes(make_con_rsp(0, 512, 128 * 1024, 4096, kConRspFence)), &why);
+  ASSERT_TRUE(c.ok()) << why;
+  EXPECT_EQ(c->flags.get(), kConRspFence);
+  EXPECT_EQ(version_minor(kVersion), kMinorFence);
 }
 
 TEST(InfoReq, RoundTripsAndRefusesBadNames) {

@@ -151,6 +151,14 @@ struct ClientPathInfo {
   tls::Info tls;              // its service connection's TLS (tcp with ClientOptions::tls)
   std::error_code last_error; // why the path last failed or went down (EACCES: refused)
   PathStatsSnapshot stats;
+  // The failover fence (docs/protocol.md, "Failover fence"): requests failed over from a broken
+  // incarnation of this path wait until the server confirms it closed that incarnation.
+  struct Fence {
+    uint64_t waited = 0;   // requests of this path that waited for a fence (reads too)
+    uint64_t fenced = 0;   // incarnations confirmed fenced (FENCE_RSP or the path's reconnect)
+    std::chrono::nanoseconds last_rtt{0};  // from the first waiting request to the confirmation
+    std::chrono::nanoseconds max_rtt{0};
+  } fence;
 };
 
 class ClientSession {

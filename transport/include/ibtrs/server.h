@@ -162,6 +162,12 @@ struct ServerOptions {
   // providers, where the chunk's key comes back as it was (no RKEY_RSP), and a deregistration,
   // a registration and an RKEY_RSP per IO on rdma.
   bool always_invalidate = false;
+  // The failover fence (protocol 2.3, docs/protocol.md "Failover fence"): clients of minor 3
+  // or later learn (CON_RSP kConRspFence) that they may ask the server to close a broken path
+  // (PATH_FENCE) before they resend its writes on another one. false: the server behaves as
+  // one of 2.2 here (no flag; a PATH_FENCE is a protocol error), with the lost-write hazard
+  // that section describes: for tests of older servers only.
+  bool path_fence = true;
   // Keys (memory registrations) one session may hold in its protection domain on a device: its
   // share of the device's key table. The session's chunks take one, each path one (service
   // buffers) and, with always_invalidate, queue_depth more. A path that would exceed it is
@@ -222,6 +228,10 @@ struct ServerUsage {
   // so it is all of it.
   uint64_t chunk_resident = 0;
   uint64_t backlog = 0;             // responses waiting for send-queue room, all connections
+  // The failover fence since the server started: PATH_FENCE messages answered, and of those
+  // the ones that closed a live path (the others found it closed or superseded already).
+  uint64_t fences_answered = 0;
+  uint64_t fences_closed = 0;
 };
 
 // Authentication outcomes since the server started, per path (a refused path counts once; a

@@ -71,6 +71,8 @@ constexpr uint32_t kSvcRecvs = 16;      // service connection: AUTH_*, INFO_RSP 
 constexpr uint32_t kAuthSlot = 512;
 constexpr uint64_t kSvcInfoRecv = 1;
 constexpr uint64_t kSvcAuthRecv = 2;  // and 3
+// After the establishment (kConRspFence): RECVs with a FENCE_RSP slot, value kSvcFenceRecv + slot.
+constexpr uint64_t kSvcFenceRecv = 4;
 constexpr uint32_t kSvcSends = 16;
 constexpr uint32_t kSignalEvery = 16;   // IO sends: one in this many is signalled
 constexpr uint32_t kRepostBatch = 16;   // RECVs reposted together
@@ -177,6 +179,12 @@ Path::Path(Session* sess, uint32_t slot_, PathSpec spec_, uint32_t io_threads)
 // Connection completions (poller thread)
 
 fabric::RecvWr Con::next_recv(Sge& sge) {
+  if (fence_rsps) {
+    const uint32_t slot = rkeys_next;
+    rkeys_next = (rkeys_next + 1) % recv_depth;
+    sge = fence_mr->sge(size_t{slot} * sizeof(proto::FenceRsp), sizeof(proto::FenceRsp));
+    return fabric::RecvWr{wr_id(kWrRecv, kSvcFenceRecv + slot), std::span(&sge, 1)};
+  }
   if (!rkeys) return fabric::RecvWr{wr_id(kWrRecv), {}};
   const uint32_t slot = rkeys_next;
   rkeys_next = (rkeys_next + 1) % recv_depth;
@@ -196,6 +204,17 @@ void Con::repost_recvs() {
   } else {
     rkeys_next = slot0;
   }
+}
+
+Status Con::send_svc(size_t off, std::span<const std::byte> msg) {
+  if (!conn || off + msg.size() > svc_len) return errc(ENOTCONN);
+  std::memcpy(svc_buf.get() + off, msg.data(), msg.size());
+  Sge sge = svc_mr->sge(off, static_cast<uint32_t>(msg.size()));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  return conn->post_send(std::span(&wr, 1));
 }
 
 bool Con::take_rkey(uint32_t slot, uint32_t len) {
@@ -272,10 +291,26 @@ void Con::on_completions(std::span<Completion> wcs) {
         why = errc(EPROTO);
       }
     } else if (wc.opcode == Opcode::recv) {
-      // Only the establishment's messages (AUTH_*, INFO_RSP) arrive as SENDs on the service
-      // connection, into the RECVs posted for them.
+      // The establishment's messages (AUTH_*, INFO_RSP) arrive as SENDs on the service
+      // connection, into the RECVs posted for them; after it only FENCE_RSP, into any RECV
+      // (when the server offered the fence).
       ++recv_missing;
       const uint64_t part = wc.wr_id >> 3;
+      if (part >= kSvcFenceRecv && fence_rsps && part - kSvcFenceRecv < recv_depth) {
+        // Copied out once; only the copy is looked at.
+        proto::FenceRsp m{};
+        const size_t n = std::min<size_t>(wc.byte_len, sizeof(m));
+        std::memcpy(&m, &fence_rsps[part - kSvcFenceRecv], n);
+        std::string bad;
+        auto v = proto::parse_fence_rsp(std::span(reinterpret_cast<const std::byte*>(&m), n), &bad);
+        if (!v.ok()) {
+          IBTRS_LOG(warn, "path %s: bad FENCE_RSP: %s", path->name.c_str(), bad.c_str());
+          why = errc(EPROTO);
+          continue;
+        }
+        s.fence_answered(*v);
+        continue;
+      }
       if (svc_buf == nullptr || part < kSvcInfoRecv || part > kSvcAuthRecv + 1) {
         IBTRS_LOG(warn, "path %s con %u: unexpected message", path->name.c_str(), cid);
         why = errc(EPROTO);
@@ -356,6 +391,14 @@ void Con::go_down(std::error_code why) {
       path->stats.on_failover(poller->index());
       if (s.closing.load(std::memory_order_acquire)) {
         s.finish(p, ECONNABORTED, poller->index());
+      } else if (s.fence_on()) {
+        // Its bytes may have landed at the server and wait there, unpolled, for a poller of
+        // this incarnation: resent elsewhere at once, the old copy could run after the new
+        // one and after newer writes to the same blocks. It waits for the fence. A read too:
+        // its windows are revoked, but its old copy, polled late, parses the chunk at its old
+        // offset after a newer request reused it -- a write whose data the server would take
+        // for a message.
+        s.fence_wait(p, path, path->recon_cnt.load(std::memory_order_acquire));
       } else if (!s.post(p, path)) {
         s.park(p);
       }
@@ -707,6 +750,108 @@ void Session::park(uint32_t p) {
   pending.push_back(p);
 }
 
+void Session::fence_wait(uint32_t p, Path* path, uint16_t recon) {
+  Req& q = reqs[p];
+  q.path = nullptr;
+  q.pending_deadline_ns =
+      now_ns() + std::chrono::duration_cast<std::chrono::nanoseconds>(opts.pending_timeout).count();
+  bool fresh = false;
+  {
+    std::lock_guard lock(fence_mu);
+    auto it = std::find_if(fences.begin(), fences.end(),
+                           [&](const Fence& f) { return f.path == path && f.recon == recon; });
+    if (it == fences.end()) {
+      fences.push_back(Fence{path, recon, {}, now_ns(), nullptr, 0});
+      it = fences.end() - 1;
+      fresh = true;
+    }
+    it->reqs.push_back(p);
+    fence_waiting.fetch_add(1, std::memory_order_acq_rel);
+  }
+  path->fence_waited.fetch_add(1, std::memory_order_relaxed);
+  // Not the worker's: it may sit in a connect for up to connect_timeout.
+  if (fresh) svc_poller->post([this] { fence_kick(); });
+}
+
+// Any thread (the service poller, the worker).
+void Session::fence_kick() {
+  if (!geo_set.load(std::memory_order_acquire) || !fence_on()) return;
+  std::lock_guard lock(fence_mu);
+  for (Fence& f : fences) {
+    if (f.carrier != nullptr && f.carrier->usable() &&
+        f.carrier->gen.load(std::memory_order_acquire) == f.carrier_gen)
+      continue;  // on its way
+    f.carrier = nullptr;
+    const uint32_t n = npaths_hint.load(std::memory_order_acquire);
+    for (uint32_t i = 0; i < n && f.carrier == nullptr; ++i) {
+      Path* pa = paths[i].load(std::memory_order_acquire);
+      if (pa == nullptr || pa == f.path || !pa->usable()) continue;
+      Con* svc = pa->cons[0].get();
+      if (!svc->gate.enter()) continue;
+      // One send slot per fenced path: one fence of a path is unanswered at a time (a newer
+      // incarnation of it is fenced only after it connected, which confirmed the older).
+      const size_t off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot +
+                         sizeof(proto::InfoReq) + sizeof(proto::AuthReply) +
+                         size_t{f.path->slot} * sizeof(proto::PathFence);
+      const auto m = proto::make_path_fence(f.path->uuid, f.recon);
+      if (svc->send_svc(off, proto::as_bytes_of(m)).ok()) {
+        f.carrier = pa;
+        f.carrier_gen = pa->gen.load(std::memory_order_acquire);
+        IBTRS_LOG(info, "path %s: fencing incarnation %u (%zu writes wait) over path %s",
+                  f.path->name.c_str(), f.recon, f.reqs.size(), pa->name.c_str());
+      }
+      svc->gate.exit();
+    }
+  }
+}
+
+// Any thread.
+void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
+  std::vector<Fence> done;
+  {
+    std::lock_guard lock(fence_mu);
+    for (auto it = fences.begin(); it != fences.end();) {
+      const int16_t age = static_cast<int16_t>(it->recon - upto);
+      if (it->path == path && (age < 0 || (inclusive && age == 0))) {
+        done.push_back(std::move(*it));
+        it = fences.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  const int64_t now = now_ns();
+  for (Fence& f : done) {
+    const auto rtt = static_cast<uint64_t>(std::max<int64_t>(0, now - f.since_ns));
+    path->fences_done.fetch_add(1, std::memory_order_relaxed);
+    path->fence_rtt_last_ns.store(rtt, std::memory_order_relaxed);
+    if (rtt > path->fence_rtt_max_ns.load(std::memory_order_relaxed))
+      path->fence_rtt_max_ns.store(rtt, std::memory_order_relaxed);
+    IBTRS_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu writes resent",
+              path->name.c_str(), f.recon, static_cast<unsigned long long>(rtt / 1000), f.reqs.size());
+    for (uint32_t p : f.reqs) {
+      fence_waiting.fetch_sub(1, std::memory_order_acq_rel);
+      if (!post(p, nullptr)) {
+        // Parked as it is: its deadline runs from its failover.
+        std::lock_guard lock(pend_mu);
+        pending.push_back(p);
+      }
+    }
+  }
+}
+
+// Service poller. An answer to no fence of ours (one whose writes all expired, or a server's
+// invention) releases nothing.
+void Session::fence_answered(const proto::FenceView& v) {
+  Path* fenced = nullptr;
+  {
+    std::lock_guard lock(fence_mu);
+    for (const Fence& f : fences)
+      if (f.path->uuid == v.path_uuid) fenced = f.path;
+  }
+  if (fenced != nullptr) fence_release(fenced, v.recon_cnt, true);
+}
+
 // Worker: resubmits parked requests, fails the expired ones (or all with `fail_all`).
 void Session::run_pending(bool fail_all, int err) {
   std::deque<uint32_t> todo;
@@ -715,6 +860,24 @@ void Session::run_pending(bool fail_all, int err) {
     todo.swap(pending);
   }
   const int64_t now = now_ns();
+  {
+    // Writes waiting for a fence: parked as far as deadlines and fail_all go.
+    std::vector<uint32_t> expired;
+    {
+      std::lock_guard lock(fence_mu);
+      for (auto it = fences.begin(); it != fences.end();) {
+        std::erase_if(it->reqs, [&](uint32_t p) {
+          if (!fail_all && now < reqs[p].pending_deadline_ns) return false;
+          expired.push_back(p);
+          return true;
+        });
+        it = it->reqs.empty() ? fences.erase(it) : it + 1;
+      }
+      fence_waiting.fetch_sub(static_cast<uint32_t>(expired.size()), std::memory_order_acq_rel);
+    }
+    for (uint32_t p : expired) finish(p, fail_all ? err : ENOTCONN, nio);
+    if (!fail_all) fence_kick();
+  }
   for (uint32_t p : todo) {
     Req& q = reqs[p];
     if (fail_all || now >= q.pending_deadline_ns) {
@@ -731,6 +894,18 @@ void Session::run_pending(bool fail_all, int err) {
 // Worker.
 void Session::fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err) {
   std::deque<uint32_t> todo;
+  {
+    std::lock_guard lock(fence_mu);
+    for (auto it = fences.begin(); it != fences.end();) {
+      std::erase_if(it->reqs, [&](uint32_t p) {
+        if (!which(reqs[p].done, reqs[p].ctx)) return false;
+        todo.push_back(p);
+        fence_waiting.fetch_sub(1, std::memory_order_acq_rel);
+        return true;
+      });
+      it = it->reqs.empty() ? fences.erase(it) : it + 1;
+    }
+  }
   {
     std::lock_guard lock(pend_mu);
     for (auto it = pending.begin(); it != pending.end();) {
@@ -915,13 +1090,21 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
                                               fabric::kLocalWrite));
   }
   con->rkeys_next = 0;
+  if (con->cid == 0 && (geo.flags & proto::kConRspFence) != 0) {
+    if (!con->fence_rsps) con->fence_rsps = std::make_unique<proto::FenceRsp[]>(con->recv_depth);
+    IBTRS_ASSIGN_OR_RETURN(con->fence_mr, path->domain->register_memory(
+                                              con->fence_rsps.get(), sizeof(proto::FenceRsp) * con->recv_depth,
+                                              fabric::kLocalWrite));
+  }
   std::vector<fabric::RecvWr> recvs(caps.max_recv_wr);
   std::vector<Sge> recv_sges(caps.max_recv_wr);
   Sge svc_sges[3]{};
   for (uint32_t i = 0; i < caps.max_recv_wr; ++i) recvs[i] = con->next_recv(recv_sges[i]);
   if (con->cid == 0) {
     const size_t info = proto::info_rsp_size(geo.queue_depth);
-    con->svc_len = info + 2 * kAuthSlot + sizeof(proto::InfoReq) + sizeof(proto::AuthReply);
+    // ... then a PATH_FENCE send slot per path of the session.
+    con->svc_len = info + 2 * kAuthSlot + sizeof(proto::InfoReq) + sizeof(proto::AuthReply) +
+                   ClientSession::kMaxPaths * sizeof(proto::PathFence);
     con->svc_buf = std::make_unique<std::byte[]>(con->svc_len);
     IBTRS_ASSIGN_OR_RETURN(con->svc_mr, path->domain->register_memory(
                                             con->svc_buf.get(), con->svc_len, fabric::kLocalWrite));
@@ -974,14 +1157,7 @@ Status Session::establish(Path* path) {
   // INFO_REQ, [the authentication], INFO_RSP on the service connection.
   Con* svc = path->cons[0].get();
   IBTRS_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
-  const size_t req_off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot;
-  std::memcpy(svc->svc_buf.get() + req_off, &info, sizeof(info));
-  Sge sge = svc->svc_mr->sge(req_off, sizeof(info));
-  SendWr wr{};
-  wr.wr_id = wr_id(kWrSvc);
-  wr.opcode = Opcode::send;
-  wr.sg_list = std::span(&sge, 1);
-  IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
+  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot, proto::as_bytes_of(info)));
   const auto deadline = core::Clock::now() + opts.connect_timeout;
   if (opts.auth.enabled()) IBTRS_TRY(authenticate(path, deadline));
   IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> rsp, next_svc_msg(path, deadline));
@@ -1086,14 +1262,8 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
   }
   auto reply = proto::make_auth_reply(v);
   if (!reply.ok()) return fail(EINVAL, "host id unusable on the wire");
-  const size_t off = proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq);
-  std::memcpy(svc->svc_buf.get() + off, &*reply, sizeof(*reply));
-  Sge sge = svc->svc_mr->sge(off, sizeof(*reply));
-  SendWr wr{};
-  wr.wr_id = wr_id(kWrSvc);
-  wr.opcode = Opcode::send;
-  wr.sg_list = std::span(&sge, 1);
-  IBTRS_TRY(svc->conn->post_send(std::span(&wr, 1)));
+  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq),
+                          proto::as_bytes_of(*reply)));
 
   IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m2, next_svc_msg(path, deadline));
   if (auto r = refusal(m2)) return *r;
@@ -1152,6 +1322,7 @@ void Session::teardown(Path* path) {
     c->cq.reset();
     c->svc_mr.reset();
     c->rkeys_mr.reset();
+    c->fence_mr.reset();
     c->svc_buf.reset();
   }
 }
@@ -1164,6 +1335,9 @@ void Session::emit(SessionEvent e, const Path* path, std::error_code why) {
 }
 
 void Session::on_path_up(Path* path) {
+  // The server accepted this incarnation, and closed the older ones first (a reconnect closes
+  // the stale path before it is answered): their fences are confirmed.
+  fence_release(path, path->recon_cnt.load(std::memory_order_acquire), false);
   start_heartbeat(path);
   connected_paths.fetch_add(1, std::memory_order_acq_rel);
   emit(SessionEvent::path_up, path, {});
@@ -1217,6 +1391,7 @@ void Session::path_failed(Path* path, uint64_t gen, std::error_code why) {
   }
   teardown(path);
   on_path_down(path, why);
+  fence_kick();  // a fence that went over this path goes again over another
   schedule_reconnect(path);
 }
 
@@ -1502,7 +1677,7 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
         bool any;
         {
           std::lock_guard lock(s->pend_mu);
-          any = !s->pending.empty();
+          any = !s->pending.empty() || s->fence_waiting.load(std::memory_order_acquire) != 0;
         }
         if (any) s->worker->post([s] { s->run_pending(false, 0); });
         if (!s->closing.load()) arm(s);
@@ -2010,6 +2185,10 @@ std::vector<ClientPathInfo> ClientSession::paths() const {
     i.latency = p->hb.latency();
     i.inflight = p->inflight.load();
     i.stats = p->stats.snapshot();
+    i.fence.waited = p->fence_waited.load(std::memory_order_relaxed);
+    i.fence.fenced = p->fences_done.load(std::memory_order_relaxed);
+    i.fence.last_rtt = std::chrono::nanoseconds(p->fence_rtt_last_ns.load(std::memory_order_relaxed));
+    i.fence.max_rtt = std::chrono::nanoseconds(p->fence_rtt_max_ns.load(std::memory_order_relaxed));
     out.push_back(std::move(i));
   }
   return out;

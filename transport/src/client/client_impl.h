@@ -96,6 +96,10 @@ struct Con final : core::CqHandler {
   std::unique_ptr<proto::RkeyRsp[]> rkeys;
   std::unique_ptr<fabric::MemoryRegion> rkeys_mr;
   uint32_t rkeys_next = 0;  // lease holder (worker before the connection is attached)
+  // Service connection of a server with kConRspFence: every RECV after the establishment's
+  // gets a FENCE_RSP slot, handed out round-robin like `rkeys`.
+  std::unique_ptr<proto::FenceRsp[]> fence_rsps;
+  std::unique_ptr<fabric::MemoryRegion> fence_mr;
 
   void on_completions(std::span<fabric::Completion> wcs) override;
   // Lease holder: the connection is broken; disconnect, take what completed, fail over the rest.
@@ -107,6 +111,9 @@ struct Con final : core::CqHandler {
   void repost_recvs();
   // The next RECV to post; `sge` backs its scatter list.
   fabric::RecvWr next_recv(fabric::Sge& sge);
+  // Service connection: SENDs `msg` from its buffer at `off` (a place no other message in flight
+  // uses). ENOTCONN when the connection is gone.
+  Status send_svc(size_t off, std::span<const std::byte> msg);
   // An RKEY_RSP arrived in RECV slot `slot`: the chunk's new key on this path. False: malformed.
   bool take_rkey(uint32_t slot, uint32_t len);
 };
@@ -139,6 +146,9 @@ struct Path {
   std::string hca_name;
   uint8_t hca_port = 0;
   std::error_code last_error;
+
+  // The failover fence of this path's broken incarnations (ClientPathInfo::Fence).
+  std::atomic<uint64_t> fence_waited{0}, fences_done{0}, fence_rtt_last_ns{0}, fence_rtt_max_ns{0};
 
   PathAuthInfo auth;  // under meta_mu
   tls::Info tls;      // under meta_mu: the service connection's, as established
@@ -267,6 +277,21 @@ struct Session {
   std::mutex pend_mu;
   std::deque<uint32_t> pending;  // permits waiting for a path
 
+  // Writes failed over from a broken incarnation of a path, waiting until the server confirms
+  // that incarnation fenced (docs/protocol.md, "Failover fence"): one entry per incarnation,
+  // however many writes. They count as parked (pending_timeout applies).
+  struct Fence {
+    Path* path = nullptr;        // the broken path
+    uint16_t recon = 0;          // its broken incarnation
+    std::vector<uint32_t> reqs;  // permits of the waiting writes
+    int64_t since_ns = 0;        // the first write's failover
+    Path* carrier = nullptr;     // the path PATH_FENCE went over (nullptr: not sent yet)
+    uint64_t carrier_gen = 0;    // the carrier's incarnation then
+  };
+  std::mutex fence_mu;
+  std::vector<Fence> fences;                // (fence_mu)
+  std::atomic<uint32_t> fence_waiting{0};   // writes in `fences`
+
   // Reapers by IO connection index (reap_mu; the control path only).
   std::mutex reap_mu;
   std::array<std::shared_ptr<ReapPort>, 64> reapers;
@@ -280,6 +305,10 @@ struct Session {
   bool post(uint32_t p, Path* skip);
   void finish(uint32_t p, int err, uint32_t shard);
   void park(uint32_t p);
+  bool fence_on() const { return (geo.flags & proto::kConRspFence) != 0; }
+  // Lease holder of a connection of `path` that broke in incarnation `recon`: write `p` waits
+  // for the fence of that incarnation (the first one has the service poller send PATH_FENCE).
+  void fence_wait(uint32_t p, Path* path, uint16_t recon);
   bool any_path_may_return() const;
   // The registration of `m` that this session's requests use: `m` itself when it was made
   // here, else its share with this session; null when it has none (EINVAL at submit).
@@ -332,6 +361,14 @@ struct Session {
   void on_path_up(Path* path);
   void on_path_down(Path* path, std::error_code why);
   void run_pending(bool fail_all, int err);
+  // Sends PATH_FENCE for every fence not on its way over a connected path. Any thread: the
+  // fence does not wait behind the worker, which may sit in a connect for connect_timeout.
+  void fence_kick();
+  // Fences of `path` up to incarnation `upto` (inclusive or not) are confirmed: their writes
+  // are posted (or parked). Any thread.
+  void fence_release(Path* path, uint16_t upto, bool inclusive);
+  // A FENCE_RSP arrived (service poller).
+  void fence_answered(const proto::FenceView& v);
   // Fails the parked requests for which `which(done, ctx)` holds with `err` (ClientSession::
   // fail_waiting).
   void fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err);

@@ -349,6 +349,52 @@ Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::
   return R{m.tid.get(), m.reason.get()};
 }
 
+Result<FenceView> parse_path_fence(std::span<const std::byte> msg, std::string* why) {
+  using R = FenceView;
+  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<PathFence>(msg, MsgType::path_fence, "PATH_FENCE", why));
+  if (m.reserved0.get() != 0 || m.reserved1.get() != 0 || !all_zero(m.reserved2, sizeof(m.reserved2)))
+    return fail<R>(why, "PATH_FENCE: reserved bytes set");
+  if (all_zero(m.path_uuid, 16)) return fail<R>(why, "PATH_FENCE: nil path uuid");
+  R v;
+  std::memcpy(v.path_uuid.data(), m.path_uuid, 16);
+  v.recon_cnt = m.recon_cnt.get();
+  return v;
+}
+
+Result<FenceView> parse_fence_rsp(std::span<const std::byte> msg, std::string* why) {
+  using R = FenceView;
+  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<FenceRsp>(msg, MsgType::fence_rsp, "FENCE_RSP", why));
+  if (m.reserved0.get() != 0 || !all_zero(m.reserved1, sizeof(m.reserved1)))
+    return fail<R>(why, "FENCE_RSP: reserved bytes set");
+  if (m.status.get() != kFenceClosed && m.status.get() != kFenceNotLive)
+    return fail<R>(why, "FENCE_RSP: unknown status");
+  if (all_zero(m.path_uuid, 16)) return fail<R>(why, "FENCE_RSP: nil path uuid");
+  R v;
+  std::memcpy(v.path_uuid.data(), m.path_uuid, 16);
+  v.recon_cnt = m.recon_cnt.get();
+  v.status = m.status.get();
+  return v;
+}
+
+PathFence make_path_fence(const Uuid& path, uint16_t recon_cnt) {
+  PathFence m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::path_fence));
+  std::memcpy(m.path_uuid, path.data(), 16);
+  m.recon_cnt.set(recon_cnt);
+  return m;
+}
+
+FenceRsp make_fence_rsp(uint16_t status, const Uuid& path, uint16_t recon_cnt) {
+  FenceRsp m;
+  std::memset(&m, 0, sizeof(m));
+  m.type.set(static_cast<uint16_t>(MsgType::fence_rsp));
+  m.status.set(status);
+  std::memcpy(m.path_uuid, path.data(), 16);
+  m.recon_cnt.set(recon_cnt);
+  return m;
+}
+
 Result<AuthChallenge> make_auth_challenge(const AuthChallengeView& v) {
   if (v.seqnum == 0) return errc(EINVAL);
   AuthChallenge m;

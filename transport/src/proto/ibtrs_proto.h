@@ -32,13 +32,16 @@ namespace ibtrs::proto {
 
 inline constexpr uint16_t kMagic = 0x1BBD;       // RTRS's magic
 inline constexpr uint8_t kVersionMajor = 2;      // only the major must match (kernel rule)
-// 2.1: host authentication (AUTH_*); 2.2: chunk sets (kConRspChunkSets)
-inline constexpr uint8_t kVersionMinor = 2;
+// 2.1: host authentication (AUTH_*); 2.2: chunk sets (kConRspChunkSets); 2.3: the failover
+// fence (PATH_FENCE / FENCE_RSP, kConRspFence)
+inline constexpr uint8_t kVersionMinor = 3;
 inline constexpr uint16_t kVersion = (kVersionMajor << 8) | kVersionMinor;
 inline constexpr uint16_t version_major(uint16_t v) { return v >> 8; }
 inline constexpr uint16_t version_minor(uint16_t v) { return v & 0xff; }
 // The first minor version whose clients take kConRspChunkSets (older ones refuse the bit).
 inline constexpr uint8_t kMinorChunkSets = 2;
+// The first minor version whose clients take kConRspFence (older ones refuse unknown bits).
+inline constexpr uint8_t kMinorFence = 3;
 
 // Server defaults (kernel: rtrs-srv module parameters).
 inline constexpr uint32_t kDefaultChunkSize = 128 * 1024;  // max_chunk_size, power of two
@@ -82,7 +85,11 @@ inline constexpr uint32_t kConRspInvalidatePerIo = 1u << 0;  // chunk keys chang
 // contiguous range under one key per path. Sent only to a client whose CON_REQ has minor
 // version >= kMinorChunkSets, and never with kConRspInvalidatePerIo (a key per chunk).
 inline constexpr uint32_t kConRspChunkSets = 1u << 1;
-inline constexpr uint32_t kConRspKnownFlags = kConRspInvalidatePerIo | kConRspChunkSets;
+// The failover fence (2.3): the server answers PATH_FENCE on a path's service connection
+// (docs/protocol.md, "Failover fence"). Sent only to a client whose CON_REQ has minor version
+// >= kMinorFence. Without it a client fails writes over at once, as before.
+inline constexpr uint32_t kConRspFence = 1u << 2;
+inline constexpr uint32_t kConRspKnownFlags = kConRspInvalidatePerIo | kConRspChunkSets | kConRspFence;
 // The most chunks one request may span: a client takes a set's permits from one 64-bit word
 // of its permit bitmap at once.
 inline constexpr uint32_t kMaxSetChunks = 64;
@@ -119,6 +126,8 @@ enum class MsgType : uint16_t {
   auth_reply = 7,      // client -> server: the host's response (and its challenge back)
   auth_success = 8,    // server -> client: accepted (with the server's response)
   auth_failure = 9,    // server -> client: refused; the server closes the path
+  path_fence = 10,     // client -> server: close an incarnation of another path of the session
+  fence_rsp = 11,      // server -> client: nothing of that incarnation runs any more
 };
 
 // The type of a service message (INFO_*, AUTH_*), or EPROTO when it is shorter than a type.
@@ -244,6 +253,46 @@ struct AuthFailureView {
 };
 
 // ------------------------------------------------------------------------------------------
+// Failover fence (2.3, kConRspFence; docs/protocol.md, "Failover fence")
+//
+// A write failed over from a broken connection of path Y may still sit, landed but not yet
+// polled, at the server on Y. The client resends it only after PATH_FENCE {Y, recon_cnt} over
+// the service connection of another connected path is answered by FENCE_RSP: by then the
+// server has closed that incarnation of Y (or it was closed already), so its old copy either
+// started before the answer or never runs. Both messages are one exact size; the server looks
+// the path up in the carrier's session only.
+
+struct PathFence {
+  le16 type;              // MsgType::path_fence
+  le16 reserved0;         // 0
+  uint8_t path_uuid[16];  // the path to fence (its CON_REQ path_uuid)
+  le16 recon_cnt;         // the broken incarnation: it and every older one are fenced
+  le16 reserved1;         // 0
+  uint8_t reserved2[8];   // 0
+};
+IBTRS_WIRE_STRUCT(PathFence, 32);
+
+// FENCE_RSP status: both mean "fenced"; the difference is for statistics and logs.
+inline constexpr uint16_t kFenceClosed = 0;   // the named incarnation was live: closed now
+inline constexpr uint16_t kFenceNotLive = 1;  // unknown here, closed already, or superseded
+
+struct FenceRsp {
+  le16 type;              // MsgType::fence_rsp
+  le16 status;            // kFenceClosed, kFenceNotLive
+  uint8_t path_uuid[16];  // the PATH_FENCE's
+  le16 recon_cnt;         // the PATH_FENCE's
+  le16 reserved0;         // 0
+  uint8_t reserved1[8];   // 0
+};
+IBTRS_WIRE_STRUCT(FenceRsp, 32);
+
+struct FenceView {
+  Uuid path_uuid{};
+  uint16_t recon_cnt = 0;
+  uint16_t status = 0;  // FENCE_RSP only
+};
+
+// ------------------------------------------------------------------------------------------
 // IO messages, written at the end of a request in its chunk
 
 struct WriteMsg {
@@ -364,6 +413,11 @@ Result<AuthReplyView> parse_auth_reply(std::span<const std::byte> msg, std::stri
 Result<AuthSuccessView> parse_auth_success(std::span<const std::byte> msg, std::string* why);
 Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::string* why);
 
+// Fence messages: exact size, their type, reserved bytes zero, a non-nil path uuid; FENCE_RSP
+// a known status.
+Result<FenceView> parse_path_fence(std::span<const std::byte> msg, std::string* why);
+Result<FenceView> parse_fence_rsp(std::span<const std::byte> msg, std::string* why);
+
 // A request found in a chunk: the chunk's bytes, the immediate's offset of the IO message.
 struct WriteReq {
   std::span<const std::byte> data;  // in the chunk
@@ -421,6 +475,8 @@ Result<AuthChallenge> make_auth_challenge(const AuthChallengeView& v);
 Result<AuthReply> make_auth_reply(const AuthReplyView& v);
 AuthSuccess make_auth_success(const AuthSuccessView& v);
 AuthFailure make_auth_failure(uint16_t tid, int reason);
+PathFence make_path_fence(const Uuid& path, uint16_t recon_cnt);
+FenceRsp make_fence_rsp(uint16_t status, const Uuid& path, uint16_t recon_cnt);
 
 template <typename T>
 std::span<const std::byte> as_bytes_of(const T& v) {

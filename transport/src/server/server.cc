@@ -24,6 +24,7 @@
 #endif
 
 #include <algorithm>
+#include <bit>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -88,6 +89,12 @@ constexpr uint32_t kSvcSends = 16;
 constexpr uint32_t kSignalEvery = 16;
 constexpr uint32_t kRepostBatch = 16;
 constexpr uint16_t kMaxCidNum = 129;   // 128 IO connections + service
+// FENCE_RSP send slots per service connection, each busy from its post until its send
+// completes. An honest client has at most one fence per other path of the session unanswered
+// (ClientSession::kMaxPaths - 1), so a client that leaves more answers unacknowledged than
+// this is refused.
+constexpr uint32_t kFenceSlots = 16;
+static_assert(kFenceSlots <= 32, "one bit per slot in Con::fence_busy");
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(core::Clock::now().time_since_epoch())
@@ -142,6 +149,9 @@ struct Con final : core::CqHandler {
   std::atomic<uint32_t> bl_size{0};  // backlog.size(), for readers without the lock
   int64_t bl_progress_ns = 0;        // bl_mu: when the backlog started or last moved
   uint64_t bl_timer = 0;             // bl_mu: check_backlog's timer on `poller` (0: none)
+  // Service connection: FENCE_RSP slots whose send has not completed (bit i: slot i). Set by
+  // the worker when it posts an answer, cleared by the poller when the send completes.
+  std::atomic<uint32_t> fence_busy{0};
 
   void on_completions(std::span<Completion> wcs) override;
   void go_down();
@@ -222,6 +232,9 @@ struct Req final : ServerRequest {
 
   void complete(int err) override;
   void start(Con* c, uint32_t offset);
+  // Poller of c: a copy deferred behind a busy chunk gets its turn (or is dropped when its
+  // connection closed meanwhile).
+  void run_deferred(Con* c, uint32_t offset);
   // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
   // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
   // sets `*changed`; where the revoked key itself comes back (software providers) the client's
@@ -249,6 +262,9 @@ struct Session final : ServerSession {
   // later and ServerOptions::max_io_size), fixed by the session's first connection request.
   uint32_t max_io = 0;
   bool sets = false;
+  // The client learns of PATH_FENCE (kConRspFence): ServerOptions::path_fence and a client of
+  // 2.3 or later, fixed by the session's first connection request like `sets`.
+  bool fence = false;
   proto::ImmLayout layout;
   std::byte* chunks = nullptr;
   size_t chunks_len = 0;            // the chunks, then (always_invalidate) the RKEY_RSP slots
@@ -328,6 +344,7 @@ struct Impl {
   std::atomic<uint64_t> chunk_memory{0};
   std::vector<fabric::Listener::Drops> drops_seen;  // accept thread: drops already counted
 
+  std::atomic<uint64_t> fences_answered{0}, fences_closed{0};  // ServerUsage
   // Authentication outcomes (AuthCounters): refusals counted here, where they happen.
   struct {
     std::atomic<uint64_t> authenticated{0}, anonymous{0}, no_credentials{0}, unknown_host{0},
@@ -348,6 +365,7 @@ struct Impl {
   void send_info_rsp(Path* p);
   void send_auth_challenge(Path* p);
   void handle_auth_reply(Path* p, std::span<const std::byte> msg);
+  void handle_fence(Path* p, std::span<const std::byte> msg);
   void auth_failed(Path* p, int reason, std::atomic<uint64_t>& counter, const std::string& why);
   Status post_svc(Path* p, size_t area, std::span<const std::byte> msg);
   bool bind_host(Path* p, const std::string& host);
@@ -576,11 +594,33 @@ void Req::complete(int err) {
   if (next != nullptr) {
     Req* self = this;
     next->poller->post([self, next, next_off] {
-      self->start(next, next_off);
+      self->run_deferred(next, next_off);
       self->s->request_done();  // the deferral's own count
     });
   }
   ss.request_done();
+}
+
+void Req::run_deferred(Con* c, uint32_t offset) {
+  // A copy that arrived on a connection closed since (a broken one, or a path fenced by
+  // PATH_FENCE) never starts: its client fails it over, and after a fence the resent copy may
+  // already have run, with newer writes after it. close_path closes the gate before it waits
+  // for this poller, so a copy that saw it open has started by then.
+  if (c->gate.is_open()) {
+    start(c, offset);
+    return;
+  }
+  uint32_t busy = 1;
+  if (state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) return;
+  // Another copy was deferred behind this one meanwhile: its turn, on its connection's poller.
+  Con* next = deferred_con;
+  const uint32_t next_off = deferred_offset;
+  state.store(1, std::memory_order_release);
+  Req* self = this;
+  next->poller->post([self, next, next_off] {
+    self->run_deferred(next, next_off);
+    self->s->request_done();  // that deferral's own count
+  });
 }
 
 bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
@@ -775,6 +815,10 @@ void Con::on_completions(std::span<Completion> wcs) {
                              p->name.c_str(), imm);
           broken = true;
       }
+    } else if (wc.opcode == Opcode::send && cid == 0 && (wc.wr_id & 7) == kWrSvc &&
+               (wc.wr_id >> 3) != 0 && (wc.wr_id >> 3) <= kFenceSlots) {
+      // A FENCE_RSP is with the client: its slot may take the next answer.
+      fence_busy.fetch_and(~(1u << ((wc.wr_id >> 3) - 1)), std::memory_order_acq_rel);
     } else if (wc.opcode == Opcode::recv) {
       if (cid != 0) {
         srv.protocol_error("session %s path %s: message on an IO connection", s.name_.c_str(),
@@ -920,6 +964,7 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr, std::string_view* re
     s->max_io = opts.max_io_size;
     s->sets = true;
   }
+  s->fence = opts.path_fence && proto::version_minor(cr.version.get()) >= proto::kMinorFence;
   s->chunks_len = chunk_bytes;
   if (s->invalidate) s->chunks_len += (sizeof(proto::RkeyRsp) * s->qd + 4095) & ~size_t{4095};
   // Lazily backed: a session costs only what its requests touch.
@@ -1117,8 +1162,9 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   c->cq = std::move(*cq);
   c->poller->run_sync([c] { c->poller->attach(c->cq.get(), c); });
   if (cid == 0) {
-    // RECV slots, INFO_RSP, then two send areas for the AUTH_* messages.
-    c->svc_len = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd) + 2 * size_t{kSvcSlot};
+    // RECV slots, INFO_RSP, two send areas for the AUTH_* messages, the FENCE_RSP slots.
+    c->svc_len = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd) + 2 * size_t{kSvcSlot} +
+                 kFenceSlots * sizeof(proto::FenceRsp);
     c->svc_buf = std::make_unique<std::byte[]>(c->svc_len);
     auto mr = d.register_memory(c->svc_buf.get(), c->svc_len, fabric::kLocalWrite);
     if (!mr.ok()) {
@@ -1131,7 +1177,8 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
   ev.on_disconnected = [c](std::error_code) { c->failed.store(true, std::memory_order_release); };
   auto rsp = proto::make_con_rsp(0, s->qd, s->chunk_size, s->max_hdr,
                                  (s->invalidate ? proto::kConRspInvalidatePerIo : 0) |
-                                     (s->sets ? proto::kConRspChunkSets : 0),
+                                     (s->sets ? proto::kConRspChunkSets : 0) |
+                                     (s->fence ? proto::kConRspFence : 0),
                                  s->max_io);
   IBTRS_ASSIGN_OR_RETURN(c->conn,
                          req.accept(d, *c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
@@ -1160,6 +1207,7 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
     return;
   }
   if (type.ok() && *type == proto::MsgType::auth_reply) return handle_auth_reply(p, msg);
+  if (type.ok() && *type == proto::MsgType::path_fence) return handle_fence(p, msg);
   std::string why;
   auto info = proto::parse_info_req(msg, &why);
   if (!info.ok() || p->state.get() != ServerPathState::connecting || p->accepted != p->cid_num ||
@@ -1347,6 +1395,76 @@ void Impl::auth_failed(Path* p, int reason, std::atomic<uint64_t>& counter, cons
       if (Path* pp = lookup(id)) close_path(pp, "authentication refused");
     });
   }));
+}
+
+// Worker: PATH_FENCE on path p's service connection (docs/protocol.md, "Failover fence"). The
+// named path is looked up in p's own session only: a client reaches no other session's paths.
+// close_path returns only once the fenced connections' pollers are between batches and their
+// CQs detached, so when the answer leaves nothing of that incarnation can start any more.
+void Impl::handle_fence(Path* p, std::span<const std::byte> msg) {
+  Session* s = p->s;
+  std::string why;
+  auto f = proto::parse_path_fence(msg, &why);
+  if (f.ok() && !s->fence) why = "PATH_FENCE without kConRspFence";
+  if (f.ok() && p->state.get() != ServerPathState::connected) why = "PATH_FENCE on a path not connected";
+  if (f.ok() && f->path_uuid == p->uuid) why = "PATH_FENCE names the path it came on";
+  if (!why.empty()) {
+    protocol_error("session %s path %s: %s", s->name_.c_str(), p->name.c_str(), why.c_str());
+    close_path(p, "bad PATH_FENCE");
+    return;
+  }
+  Path* target = nullptr;
+  {
+    std::lock_guard lock(s->mu);
+    for (Path* q : s->live)
+      if (q->uuid == f->path_uuid) target = q;
+  }
+  uint16_t status = proto::kFenceNotLive;
+  if (target == nullptr) {
+    IBTRS_LOG(info, "session %s: fence of incarnation %u of a path not live here (asked over %s)",
+              s->name_.c_str(), f->recon_cnt, p->name.c_str());
+  } else if (static_cast<int16_t>(target->recon_cnt - f->recon_cnt) > 0) {
+    // A newer incarnation is live: accepting it closed the named one (handle_connect).
+    IBTRS_LOG(info, "session %s: fence of path %s incarnation %u: superseded by %u (asked over %s)",
+              s->name_.c_str(), target->name.c_str(), f->recon_cnt, target->recon_cnt,
+              p->name.c_str());
+  } else {
+    const std::string reason = "fenced by the client over path " + p->name + " (incarnation " +
+                               std::to_string(target->recon_cnt) + ")";
+    close_path(target, reason.c_str());
+    status = proto::kFenceClosed;
+    fences_closed.fetch_add(1, std::memory_order_relaxed);
+  }
+  Con* svc = p->cons[0].get();
+  if (!svc->conn) return;  // p closed meanwhile: its client asks again elsewhere
+  uint32_t busy = svc->fence_busy.load(std::memory_order_acquire);
+  uint32_t slot = kFenceSlots;
+  for (;;) {
+    slot = static_cast<uint32_t>(std::countr_one(busy));
+    if (slot >= kFenceSlots) break;
+    if (svc->fence_busy.compare_exchange_weak(busy, busy | (1u << slot), std::memory_order_acq_rel)) break;
+  }
+  if (slot >= kFenceSlots) {
+    protocol_error("session %s path %s: %u FENCE_RSP unacknowledged", s->name_.c_str(),
+                   p->name.c_str(), kFenceSlots);
+    close_path(p, "too many PATH_FENCE");
+    return;
+  }
+  const auto rsp = proto::make_fence_rsp(status, f->path_uuid, f->recon_cnt);
+  const size_t off = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd) + 2 * size_t{kSvcSlot} +
+                     size_t{slot} * sizeof(rsp);
+  std::memcpy(svc->svc_buf.get() + off, &rsp, sizeof(rsp));
+  Sge sge = svc->svc_mr->sge(off, sizeof(rsp));
+  SendWr wr{};
+  wr.wr_id = wr_id(kWrSvc, slot + 1);
+  wr.opcode = Opcode::send;
+  wr.sg_list = std::span(&sge, 1);
+  if (!svc->conn->post_send(std::span(&wr, 1)).ok()) {
+    svc->fence_busy.fetch_and(~(1u << slot), std::memory_order_acq_rel);
+    close_path(p, "cannot send FENCE_RSP");
+    return;
+  }
+  fences_answered.fetch_add(1, std::memory_order_relaxed);
 }
 
 // Worker: the path is admitted: the chunks' keys go to the client and the path carries IO.
@@ -1697,6 +1815,8 @@ std::vector<IoThreadWaitStats> Server::io_thread_stats() const {
 ServerUsage Server::usage() const {
   ServerUsage u;
   u.chunk_memory = impl_->chunk_memory.load();
+  u.fences_answered = impl_->fences_answered.load(std::memory_order_relaxed);
+  u.fences_closed = impl_->fences_closed.load(std::memory_order_relaxed);
   std::lock_guard lock(impl_->mu);
   u.sessions = static_cast<uint32_t>(impl_->sessions.size());
   for (auto& [id, s] : impl_->sessions) {

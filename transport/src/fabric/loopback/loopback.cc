@@ -47,11 +47,13 @@ uint32_t FaultInjector::hits(uint64_t id) const {
   return 0;
 }
 
-std::optional<FaultRule> FaultInjector::match(Opcode op, const std::string& endpoint, Direction dir) {
+std::optional<FaultRule> FaultInjector::match(Opcode op, const std::string& endpoint, Direction dir,
+                                             uint64_t bytes) {
   std::lock_guard lock(mu_);
   for (Entry& e : rules_) {
     const FaultRule& r = e.rule;
     if (r.opcode && *r.opcode != op) continue;
+    if (bytes < r.min_bytes) continue;
     if (!r.endpoint.empty() && r.endpoint != endpoint) continue;
     if (r.direction != Direction::any && r.direction != dir) continue;
     if (r.count != 0 && e.applied >= r.count) continue;
@@ -102,6 +104,7 @@ struct Frame {
   bool signaled = true;
   bool drop = false;
   WcStatus fail = WcStatus::success;  // set by an error fault
+  Clock::duration late{0};            // late_completion: the receiver's CQE shows this much later
   Sge sges[kMaxSge];
   uint32_t nsge = 0;
   uint64_t total = 0;
@@ -152,10 +155,16 @@ class LbCq final : public CompletionQueue {
     r = ::read(tfd_, &v, sizeof(v));
   }
 
-  // World lock held.
-  void push(const Completion& c) {
-    ring_.push_back(c);
-    signal();
+  // World lock held. A completion shows at `at` (late_completion), and never before the ones
+  // ahead of it: a CQ is polled in order.
+  void push(const Completion& c, Clock::time_point at = {}) {
+    if (!ring_.empty()) at = std::max(at, ring_.back().at);
+    ring_.push_back(Entry{c, at});
+    if (at > Clock::now()) {
+      wake_at(at);
+    } else {
+      signal();
+    }
   }
   void signal() {
     uint64_t one = 1;
@@ -190,7 +199,7 @@ class LbCq final : public CompletionQueue {
     if (t) timer_at_ = *t;
   }
   // After delivering: the timer follows the earliest frame still waiting. World lock held.
-  void rearm_for_pending();
+  void rearm_for_pending(Clock::time_point now);
 
   int fd_ = -1;
   int efd_ = -1;
@@ -198,12 +207,21 @@ class LbCq final : public CompletionQueue {
   bool timer_armed_ = false;
   Clock::time_point timer_at_{};
   uint32_t reserved_ = 0;
-  std::deque<Completion> ring_;
+  struct Entry {
+    Completion c;
+    Clock::time_point at;  // shows from then on
+  };
+  std::deque<Entry> ring_;
   friend class LbConnection;
-  size_t drain(std::span<Completion> out) {
-    size_t n = std::min(out.size(), ring_.size());
-    for (size_t i = 0; i < n; ++i) {
-      out[i] = ring_.front();
+  // When the first completion not yet shown falls due; nullopt: none is held back.
+  std::optional<Clock::time_point> held_until(Clock::time_point now) const {
+    if (ring_.empty() || ring_.front().at <= now) return std::nullopt;
+    return ring_.front().at;
+  }
+  size_t drain(std::span<Completion> out, Clock::time_point now) {
+    size_t n = 0;
+    while (n < out.size() && !ring_.empty() && ring_.front().at <= now) {
+      out[n++] = ring_.front().c;
       ring_.pop_front();
     }
     return n;
@@ -341,10 +359,11 @@ ibtrs::Status LbConnection::post_send(std::span<const SendWr> wrs) {
     f.rkey = wr.rkey;
     f.imm = wr.imm;
     f.due = outq_.empty() ? now : std::max(now, outq_.back().due);
-    if (auto rule = faults().match(wr.opcode, endpoint_, dir)) {
+    if (auto rule = faults().match(wr.opcode, endpoint_, dir, f.total)) {
       switch (rule->action) {
         case FaultAction::drop: f.drop = true; break;
         case FaultAction::delay: f.due += rule->delay; break;
+        case FaultAction::late_completion: f.late = rule->delay; break;
         case FaultAction::error: f.fail = rule->status; break;
         case FaultAction::disconnect:
           outq_.push_back(f);
@@ -440,7 +459,8 @@ void LbConnection::deliver(Clock::time_point now) {
         return;
       }
       p.cq_.push(Completion{r.wr_id, WcStatus::success, Opcode::recv,
-                            static_cast<uint32_t>(f.total), 0, false});
+                            static_cast<uint32_t>(f.total), 0, false},
+                 f.late.count() > 0 ? now + f.late : Clock::time_point{});
       p.rq_.pop_front();
     } else {
       if (f.total > 0) {
@@ -461,7 +481,8 @@ void LbConnection::deliver(Clock::time_point now) {
       if (f.op == Opcode::write_with_imm) {
         Recv& r = p.rq_.front();
         p.cq_.push(Completion{r.wr_id, WcStatus::success, Opcode::recv_rdma_with_imm,
-                              static_cast<uint32_t>(f.total), f.imm, true});
+                              static_cast<uint32_t>(f.total), f.imm, true},
+                   f.late.count() > 0 ? now + f.late : Clock::time_point{});
         p.rq_.pop_front();
       }
     }
@@ -498,15 +519,15 @@ size_t LbCq::poll(std::span<Completion> out) {
       if (c->peer() != nullptr) c->peer()->deliver(now);
     }
     for (LbConnection* c : conns) c->settle(deferred);
-    rearm_for_pending();
-    n = drain(out);
+    rearm_for_pending(now);
+    n = drain(out, now);
   }
   run(deferred);
   return n;
 }
 
-void LbCq::rearm_for_pending() {
-  std::optional<Clock::time_point> next;
+void LbCq::rearm_for_pending(Clock::time_point now) {
+  std::optional<Clock::time_point> next = held_until(now);
   auto consider = [&](const LbConnection* c) {
     if (c == nullptr) return;
     if (auto d = c->next_due(); d && (!next || *d < *next)) next = d;
@@ -528,6 +549,7 @@ size_t LbCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout) 
     auto until = deadline;
     {
       std::lock_guard lock(world_mu());
+      if (auto h = held_until(now)) until = std::min(until, *h);
       for (LbConnection* c : conns) {
         if (auto d = c->next_due()) until = std::min(until, *d);
         if (c->peer() != nullptr) {

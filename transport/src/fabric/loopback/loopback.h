@@ -29,6 +29,12 @@ enum class FaultAction : uint8_t {
   delay,       // delivered `delay` later (and everything after it on that connection too)
   error,       // the request completes with `status` at the sender; the connection breaks
   disconnect,  // the connection breaks before the request is delivered (it flushes)
+  // Delivered now (the bytes are in the receiver's memory, the RECV is taken, the sender's
+  // completion is a success), but the receiver's completion shows in its CQ only `delay`
+  // later, even if the connection breaks meanwhile: a CQE written that the receiver has not
+  // polled yet (a stalled poller). CQ order holds: what completes behind it in the receiver's
+  // CQ, the flush of a break included, shows no earlier.
+  late_completion,
 };
 
 enum class Direction : uint8_t { any, to_server, to_client };
@@ -40,8 +46,9 @@ struct FaultRule {
   Direction direction = Direction::any;  // only requests travelling this way
   uint32_t skip = 0;                     // let this many matching requests pass first
   uint32_t count = 1;                    // apply to this many matching requests (0 = forever)
-  std::chrono::microseconds delay{0};    // for delay
+  std::chrono::microseconds delay{0};    // for delay and late_completion
   WcStatus status = WcStatus::remote_operation_error;  // for error
+  uint64_t min_bytes = 0;                // only requests carrying at least this many bytes
 };
 
 class FaultInjector {
@@ -54,7 +61,8 @@ class FaultInjector {
   uint32_t hits(uint64_t id) const;
 
   // Provider side: the action for this request, if any (consumes budget).
-  std::optional<FaultRule> match(Opcode op, const std::string& endpoint, Direction dir);
+  std::optional<FaultRule> match(Opcode op, const std::string& endpoint, Direction dir,
+                                 uint64_t bytes = 0);
 
  private:
   struct Entry {
