@@ -92,12 +92,14 @@ class MemSink final : public Sink {
   uint64_t size() const override { return b.size(); }
   ibtrs::Status write_at(uint64_t off, std::span<const std::byte> data) override {
     EXPECT_LE(off + data.size(), b.size());
+    if (off + data.size() > b.size()) return ibtrs::errc(EIO);
     std::memcpy(b.data() + off, data.data(), data.size());
     ++writes;
     return {};
   }
   ibtrs::Status discard(uint64_t off, uint64_t len) override {
     EXPECT_LE(off + len, b.size());
+    if (off + len > b.size()) return ibtrs::errc(EIO);
     std::memset(b.data() + off, 0, len);
     return {};
   }
