@@ -376,7 +376,7 @@ lw_run() {
   case $st in
     *logging_disabled*) echo "# log-writes: the log stopped (log device full? --log-size $LOG_SIZE): $st"; return 1 ;;
   esac
-  timeout 60 dmsetup remove --retry "$DM" || { echo "# log-writes: dmsetup remove failed"; return 1; }
+  timeout -k 10 60 dmsetup remove --retry "$DM" || { echo "# log-writes: dmsetup remove failed"; return 1; }
   HAVE_DM=0
   losetup -d "$LOGLOOP"
   LOGLOOP=""
