@@ -10,7 +10,8 @@
 #   tests/vm/run-in-vm.sh [--modprobe ...] -- bash tools/soak/soak-vm.sh BUILD_DIR
 #        [--target ublk|nbd-kernel] [--seed N] [--duration 60s] [--faults all|K1,K2,...]
 #        [--size 64M] [--netem 'delay 2ms 1ms loss 0.5% duplicate 0.5% reorder 10%']
-#        [--json FILE] [--keep] [--ext4] [-- IBNBD-SOAK ARGS...]
+#        [--json FILE] [--keep] [--ext4 [--log-writes [--log-size 256M] [--log-points 40]]]
+#        [-- IBNBD-SOAK ARGS...]
 #   bash tools/soak/soak-vm.sh hook start|stop KIND [ARGS]    (ibnbd-soak calls it; SOAK_WORK set)
 #
 # Paths: A tcp:198.18.0.1@tcp:198.18.0.2:12381, B the same to port 12382 (the rig has one address
@@ -127,23 +128,35 @@ env_hook() {
 # ---- run mode -------------------------------------------------------------------------------
 
 skip() { echo "1..0 # SKIP $*"; exit 77; }
-NETEM="" EXT4=0
+NETEM="" EXT4=0 LOGW=0 LOG_SIZE=256M LOG_POINTS=40
 env_option() {
   case $1 in
     --netem) NETEM=$2 took=2 ;;
     --ext4) EXT4=1 took=1 ;;
+    --log-writes) LOGW=1 took=1 ;;
+    --log-size) LOG_SIZE=$2 took=2 ;;
+    --log-points) LOG_POINTS=$2 took=2 ;;
   esac
 }
 parse_run_args ublk "$@"
 case $TARGET in ublk | nbd-kernel) ;; *) echo "soak-vm.sh: --target ublk or nbd-kernel" >&2; exit 2 ;; esac
 SIZE_BYTES=$(numfmt --from=iec "$SIZE") && [ $((SIZE_BYTES % 4096)) = 0 ] ||
   { echo "soak-vm.sh: bad --size $SIZE (a multiple of 4 KiB)" >&2; exit 2; }
+if [ "$LOGW" = 1 ]; then
+  [ "$EXT4" = 1 ] || { echo "soak-vm.sh: --log-writes goes with --ext4" >&2; exit 2; }
+  if ! LOG_BYTES=$(numfmt --from=iec "$LOG_SIZE") || [ $((LOG_BYTES % 4096)) != 0 ] || [ "$LOG_BYTES" = 0 ]; then
+    echo "soak-vm.sh: bad --log-size $LOG_SIZE (a multiple of 4 KiB)" >&2
+    exit 2
+  fi
+  if ! [[ $LOG_POINTS =~ ^[1-9][0-9]*$ ]]; then echo "soak-vm.sh: bad --log-points $LOG_POINTS (1 or more)" >&2; exit 2; fi
+fi
 
 [ "${IBTRS_VM:-}" = 1 ] || skip "not inside the VM rig: run it through tests/vm/run-in-vm.sh"
 [ "$(id -u)" = 0 ] || skip "not root"
 SRV=$BUILD/server/ibnbd-server CLD=$BUILD/client/daemon/ibnbd-client CLI=$BUILD/client/cli/ibnbd
-SOAK=$BUILD/tools/soak/ibnbd-soak
+SOAK=$BUILD/tools/soak/ibnbd-soak REPLAY=$BUILD/tools/soak/ibnbd-log-replay
 for b in "$SRV" "$CLD" "$CLI" "$SOAK"; do [ -x "$b" ] || skip "$b not built"; done
+[ "$LOGW" = 0 ] || [ -x "$REPLAY" ] || skip "$REPLAY not built"
 for t in jq python3 tc losetup numfmt; do command -v "$t" >/dev/null || skip "no $t"; done
 if [ "$TARGET" = ublk ]; then
   [ -e /dev/ublk-control ] || skip "no /dev/ublk-control (ublk_drv)"
@@ -154,12 +167,15 @@ fi
 
 WORK=$(mktemp -d /tmp/ibnbd-soakvm.XXXXXX)  # the guest's overlay: RAM
 DM=ibnbd-soakvm-$$ VOL=ibnbd-soakvm-$$ LOOP="" HAVE_DM=0 MOUNTED_TMPFS=0 CLSACT=0 NETEM_ON=0 NBD=""
+LOGLOOP="" MOUNTED_LOGFS=0 CHECK_MNT="" CHECK_LOOP=""
 
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM HUP
   [ -n "${SOAK_PID:-}" ] && kill -TERM "$SOAK_PID" 2>/dev/null && wait "$SOAK_PID" 2>/dev/null
   [ -n "${MNT:-}" ] && timeout 60 umount "$MNT" 2>/dev/null
+  [ -n "$CHECK_MNT" ] && timeout 60 umount "$CHECK_MNT" 2>/dev/null
+  [ -n "$CHECK_LOOP" ] && losetup -d "$CHECK_LOOP" 2>/dev/null
   [ -n "$NBD" ] && timeout 20 nbd-client -d "$NBD" >/dev/null 2>&1
   stop_daemons
   block_port "$PORT_A" del
@@ -168,7 +184,9 @@ cleanup() {
   if [ "$NETEM_ON" = 1 ]; then tc qdisc del dev "$NET_A" root 2>/dev/null; tc qdisc del dev "$NET_B" root 2>/dev/null; fi
   [ "$HAVE_DM" = 1 ] && timeout 30 dmsetup remove --retry "$DM" 2>/dev/null
   [ -n "$LOOP" ] && losetup -d "$LOOP" 2>/dev/null
+  [ -n "$LOGLOOP" ] && losetup -d "$LOGLOOP" 2>/dev/null
   [ "$MOUNTED_TMPFS" = 1 ] && umount -l "$WORK/tmpfs" 2>/dev/null
+  [ "$MOUNTED_LOGFS" = 1 ] && umount -l "$WORK/logfs" 2>/dev/null
   if [ "$KEEP" = 1 ]; then echo "# soak-vm.sh: logs kept in $WORK (the guest's RAM)"; else rm -rf "$WORK"; fi
   exit "$rc"
 }
@@ -188,7 +206,28 @@ EXPORT_DIR=$WORK/tmpfs VOL=vol.img
 modprobe -q loop 2>/dev/null
 modprobe -q dm_mod 2>/dev/null
 modprobe -q dm_delay 2>/dev/null
-if [ "${SOAK_VM_NO_DM:-0}" != 1 ] && command -v dmsetup >/dev/null && LOOP=$(losetup -f --show "$WORK/tmpfs/vol.img" 2>"$WORK/dm.err") &&
+if [ "$LOGW" = 1 ]; then
+  # --log-writes: dm-log-writes over the data's loop device, logging to a second loop device on
+  # a tmpfs of its own (--log-size; the replays' images go there too). The kernel logs from the
+  # table's load: mkfs is in the log, and a replay starts from zeroes, as the data file did.
+  command -v dmsetup >/dev/null || skip "no dmsetup"
+  modprobe dm_log_writes >"$WORK/dm.err" 2>&1
+  timeout 30 dmsetup targets 2>/dev/null | grep -q '^log-writes ' ||
+    skip "the VM kernel has no dm-log-writes target ($(uname -r): modprobe dm_log_writes said '$(tail -1 "$WORK/dm.err")')"
+  mkdir -p "$WORK/logfs" "$WORK/check-mnt"
+  mount -t tmpfs -o "size=$((LOG_BYTES + 3 * SIZE_BYTES + (16 << 20)))" ibnbd-soakvm-log "$WORK/logfs" ||
+    skip "cannot mount a tmpfs for the log"
+  MOUNTED_LOGFS=1
+  truncate -s "$LOG_BYTES" "$WORK/logfs/log.img"
+  if ! LOOP=$(losetup -f --show "$WORK/tmpfs/vol.img") || ! LOGLOOP=$(losetup -f --show "$WORK/logfs/log.img") ||
+     ! echo "0 $((SIZE_BYTES / 512)) log-writes $LOOP $LOGLOOP" | timeout 60 dmsetup create --noudevsync "$DM" 2>>"$WORK/dm.err"; then
+    echo "soak-vm.sh: the dm-log-writes backend: $(tail -1 "$WORK/dm.err")" >&2
+    exit 3
+  fi
+  HAVE_DM=1
+  dmsetup mknodes "$DM" 2>/dev/null
+  EXPORT_DIR=/dev/mapper VOL=$DM
+elif [ "${SOAK_VM_NO_DM:-0}" != 1 ] && command -v dmsetup >/dev/null && LOOP=$(losetup -f --show "$WORK/tmpfs/vol.img" 2>"$WORK/dm.err") &&
    dm_table | dmsetup create --noudevsync "$DM" 2>>"$WORK/dm.err"; then
   HAVE_DM=1
   dmsetup mknodes "$DM" 2>/dev/null
@@ -260,6 +299,150 @@ else
   DEV=$NBD
 fi
 
+# ---- --log-writes: the log's durable points, replayed and checked -----------------------------
+
+# lw_mark NAME: a mark in the log. The kernel keeps sectorsize - 33 bytes of a name (479 here) and
+# the name is one word of `dmsetup message`: ours are "mkfs", "sQ" and "dQ".
+lw_mark() { timeout 30 dmsetup message "$DM" 0 mark "$1"; }
+
+# lw_expect Q: the files that must read back at mark dQ, as `sha256sum -c` input: each file's
+# last write up to Q, when that write was recorded durable (a failed one leaves its file unknown
+# until it is written again). The writer is sequential: at dQ no other write is in flight.
+lw_expect() {
+  awk -v q="$1" '$2 <= q { st[$3] = ($1 == "d") ? $4 : "" }
+    END { for (f in st) if (st[f] != "") print st[f] "  " f }' "$WORK/marks"
+}
+
+# lw_check_image IMAGE Q INDEX: is IMAGE (a replay up to log entry INDEX, mark dQ) what a power
+# loss there may leave? Journal recovery by mounting it, every file of lw_expect Q as recorded,
+# then a clean e2fsck -fn. Mount + umount, then -fn, as xfstests' log-writes tests do: e2fsck -fn
+# alone reports as damage what the journal still has to replay, and e2fsck -fy returns 1 both
+# for a journal replayed and for real damage it repaired, so neither tells a consistent crash
+# image from a broken one; the kernel's recovery is what a machine does after a power loss, and
+# after it nothing may be left to fix. Prints each violation; returns 1 when there was one.
+lw_check_image() {
+  local img=$1 q=$2 idx=$3 where bad=0
+  where="at mark d$q (log entry $idx)"
+  lw_expect "$q" >"$WORK/lw.expect"
+  CHECK_LOOP=$(losetup -f --show "$img") || { echo "# log-writes: losetup $img failed"; return 1; }
+  if ! timeout 60 mount -t ext4 -o noatime "$CHECK_LOOP" "$WORK/check-mnt" 2>"$WORK/lw.mount"; then
+    echo "VIOLATION $where: the file system does not mount: $(tail -1 "$WORK/lw.mount"); $(dmesg | tail -n 2 | tr '\n' ' ')"
+    losetup -d "$CHECK_LOOP"
+    CHECK_LOOP=""
+    return 1
+  fi
+  CHECK_MNT=$WORK/check-mnt
+  if ! (cd "$CHECK_MNT" && timeout 120 sha256sum -c --quiet "$WORK/lw.expect") >"$WORK/lw.sum" 2>&1; then
+    grep -v '^sha256sum: ' "$WORK/lw.sum" | head -n 5 | sed "s/^/VIOLATION $where: file /"
+    bad=1
+  fi
+  timeout 60 umount "$CHECK_MNT" || { echo "# log-writes: umount failed"; return 1; }
+  CHECK_MNT=""
+  if ! timeout 120 e2fsck -fn "$CHECK_LOOP" >"$WORK/lw.fsck" 2>&1; then
+    echo "VIOLATION $where: e2fsck -fn after journal recovery: $(grep -v '^e2fsck\|^Pass\|^$' "$WORK/lw.fsck" | head -n 3 | tr '\n' ' ')"
+    bad=1
+  fi
+  losetup -d "$CHECK_LOOP"
+  CHECK_LOOP=""
+  return "$bad"
+}
+
+# lap VAR: adds the microseconds since the last lap (LAP_T) to VAR; bash 5's EPOCHREALTIME, no
+# fork (a fork costs milliseconds under TCG)
+lap() {
+  local -n acc=$1
+  local u=${EPOCHREALTIME/[.,]/}
+  acc=$((acc + u - LAP_T))
+  LAP_T=$u
+}
+# secs US: microseconds as seconds with one decimal
+secs() { echo "$(($1 / 1000000)).$(($1 % 1000000 / 100000))"; }
+
+# lw_replay ARGS...: ibnbd-log-replay on the run's log, bounded
+lw_replay() { timeout 300 "$REPLAY" --log "$WORK/logfs/log.img" "$@"; }
+
+# lw_run: after the run, the daemons stopped. Removes the dm-log-writes device (its destructor
+# logs a last mark and writes the super's final count), then replays the log onto a zeroed image
+# up to the mkfs mark and from there, incrementally, to each checked durable mark dQ: all of
+# them when there are at most --log-points, else a sample drawn from the seed plus the last. A
+# copy of the image at each point goes through lw_check_image. Then the checker's self-check: a
+# replay to the last mark of a new file's write, leaving out the largest write logged between
+# its sQ and dQ marks, must be caught. Returns 1 on a violation or a missed self-check.
+lw_run() {
+  local lw=$WORK/logfs img st entries n checked=0 bad=0 prev idx q t0=$SECONDS
+  local us_replay=0 us_copy=0 us_check=0
+  img=$lw/replay.img
+  st=$(timeout 30 dmsetup status "$DM") || { echo "# log-writes: dmsetup status failed"; return 1; }
+  case $st in
+    *logging_disabled*) echo "# log-writes: the log stopped (log device full? --log-size $LOG_SIZE): $st"; return 1 ;;
+  esac
+  timeout -k 10 60 dmsetup remove --retry "$DM" || { echo "# log-writes: dmsetup remove failed"; return 1; }
+  HAVE_DM=0
+  losetup -d "$LOGLOOP"
+  LOGLOOP=""
+  lw_replay --list >"$WORK/lw.list" 2>"$WORK/lw.err" || { echo "# log-writes: the log does not read: $(cat "$WORK/lw.err")"; return 1; }
+  entries=$(grep -vc '^#' "$WORK/lw.list")
+  awk '$2 == "MARK" && $5 ~ /^d[0-9]+$/ { print $1, substr($5, 2) }' "$WORK/lw.list" >"$WORK/lw.durable"
+  awk '$2 == "MARK" && $5 ~ /^s[0-9]+$/ { print $1, substr($5, 2) }' "$WORK/lw.list" >"$WORK/lw.starts"
+  n=$(wc -l <"$WORK/lw.durable")
+  [ "$n" -gt 0 ] || { echo "# log-writes: no durable mark in the log ($entries entries)"; return 1; }
+  # The sample, in log order: selection sampling (Knuth's algorithm S) of k - 1 of the first
+  # n - 1 points, seeded, and the last (awk: python's start-up costs seconds under TCG).
+  awk -v seed="$SEED" -v k="$LOG_POINTS" -v n="$n" 'BEGIN { srand(seed); need = k - 1 }
+    n <= k || NR == n { print; next }
+    rand() * (n - NR) < need { print; need-- }' "$WORK/lw.durable" >"$WORK/lw.points" || return 1
+  truncate -s "$SIZE_BYTES" "$img"
+  lw_replay --target "$img" --replay-to mark:mkfs >/dev/null 2>"$WORK/lw.err" ||
+    { echo "# log-writes: replay to mark:mkfs: $(cat "$WORK/lw.err")"; return 1; }
+  prev=mark:mkfs
+  # fd 3: nothing in the loop reads the list from stdin by mistake
+  while read -r idx q <&3; do
+    LAP_T=${EPOCHREALTIME/[.,]/}
+    lw_replay --target "$img" --start-after "$prev" --replay-to "$idx" >/dev/null 2>"$WORK/lw.err" ||
+      { echo "# log-writes: replay to entry $idx: $(cat "$WORK/lw.err")"; return 1; }
+    prev=$idx
+    lap us_replay
+    cp --sparse=always "$img" "$lw/check.img" || return 1
+    lap us_copy
+    lw_check_image "$lw/check.img" "$q" "$idx" || bad=$((bad + 1))
+    lap us_check
+    rm -f "$lw/check.img"
+    checked=$((checked + 1))
+  done 3<"$WORK/lw.points"
+  echo "== log-writes: $entries log entries ($(du -m "$WORK/logfs/log.img" | cut -f1) MiB), $n durable marks, $checked checked (seed $SEED) in $((SECONDS - t0)) s (replays $(secs $us_replay) s, copies $(secs $us_copy) s, mount+files+fsck $(secs $us_check) s), points with a violation: $bad"
+  lw_self_check || bad=1
+  [ "$bad" = 0 ]
+}
+
+# lw_self_check: the check must fail on a broken stack. The last durable mark of a file's first
+# write (a new file: its data and its metadata are both new, so leaving out either shows), the
+# largest write logged between its sQ and dQ, and a replay without it: lw_check_image must report.
+lw_self_check() {
+  local q idx sidx f drop out
+  while read -r idx q; do
+    f=$(awk -v q="$q" '$1 == "s" && $2 == q { print $3 }' "$WORK/marks")
+    [ -n "$f" ] || continue
+    [ "$(awk -v f="$f" '$1 == "s" && $3 == f { print $2; exit }' "$WORK/marks")" = "$q" ] || continue
+    sidx=$(awk -v q="$q" '$2 == q { print $1 }' "$WORK/lw.starts")
+    [ -n "$sidx" ] || continue
+    drop=$(awk -v a="$sidx" -v b="$idx" '!/^#/ && $1 > a && $1 < b && $2 ~ /^WRITE/ && $4 > 0 && $4 > best { best = $4; e = $1 }
+      END { if (e != "") print e }' "$WORK/lw.list")
+    [ -n "$drop" ] && break
+  done < <(tac "$WORK/lw.durable")
+  [ -n "${drop:-}" ] || { echo "# log-writes self-check: no new file's write with a logged write to leave out"; return 1; }
+  rm -f "$WORK/logfs/self.img"
+  truncate -s "$SIZE_BYTES" "$WORK/logfs/self.img"
+  lw_replay --target "$WORK/logfs/self.img" --replay-to "$idx" --drop "$drop" >/dev/null 2>"$WORK/lw.err" ||
+    { echo "# log-writes self-check: replay: $(cat "$WORK/lw.err")"; return 1; }
+  out=$(lw_check_image "$WORK/logfs/self.img" "$q" "$idx")
+  rm -f "$WORK/logfs/self.img"
+  if [ -z "$out" ]; then
+    echo "# log-writes self-check FAILED: a replay to d$q (entry $idx) without entry $drop ($(awk -v e="$drop" '$1 == e { print $3 "+" $4 }' "$WORK/lw.list") blocks, a write of new file $f) passed the check"
+    return 1
+  fi
+  echo "== log-writes self-check: without entry $drop (a write between s$q and d$q, new file $f) the check reports: $(echo "$out" | head -n 1 | cut -c1-160)"
+}
+
 # ext4_run: --ext4 instead of ibnbd-soak. ext4 on the device; a writer creates files (4 KiB to
 # 256 KiB of random bytes) and rewrites old ones in place, each made durable (dd conv=fsync,
 # then syncfs) before its checksum is recorded outside the device; meanwhile the faults of
@@ -274,14 +457,29 @@ ext4_run() {
     timeout 60 mount "$DEV" "$mnt" || { echo "soak-vm.sh: mkfs.ext4 + mount: $(tail -2 "$WORK/mkfs.log")" >&2; return 3; }
   MNT=$mnt
   : >"$WORK/durable"
+  : >"$WORK/marks"
+  : >"$WORK/writer.err"
+  if [ "$LOGW" = 1 ]; then lw_mark mkfs || return 3; fi
   (
-    i=0 RANDOM=$((SEED + 1))
+    i=0 q=0 RANDOM=$((SEED + 1))
     while [ ! -e "$WORK/stop" ]; do
       if [ $i -gt 8 ] && [ $((RANDOM % 4)) = 0 ]; then f=f$((RANDOM % i + 1)) conv=fsync,notrunc
       else i=$((i + 1)) f=f$i conv=fsync; fi
+      # --log-writes: write q of file f starts at mark sQ and is durable at mark dQ; $WORK/marks
+      # says which file each Q is (a failed write has its s line and no d line).
+      q=$((q + 1))
+      if [ "$LOGW" = 1 ]; then
+        echo "s $q $f" >>"$WORK/marks"
+        lw_mark "s$q" || { echo "$f (mark s$q)" >>"$WORK/writer.err"; continue; }
+      fi
       timeout 120 dd if=/dev/urandom of="$mnt/$f" bs=4k count=$((RANDOM % 64 + 1)) conv="$conv" status=none &&
         timeout 120 sync -f "$mnt" || { echo "$f" >>"$WORK/writer.err"; continue; }
-      (cd "$mnt" && sha256sum "$f") >>"$WORK/durable"
+      sum=$(cd "$mnt" && sha256sum "$f") || { echo "$f (sha256sum)" >>"$WORK/writer.err"; continue; }
+      echo "$sum" >>"$WORK/durable"
+      if [ "$LOGW" = 1 ]; then
+        echo "d $q $f ${sum%% *}" >>"$WORK/marks"
+        lw_mark "d$q" || echo "$f (mark d$q)" >>"$WORK/writer.err"
+      fi
     done
   ) &
   local writer=$!
@@ -330,6 +528,12 @@ if [ "$EXT4" = 1 ]; then
   ext4_run
   rc=$?
   stop_daemons
+  if [ "$LOGW" = 1 ] && [ "$rc" != 3 ]; then
+    lw_run
+    lw=$?
+    if [ "$lw" = 0 ]; then echo "verdict        log-writes clean"; else echo "verdict        log-writes DEFECTS"; fi
+    [ "$rc" = 0 ] && rc=$lw
+  fi
   rc=$(sanitizer_verdict "$rc" "$WORK"/srv.log "$WORK"/cl.log)
   [ "$rc" = 0 ] || show_logs
   exit "$rc"
