@@ -797,7 +797,7 @@ void Session::fence_kick() {
       if (svc->send_svc(off, proto::as_bytes_of(m)).ok()) {
         f.carrier = pa;
         f.carrier_gen = pa->gen.load(std::memory_order_acquire);
-        IBTRS_LOG(info, "path %s: fencing incarnation %u (%zu writes wait) over path %s",
+        IBTRS_LOG(info, "path %s: fencing incarnation %u (%zu requests wait) over path %s",
                   f.path->name.c_str(), f.recon, f.reqs.size(), pa->name.c_str());
       }
       svc->gate.exit();
