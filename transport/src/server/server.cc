@@ -786,9 +786,17 @@ void Con::on_completions(std::span<Completion> wcs) {
       const uint32_t imm = wc.imm;
       switch (proto::imm_type(imm)) {
         case proto::ImmType::io_req: {
-          if (cid == 0 || p->state.get() != ServerPathState::connected) {
+          const ServerPathState st = p->state.get();
+          if (cid == 0 || st == ServerPathState::connecting) {
             srv.protocol_error("session %s path %s: IO request on %s", s.name_.c_str(),
                                p->name.c_str(), cid == 0 ? "the service connection" : "a path not connected");
+            broken = true;
+            break;
+          }
+          if (st != ServerPathState::connected) {
+            // Closing (a fence, a broken connection, the admin): close_path set the state
+            // before it waits for this poller, so completions polled in between go with the
+            // path, unserved. The server's own teardown, not the peer's error: not a refusal.
             broken = true;
             break;
           }
