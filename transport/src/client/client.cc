@@ -827,7 +827,7 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
     path->fence_rtt_last_ns.store(rtt, std::memory_order_relaxed);
     if (rtt > path->fence_rtt_max_ns.load(std::memory_order_relaxed))
       path->fence_rtt_max_ns.store(rtt, std::memory_order_relaxed);
-    IBTRS_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu writes resent",
+    IBTRS_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu requests resent",
               path->name.c_str(), f.recon, static_cast<unsigned long long>(rtt / 1000), f.reqs.size());
     for (uint32_t p : f.reqs) {
       fence_waiting.fetch_sub(1, std::memory_order_acq_rel);
@@ -838,6 +838,22 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
       }
     }
   }
+}
+
+// Any thread.
+std::vector<uint32_t> Session::take_fenced(const std::function<bool(uint32_t)>& which) {
+  std::vector<uint32_t> out;
+  std::lock_guard lock(fence_mu);
+  for (auto it = fences.begin(); it != fences.end();) {
+    std::erase_if(it->reqs, [&](uint32_t p) {
+      if (!which(p)) return false;
+      out.push_back(p);
+      return true;
+    });
+    it = it->reqs.empty() ? fences.erase(it) : it + 1;
+  }
+  fence_waiting.fetch_sub(static_cast<uint32_t>(out.size()), std::memory_order_acq_rel);
+  return out;
 }
 
 // Service poller. An answer to no fence of ours (one whose writes all expired, or a server's
@@ -860,24 +876,10 @@ void Session::run_pending(bool fail_all, int err) {
     todo.swap(pending);
   }
   const int64_t now = now_ns();
-  {
-    // Writes waiting for a fence: parked as far as deadlines and fail_all go.
-    std::vector<uint32_t> expired;
-    {
-      std::lock_guard lock(fence_mu);
-      for (auto it = fences.begin(); it != fences.end();) {
-        std::erase_if(it->reqs, [&](uint32_t p) {
-          if (!fail_all && now < reqs[p].pending_deadline_ns) return false;
-          expired.push_back(p);
-          return true;
-        });
-        it = it->reqs.empty() ? fences.erase(it) : it + 1;
-      }
-      fence_waiting.fetch_sub(static_cast<uint32_t>(expired.size()), std::memory_order_acq_rel);
-    }
-    for (uint32_t p : expired) finish(p, fail_all ? err : ENOTCONN, nio);
-    if (!fail_all) fence_kick();
-  }
+  // Requests waiting for a fence: parked as far as deadlines and fail_all go.
+  for (uint32_t p : take_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; }))
+    finish(p, fail_all ? err : ENOTCONN, nio);
+  if (!fail_all) fence_kick();
   for (uint32_t p : todo) {
     Req& q = reqs[p];
     if (fail_all || now >= q.pending_deadline_ns) {
@@ -894,18 +896,7 @@ void Session::run_pending(bool fail_all, int err) {
 // Worker.
 void Session::fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err) {
   std::deque<uint32_t> todo;
-  {
-    std::lock_guard lock(fence_mu);
-    for (auto it = fences.begin(); it != fences.end();) {
-      std::erase_if(it->reqs, [&](uint32_t p) {
-        if (!which(reqs[p].done, reqs[p].ctx)) return false;
-        todo.push_back(p);
-        fence_waiting.fetch_sub(1, std::memory_order_acq_rel);
-        return true;
-      });
-      it = it->reqs.empty() ? fences.erase(it) : it + 1;
-    }
-  }
+  for (uint32_t p : take_fenced([&](uint32_t p) { return which(reqs[p].done, reqs[p].ctx); })) todo.push_back(p);
   {
     std::lock_guard lock(pend_mu);
     for (auto it = pending.begin(); it != pending.end();) {

@@ -364,11 +364,14 @@ struct Session {
   // Sends PATH_FENCE for every fence not on its way over a connected path. Any thread: the
   // fence does not wait behind the worker, which may sit in a connect for connect_timeout.
   void fence_kick();
-  // Fences of `path` up to incarnation `upto` (inclusive or not) are confirmed: their writes
+  // Fences of `path` up to incarnation `upto` (inclusive or not) are confirmed: their requests
   // are posted (or parked). Any thread.
   void fence_release(Path* path, uint16_t upto, bool inclusive);
   // A FENCE_RSP arrived (service poller).
   void fence_answered(const proto::FenceView& v);
+  // Takes the requests waiting for a fence for which `which(permit)` holds out of their fences
+  // (a fence left with none is dropped). Any thread.
+  std::vector<uint32_t> take_fenced(const std::function<bool(uint32_t)>& which);
   // Fails the parked requests for which `which(done, ctx)` holds with `err` (ClientSession::
   // fail_waiting).
   void fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err);

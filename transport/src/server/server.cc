@@ -235,6 +235,10 @@ struct Req final : ServerRequest {
   // Poller of c: a copy deferred behind a busy chunk gets its turn (or is dropped when its
   // connection closed meanwhile).
   void run_deferred(Con* c, uint32_t offset);
+  // The chunk served: idle again (nullptr), or the copy deferred behind it, returned with its
+  // offset, holds it now and must be handed it (hand_chunk: run on its connection's poller).
+  Con* release_chunk(uint32_t* next_offset);
+  void hand_chunk(Con* next, uint32_t offset);
   // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
   // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
   // sets `*changed`; where the revoked key itself comes back (software providers) the client's
@@ -367,7 +371,9 @@ struct Impl {
   void handle_auth_reply(Path* p, std::span<const std::byte> msg);
   void handle_fence(Path* p, std::span<const std::byte> msg);
   void auth_failed(Path* p, int reason, std::atomic<uint64_t>& counter, const std::string& why);
-  Status post_svc(Path* p, size_t area, std::span<const std::byte> msg);
+  // Worker: sends msg from the service connection's send areas, `at` bytes after INFO_RSP (AUTH_*
+  // at 0 and kSvcSlot, FENCE_RSP slots from 2 x kSvcSlot); `tag` goes into the wr_id.
+  Status post_svc(Path* p, size_t at, std::span<const std::byte> msg, uint32_t tag = 0);
   bool bind_host(Path* p, const std::string& host);
   void close_path(Path* p, const char* why);
   void reap();
@@ -566,14 +572,8 @@ void Req::complete(int err) {
 
   // Free the chunk before answering: the client reuses it only after the response, which the
   // connection delivers after the data writes have read it.
-  Con* next = nullptr;
   uint32_t next_off = 0;
-  uint32_t busy = 1;
-  if (!state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) {
-    next = deferred_con;
-    next_off = deferred_offset;
-    state.store(1, std::memory_order_release);
-  }
+  Con* const next = release_chunk(&next_off);
   if (c->gate.enter()) {
     // Near a full send queue the response is signalled whatever its turn: should the next one
     // not fit, this completion is what retries it.
@@ -591,14 +591,25 @@ void Req::complete(int err) {
     }
     c->gate.exit();
   }
-  if (next != nullptr) {
-    Req* self = this;
-    next->poller->post([self, next, next_off] {
-      self->run_deferred(next, next_off);
-      self->s->request_done();  // the deferral's own count
-    });
-  }
+  if (next != nullptr) hand_chunk(next, next_off);
   ss.request_done();
+}
+
+Con* Req::release_chunk(uint32_t* next_offset) {
+  uint32_t busy = 1;
+  if (state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) return nullptr;
+  Con* next = deferred_con;
+  *next_offset = deferred_offset;
+  state.store(1, std::memory_order_release);
+  return next;
+}
+
+void Req::hand_chunk(Con* next, uint32_t offset) {
+  Req* self = this;
+  next->poller->post([self, next, offset] {
+    self->run_deferred(next, offset);
+    self->s->request_done();  // the deferral's own count
+  });
 }
 
 void Req::run_deferred(Con* c, uint32_t offset) {
@@ -610,17 +621,9 @@ void Req::run_deferred(Con* c, uint32_t offset) {
     start(c, offset);
     return;
   }
-  uint32_t busy = 1;
-  if (state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) return;
-  // Another copy was deferred behind this one meanwhile: its turn, on its connection's poller.
-  Con* next = deferred_con;
-  const uint32_t next_off = deferred_offset;
-  state.store(1, std::memory_order_release);
-  Req* self = this;
-  next->poller->post([self, next, next_off] {
-    self->run_deferred(next, next_off);
-    self->s->request_done();  // that deferral's own count
-  });
+  // Another copy deferred behind this one meanwhile takes its turn, on its connection's poller.
+  uint32_t next_off = 0;
+  if (Con* next = release_chunk(&next_off)) hand_chunk(next, next_off);
 }
 
 bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
@@ -1269,14 +1272,14 @@ bool Impl::bind_host(Path* p, const std::string& host) {
 // Worker: one AUTH_* message from send area `area` (0: challenge, 1: success / failure) of the
 // service connection. Each area carries one message per path incarnation, so it is never
 // rewritten while its send is in flight.
-Status Impl::post_svc(Path* p, size_t area, std::span<const std::byte> msg) {
+Status Impl::post_svc(Path* p, size_t at, std::span<const std::byte> msg, uint32_t tag) {
   Con* svc = p->cons[0].get();
-  if (!svc->conn || msg.size() > kSvcSlot) return errc(ENOTCONN);
-  const size_t off = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(p->s->qd) + area * kSvcSlot;
+  const size_t off = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(p->s->qd) + at;
+  if (!svc->conn || off + msg.size() > svc->svc_len) return errc(ENOTCONN);
   std::memcpy(svc->svc_buf.get() + off, msg.data(), msg.size());
   Sge sge = svc->svc_mr->sge(off, static_cast<uint32_t>(msg.size()));
   SendWr wr{};
-  wr.wr_id = wr_id(kWrSvc);
+  wr.wr_id = wr_id(kWrSvc, tag);
   wr.opcode = Opcode::send;
   wr.sg_list = std::span(&sge, 1);
   return svc->conn->post_send(std::span(&wr, 1));
@@ -1370,7 +1373,7 @@ void Impl::handle_auth_reply(Path* p, std::span<const std::byte> msg) {
   IBTRS_LOG(info, "session %s: path %s authenticated as %s%s", s->name_.c_str(), p->name.c_str(),
             host.c_str(), r->bidirectional ? " (bidirectional)" : "");
   // AUTH_SUCCESS and INFO_RSP leave in this order on one connection.
-  if (!post_svc(p, 1, proto::as_bytes_of(proto::make_auth_success(ok))).ok()) {
+  if (!post_svc(p, kSvcSlot, proto::as_bytes_of(proto::make_auth_success(ok))).ok()) {
     close_path(p, "cannot send AUTH_SUCCESS");
     return;
   }
@@ -1393,7 +1396,7 @@ void Impl::auth_failed(Path* p, int reason, std::atomic<uint64_t>& counter, cons
     p->auth.state = AuthState::failed;
   }
   p->auth.dh.reset();
-  if (!post_svc(p, 1, proto::as_bytes_of(proto::make_auth_failure(p->auth.tid, reason))).ok()) {
+  if (!post_svc(p, kSvcSlot, proto::as_bytes_of(proto::make_auth_failure(p->auth.tid, reason))).ok()) {
     close_path(p, "authentication refused");
     return;
   }
@@ -1459,15 +1462,7 @@ void Impl::handle_fence(Path* p, std::span<const std::byte> msg) {
     return;
   }
   const auto rsp = proto::make_fence_rsp(status, f->path_uuid, f->recon_cnt);
-  const size_t off = size_t{kSvcRecvs} * kSvcSlot + proto::info_rsp_size(s->qd) + 2 * size_t{kSvcSlot} +
-                     size_t{slot} * sizeof(rsp);
-  std::memcpy(svc->svc_buf.get() + off, &rsp, sizeof(rsp));
-  Sge sge = svc->svc_mr->sge(off, sizeof(rsp));
-  SendWr wr{};
-  wr.wr_id = wr_id(kWrSvc, slot + 1);
-  wr.opcode = Opcode::send;
-  wr.sg_list = std::span(&sge, 1);
-  if (!svc->conn->post_send(std::span(&wr, 1)).ok()) {
+  if (!post_svc(p, 2 * size_t{kSvcSlot} + size_t{slot} * sizeof(rsp), proto::as_bytes_of(rsp), slot + 1).ok()) {
     svc->fence_busy.fetch_and(~(1u << slot), std::memory_order_acq_rel);
     close_path(p, "cannot send FENCE_RSP");
     return;
