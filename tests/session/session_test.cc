@@ -122,6 +122,8 @@ class Session : public ::testing::Test {
       if (p.name == name) return &p;
     return nullptr;
   }
+  // A pointer into a temporary list would dangle (ASan found one in Fence.*).
+  const ClientPathInfo* path_info(std::vector<ClientPathInfo>&&, const std::string&) = delete;
 
   RamVolume vol_{16 << 20};
   ServerOptions so_;
@@ -705,7 +707,8 @@ class Fence : public Session {
     o.w2_intact = std::count(got, got + 4096, std::byte{0x22}) == 4096;
     o.w1_over_w2 = std::count(got + 2112, got + 4096, std::byte{0x11}) == 4096 - 2112;
     o.w1_after_release = w1_done >= released;
-    if (auto* p = path_info(client_->paths(), victim)) o.fence = p->fence;
+    const auto paths = client_->paths();
+    if (auto* p = path_info(paths, victim)) o.fence = p->fence;
     o.fences_answered = server_->usage().fences_answered;
     return o;
   }
