@@ -64,12 +64,17 @@ stop_cluster() {
   kill -9 $pids 2>/dev/null || true
 }
 
+# A failed start takes down what it started; a failed osd-restart leaves the cluster to its
+# owner (who may still read its state, and stops it at its own exit). The reason comes first
+# and last, so a caller's `tail` shows it.
+keep_cluster=0
 fail() {
   echo "ceph-dev: $1" >&2
   for l in "$dir"/log/*.log; do
     [ -f "$l" ] && { echo "--- $l" >&2; tail -n 15 "$l" >&2; }
   done
-  stop_cluster
+  [ "$keep_cluster" = 1 ] || stop_cluster
+  echo "ceph-dev: $1" >&2
   exit 1
 }
 
@@ -212,6 +217,7 @@ status)
   ceph_ -s
   ;;
 osd-restart)
+  keep_cluster=1
   [ -f "$conf" ] || { echo "ceph-dev: no cluster in $dir" >&2; exit 1; }
   down=${1:-2}
   pid=$(cat "$dir/run/osd.0.pid")

@@ -272,7 +272,7 @@ fio_job osd rbd:rbd/io --rw=randwrite --bs=4k --iodepth=8 --size=8M --verify=crc
   --do_verify=1 --rate_iops=300 &
 fio_pid=$!
 sleep 2
-bash "$top/scripts/ceph-dev.sh" osd-restart "$work/ceph" 2 >"$work/osd.err" 2>&1 || not_ok "osd restart" "$(tail -3 "$work/osd.err")"
+bash "$top/scripts/ceph-dev.sh" osd-restart "$work/ceph" 2 >"$work/osd.err" 2>&1 || not_ok "osd restart" "$(grep "^ceph-dev:" "$work/osd.err" | tail -1)"
 if wait "$fio_pid" && jq -e '.jobs[0].error == 0 and .jobs[0].read.io_bytes == 8388608' "$work/osd.json" >/dev/null; then
   ok "OSD restarted under IO: fio verified every block (longest IO $(longest "$work/osd.json") ms)"
 else
