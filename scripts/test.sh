@@ -105,7 +105,9 @@ wait_build() {  # wait_build NAME: the background build's result, its log's tail
 # The sanitizer stages leave out the netns scripts: they drive the same binaries as the host
 # stage through shell, for about a minute each, and find nothing a sanitizer would. The short
 # soak (label soak, ~65 s) runs in the default build only, for the suite's 35 minutes; its
-# daemons under ASan: `ctest --test-dir build-asan -L soak` (clean when it was merged).
+# daemons under ASan: `ninja -C build-asan ibnbd-soak ibnbd-soak-fs && ctest --test-dir
+# build-asan -L soak` (clean when it was merged; the sanitizer builds do not make the soak's
+# programs by default: ibtrs_not_sanitized in CMakeLists.txt).
 # seed_costs DIR: the default build's test times as DIR's timing history, so that ctest starts
 # the long tests first there too (their order under a sanitizer is much the same).
 seed_costs() {
