@@ -228,6 +228,15 @@ TEST(SoakSchedule, TheSeedFixesThePlanAndEveryKindComesFirstOnce) {
       EXPECT_LE(p.eio_block + p.eio_blocks, c.eio_last);
       EXPECT_GT(p.eio_blocks, 0u);
     }
+    if (p.kind == FaultKind::netem) {  // a path, and parameters tc takes as they are
+      EXPECT_TRUE(p.arg == "A" || p.arg == "B") << describe(p);
+      EXPECT_TRUE(p.netem.starts_with("delay ") && p.netem.find(" loss ") != std::string::npos &&
+                  p.netem.find(" duplicate ") != std::string::npos && p.netem.ends_with("%"))
+          << p.netem;
+      EXPECT_EQ(p.netem.find("  "), std::string::npos);
+    } else {
+      EXPECT_TRUE(p.netem.empty());
+    }
   }
   c.seed = 43;
   const auto d = make_schedule(c);

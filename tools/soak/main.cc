@@ -73,7 +73,7 @@ const char kUsage[] =
     "  --iops N   at most N requests a second (default: as fast as the volume goes)\n"
     "faults (on a schedule drawn from the seed):\n"
     "  --faults K1,K2,...   path-cut link-flap server-kill server-stop client-kill enospc eio\n"
-    "        slow policy path-remove (policy and path-remove run in-process on --lib)\n"
+    "        slow policy path-remove netem (policy and path-remove run in-process on --lib)\n"
     "  --hook CMD     runs `CMD start|stop KIND [ARGS]` for each fault (tools/soak/README.md)\n"
     "  --hook-log FILE    the hook's stdout and stderr (default: inherited)\n"
     "  --gap-ms MIN,MAX (3000,8000)   --max-faults N   --path-labels A,B\n"
@@ -1072,6 +1072,12 @@ struct Soak {
       opened.t_ns = now_ns();
       std::vector<std::string> extra;
       if (!p.arg.empty()) extra.push_back(p.arg);
+      if (p.kind == FaultKind::netem) {  // the hook gets `start netem A delay 5ms 1ms loss ...`
+        for (size_t a = 0, b; a < p.netem.size(); a = b + 1) {
+          b = std::min(p.netem.find(' ', a), p.netem.size());
+          extra.push_back(p.netem.substr(a, b - a));
+        }
+      }
       if (p.kind == FaultKind::eio) {
         opened.eio_first = p.eio_block * o.block_bytes;
         opened.eio_end = (p.eio_block + p.eio_blocks) * o.block_bytes;

@@ -16,6 +16,7 @@ std::string_view to_string(FaultKind k) {
     case FaultKind::slow: return "slow";
     case FaultKind::policy: return "policy";
     case FaultKind::path_remove: return "path-remove";
+    case FaultKind::netem: return "netem";
   }
   return "?";
 }
@@ -113,6 +114,20 @@ std::vector<FaultPlan> make_schedule(const ScheduleConfig& c) {
         p.dur_ms = static_cast<uint32_t>(r.range(1000, 3000));
         p.arg = label;
         break;
+      case FaultKind::netem: {
+        // A bad link, not a dead one: up to 20 ms of delay with jitter, 5 % loss, 2 % duplicates
+        // and a quarter of the packets reordered (netem reorders only delayed packets). Enough
+        // loss to cost TCP retransmission timeouts (200 ms and up) and, now and then, the
+        // heartbeats of a path; the IO must come through on some path, whole and unrepeated.
+        p.dur_ms = static_cast<uint32_t>(r.range(2000, 6000));
+        p.arg = label;
+        const uint64_t delay = r.range(1, 20), jitter = r.range(0, delay / 2);
+        const uint64_t loss = r.range(0, 50), dup = r.range(0, 20), reorder = r.range(0, 25);
+        const auto tenths = [](uint64_t v) { return std::to_string(v / 10) + "." + std::to_string(v % 10) + "%"; };
+        p.netem = "delay " + std::to_string(delay) + "ms " + std::to_string(jitter) + "ms loss " + tenths(loss) +
+                  " duplicate " + tenths(dup) + " reorder " + std::to_string(reorder) + "%";
+        break;
+      }
     }
     if (t + p.dur_ms > end) break;
     bag.pop_back();
@@ -129,6 +144,7 @@ std::string describe(const FaultPlan& p) {
   if (p.kind == FaultKind::eio)
     s += " blocks " + std::to_string(p.eio_block) + "+" + std::to_string(p.eio_blocks);
   if (p.kind == FaultKind::link_flap) s += " x" + std::to_string(p.flaps.size());
+  if (p.kind == FaultKind::netem) s += " (" + p.netem + ")";
   if (p.dur_ms != 0) s += " for " + std::to_string(p.dur_ms) + " ms";
   return s;
 }

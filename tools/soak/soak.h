@@ -27,11 +27,12 @@ enum class FaultKind : uint8_t {
   slow,         // every backend request delayed
   policy,       // the multipath policy changed
   path_remove,  // a path removed from the session, added back later
+  netem,        // a path's link impaired (tc netem): delay and jitter, loss, duplication, reordering
 };
 inline constexpr FaultKind kAllFaults[] = {
     FaultKind::path_cut, FaultKind::link_flap, FaultKind::server_kill, FaultKind::server_stop,
     FaultKind::client_kill, FaultKind::enospc, FaultKind::eio, FaultKind::slow, FaultKind::policy,
-    FaultKind::path_remove};
+    FaultKind::path_remove, FaultKind::netem};
 inline constexpr size_t kFaultKinds = std::size(kAllFaults);
 std::string_view to_string(FaultKind k);
 std::optional<FaultKind> parse_fault(std::string_view s);
@@ -45,6 +46,7 @@ struct FaultPlan {
   uint64_t eio_block = 0;       // eio: the first block and the count of the failing range
   uint32_t eio_blocks = 0;
   std::vector<std::pair<uint32_t, uint32_t>> flaps;  // link_flap: (down ms, up ms) each
+  std::string netem;            // netem: the qdisc's parameters, as `tc qdisc ... netem` takes them
 };
 
 // What a run needs to plan its faults.

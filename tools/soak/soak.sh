@@ -38,6 +38,7 @@ path_spec() {  # path_spec A|B -> the client's path argument
 }
 listen_spec() { case $1 in A) echo "tcp:$A_DST:$PORT" ;; B) echo "tcp:$B_DST:$PORT" ;; *) return 1 ;; esac; }
 client_dev() { case $1 in A) echo vca ;; B) echo vcb ;; *) return 1 ;; esac; }
+server_dev() { case $1 in A) echo vsa ;; B) echo vsb ;; *) return 1 ;; esac; }
 client_mapped() {
   map_volume vol.img || return 1
   timeout 30 "$CLI" --socket "$WORK/cl.sock" client device export vol.img unix "$WORK/vol.sock" >/dev/null ||
@@ -56,6 +57,15 @@ env_hook() {
     eio:start) echo "eio $1 $2" >"$EXPORT_DIR/.soak-ctl" ;;
     slow:start) echo "slow $1" >"$EXPORT_DIR/.soak-ctl" ;;
     eio:stop | slow:stop) echo clear >"$EXPORT_DIR/.soak-ctl" ;;
+    # Both ends of the path's veth pair, so both directions are impaired.
+    netem:start)
+      tc -n "$NSC" qdisc replace dev "$(client_dev "$1")" root netem "${@:2}" &&
+        tc -n "$NSS" qdisc replace dev "$(server_dev "$1")" root netem "${@:2}" ;;
+    netem:stop)
+      local rc=0
+      tc -n "$NSC" qdisc del dev "$(client_dev "$1")" root 2>/dev/null || rc=1
+      tc -n "$NSS" qdisc del dev "$(server_dev "$1")" root 2>/dev/null || rc=1
+      return $rc ;;
     *) echo "soak.sh hook: unknown $phase $kind" >&2; return 2 ;;
   esac
 }
@@ -127,6 +137,14 @@ setup_links() {
   return 0
 }
 err=$(setup_links 2>&1) || skip "veth pairs: $err"
+# tc netem (sch_netem) for the netem fault: not every kernel has it (this project's CI host does
+# not; the VM rig's does).
+have_netem=0
+if command -v tc >/dev/null && tc -n "$NSC" qdisc add dev vca root netem delay 1ms 2>/dev/null; then
+  tc -n "$NSC" qdisc del dev vca root
+  have_netem=1
+fi
+case ,$FAULTS, in *,netem,*) [ "$have_netem" = 1 ] || skip "--faults netem: no tc netem here (sch_netem)" ;; esac
 
 # The store: a sparse file on a tmpfs just larger than it (filled, it gives ENOSPC), behind
 # ibnbd-soak-fs when it can mount (EIO and slow faults), else exported directly.
@@ -156,6 +174,7 @@ if [ "$FAULTS" = all ]; then
   FAULTS=path-cut,link-flap,server-kill,server-stop,enospc,policy,path-remove
   [ "$TARGET" = nbd ] && FAULTS+=,client-kill
   [ "$have_fs" = 1 ] && FAULTS+=,eio,slow
+  [ "$have_netem" = 1 ] && FAULTS+=,netem
 fi
 
 "$CLI" key generate host nqn.2014-08.org.nvmexpress:uuid:50a30000-0000-4000-8000-000000000017 \
