@@ -688,9 +688,9 @@ class Fence : public Session {
   }
   // After held_writes_on_one_path(.., more = 1): the second path's server becomes unreachable
   // (every post on a connection to it breaks the connection: heartbeats, then each reconnect),
-  // then the client cuts the first path, `cut`: no path is up when its write must be fenced.
-  // Returns the fault rule that keeps the second path down.
-  uint64_t all_paths_down(const std::string& cut, const std::string& other) {
+  // then the client cuts the first path, `cut`: no path is up when its `n` writes must be
+  // fenced. Returns the fault rule that keeps the second path down.
+  uint64_t all_paths_down(const std::string& cut, const std::string& other, uint64_t n = 1) {
     lb::FaultRule down;
     down.action = lb::FaultAction::disconnect;
     down.endpoint = endpoint_of(addrs_[1]);
@@ -698,7 +698,7 @@ class Fence : public Session {
     const uint64_t rule = lb::faults().add(down);
     EXPECT_TRUE(wait_until([&] { return !connected(other); })) << "its next heartbeat broke it";
     EXPECT_TRUE(client_->disconnect_path(cut).ok());
-    EXPECT_TRUE(wait_until([&] { return fence_of(cut).waited == 1; }));
+    EXPECT_TRUE(wait_until([&] { return fence_of(cut).waited == n; }));
     return rule;
   }
   // The i-th write of held_writes_on_one_path is on the volume, all of it.
@@ -984,8 +984,9 @@ TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
 // Case: as above (all_paths_down), but the second path stays unreachable; pending_timeout is 1 s.
 // Expect: the write fails with ENOTCONN (the documented error of a request no path took in
 // time), not before 1 s after the cut and within 1 s after its deadline (the deadline tick is
-// 100 ms); its callback runs once; nothing was fenced. Once the second path is back the session
-// carries writes again.
+// 100 ms); its callback runs once; nothing was fenced then. Once the second path is back the
+// fence goes over it (the failed write's chunk is kept until then), and the session carries
+// writes again.
 TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   start_server(2);
@@ -1007,6 +1008,8 @@ TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
   EXPECT_EQ(fence_of(cut).fenced, 0u);
   lb::faults().remove(rule);
   EXPECT_TRUE(wait_until([&] { return connected(other); }, 10s));
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; })) << "asked for the kept chunk";
+  EXPECT_EQ(server_->usage().fences_answered, 1u);
   release_held();  // the old copy: its response goes nowhere
   std::memset(buf_->data() + 8192, 0x69, 4096);
   EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8192), 0);
@@ -1014,12 +1017,43 @@ TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
   EXPECT_EQ(client_->stats().inflight, 0);
 }
 
+// Case: a queue depth of 8; eight writes the server holds on the first path; no path is up when
+// they must be fenced (all_paths_down); pending_timeout is 500 ms, so they fail, and their
+// chunks stay kept for the fence. Then a ninth write is submitted (PermitWait::yes).
+// Expect: it is refused with ENOTCONN after pending_timeout, not earlier and without hanging;
+// once the second path is back the fence is answered, the chunks are free, a write completes.
+TEST_F(Fence, ARequestWaitsForAChunkKeptForAFenceAtMostPendingTimeout) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(2, 8);
+  auto co = options(2);
+  co.pending_timeout = 500ms;
+  std::array<Counted, 8> ws;
+  const std::string cut = held_writes_on_one_path(co, ws, 0x78, 1);
+  ASSERT_EQ(client_->queue_depth(), 8u);
+  const std::string other = path_to(addrs_[1]).name();
+  const uint64_t rule = all_paths_down(cut, other, ws.size());
+  for (auto& w : ws) EXPECT_EQ(w.wait(5s), ENOTCONN);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8 * 4096), -ENOTCONN) << "every chunk is kept";
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(waited, co.pending_timeout);
+  EXPECT_LT(waited, co.pending_timeout + 1s);
+  lb::faults().remove(rule);
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; }, 10s)) << "over the path that came back";
+  release_held();  // the old copies: their responses go nowhere
+  std::memset(buf_->data() + 8 * 4096, 0x79, 4096);
+  EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8 * 4096), 0);
+  EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x79});
+  for (auto& w : ws) EXPECT_EQ(w.calls.load(), 1);
+}
+
 // Case: two paths; a write the server holds on the first; the server's worker is busy for 2 s
 // (as under load: PATH_FENCE is handled there, so the answer comes late); the client cuts the
 // first path; pending_timeout is 300 ms.
 // Expect: the write fails with ENOTCONN at its deadline, before the answer; the late answer then
-// completes nothing a second time and resends nothing (the server saw only the held copy);
-// the cut path counts one waiting write; the session carries new writes afterwards.
+// completes nothing a second time and resends nothing (the server saw only the held copy); it
+// confirms the fence, which kept the failed write's chunk (one waiting write, one incarnation
+// fenced); the session carries new writes afterwards.
 TEST_F(Fence, AnAnswerAfterItsWritesExpiredCompletesNothingTwice) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   start_server(2);
@@ -1043,11 +1077,42 @@ TEST_F(Fence, AnAnswerAfterItsWritesExpiredCompletesNothingTwice) {
   EXPECT_EQ(w[0].calls.load(), 1) << "the late answer completed the write again";
   EXPECT_EQ(vol_.requests_.load(), 1u) << "the late answer resent the write";
   EXPECT_EQ(fence_of(cut).waited, 1u);
+  EXPECT_EQ(fence_of(cut).fenced, 1u);
+  EXPECT_GT(fence_of(cut).last_rtt, 300ms) << "from the failover to the late answer";
   release_held();  // the old copy: its response goes nowhere
   std::memset(buf_->data() + 8192, 0x71, 4096);
   EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8192), 0);
   EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x71});
   EXPECT_EQ(w[0].calls.load(), 1);
+  EXPECT_EQ(client_->stats().inflight, 0);
+}
+
+// Case: the scenario of AWriteLeftOnABrokenPathNeverOverwritesANewerOne with a pending_timeout
+// (200 ms) shorter than the server takes to answer the fence (its worker is busy for 900 ms):
+// W1 fails with ENOTCONN while it waits; the application then writes 2 KiB of 0x33 at 1 MiB,
+// which completes; W1's old copy, polled late (500 ms), runs at the server.
+// Expect: what W1's old copy writes at volume offset 0 is its own bytes (a write that failed
+// may still land, as with any error), never the 2 KiB write's: W1's chunk is not reused
+// before its fence is confirmed, so the old copy finds its own bytes there.
+TEST_F(Fence, AWriteThatExpiredKeepsItsChunkUntilItsFence) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(2);
+  auto co = options(2);
+  co.pending_timeout = 200ms;
+  open(co);
+  Waiter w1;
+  const std::string victim = w1_late_then_cut(w1);
+  EXPECT_EQ(w1.wait(5s), ENOTCONN) << "W1 expired waiting for its fence";
+  std::memset(buf_->data() + 12288, 0x33, 2048);
+  EXPECT_EQ(io(IoDir::write, 2048, 1 << 20, 12288), 0);
+  // W1's old copy and the 2 KiB write reached the handler.
+  EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() >= 2; }, 5s));
+  busy_.join();
+  const std::byte* at = vol_.mem().data();
+  EXPECT_EQ(std::count(at, at + 4096, std::byte{0x33}), 0) << "W1's old copy took another request's bytes";
+  EXPECT_EQ(std::count(at, at + 4096, std::byte{0x11}), 4096) << "W1's old copy ran, with its own bytes";
+  EXPECT_TRUE(wait_until([&] { return fence_of(victim).fenced == 1; })) << "the late answer confirmed it";
+  EXPECT_EQ(io(IoDir::write, 4096, 0, 4096), 0);
   EXPECT_EQ(client_->stats().inflight, 0);
 }
 

@@ -178,7 +178,9 @@ class ClientSession {
   // without data,
   // too many segments, a segment outside its registration, user header too long), EMSGSIZE
   // (data longer than max_io_size()), EAGAIN (no permit and PermitWait::no), ENOTCONN (no path
-  // is CONNECTED and none is coming back), ESHUTDOWN (the session is closing).
+  // is CONNECTED and none is coming back; or it waited pending_timeout for a permit while
+  // chunks were kept for failover fences not yet confirmed: docs/protocol.md, "Failover
+  // fence"), ESHUTDOWN (the session is closing).
   Status request(const IoRequest& req, PermitWait wait = PermitWait::yes);
 
   // A submission batch of the calling thread (the block layer's plug): requests this thread
