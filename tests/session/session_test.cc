@@ -917,6 +917,14 @@ TEST_F(Fence, TheCarrierBreaksBeforeTheAnswerAndTheFenceGoesAgain) {
   EXPECT_EQ(fence_of(carrier).waited, 0u) << "the carrier had nothing in flight";
   EXPECT_EQ(server_->usage().fences_answered, 1u);
   EXPECT_EQ(client_->stats().inflight, 0);
+  // The counters reset with their group (stats/fence) and with all, not with another group.
+  ASSERT_TRUE(client_->reset_stats(cut, StatsGroup::reconnects).ok());
+  EXPECT_EQ(fence_of(cut).fenced, 1u);
+  ASSERT_TRUE(client_->reset_stats(cut, StatsGroup::fence).ok());
+  EXPECT_EQ(fence_of(cut).waited, 0u);
+  EXPECT_EQ(fence_of(cut).fenced, 0u);
+  EXPECT_EQ(fence_of(cut).last_rtt.count(), 0);
+  EXPECT_EQ(fence_of(cut).max_rtt.count(), 0);
 }
 
 // Case: as above, but the PATH_FENCE arrives and its FENCE_RSP is lost (loopback drop: the server
@@ -954,6 +962,9 @@ TEST_F(Fence, AnAnswerLostWithItsCarrierIsAskedForAgain) {
   }
   EXPECT_EQ(fence_of(cut).waited, 3u);
   EXPECT_EQ(fence_of(cut).fenced, 1u);
+  ASSERT_TRUE(client_->reset_stats({}, StatsGroup::all).ok());
+  EXPECT_EQ(fence_of(cut).waited, 0u) << "reset_all includes the fence's";
+  EXPECT_EQ(fence_of(cut).fenced, 0u);
 }
 
 // Case: two paths; a write the server holds on the first; no path is up when it must be fenced

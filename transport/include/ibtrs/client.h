@@ -256,7 +256,8 @@ class ClientSession {
 
   std::vector<ClientPathInfo> paths() const;
   PathStatsSnapshot stats() const;  // sum over the paths
-  // Resets the counters of `group` of one path (ENOENT) or, with an empty name, of all paths.
+  // Resets the counters of `group` of one path (ENOENT) or, with an empty name, of all paths;
+  // `all` and `fence` reset ClientPathInfo::fence too.
   Status reset_stats(std::string_view path = {}, StatsGroup group = StatsGroup::all);
 
   struct Impl;

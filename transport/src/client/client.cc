@@ -2248,6 +2248,12 @@ Status ClientSession::reset_stats(std::string_view path, StatsGroup group) {
     client::Path* p = slot.load(std::memory_order_acquire);
     if (p == nullptr || (!path.empty() && p->name != path)) continue;
     p->stats.reset(group);
+    if (group == StatsGroup::all || group == StatsGroup::fence) {
+      p->fence_waited.store(0, std::memory_order_relaxed);
+      p->fences_done.store(0, std::memory_order_relaxed);
+      p->fence_rtt_last_ns.store(0, std::memory_order_relaxed);
+      p->fence_rtt_max_ns.store(0, std::memory_order_relaxed);
+    }
     found = true;
   }
   return found ? Status{} : Status{errc(ENOENT)};
