@@ -706,6 +706,40 @@ class Fence : public Session {
     EXPECT_TRUE(wait_until([&] { return fence_of(cut).waited == n; }));
     return rule;
   }
+  // The same on a server of two listeners (queue depth `qd`) with pending_timeout `pending`:
+  // the writes on the first path, the second added. Sets other_ to the second path's name.
+  std::string held_on_first_of_two(std::span<Counted> ws, uint8_t fill, std::chrono::milliseconds pending,
+                                   uint16_t qd = 64) {
+    start_server(2, qd);
+    auto co = options(2);
+    co.pending_timeout = pending;
+    other_ = path_to(addrs_[1]).name();
+    return held_writes_on_one_path(std::move(co), ws, fill, 1);
+  }
+  std::string other_;
+  // Fault rule `action` on the first fence message (PATH_FENCE to_server, FENCE_RSP to_client)
+  // on the second path's connections: on an established path the only SENDs of 32 bytes
+  // (heartbeats are zero-byte immediates).
+  uint64_t on_fence_message(lb::FaultAction action, lb::Direction dir) {
+    static_assert(sizeof(proto::PathFence) == sizeof(proto::FenceRsp));
+    lb::FaultRule r;
+    r.action = action;
+    r.opcode = fabric::Opcode::send;
+    r.endpoint = endpoint_of(addrs_[1]);
+    r.direction = dir;
+    r.min_bytes = sizeof(proto::PathFence);
+    return lb::faults().add(r);
+  }
+  // Each of held_writes_on_one_path's writes (of `fill`) completes without error exactly once
+  // and is on the volume, all of it.
+  void expect_each_once(std::span<Counted> ws, uint8_t fill) {
+    for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(served(ws[i]), 0) << i;
+    std::this_thread::sleep_for(100ms);  // a second completion would show by now
+    for (size_t i = 0; i < ws.size(); ++i) {
+      EXPECT_EQ(ws[i].calls.load(), 1) << i;
+      EXPECT_TRUE(landed(i, fill)) << i;
+    }
+  }
   // The i-th write of held_writes_on_one_path is on the volume, all of it.
   bool landed(size_t i, uint8_t fill) {
     const std::byte* at = vol_.mem().data() + i * 4096;
@@ -889,26 +923,14 @@ TEST_F(Fence, TheCarrierBreaksBeforeTheAnswerAndTheFenceGoesAgain) {
   const std::string cut = held_writes_on_one_path(options(3), ws, 0x50, 2);
   const std::string carrier = path_to(addrs_[1]).name();  // the first other path in slot order
   ASSERT_EQ(client_->paths().size(), 3u);
-  // On an established path PATH_FENCE is the only SEND (heartbeats are zero-byte immediates).
-  lb::FaultRule lost;
-  lost.action = lb::FaultAction::disconnect;
-  lost.opcode = fabric::Opcode::send;
-  lost.endpoint = endpoint_of(addrs_[1]);
-  lost.direction = lb::Direction::to_server;
-  lost.min_bytes = sizeof(proto::PathFence);
-  const uint64_t rule = lb::faults().add(lost);
+  const uint64_t rule = on_fence_message(lb::FaultAction::disconnect, lb::Direction::to_server);
   ASSERT_TRUE(client_->disconnect_path(cut).ok());
   EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; })) << "sent again and answered";
   EXPECT_EQ(lb::faults().hits(rule), 1u) << "the first PATH_FENCE went over the second path";
   EXPECT_TRUE(wait_until([&] { return count_events(SessionEvent::path_down) >= 2; })) << "... and broke it";
   for (auto& w : ws) EXPECT_EQ(w.calls.load(), 0) << "completed while the server held its old copy";
   release_held();
-  for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(served(ws[i]), 0) << i;
-  std::this_thread::sleep_for(100ms);  // a second completion would show by now
-  for (size_t i = 0; i < ws.size(); ++i) {
-    EXPECT_EQ(ws[i].calls.load(), 1) << i;
-    EXPECT_TRUE(landed(i, 0x50)) << i;
-  }
+  expect_each_once(ws, 0x50);
   const ClientPathInfo::Fence f = fence_of(cut);
   EXPECT_EQ(f.waited, 4u);
   EXPECT_EQ(f.fenced, 1u);
@@ -938,13 +960,7 @@ TEST_F(Fence, AnAnswerLostWithItsCarrierIsAskedForAgain) {
   std::array<Counted, 3> ws;
   const std::string cut = held_writes_on_one_path(options(3), ws, 0x58, 2);
   const std::string carrier = path_to(addrs_[1]).name();
-  lb::FaultRule lost;
-  lost.action = lb::FaultAction::drop;
-  lost.opcode = fabric::Opcode::send;
-  lost.endpoint = endpoint_of(addrs_[1]);
-  lost.direction = lb::Direction::to_client;
-  lost.min_bytes = sizeof(proto::FenceRsp);
-  const uint64_t rule = lb::faults().add(lost);
+  const uint64_t rule = on_fence_message(lb::FaultAction::drop, lb::Direction::to_client);
   ASSERT_TRUE(client_->disconnect_path(cut).ok());
   EXPECT_TRUE(wait_until([&] { return lb::faults().hits(rule) == 1; })) << "answered over the carrier";
   std::this_thread::sleep_for(200ms);
@@ -954,12 +970,7 @@ TEST_F(Fence, AnAnswerLostWithItsCarrierIsAskedForAgain) {
   EXPECT_EQ(server_->usage().fences_answered, 2u);
   for (auto& w : ws) EXPECT_EQ(w.calls.load(), 0);
   release_held();
-  for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(served(ws[i]), 0) << i;
-  std::this_thread::sleep_for(100ms);
-  for (size_t i = 0; i < ws.size(); ++i) {
-    EXPECT_EQ(ws[i].calls.load(), 1) << i;
-    EXPECT_TRUE(landed(i, 0x58)) << i;
-  }
+  expect_each_once(ws, 0x58);
   EXPECT_EQ(fence_of(cut).waited, 3u);
   EXPECT_EQ(fence_of(cut).fenced, 1u);
   ASSERT_TRUE(client_->reset_stats({}, StatsGroup::all).ok());
@@ -975,12 +986,9 @@ TEST_F(Fence, AnAnswerLostWithItsCarrierIsAskedForAgain) {
 // once (0, not ENOTCONN), its bytes on the volume; one write waited, one incarnation fenced.
 TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
-  start_server(2);
-  auto co = options(2);
-  co.pending_timeout = 5s;
   std::array<Counted, 1> w;
-  const std::string cut = held_writes_on_one_path(co, w, 0x60, 1);
-  const std::string other = path_to(addrs_[1]).name();
+  const std::string cut = held_on_first_of_two(w, 0x60, 5s);
+  const std::string& other = other_;
   const uint64_t rule = all_paths_down(cut, other);
   std::this_thread::sleep_for(300ms);
   EXPECT_FALSE(connected(other));
@@ -1001,24 +1009,22 @@ TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
 // Case: as above (all_paths_down), but the second path stays unreachable; pending_timeout is 1 s.
 // Expect: the write fails with ENOTCONN (the documented error of a request no path took in
 // time), not before 1 s after the cut and not long after its deadline (the deadline tick is
-// 100 ms; 5 s for a starved host); its callback runs once; nothing was fenced then. Once the second path is back the
-// fence goes over it (the failed write's chunk is kept until then), and the session carries
-// writes again.
+// 100 ms; 5 s for a starved host); its callback runs once; nothing was fenced then. Once the
+// second path is back the fence goes over it (the failed write's chunk is kept until then),
+// and the session carries writes again.
 TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
-  start_server(2);
-  auto co = options(2);
-  co.pending_timeout = 1s;
+  constexpr auto kPending = 1s;
   std::array<Counted, 1> w;
-  const std::string cut = held_writes_on_one_path(co, w, 0x68, 1);
-  const std::string other = path_to(addrs_[1]).name();
+  const std::string cut = held_on_first_of_two(w, 0x68, kPending);
+  const std::string& other = other_;
   const auto t0 = std::chrono::steady_clock::now();  // before the cut: the deadline is later
   const uint64_t rule = all_paths_down(cut, other);
   const auto t1 = std::chrono::steady_clock::now();  // after the failover: the deadline is earlier
   EXPECT_EQ(w[0].wait(10s), ENOTCONN);
   const auto t2 = std::chrono::steady_clock::now();
-  EXPECT_GE(t2 - t0, co.pending_timeout) << "failed before its pending_timeout";
-  EXPECT_LT(t2 - t1, co.pending_timeout + 5s) << "failed long after its pending_timeout";
+  EXPECT_GE(t2 - t0, kPending) << "failed before its pending_timeout";
+  EXPECT_LT(t2 - t1, kPending + 5s) << "failed long after its pending_timeout";
   std::this_thread::sleep_for(100ms);
   EXPECT_EQ(w[0].calls.load(), 1);
   EXPECT_EQ(fence_of(cut).waited, 1u);
@@ -1041,20 +1047,17 @@ TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
 // once the second path is back the fence is answered, the chunks are free, a write completes.
 TEST_F(Fence, ARequestWaitsForAChunkKeptForAFenceAtMostPendingTimeout) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
-  start_server(2, 8);
-  auto co = options(2);
-  co.pending_timeout = 500ms;
+  constexpr auto kPending = 500ms;
   std::array<Counted, 8> ws;
-  const std::string cut = held_writes_on_one_path(co, ws, 0x78, 1);
+  const std::string cut = held_on_first_of_two(ws, 0x78, kPending, 8);
   ASSERT_EQ(client_->queue_depth(), 8u);
-  const std::string other = path_to(addrs_[1]).name();
-  const uint64_t rule = all_paths_down(cut, other, ws.size());
+  const uint64_t rule = all_paths_down(cut, other_, ws.size());
   for (auto& w : ws) EXPECT_EQ(w.wait(5s), ENOTCONN);
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8 * 4096), -ENOTCONN) << "every chunk is kept";
   const auto waited = std::chrono::steady_clock::now() - t0;
-  EXPECT_GE(waited, co.pending_timeout);
-  EXPECT_LT(waited, co.pending_timeout + 5s);
+  EXPECT_GE(waited, kPending);
+  EXPECT_LT(waited, kPending + 5s);
   lb::faults().remove(rule);
   EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; }, 10s)) << "over the path that came back";
   release_held();  // the old copies: their responses go nowhere
@@ -1073,11 +1076,8 @@ TEST_F(Fence, ARequestWaitsForAChunkKeptForAFenceAtMostPendingTimeout) {
 // fenced); the session carries new writes afterwards.
 TEST_F(Fence, AnAnswerAfterItsWritesExpiredCompletesNothingTwice) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
-  start_server(2);
-  auto co = options(2);
-  co.pending_timeout = 300ms;
   std::array<Counted, 1> w;
-  const std::string cut = held_writes_on_one_path(co, w, 0x70, 1);
+  const std::string cut = held_on_first_of_two(w, 0x70, 300ms);
   busy_ = std::thread([this] {
     (void)server_->with_session("sess", [&](ServerSession&) {
       inside_ = true;
