@@ -178,8 +178,8 @@ class ClientSession {
   // without data,
   // too many segments, a segment outside its registration, user header too long), EMSGSIZE
   // (data longer than max_io_size()), EAGAIN (no permit and PermitWait::no), ENOTCONN (no path
-  // is CONNECTED and none is coming back; or it waited pending_timeout for a permit while
-  // chunks were kept for failover fences not yet confirmed: docs/protocol.md, "Failover
+  // is CONNECTED and none is coming back; or it waited pending_timeout for a permit, and
+  // chunks were then kept for failover fences not yet confirmed: docs/protocol.md, "Failover
   // fence"), ESHUTDOWN (the session is closing).
   Status request(const IoRequest& req, PermitWait wait = PermitWait::yes);
 

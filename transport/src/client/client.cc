@@ -535,13 +535,17 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   // No path can carry it: refused before it waits for a permit, which (kept for a fence) may
   // come back only with a path.
   if (connected_paths.load(std::memory_order_acquire) == 0 && !any_path_may_return()) return errc(ENOTCONN);
-  // Permits kept for unconfirmed fences come back once a path is up and the server answers: a
-  // wait while there are such is bounded as a parked request's, by pending_timeout.
-  const auto limit = fence_kept.load(std::memory_order_acquire) != 0
-                         ? opts.pending_timeout
-                         : std::chrono::milliseconds(std::chrono::hours(24 * 365));
-  auto take = [this, n, limit](core::PermitPool::Wait w) {
-    return n == 1 ? permits->get(w, limit) : permits->get_run(n, w, limit);
+  // Permits kept for unconfirmed fences come back only once a path is up and the server
+  // answers: a wait for a permit that lasts pending_timeout and ends with chunks so kept fails
+  // as a parked request would (ENOTCONN); otherwise it goes on. (Looked at when each wait ends,
+  // not when it begins: chunks may be kept while it waits.)
+  const auto step = std::max(opts.pending_timeout, std::chrono::milliseconds(kTick));
+  auto take = [this, n, step](core::PermitPool::Wait w) {
+    for (;;) {
+      auto got = n == 1 ? permits->get(w, step) : permits->get_run(n, w, step);
+      if (got.ok() || got.error() != std::errc::timed_out) return got;
+      if (fence_kept.load(std::memory_order_acquire) != 0) return Result<uint32_t>(errc(ENOTCONN));
+    }
   };
   auto permit = take(wait == PermitWait::yes && tl_plug.n == 0 ? core::PermitPool::Wait::yes
                                                                : core::PermitPool::Wait::no);
@@ -552,7 +556,7 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
     flush_plug(tl_plug);
     permit = take(core::PermitPool::Wait::yes);
   }
-  if (!permit.ok()) return permit.error() == std::errc::timed_out ? errc(ENOTCONN) : permit.error();
+  if (!permit.ok()) return permit.error();
   const uint32_t first = *permit;
   const uint32_t p = r.dir == IoDir::write ? first + n - 1 : first;
   Req& q = reqs[p];
@@ -878,6 +882,8 @@ void Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
       });
     }
     fence_waiting.fetch_sub(static_cast<uint32_t>(taken.size()), std::memory_order_acq_rel);
+    // Kept from now on as far as a submitter can tell: its callback may submit at once.
+    fence_kept.fetch_add(static_cast<uint32_t>(taken.size()), std::memory_order_acq_rel);
   }
   // The callbacks run outside the lock (they may submit); meanwhile the requests are in no
   // list, so a confirmation of their fence cannot hand out their permits under them.
@@ -896,10 +902,12 @@ void Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
       }
       --it->failing;
       it->kept.push_back(t.p);
-      fence_kept.fetch_add(1, std::memory_order_acq_rel);
     }
   }
-  for (uint32_t p : confirmed) permits->put_run(reqs[p].first, reqs[p].nchunks);
+  for (uint32_t p : confirmed) {
+    fence_kept.fetch_sub(1, std::memory_order_acq_rel);
+    permits->put_run(reqs[p].first, reqs[p].nchunks);
+  }
 }
 
 // Service poller. An answer to no fence of ours (a repeated one, or a server's invention)

@@ -297,7 +297,7 @@ struct Session {
   std::mutex fence_mu;
   std::vector<Fence> fences;                // (fence_mu)
   std::atomic<uint32_t> fence_waiting{0};   // requests in the fences' `reqs`
-  std::atomic<uint32_t> fence_kept{0};      // permits in the fences' `kept`
+  std::atomic<uint32_t> fence_kept{0};      // permits in the fences' `kept`, or failing into it
 
   // Reapers by IO connection index (reap_mu; the control path only).
   std::mutex reap_mu;
