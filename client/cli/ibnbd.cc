@@ -100,7 +100,8 @@ const char kUsage[] =
     "  +a / -b (the default set adjusted), all; e.g. device list device,state,size\n"
     "A <server> or <path> is [src@]dst with addresses like tcp:10.0.0.1, rdma:10.0.0.1:1234 or\n"
     "ip:10.0.0.1 (rdma). A stats <group> is all (default), rdma, rdma_lat, wc_completion,\n"
-    "sg_entries, cpu_migration or reconnects, as the kernel's stats files.\n";
+    "sg_entries, cpu_migration or reconnects, as the kernel's stats files, or (client) fence:\n"
+    "the failover fence's counters.\n";
 
 [[noreturn]] void fail(int code, const std::string& msg) {
   std::fprintf(stderr, "ibnbd: %s\n", msg.c_str());
@@ -215,13 +216,17 @@ struct Cli {
 
 // ---- both sides: per-path counters (the daemons' path_stats / reset_stats commands) ----
 
-// path stats <session> [<path>]: one row per path, the counters the kernel's stats files show.
+// path stats <session> [<path>]: one row per path, the counters the kernel's stats files show;
+// on the client also the failover fence's (stats/fence: the server's paths have none).
 Listing path_stats_listing(const json& paths) {
   Listing l{{{"pathname"}, {"state"}, {"fabric"}, {"read_cnt", true}, {"rx_bytes", true},
              {"write_cnt", true}, {"tx_bytes", true}, {"inflights", true}, {"failovered", true},
              {"reconnects", true}, {"reconnects_failed", true}, {"lat_max_read_us", true},
              {"lat_max_write_us", true}},
             {}};
+  const bool fence = std::any_of(paths.begin(), paths.end(), [](const json& p) { return p.contains("fence"); });
+  if (fence)
+    for (const char* c : {"fence_waited", "fenced", "fence_rtt_us", "fence_rtt_max_us"}) l.columns.push_back({c, true});
   for (auto& p : paths) {
     const json& st = p["stats"];
     l.rows.push_back({str(p, "name"), str(p, "state"), str(p, "fabric"), num(st, "read_cnt"),
@@ -229,12 +234,17 @@ Listing path_stats_listing(const json& paths) {
                       num(st, "inflight"), num(st, "failovered"), num(st, "reconnects_ok"),
                       num(st, "reconnects_failed"), num(st, "lat_max_read_ns") / 1000,
                       num(st, "lat_max_write_ns") / 1000});
+    if (fence) {
+      const json f = p.value("fence", json::object());
+      for (int64_t v : {num(f, "waited"), num(f, "fenced"), num(f, "last_rtt_ns") / 1000, num(f, "max_rtt_ns") / 1000})
+        l.rows.back().emplace_back(v);
+    }
   }
   return l;
 }
 
 bool is_stats_group(const std::string& w) {
-  for (const char* g : {"all", "rdma", "rdma_lat", "wc_completion", "sg_entries", "cpu_migration", "reconnects"})
+  for (const char* g : {"all", "rdma", "rdma_lat", "wc_completion", "sg_entries", "cpu_migration", "reconnects", "fence"})
     if (w == g) return true;
   return false;
 }
@@ -391,6 +401,10 @@ Listing server_limits(const json& rsp) {
   l.rows.push_back({"response_backlog", num(use, "backlog"), "-"});
   l.rows.push_back({"handshake_timeout_ms", "-", num(lim, "handshake_timeout_ms")});
   l.rows.push_back({"ack_timeout_ms", "-", num(lim, "ack_timeout_ms")});
+  // The failover fence since the server started (counts, no limit): PATH_FENCE answered, and
+  // of those the ones that closed a live path.
+  l.rows.push_back({"fences_answered", num(use, "fences_answered"), "-"});
+  l.rows.push_back({"fences_closed", num(use, "fences_closed"), "-"});
   return l;
 }
 

@@ -195,7 +195,8 @@ json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
                       ibtrs::tls::describe(p.tls),
                       bytes(p.stats.read_bytes), bytes(p.stats.write_bytes), p.inflight,
                       p.stats.reconnects_ok, p.latency ? static_cast<int64_t>(p.latency->count()) : -1,
-                      p.last_error ? p.last_error.message() : ""});
+                      p.last_error ? p.last_error.message() : "", p.fence.waited, p.fence.fenced,
+                      std::chrono::duration_cast<std::chrono::microseconds>(p.fence.last_rtt).count()});
 }
 
 }  // namespace
@@ -1028,7 +1029,11 @@ json ClientDaemon::path_list(const json& req) {
                                    col("hca_name"), col("hca_port", true), col("state"), col("auth"),
                                    col("host"), col("tls"), col("rx_bytes", true), col("tx_bytes", true),
                                    col("inflights", true), col("reconnects", true),
-                                   col("cur_latency_ns", true), col("last_error")})},
+                                   col("cur_latency_ns", true), col("last_error"),
+                                   // The failover fence (docs/protocol.md): requests that waited
+                                   // for one, incarnations fenced, the last one's round trip.
+                                   col("fence_waited", true), col("fenced", true),
+                                   col("fence_rtt_us", true)})},
           {"rows", rows}};
 }
 

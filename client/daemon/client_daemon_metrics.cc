@@ -32,6 +32,16 @@ std::optional<std::string> ClientDaemon::metrics() {
       if (p.latency)
         e.gauge("ibnbd_path_heartbeat_rtt_seconds", "The path's last heartbeat round trip.", pl,
                 static_cast<double>(p.latency->count()) / 1e9);
+      // The failover fence (docs/protocol.md; stats/fence): reset with the path's other counters.
+      e.counter("ibnbd_path_fence_waited_total",
+                "Requests failed over from a broken incarnation of the path that waited for its fence.", pl,
+                p.fence.waited);
+      e.counter("ibnbd_path_fences_total", "Incarnations of the path confirmed fenced.", pl, p.fence.fenced);
+      e.gauge("ibnbd_path_fence_rtt_seconds",
+              "The last fence's round trip, from the first waiting request to the confirmation.", pl,
+              static_cast<double>(p.fence.last_rtt.count()) / 1e9);
+      e.gauge("ibnbd_path_fence_rtt_max_seconds", "The longest fence round trip since the last reset.", pl,
+              static_cast<double>(p.fence.max_rtt.count()) / 1e9);
     }
   }
 

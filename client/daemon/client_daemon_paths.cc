@@ -1,9 +1,9 @@
 // ClientDaemon commands over a session's paths and settings that the sysfs files need and the
 // CLI can use too (client/README.md, "Control socket"):
-//   path_stats {session, path?}         every counter of the paths (server/src/control_stats.h)
-//                                       and what the kernel's path files show
+//   path_stats {session, path?}         every counter of the paths (server/src/control_stats.h),
+//                                       the failover fence's, and what the kernel's path files show
 //   path_reset_stats {session, path?, stats?: all|rdma|rdma_lat|wc_completion|sg_entries|
-//                     cpu_migration|reconnects}
+//                     cpu_migration|reconnects|fence}
 //   session_max_reconnect_attempts {session, value?: -1..9999}   reads, or sets then reads
 // Kept in their own file so the daemon's main command file stays as it is for other work.
 #include "client_daemon.h"
@@ -45,7 +45,8 @@ json ClientDaemon::path_stats(const json& req) {
                    {"tls", ibtrs::tls::describe(p.tls)},
                    {"last_error", p.last_error ? p.last_error.message() : ""},
                    {"inflight", p.inflight},
-                   {"stats", stats_to_json(p.stats)}});
+                   {"stats", stats_to_json(p.stats)},
+                   {"fence", fence_to_json(p.fence)}});
   }
   if (!only.empty() && out.empty()) return err(ENOENT, "no path " + only + " in session " + n);
   return {{"ok", true}, {"paths", out}};
@@ -57,7 +58,7 @@ json ClientDaemon::path_reset_stats(const json& req) {
   if (s == nullptr) return err(ENOENT, "no session " + n);
   auto group = ibtrs::parse_stats_group(req.value("stats", "all"));
   if (!group)
-    return err(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration or reconnects");
+    return err(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration, reconnects or fence");
   auto st = s->s->transport().reset_stats(req.value("path", ""), *group);
   return st.ok() ? json{{"ok", true}} : err(st.error().value(), "reset stats: " + st.error().message());
 }

@@ -62,4 +62,20 @@ ibtrs::PathStatsSnapshot stats_from_json(const json& j) {
   return s;
 }
 
+json fence_to_json(const ibtrs::ClientPathInfo::Fence& f) {
+  return {{"waited", f.waited},
+          {"fenced", f.fenced},
+          {"last_rtt_ns", f.last_rtt.count()},
+          {"max_rtt_ns", f.max_rtt.count()}};
+}
+
+ibtrs::ClientPathInfo::Fence fence_from_json(const json& j) {
+  ibtrs::ClientPathInfo::Fence f;
+  f.waited = j.value("waited", uint64_t{0});
+  f.fenced = j.value("fenced", uint64_t{0});
+  f.last_rtt = std::chrono::nanoseconds(j.value("last_rtt_ns", int64_t{0}));
+  f.max_rtt = std::chrono::nanoseconds(j.value("max_rtt_ns", int64_t{0}));
+  return f;
+}
+
 }  // namespace ibnbd

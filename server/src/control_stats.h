@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ibtrs/client.h"
 #include "ibtrs/types.h"
 
 namespace ibnbd {
@@ -14,5 +15,11 @@ nlohmann::json stats_to_json(const ibtrs::PathStatsSnapshot& s);
 // The inverse; missing fields read as 0. Throws nlohmann::json exceptions on wrong types (callers
 // are at the JSON edge and map them to EINVAL).
 ibtrs::PathStatsSnapshot stats_from_json(const nlohmann::json& j);
+
+// A client path's failover-fence counters (ibtrs::ClientPathInfo::Fence; docs/protocol.md,
+// "Failover fence"): the client daemon's `path_stats` writes them as "fence", sysfs-emu's
+// stats/fence reads them back. Missing fields read as 0; throws as stats_from_json.
+nlohmann::json fence_to_json(const ibtrs::ClientPathInfo::Fence& f);
+ibtrs::ClientPathInfo::Fence fence_from_json(const nlohmann::json& j);
 
 }  // namespace ibnbd

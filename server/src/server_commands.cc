@@ -82,7 +82,10 @@ json handle(BlockServer& srv, const json& req) {
                   "path '" + arg("path") + "' of session '" + arg("session") + "'");
   if (cmd == "reset_stats") {
     auto group = ibtrs::parse_stats_group(req.value("stats", "all"));
-    if (!group) return ControlSocket::error(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration or reconnects");
+    // The server's paths have no fence counters (those are the client's; the server counts its
+    // answers in `limits`).
+    if (!group || *group == ibtrs::StatsGroup::fence)
+      return ControlSocket::error(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration or reconnects");
     return status(srv.reset_path_stats(arg("session"), req.value("path", ""), *group),
                   "session '" + arg("session") + "'");
   }
@@ -186,7 +189,9 @@ json handle(BlockServer& srv, const json& req) {
                        {"paths", u.paths},
                        {"chunk_memory", u.chunk_memory},
                        {"chunk_resident", u.chunk_resident},
-                       {"backlog", u.backlog}}}};
+                       {"backlog", u.backlog},
+                       {"fences_answered", u.fences_answered},
+                       {"fences_closed", u.fences_closed}}}};
   }
   return ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");
 }

@@ -88,6 +88,10 @@ std::string server_metrics(const BlockServer& srv) {
   e.gauge("ibnbd_server_chunk_resident_bytes", "Of the chunk memory, the bytes in RAM now.", {},
           static_cast<double>(u.chunk_resident));
   e.gauge("ibnbd_server_response_backlog", "Responses waiting for send-queue room.", {}, static_cast<double>(u.backlog));
+  e.counter("ibnbd_server_path_fences_answered_total",
+            "PATH_FENCE messages answered (the failover fence, docs/protocol.md).", {}, u.fences_answered);
+  e.counter("ibnbd_server_path_fences_closed_total",
+            "Of the PATH_FENCE messages answered, those that closed a live path incarnation.", {}, u.fences_closed);
   e.gauge("ibnbd_server_max_sessions", "The cap on sessions (--max-sessions).", {}, t.max_sessions);
   e.gauge("ibnbd_server_max_chunk_memory_bytes", "The cap on chunk memory (--max-chunk-memory).", {},
           static_cast<double>(t.max_chunk_memory));

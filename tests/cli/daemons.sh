@@ -304,6 +304,52 @@ expect "path reconnect" 0 c path reconnect t1 "$p0"
 uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
 [ "$uu" = UU ] && ok "both paths up again" || not_ok "both paths up again" "path_uu $uu"
 
+# Case: the server drops a path (`server path disconnect`) while the client writes and verifies
+# the device with 8 requests in flight. Expect: no IO error; the requests in flight on that path
+# waited for the failover fence (docs/protocol.md), which the server answered: the client's
+# `path stats` and `path list` count them (fence_waited, fenced, round trips) and so do the
+# metrics of both daemons and the server's `limits`; `reset-stats ... fence` zeroes a path's
+# fence counters and nothing else, the server's side refuses the group (EINVAL: it has none).
+fa0=$(s -f json limits | jq '.[] | select(.resource == "fences_answered") | .used')
+c device io a.img size 64M bs 256K qd 8 >"$work/fence_io.out" 2>&1 &
+fio_pid=$!
+w0=$(s -f json path stats t1 | jq '[.[] | .write_cnt] | add')
+for _ in $(seq 200); do  # until the writes flow (10 s at most)
+  [ "$(s -f json path stats t1 | jq '[.[] | .write_cnt] | add')" -gt $((w0 + 32)) ] && break
+  sleep 0.05
+done
+sp0=$(s -f json path list t1 | jq -r '.[0].pathname')
+expect "server drops a path under IO" 0 s path disconnect t1 "$sp0"
+wait "$fio_pid" && ok "IO across a path dropped by the server" || not_ok "IO across a path dropped by the server" "$(tail -2 "$work/fence_io.out")"
+fs=$(c -f json path stats t1)
+waited=$(jq '[.[] | .fence_waited] | add' <<<"$fs")
+fenced=$(jq '[.[] | .fenced] | add' <<<"$fs")
+rtt=$(jq '[.[] | .fence_rtt_max_us] | max' <<<"$fs")
+[ "${waited:-0}" -gt 0 ] && [ "${fenced:-0}" -ge 1 ] && [ "${rtt:-0}" -gt 0 ] &&
+  ok "path stats: $waited requests waited for $fenced fence(s), up to $rtt us" ||
+  not_ok "path stats count the fence" "waited '$waited', fenced '$fenced', rtt '$rtt'"
+lw=$(c -f json path list t1 | jq '[.[] | .fence_waited] | add')
+[ "$lw" = "$waited" ] && ok "path list shows fence_waited too" || not_ok "path list shows fence_waited too" "'$lw' vs '$waited'"
+fa=$(s -f json limits | jq '.[] | select(.resource == "fences_answered") | .used')
+[ "${fa:-0}" -gt "${fa0:-0}" ] && ok "server limits: fences_answered $fa0 -> $fa" || not_ok "server limits count the fence" "'$fa0' -> '$fa'"
+scrape "$cl_m" >"$work/clf.prom"
+scrape "$srv_m" >"$work/srvf.prom"
+mf=$(grep '^ibnbd_path_fences_total{session="t1",' "$work/clf.prom" | awk '{s += $2} END {print s + 0}')
+mw=$(grep '^ibnbd_path_fence_waited_total{session="t1",' "$work/clf.prom" | awk '{s += $2} END {print s + 0}')
+[ "$mf" = "$fenced" ] && [ "$mw" = "$waited" ] && ok "client metrics: fences $mf, waited $mw" ||
+  not_ok "client metrics count the fence" "fences '$mf' (stats $fenced), waited '$mw' (stats $waited)"
+ma=$(sed -n 's/^ibnbd_server_path_fences_answered_total //p' "$work/srvf.prom")
+[ "$ma" = "$fa" ] && ok "server metrics: fences answered $ma" || not_ok "server metrics count the fence" "'$ma' vs limits '$fa'"
+fp=$(jq -r '[.[] | select(.fence_waited > 0)] | .[0].pathname' <<<"$fs")
+rd0=$(jq "[.[] | select(.pathname == \"$fp\")] | .[0].read_cnt" <<<"$fs")
+expect "client reset-stats fence" 0 c path reset-stats t1 "$fp" fence
+after=$(c -f json path stats t1 "$fp" | jq -c '.[0] | [.fence_waited, .fenced, .fence_rtt_us, .fence_rtt_max_us, .read_cnt]')
+[ "$after" = "[0,0,0,0,$rd0]" ] && ok "reset-stats fence zeroes the fence only" || not_ok "reset-stats fence zeroes the fence only" "$after (reads were $rd0)"
+expect "server reset-stats fence is EINVAL" 22 s path reset-stats t1 fence
+uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
+for _ in $(seq 100); do [ "$uu" = UU ] && break; sleep 0.1; uu=$(c -f json session show t1 | jq -r '.[0].path_uu'); done
+[ "$uu" = UU ] && ok "the dropped path came back" || not_ok "the dropped path came back" "path_uu $uu"
+
 # Case: a path is down and the admin asks to recover. Expect: every path up again.
 expect "path disconnect again" 0 c path disconnect t1 "$p0"
 expect "session recover" 0 c session recover t1

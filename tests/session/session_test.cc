@@ -75,7 +75,7 @@ class Session : public ::testing::Test {
     so_.queue_depth = qd;
     so_.io_threads = 2;
     so_.handler = &vol_;
-    so_.heartbeat = HeartbeatConfig{100ms, 5};
+    so_.heartbeat = hb_;
     so_.always_invalidate = g_invalidate;
     for (size_t i = 0; i < listeners; ++i) so_.listen.push_back(listen_addr("s" + std::to_string(i)));
     auto s = Server::start(so_);
@@ -89,7 +89,7 @@ class Session : public ::testing::Test {
     co.session_name = "sess";
     for (size_t i = 0; i < npaths; ++i) co.paths.push_back(path_to(addrs_[i]));
     co.io_threads = 2;
-    co.heartbeat = HeartbeatConfig{100ms, 5};
+    co.heartbeat = hb_;
     co.reconnect = ReconnectConfig{50ms, 50ms, 500ms, 10ms, -1};
     co.on_event = [this](const SessionEventInfo& e) {
       std::lock_guard l(ev_mu_);
@@ -125,6 +125,7 @@ class Session : public ::testing::Test {
   // A pointer into a temporary list would dangle (ASan found one in Fence.*).
   const ClientPathInfo* path_info(std::vector<ClientPathInfo>&&, const std::string&) = delete;
 
+  HeartbeatConfig hb_{100ms, 5};  // both sides'
   RamVolume vol_{16 << 20};
   ServerOptions so_;
   std::unique_ptr<Server> server_;
@@ -630,6 +631,10 @@ TEST_F(Session, LoadSurvivesAPathBreakingMidway) {
 // meanwhile, takes W1's: the lowest permit), waits past the late completion and reads back.
 class Fence : public Session {
  protected:
+  // Heartbeats still every 100 ms (all_paths_down breaks a path at its next one), but a path is
+  // given up after 3 s of silence, not 0.5 s: these cases cut paths themselves, and on a
+  // starved host (CI's TSan build beside other jobs) a heartbeat loss would cut others.
+  Fence() { hb_ = HeartbeatConfig{100ms, 30}; }
   struct Outcome {
     bool w2_intact = false;   // W2's 4 KiB read back
     bool w1_over_w2 = false;  // W1's bytes read back where W2's were (past the first 2112: the
@@ -639,50 +644,176 @@ class Fence : public Session {
     ClientPathInfo::Fence fence;   // the cut path's fence counters
     uint64_t fences_answered = 0;  // the server's
   };
+  // A Waiter that also counts its callbacks: each request must complete exactly once.
+  struct Counted : Waiter {
+    std::atomic<int> calls{0};
+    static void cb(void* ctx, int err) {
+      auto* c = static_cast<Counted*>(static_cast<Waiter*>(ctx));
+      c->calls.fetch_add(1);
+      Waiter::cb(ctx, err);
+    }
+  };
   // A write of `seg` to the volume at `h` that completes into `w` (all the caller's, alive
   // until it completes).
-  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w) {
+  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w, IoDoneFn done = &Waiter::cb) {
     return client_->request(IoRequest{IoDir::write,
                                       std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
-                                      std::span(&seg, 1), &Waiter::cb, &w});
+                                      std::span(&seg, 1), done, static_cast<Waiter*>(&w)});
   }
-  Outcome run(bool path_fence) {
-    Outcome o;
-    so_.path_fence = path_fence && std::getenv("IBTRS_TEST_NO_FENCE") == nullptr;
-    start_server(2);
-    open(options(2));
+  Status write_async(const VolHdr& h, const IoSeg& seg, Counted& w) { return write_async(h, seg, w, &Counted::cb); }
+  ClientPathInfo::Fence fence_of(const std::string& path) {
+    const auto ps = client_->paths();
+    const ClientPathInfo* p = path_info(ps, path);
+    return p != nullptr ? p->fence : ClientPathInfo::Fence{};
+  }
+  bool connected(const std::string& path) {
+    const auto ps = client_->paths();
+    const ClientPathInfo* p = path_info(ps, path);
+    return p != nullptr && p->state == ClientPathState::connected;
+  }
+  // Writes of 4 KiB, the i-th of byte fill + i at volume offset i x 4 KiB, on a session of one
+  // path (the first address) that the server holds; then paths to the next `more` addresses
+  // are added, so the writes are all on the first path. Returns that path's name.
+  std::string held_writes_on_one_path(ClientOptions co, std::span<Counted> ws, uint8_t fill, size_t more) {
+    co.paths.resize(1);
+    open(std::move(co));
+    vol_.hold(true);
+    hs_.resize(ws.size());
+    segs_.resize(ws.size());
+    for (size_t i = 0; i < ws.size(); ++i) {
+      std::memset(buf_->data() + i * 4096, fill + static_cast<int>(i), 4096);
+      hs_[i] = VolHdr{i * 4096, 4096, kVolMagic};
+      segs_[i] = IoSeg{buf_->data() + i * 4096, 4096, buf_.get()};
+      EXPECT_TRUE(write_async(hs_[i], segs_[i], ws[i]).ok());
+    }
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == ws.size(); }));
+    const std::string first = client_->paths()[0].name;
+    for (size_t i = 1; i <= more; ++i) EXPECT_TRUE(client_->add_path(path_to(addrs_[i])).ok());
+    return first;
+  }
+  // After held_writes_on_one_path(.., more = 1): the second path's server becomes unreachable
+  // (every post on a connection to it breaks the connection: heartbeats, then each reconnect),
+  // then the client cuts the first path, `cut`: no path is up when its `n` writes must be
+  // fenced. Returns the fault rule that keeps the second path down.
+  uint64_t all_paths_down(const std::string& cut, const std::string& other, uint64_t n = 1) {
+    lb::FaultRule down;
+    down.action = lb::FaultAction::disconnect;
+    down.endpoint = endpoint_of(addrs_[1]);
+    down.count = 0;  // every time
+    const uint64_t rule = lb::faults().add(down);
+    EXPECT_TRUE(wait_until([&] { return !connected(other); })) << "its next heartbeat broke it";
+    EXPECT_TRUE(client_->disconnect_path(cut).ok());
+    EXPECT_TRUE(wait_until([&] { return fence_of(cut).waited == n; }));
+    return rule;
+  }
+  // The same on a server of two listeners (queue depth `qd`) with pending_timeout `pending`:
+  // the writes on the first path, the second added. Sets other_ to the second path's name.
+  std::string held_on_first_of_two(std::span<Counted> ws, uint8_t fill, std::chrono::milliseconds pending,
+                                   uint16_t qd = 64) {
+    start_server(2, qd);
+    auto co = options(2);
+    co.pending_timeout = pending;
+    other_ = path_to(addrs_[1]).name();
+    return held_writes_on_one_path(std::move(co), ws, fill, 1);
+  }
+  std::string other_;
+  // Fault rule `action` on the first fence message (PATH_FENCE to_server, FENCE_RSP to_client)
+  // on the second path's connections: on an established path the only SENDs of 32 bytes
+  // (heartbeats are zero-byte immediates).
+  uint64_t on_fence_message(lb::FaultAction action, lb::Direction dir) {
+    static_assert(sizeof(proto::PathFence) == sizeof(proto::FenceRsp));
+    lb::FaultRule r;
+    r.action = action;
+    r.opcode = fabric::Opcode::send;
+    r.endpoint = endpoint_of(addrs_[1]);
+    r.direction = dir;
+    r.min_bytes = sizeof(proto::PathFence);
+    return lb::faults().add(r);
+  }
+  // Each of held_writes_on_one_path's writes (of `fill`) completes without error exactly once
+  // and is on the volume, all of it.
+  void expect_each_once(std::span<Counted> ws, uint8_t fill) {
+    for (size_t i = 0; i < ws.size(); ++i) EXPECT_EQ(served(ws[i]), 0) << i;
+    std::this_thread::sleep_for(100ms);  // a second completion would show by now
+    for (size_t i = 0; i < ws.size(); ++i) {
+      EXPECT_EQ(ws[i].calls.load(), 1) << i;
+      EXPECT_TRUE(landed(i, fill)) << i;
+    }
+  }
+  // The i-th write of held_writes_on_one_path is on the volume, all of it.
+  bool landed(size_t i, uint8_t fill) {
+    const std::byte* at = vol_.mem().data() + i * 4096;
+    return std::count(at, at + 4096, std::byte(fill + i)) == 4096;
+  }
+  // The server serves what it holds and whatever arrives from now on.
+  void release_held() {
+    vol_.hold(false);
+    for (auto* r : vol_.take_held()) vol_.serve(*r);
+  }
+  // `w`'s result once it completed (-ETIMEDOUT after 5 s), serving meanwhile what the server
+  // holds (a request that saw hold on just before release_held turned it off).
+  int served(Counted& w) {
+    (void)wait_until([&] {
+      for (auto* r : vol_.take_held()) vol_.serve(*r);
+      return w.calls.load() > 0;
+    }, 5s);
+    return w.wait(0ms);
+  }
+  std::vector<VolHdr> hs_;
+  std::vector<IoSeg> segs_;
+  // W1 (4 KiB of 0x11 at volume offset 0, completing into `w1`) lands at the server on one
+  // path, where its completion shows `late` late; the server's worker is busy for `busy` (from
+  // `busy_`, until `released_`); the client cuts W1's path. Returns that path.
+  std::string w1_late_then_cut(Waiter& w1, std::chrono::milliseconds late = 500ms,
+                               std::chrono::milliseconds busy = 900ms) {
     std::memset(buf_->data(), 0x11, 4096);
-    std::memset(buf_->data() + 4096, 0x22, 4096);
-    lb::FaultRule late;
-    late.action = lb::FaultAction::late_completion;
-    late.opcode = fabric::Opcode::write_with_imm;
-    late.direction = lb::Direction::to_server;
-    late.delay = 500ms;
-    late.min_bytes = 4096;  // W1, not a heartbeat
-    const uint64_t rule = lb::faults().add(late);
-    VolHdr h1{0, 4096, kVolMagic};
-    IoSeg s1{buf_->data(), 4096, buf_.get()};
-    Waiter w1;
-    EXPECT_TRUE(write_async(h1, s1, w1).ok());
-    // W1's path: the one with a request in flight (the server does not see it for 500 ms).
+    lb::FaultRule rule;
+    rule.action = lb::FaultAction::late_completion;
+    rule.opcode = fabric::Opcode::write_with_imm;
+    rule.direction = lb::Direction::to_server;
+    rule.delay = late;
+    rule.min_bytes = 4096;  // W1, not a heartbeat
+    const uint64_t id = lb::faults().add(rule);
+    h1_ = VolHdr{0, 4096, kVolMagic};
+    s1_ = IoSeg{buf_->data(), 4096, buf_.get()};
+    EXPECT_TRUE(write_async(h1_, s1_, w1).ok());
+    // W1's path: the one with a request in flight (the server does not see it for `late`).
     std::string victim;
     EXPECT_TRUE(wait_until([&] {
       for (auto& p : client_->paths())
         if (p.inflight == 1) victim = p.name;
       return !victim.empty();
     }));
-    EXPECT_EQ(lb::faults().hits(rule), 1u) << "W1 took the late completion";
-    std::atomic<bool> inside{false};
-    std::chrono::steady_clock::time_point released;
-    std::thread busy([&] {
+    EXPECT_EQ(lb::faults().hits(id), 1u) << "W1 took the late completion";
+    busy_ = std::thread([this, busy] {
       (void)server_->with_session("sess", [&](ServerSession&) {
-        inside = true;
-        std::this_thread::sleep_for(900ms);
-        released = std::chrono::steady_clock::now();
+        inside_ = true;
+        std::this_thread::sleep_for(busy);
+        released_ = std::chrono::steady_clock::now();
       });
     });
-    EXPECT_TRUE(wait_until([&] { return inside.load(); }));
+    EXPECT_TRUE(wait_until([&] { return inside_.load(); }));
     EXPECT_TRUE(client_->disconnect_path(victim).ok());
+    return victim;
+  }
+  void TearDown() override {
+    if (busy_.joinable()) busy_.join();  // a failed ASSERT leaves it running
+    Session::TearDown();
+  }
+  VolHdr h1_{};
+  IoSeg s1_{};
+  std::thread busy_;
+  std::atomic<bool> inside_{false};
+  std::chrono::steady_clock::time_point released_;
+
+  Outcome run(bool path_fence) {
+    Outcome o;
+    so_.path_fence = path_fence && std::getenv("IBTRS_TEST_NO_FENCE") == nullptr;
+    start_server(2);
+    open(options(2));
+    std::memset(buf_->data() + 4096, 0x22, 4096);
+    Waiter w1;
+    const std::string victim = w1_late_then_cut(w1);
     EXPECT_EQ(w1.wait(5s), 0) << "W1 failed over and completed";
     const auto w1_done = std::chrono::steady_clock::now();
     const uint64_t before = vol_.requests_.load();
@@ -699,14 +830,14 @@ class Fence : public Session {
     EXPECT_EQ(rd.wait(5s), 0);
     // W1's old copy, the resent one, the 2 KiB write and W2 all reached the server.
     EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() >= 4; }, 5s));
-    busy.join();
+    busy_.join();
     std::this_thread::sleep_for(50ms);
     std::memset(buf_->data() + 8192, 0, 4096);
     EXPECT_EQ(io(IoDir::read, 4096, 0, 8192), 0);
     const std::byte* got = buf_->data() + 8192;
     o.w2_intact = std::count(got, got + 4096, std::byte{0x22}) == 4096;
     o.w1_over_w2 = std::count(got + 2112, got + 4096, std::byte{0x11}) == 4096 - 2112;
-    o.w1_after_release = w1_done >= released;
+    o.w1_after_release = w1_done >= released_;
     const auto paths = client_->paths();
     if (auto* p = path_info(paths, victim)) o.fence = p->fence;
     o.fences_answered = server_->usage().fences_answered;
@@ -776,6 +907,235 @@ TEST_F(Fence, TheBrokenPathsOwnReconnectConfirmsItsFence) {
   EXPECT_EQ(w.wait(5s), 0);
   EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
   EXPECT_EQ(vol_.mem()[4095], std::byte{0x44});
+}
+
+// Case: three paths; four writes the server holds, all on the first path; the client cuts that
+// path, and its PATH_FENCE goes over the second path, whose connection breaks as the message is
+// posted (loopback disconnect: it never arrives; that path reconnects).
+// Expect: the fence goes again, over another path, and is answered; no write completes before
+// (the server holds their old copies, so the resent ones wait there behind them); then each
+// completes exactly once with its bytes on the volume; the cut path counts 4 waiting writes
+// and one incarnation fenced; the server answered one PATH_FENCE (the lost one never arrived).
+TEST_F(Fence, TheCarrierBreaksBeforeTheAnswerAndTheFenceGoesAgain) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(3);
+  std::array<Counted, 4> ws;
+  const std::string cut = held_writes_on_one_path(options(3), ws, 0x50, 2);
+  const std::string carrier = path_to(addrs_[1]).name();  // the first other path in slot order
+  ASSERT_EQ(client_->paths().size(), 3u);
+  const uint64_t rule = on_fence_message(lb::FaultAction::disconnect, lb::Direction::to_server);
+  ASSERT_TRUE(client_->disconnect_path(cut).ok());
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; })) << "sent again and answered";
+  EXPECT_EQ(lb::faults().hits(rule), 1u) << "the first PATH_FENCE went over the second path";
+  EXPECT_TRUE(wait_until([&] { return count_events(SessionEvent::path_down) >= 2; })) << "... and broke it";
+  for (auto& w : ws) EXPECT_EQ(w.calls.load(), 0) << "completed while the server held its old copy";
+  release_held();
+  expect_each_once(ws, 0x50);
+  const ClientPathInfo::Fence f = fence_of(cut);
+  EXPECT_EQ(f.waited, 4u);
+  EXPECT_EQ(f.fenced, 1u);
+  EXPECT_GT(f.last_rtt.count(), 0);
+  EXPECT_GE(f.max_rtt, f.last_rtt);
+  EXPECT_EQ(fence_of(carrier).waited, 0u) << "the carrier had nothing in flight";
+  EXPECT_EQ(server_->usage().fences_answered, 1u);
+  EXPECT_EQ(client_->stats().inflight, 0);
+  // The counters reset with their group (stats/fence) and with all, not with another group.
+  ASSERT_TRUE(client_->reset_stats(cut, StatsGroup::reconnects).ok());
+  EXPECT_EQ(fence_of(cut).fenced, 1u);
+  ASSERT_TRUE(client_->reset_stats(cut, StatsGroup::fence).ok());
+  EXPECT_EQ(fence_of(cut).waited, 0u);
+  EXPECT_EQ(fence_of(cut).fenced, 0u);
+  EXPECT_EQ(fence_of(cut).last_rtt.count(), 0);
+  EXPECT_EQ(fence_of(cut).max_rtt.count(), 0);
+}
+
+// Case: as above, but the PATH_FENCE arrives and its FENCE_RSP is lost (loopback drop: the server
+// sent it, the client never sees it); then the client disconnects that carrier path too.
+// Expect: while the answer is missing the writes wait (nothing fenced, nothing completed); once
+// the carrier is gone the fence goes over the third path; the server answers twice, the client
+// counts one incarnation fenced; each write completes exactly once with its bytes.
+TEST_F(Fence, AnAnswerLostWithItsCarrierIsAskedForAgain) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(3);
+  std::array<Counted, 3> ws;
+  const std::string cut = held_writes_on_one_path(options(3), ws, 0x58, 2);
+  const std::string carrier = path_to(addrs_[1]).name();
+  const uint64_t rule = on_fence_message(lb::FaultAction::drop, lb::Direction::to_client);
+  ASSERT_TRUE(client_->disconnect_path(cut).ok());
+  EXPECT_TRUE(wait_until([&] { return lb::faults().hits(rule) == 1; })) << "answered over the carrier";
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(fence_of(cut).fenced, 0u) << "the lost answer confirmed nothing";
+  ASSERT_TRUE(client_->disconnect_path(carrier).ok());
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; })) << "asked again over the third path";
+  EXPECT_EQ(server_->usage().fences_answered, 2u);
+  for (auto& w : ws) EXPECT_EQ(w.calls.load(), 0);
+  release_held();
+  expect_each_once(ws, 0x58);
+  EXPECT_EQ(fence_of(cut).waited, 3u);
+  EXPECT_EQ(fence_of(cut).fenced, 1u);
+  ASSERT_TRUE(client_->reset_stats({}, StatsGroup::all).ok());
+  EXPECT_EQ(fence_of(cut).waited, 0u) << "reset_all includes the fence's";
+  EXPECT_EQ(fence_of(cut).fenced, 0u);
+}
+
+// Case: two paths; a write the server holds on the first; no path is up when it must be fenced
+// (all_paths_down); after 300 ms the second path's server is reachable again; pending_timeout
+// is 5 s.
+// Expect: meanwhile the write has not completed and no PATH_FENCE reached the server; once the
+// second path is back the fence goes over it and is answered; the write is resent and completes
+// once (0, not ENOTCONN), its bytes on the volume; one write waited, one incarnation fenced.
+TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  std::array<Counted, 1> w;
+  const std::string cut = held_on_first_of_two(w, 0x60, 5s);
+  const std::string& other = other_;
+  const uint64_t rule = all_paths_down(cut, other);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(connected(other));
+  EXPECT_EQ(w[0].calls.load(), 0) << "parked while no path is up";
+  EXPECT_EQ(fence_of(cut).fenced, 0u);
+  EXPECT_EQ(server_->usage().fences_answered, 0u) << "no path carried PATH_FENCE";
+  lb::faults().remove(rule);
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; }, 10s)) << "over the path that came back";
+  EXPECT_TRUE(connected(other));
+  EXPECT_EQ(server_->usage().fences_answered, 1u);
+  EXPECT_EQ(served(w[0]), 0);
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(w[0].calls.load(), 1);
+  EXPECT_TRUE(landed(0, 0x60));
+  EXPECT_EQ(fence_of(cut).waited, 1u);
+}
+
+// Case: as above (all_paths_down), but the second path stays unreachable; pending_timeout is 1 s.
+// Expect: the write fails with ENOTCONN (the documented error of a request no path took in
+// time), not before 1 s after the cut and not long after its deadline (the deadline tick is
+// 100 ms; 5 s for a starved host); its callback runs once; nothing was fenced then. Once the
+// second path is back the fence goes over it (the failed write's chunk is kept until then),
+// and the session carries writes again.
+TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  constexpr auto kPending = 1s;
+  std::array<Counted, 1> w;
+  const std::string cut = held_on_first_of_two(w, 0x68, kPending);
+  const std::string& other = other_;
+  const auto t0 = std::chrono::steady_clock::now();  // before the cut: the deadline is later
+  const uint64_t rule = all_paths_down(cut, other);
+  const auto t1 = std::chrono::steady_clock::now();  // after the failover: the deadline is earlier
+  EXPECT_EQ(w[0].wait(10s), ENOTCONN);
+  const auto t2 = std::chrono::steady_clock::now();
+  EXPECT_GE(t2 - t0, kPending) << "failed before its pending_timeout";
+  EXPECT_LT(t2 - t1, kPending + 5s) << "failed long after its pending_timeout";
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(w[0].calls.load(), 1);
+  EXPECT_EQ(fence_of(cut).waited, 1u);
+  EXPECT_EQ(fence_of(cut).fenced, 0u);
+  lb::faults().remove(rule);
+  EXPECT_TRUE(wait_until([&] { return connected(other); }, 10s));
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; })) << "asked for the kept chunk";
+  EXPECT_EQ(server_->usage().fences_answered, 1u);
+  release_held();  // the old copy: its response goes nowhere
+  std::memset(buf_->data() + 8192, 0x69, 4096);
+  EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8192), 0);
+  EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x69});
+  EXPECT_EQ(client_->stats().inflight, 0);
+}
+
+// Case: a queue depth of 8; eight writes the server holds on the first path; no path is up when
+// they must be fenced (all_paths_down). A ninth write is submitted (PermitWait::yes) while they
+// wait: no permit is free. pending_timeout is 500 ms: the eight fail, and their chunks stay
+// kept for the fence.
+// Expect: the ninth is refused with ENOTCONN, after pending_timeout and within two of them (a
+// wait for a permit ends so when chunks are kept at its end; they were not yet when it
+// began), without hanging; once the second path is back the fence is answered, the chunks are
+// free and a write completes.
+TEST_F(Fence, ARequestWaitsForAChunkKeptForAFenceAtMostPendingTimeout) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  constexpr auto kPending = 500ms;
+  std::array<Counted, 8> ws;
+  const std::string cut = held_on_first_of_two(ws, 0x78, kPending, 8);
+  ASSERT_EQ(client_->queue_depth(), 8u);
+  const uint64_t rule = all_paths_down(cut, other_, ws.size());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ninth = std::async(std::launch::async, [&] { return io(IoDir::write, 4096, 1 << 20, 8 * 4096); });
+  for (auto& w : ws) EXPECT_EQ(w.wait(5s), ENOTCONN);
+  const bool ended = ninth.wait_for(2 * kPending + 5s) == std::future_status::ready;
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  lb::faults().remove(rule);  // should it still wait, the path back frees a chunk for it
+  ASSERT_TRUE(ended) << "it waited on with every chunk kept";
+  EXPECT_EQ(ninth.get(), -ENOTCONN) << "every chunk is kept";
+  EXPECT_GE(waited, kPending);
+  EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; }, 10s)) << "over the path that came back";
+  release_held();  // the old copies: their responses go nowhere
+  std::memset(buf_->data() + 8 * 4096, 0x79, 4096);
+  EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8 * 4096), 0);
+  EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x79});
+  for (auto& w : ws) EXPECT_EQ(w.calls.load(), 1);
+}
+
+// Case: two paths; a write the server holds on the first; the server's worker is busy for 3 s
+// (as under load: PATH_FENCE is handled there, so the answer comes late); the client cuts the
+// first path; pending_timeout is 300 ms.
+// Expect: the write fails with ENOTCONN at its deadline, before the answer; the late answer then
+// completes nothing a second time and resends nothing (the server saw only the held copy); it
+// confirms the fence, which kept the failed write's chunk (one waiting write, one incarnation
+// fenced); the session carries new writes afterwards.
+TEST_F(Fence, AnAnswerAfterItsWritesExpiredCompletesNothingTwice) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  std::array<Counted, 1> w;
+  const std::string cut = held_on_first_of_two(w, 0x70, 300ms);
+  busy_ = std::thread([this] {
+    (void)server_->with_session("sess", [&](ServerSession&) {
+      inside_ = true;
+      std::this_thread::sleep_for(3s);
+    });
+  });
+  ASSERT_TRUE(wait_until([&] { return inside_.load(); }));
+  ASSERT_TRUE(client_->disconnect_path(cut).ok());
+  EXPECT_EQ(w[0].wait(5s), ENOTCONN);
+  EXPECT_EQ(server_->usage().fences_answered, 0u) << "answered before the deadline";
+  busy_.join();
+  EXPECT_TRUE(wait_until([&] { return server_->usage().fences_answered == 1; }));
+  std::this_thread::sleep_for(200ms);  // the answer reaches the client
+  EXPECT_EQ(w[0].calls.load(), 1) << "the late answer completed the write again";
+  EXPECT_EQ(vol_.requests_.load(), 1u) << "the late answer resent the write";
+  EXPECT_EQ(fence_of(cut).waited, 1u);
+  EXPECT_EQ(fence_of(cut).fenced, 1u);
+  EXPECT_GT(fence_of(cut).last_rtt, 300ms) << "from the failover to the late answer";
+  release_held();  // the old copy: its response goes nowhere
+  std::memset(buf_->data() + 8192, 0x71, 4096);
+  EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8192), 0);
+  EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x71});
+  EXPECT_EQ(w[0].calls.load(), 1);
+  EXPECT_EQ(client_->stats().inflight, 0);
+}
+
+// Case: the scenario of AWriteLeftOnABrokenPathNeverOverwritesANewerOne with a pending_timeout
+// (200 ms) shorter than the server takes to answer the fence (its worker is busy for 3 s): W1
+// fails with ENOTCONN while it waits; the application then writes 2 KiB of 0x33 at 1 MiB, which
+// completes; W1's old copy, polled late (1.5 s), runs at the server (its path closes at 3 s).
+// Expect: what W1's old copy writes at volume offset 0 is its own bytes (a write that failed
+// may still land, as with any error), never the 2 KiB write's: W1's chunk is not reused
+// before its fence is confirmed, so the old copy finds its own bytes there.
+TEST_F(Fence, AWriteThatExpiredKeepsItsChunkUntilItsFence) {
+  if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
+  start_server(2);
+  auto co = options(2);
+  co.pending_timeout = 200ms;
+  open(co);
+  Waiter w1;
+  const std::string victim = w1_late_then_cut(w1, 1500ms, 3s);
+  EXPECT_EQ(w1.wait(5s), ENOTCONN) << "W1 expired waiting for its fence";
+  std::memset(buf_->data() + 12288, 0x33, 2048);
+  EXPECT_EQ(io(IoDir::write, 2048, 1 << 20, 12288), 0);
+  // W1's old copy and the 2 KiB write reached the handler.
+  EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() >= 2; }, 5s));
+  busy_.join();
+  const std::byte* at = vol_.mem().data();
+  EXPECT_EQ(std::count(at, at + 4096, std::byte{0x33}), 0) << "W1's old copy took another request's bytes";
+  EXPECT_EQ(std::count(at, at + 4096, std::byte{0x11}), 4096) << "W1's old copy ran, with its own bytes";
+  EXPECT_TRUE(wait_until([&] { return fence_of(victim).fenced == 1; })) << "the late answer confirmed it";
+  EXPECT_EQ(io(IoDir::write, 4096, 0, 4096), 0);
+  EXPECT_EQ(client_->stats().inflight, 0);
 }
 
 TEST_F(Session, LostHeartbeatsTakeThePathDownAndItsIoMoves) {

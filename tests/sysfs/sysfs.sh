@@ -241,6 +241,8 @@ check_formats() {
   check "stats/rdma_lat rows" "$(rd "$p/stats/rdma_lat" | wc -l)" 19
   fmt stats/wc_completion "$p/stats/wc_completion" '^[0-9]+ [0-9]+$'
   fmt stats/reconnects "$p/stats/reconnects" '^[0-9]+ [0-9]+$'
+  # Ours: <waited> <fenced> <last rtt ns> <max rtt ns> (docs/protocol.md, "Failover fence").
+  fmt stats/fence "$p/stats/fence" '^[0-9]+ [0-9]+ [0-9]+ [0-9]+$'
   fmt stats/sg_entries "$p/stats/sg_entries" '^(n\\thread: count|[0-9]+\+?: [0-9]+|total: [0-9]+)$'
   fmt stats/cpu_migration "$p/stats/cpu_migration" '^(    ( CPU[0-9]+)+|(from:|to  :)( +[0-9]+)+)$'
   rd "$p/stats/reset_all" | grep -q reset && ok "stats/reset_all shows help" || not_ok "reset_all help" "$(rd "$p/stats/reset_all")"
@@ -304,7 +306,8 @@ check "stats/rdma is reset" "$(rd "$P0/stats/rdma" | cut -d' ' -f1-4,6)" "0 0 0 
 lat_zero "$P0" && not_ok "rdma_lat kept its counters" "reset too" || ok "rdma_lat kept its counters"
 expect_wr "echo 1 > stats/rdma_lat (the kernel's reset)" "$P0/stats/rdma_lat" 1 ok
 lat_zero "$P0" && ok "stats/rdma_lat is reset" || not_ok "stats/rdma_lat is reset" "$(rd "$P0/stats/rdma_lat")"
-for f in wc_completion sg_entries cpu_migration reconnects; do expect_wr "reset stats/$f" "$P0/stats/$f" 1 ok; done
+for f in wc_completion sg_entries cpu_migration reconnects fence; do expect_wr "reset stats/$f" "$P0/stats/$f" 1 ok; done
+expect_wr "stats/fence 2" "$P0/stats/fence" 2 "$EINVAL"
 c device io a.img size 4M bs 64K qd 4 >/dev/null 2>&1
 rdma_nonzero "$P1" || not_ok "IO on the second path" "$(rd "$P1/stats/rdma")"
 expect_wr "reset_all" "$P1/stats/reset_all" 0 ok

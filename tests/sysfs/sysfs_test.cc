@@ -160,6 +160,13 @@ TEST(Format, StatsFilesInTheKernelFormats) {
   EXPECT_EQ(sg.rfind("n\\thread: count\n0: 0\n1: 9\n", 0), 0u) << sg;
   EXPECT_NE(sg.find("16+: 1\ntotal: 10\n"), std::string::npos) << sg;
   EXPECT_EQ(format_cpu_migration(s), "     CPU0 CPU1\nfrom:    1    0\nto  :    0    1\n");
+  ibtrs::ClientPathInfo::Fence f;
+  f.waited = 7;
+  f.fenced = 2;
+  f.last_rtt = std::chrono::nanoseconds(1500);
+  f.max_rtt = std::chrono::nanoseconds(90'000'000'000);  // past 32 bits
+  EXPECT_EQ(format_fence(f), "7 2 1500 90000000000\n");
+  EXPECT_EQ(format_fence({}), "0 0 0 0\n");
 }
 
 // ---- the trees over a fake daemon ----
@@ -198,7 +205,13 @@ struct FakeDaemon {
               {"dst_port", 1234}, {"cur_latency_ns", 1500}, {"auth", "authenticated"},
               {"auth_host", "nqn.2014-08.org.example:h"}, {"auth_bidirectional", true},
               {"stats", ibnbd::stats_to_json(st)}};
+      ibtrs::ClientPathInfo::Fence f;
+      f.waited = 4;
+      f.fenced = 1;
+      f.last_rtt = f.max_rtt = std::chrono::nanoseconds(2500);
+      p1["fence"] = ibnbd::fence_to_json(f);
       json p2 = p1;
+      p2.erase("fence");  // a daemon that does not send it: zeros
       p2["name"] = "tcp:0.0.0.0@tcp:127.0.0.1:4000";
       p2["tls"] = "kTLS TLS_AES_128_GCM_SHA256";
       p2["fabric"] = "tcp";
@@ -270,6 +283,21 @@ TEST(Trees, ClientFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(write_at(root, (std::string(tcp_path) + "/stats/rdma_lat").c_str(), "0\n"), 0);
   EXPECT_EQ(fake->seen.back()["cmd"], "path_reset_stats");
   EXPECT_EQ(fake->seen.back()["stats"], "rdma_lat");
+  // Case: stats/fence, our extension. Expect: the daemon's fence counters in one line (zeros
+  // when it sends none); "1" resets the fence group of that path, "2" is EINVAL and sends
+  // nothing; reset_all resets "all" (which the daemon applies to the fence's too).
+  EXPECT_EQ(read_at(root, (std::string(rdma_path) + "/stats/fence").c_str()), "4 1 2500 2500\n");
+  EXPECT_EQ(read_at(root, (std::string(tcp_path) + "/stats/fence").c_str()), "0 0 0 0\n");
+  EXPECT_EQ(write_at(root, (std::string(rdma_path) + "/stats/fence").c_str(), "1\n"), 0);
+  EXPECT_EQ(fake->seen.back()["cmd"], "path_reset_stats");
+  EXPECT_EQ(fake->seen.back()["stats"], "fence");
+  EXPECT_EQ(fake->seen.back()["path"], "ip:0.0.0.0@ip:10.0.0.1");
+  NodePtr fence = *resolve(root, std::string(rdma_path) + "/stats/fence");  // lookups ask the daemon
+  const size_t seen_fence = fake->seen.size();
+  EXPECT_EQ(fence->write("2\n").error().value(), EINVAL);
+  EXPECT_EQ(fake->seen.size(), seen_fence);
+  EXPECT_EQ(write_at(root, (std::string(rdma_path) + "/stats/reset_all").c_str(), "1\n"), 0);
+  EXPECT_EQ(fake->seen.back()["stats"], "all");
   EXPECT_EQ(write_at(root, (std::string(tcp_path) + "/remove_path").c_str(), "1"), 0);
   EXPECT_EQ(fake->seen.back()["cmd"], "path_delete");
   EXPECT_EQ(fake->seen.back()["path"], "tcp:0.0.0.0@tcp:127.0.0.1:4000");
@@ -340,6 +368,7 @@ TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {
   EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/rdma"), "0 0 0 0 0\n");
   EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/auth"), "none\n") << "anonymous";
   EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/wc_completion"), "0 0 0\n");
+  EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/fence"), "ENOENT") << "the client's";
   EXPECT_EQ(write_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/disconnect", "1\n"), 0);
   EXPECT_EQ(seen.back()["cmd"], "disconnect_path");
   const char* h = "/ibnbd-server/ctl/devices/!srv!a.img/sessions/s1";

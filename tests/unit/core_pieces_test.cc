@@ -385,8 +385,9 @@ TEST(Stats, GroupNamesAreTheKernelFiles) {
   EXPECT_EQ(*parse_stats_group("rdma_lat\n"), StatsGroup::rdma_lat);
   EXPECT_EQ(*parse_stats_group("reset_all"), StatsGroup::all);
   EXPECT_EQ(parse_stats_group("rdma2").error(), std::errc::invalid_argument);
+  EXPECT_EQ(*parse_stats_group("fence"), StatsGroup::fence) << "ours: stats/fence";
   for (auto g : {StatsGroup::all, StatsGroup::rdma, StatsGroup::rdma_lat, StatsGroup::wc_completion,
-                 StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects})
+                 StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects, StatsGroup::fence})
     EXPECT_EQ(*parse_stats_group(to_string(g)), g);
 }
 

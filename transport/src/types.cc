@@ -59,7 +59,7 @@ Result<int32_t> parse_max_reconnect_attempts(std::string_view t) {
 Result<StatsGroup> parse_stats_group(std::string_view t) {
   t = trim(t);
   for (auto g : {StatsGroup::all, StatsGroup::rdma, StatsGroup::rdma_lat, StatsGroup::wc_completion,
-                 StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects})
+                 StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects, StatsGroup::fence})
     if (t == to_string(g)) return g;
   if (t == "reset_all") return StatsGroup::all;
   return errc(EINVAL);
@@ -74,6 +74,7 @@ std::string_view to_string(StatsGroup g) {
     case StatsGroup::sg_entries: return "sg_entries";
     case StatsGroup::cpu_migration: return "cpu_migration";
     case StatsGroup::reconnects: return "reconnects";
+    case StatsGroup::fence: return "fence";
   }
   return "?";
 }

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "ibtrs/client.h"
 #include "ibtrs/types.h"
 
 namespace sysfs {
@@ -34,6 +35,11 @@ std::string format_sg_entries(const PathStatsSnapshot& s);
 std::string format_cpu_migration(const PathStatsSnapshot& s);
 // stats/reconnects: "<successful> <failed>"
 std::string format_reconnects(const PathStatsSnapshot& s);
+// Client stats/fence (ours, not in the kernel: docs/protocol.md, "Failover fence"):
+// "<waited> <fenced> <last rtt ns> <max rtt ns>": requests that waited for a fence of the path,
+// its incarnations confirmed fenced, the last and the longest round trip from the first waiting
+// request to the confirmation.
+std::string format_fence(const ibtrs::ClientPathInfo::Fence& f);
 // mp_policy: "round-robin (RR: 0)", "min-inflight (MI: 1)", "min-latency (ML: 2)"
 std::string format_policy(ibtrs::MpPolicy p);
 

@@ -126,29 +126,35 @@ struct StatFile {
   Formatter format;
 };
 
+using ResetFn = std::function<Status(const char* group)>;
+
+// A stats file: shows show(the path's answer) and resets its counters (`group`) when written.
+NodePtr stat_file(const PathInfo& info, const ResetFn& reset, std::string group,
+                  std::function<std::string(const json&)> show) {
+  return Node::attr(
+      0644,
+      [info, show = std::move(show)]() -> Result<std::string> {
+        IBTRS_ASSIGN_OR_RETURN(json p, info());
+        return show(p);
+      },
+      [reset, group = std::move(group)](std::string_view t) -> Status {
+        IBTRS_TRY(parse_reset(t));
+        return reset(group.c_str());
+      });
+}
+
 // stats/: each file prints its counters and resets them when written (reset_all: every group).
-NodePtr stats_dir(const PathInfo& info,
-                  const std::function<Status(const char* group)>& reset, std::initializer_list<StatFile> files) {
+std::shared_ptr<Node> stats_dir(const PathInfo& info, const ResetFn& reset, std::initializer_list<StatFile> files) {
   auto d = Node::dir();
   d->add("reset_all", Node::attr(0644, text("Usage: echo 1 > reset_all (0 too) resets all the statistics\n"),
                                  [reset](std::string_view t) -> Status {
                                    IBTRS_TRY(parse_reset(t));
                                    return reset("all");
                                  }));
-  for (const StatFile& f : files) {
-    const std::string group = f.name;
-    const Formatter fmt = f.format;
-    d->add(group, Node::attr(
-                      0644,
-                      [info, fmt]() -> Result<std::string> {
-                        IBTRS_ASSIGN_OR_RETURN(json p, info());
-                        return fmt(ibnbd::stats_from_json(p.at("stats")));
-                      },
-                      [reset, group](std::string_view t) -> Status {
-                        IBTRS_TRY(parse_reset(t));
-                        return reset(group.c_str());
-                      }));
-  }
+  for (const StatFile& f : files)
+    d->add(f.name, stat_file(info, reset, f.name, [fmt = f.format](const json& p) {
+             return fmt(ibnbd::stats_from_json(p.at("stats")));
+           }));
   return d;
 }
 
@@ -173,13 +179,19 @@ NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::str
   auto reset = [b, sess, path](const char* group) {
     return act(b, {{"cmd", "path_reset_stats"}, {"session", sess}, {"path", path}, {"stats", group}});
   };
-  d->add("stats", stats_dir(info, reset,
-                            {{"rdma", format_client_rdma},
-                             {"rdma_lat", format_rdma_lat},
-                             {"wc_completion", format_client_wc_completion},
-                             {"sg_entries", format_sg_entries},
-                             {"cpu_migration", format_cpu_migration},
-                             {"reconnects", format_reconnects}}));
+  std::shared_ptr<Node> stats = stats_dir(info, reset,
+                                          {{"rdma", format_client_rdma},
+                                           {"rdma_lat", format_rdma_lat},
+                                           {"wc_completion", format_client_wc_completion},
+                                           {"sg_entries", format_sg_entries},
+                                           {"cpu_migration", format_cpu_migration},
+                                           {"reconnects", format_reconnects}});
+  // Ours (the kernel's RTRS has no failover fence); reset_all resets it too (the daemon's reset
+  // of "all" includes the fence's counters).
+  stats->add("fence", stat_file(info, reset, "fence", [](const json& p) {
+               return format_fence(ibnbd::fence_from_json(p.value("fence", json::object())));
+             }));
+  d->add("stats", stats);
   return d;
 }
 

@@ -94,6 +94,11 @@ std::string format_reconnects(const PathStatsSnapshot& s) {
   return fmt("%" PRIu64 " %" PRIu64 "\n", s.reconnects_ok, s.reconnects_failed);
 }
 
+std::string format_fence(const ibtrs::ClientPathInfo::Fence& f) {
+  return fmt("%" PRIu64 " %" PRIu64 " %" PRId64 " %" PRId64 "\n", f.waited, f.fenced,
+             static_cast<int64_t>(f.last_rtt.count()), static_cast<int64_t>(f.max_rtt.count()));
+}
+
 std::string format_policy(ibtrs::MpPolicy p) {
   switch (p) {
     case ibtrs::MpPolicy::round_robin: return "round-robin (RR: 0)\n";

@@ -178,7 +178,9 @@ class ClientSession {
   // without data,
   // too many segments, a segment outside its registration, user header too long), EMSGSIZE
   // (data longer than max_io_size()), EAGAIN (no permit and PermitWait::no), ENOTCONN (no path
-  // is CONNECTED and none is coming back), ESHUTDOWN (the session is closing).
+  // is CONNECTED and none is coming back; or it waited pending_timeout for a permit, and
+  // chunks were then kept for failover fences not yet confirmed: docs/protocol.md, "Failover
+  // fence"), ESHUTDOWN (the session is closing).
   Status request(const IoRequest& req, PermitWait wait = PermitWait::yes);
 
   // A submission batch of the calling thread (the block layer's plug): requests this thread
@@ -254,7 +256,8 @@ class ClientSession {
 
   std::vector<ClientPathInfo> paths() const;
   PathStatsSnapshot stats() const;  // sum over the paths
-  // Resets the counters of `group` of one path (ENOENT) or, with an empty name, of all paths.
+  // Resets the counters of `group` of one path (ENOENT) or, with an empty name, of all paths;
+  // `all` and `fence` reset ClientPathInfo::fence too.
   Status reset_stats(std::string_view path = {}, StatsGroup group = StatsGroup::all);
 
   struct Impl;

@@ -88,9 +88,10 @@ enum class StatsGroup : uint8_t {
   sg_entries,
   cpu_migration,  // thread_migrations, migrated_from, migrated_to
   reconnects,     // reconnects_ok, reconnects_failed
+  fence,          // a client path's ClientPathInfo::Fence (ours: stats/fence); servers have none
 };
 // "all" | "rdma" | "rdma_lat" | "wc_completion" | "sg_entries" | "cpu_migration" | "reconnects"
-// (the kernel's file names; "reset_all" for all). EINVAL otherwise.
+// (the kernel's file names; "reset_all" for all) | "fence". EINVAL otherwise.
 Result<StatsGroup> parse_stats_group(std::string_view text);
 std::string_view to_string(StatsGroup g);
 

@@ -532,8 +532,20 @@ Status Session::submit(const IoRequest& r, PermitWait wait) {
   // The chunks the request takes: one, or with chunk sets as many as its extent needs.
   const uint64_t extent = r.dir == IoDir::write ? total + r.usr.size() + msg : geo.max_hdr_size + total;
   const uint32_t n = extent <= geo.chunk_size ? 1 : proto::set_chunks(extent, geo.chunk_size);
-  auto take = [this, n](core::PermitPool::Wait w) {
-    return n == 1 ? permits->get(w) : permits->get_run(n, w);
+  // No path can carry it: refused before it waits for a permit, which (kept for a fence) may
+  // come back only with a path.
+  if (connected_paths.load(std::memory_order_acquire) == 0 && !any_path_may_return()) return errc(ENOTCONN);
+  // Permits kept for unconfirmed fences come back only once a path is up and the server
+  // answers: a wait for a permit that lasts pending_timeout and ends with chunks so kept fails
+  // as a parked request would (ENOTCONN); otherwise it goes on. (Looked at when each wait ends,
+  // not when it begins: chunks may be kept while it waits.)
+  const auto step = std::max(opts.pending_timeout, std::chrono::milliseconds(kTick));
+  auto take = [this, n, step](core::PermitPool::Wait w) {
+    for (;;) {
+      auto got = n == 1 ? permits->get(w, step) : permits->get_run(n, w, step);
+      if (got.ok() || got.error() != std::errc::timed_out) return got;
+      if (fence_kept.load(std::memory_order_acquire) != 0) return Result<uint32_t>(errc(ENOTCONN));
+    }
   };
   auto permit = take(wait == PermitWait::yes && tl_plug.n == 0 ? core::PermitPool::Wait::yes
                                                                : core::PermitPool::Wait::no);
@@ -723,7 +735,7 @@ bool Session::post(uint32_t p, Path* skip) {
   return false;
 }
 
-void Session::finish(uint32_t p, int err, uint32_t shard) {
+void Session::finish(uint32_t p, int err, uint32_t shard, bool keep_permits) {
   Req& q = reqs[p];
   if (q.path != nullptr) {
     q.path->inflight.fetch_sub(1, std::memory_order_relaxed);
@@ -737,7 +749,7 @@ void Session::finish(uint32_t p, int err, uint32_t shard) {
   q.done = nullptr;
   ++tl_finished;
   // The permits go back before the callback, so the callback may submit again.
-  permits->put_run(q.first, q.nchunks);
+  if (!keep_permits) permits->put_run(q.first, q.nchunks);
   if (fn != nullptr) fn(ctx, err);
 }
 
@@ -761,7 +773,11 @@ void Session::fence_wait(uint32_t p, Path* path, uint16_t recon) {
     auto it = std::find_if(fences.begin(), fences.end(),
                            [&](const Fence& f) { return f.path == path && f.recon == recon; });
     if (it == fences.end()) {
-      fences.push_back(Fence{path, recon, {}, now_ns(), nullptr, 0});
+      Fence f;
+      f.path = path;
+      f.recon = recon;
+      f.since_ns = now_ns();
+      fences.push_back(std::move(f));
       it = fences.end() - 1;
       fresh = true;
     }
@@ -827,8 +843,10 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
     path->fence_rtt_last_ns.store(rtt, std::memory_order_relaxed);
     if (rtt > path->fence_rtt_max_ns.load(std::memory_order_relaxed))
       path->fence_rtt_max_ns.store(rtt, std::memory_order_relaxed);
-    IBTRS_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu requests resent",
-              path->name.c_str(), f.recon, static_cast<unsigned long long>(rtt / 1000), f.reqs.size());
+    IBTRS_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu requests resent, %zu chunks "
+              "of failed ones free again",
+              path->name.c_str(), f.recon, static_cast<unsigned long long>(rtt / 1000), f.reqs.size(),
+              f.kept.size());
     for (uint32_t p : f.reqs) {
       fence_waiting.fetch_sub(1, std::memory_order_acq_rel);
       if (!post(p, nullptr)) {
@@ -837,27 +855,64 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
         pending.push_back(p);
       }
     }
+    for (uint32_t p : f.kept) {
+      fence_kept.fetch_sub(1, std::memory_order_acq_rel);
+      permits->put_run(reqs[p].first, reqs[p].nchunks);
+    }
+    // Requests of this fence still failing (fail_fenced) find it gone and free their own.
   }
 }
 
-// Any thread.
-std::vector<uint32_t> Session::take_fenced(const std::function<bool(uint32_t)>& which) {
-  std::vector<uint32_t> out;
-  std::lock_guard lock(fence_mu);
-  for (auto it = fences.begin(); it != fences.end();) {
-    std::erase_if(it->reqs, [&](uint32_t p) {
-      if (!which(p)) return false;
-      out.push_back(p);
-      return true;
-    });
-    it = it->reqs.empty() ? fences.erase(it) : it + 1;
+// Any thread but an IO poller.
+void Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
+  struct Taken {
+    Path* path;
+    uint16_t recon;
+    uint32_t p;
+  };
+  std::vector<Taken> taken;
+  {
+    std::lock_guard lock(fence_mu);
+    for (Fence& f : fences) {
+      std::erase_if(f.reqs, [&](uint32_t p) {
+        if (!which(p)) return false;
+        taken.push_back({f.path, f.recon, p});
+        ++f.failing;
+        return true;
+      });
+    }
+    fence_waiting.fetch_sub(static_cast<uint32_t>(taken.size()), std::memory_order_acq_rel);
+    // Kept from now on as far as a submitter can tell: its callback may submit at once.
+    fence_kept.fetch_add(static_cast<uint32_t>(taken.size()), std::memory_order_acq_rel);
   }
-  fence_waiting.fetch_sub(static_cast<uint32_t>(out.size()), std::memory_order_acq_rel);
-  return out;
+  // The callbacks run outside the lock (they may submit); meanwhile the requests are in no
+  // list, so a confirmation of their fence cannot hand out their permits under them.
+  for (const Taken& t : taken) finish(t.p, err, nio, true);
+  std::vector<uint32_t> confirmed;
+  {
+    std::lock_guard lock(fence_mu);
+    for (const Taken& t : taken) {
+      // At most one fence per incarnation is listed; one with `failing` is still ours.
+      auto it = std::find_if(fences.begin(), fences.end(), [&](const Fence& f) {
+        return f.path == t.path && f.recon == t.recon && f.failing > 0;
+      });
+      if (it == fences.end()) {
+        confirmed.push_back(t.p);  // confirmed while the callback ran
+        continue;
+      }
+      --it->failing;
+      it->kept.push_back(t.p);
+    }
+  }
+  for (uint32_t p : confirmed) {
+    fence_kept.fetch_sub(1, std::memory_order_acq_rel);
+    permits->put_run(reqs[p].first, reqs[p].nchunks);
+  }
 }
 
-// Service poller. An answer to no fence of ours (one whose writes all expired, or a server's
-// invention) releases nothing.
+// Service poller. An answer to no fence of ours (a repeated one, or a server's invention)
+// releases nothing. A fence whose requests all failed meanwhile is still listed: its answer
+// frees their chunks.
 void Session::fence_answered(const proto::FenceView& v) {
   Path* fenced = nullptr;
   {
@@ -877,8 +932,7 @@ void Session::run_pending(bool fail_all, int err) {
   }
   const int64_t now = now_ns();
   // Requests waiting for a fence: parked as far as deadlines and fail_all go.
-  for (uint32_t p : take_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; }))
-    finish(p, fail_all ? err : ENOTCONN, nio);
+  fail_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; }, fail_all ? err : ENOTCONN);
   if (!fail_all) fence_kick();
   for (uint32_t p : todo) {
     Req& q = reqs[p];
@@ -895,8 +949,8 @@ void Session::run_pending(bool fail_all, int err) {
 
 // Worker.
 void Session::fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err) {
+  fail_fenced([&](uint32_t p) { return which(reqs[p].done, reqs[p].ctx); }, err);
   std::deque<uint32_t> todo;
-  for (uint32_t p : take_fenced([&](uint32_t p) { return which(reqs[p].done, reqs[p].ctx); })) todo.push_back(p);
   {
     std::lock_guard lock(pend_mu);
     for (auto it = pending.begin(); it != pending.end();) {
@@ -1668,7 +1722,9 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
         bool any;
         {
           std::lock_guard lock(s->pend_mu);
-          any = !s->pending.empty() || s->fence_waiting.load(std::memory_order_acquire) != 0;
+          // Fences with only kept chunks too: run_pending asks for them again (fence_kick).
+          any = !s->pending.empty() || s->fence_waiting.load(std::memory_order_acquire) != 0 ||
+                s->fence_kept.load(std::memory_order_acquire) != 0;
         }
         if (any) s->worker->post([s] { s->run_pending(false, 0); });
         if (!s->closing.load()) arm(s);
@@ -2200,6 +2256,12 @@ Status ClientSession::reset_stats(std::string_view path, StatsGroup group) {
     client::Path* p = slot.load(std::memory_order_acquire);
     if (p == nullptr || (!path.empty() && p->name != path)) continue;
     p->stats.reset(group);
+    if (group == StatsGroup::all || group == StatsGroup::fence) {
+      p->fence_waited.store(0, std::memory_order_relaxed);
+      p->fences_done.store(0, std::memory_order_relaxed);
+      p->fence_rtt_last_ns.store(0, std::memory_order_relaxed);
+      p->fence_rtt_max_ns.store(0, std::memory_order_relaxed);
+    }
     found = true;
   }
   return found ? Status{} : Status{errc(ENOENT)};

@@ -277,20 +277,27 @@ struct Session {
   std::mutex pend_mu;
   std::deque<uint32_t> pending;  // permits waiting for a path
 
-  // Writes failed over from a broken incarnation of a path, waiting until the server confirms
+  // Requests failed over from a broken incarnation of a path, waiting until the server confirms
   // that incarnation fenced (docs/protocol.md, "Failover fence"): one entry per incarnation,
-  // however many writes. They count as parked (pending_timeout applies).
+  // however many requests. They count as parked (pending_timeout applies).
   struct Fence {
     Path* path = nullptr;        // the broken path
     uint16_t recon = 0;          // its broken incarnation
-    std::vector<uint32_t> reqs;  // permits of the waiting writes
-    int64_t since_ns = 0;        // the first write's failover
+    std::vector<uint32_t> reqs;  // permits of the waiting requests
+    // Permits of requests that failed while they waited (pending_timeout, fail_waiting, no path
+    // left): their callbacks ran, but their chunks stay unused until the fence is confirmed. An
+    // old copy polled late at the server parses its chunk at its old offset: it must find its
+    // own bytes there, not a newer request's, which it would take for a message.
+    std::vector<uint32_t> kept;
+    uint32_t failing = 0;        // taken out of `reqs`, callbacks running: they go into `kept`
+    int64_t since_ns = 0;        // the first request's failover
     Path* carrier = nullptr;     // the path PATH_FENCE went over (nullptr: not sent yet)
     uint64_t carrier_gen = 0;    // the carrier's incarnation then
   };
   std::mutex fence_mu;
   std::vector<Fence> fences;                // (fence_mu)
-  std::atomic<uint32_t> fence_waiting{0};   // writes in `fences`
+  std::atomic<uint32_t> fence_waiting{0};   // requests in the fences' `reqs`
+  std::atomic<uint32_t> fence_kept{0};      // permits in the fences' `kept`, or failing into it
 
   // Reapers by IO connection index (reap_mu; the control path only).
   std::mutex reap_mu;
@@ -303,7 +310,9 @@ struct Session {
   Status submit(const IoRequest& r, PermitWait wait);
   // Posts request `p` on a usable path other than `skip` when possible. False: no path took it.
   bool post(uint32_t p, Path* skip);
-  void finish(uint32_t p, int err, uint32_t shard);
+  // Completes request `p` (its callback, once) and returns its permits, unless `keep_permits`:
+  // then its chunks stay taken (Fence::kept) and the caller hands them back later.
+  void finish(uint32_t p, int err, uint32_t shard, bool keep_permits = false);
   void park(uint32_t p);
   bool fence_on() const { return (geo.flags & proto::kConRspFence) != 0; }
   // Lease holder of a connection of `path` that broke in incarnation `recon`: write `p` waits
@@ -369,9 +378,10 @@ struct Session {
   void fence_release(Path* path, uint16_t upto, bool inclusive);
   // A FENCE_RSP arrived (service poller).
   void fence_answered(const proto::FenceView& v);
-  // Takes the requests waiting for a fence for which `which(permit)` holds out of their fences
-  // (a fence left with none is dropped). Any thread.
-  std::vector<uint32_t> take_fenced(const std::function<bool(uint32_t)>& which);
+  // Fails the requests waiting for a fence for which `which(permit)` holds with `err`; their
+  // permits stay with the fence until it is confirmed (Fence::kept). Any thread but an IO
+  // poller (the callbacks run here).
+  void fail_fenced(const std::function<bool(uint32_t)>& which, int err);
   // Fails the parked requests for which `which(done, ctx)` holds with `err` (ClientSession::
   // fail_waiting).
   void fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err);
