@@ -265,13 +265,25 @@ fi
 # The fault cases: 8 MiB of 4 KiB random writes at 300 IOPS (~7 s: the fault at 2 s lands in
 # the write phase), then fio reads every block back and checks it.
 longest() { jq -r '[.jobs[0].write.clat_ns.max, .jobs[0].read.clat_ns.max] | max / 1e6 | floor' "$1"; }
+# fio_opened NAME: waits (at most 30 s) until the gateway holds fio-NAME's image open, so that a
+# fault lands in the IO, not in the session's establishment or librbd's open (which took more
+# than the 2 s the cases slept, under ASan on a loaded host: session 9's CI run).
+fio_opened() {
+  local i
+  for i in $(seq 150); do
+    t "$ibnbd" --socket "$work/srv.sock" server -f json device list 2>/dev/null | grep -q "fio-$1" && return 0
+    sleep 0.2
+  done
+  return 1
+}
 
 # Case: the OSD killed (kill -9) and started again 2 s later while fio writes and verifies
 # through the gateway. Expect: IO pauses and resumes; fio exits 0 with every block verified.
 fio_job osd rbd:rbd/io --rw=randwrite --bs=4k --iodepth=8 --size=8M --verify=crc32c --verify_fatal=1 \
   --do_verify=1 --rate_iops=300 &
 fio_pid=$!
-sleep 2
+fio_opened osd || not_ok "fio-osd opened its image within 30 s" "$(tail -3 "$work/osd.out")"
+sleep 1
 bash "$top/scripts/ceph-dev.sh" osd-restart "$work/ceph" 2 >"$work/osd.err" 2>&1 || not_ok "osd restart" "$(grep "^ceph-dev:" "$work/osd.err" | tail -1)"
 if wait "$fio_pid" && jq -e '.jobs[0].error == 0 and .jobs[0].read.io_bytes == 8388608' "$work/osd.json" >/dev/null; then
   ok "OSD restarted under IO: fio verified every block (longest IO $(longest "$work/osd.json") ms)"
@@ -288,7 +300,8 @@ port=${addr##*:}
 fio_job gw rbd:rbd/io --rw=randwrite --bs=4k --iodepth=8 --size=8M --verify=crc32c --verify_fatal=1 \
   --do_verify=1 --rate_iops=300 --offset=16M &
 fio_pid=$!
-sleep 2
+fio_opened gw || not_ok "fio-gw opened its image within 30 s" "$(tail -3 "$work/gw.out")"
+sleep 1
 kill -9 "$srv_main"
 wait "$srv_main" 2>/dev/null
 sleep 1
