@@ -855,10 +855,7 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
         pending.push_back(p);
       }
     }
-    for (uint32_t p : f.kept) {
-      fence_kept.fetch_sub(1, std::memory_order_acq_rel);
-      permits->put_run(reqs[p].first, reqs[p].nchunks);
-    }
+    for (uint32_t p : f.kept) give_back_kept(p);
     // Requests of this fence still failing (fail_fenced) find it gone and free their own.
   }
 }
@@ -904,10 +901,7 @@ void Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
       it->kept.push_back(t.p);
     }
   }
-  for (uint32_t p : confirmed) {
-    fence_kept.fetch_sub(1, std::memory_order_acq_rel);
-    permits->put_run(reqs[p].first, reqs[p].nchunks);
-  }
+  for (uint32_t p : confirmed) give_back_kept(p);
 }
 
 // Service poller. An answer to no fence of ours (a repeated one, or a server's invention)

@@ -382,6 +382,11 @@ struct Session {
   // permits stay with the fence until it is confirmed (Fence::kept). Any thread but an IO
   // poller (the callbacks run here).
   void fail_fenced(const std::function<bool(uint32_t)>& which, int err);
+  // A kept request's chunks go back to the pool once its fence is confirmed. Any thread.
+  void give_back_kept(uint32_t p) {
+    fence_kept.fetch_sub(1, std::memory_order_acq_rel);
+    permits->put_run(reqs[p].first, reqs[p].nchunks);
+  }
   // Fails the parked requests for which `which(done, ctx)` holds with `err` (ClientSession::
   // fail_waiting).
   void fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err);
