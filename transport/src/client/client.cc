@@ -876,14 +876,18 @@ void Session::run_pending(bool fail_all, int err) {
     todo.swap(pending);
   }
   const int64_t now = now_ns();
+  size_t expired = 0;
   // Requests waiting for a fence: parked as far as deadlines and fail_all go.
-  for (uint32_t p : take_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; }))
+  for (uint32_t p : take_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; })) {
     finish(p, fail_all ? err : ENOTCONN, nio);
+    ++expired;
+  }
   if (!fail_all) fence_kick();
   for (uint32_t p : todo) {
     Req& q = reqs[p];
     if (fail_all || now >= q.pending_deadline_ns) {
       finish(p, fail_all ? err : ENOTCONN, nio);
+      ++expired;
       continue;
     }
     if (!post(p, nullptr)) {
@@ -891,6 +895,11 @@ void Session::run_pending(bool fail_all, int err) {
       pending.push_back(p);
     }
   }
+  // An operator (and the soak's verdict) must be able to tell the configured timeout from a
+  // lost request: one line per batch that failed because no path came back in time.
+  if (expired != 0 && !fail_all)
+    IBTRS_LOG(warn, "session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)",
+              opts.session_name.c_str(), expired, static_cast<long long>(opts.pending_timeout.count()));
 }
 
 // Worker.
