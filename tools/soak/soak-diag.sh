@@ -6,8 +6,9 @@
 # has a time limit, and nothing here reads the device under test or a process's memory (a
 # /proc/PID/cmdline read waits for a task's mmap lock, which a task stuck on the device holds).
 #
-# The caller sets WORK, CLI, LOGS (the directory, "" for none), WATCHDOG (seconds from now, 0
-# for none) and MAIN_PID (its own pid) before diag_start. Files in LOGS:
+# The caller sets WORK, CLI, LOGS (the directory, "" for none), WATCHDOG_AT (epoch seconds, 0
+# for none), WATCHDOG (the same in seconds from the run's start, for the message) and MAIN_PID
+# (its own pid) before diag_start. Files in LOGS:
 #   stdout.log stderr.log           the run's own output (soak-vm.sh and ibnbd-soak)
 #   srv.log cl.log hook.log ...     the daemons' logs, the hook log, the writer's errors
 #   dmesg.txt                       the guest kernel's log
@@ -133,11 +134,11 @@ diag_dump() {
 
 # diag_watch: the background loop. Every DIAG_EVERY s: the logs copied out, and each task in D
 # state that was there a round ago gets its stack into dstate.txt (once per task; the kernel's
-# hung-task report needs 120 s). At WATCHDOG s: the reason on stderr, a full dump, then the run
+# hung-task report needs 120 s). At WATCHDOG_AT: the reason on stderr, a full dump, then the run
 # is ended (TERM to the run, whose trap cleans up; the processes of the run that are still there
 # 30 s later get KILL, and the tasks that cannot die -- D state -- are named).
 diag_watch() {
-  local t0=$SECONDS seen="" prev="" reported="" pid comm n=0 sp=""
+  local seen="" prev="" reported="" pid comm n=0 sp=""
   trap - EXIT INT TERM HUP
   trap '[ -n "$sp" ] && kill "$sp" 2>/dev/null; exit 0' TERM
   while kill -0 "$MAIN_PID" 2>/dev/null; do
@@ -157,7 +158,7 @@ diag_watch() {
       [ -n "$LOGS" ] && { echo "== $(date +%T) $pid ($comm) in D state for ${DIAG_EVERY} s or more"; diag_stack "$pid"; } >>"$LOGS/dstate.txt"
     done < <(diag_dtasks)
     prev=$seen
-    if [ "$WATCHDOG" -gt 0 ] && [ $((SECONDS - t0)) -ge "$WATCHDOG" ]; then
+    if [ "$WATCHDOG_AT" -gt 0 ] && [ "$EPOCHSECONDS" -ge "$WATCHDOG_AT" ]; then
       echo "# soak-vm.sh: WATCHDOG: the run did not end within $WATCHDOG s (--watchdog); tasks in D state:$(diag_dtasks | head -n 8 | tr '\n' ';')" >&2
       diag_dump watchdog
       echo "watchdog" >"$WORK/watchdog"
@@ -271,7 +272,7 @@ diag_start() {
     exec 2> >(diag_tee "$LOGS/stderr.log" >&2)
     DIAG_TEES+=" $!"
   fi
-  if [ -n "$LOGS" ] || [ "$WATCHDOG" -gt 0 ]; then
+  if [ -n "$LOGS" ] || [ "$WATCHDOG_AT" -gt 0 ]; then
     diag_watch &
     DIAG_PID=$!
   fi

@@ -39,6 +39,7 @@
 # in D state cannot be killed: it is named and left behind).
 # shellcheck disable=SC2317  # functions called from traps
 set -u -o pipefail
+RUN_T0=$EPOCHSECONDS  # the watchdog counts from here: a starved guest spends minutes in setup
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 A=${IBTRS_RDMA_ADDR_A:-198.18.0.1} B=${IBTRS_RDMA_ADDR_B:-198.18.0.2}
@@ -176,7 +177,7 @@ if [ -z "$WATCHDOG" ]; then
   # The rig's limit (epoch seconds, host clock; the guest's clock is the host's under TCG).
   WATCHDOG=0
   if [[ ${IBTRS_VM_DEADLINE:-} =~ ^[0-9]+$ ]]; then
-    left=$((IBTRS_VM_DEADLINE - $(date +%s)))
+    left=$((IBTRS_VM_DEADLINE - RUN_T0))
     # The reason and the dump (~20 s) come well before the limit; the run's cleanup gets the
     # rest of the margin but 10 s (at most 90 s) before the watchdog's KILL.
     margin=$((left / 6 > 60 ? left / 6 : 60))
@@ -188,6 +189,10 @@ elif ! [[ $WATCHDOG =~ ^[0-9]+$ ]]; then
   echo "soak-vm.sh: bad --watchdog $WATCHDOG (seconds, 0: none)" >&2
   exit 2
 fi
+# An epoch, not a count from the watcher's start: setup before it can take minutes (a guest at
+# host load ~30 took 200 s from its start to the loop device, and the VM's limit came first).
+WATCHDOG_AT=0
+[ "$WATCHDOG" = 0 ] || WATCHDOG_AT=$((RUN_T0 + WATCHDOG))
 
 [ "${IBTRS_VM:-}" = 1 ] || skip "not inside the VM rig: run it through tests/vm/run-in-vm.sh"
 [ "$(id -u)" = 0 ] || skip "not root"
