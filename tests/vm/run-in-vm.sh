@@ -340,6 +340,9 @@ cp -- "$GUEST_SETUP" "$ctl/guest-setup.sh"
   printf 'IBTRS_VM_CWD=%q\n' "$cwd"
   printf 'IBTRS_VM_VERBOSE=%q\n' "$verbose"
   printf 'IBTRS_VM_MTU=%q\n' "$mtu"
+  # When QEMU will be killed (epoch seconds; the guest's clock is the host's): a command may
+  # end itself before, with its reason (tools/soak/soak-vm.sh's watchdog).
+  printf 'IBTRS_VM_DEADLINE=%q\n' "$(($(date +%s) + timeout_s))"
   # Fault injection for the rig's own self-test (check.sh): panic-first, hang-first, panic-always.
   printf 'IBTRS_VM_TEST_BOOT_FAULT=%q\n' "${IBTRS_VM_TEST_BOOT_FAULT:-}"
   printf 'vm_cmd=('; printf ' %q' "$@"; printf ' )\n'

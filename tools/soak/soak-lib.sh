@@ -21,6 +21,50 @@ wait_gone() {
 # wait_file FILE [TRIES]: 50 ms each (default 200: 10 s)
 wait_file() { for _ in $(seq "${2:-200}"); do [ -e "$1" ] && return 0; sleep 0.05; done; return 1; }
 
+# await PID SECONDS: 0 once PID (a background job of this shell) ended, its status in AWAIT_RC;
+# 1 when it is still there after SECONDS. Polls with builtins -- kill -0, and read -t on a pipe
+# nobody writes to as the sleep: no fork, which costs ~60 ms under TCG -- not `wait -n`: a job
+# that ended before wait -n was called may be reaped and forgotten by then, and wait -n waits
+# for the next one instead (seen: a bounded 1 s step took 6). bash keeps the status of a
+# background pid it reaped, so `wait PID` still gives it.
+await() {
+  local i
+  [ -n "${BOUNDED_FD:-}" ] || exec {BOUNDED_FD}<> <(:)
+  for ((i = 0; i <= $2 * 10; i++)); do
+    if ! kill -0 "$1" 2>/dev/null; then
+      wait "$1" 2>/dev/null
+      AWAIT_RC=$?
+      return 0
+    fi
+    [ "$i" = $(($2 * 10)) ] || read -r -t 0.1 -u "$BOUNDED_FD"
+  done
+  return 1
+}
+
+# bounded SECONDS CMD [ARGS...]: CMD's status, or 124 when it ran longer than SECONDS (then
+# TERM, KILL after 5 s). Unlike timeout(1) it does not wait for a task that cannot die: one in
+# D state on a device whose IO never returns is left behind after 5 s more, named on stderr
+# with its kernel stack, and the caller goes on. Not for a command whose output a $(...) reads
+# (a task left behind holds the pipe open).
+bounded() {
+  local secs=$1 pid w t
+  shift
+  "$@" &
+  pid=$!
+  await "$pid" "$secs" && return "$AWAIT_RC"
+  for w in TERM KILL; do
+    kill -"$w" "$pid" 2>/dev/null
+    await "$pid" 5 && return 124
+  done
+  {
+    echo "# ${0##*/}: '$*' (pid $pid) did not end ${secs} s + KILL: left behind, in state $(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null)"
+    for t in "$pid" $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
+      sed "s|^|#   $t: |" "/proc/$t/stack" 2>/dev/null | head -n 20
+    done
+  } >&2
+  return 124
+}
+
 # in_ns NS: the command prefix that runs in network namespace NS (none when NS is empty); a
 # prefix, not a function, so that `"${run[@]}" DAEMON &` leaves the daemon's own pid in $!
 in_ns() { run=(); [ -z "$1" ] || run=(ip netns exec "$1"); }

@@ -460,6 +460,12 @@ Clock::time_point Session::expire(Clock::time_point now) {
     while (!old.empty()) dead.push(old.pop());
     for (Part* p = d->held.head; p != nullptr; p = p->next) next = std::min(next, p->queued_at + limit);
   }
+  // What an application sees as EIO then is this configured timeout, not a lost request: said
+  // once per batch (the soak's verdict reads it too).
+  if (!dead.empty())
+    IBTRS_LOG(warn, "ibnbd %s: %zu IO parts failed (%s): %s for remap_timeout (%lld ms)",
+              opts.transport.session_name.c_str(), dead.size, err == ETIMEDOUT ? "ETIMEDOUT" : "ENOTCONN",
+              up ? "the remap did not finish" : "no path", static_cast<long long>(limit.count()));
   fail_list(dead, err);
   return next;
 }

@@ -861,7 +861,7 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
 }
 
 // Any thread but an IO poller.
-void Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
+size_t Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
   struct Taken {
     Path* path;
     uint16_t recon;
@@ -902,6 +902,7 @@ void Session::fail_fenced(const std::function<bool(uint32_t)>& which, int err) {
     }
   }
   for (uint32_t p : confirmed) give_back_kept(p);
+  return taken.size();
 }
 
 // Service poller. An answer to no fence of ours (a repeated one, or a server's invention)
@@ -925,13 +926,16 @@ void Session::run_pending(bool fail_all, int err) {
     todo.swap(pending);
   }
   const int64_t now = now_ns();
+  size_t expired = 0;
   // Requests waiting for a fence: parked as far as deadlines and fail_all go.
-  fail_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; }, fail_all ? err : ENOTCONN);
+  expired += fail_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; },
+                         fail_all ? err : ENOTCONN);
   if (!fail_all) fence_kick();
   for (uint32_t p : todo) {
     Req& q = reqs[p];
     if (fail_all || now >= q.pending_deadline_ns) {
       finish(p, fail_all ? err : ENOTCONN, nio);
+      ++expired;
       continue;
     }
     if (!post(p, nullptr)) {
@@ -939,6 +943,11 @@ void Session::run_pending(bool fail_all, int err) {
       pending.push_back(p);
     }
   }
+  // An operator (and the soak's verdict) must be able to tell the configured timeout from a
+  // lost request: one line per batch that failed because no path came back in time.
+  if (expired != 0 && !fail_all)
+    IBTRS_LOG(warn, "session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)",
+              opts.session_name.c_str(), expired, static_cast<long long>(opts.pending_timeout.count()));
 }
 
 // Worker.

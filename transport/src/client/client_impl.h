@@ -380,8 +380,8 @@ struct Session {
   void fence_answered(const proto::FenceView& v);
   // Fails the requests waiting for a fence for which `which(permit)` holds with `err`; their
   // permits stay with the fence until it is confirmed (Fence::kept). Any thread but an IO
-  // poller (the callbacks run here).
-  void fail_fenced(const std::function<bool(uint32_t)>& which, int err);
+  // poller (the callbacks run here). Returns how many it failed.
+  size_t fail_fenced(const std::function<bool(uint32_t)>& which, int err);
   // A kept request's chunks go back to the pool once its fence is confirmed. Any thread.
   void give_back_kept(uint32_t p) {
     fence_kept.fetch_sub(1, std::memory_order_acq_rel);
