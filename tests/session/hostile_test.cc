@@ -579,6 +579,63 @@ TEST_F(Hostile, ConnectRequestsBehindADrainingSessionAreBoundedAndRefused) {
   EXPECT_TRUE(c.ok()) << "no longer held";
 }
 
+// Case: a raw session of three paths A, B, C. A write in chunk 0 on A is held by the volume
+// (copy 1); the same request on B waits behind it (copy 2); a copy on C while B is connected
+// is no request an honest client sends. Then, on a new session the same up to copy 2, B's
+// connections close and the copy comes on C.
+// Expect: the first copy on C is a protocol error that closes C (copy 2 still waits: served
+// once copy 1 completes); the second takes copy 2's place, no protocol error, and runs once
+// after copy 1.
+TEST_F(Hostile, AThirdCopyReplacesTheSecondOnlyOnceItsConnectionClosed) {
+  for (bool b_closed : {false, true}) {
+    SCOPED_TRACE(b_closed ? "B closed" : "B connected");
+    vol_.hold(true);
+    sess_ = Uuid16::random();
+    std::vector<Con> a, b, c;
+    std::vector<ChunkDesc> chunks;
+    const std::string name = b_closed ? "third-b-closed" : "third-b-live";
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(a, chunks, name));
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(b, chunks, name));
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(c, chunks, name));
+    const uint64_t errors = server_->refusals().count(refusal::kProtocolError);
+    const uint64_t served = vol_.requests_.load();
+    write_request(a[1], chunks[0], 0, chunks[0].key.get(), '1');
+    auto first = wait_held(1);
+    ASSERT_EQ(first.size(), 1u);
+    vol_.hold(false);
+    write_request(b[1], chunks[0], 0, chunks[0].key.get(), '1');
+    std::this_thread::sleep_for(100ms);  // deferred behind copy 1
+    if (b_closed) {
+      b.clear();
+      // The server closes B once it sees its connections go.
+      ASSERT_TRUE(wait_until([&] {
+        bool found = false;
+        (void)server_->with_session(name, [&](ServerSession& ss) { found = ss.paths().size() == 2; });
+        return found;
+      }, 3s));
+    }
+    write_request(c[1], chunks[0], 0, chunks[0].key.get(), '1');
+    if (b_closed) {
+      EXPECT_FALSE(RawPeer::closed_by_server(c, 300ms));
+      EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), errors);
+    } else {
+      EXPECT_TRUE(closed_by_server(c));
+      EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), errors + 1);
+    }
+    EXPECT_EQ(vol_.requests_.load(), served + 1) << "nothing beside copy 1";
+    first[0]->complete(0);
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == served + 2; }, 3s))
+        << "the waiting copy runs after copy 1";
+    std::this_thread::sleep_for(100ms);
+    EXPECT_EQ(vol_.requests_.load(), served + 2) << "once";
+  }
+  honest_client_works();
+}
+
+
 // Case (issue 13, class 1, transport side): a write request with a 16-byte user header of 'U'
 // is held by the upper layer; the client then rewrites the whole request area of the chunk -
 // data, user header and message - with 'Z' through its still valid chunk key.

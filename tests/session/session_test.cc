@@ -1124,7 +1124,8 @@ TEST_F(Session, ServerSeesSessionsAndPathsComeAndGo) {
 
 // ---------------------------------------------------------------------------------------------
 // Draining (docs/protocol.md, "Path incarnations" and "Failover fence"): a session whose last
-// path closed while the volume still holds a write (an io_uring write on a slow disk).
+// path closed while the volume still holds a write (an io_uring write on a slow disk), and a
+// request failed over twice while its first copy still runs.
 class Drain : public Session {
  protected:
   Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w) {
@@ -1252,6 +1253,69 @@ TEST_F(Drain, AHoldRunsOutWithEagainAndThePathKeepsReconnecting) {
   EXPECT_EQ(vol_.requests_.load(), 2u);
   EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
   EXPECT_EQ(server_->usage().held_connects, 0u);
+}
+
+// Case: three paths. A write W (4 KiB of 0x55) reaches the volume on one path and stays there
+// (copy 1). The server cuts that path: W fails over, the client fences the path and sends copy
+// 2 on another one, where it waits behind copy 1. The server cuts that path too: the client
+// fences it and sends copy 3 on a third connection, while copy 1 still runs.
+// Expect: no protocol error (copy 3 takes the place of copy 2, whose connection closed) and
+// nothing besides copy 1 runs until copy 1 completes; then copy 3 runs, once (the volume's
+// second request and its last), W completes once with success, and its bytes are on the
+// volume. Without the replacement copy 3 is refused as a third request on a busy chunk.
+TEST_F(Drain, ACopyFailedOverTwiceRunsOnceAfterTheFirst) {
+  start_server(3);
+  open(options(3));
+  std::memset(buf_->data(), 0x55, 4096);
+  vol_.hold(true);
+  VolHdr h{0, 4096, kVolMagic};
+  IoSeg seg{buf_->data(), 4096, buf_.get()};
+  Waiter w;
+  ASSERT_TRUE(write_async(h, seg, w).ok());
+  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+  std::vector<ServerRequest*> first = vol_.take_held();
+  ASSERT_EQ(first.size(), 1u);
+  vol_.hold(false);
+  // The connected path W is posted on ("" while none), and a path's confirmed fences.
+  auto carrier = [&] {
+    std::string n;
+    for (auto& p : client_->paths())
+      if (p.inflight == 1 && p.state == ClientPathState::connected) n = p.name;
+    return n;
+  };
+  auto fenced = [&](const std::string& name) {
+    const auto ps = client_->paths();
+    const ClientPathInfo* p = path_info(ps, name);
+    return p != nullptr ? p->fence.fenced : 0;
+  };
+  // Cuts the path W is on and waits until the client fenced it and sent the next copy (on
+  // another path, or on the cut path's new incarnation).
+  auto cut_carrier = [&] {
+    std::string on;
+    ASSERT_TRUE(wait_until([&] { return !(on = carrier()).empty(); }));
+    const uint64_t before = fenced(on);
+    cut(on);
+    ASSERT_TRUE(wait_until([&] { return fenced(on) > before && !carrier().empty(); }))
+        << "the next copy was sent";
+    // It is placed in the chunk and reaches the server's poller within microseconds on
+    // loopback and tcp; 300 ms leave it ample time to be deferred behind copy 1.
+    std::this_thread::sleep_for(300ms);
+  };
+  cut_carrier();
+  EXPECT_EQ(vol_.requests_.load(), 1u) << "copy 2 waits";
+  cut_carrier();
+  EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), 0u) << "copy 3 is no protocol error";
+  EXPECT_EQ(vol_.requests_.load(), 1u) << "copy 3 waits for copy 1";
+  EXPECT_EQ(w.wait(0ms), -ETIMEDOUT);
+  for (auto* r : first) vol_.serve(*r);
+  EXPECT_EQ(w.wait(10s), 0);
+  EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 2; })) << "copy 3 ran";
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(vol_.requests_.load(), 2u) << "exactly once";
+  EXPECT_EQ(vol_.mem()[0], std::byte{0x55});
+  EXPECT_EQ(vol_.mem()[4095], std::byte{0x55});
+  EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), 0u);
+  EXPECT_EQ(client_->stats().inflight, 0);
 }
 
 

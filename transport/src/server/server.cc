@@ -217,10 +217,16 @@ struct Path {
 };
 
 struct Req final : ServerRequest {
+  // The chunk's one protocol (request_arrived, release_chunk): idle; being served; being served
+  // with one copy deferred behind it (deferred_con / deferred_offset); locked: a thread holds
+  // the deferral fields for a few instructions (reads them to hand the chunk over, or writes
+  // them), and every other thread that needs them waits until it is done. Only the holder of
+  // the lock touches the deferral fields, so they need no atomics of their own.
+  static constexpr uint32_t kIdle = 0, kBusy = 1, kDeferred = 2, kLocked = 3;
   Session* s = nullptr;
   Con* con = nullptr;  // the connection the request came on: the response goes back there
-  std::atomic<uint32_t> state{0};  // 0 idle, 1 being served, 2 served and another one waiting
-  Con* deferred_con = nullptr;
+  std::atomic<uint32_t> state{kIdle};
+  Con* deferred_con = nullptr;  // under kLocked
   uint32_t deferred_offset = 0;
   // The request's header bytes (user header, read descriptors), copied out of the chunk once
   // when it starts: max_hdr bytes of the session's copy area, server memory no peer can write.
@@ -239,6 +245,9 @@ struct Req final : ServerRequest {
   // offset, holds it now and must be handed it (hand_chunk: run on its connection's poller).
   Con* release_chunk(uint32_t* next_offset);
   void hand_chunk(Con* next, uint32_t offset);
+  // The holder of the chunk lets go of it without serving (its connection closed, a refused
+  // message): release_chunk, and the copy deferred behind it, if any, takes its turn.
+  void give_up_chunk();
   // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
   // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
   // sets `*changed`; where the revoked key itself comes back (software providers) the client's
@@ -485,25 +494,48 @@ Status Session::disconnect_path(std::string_view path) {
 
 void Session::request_arrived(Con* c, uint32_t id, uint32_t offset) {
   Req& r = reqs[id];
+  uint32_t st = r.state.load(std::memory_order_acquire);
   for (;;) {
-    uint32_t idle = 0;
-    if (r.state.compare_exchange_strong(idle, 1, std::memory_order_acq_rel)) {
-      r.start(c, offset);
-      return;
+    if (st == Req::kIdle) {
+      if (r.state.compare_exchange_weak(st, Req::kBusy, std::memory_order_acq_rel)) {
+        r.start(c, offset);
+        return;
+      }
+    } else if (st == Req::kBusy) {
+      // The chunk is still being served: a request failed over from another path while the old
+      // copy is still with the upper layer. It runs when the old one completes. Counted before
+      // the deferral is visible: the hand-off's request_done may follow at once.
+      if (r.state.compare_exchange_weak(st, Req::kLocked, std::memory_order_acq_rel)) {
+        r.deferred_con = c;
+        r.deferred_offset = offset;
+        inflight.fetch_add(1, std::memory_order_acq_rel);
+        r.state.store(Req::kDeferred, std::memory_order_release);
+        return;
+      }
+    } else if (st == Req::kDeferred) {
+      if (r.state.compare_exchange_weak(st, Req::kLocked, std::memory_order_acq_rel)) {
+        // A third copy while one waits. The waiting copy's connection closed (a broken path,
+        // or one the client fenced before it sent this copy): that copy would be dropped at its
+        // turn anyway, and this newer one, failed over twice, takes its place, with its count.
+        // The old copy being served still runs first. While the waiting copy's connection is
+        // live no honest client sends another: a protocol error.
+        const bool waiting_live = r.deferred_con->gate.is_open();
+        if (!waiting_live) {
+          r.deferred_con = c;
+          r.deferred_offset = offset;
+        }
+        r.state.store(Req::kDeferred, std::memory_order_release);
+        if (!waiting_live) return;
+        break;
+      }
+    } else {
+      // kLocked: another thread is between two stores of a few instructions.
+      std::this_thread::yield();
+      st = r.state.load(std::memory_order_acquire);
     }
-    if (idle == 2) break;
-    // The chunk is still being served: a request failed over from another path while the old
-    // copy is still with the upper layer. It runs when the old one completes.
-    r.deferred_con = c;
-    r.deferred_offset = offset;
-    inflight.fetch_add(1, std::memory_order_acq_rel);
-    uint32_t busy = 1;
-    if (r.state.compare_exchange_strong(busy, 2, std::memory_order_acq_rel)) return;
-    inflight.fetch_sub(1, std::memory_order_acq_rel);
-    if (busy == 2) break;
   }
-  srv->protocol_error("session %s path %s: third request on busy chunk %u", name_.c_str(),
-                      c->path->name.c_str(), id);
+  srv->protocol_error("session %s path %s: third request on busy chunk %u while the second waits",
+                      name_.c_str(), c->path->name.c_str(), id);
   c->failed.store(true);
 }
 
@@ -513,7 +545,7 @@ void Req::start(Con* c, uint32_t offset) {
     // Revoke the client's key before reading anything of the request: from here on its bytes
     // are the server's until the response hands out a new key.
     if (!c->gate.enter()) {
-      state.store(0, std::memory_order_release);
+      give_up_chunk();
       return;
     }
     (void)c->path->chunk_mrs[chunk_id_]->revoke();
@@ -526,8 +558,8 @@ void Req::start(Con* c, uint32_t offset) {
   if (!io.ok()) {
     ss.srv->protocol_error("session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
                            c->path->name.c_str(), chunk_id_, why.c_str());
-    state.store(0, std::memory_order_release);
     c->failed.store(true);  // closes the path (the poller sees it after this batch)
+    give_up_chunk();
     return;
   }
   con = c;
@@ -620,12 +652,30 @@ void Req::complete(int err) {
 }
 
 Con* Req::release_chunk(uint32_t* next_offset) {
-  uint32_t busy = 1;
-  if (state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) return nullptr;
-  Con* next = deferred_con;
-  *next_offset = deferred_offset;
-  state.store(1, std::memory_order_release);
-  return next;
+  uint32_t st = kBusy;
+  for (;;) {
+    if (st == kBusy) {
+      if (state.compare_exchange_weak(st, kIdle, std::memory_order_acq_rel)) return nullptr;
+    } else if (st == kDeferred) {
+      if (state.compare_exchange_weak(st, kLocked, std::memory_order_acq_rel)) {
+        Con* next = deferred_con;
+        *next_offset = deferred_offset;
+        state.store(kBusy, std::memory_order_release);  // the deferred copy's now
+        return next;
+      }
+    } else if (st == kLocked) {
+      // A copy is being deferred (or replacing a deferred one): a few instructions.
+      std::this_thread::yield();
+      st = state.load(std::memory_order_acquire);
+    } else {
+      return nullptr;  // idle: only the chunk's holder releases it, so never
+    }
+  }
+}
+
+void Req::give_up_chunk() {
+  uint32_t next_off = 0;
+  if (Con* next = release_chunk(&next_off)) hand_chunk(next, next_off);
 }
 
 void Req::hand_chunk(Con* next, uint32_t offset) {
@@ -646,8 +696,7 @@ void Req::run_deferred(Con* c, uint32_t offset) {
     return;
   }
   // Another copy deferred behind this one meanwhile takes its turn, on its connection's poller.
-  uint32_t next_off = 0;
-  if (Con* next = release_chunk(&next_off)) hand_chunk(next, next_off);
+  give_up_chunk();
 }
 
 bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
