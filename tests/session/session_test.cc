@@ -1133,6 +1133,20 @@ class Drain : public Session {
                                       std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
                                       std::span(&seg, 1), &Waiter::cb, &w});
   }
+  // W: 4 KiB of `fill` (from the buffer's start) to volume offset 0, completing into `w`. The
+  // volume holds it: returns that copy (nullptr: it never came), and from then on serves
+  // everything at once.
+  ServerRequest* hold_a_write(uint8_t fill, Waiter& w) {
+    std::memset(buf_->data(), fill, 4096);
+    seg_ = IoSeg{buf_->data(), 4096, buf_.get()};
+    vol_.hold(true);
+    EXPECT_TRUE(write_async(hdr_, seg_, w).ok());
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+    std::vector<ServerRequest*> held = vol_.take_held();
+    vol_.hold(false);
+    EXPECT_EQ(held.size(), 1u);
+    return held.size() == 1 ? held[0] : nullptr;
+  }
   // The server closes path `name` of session "sess" ("": its first).
   void cut(const std::string& name = {}) {
     ASSERT_TRUE(server_->with_session("sess", [&](ServerSession& ss) {
@@ -1154,17 +1168,10 @@ class Drain : public Session {
     start_server(1);
     open(options(1));
     Outcome o;
-    std::memset(buf_->data(), 0x11, 4096);
-    std::memset(buf_->data() + 4096, 0x22, 4096);
-    vol_.hold(true);
-    VolHdr h1{0, 4096, kVolMagic};
-    IoSeg s1{buf_->data(), 4096, buf_.get()};
     Waiter w1;
-    EXPECT_TRUE(write_async(h1, s1, w1).ok());
-    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
-    std::vector<ServerRequest*> old = vol_.take_held();
-    EXPECT_EQ(old.size(), 1u);
-    vol_.hold(false);  // everything after the old copy is served at once
+    ServerRequest* old = hold_a_write(0x11, w1);
+    if (old == nullptr) return o;
+    std::memset(buf_->data() + 4096, 0x22, 4096);
     cut();
     // Without the hold the resend completes within milliseconds of the reconnect; with it,
     // not before the old copy did (1.5 s: far beyond a reconnect, well inside the hold).
@@ -1174,12 +1181,11 @@ class Drain : public Session {
       EXPECT_TRUE(server_->sessions().empty()) << "no new session while the old one drains";
       EXPECT_NE(client_->paths()[0].state, ClientPathState::connected);
       EXPECT_EQ(server_->usage().held_connects, 1u) << "the reconnect waits at the server";
-      for (auto* r : old) vol_.serve(*r);
-      old.clear();
+      vol_.serve(*std::exchange(old, nullptr));
       EXPECT_EQ(w1.wait(10s), 0) << "resent into the new session once the old one drained";
     }
     EXPECT_EQ(io(IoDir::write, 4096, 0, 4096), 0) << "W2";
-    for (auto* r : old) vol_.serve(*r);  // no hold: the old copy lands now, after W2
+    if (old != nullptr) vol_.serve(*old);  // no hold: the old copy lands now, after W2
     std::memset(buf_->data() + 8192, 0, 4096);
     EXPECT_EQ(io(IoDir::read, 4096, 0, 8192), 0);
     const std::byte* got = buf_->data() + 8192;
@@ -1187,6 +1193,9 @@ class Drain : public Session {
     o.old_over_w2 = std::count(got, got + 4096, std::byte{0x11}) == 4096;
     return o;
   }
+
+  VolHdr hdr_{0, 4096, kVolMagic};  // W's, alive until it completes
+  IoSeg seg_{};
 };
 
 // Case: the scenario above (ServerOptions::drain_hold at its default, 5 s).
@@ -1221,16 +1230,9 @@ TEST_F(Drain, AHoldRunsOutWithEagainAndThePathKeepsReconnecting) {
   so_.drain_hold = 300ms;
   start_server(1);
   open(options(1));
-  std::memset(buf_->data(), 0x44, 4096);
-  vol_.hold(true);
-  VolHdr h{0, 4096, kVolMagic};
-  IoSeg seg{buf_->data(), 4096, buf_.get()};
   Waiter w;
-  ASSERT_TRUE(write_async(h, seg, w).ok());
-  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
-  std::vector<ServerRequest*> old = vol_.take_held();
-  ASSERT_EQ(old.size(), 1u);
-  vol_.hold(false);
+  ServerRequest* old = hold_a_write(0x44, w);
+  ASSERT_NE(old, nullptr);
   const auto t0 = std::chrono::steady_clock::now();
   cut();
   // The client counts a failed attempt once its connect returned, just after the refusal.
@@ -1247,7 +1249,7 @@ TEST_F(Drain, AHoldRunsOutWithEagainAndThePathKeepsReconnecting) {
   }
   EXPECT_EQ(vol_.requests_.load(), 1u);
   EXPECT_EQ(w.wait(0ms), -ETIMEDOUT) << "the write waits";
-  for (auto* r : old) vol_.serve(*r);
+  vol_.serve(*old);
   EXPECT_EQ(w.wait(10s), 0);
   EXPECT_EQ(client_->paths()[0].state, ClientPathState::connected);
   EXPECT_EQ(vol_.requests_.load(), 2u);
@@ -1266,16 +1268,9 @@ TEST_F(Drain, AHoldRunsOutWithEagainAndThePathKeepsReconnecting) {
 TEST_F(Drain, ACopyFailedOverTwiceRunsOnceAfterTheFirst) {
   start_server(3);
   open(options(3));
-  std::memset(buf_->data(), 0x55, 4096);
-  vol_.hold(true);
-  VolHdr h{0, 4096, kVolMagic};
-  IoSeg seg{buf_->data(), 4096, buf_.get()};
   Waiter w;
-  ASSERT_TRUE(write_async(h, seg, w).ok());
-  ASSERT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
-  std::vector<ServerRequest*> first = vol_.take_held();
-  ASSERT_EQ(first.size(), 1u);
-  vol_.hold(false);
+  ServerRequest* first = hold_a_write(0x55, w);
+  ASSERT_NE(first, nullptr);
   // The connected path W is posted on ("" while none), and a path's confirmed fences.
   auto carrier = [&] {
     std::string n;
@@ -1307,7 +1302,7 @@ TEST_F(Drain, ACopyFailedOverTwiceRunsOnceAfterTheFirst) {
   EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), 0u) << "copy 3 is no protocol error";
   EXPECT_EQ(vol_.requests_.load(), 1u) << "copy 3 waits for copy 1";
   EXPECT_EQ(w.wait(0ms), -ETIMEDOUT);
-  for (auto* r : first) vol_.serve(*r);
+  vol_.serve(*first);
   EXPECT_EQ(w.wait(10s), 0);
   EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 2; })) << "copy 3 ran";
   std::this_thread::sleep_for(100ms);
