@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
+#include <functional>
+#include <future>
 #include <optional>
 #include <thread>
 
@@ -22,7 +25,13 @@ FabricKind& g_kind = hostile_fabric();
 
 class Hostile : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { start_server(); }
+
+  // The server of the case (again, for a case that wants other options: `tune` changes them),
+  // a raw peer of it, and fresh uuids.
+  void start_server(const std::function<void(ServerOptions&)>& tune = {}) {
+    peer_.reset();
+    server_.reset();
     ServerOptions so;
     so.listen.push_back(g_kind == FabricKind::tcp ? *Address::parse("tcp:127.0.0.1:0")
                                                   : *Address::parse("loopback:hostile:0"));
@@ -31,6 +40,7 @@ class Hostile : public ::testing::Test {
     so.handler = &vol_;
     so.allow_any_host = true;  // the raw client speaks without credentials (auth_test.cc has those)
     so.always_invalidate = always_invalidate();
+    if (tune) tune(so);
     auto s = Server::start(so);
     ASSERT_TRUE(s.ok());
     server_ = std::move(*s);
@@ -467,6 +477,164 @@ TEST_F(Hostile, IoBeforeTheHandshakeClosesThePath) {
 }
 
 TEST_F(Hostile, AnotherSessionsValidChunkKeyIsRefused) { another_sessions_key_is_refused(); }
+
+// Case: two sessions of raw paths, each with a write the volume holds, lose their paths: both
+// drain. Connection requests that would start their new sessions (each a new path, from a peer
+// of its own, all at once) are held for at most drain_hold (4 s), at most
+// max_paths_per_session (3) per uuid and max_sessions (4) in all: ten against one uuid, then
+// twenty against both. Meanwhile an honest client opens a session and writes.
+// Expect: every request is refused with EAGAIN (past a cap at once: drain_hold_limit; held ones
+// after the hold: drain_hold_timeout), none later than the hold plus slack; never more held
+// than the caps allow; the honest client is done while requests are still held (it waited for
+// none of them); afterwards nothing is held and (tcp) no descriptor is left. Once the writes
+// complete, the uuid's next request is accepted at once.
+TEST_F(Hostile, ConnectRequestsBehindADrainingSessionAreBoundedAndRefused) {
+  // Long enough that an honest client, even on a loaded host, is done well within it.
+  static constexpr auto kHold = 4s;
+  start_server([&](ServerOptions& so) {
+    so.drain_hold = kHold;
+    so.max_sessions = 4;
+    so.max_paths_per_session = 3;
+  });
+  auto fds = [] {
+    size_t n = 0;
+    for ([[maybe_unused]] auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+    return n;
+  };
+  vol_.hold(true);
+  std::vector<Uuid> drained;
+  std::vector<ServerRequest*> writes;  // the drained sessions' writes, held
+  for (int i = 0; i < 2; ++i) {
+    sess_ = Uuid16::random();
+    path_ = Uuid16::random();
+    std::vector<Con> cons;
+    std::vector<ChunkDesc> chunks;
+    ASSERT_TRUE(establish(cons, chunks, "drained" + std::to_string(i)));
+    write_request(cons[1], chunks[0], 0, chunks[0].key.get(), 'D');
+    auto w = wait_held(1);
+    ASSERT_EQ(w.size(), 1u) << i;
+    writes.push_back(w[0]);
+    drained.push_back(to_uuid(sess_));
+  }  // the raw connections go: both sessions lose their only path with a write held
+  vol_.hold(false);  // the honest client's IO is served
+  ASSERT_TRUE(wait_until([&] { return server_->usage().sessions == 0; }, 5s));
+  const size_t fds_before = fds();
+
+  // `n` requests at once against the drained uuids (round robin over the first `uuids`);
+  // returns the most held at any time seen.
+  auto flood = [&](int n, size_t uuids) {
+    struct Outcome {
+      Status st;
+      int err = 0;
+      std::chrono::steady_clock::duration took{};
+    };
+    std::atomic<bool> go{false};
+    std::vector<std::future<Outcome>> reqs;
+    for (int i = 0; i < n; ++i) {
+      const Uuid sess = drained[i % uuids];
+      reqs.push_back(std::async(std::launch::async, [&go, this, sess] {
+        RawPeer p(addr_);
+        while (!go.load()) std::this_thread::yield();
+        Outcome o;
+        const auto t0 = std::chrono::steady_clock::now();
+        auto c = p.connect(make_con_req(0, 2, 0, true, sess, to_uuid(Uuid16::random())), &o.err, 64,
+                           kHold + 6s);
+        o.took = std::chrono::steady_clock::now() - t0;
+        o.st = c.ok() ? Status{} : Status{c.error()};
+        return o;
+      }));
+    }
+    const uint64_t timeouts = server_->refusals().count(refusal::kDrainHoldTimeout);
+    go = true;
+    uint32_t most = 0;
+    EXPECT_TRUE(wait_until([&] { return (most = server_->usage().held_connects) > 0; }, 3s));
+    honest_client_works();
+    EXPECT_GT(server_->usage().held_connects, 0u) << "the honest client waited for no held request";
+    EXPECT_EQ(server_->refusals().count(refusal::kDrainHoldTimeout), timeouts);
+    for (auto& f : reqs)
+      while (f.wait_for(5ms) != std::future_status::ready) most = std::max(most, server_->usage().held_connects);
+    for (auto& f : reqs) {
+      const Outcome o = f.get();
+      EXPECT_EQ(o.st.error(), errc(ECONNREFUSED));
+      EXPECT_EQ(o.err, EAGAIN);
+      EXPECT_LT(o.took, kHold + 3s) << "a held request is answered after its hold";
+    }
+    return most;
+  };
+  const auto& r = server_->refusals();
+  EXPECT_LE(flood(10, 1), 3u) << "one uuid: max_paths_per_session held";
+  EXPECT_EQ(r.count(refusal::kDrainHoldLimit) + r.count(refusal::kDrainHoldTimeout), 10u);
+  EXPECT_GE(r.count(refusal::kDrainHoldTimeout), 1u) << "some were held";
+  EXPECT_LE(flood(20, 2), 4u) << "two uuids: max_sessions held in all";
+  EXPECT_EQ(r.count(refusal::kDrainHoldLimit) + r.count(refusal::kDrainHoldTimeout), 30u);
+  EXPECT_EQ(server_->usage().held_connects, 0u);
+  if (g_kind == FabricKind::tcp) {
+    EXPECT_TRUE(wait_until([&] { return fds() <= fds_before; }, 3s)) << fds() << " > " << fds_before;
+  }
+
+  // The writes complete: both sessions are freed, and a request of the uuid goes through.
+  for (auto* q : writes) vol_.serve(*q);
+  ASSERT_TRUE(wait_until([&] { return server_->usage().chunk_memory == 0; }, 5s));
+  auto c = connect(make_con_req(0, 2, 0, true, drained[0], to_uuid(Uuid16::random())));
+  EXPECT_TRUE(c.ok()) << "no longer held";
+}
+
+// Case: a raw session of three paths A, B, C. A write in chunk 0 on A is held by the volume
+// (copy 1); the same request on B waits behind it (copy 2); a copy on C while B is connected
+// is no request an honest client sends. Then, on a new session the same up to copy 2, B's
+// connections close and the copy comes on C.
+// Expect: the first copy on C is a protocol error that closes C (copy 2 still waits: served
+// once copy 1 completes); the second takes copy 2's place, no protocol error, and runs once
+// after copy 1.
+TEST_F(Hostile, AThirdCopyReplacesTheSecondOnlyOnceItsConnectionClosed) {
+  for (bool b_closed : {false, true}) {
+    SCOPED_TRACE(b_closed ? "B closed" : "B connected");
+    vol_.hold(true);
+    sess_ = Uuid16::random();
+    std::vector<Con> a, b, c;
+    std::vector<ChunkDesc> chunks;
+    const std::string name = b_closed ? "third-b-closed" : "third-b-live";
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(a, chunks, name));
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(b, chunks, name));
+    path_ = Uuid16::random();
+    ASSERT_TRUE(establish(c, chunks, name));
+    const uint64_t errors = server_->refusals().count(refusal::kProtocolError);
+    const uint64_t served = vol_.requests_.load();
+    write_request(a[1], chunks[0], 0, chunks[0].key.get(), '1');
+    auto first = wait_held(1);
+    ASSERT_EQ(first.size(), 1u);
+    vol_.hold(false);
+    write_request(b[1], chunks[0], 0, chunks[0].key.get(), '1');
+    std::this_thread::sleep_for(100ms);  // deferred behind copy 1
+    if (b_closed) {
+      b.clear();
+      // The server closes B once it sees its connections go.
+      ASSERT_TRUE(wait_until([&] {
+        bool found = false;
+        (void)server_->with_session(name, [&](ServerSession& ss) { found = ss.paths().size() == 2; });
+        return found;
+      }, 3s));
+    }
+    write_request(c[1], chunks[0], 0, chunks[0].key.get(), '1');
+    if (b_closed) {
+      EXPECT_FALSE(RawPeer::closed_by_server(c, 300ms));
+      EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), errors);
+    } else {
+      EXPECT_TRUE(closed_by_server(c));
+      EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), errors + 1);
+    }
+    EXPECT_EQ(vol_.requests_.load(), served + 1) << "nothing beside copy 1";
+    first[0]->complete(0);
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == served + 2; }, 3s))
+        << "the waiting copy runs after copy 1";
+    std::this_thread::sleep_for(100ms);
+    EXPECT_EQ(vol_.requests_.load(), served + 2) << "once";
+  }
+  honest_client_works();
+}
+
 
 // Case (issue 13, class 1, transport side): a write request with a 16-byte user header of 'U'
 // is held by the upper layer; the client then rewrites the whole request area of the chunk -

@@ -54,7 +54,8 @@ class RawPeer {
   }
 
   // One connection carrying `req`; the CON_RSP errno of a refusal comes back in `refused`.
-  Result<RawCon> connect(const ConReq& req, int* refused = nullptr, uint32_t send_depth = 64) {
+  Result<RawCon> connect(const ConReq& req, int* refused = nullptr, uint32_t send_depth = 64,
+                         std::chrono::milliseconds timeout = 5s) {
     RawCon c;
     IBTRS_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(send_depth + 64));
     fabric::ConnectParams p;
@@ -63,7 +64,7 @@ class RawPeer {
     p.caps.max_send_wr = send_depth;
     p.caps.max_recv_wr = 64;
     p.private_data = as_bytes_of(req);
-    p.timeout = 5s;
+    p.timeout = timeout;
     std::vector<std::byte> rej;
     auto r = dom_->connect(p, &rej);
     if (!r.ok()) {

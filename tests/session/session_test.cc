@@ -881,10 +881,12 @@ TEST_F(Fence, WithoutTheFenceALandedWriteOverwritesANewerOne) {
 }
 
 // Case: one path; a write the server holds; the server drops the path; the client has no other
-// path to send PATH_FENCE on, and reconnects the path.
+// path to send PATH_FENCE on, and reconnects the path. The server holds that reconnect until
+// the old session, which lost its last path, drained (the Drain cases): the test completes the
+// old copy.
 // Expect: the write waits for the fence until the reconnect, whose acceptance confirms the
 // old incarnation closed (no PATH_FENCE went out); then it is resent (into the server's new
-// session: the old one ended with its last path) and completes; its bytes are on the volume.
+// session) and completes; its bytes are on the volume.
 TEST_F(Fence, TheBrokenPathsOwnReconnectConfirmsItsFence) {
   start_server(1);
   open(options(1));
@@ -899,16 +901,18 @@ TEST_F(Fence, TheBrokenPathsOwnReconnectConfirmsItsFence) {
   ASSERT_TRUE(server_->with_session("sess", [&](ServerSession& ss) {
                        EXPECT_TRUE(ss.disconnect_path(ss.paths()[0].name).ok());
                      }).ok());
-  // The path comes back (a new incarnation); the write was failed over to the fence's list.
+  // The reconnect waits at the server while the old copy is held; the old copy completes.
+  ASSERT_TRUE(wait_until([&] { return server_->usage().held_connects == 1; }));
+  EXPECT_EQ(client_->paths()[0].fence.waited, 1u) << "the write was failed over to the fence's list";
+  vol_.hold(false);
+  for (auto* r : vol_.take_held()) vol_.serve(*r);
+  // The path comes back (a new incarnation).
   ASSERT_TRUE(wait_until([&] {
     auto ps = client_->paths();
     return ps[0].recon_cnt > 0 && ps[0].state == ClientPathState::connected && ps[0].fence.fenced == 1;
   }));
-  EXPECT_EQ(client_->paths()[0].fence.waited, 1u);
   EXPECT_EQ(server_->usage().fences_answered, 0u) << "no PATH_FENCE: the reconnect confirmed it";
   EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 2; })) << "the resent copy";
-  vol_.hold(false);
-  for (auto* r : vol_.take_held()) vol_.serve(*r);
   EXPECT_EQ(w.wait(5s), 0);
   EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
   EXPECT_EQ(vol_.mem()[4095], std::byte{0x44});
@@ -1480,6 +1484,198 @@ TEST_F(Session, ServerSeesSessionsAndPathsComeAndGo) {
   EXPECT_TRUE(server_->sessions().empty());
   std::lock_guard l(vol_.mu_);
   EXPECT_EQ(vol_.paths_down_.size(), 2u);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Draining (docs/protocol.md, "Path incarnations" and "Failover fence"): a session whose last
+// path closed while the volume still holds a write (an io_uring write on a slow disk), and a
+// request failed over twice while its first copy still runs.
+class Drain : public Session {
+ protected:
+  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w) {
+    return client_->request(IoRequest{IoDir::write,
+                                      std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+                                      std::span(&seg, 1), &Waiter::cb, &w});
+  }
+  // W: 4 KiB of `fill` (from the buffer's start) to volume offset 0, completing into `w`. The
+  // volume holds it: returns that copy (nullptr: it never came), and from then on serves
+  // everything at once.
+  ServerRequest* hold_a_write(uint8_t fill, Waiter& w) {
+    std::memset(buf_->data(), fill, 4096);
+    seg_ = IoSeg{buf_->data(), 4096, buf_.get()};
+    vol_.hold(true);
+    EXPECT_TRUE(write_async(hdr_, seg_, w).ok());
+    EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 1; }));
+    std::vector<ServerRequest*> held = vol_.take_held();
+    vol_.hold(false);
+    EXPECT_EQ(held.size(), 1u);
+    return held.size() == 1 ? held[0] : nullptr;
+  }
+  // The server closes path `name` of session "sess" ("": its first).
+  void cut(const std::string& name = {}) {
+    ASSERT_TRUE(server_->with_session("sess", [&](ServerSession& ss) {
+                         EXPECT_TRUE(ss.disconnect_path(name.empty() ? ss.paths()[0].name : name).ok());
+                       }).ok());
+  }
+  // W1 (4 KiB of 0x11 at volume offset 0) is with the volume (its old copy) when the server
+  // cuts the session's only path. The client fences by reconnecting and resends W1; once W1
+  // completed, the application writes W2 (0x22) to the same blocks; the old copy completes
+  // whenever the volume lets it (here: once the resend is seen to wait, or after W2 when it
+  // did not), and the test reads the blocks back.
+  struct Outcome {
+    bool resent_early = false;   // W1 completed in a new session while its old copy ran
+    bool w2_intact = false;      // W2's bytes read back
+    bool old_over_w2 = false;    // W1's old copy landed after W2: a lost write
+  };
+  Outcome run(std::chrono::milliseconds drain_hold) {
+    so_.drain_hold = drain_hold;
+    start_server(1);
+    open(options(1));
+    Outcome o;
+    Waiter w1;
+    ServerRequest* old = hold_a_write(0x11, w1);
+    if (old == nullptr) return o;
+    std::memset(buf_->data() + 4096, 0x22, 4096);
+    cut();
+    // Without the hold the resend completes within milliseconds of the reconnect; with it,
+    // not before the old copy did (1.5 s: far beyond a reconnect, well inside the hold).
+    o.resent_early = w1.wait(drain_hold.count() > 0 ? 1500ms : 10s) == 0;
+    if (!o.resent_early) {
+      EXPECT_EQ(vol_.requests_.load(), 1u) << "nothing of a new session ran";
+      EXPECT_TRUE(server_->sessions().empty()) << "no new session while the old one drains";
+      EXPECT_NE(client_->paths()[0].state, ClientPathState::connected);
+      EXPECT_EQ(server_->usage().held_connects, 1u) << "the reconnect waits at the server";
+      vol_.serve(*std::exchange(old, nullptr));
+      EXPECT_EQ(w1.wait(10s), 0) << "resent into the new session once the old one drained";
+    }
+    EXPECT_EQ(io(IoDir::write, 4096, 0, 4096), 0) << "W2";
+    if (old != nullptr) vol_.serve(*old);  // no hold: the old copy lands now, after W2
+    std::memset(buf_->data() + 8192, 0, 4096);
+    EXPECT_EQ(io(IoDir::read, 4096, 0, 8192), 0);
+    const std::byte* got = buf_->data() + 8192;
+    o.w2_intact = std::count(got, got + 4096, std::byte{0x22}) == 4096;
+    o.old_over_w2 = std::count(got, got + 4096, std::byte{0x11}) == 4096;
+    return o;
+  }
+
+  VolHdr hdr_{0, 4096, kVolMagic};  // W's, alive until it completes
+  IoSeg seg_{};
+};
+
+// Case: the scenario above (ServerOptions::drain_hold at its default, 5 s).
+// Expect: the client's reconnect is held, no new session exists and the resent W1 does not
+// run while the old copy is with the volume; once it completed the path comes up, W1 is resent
+// and completes, and W2's bytes read back.
+TEST_F(Drain, ANewSessionWaitsUntilItsPredecessorDrained) {
+  const Outcome o = run(5000ms);
+  EXPECT_FALSE(o.resent_early) << "W1 was resent while its old copy ran";
+  EXPECT_TRUE(o.w2_intact);
+  EXPECT_FALSE(o.old_over_w2) << "a lost write: W1's old copy ran after W2";
+}
+
+// Case: the same against a server without the hold (drain_hold 0: a new session starts at
+// once). Expect: the hazard the hold closes: W1 is resent into a new session and completes
+// while its old copy runs, and the old copy, landing after W2, overwrites it. This also shows
+// that the scenario reproduces the defect.
+TEST_F(Drain, WithoutTheHoldAnOldCopyOverwritesANewerWrite) {
+  const Outcome o = run(0ms);
+  EXPECT_TRUE(o.resent_early);
+  EXPECT_FALSE(o.w2_intact);
+  EXPECT_TRUE(o.old_over_w2) << "the old copy overwrote W2";
+}
+
+// Case: drain_hold 300 ms; a write the volume holds; the server cuts the only path, and the
+// old copy completes only after three holds of the reconnect ran out.
+// Expect: each reconnect is refused with EAGAIN after a whole hold (the refusals come no
+// faster than one per hold: the reconnect attempts are not used up faster than by a refused
+// connect), the path keeps reconnecting (EAGAIN is not final), nothing of a new session runs;
+// once the old copy completes, the path comes up and the resent write completes.
+TEST_F(Drain, AHoldRunsOutWithEagainAndThePathKeepsReconnecting) {
+  so_.drain_hold = 300ms;
+  start_server(1);
+  open(options(1));
+  Waiter w;
+  ServerRequest* old = hold_a_write(0x44, w);
+  ASSERT_NE(old, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  cut();
+  // The client counts a failed attempt once its connect returned, just after the refusal.
+  ASSERT_TRUE(wait_until([&] {
+    return server_->refusals().count(refusal::kDrainHoldTimeout) >= 3 &&
+           client_->paths()[0].stats.reconnects_failed >= 3;
+  }, 15s));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 3 * 300ms) << "a refusal per whole hold";
+  {
+    const auto ps = client_->paths();
+    EXPECT_NE(ps[0].state, ClientPathState::closed) << "EAGAIN is retried";
+    EXPECT_NE(ps[0].state, ClientPathState::connected);
+    EXPECT_EQ(ps[0].last_error, errc(EAGAIN));
+  }
+  EXPECT_EQ(vol_.requests_.load(), 1u);
+  EXPECT_EQ(w.wait(0ms), -ETIMEDOUT) << "the write waits";
+  vol_.serve(*old);
+  EXPECT_EQ(w.wait(10s), 0);
+  EXPECT_EQ(client_->paths()[0].state, ClientPathState::connected);
+  EXPECT_EQ(vol_.requests_.load(), 2u);
+  EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
+  EXPECT_EQ(server_->usage().held_connects, 0u);
+}
+
+// Case: three paths. A write W (4 KiB of 0x55) reaches the volume on one path and stays there
+// (copy 1). The server cuts that path: W fails over, the client fences the path and sends copy
+// 2 on another one, where it waits behind copy 1. The server cuts that path too: the client
+// fences it and sends copy 3 on a third connection, while copy 1 still runs.
+// Expect: no protocol error (copy 3 takes the place of copy 2, whose connection closed) and
+// nothing besides copy 1 runs until copy 1 completes; then copy 3 runs, once (the volume's
+// second request and its last), W completes once with success, and its bytes are on the
+// volume. Without the replacement copy 3 is refused as a third request on a busy chunk.
+TEST_F(Drain, ACopyFailedOverTwiceRunsOnceAfterTheFirst) {
+  start_server(3);
+  open(options(3));
+  Waiter w;
+  ServerRequest* first = hold_a_write(0x55, w);
+  ASSERT_NE(first, nullptr);
+  // The connected path W is posted on ("" while none), and a path's confirmed fences.
+  auto carrier = [&] {
+    std::string n;
+    for (auto& p : client_->paths())
+      if (p.inflight == 1 && p.state == ClientPathState::connected) n = p.name;
+    return n;
+  };
+  auto fenced = [&](const std::string& name) {
+    const auto ps = client_->paths();
+    const ClientPathInfo* p = path_info(ps, name);
+    return p != nullptr ? p->fence.fenced : 0;
+  };
+  // Cuts the path W is on and waits until the client fenced it and sent the next copy (on
+  // another path, or on the cut path's new incarnation).
+  auto cut_carrier = [&] {
+    std::string on;
+    ASSERT_TRUE(wait_until([&] { return !(on = carrier()).empty(); }));
+    const uint64_t before = fenced(on);
+    cut(on);
+    ASSERT_TRUE(wait_until([&] { return fenced(on) > before && !carrier().empty(); }))
+        << "the next copy was sent";
+    // It is placed in the chunk and reaches the server's poller within microseconds on
+    // loopback and tcp; 300 ms leave it ample time to be deferred behind copy 1.
+    std::this_thread::sleep_for(300ms);
+  };
+  cut_carrier();
+  EXPECT_EQ(vol_.requests_.load(), 1u) << "copy 2 waits";
+  cut_carrier();
+  EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), 0u) << "copy 3 is no protocol error";
+  EXPECT_EQ(vol_.requests_.load(), 1u) << "copy 3 waits for copy 1";
+  EXPECT_EQ(w.wait(0ms), -ETIMEDOUT);
+  vol_.serve(*first);
+  EXPECT_EQ(w.wait(10s), 0);
+  EXPECT_TRUE(wait_until([&] { return vol_.requests_.load() == 2; })) << "copy 3 ran";
+  std::this_thread::sleep_for(100ms);
+  EXPECT_EQ(vol_.requests_.load(), 2u) << "exactly once";
+  EXPECT_EQ(vol_.mem()[0], std::byte{0x55});
+  EXPECT_EQ(vol_.mem()[4095], std::byte{0x55});
+  EXPECT_EQ(server_->refusals().count(refusal::kProtocolError), 0u);
+  EXPECT_EQ(client_->stats().inflight, 0);
 }
 
 

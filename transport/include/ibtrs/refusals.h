@@ -70,6 +70,9 @@ inline constexpr std::string_view kPathLimit = "path_limit";                  //
 inline constexpr std::string_view kChunkMemoryLimit = "chunk_memory_limit";   // ENOMEM
 inline constexpr std::string_view kBadConnectRequest = "bad_connect_request";  // CON_REQ refused
 inline constexpr std::string_view kNoResources = "no_resources";  // registration, CQ failed: ENOMEM
+// Held behind a session still draining (ServerOptions::drain_hold): EAGAIN, retried by the client.
+inline constexpr std::string_view kDrainHoldTimeout = "drain_hold_timeout";  // held past drain_hold
+inline constexpr std::string_view kDrainHoldLimit = "drain_hold_limit";  // too many held already
 // Paths closed by the server.
 inline constexpr std::string_view kProtocolError = "protocol_error";  // a malformed message
 inline constexpr std::string_view kHandshakeTimeout = "handshake_timeout";  // not CONNECTED in time

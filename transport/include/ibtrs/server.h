@@ -195,6 +195,18 @@ struct ServerOptions {
   // after its first connection request, or it is closed; a session left without paths is freed.
   // RTRS's connect timeout, which bounds how long an honest client tries.
   std::chrono::milliseconds handshake_timeout{30000};
+  // A connection request that would start a new session while the session it replaces (same
+  // uuid, its last path closed) still has requests with the upper layer is held until that
+  // predecessor has drained, so that no old copy of a write can land after the new session's
+  // writes (docs/protocol.md, "Path incarnations"). Held longer than this it is refused with
+  // EAGAIN, which the client retries like any refused connect. Default 5 s: a backend that is
+  // merely slow drains well within it, and it stays far under the client's connect timeout
+  // (RTRS: 30 s) so that the client hears the answer instead of giving up on its connect. At
+  // most handshake_timeout / 2 (start() clamps it): handshake_timeout is what the server
+  // assumes of a client's connect timeout. 0: no hold (a new session starts at once, with the
+  // lost-write hazard; for tests only). Holds count against max_sessions and
+  // max_paths_per_session (docs/security.d/bounds.md).
+  std::chrono::milliseconds drain_hold{5000};
   // Responses that do not fit a connection's send queue wait in its backlog. A peer that lets
   // queue_depth of them wait stops being served (no receive is reposted: its further requests
   // stay with it), which bounds the backlog; one that lets it sit this long without
@@ -228,6 +240,9 @@ struct ServerUsage {
   // so it is all of it.
   uint64_t chunk_resident = 0;
   uint64_t backlog = 0;             // responses waiting for send-queue room, all connections
+  // Connection requests held until the session they would replace has drained
+  // (ServerOptions::drain_hold).
+  uint32_t held_connects = 0;
   // The failover fence since the server started: PATH_FENCE messages answered, and of those
   // the ones that closed a live path (the others found it closed or superseded already).
   uint64_t fences_answered = 0;

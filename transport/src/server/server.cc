@@ -217,10 +217,16 @@ struct Path {
 };
 
 struct Req final : ServerRequest {
+  // The chunk's one protocol (request_arrived, release_chunk): idle; being served; being served
+  // with one copy deferred behind it (deferred_con / deferred_offset); locked: a thread holds
+  // the deferral fields for a few instructions (reads them to hand the chunk over, or writes
+  // them), and every other thread that needs them waits until it is done. Only the holder of
+  // the lock touches the deferral fields, so they need no atomics of their own.
+  static constexpr uint32_t kIdle = 0, kBusy = 1, kDeferred = 2, kLocked = 3;
   Session* s = nullptr;
   Con* con = nullptr;  // the connection the request came on: the response goes back there
-  std::atomic<uint32_t> state{0};  // 0 idle, 1 being served, 2 served and another one waiting
-  Con* deferred_con = nullptr;
+  std::atomic<uint32_t> state{kIdle};
+  Con* deferred_con = nullptr;  // under kLocked
   uint32_t deferred_offset = 0;
   // The request's header bytes (user header, read descriptors), copied out of the chunk once
   // when it starts: max_hdr bytes of the session's copy area, server memory no peer can write.
@@ -239,6 +245,9 @@ struct Req final : ServerRequest {
   // offset, holds it now and must be handed it (hand_chunk: run on its connection's poller).
   Con* release_chunk(uint32_t* next_offset);
   void hand_chunk(Con* next, uint32_t offset);
+  // The holder of the chunk lets go of it without serving (its connection closed, a refused
+  // message): release_chunk, and the copy deferred behind it, if any, takes its turn.
+  void give_up_chunk();
   // always_invalidate, under the connection's gate: makes the chunk reachable on the path again.
   // Where that takes a new key (rdma), fills `wr` with the RKEY_RSP SEND that carries it and
   // sets `*changed`; where the revoked key itself comes back (software providers) the client's
@@ -293,6 +302,7 @@ struct Session final : ServerSession {
   std::atomic<int64_t> inflight{0};
   bool up = false;     // on_session_up called (worker)
   bool dying = false;  // no path left (worker)
+  bool hold_logged = false;  // a connection request was held behind it (worker)
   core::Clock::time_point created;  // the oldest half-open session is evicted first
 
   ~Session() override {
@@ -327,6 +337,14 @@ struct Session final : ServerSession {
   void request_done();
 };
 
+// A connection request that would start a session while its predecessor of the same uuid still
+// drains (Impl::handle_connect): held, unanswered, until that one is freed or `deadline`.
+struct HeldConnect {
+  std::unique_ptr<fabric::ConnectRequest> req;
+  proto::Uuid sess{};
+  core::Clock::time_point deadline;
+};
+
 struct Impl {
   ServerOptions opts;
   uint32_t nio = 1;
@@ -341,6 +359,12 @@ struct Impl {
   mutable std::mutex mu;  // sessions
   std::map<proto::Uuid, std::unique_ptr<Session>> sessions;
   std::vector<std::unique_ptr<Session>> dying;  // worker: waiting for their requests
+  // Worker: connection requests held behind a draining predecessor, oldest first. At most
+  // max_sessions, and max_paths_per_session per uuid (an honest client sends one per path).
+  std::deque<HeldConnect> held;
+  std::atomic<uint32_t> held_count{0};  // held.size(), for usage()
+  core::Clock::time_point held_timer_at{};  // worker: when the svc poller re-checks `held` ({}: not armed)
+  uint64_t held_timer = 0;
   std::map<uint64_t, Path*> path_ids;           // worker: every path of every session not freed
   uint64_t next_path_id = 1;
   Refusals refusals;
@@ -363,7 +387,16 @@ struct Impl {
   }
 
   void accept_loop();
-  void handle_connect(fabric::ConnectRequest& req);
+  void handle_connect(std::unique_ptr<fabric::ConnectRequest> req);
+  // Worker: the session of uuid `id` that has lost its last path but not yet drained its
+  // requests (nullptr: none, or drain_hold is 0).
+  Session* draining(const proto::Uuid& id) const;
+  // Worker: holds `req` behind `pred`, or refuses it (EAGAIN) when the holds are at their caps.
+  void hold(std::unique_ptr<fabric::ConnectRequest> req, const proto::Uuid& id, Session* pred);
+  // Worker: hands held requests whose predecessor is gone to handle_connect, refuses those past
+  // their deadline (EAGAIN), and arms the timer for the next deadline.
+  void run_held();
+  void arm_held_timer();
   Status accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::ConnectRequest& req);
   void handle_info(Path* p, std::vector<std::byte> msg);
   void send_info_rsp(Path* p);
@@ -461,25 +494,48 @@ Status Session::disconnect_path(std::string_view path) {
 
 void Session::request_arrived(Con* c, uint32_t id, uint32_t offset) {
   Req& r = reqs[id];
+  uint32_t st = r.state.load(std::memory_order_acquire);
   for (;;) {
-    uint32_t idle = 0;
-    if (r.state.compare_exchange_strong(idle, 1, std::memory_order_acq_rel)) {
-      r.start(c, offset);
-      return;
+    if (st == Req::kIdle) {
+      if (r.state.compare_exchange_weak(st, Req::kBusy, std::memory_order_acq_rel)) {
+        r.start(c, offset);
+        return;
+      }
+    } else if (st == Req::kBusy) {
+      // The chunk is still being served: a request failed over from another path while the old
+      // copy is still with the upper layer. It runs when the old one completes. Counted before
+      // the deferral is visible: the hand-off's request_done may follow at once.
+      if (r.state.compare_exchange_weak(st, Req::kLocked, std::memory_order_acq_rel)) {
+        r.deferred_con = c;
+        r.deferred_offset = offset;
+        inflight.fetch_add(1, std::memory_order_acq_rel);
+        r.state.store(Req::kDeferred, std::memory_order_release);
+        return;
+      }
+    } else if (st == Req::kDeferred) {
+      if (r.state.compare_exchange_weak(st, Req::kLocked, std::memory_order_acq_rel)) {
+        // A third copy while one waits. The waiting copy's connection closed (a broken path,
+        // or one the client fenced before it sent this copy): that copy would be dropped at its
+        // turn anyway, and this newer one, failed over twice, takes its place, with its count.
+        // The old copy being served still runs first. While the waiting copy's connection is
+        // live no honest client sends another: a protocol error.
+        const bool waiting_live = r.deferred_con->gate.is_open();
+        if (!waiting_live) {
+          r.deferred_con = c;
+          r.deferred_offset = offset;
+        }
+        r.state.store(Req::kDeferred, std::memory_order_release);
+        if (!waiting_live) return;
+        break;
+      }
+    } else {
+      // kLocked: another thread is between two stores of a few instructions.
+      std::this_thread::yield();
+      st = r.state.load(std::memory_order_acquire);
     }
-    if (idle == 2) break;
-    // The chunk is still being served: a request failed over from another path while the old
-    // copy is still with the upper layer. It runs when the old one completes.
-    r.deferred_con = c;
-    r.deferred_offset = offset;
-    inflight.fetch_add(1, std::memory_order_acq_rel);
-    uint32_t busy = 1;
-    if (r.state.compare_exchange_strong(busy, 2, std::memory_order_acq_rel)) return;
-    inflight.fetch_sub(1, std::memory_order_acq_rel);
-    if (busy == 2) break;
   }
-  srv->protocol_error("session %s path %s: third request on busy chunk %u", name_.c_str(),
-                      c->path->name.c_str(), id);
+  srv->protocol_error("session %s path %s: third request on busy chunk %u while the second waits",
+                      name_.c_str(), c->path->name.c_str(), id);
   c->failed.store(true);
 }
 
@@ -489,7 +545,7 @@ void Req::start(Con* c, uint32_t offset) {
     // Revoke the client's key before reading anything of the request: from here on its bytes
     // are the server's until the response hands out a new key.
     if (!c->gate.enter()) {
-      state.store(0, std::memory_order_release);
+      give_up_chunk();
       return;
     }
     (void)c->path->chunk_mrs[chunk_id_]->revoke();
@@ -502,8 +558,8 @@ void Req::start(Con* c, uint32_t offset) {
   if (!io.ok()) {
     ss.srv->protocol_error("session %s path %s: request in chunk %u refused: %s", ss.name_.c_str(),
                            c->path->name.c_str(), chunk_id_, why.c_str());
-    state.store(0, std::memory_order_release);
     c->failed.store(true);  // closes the path (the poller sees it after this batch)
+    give_up_chunk();
     return;
   }
   con = c;
@@ -596,12 +652,30 @@ void Req::complete(int err) {
 }
 
 Con* Req::release_chunk(uint32_t* next_offset) {
-  uint32_t busy = 1;
-  if (state.compare_exchange_strong(busy, 0, std::memory_order_acq_rel)) return nullptr;
-  Con* next = deferred_con;
-  *next_offset = deferred_offset;
-  state.store(1, std::memory_order_release);
-  return next;
+  uint32_t st = kBusy;
+  for (;;) {
+    if (st == kBusy) {
+      if (state.compare_exchange_weak(st, kIdle, std::memory_order_acq_rel)) return nullptr;
+    } else if (st == kDeferred) {
+      if (state.compare_exchange_weak(st, kLocked, std::memory_order_acq_rel)) {
+        Con* next = deferred_con;
+        *next_offset = deferred_offset;
+        state.store(kBusy, std::memory_order_release);  // the deferred copy's now
+        return next;
+      }
+    } else if (st == kLocked) {
+      // A copy is being deferred (or replacing a deferred one): a few instructions.
+      std::this_thread::yield();
+      st = state.load(std::memory_order_acquire);
+    } else {
+      return nullptr;  // idle: only the chunk's holder releases it, so never
+    }
+  }
+}
+
+void Req::give_up_chunk() {
+  uint32_t next_off = 0;
+  if (Con* next = release_chunk(&next_off)) hand_chunk(next, next_off);
 }
 
 void Req::hand_chunk(Con* next, uint32_t offset) {
@@ -622,8 +696,7 @@ void Req::run_deferred(Con* c, uint32_t offset) {
     return;
   }
   // Another copy deferred behind this one meanwhile takes its turn, on its connection's poller.
-  uint32_t next_off = 0;
-  if (Con* next = release_chunk(&next_off)) hand_chunk(next, next_off);
+  give_up_chunk();
 }
 
 bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
@@ -1004,7 +1077,8 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr, std::string_view* re
   return raw;
 }
 
-void Impl::handle_connect(fabric::ConnectRequest& req) {
+void Impl::handle_connect(std::unique_ptr<fabric::ConnectRequest> owned) {
+  fabric::ConnectRequest& req = *owned;
   std::string why;
   auto cr = proto::parse_con_req(req.private_data(), &why);
   if (!cr.ok()) return reject(req, cr.error().value(), refusal::kBadConnectRequest, why);
@@ -1019,6 +1093,11 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
     return reject(req, EACCES, refusal::kAuthNoCredentials,
                   "the client does not authenticate and allow_any_host is off");
   }
+  proto::Uuid sess_id;
+  std::memcpy(sess_id.data(), cr->sess_uuid, 16);
+  // A new session under the uuid of one that still drains would let the client's resent and
+  // newer writes run while old copies are with the upper layer: they wait for it to drain.
+  if (Session* pred = draining(sess_id)) return hold(std::move(owned), sess_id, pred);
   std::string_view reason;
   auto sr = session_for(*cr, &reason);
   if (!sr.ok()) return reject(req, sr.error().value(), reason, "no room for a new session");
@@ -1036,7 +1115,9 @@ void Impl::handle_connect(fabric::ConnectRequest& req) {
     if (static_cast<int16_t>(rc - p->recon_cnt) > 0) {
       close_path(p, "the client reconnected it");
       p = nullptr;
-      // That may have been the session's last path: then the new incarnation starts a new one.
+      // That may have been the session's last path: then the new incarnation starts a new one,
+      // once the old session drained.
+      if (Session* pred = draining(sess_id)) return hold(std::move(owned), sess_id, pred);
       sr = session_for(*cr, &reason);
       if (!sr.ok()) return reject(req, sr.error().value(), reason, "no room for a new session");
       s = *sr;
@@ -1621,11 +1702,88 @@ void Impl::reap() {
     it = dying.erase(it);
     freed = true;
   }
+  // A request held behind a session freed here goes on now. Posted, not called: reap runs
+  // inside close_path, which may be inside handle_connect.
+  if (freed && !held.empty()) worker->post([this] { run_held(); });
 #if defined(__GLIBC__)
   // What a session's connections allocated (their backlogs above all) goes back to the system,
   // not only to malloc's arenas: a peer's burst must not stay in the daemon's RSS.
   if (freed) ::malloc_trim(0);
 #endif
+}
+
+Session* Impl::draining(const proto::Uuid& id) const {
+  if (opts.drain_hold.count() <= 0) return nullptr;
+  for (const auto& s : dying)
+    if (s->uuid_bytes == id) return s.get();
+  return nullptr;
+}
+
+void Impl::hold(std::unique_ptr<fabric::ConnectRequest> req, const proto::Uuid& id, Session* pred) {
+  const int64_t inflight = pred->inflight.load(std::memory_order_acquire) & ~Session::kDetached;
+  const std::string what = "session " + pred->name_ + " is still draining (" + std::to_string(inflight) +
+                           " requests with the upper layer)";
+  // Each held request keeps its peer's socket or CM id: as many as there may be sessions,
+  // and as many per uuid as a session may have paths.
+  const size_t same = static_cast<size_t>(
+      std::count_if(held.begin(), held.end(), [&](const HeldConnect& h) { return h.sess == id; }));
+  if (held.size() >= opts.max_sessions || same >= opts.max_paths_per_session)
+    return reject(*req, EAGAIN, refusal::kDrainHoldLimit,
+                  what + "; " + std::to_string(same) + " requests of it and " +
+                      std::to_string(held.size()) + " in all held already");
+  if (!std::exchange(pred->hold_logged, true))
+    IBTRS_LOG(info, "connection from %s held: %s", req->peer_address().to_string().c_str(), what.c_str());
+  held.push_back(HeldConnect{std::move(req), id, core::Clock::now() + opts.drain_hold});
+  held_count.store(static_cast<uint32_t>(held.size()), std::memory_order_relaxed);
+  arm_held_timer();
+}
+
+void Impl::run_held() {
+  const auto now = core::Clock::now();
+  std::vector<std::unique_ptr<fabric::ConnectRequest>> go;
+  for (auto it = held.begin(); it != held.end();) {
+    if (stopping.load()) {
+      // Answered, not counted: the server goes, not the peer's fault.
+      auto rsp = proto::make_con_rsp(EAGAIN, 0, 0, 0, 0);
+      (void)it->req->reject(proto::as_bytes_of(rsp));
+    } else if (draining(it->sess) == nullptr) {
+      go.push_back(std::move(it->req));
+    } else if (now >= it->deadline) {
+      reject(*it->req, EAGAIN, refusal::kDrainHoldTimeout,
+             "the session it would replace still drains after " +
+                 std::to_string(opts.drain_hold.count()) + " ms");
+    } else {
+      ++it;
+      continue;
+    }
+    it = held.erase(it);
+  }
+  held_count.store(static_cast<uint32_t>(held.size()), std::memory_order_relaxed);
+  // In arrival order; each may hold again (a reconnect that closes its session's last path).
+  for (auto& r : go) handle_connect(std::move(r));
+  arm_held_timer();
+}
+
+void Impl::arm_held_timer() {
+  if (held.empty()) {
+    if (held_timer != 0) svc_poller->cancel_timer(std::exchange(held_timer, 0));
+    held_timer_at = {};
+    return;
+  }
+  core::Clock::time_point first = held.front().deadline;
+  for (const HeldConnect& h : held) first = std::min(first, h.deadline);
+  if (held_timer != 0 && held_timer_at <= first) return;  // due before the first deadline anyway
+  if (held_timer != 0) svc_poller->cancel_timer(held_timer);
+  held_timer_at = first;
+  held_timer = svc_poller->add_timer(first, [this, first] {
+    worker->post([this, first] {
+      if (held_timer_at == first) {
+        held_timer = 0;
+        held_timer_at = {};
+      }
+      run_held();
+    });
+  });
 }
 
 void Impl::count_listener_drops(size_t i) {
@@ -1667,9 +1825,9 @@ void Impl::accept_loop() {
                                                      ": " + r.error().message());
         continue;
       }
-      fabric::ConnectRequest* req = r->get();
-      worker->call([this, req] {
-        handle_connect(*req);
+      // The worker owns the request from here: it may hold it unanswered (handle_connect).
+      worker->call([this, &r] {
+        handle_connect(std::move(*r));
         return 0;
       });
     }
@@ -1704,7 +1862,8 @@ Server::~Server() {
   for (;;) {
     bool empty = im->worker->call([im] {
       im->reap();
-      return im->dying.empty();
+      im->run_held();  // stopping: every held request is answered
+      return im->dying.empty() && im->held.empty();
     });
     if (empty) break;
     std::this_thread::sleep_for(5ms);
@@ -1726,10 +1885,12 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
       o.max_hdr_size >= o.chunk_size || o.heartbeat.interval.count() <= 0 ||
       o.heartbeat.missed_max == 0 || o.max_sessions == 0 || o.max_paths_per_session == 0 ||
       o.max_chunk_memory < uint64_t{o.queue_depth} * o.chunk_size ||
-      o.handshake_timeout.count() <= 0 || o.ack_timeout.count() <= 0 ||
+      o.handshake_timeout.count() <= 0 || o.ack_timeout.count() <= 0 || o.drain_hold.count() < 0 ||
       (o.authenticator == nullptr && !o.allow_any_host))
     return errc(EINVAL);
   IBTRS_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
+  // A held client must hear the answer before its connect gives up (ServerOptions::drain_hold).
+  o.drain_hold = std::min(o.drain_hold, o.handshake_timeout / 2);
   // What the largest set (min(queue depth, 64) chunks) holds besides its header, at most.
   o.max_io_size = static_cast<uint32_t>(std::min<uint64_t>(
       o.max_io_size,
@@ -1743,7 +1904,7 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
                           r::kListenTimeout, r::kListenOverflow, r::kListenInvalid, r::kListenError,
                           r::kAuthNoCredentials, r::kAuthUnknownHost, r::kAuthBadResponse,
                           r::kAuthHostMismatch, r::kAuthProtocol, r::kListenPlaintext,
-                          r::kListenTlsFailed});
+                          r::kListenTlsFailed, r::kDrainHoldTimeout, r::kDrainHoldLimit});
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
   fabric::Fabric::ListenOptions lo;
@@ -1820,6 +1981,7 @@ ServerUsage Server::usage() const {
   u.chunk_memory = impl_->chunk_memory.load();
   u.fences_answered = impl_->fences_answered.load(std::memory_order_relaxed);
   u.fences_closed = impl_->fences_closed.load(std::memory_order_relaxed);
+  u.held_connects = impl_->held_count.load(std::memory_order_relaxed);
   std::lock_guard lock(impl_->mu);
   u.sessions = static_cast<uint32_t>(impl_->sessions.size());
   for (auto& [id, s] : impl_->sessions) {

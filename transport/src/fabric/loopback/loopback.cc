@@ -604,7 +604,15 @@ class LbListener final : public Listener {
     uint64_t one = 1;
     [[maybe_unused]] ssize_t r = ::write(efd_, &one, sizeof(one));
   }
-  void withdraw(const std::shared_ptr<PendingConnect>& p) { std::erase(queue_, p); }
+  void withdraw(const std::shared_ptr<PendingConnect>& p) {
+    std::erase(queue_, p);
+    if (queue_.empty()) drain_fd();
+  }
+  // World lock held: fd() goes quiet (nothing waits any more).
+  void drain_fd() {
+    uint64_t v;
+    [[maybe_unused]] ssize_t r = ::read(efd_, &v, sizeof(v));
+  }
   LbDomain& domain() { return domain_; }
 
  private:
@@ -721,8 +729,10 @@ Result<std::unique_ptr<ConnectRequest>> LbListener::get_request(std::chrono::mil
   if (!cv_.wait_for(lock, timeout, [&] { return !queue_.empty(); })) return errc(ETIMEDOUT);
   auto p = queue_.front();
   queue_.pop_front();
-  uint64_t v;
-  [[maybe_unused]] ssize_t r = ::read(efd_, &v, sizeof(v));
+  // fd() stays readable while requests wait: a read takes the whole count, so only the last
+  // request's may (several peers connecting at once were otherwise left queued, unseen, until
+  // the next one came).
+  if (queue_.empty()) drain_fd();
   return std::unique_ptr<ConnectRequest>(new LbConnectRequest(*this, p));
 }
 
