@@ -989,10 +989,12 @@ TEST_F(Fence, AnAnswerLostWithItsCarrierIsAskedForAgain) {
 
 // Case: two paths; a write the server holds on the first; no path is up when it must be fenced
 // (all_paths_down); after 300 ms the second path's server is reachable again; pending_timeout
-// is 5 s.
-// Expect: meanwhile the write has not completed and no PATH_FENCE reached the server; once the
-// second path is back the fence goes over it and is answered; the write is resent and completes
-// once (0, not ENOTCONN), its bytes on the volume; one write waited, one incarnation fenced.
+// is 5 s. The server's session lost its last path with the write's old copy still held: the
+// second path's reconnect is held until that copy completed (the Drain cases).
+// Expect: meanwhile the write has not completed and no PATH_FENCE reached the server; the
+// reconnect waits at the server while the old copy is held; once it completed the second path
+// is back, the fence goes over it and is answered; the write is resent and completes once (0,
+// not ENOTCONN), its bytes on the volume; one write waited, one incarnation fenced.
 TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   std::array<Counted, 1> w;
@@ -1005,6 +1007,10 @@ TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
   EXPECT_EQ(fence_of(cut).fenced, 0u);
   EXPECT_EQ(server_->usage().fences_answered, 0u) << "no path carried PATH_FENCE";
   lb::faults().remove(rule);
+  EXPECT_TRUE(wait_until([&] { return server_->usage().held_connects == 1; }, 10s))
+      << "the reconnect waits for the old session to drain";
+  EXPECT_FALSE(connected(other));
+  release_held();  // the old copy: its response goes nowhere
   EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; }, 10s)) << "over the path that came back";
   EXPECT_TRUE(connected(other));
   EXPECT_TRUE(answered(1));
@@ -1019,8 +1025,9 @@ TEST_F(Fence, WithNoPathUpTheFenceWaitsForOneToComeBack) {
 // Expect: the write fails with ENOTCONN (the documented error of a request no path took in
 // time), not before 1 s after the cut and not long after its deadline (the deadline tick is
 // 100 ms; 5 s for a starved host); its callback runs once; nothing was fenced then. Once the
-// second path is back the fence goes over it (the failed write's chunk is kept until then),
-// and the session carries writes again.
+// old copy completed (the server holds the reconnect until then) and the second path is back,
+// the fence goes over it (the failed write's chunk is kept until then), and the session
+// carries writes again.
 TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   constexpr auto kPending = 1s;
@@ -1039,10 +1046,10 @@ TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
   EXPECT_EQ(fence_of(cut).waited, 1u);
   EXPECT_EQ(fence_of(cut).fenced, 0u);
   lb::faults().remove(rule);
+  release_held();  // the old copy: its response goes nowhere; the server's old session drains
   EXPECT_TRUE(wait_until([&] { return connected(other); }, 10s));
   EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; })) << "asked for the kept chunk";
   EXPECT_TRUE(answered(1));
-  release_held();  // the old copy: its response goes nowhere
   std::memset(buf_->data() + 8192, 0x69, 4096);
   EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8192), 0);
   EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x69});
@@ -1055,8 +1062,9 @@ TEST_F(Fence, WithNoPathBackInTimeTheWaitingWriteFailsAtPendingTimeout) {
 // kept for the fence.
 // Expect: the ninth is refused with ENOTCONN, after pending_timeout and within two of them (a
 // wait for a permit ends so when chunks are kept at its end; they were not yet when it
-// began), without hanging; once the second path is back the fence is answered, the chunks are
-// free and a write completes.
+// began), without hanging; once the old copies completed (the server holds the reconnect until
+// then) and the second path is back, the fence is answered, the chunks are free and a write
+// completes.
 TEST_F(Fence, ARequestWaitsForAChunkKeptForAFenceAtMostPendingTimeout) {
   if (g_kind != FabricKind::loopback) GTEST_SKIP() << "fault injection needs the loopback fabric";
   constexpr auto kPending = 500ms;
@@ -1073,8 +1081,8 @@ TEST_F(Fence, ARequestWaitsForAChunkKeptForAFenceAtMostPendingTimeout) {
   ASSERT_TRUE(ended) << "it waited on with every chunk kept";
   EXPECT_EQ(ninth.get(), -ENOTCONN) << "every chunk is kept";
   EXPECT_GE(waited, kPending);
+  release_held();  // the old copies: their responses go nowhere; the server's old session drains
   EXPECT_TRUE(wait_until([&] { return fence_of(cut).fenced == 1; }, 10s)) << "over the path that came back";
-  release_held();  // the old copies: their responses go nowhere
   std::memset(buf_->data() + 8 * 4096, 0x79, 4096);
   EXPECT_EQ(io(IoDir::write, 4096, 1 << 20, 8 * 4096), 0);
   EXPECT_EQ(vol_.mem()[1 << 20], std::byte{0x79});
@@ -1620,6 +1628,39 @@ TEST_F(Drain, AHoldRunsOutWithEagainAndThePathKeepsReconnecting) {
   EXPECT_EQ(vol_.requests_.load(), 2u);
   EXPECT_EQ(vol_.mem()[0], std::byte{0x44});
   EXPECT_EQ(server_->usage().held_connects, 0u);
+}
+
+// Case: drain_hold 10 s; pending_timeout 500 ms; a write W1 the volume holds; the server cuts
+// the only path, and holds its reconnect (the client's control thread sits in that connect);
+// meanwhile a second write W2 finds no path and parks.
+// Expect: both fail with ENOTCONN near their pending_timeout (within 3 s: far under the 10 s
+// the connect is held; their deadlines do not wait for the control thread); once the old copy
+// completes the path comes up and the session carries writes.
+TEST_F(Drain, ParkedRequestsExpireWhileTheReconnectIsHeld) {
+  so_.drain_hold = 10s;
+  start_server(1);
+  auto co = options(1);
+  co.pending_timeout = 500ms;
+  open(std::move(co));
+  Waiter w1;
+  ServerRequest* old = hold_a_write(0x46, w1);
+  ASSERT_NE(old, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  cut();
+  ASSERT_TRUE(wait_until([&] { return server_->usage().held_connects == 1; }));
+  VolHdr h2{8192, 4096, kVolMagic};
+  IoSeg s2{buf_->data() + 8192, 4096, buf_.get()};
+  Waiter w2;
+  ASSERT_TRUE(write_async(h2, s2, w2).ok());
+  EXPECT_EQ(w1.wait(5s), ENOTCONN);
+  EXPECT_EQ(w2.wait(5s), ENOTCONN);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_GE(took, 500ms);
+  EXPECT_LT(took, 3s) << "the deadlines waited for the held connect";
+  EXPECT_EQ(server_->usage().held_connects, 1u) << "still held: the test measured what it meant to";
+  vol_.serve(*old);
+  ASSERT_TRUE(wait_until([&] { return client_->paths()[0].state == ClientPathState::connected; }, 10s));
+  EXPECT_EQ(io(IoDir::write, 4096, 4096, 4096), 0);
 }
 
 // Case: three paths. A write W (4 KiB of 0x55) reaches the volume on one path and stays there

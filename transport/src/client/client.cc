@@ -920,52 +920,55 @@ void Session::fence_answered(const proto::FenceView& v) {
 
 // Worker: resubmits parked requests, fails the expired ones (or all with `fail_all`).
 void Session::run_pending(bool fail_all, int err) {
+  if (fail_all) {
+    fail_parked_if([](uint32_t) { return true; }, err);
+    return;
+  }
+  expire_parked();
+  fence_kick();
   std::deque<uint32_t> todo;
   {
     std::lock_guard lock(pend_mu);
     todo.swap(pending);
   }
-  const int64_t now = now_ns();
-  size_t expired = 0;
-  // Requests waiting for a fence: parked as far as deadlines and fail_all go.
-  expired += fail_fenced([&](uint32_t p) { return fail_all || now >= reqs[p].pending_deadline_ns; },
-                         fail_all ? err : ENOTCONN);
-  if (!fail_all) fence_kick();
   for (uint32_t p : todo) {
-    Req& q = reqs[p];
-    if (fail_all || now >= q.pending_deadline_ns) {
-      finish(p, fail_all ? err : ENOTCONN, nio);
-      ++expired;
-      continue;
-    }
     if (!post(p, nullptr)) {
       std::lock_guard lock(pend_mu);
       pending.push_back(p);
     }
   }
+}
+
+size_t Session::expire_parked() {
+  const int64_t now = now_ns();
+  const size_t expired = fail_parked_if([&](uint32_t p) { return now >= reqs[p].pending_deadline_ns; }, ENOTCONN);
   // An operator (and the soak's verdict) must be able to tell the configured timeout from a
   // lost request: one line per batch that failed because no path came back in time.
-  if (expired != 0 && !fail_all)
+  if (expired != 0)
     IBTRS_LOG(warn, "session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)",
               opts.session_name.c_str(), expired, static_cast<long long>(opts.pending_timeout.count()));
+  return expired;
+}
+
+size_t Session::fail_parked_if(const std::function<bool(uint32_t)>& which, int err) {
+  // Requests waiting for a fence first: their permits stay kept.
+  size_t n = fail_fenced(which, err);
+  std::vector<uint32_t> todo;
+  {
+    std::lock_guard lock(pend_mu);
+    std::erase_if(pending, [&](uint32_t p) {
+      if (!which(p)) return false;
+      todo.push_back(p);
+      return true;
+    });
+  }
+  for (uint32_t p : todo) finish(p, err, nio);
+  return n + todo.size();
 }
 
 // Worker.
 void Session::fail_parked(const std::function<bool(IoDoneFn, void*)>& which, int err) {
-  fail_fenced([&](uint32_t p) { return which(reqs[p].done, reqs[p].ctx); }, err);
-  std::deque<uint32_t> todo;
-  {
-    std::lock_guard lock(pend_mu);
-    for (auto it = pending.begin(); it != pending.end();) {
-      if (which(reqs[*it].done, reqs[*it].ctx)) {
-        todo.push_back(*it);
-        it = pending.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (uint32_t p : todo) finish(p, err, nio);
+  fail_parked_if([&](uint32_t p) { return which(reqs[p].done, reqs[p].ctx); }, err);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1729,7 +1732,12 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
           any = !s->pending.empty() || s->fence_waiting.load(std::memory_order_acquire) != 0 ||
                 s->fence_kept.load(std::memory_order_acquire) != 0;
         }
-        if (any) s->worker->post([s] { s->run_pending(false, 0); });
+        if (any) {
+          // Deadlines here, not behind the worker: it may sit in a connect for up to
+          // connect_timeout (a server holding it while the session's predecessor drains).
+          s->expire_parked();
+          s->worker->post([s] { s->run_pending(false, 0); });
+        }
         if (!s->closing.load()) arm(s);
       });
     }

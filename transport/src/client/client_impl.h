@@ -370,6 +370,13 @@ struct Session {
   void on_path_up(Path* path);
   void on_path_down(Path* path, std::error_code why);
   void run_pending(bool fail_all, int err);
+  // Fails the parked and fence-waiting requests past their deadline (pending_timeout) with
+  // ENOTCONN and logs how many. Any thread but an IO poller: the ticker calls it on the service
+  // poller. Returns how many it failed.
+  size_t expire_parked();
+  // Fails the parked and fence-waiting requests for which `which(permit)` holds with `err`.
+  // Any thread but an IO poller (the callbacks run here). Returns how many.
+  size_t fail_parked_if(const std::function<bool(uint32_t)>& which, int err);
   // Sends PATH_FENCE for every fence not on its way over a connected path. Any thread: the
   // fence does not wait behind the worker, which may sit in a connect for connect_timeout.
   void fence_kick();
