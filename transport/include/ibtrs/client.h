@@ -221,8 +221,10 @@ class ClientSession {
   // Fails now, with `err`, the requests that wait for a CONNECTED path (none is) and for
   // which `which(done, ctx)` holds (as given in their IoRequest), instead of at
   // pending_timeout: for an upper layer that sends them to another server. Their connections
-  // are gone, so nothing of them reaches the server or their buffers afterwards. Requests on a
-  // CONNECTED path are not touched. Their callbacks run on the session's control thread before
+  // are gone, so nothing of them reaches their buffers afterwards and nothing more of them is
+  // sent; but a write whose copy reached the server before its path broke (one waiting for
+  // its failover fence) may still land there later, with its own bytes (docs/protocol.md,
+  // "Failover fence"). Requests on a CONNECTED path are not touched. Their callbacks run on the session's control thread before
   // this returns; `which` runs there too, under the session's lock of parked requests (it must
   // not call into the session). A control function.
   void fail_waiting(std::function<bool(IoDoneFn, void*)> which, int err);
