@@ -399,8 +399,12 @@ Listing server_limits(const json& rsp) {
   // Of the reserved chunk memory, what is in RAM (chunks are backed as requests touch them).
   l.rows.push_back({"chunk_resident", Bytes{unum(use, "chunk_resident")}, "-"});
   l.rows.push_back({"response_backlog", num(use, "backlog"), "-"});
+  // Reconnects held until the session they would replace has drained: at most max_sessions
+  // in all (then EAGAIN at once), each for drain_hold_ms (then EAGAIN).
+  l.rows.push_back({"held_connects", num(use, "held_connects"), num(lim, "max_sessions")});
   l.rows.push_back({"handshake_timeout_ms", "-", num(lim, "handshake_timeout_ms")});
   l.rows.push_back({"ack_timeout_ms", "-", num(lim, "ack_timeout_ms")});
+  l.rows.push_back({"drain_hold_ms", "-", num(lim, "drain_hold_ms")});
   // The failover fence since the server started (counts, no limit): PATH_FENCE answered, and
   // of those the ones that closed a live path.
   l.rows.push_back({"fences_answered", num(use, "fences_answered"), "-"});

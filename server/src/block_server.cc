@@ -915,6 +915,7 @@ Result<std::unique_ptr<BlockServer>> BlockServer::start(BlockServerOptions o) {
 
 std::vector<ibtrs::Address> BlockServer::addresses() const { return impl_->transport->addresses(); }
 const BlockServerOptions& BlockServer::options() const { return impl_->opts; }
+const ibtrs::ServerOptions& BlockServer::transport_options() const { return impl_->transport->options(); }
 ibtrs::Refusals& BlockServer::refusals() const { return impl_->transport->refusals(); }
 ibtrs::ServerUsage BlockServer::usage() const { return impl_->transport->usage(); }
 std::vector<ibtrs::IoThreadWaitStats> BlockServer::io_thread_stats() const {

@@ -44,7 +44,8 @@ const char kUsage[] =
     "                    [--direct-io prefer|off|require] [--read-only] [--always-invalidate]\n"
     "                    [--hb-interval-ms N] [--hb-missed N] [--poll adaptive|block|spin]\n"
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
-    "                    [--handshake-timeout-ms N] [--ack-timeout-ms N] [--size-check-ms N]\n"
+    "                    [--handshake-timeout-ms N] [--ack-timeout-ms N] [--drain-hold-ms N]\n"
+    "                    [--size-check-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "                    [--allow-any-host] [--metrics-listen [ADDR:]PORT]\n"
     "                    [--rbd-conf FILE] [--rbd-client-id ID] [--rbd-keyring FILE]\n"
@@ -68,7 +69,11 @@ const char kUsage[] =
     "         --max-chunk-memory (8G: queue depth x chunk size of all sessions; ENOMEM),\n"
     "         --handshake-timeout-ms (30000: a path not connected by then is closed),\n"
     "         --ack-timeout-ms (30000: a peer whose responses wait that long unacknowledged\n"
-    "         is disconnected). Refusals: `ibnbd server refusals`.\n"
+    "         is disconnected), --drain-hold-ms (5000, at most half the handshake timeout: a\n"
+    "         reconnect that would start a new session while the session it replaces still has\n"
+    "         requests with the backend is held until they completed, that long at most, then\n"
+    "         refused with EAGAIN, which the client retries; 0: no hold, and an old write may\n"
+    "         land after the new session's writes). Refusals: `ibnbd server refusals`.\n"
     "  --size-check-ms: how often the size of every open device is re-read (default 1000; 0\n"
     "         never): a resized one is announced to the sessions that hold it (protocol 4).\n"
     "  --metrics-listen [ADDR:]PORT: Prometheus metrics over HTTP (GET /metrics; server/README.md,\n"
@@ -172,6 +177,8 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.max_chunk_memory = number(1u << 20, uint64_t{1} << 50);
   } else if (key == "handshake_timeout_ms") {
     t.handshake_timeout = std::chrono::milliseconds(number(1, 3600000));
+  } else if (key == "drain_hold_ms") {
+    t.drain_hold = std::chrono::milliseconds(number(0, 3600000));
   } else if (key == "ack_timeout_ms") {
     t.ack_timeout = std::chrono::milliseconds(number(1, 3600000));
   } else if (key == "size_check_ms") {
@@ -255,7 +262,7 @@ void apply(Config& c, const std::string& key, const json& v) {
 // The command line's options that take a value (with '-' as '_'); apply() knows each, and the
 // config file's keys besides ("hosts", "rbd").
 constexpr std::string_view kValueOptions[] = {
-    "ack_timeout_ms", "chunk_size", "config", "control_socket", "dev_search_path", "direct_io",
+    "ack_timeout_ms", "chunk_size", "config", "control_socket", "dev_search_path", "direct_io", "drain_hold_ms",
     "handshake_timeout_ms", "hb_interval_ms", "hb_missed", "io_threads", "listen", "max_chunk_memory",
     "max_io_size", "max_paths_per_session", "max_sessions", "metrics_listen", "poll", "queue_depth", "rbd_client_id",
     "rbd_conf", "rbd_connect_timeout_s", "rbd_keyring", "rbd_namespace", "rbd_pools", "ready_file",
@@ -366,12 +373,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ibnbd-server: no hosts configured: every client is refused until "
                          "`ibnbd server host add` (or \"hosts\" in --config)\n");
   }
+  if (c.o.transport.drain_hold.count() == 0)
+    std::fprintf(stderr,
+                 "ibnbd-server: WARNING: drain_hold_ms is 0: a reconnecting client starts a new session "
+                 "while its old one may still have writes in the backend, which can land after the new "
+                 "session's (docs/protocol.md, \"Path incarnations\")\n");
   auto srv = ibnbd::BlockServer::start(c.o);
   if (!srv) {
     std::fprintf(stderr, "ibnbd-server: cannot start: %s\n", srv.error().message().c_str());
     return 1;
   }
   ibnbd::BlockServer& s = **srv;
+  // The transport clamps the hold to half the handshake timeout (ibtrs::ServerOptions::drain_hold):
+  // say so, rather than let an admin believe the longer hold is in force.
+  const auto hold = s.transport_options().drain_hold;
+  if (hold != c.o.transport.drain_hold)
+    std::fprintf(stderr,
+                 "ibnbd-server: drain_hold_ms %lld is more than half of handshake_timeout_ms %lld: %lld in force\n",
+                 static_cast<long long>(c.o.transport.drain_hold.count()),
+                 static_cast<long long>(c.o.transport.handshake_timeout.count()), static_cast<long long>(hold.count()));
   auto ctl = ibnbd::ControlSocket::start(std::move(*lock), [&s](const json& req, const auto&) {
     return ibnbd::server_command(s, req);
   });

@@ -176,20 +176,22 @@ json handle(BlockServer& srv, const json& req) {
     return {{"ok", true}, {"io_threads", out}};
   }
   if (cmd == "limits") {
-    const ibtrs::ServerOptions& t = srv.options().transport;
+    const ibtrs::ServerOptions& t = srv.transport_options();
     const ibtrs::ServerUsage u = srv.usage();
     return {{"ok", true},
             {"limits", {{"max_sessions", t.max_sessions},
                         {"max_paths_per_session", t.max_paths_per_session},
                         {"max_chunk_memory", t.max_chunk_memory},
                         {"handshake_timeout_ms", t.handshake_timeout.count()},
-                        {"ack_timeout_ms", t.ack_timeout.count()}}},
+                        {"ack_timeout_ms", t.ack_timeout.count()},
+                        {"drain_hold_ms", t.drain_hold.count()}}},
             {"usage", {{"sessions", u.sessions},
                        {"handshaking_sessions", u.handshaking_sessions},
                        {"paths", u.paths},
                        {"chunk_memory", u.chunk_memory},
                        {"chunk_resident", u.chunk_resident},
                        {"backlog", u.backlog},
+                       {"held_connects", u.held_connects},
                        {"fences_answered", u.fences_answered},
                        {"fences_closed", u.fences_closed}}}};
   }

@@ -78,7 +78,7 @@ std::string server_metrics(const BlockServer& srv) {
     e.counter("ibnbd_server_refusals_total", "Peers refused or cut off by the server's bounds, by reason "
               "(ibnbd server refusals).", {{"reason", r.reason}}, r.count);
 
-  const ibtrs::ServerOptions& t = srv.options().transport;
+  const ibtrs::ServerOptions& t = srv.transport_options();
   const ibtrs::ServerUsage u = srv.usage();
   e.gauge("ibnbd_server_sessions", "Live sessions, half-open ones included.", {}, u.sessions);
   e.gauge("ibnbd_server_handshaking_sessions", "Live sessions with no path connected.", {}, u.handshaking_sessions);
@@ -88,6 +88,8 @@ std::string server_metrics(const BlockServer& srv) {
   e.gauge("ibnbd_server_chunk_resident_bytes", "Of the chunk memory, the bytes in RAM now.", {},
           static_cast<double>(u.chunk_resident));
   e.gauge("ibnbd_server_response_backlog", "Responses waiting for send-queue room.", {}, static_cast<double>(u.backlog));
+  e.gauge("ibnbd_server_held_connects", "Connection requests held until the session they would replace has drained "
+          "(--drain-hold-ms).", {}, u.held_connects);
   e.counter("ibnbd_server_path_fences_answered_total",
             "PATH_FENCE messages answered (the failover fence, docs/protocol.md).", {}, u.fences_answered);
   e.counter("ibnbd_server_path_fences_closed_total",

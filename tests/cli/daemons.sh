@@ -125,6 +125,29 @@ grep -q "not an absolute path" "$work/err" && ok "... with the reason" || not_ok
 expect "a missing --dev-search-path is refused" 2 timeout 10 "$srv" --listen tcp:127.0.0.1:0 \
   --dev-search-path "$work/nonexistent" --control-socket "$work/missing.sock"
 grep -q "nonexistent: No such file or directory" "$work/err" && ok "... with the reason" || not_ok "... with the reason" "$(cat "$work/err")"
+# Case: --drain-hold-ms out of range or not a number, then 0 (no hold). Expect: the bad values
+# exit 2 naming the setting and its range, nothing started; 0 starts with a warning that the
+# hold is off, and `limits` shows 0 in force.
+for v in -1 5s 3600001; do
+  expect "--drain-hold-ms $v is refused" 2 timeout 10 "$srv" --listen tcp:127.0.0.1:0 --dev-search-path "$work/export" \
+    --control-socket "$work/dh.sock" --drain-hold-ms "$v"
+  grep -q "drain_hold_ms: '$v' is not in 0..3600000" "$work/err" && ok "... naming the setting and its range" ||
+    not_ok "... naming the setting and its range" "$(cat "$work/err")"
+done
+"$srv" --listen tcp:127.0.0.1:0 "${srv_auth[@]}" --dev-search-path "$work/export" --control-socket "$work/dh0.sock" \
+  --ready-file "$work/dh0.ready" --drain-hold-ms 0 >"$work/dh0.log" 2>&1 &
+dh0=$!
+pids+=("$dh0")
+if wait_for "$work/dh0.ready"; then
+  v=$("$ibnbd" --socket "$work/dh0.sock" server -f json limits | jq '.[] | select(.resource == "drain_hold_ms") | .limit')
+  [ "$v" = 0 ] && ok "--drain-hold-ms 0: limits show 0" || not_ok "--drain-hold-ms 0: limits show 0" "'$v'"
+  grep -q "WARNING: drain_hold_ms is 0" "$work/dh0.log" && ok "... and the daemon warns" ||
+    not_ok "... and the daemon warns" "$(cat "$work/dh0.log")"
+else
+  not_ok "--drain-hold-ms 0 starts" "$(cat "$work/dh0.log")"
+fi
+kill "$dh0" 2>/dev/null
+wait "$dh0" 2>/dev/null
 
 # Case: rnbd's field selection on listings. Expect: the columns asked, in that order; "-field"
 # drops one; an unknown field is EINVAL naming it.
@@ -238,6 +261,12 @@ grep -q '^ibnbd_build_info{daemon="server",version="[0-9.]*"} 1$' "$work/srv1.pr
   grep -q '^ibnbd_server_refusals_total{reason="session_limit"} 0$' "$work/srv1.prom" &&
   grep -q '^ibnbd_server_paths_authenticated_total [1-9]' "$work/srv1.prom" &&
   ok "build info, start time, refusals, authentications" || not_ok "build info, start time, refusals, authentications" "$(head -5 "$work/srv1.prom")"
+# Nothing reconnected: no request held, and the drain hold's refusal reasons are watched at 0.
+grep -q '^ibnbd_server_held_connects 0$' "$work/srv1.prom" &&
+  grep -q '^ibnbd_server_refusals_total{reason="drain_hold_timeout"} 0$' "$work/srv1.prom" &&
+  grep -q '^ibnbd_server_refusals_total{reason="drain_hold_limit"} 0$' "$work/srv1.prom" &&
+  ok "server metrics: held_connects 0, drain_hold refusals at 0" ||
+  not_ok "server metrics: held_connects 0, drain_hold refusals at 0" "$(grep -e held_connects -e drain_hold "$work/srv1.prom")"
 if host_cases; then
 if promtool=$(bash "$(dirname "${BASH_SOURCE[0]}")/../../scripts/promtool.sh" 2>"$work/promtool.err"); then
   for f in cl1 srv1; do
@@ -311,6 +340,12 @@ uu=$(c -f json session show t1 | jq -r '.[0].path_uu')
 # metrics of both daemons and the server's `limits`; `reset-stats ... fence` zeroes a path's
 # fence counters and nothing else, the server's side refuses the group (EINVAL: it has none).
 fa0=$(s -f json limits | jq '.[] | select(.resource == "fences_answered") | .used')
+# No session is draining: nothing held; the default hold (5000 ms, under the default 30 s
+# handshake timeout's half) is in force, and held requests are capped by max_sessions.
+hl=$(s -f json limits | jq -c '[.[] | select(.resource == "held_connects" or .resource == "drain_hold_ms")] |
+  map({(.resource): [.used, .limit]}) | add')
+[ "$hl" = '{"held_connects":[0,256],"drain_hold_ms":["-",5000]}' ] && ok "server limits: held_connects 0 of 256, drain_hold_ms 5000" ||
+  not_ok "server limits: held_connects 0 of 256, drain_hold_ms 5000" "$hl"
 c device io a.img size 64M bs 256K qd 8 >"$work/fence_io.out" 2>&1 &
 fio_pid=$!
 w0=$(s -f json path stats t1 | jq '[.[] | .write_cnt] | add')
@@ -426,7 +461,7 @@ fi
 cat >"$work/srv2.json" <<JSON
 {"listen": ["${listen[1]}"], "dev_search_path": "$work/export", "max_sessions": 1,
  "max_paths_per_session": 4, "max_chunk_memory": "1G", "handshake_timeout_ms": 2000,
- "ack_timeout_ms": 5000,
+ "ack_timeout_ms": 5000, "drain_hold_ms": 5000,
  "hosts": [{"key_file": "$host_key", "access": [{"devices": "**", "mode": "migration"}]}]}
 JSON
 "$srv" --config "$work/srv2.json" --control-socket "$work/srv2.sock" --ready-file "$work/srv2.ready" \
@@ -440,12 +475,19 @@ if wait_for "$work/srv2.ready"; then
     [ "$(jq '.handshake_timeout_ms' <<<"$lim")" = 2000 ] && [ "$(jq '.ack_timeout_ms' <<<"$lim")" = 5000 ] &&
     [ "$(jq '.chunk_memory' <<<"$lim")" = $((1 << 30)) ] &&
     ok "limits from the config file" || not_ok "limits from the config file" "$lim"
+  # drain_hold_ms 5000 is more than half the 2000 ms handshake timeout: the transport clamps it.
+  [ "$(jq '.drain_hold_ms' <<<"$lim")" = 1000 ] && ok "limits: drain_hold_ms clamped to 1000" ||
+    not_ok "limits: drain_hold_ms clamped to 1000" "$lim"
+  grep -q "drain_hold_ms 5000 is more than half of handshake_timeout_ms 2000: 1000 in force" "$work/srv2.log" &&
+    ok "... and the daemon says so" || not_ok "... and the daemon says so" "$(cat "$work/srv2.log")"
   expect "the first session on the capped server" 0 c device map sub/b.img from "$addr2" ro session b1
   expect "a second session is EUSERS" 87 c2 device map sub/b.img from "$addr2" ro session b2
   n=$(s2 -f json refusals list | jq '.[] | select(.reason == "session_limit") | .count')
   [ "$n" = 1 ] && ok "refusals counts session_limit" || not_ok "refusals counts session_limit" "count '$n'"
-  z=$(s2 -f json refusals list | jq '[.[] | select(.reason == "ack_timeout")] | length')
-  [ "$z" = 1 ] && ok "watched reasons are listed before they happen" || not_ok "watched reasons listed" "$z"
+  z=$(s2 -f json refusals list | jq -c '[.[] | select(.reason == "ack_timeout" or (.reason | startswith("drain_hold_")))] |
+    map(.reason + ":" + (.count | tostring))')
+  [ "$z" = '["ack_timeout:0","drain_hold_limit:0","drain_hold_timeout:0"]' ] &&
+    ok "watched reasons are listed before they happen" || not_ok "watched reasons listed" "$z"
   s2 refusals list | grep -q "^session_limit .* 1 .*Too many users" && ok "the table shows the reason" ||
     not_ok "the table shows the reason" "$(s2 refusals list)"
   used=$(s2 -f json limits | jq '.[] | select(.resource == "sessions") | .used')

@@ -145,7 +145,11 @@ class BlockServer {
   BlockServer& operator=(const BlockServer&) = delete;
 
   std::vector<ibtrs::Address> addresses() const;
+  // As given to start().
   const BlockServerOptions& options() const;
+  // The transport's options in force (ibtrs::Server::options: options().transport with the
+  // transport's clamps applied, e.g. drain_hold): what `limits` and the metrics show. Any thread.
+  const ibtrs::ServerOptions& transport_options() const;
   std::vector<BlockSessionInfo> sessions() const;
   std::vector<ExportedDeviceInfo> devices() const;
   // Takes `device` (its name as devices() shows it) away from `session`: its IO gets ENODEV until
@@ -159,7 +163,7 @@ class BlockServer {
   // Peers refused or cut off, by reason (ibtrs/refusals.h): the transport's and whatever the
   // block server counts there itself. Valid while the server lives.
   ibtrs::Refusals& refusals() const;
-  // What peers hold now, against options().transport's caps.
+  // What peers hold now, against transport_options()' caps.
   ibtrs::ServerUsage usage() const;
   // How each transport IO thread waited for work (ibtrs::Server::io_thread_stats).
   std::vector<ibtrs::IoThreadWaitStats> io_thread_stats() const;

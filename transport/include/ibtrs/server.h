@@ -274,6 +274,10 @@ class Server {
 
   // The bound listen addresses (with real ports).
   std::vector<Address> addresses() const;
+  // The options in force: as given to start(), with its clamps applied (drain_hold to
+  // handshake_timeout / 2, max_io_size to what the largest chunk set holds), so that a daemon
+  // shows what the server does rather than what it was asked. Fixed at start(): any thread.
+  const ServerOptions& options() const;
   // Names of the live sessions, and one session's paths.
   std::vector<std::string> sessions() const;
   AuthCounters auth_counters() const;

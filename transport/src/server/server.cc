@@ -1969,6 +1969,8 @@ std::vector<std::string> Server::sessions() const {
 
 Refusals& Server::refusals() const { return impl_->refusals; }
 
+const ServerOptions& Server::options() const { return impl_->opts; }
+
 std::vector<IoThreadWaitStats> Server::io_thread_stats() const {
   std::vector<IoThreadWaitStats> out;
   // The pollers live from start() to ~Server(): no lock needed to read them.
