@@ -440,6 +440,13 @@ struct Soak {
   std::thread fault_thread;
   std::atomic<bool> stop_faults{false};
   std::atomic<bool> faults_done{false};
+  // A fault between its start and the end of its stop hook (fault thread). IO goes on past the
+  // run's end while one is on: a fault that started late (slow hooks under TCG, a long pause
+  // before it) is still met by requests, so an eio or enospc fault can bite and its pause is
+  // IO's, not its stop hook's. At most kFaultOverrunMs past the end.
+  std::atomic<bool> fault_on{false};
+  static constexpr int64_t kFaultOverrunMs = 120000;
+  int64_t end_ns = 0;  // t0 + duration: no fault starts after it (set before the fault thread)
   std::mutex ev_mu;
   std::vector<Event> events;
   std::atomic<bool> have_events{false};
@@ -1062,7 +1069,8 @@ struct Soak {
           ::usleep(10000);
         start = std::max(start, last_ok_pub.load(std::memory_order_relaxed) + int64_t{o.gap_min_ms} * kMs);
       }
-      if (!sleep_until(start)) break;
+      if (!sleep_until(start) || now_ns() >= end_ns) break;
+      fault_on.store(true);
       ++n;
       Event opened;
       opened.kind = Event::open;
@@ -1159,6 +1167,7 @@ struct Soak {
       closed.hook_ms = hook_ms;
       closed.why = why;
       post(closed);
+      fault_on.store(false);
       prev_end = closed.t_ns;
       if (rc != 0) break;  // the environment is not what the plan assumes any more
     }
@@ -1388,6 +1397,8 @@ struct Soak {
     last_ok_pub.store(t0);
     next_token_ns = t0;
     const int64_t deadline = t0 + static_cast<int64_t>(o.duration_ms) * kMs;
+    end_ns = deadline;
+    bool overrun_said = false;
     int64_t next_interval = t0 + static_cast<int64_t>(o.interval_ms) * kMs;
     int64_t next_watch = t0 + 1000 * kMs;
     sample_watches();
@@ -1396,7 +1407,12 @@ struct Soak {
     int64_t stop_since = 0;
     while (true) {
       const int64_t now = now_ns();
-      if (!stopping && (now >= deadline || g_signal.load() != 0)) {
+      const bool fault_left = now >= deadline && fault_on.load() && now < deadline + kFaultOverrunMs * kMs;
+      if (fault_left && !std::exchange(overrun_said, true)) {
+        std::printf("soak: t=%.1fs a fault is still on at the end: IO goes on until it stopped\n", t_s(now));
+        std::fflush(stdout);
+      }
+      if (!stopping && ((now >= deadline && !fault_left) || g_signal.load() != 0)) {
         stopping = true;
         stop_since = now;
         stop_faults.store(true);
