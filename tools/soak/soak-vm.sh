@@ -7,7 +7,7 @@
 # over a loop device on a small tmpfs: EIO (dm `error`), a slow store (dm `delay`) and ENOSPC (the
 # tmpfs full) come from the kernel's block layer, not from a test layer.
 #
-#   tests/vm/run-in-vm.sh [--modprobe ...] -- bash tools/soak/soak-vm.sh BUILD_DIR
+#   tests/vm/run-in-vm.sh [--modprobe ... sch_netem sch_prio] -- bash tools/soak/soak-vm.sh BUILD_DIR
 #        [--target ublk|nbd-kernel] [--seed N] [--duration 60s] [--faults all|K1,K2,...]
 #        [--size 64M] [--netem 'delay 2ms 1ms loss 0.5% duplicate 0.5% reorder 10%']
 #        [--json FILE] [--keep] [--ext4 [--log-writes [--log-size 256M] [--log-points 40]]]
@@ -17,9 +17,10 @@
 # Paths: A tcp:198.18.0.1@tcp:198.18.0.2:12381, B the same to port 12382 (the rig has one address
 # pair). A path cut drops that port's TCP segments on both veths (u32 filters on clsact ingress
 # qdiscs made at setup, while the guest is idle: the first clsact flips a static key, which under
-# TCG has panicked a guest with traffic flowing, tests/netns/vm-multipath.sh). --netem puts a
-# netem qdisc on veth0 and veth1 (both directions) for the whole run: loss, delay, reordering and
-# duplication under every scheduled fault, not a fault of the schedule.
+# TCG has panicked a guest with traffic flowing, tests/netns/vm-multipath.sh). The netem fault
+# impairs one path both ways: prio qdiscs with a band per path's port (netem_tree, below).
+# --netem puts a netem on veth0 and veth1 (both directions) for the whole run: loss, delay,
+# reordering and duplication under every scheduled fault (with netem faults, as each band's base).
 # Client daemon kill -9: ublk only -- the restarted daemon recovers /dev/ublkbN from its state dir
 # (UBLK_F_USER_RECOVERY_REISSUE: the requests the dead daemon held are re-issued, none fails).
 # Not nbd-kernel: the kernel's nbd device whose socket died stays dead while anything holds it
