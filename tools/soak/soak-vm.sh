@@ -7,7 +7,7 @@
 # over a loop device on a small tmpfs: EIO (dm `error`), a slow store (dm `delay`) and ENOSPC (the
 # tmpfs full) come from the kernel's block layer, not from a test layer.
 #
-#   tests/vm/run-in-vm.sh [--modprobe ...] -- bash tools/soak/soak-vm.sh BUILD_DIR
+#   tests/vm/run-in-vm.sh [--modprobe ... sch_netem sch_prio] -- bash tools/soak/soak-vm.sh BUILD_DIR
 #        [--target ublk|nbd-kernel] [--seed N] [--duration 60s] [--faults all|K1,K2,...]
 #        [--size 64M] [--netem 'delay 2ms 1ms loss 0.5% duplicate 0.5% reorder 10%']
 #        [--json FILE] [--keep] [--ext4 [--log-writes [--log-size 256M] [--log-points 40]]]
@@ -17,9 +17,10 @@
 # Paths: A tcp:198.18.0.1@tcp:198.18.0.2:12381, B the same to port 12382 (the rig has one address
 # pair). A path cut drops that port's TCP segments on both veths (u32 filters on clsact ingress
 # qdiscs made at setup, while the guest is idle: the first clsact flips a static key, which under
-# TCG has panicked a guest with traffic flowing, tests/netns/vm-multipath.sh). --netem puts a
-# netem qdisc on veth0 and veth1 (both directions) for the whole run: loss, delay, reordering and
-# duplication under every scheduled fault, not a fault of the schedule.
+# TCG has panicked a guest with traffic flowing, tests/netns/vm-multipath.sh). The netem fault
+# impairs one path both ways: prio qdiscs with a band per path's port (netem_tree, below).
+# --netem puts a netem on veth0 and veth1 (both directions) for the whole run: loss, delay,
+# reordering and duplication under every scheduled fault (with netem faults, as each band's base).
 # Client daemon kill -9: ublk only -- the restarted daemon recovers /dev/ublkbN from its state dir
 # (UBLK_F_USER_RECOVERY_REISSUE: the requests the dead daemon held are re-issued, none fails).
 # Not nbd-kernel: the kernel's nbd device whose socket died stays dead while anything holds it
@@ -105,20 +106,96 @@ dm_table() {
 # dm_swap TABLE...: load it and resume (the kernel suspends the device, letting its IO finish)
 dm_swap() { dm_table "$@" | timeout 60 dmsetup load "$DM" && timeout 60 dmsetup resume --noudevsync "$DM"; }
 
+# tcb ARGS...: tc, bounded (a hook step must return; rtnl held by a stuck task would block it)
+tcb() { timeout 10 tc "$@"; }
+
 # block_port PORT add|del: drop the TCP segments of a path's port both ways (client -> server arrives
 # on veth1, server -> client on veth0)
 block_port() {
   local port=$1 op=$2 pref=$(($1 - 12300))
   if [ "$op" = add ]; then
-    tc filter add dev "$NET_B" ingress pref "$pref" protocol ip u32 match ip protocol 6 0xff \
+    tcb filter add dev "$NET_B" ingress pref "$pref" protocol ip u32 match ip protocol 6 0xff \
       match ip dport "$port" 0xffff action drop &&
-      tc filter add dev "$NET_A" ingress pref "$pref" protocol ip u32 match ip protocol 6 0xff \
+      tcb filter add dev "$NET_A" ingress pref "$pref" protocol ip u32 match ip protocol 6 0xff \
         match ip sport "$port" 0xffff action drop
   else
-    tc filter del dev "$NET_B" ingress pref "$pref" 2>/dev/null
-    tc filter del dev "$NET_A" ingress pref "$pref" 2>/dev/null
+    tcb filter del dev "$NET_B" ingress pref "$pref" 2>/dev/null
+    tcb filter del dev "$NET_A" ingress pref "$pref" 2>/dev/null
     return 0
   fi
+}
+
+# ---- the netem fault: one path's traffic impaired, both directions --------------------------
+# Both paths share the veth pair and the addresses; the server's port tells them apart both ways:
+# client -> server leaves veth0 to that port, server -> client leaves veth1 from it. Each veth's
+# root is a prio qdisc (made at setup, idle) whose u32 filters put path A's segments in band 1:1
+# and B's in 1:2; the priomap sends everything else (no filter matched: the ARP, the rig's other
+# traffic) to band 1:3. Each band's child is the base (pfifo, or --netem's netem: the whole-run
+# impairment then holds on every band); the fault replaces the path's child on both veths with
+# its netem and the stop puts the base back, each with a handle of its own (base 1N:, the fault's
+# 2N: for band N) so that a replace makes a new qdisc, whose counters are the fault's alone, not
+# a change of the old one's parameters. prio is strict priority, but a veth does not hold
+# back its queue: the bands do not wait on each other. netem_report checks the fault's qdiscs
+# carried packets both ways: a netem that impaired nothing would be a fake fault.
+band_of() { case $1 in A) echo 1:1 ;; B) echo 1:2 ;; *) return 1 ;; esac; }
+netem_base() { if [ -n "${NETEM_BASE:-}" ]; then echo "netem $NETEM_BASE"; else echo "pfifo limit 1000"; fi; }
+
+# netem_tree: the prio qdiscs, their base children and the filters on both veths
+netem_tree() {
+  local dev dir b p base
+  read -r -a base <<<"$(netem_base)"
+  for dev in "$NET_A:dport" "$NET_B:sport"; do
+    dir=${dev##*:} dev=${dev%:*}
+    tcb qdisc add dev "$dev" root handle 1: prio bands 3 priomap 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 2 || return 1
+    for b in 1 2 3; do tcb qdisc add dev "$dev" parent "1:$b" handle "1$b:" "${base[@]}" || return 1; done
+    for p in A B; do
+      tcb filter add dev "$dev" parent 1: pref "$(($(port_of "$p") - 12300))" protocol ip u32 \
+        match ip protocol 6 0xff match ip "$dir" "$(port_of "$p")" 0xffff flowid "$(band_of "$p")" || return 1
+    done
+  done
+}
+
+# netem_set PATH fault NETEM-ARGS... | PATH base: the path's band on both veths gets that child
+netem_set() {
+  local band dev handle qd
+  band=$(band_of "$1") || return 2
+  if [ "$2" = fault ]; then handle=2${band#1:}: qd=(netem "${@:3}"); else handle=1${band#1:}: qd=(); read -r -a qd <<<"$(netem_base)"; fi
+  # One tc for both veths (tc -batch: a fork less), the words as they came (no quoting in them)
+  for dev in "$NET_A" "$NET_B"; do echo "qdisc replace dev $dev parent $band handle $handle ${qd[*]}"; done | tcb -batch -
+}
+
+# netem_count DEV BAND: "PACKETS DROPS" of the band's child qdisc, from tc -s's text read with
+# builtins (a hook step under TCG on a loaded host took 20 s: every fork counts)
+netem_count() {
+  local out line hit=0
+  out=$(tcb -s qdisc show dev "$1") || return 1
+  while read -r line; do
+    if [[ $line == qdisc\ * ]]; then
+      hit=0
+      [[ "$line " == *" parent $2 "* ]] && hit=1
+    elif [ "$hit" = 1 ] && [[ $line =~ ^Sent\ [0-9]+\ bytes\ ([0-9]+)\ pkt\ \(dropped\ ([0-9]+), ]]; then
+      echo "${BASH_REMATCH[1]} ${BASH_REMATCH[2]}"
+      return 0
+    fi
+  done <<<"$out"
+  return 1
+}
+
+# netem_report PATH: what the fault's netem qdiscs did (hook.log); 1 when one direction carried
+# nothing (the filter missed the path's traffic: a fault that impaired nothing)
+netem_report() {
+  local band c s rc=0
+  band=$(band_of "$1") || return 2
+  if ! c=$(netem_count "$NET_A" "$band") || ! s=$(netem_count "$NET_B" "$band") || [ -z "$c" ] || [ -z "$s" ]; then
+    log "netem $1: tc -s found no qdisc on band $band"
+    return 1
+  fi
+  log "netem $1 band $band: client->server ($NET_A) sent ${c% *} pkts, dropped ${c#* }; server->client ($NET_B) sent ${s% *} pkts, dropped ${s#* }"
+  for c in "$c" "$s"; do
+    [ $((${c% *} + ${c#* })) -gt 0 ] || rc=1
+  done
+  [ "$rc" = 0 ] || log "netem $1: a direction saw no packet: the band's filter does not match path $1's traffic"
+  return "$rc"
 }
 
 # ---- hook mode ------------------------------------------------------------------------------
@@ -133,6 +210,13 @@ env_hook() {
     eio:start) dm_swap error "$1" "$2" ;;
     slow:start) dm_swap delay $((($1 + 999) / 1000)) ;;
     eio:stop | slow:stop) dm_swap ;;
+    netem:start) netem_set "$1" fault "${@:2}" ;;
+    netem:stop)
+      # The counts first (the replace drops the qdisc and them), the base back in any case.
+      local rc=0
+      netem_report "$1" || rc=1
+      netem_set "$1" base || rc=1
+      return "$rc" ;;
     *) echo "soak-vm.sh hook: unknown $phase $kind" >&2; return 2 ;;
   esac
 }
@@ -209,7 +293,7 @@ else
 fi
 
 WORK=$(mktemp -d /tmp/ibnbd-soakvm.XXXXXX)  # the guest's overlay: RAM
-DM=ibnbd-soakvm-$$ VOL=ibnbd-soakvm-$$ LOOP="" HAVE_DM=0 MOUNTED_TMPFS=0 CLSACT=0 NETEM_ON=0 NBD=""
+DM=ibnbd-soakvm-$$ VOL=ibnbd-soakvm-$$ LOOP="" HAVE_DM=0 MOUNTED_TMPFS=0 CLSACT=0 NETEM_ON=0 PRIO=0 NBD=""
 LOGLOOP="" MOUNTED_LOGFS=0 CHECK_MNT="" CHECK_LOOP=""
 
 # recover_orphan: a client daemon that died and was not restarted (a client-kill whose restart
@@ -262,8 +346,10 @@ cleanup() {
   stop_daemons
   block_port "$PORT_A" del
   block_port "$PORT_B" del
-  if [ "$CLSACT" = 1 ]; then tc qdisc del dev "$NET_A" clsact 2>/dev/null; tc qdisc del dev "$NET_B" clsact 2>/dev/null; fi
-  if [ "$NETEM_ON" = 1 ]; then tc qdisc del dev "$NET_A" root 2>/dev/null; tc qdisc del dev "$NET_B" root 2>/dev/null; fi
+  if [ "$CLSACT" = 1 ]; then tcb qdisc del dev "$NET_A" clsact 2>/dev/null; tcb qdisc del dev "$NET_B" clsact 2>/dev/null; fi
+  # The root qdisc goes with its children: the prio tree, a netem fault still on (the run ended
+  # or was killed within it), --netem's
+  if [ "$NETEM_ON" = 1 ] || [ "$PRIO" = 1 ]; then tcb qdisc del dev "$NET_A" root 2>/dev/null; tcb qdisc del dev "$NET_B" root 2>/dev/null; fi
   [ "$HAVE_DM" = 1 ] && timeout 30 dmsetup remove --retry "$DM" 2>/dev/null
   [ -n "$LOOP" ] && losetup -d "$LOOP" 2>/dev/null
   [ -n "$LOGLOOP" ] && losetup -d "$LOGLOOP" 2>/dev/null
@@ -333,15 +419,44 @@ if [ "$EXT4" = 1 ]; then
   [ "$FAULTS" = all ] && FAULTS=server-kill,server-stop && [ "$TARGET" = ublk ] && FAULTS+=,client-kill
   [ -n "$SEED" ] || SEED=$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')
   case ,$FAULTS, in
-    *,path-cut,* | *,link-flap,* | *,eio,* | *,slow,* | *,enospc,* | *,policy,* | *,path-remove,*)
+    *,path-cut,* | *,link-flap,* | *,eio,* | *,slow,* | *,enospc,* | *,policy,* | *,path-remove,* | *,netem,*)
       echo "soak-vm.sh: --ext4 runs server-kill, server-stop and client-kill only" >&2; exit 2 ;;
+  esac
+fi
+# The netem fault's qdiscs (netem_tree), made now while the guest is idle, and tried: a fault's
+# netem (with duplication: a kernel may refuse a duplicating netem beside other netems, as with
+# --netem) on band A and the base back. Where that does not work the kind is left out of `all`,
+# and asked for, the run skips with the reason.
+NETEM_BASE=$NETEM HAVE_NETEM=0 NETEM_WHY=""
+if [ "$EXT4" = 0 ]; then
+  case ,$FAULTS, in
+    ,all, | *,netem,*)
+      modprobe -q sch_prio 2>/dev/null
+      modprobe -q sch_netem 2>/dev/null
+      modprobe -q cls_u32 2>/dev/null
+      if ! NETEM_WHY=$(netem_tree 2>&1); then
+        NETEM_WHY="the prio qdiscs and filters: ${NETEM_WHY//$'\n'/ }"
+      elif ! NETEM_WHY=$(netem_set A fault delay 1ms loss 1% duplicate 1% reorder 5% 2>&1 && netem_set A base 2>&1); then
+        NETEM_WHY="tc qdisc replace ... netem: ${NETEM_WHY//$'\n'/ } (sch_netem?)"
+      else
+        HAVE_NETEM=1
+      fi
+      PRIO=1
+      if [ "$HAVE_NETEM" = 0 ]; then
+        tcb qdisc del dev "$NET_A" root 2>/dev/null
+        tcb qdisc del dev "$NET_B" root 2>/dev/null
+        PRIO=0
+        log "no netem fault: $NETEM_WHY"
+      fi ;;
   esac
 fi
 if [ "$FAULTS" = all ]; then
   FAULTS=path-cut,link-flap,server-kill,server-stop,policy,path-remove
   [ "$TARGET" = ublk ] && FAULTS+=,client-kill
   if [ "$HAVE_DM" = 1 ]; then FAULTS+=,eio,slow; else FAULTS+=,enospc; fi
+  [ "$HAVE_NETEM" = 1 ] && FAULTS+=,netem
 fi
+case ,$FAULTS, in *,netem,*) [ "$HAVE_NETEM" = 1 ] || skip "--faults netem: $NETEM_WHY" ;; esac
 case ,$FAULTS, in
   *,client-kill,*) [ "$TARGET" = ublk ] ||
     { echo "soak-vm.sh: client-kill needs --target ublk (the kernel's nbd device cannot be re-attached: see the top of the file)" >&2; exit 2; } ;;
@@ -362,7 +477,7 @@ case ,$FAULTS, in
     tc qdisc add dev "$NET_A" clsact && tc qdisc add dev "$NET_B" clsact || skip "no clsact qdisc for path cuts"
     CLSACT=1 ;;
 esac
-if [ -n "$NETEM" ]; then
+if [ -n "$NETEM" ] && [ "$PRIO" = 0 ]; then  # with the prio tree, its bands' base
   # shellcheck disable=SC2086  # netem's arguments, split
   { tc qdisc add dev "$NET_A" root netem $NETEM && tc qdisc add dev "$NET_B" root netem $NETEM; } ||
     { echo "soak-vm.sh: tc netem $NETEM failed (sch_netem?)" >&2; exit 3; }
@@ -376,6 +491,7 @@ printf '{"hosts": [{"key_file": "%s", "access": [{"devices": "**", "mode": "rw"}
 cat >"$WORK/env" <<EOF
 WORK=$WORK SRV=$SRV CLD=$CLD CLI=$CLI EXPORT_DIR=$EXPORT_DIR TARGET=$TARGET VOL=$VOL DM=$DM
 LOOP=$LOOP SIZE_BYTES=$SIZE_BYTES
+NETEM_BASE=${NETEM_BASE@Q}
 EOF
 export SOAK_WORK=$WORK
 start_server || exit 3
@@ -686,6 +802,15 @@ SOAK_PID=$!
 wait "$SOAK_PID"
 rc=$?
 SOAK_PID=""
+if [ "$PRIO" = 1 ]; then
+  # The evidence that each netem fault impaired its path (tc -s of its qdiscs at its stop), and
+  # where the bands' traffic went since their last change (band 3: what no filter matched).
+  grep -h 'netem [AB] band\|netem [AB]: ' "$WORK/hook.log" | sed 's/^# soak-vm.sh /# /'
+  for dev in "$NET_A" "$NET_B"; do
+    echo "# $dev bands (pkts since the band's last change): $(tcb -s -j qdisc show dev "$dev" |
+      jq -r '[.[] | select(.parent != null and (.parent | startswith("1:"))) | "\(.parent) \(.kind) \(.packets)"] | join(", ")')"
+  done
+fi
 [ "$rc" = 0 ] || diag_dump "soak-$rc"
 recover_orphan
 [ -n "$NBD" ] && { timeout 20 nbd-client -d "$NBD" >/dev/null 2>&1; NBD=""; }
