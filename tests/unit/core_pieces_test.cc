@@ -81,7 +81,7 @@ TEST(Permits, ConcurrentUseNeverDoublesAPermit) {
   std::vector<std::thread> ts;
   for (int t = 0; t < 8; ++t) {
     ts.emplace_back([&] {
-      for (int i = 0; i < 20000; ++i) {
+      for (int i = 0; i < 300000; ++i) {
         auto p = pool->get(PermitPool::Wait::yes, 5s);
         if (!p.ok()) continue;
         if (holders[*p].fetch_add(1) != 0) doubled++;
@@ -325,6 +325,44 @@ TEST(Stats, CountsAndSnapshots) {
   EXPECT_EQ(snap.thread_migrations, 1u);
   EXPECT_EQ(snap.migrated_from[0], 1u);
   EXPECT_EQ(snap.migrated_to[2], 1u);
+}
+
+// Case: a request counted on a path whose post then failed, the submitter taking it back; and
+// a reader summing while requests complete on other shards than they were submitted on.
+// Expect: the taken-back request is no longer inflight (its counts stay: it was handed to the
+// path); the gauge read beside a submitter and a completer never goes below zero (a request
+// is counted submitted before it can complete; the reader sums completions first).
+TEST(Stats, AnUnpostedRequestLeavesTheGaugeAndTheGaugeNeverGoesNegative) {
+  PathStats s(3);
+  s.on_submit(0, true, 4096, 1);
+  s.on_unposted(0);
+  EXPECT_EQ(s.snapshot().inflight, 0);
+  EXPECT_EQ(s.snapshot().write_cnt, 1u);
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> lowest{0};
+  std::thread reader([&] {
+    while (!stop.load()) lowest.store(std::min(lowest.load(), s.snapshot().inflight));
+  });
+  // One request in flight at a time, submitted on shard 0 and completed on shard 2 by another
+  // thread (as an IO thread completes a user thread's request).
+  std::atomic<int> posted{0};
+  std::thread completer([&] {
+    for (int done = 0; done < 300000;) {
+      if (posted.load(std::memory_order_acquire) > done) {
+        s.on_complete(2, true, 1000, 0);
+        ++done;
+      }
+    }
+  });
+  for (int i = 0; i < 300000; ++i) {
+    s.on_submit(0, true, 4096, 1);
+    posted.fetch_add(1, std::memory_order_release);
+  }
+  completer.join();
+  stop.store(true);
+  reader.join();
+  EXPECT_EQ(lowest.load(), 0);
+  EXPECT_EQ(s.snapshot().inflight, 0);
 }
 
 TEST(Stats, ResetStartsCountersAgainButKeepsInflight) {

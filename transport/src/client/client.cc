@@ -703,12 +703,12 @@ bool Session::post(uint32_t p, Path* skip) {
 
     q.path = pa;
     pa->inflight.fetch_add(1, std::memory_order_relaxed);
-    // Once posted, the request may complete and its slot be reused at once: keep what the
-    // stats need.
+    // Counted before the post: once posted the request may complete at once on another thread
+    // (and its slot be reused), and a reader of the stats must never see it completed but not
+    // submitted (an inflight of -1: seen by a test under ASan, the poster preempted between
+    // the post and the count).
     const uint32_t sub_shard = q.submit_shard;
-    const bool is_write = q.dir == IoDir::write;
-    const uint32_t bytes = q.data_len;
-    const uint32_t nseg = q.nseg;
+    pa->stats.on_submit(sub_shard, q.dir == IoDir::write, q.data_len, q.nseg);
     q.con.store(c, std::memory_order_release);
     const bool plugged = plug_con(*this, c);
     auto st = plugged ? c->conn->post_send_deferred(std::span(&wr, 1)) : c->conn->post_send(std::span(&wr, 1));
@@ -717,12 +717,10 @@ bool Session::post(uint32_t p, Path* skip) {
       tl_last_path = pa;
       tl_last_session = this;
       c->gate.exit();
-      // Counted after the post: a completion racing ahead only makes inflight briefly negative.
-      pa->stats.on_submit(sub_shard, is_write, bytes, nseg);
       return true;
     }
     // Not posted (the connection broke or its queue is full): take the request back unless the
-    // connection's failover already did.
+    // connection's failover already did (and counted it out of this path).
     Con* expected = c;
     if (!q.con.compare_exchange_strong(expected, nullptr, std::memory_order_acq_rel)) {
       c->gate.exit();
@@ -731,6 +729,7 @@ bool Session::post(uint32_t p, Path* skip) {
     release_windows_now(p, c);
     c->gate.exit();
     pa->inflight.fetch_sub(1, std::memory_order_relaxed);
+    pa->stats.on_unposted(sub_shard);
   }
   return false;
 }

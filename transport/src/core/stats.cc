@@ -86,6 +86,10 @@ void PathStats::on_failover(uint32_t shard) {
   add(s.completed, 1);
 }
 
+void PathStats::on_unposted(uint32_t shard) {
+  add(shards_[shard % shards_.size()]->submitted, -1);
+}
+
 void PathStats::on_reconnect(bool ok) {
   Shard& s = *shards_.back();
   bump(ok ? s.reconnects_ok : s.reconnects_failed, 1);
@@ -95,13 +99,17 @@ PathStatsSnapshot PathStats::raw() const {
   PathStatsSnapshot r;
   r.migrated_from.assign(shards_.size(), 0);
   r.migrated_to.assign(shards_.size(), 0);
+  // inflight: every shard's completions before any shard's submissions (a request is counted
+  // submitted before it can complete, often on another shard), so a reader running beside
+  // the IO never sees a negative gauge.
+  for (const auto& s : shards_) r.inflight -= s->completed.load(std::memory_order_acquire);
+  for (const auto& s : shards_) r.inflight += s->submitted.load(std::memory_order_acquire);
   for (size_t i = 0; i < shards_.size(); ++i) {
     const Shard& s = *shards_[i];
     r.read_cnt += get(s.read_cnt);
     r.read_bytes += get(s.read_bytes);
     r.write_cnt += get(s.write_cnt);
     r.write_bytes += get(s.write_bytes);
-    r.inflight += s.submitted.load(std::memory_order_relaxed) - s.completed.load(std::memory_order_relaxed);
     r.failovered += get(s.failovered);
     r.reconnects_ok += get(s.reconnects_ok);
     r.reconnects_failed += get(s.reconnects_failed);

@@ -43,6 +43,9 @@ class PathStats {
   void on_poll(uint32_t shard, uint32_t completions);
   // A request moved off this path: counted as failovered and no longer inflight here.
   void on_failover(uint32_t shard);
+  // A request counted by on_submit whose post failed and which the submitter took back: no
+  // longer inflight here (its counts and bytes stay: handed to this path, not sent).
+  void on_unposted(uint32_t shard);
   // Control thread (the last shard).
   void on_reconnect(bool ok);
 
