@@ -100,6 +100,8 @@ class RxEngine {
   // Payload bytes copied out of the staging buffer (the rest were received in place).
   uint64_t staged_copy_bytes() const { return staged_copy_bytes_; }
   uint64_t payload_bytes() const { return payload_bytes_; }
+  // Bytes of the current frame's payload still to come (0 between frames).
+  uint64_t payload_left() const { return state_ == State::payload ? remaining_ : 0; }
 
  private:
   enum class State : uint8_t { header, need_recv, payload, ended };
