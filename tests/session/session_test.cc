@@ -107,6 +107,14 @@ class Session : public ::testing::Test {
     buf_ = std::move(*b);
   }
 
+  // A write of `seg` to the volume at `h` that completes into `w` (all the caller's, alive
+  // until it completes).
+  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w, IoDoneFn done = &Waiter::cb) {
+    return client_->request(IoRequest{IoDir::write,
+                                      std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
+                                      std::span(&seg, 1), done, static_cast<Waiter*>(&w)});
+  }
+
   int io(IoDir dir, uint32_t len, uint64_t off, size_t buf_off = 0) {
     return sync_io(*client_, dir, *buf_, buf_->data() + buf_off, len, off);
   }
@@ -653,13 +661,7 @@ class Fence : public Session {
       Waiter::cb(ctx, err);
     }
   };
-  // A write of `seg` to the volume at `h` that completes into `w` (all the caller's, alive
-  // until it completes).
-  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w, IoDoneFn done = &Waiter::cb) {
-    return client_->request(IoRequest{IoDir::write,
-                                      std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
-                                      std::span(&seg, 1), done, static_cast<Waiter*>(&w)});
-  }
+  using Session::write_async;
   Status write_async(const VolHdr& h, const IoSeg& seg, Counted& w) { return write_async(h, seg, w, &Counted::cb); }
   ClientPathInfo::Fence fence_of(const std::string& path) {
     const auto ps = client_->paths();
@@ -1501,11 +1503,6 @@ TEST_F(Session, ServerSeesSessionsAndPathsComeAndGo) {
 // request failed over twice while its first copy still runs.
 class Drain : public Session {
  protected:
-  Status write_async(const VolHdr& h, const IoSeg& seg, Waiter& w) {
-    return client_->request(IoRequest{IoDir::write,
-                                      std::span(reinterpret_cast<const std::byte*>(&h), sizeof(h)),
-                                      std::span(&seg, 1), &Waiter::cb, &w});
-  }
   // W: 4 KiB of `fill` (from the buffer's start) to volume offset 0, completing into `w`. The
   // volume holds it: returns that copy (nullptr: it never came), and from then on serves
   // everything at once.

@@ -422,6 +422,8 @@ struct Impl {
   // refusal (protocol_error). Any thread.
   [[gnu::format(printf, 2, 3)]] void protocol_error(const char* fmt, ...);
   void reject(fabric::ConnectRequest& req, int err, std::string_view reason, const std::string& why);
+  // Sends the refusing CON_RSP only (reject() counts the refusal first).
+  void answer_refused(fabric::ConnectRequest& req, int err);
   void detach_session_if_empty(Session* s);
 };
 
@@ -966,6 +968,10 @@ void Impl::reject(fabric::ConnectRequest& req, int err, std::string_view reason,
                   const std::string& why) {
   refusals.refuse(reason, "connection from " + req.peer_address().to_string() + ": " + why +
                               " (" + std::strerror(err) + ")");
+  answer_refused(req, err);
+}
+
+void Impl::answer_refused(fabric::ConnectRequest& req, int err) {
   auto rsp = proto::make_con_rsp(err, 0, 0, 0, 0);
   (void)req.reject(proto::as_bytes_of(rsp));
 }
@@ -1743,9 +1749,7 @@ void Impl::run_held() {
   std::vector<std::unique_ptr<fabric::ConnectRequest>> go;
   for (auto it = held.begin(); it != held.end();) {
     if (stopping.load()) {
-      // Answered, not counted: the server goes, not the peer's fault.
-      auto rsp = proto::make_con_rsp(EAGAIN, 0, 0, 0, 0);
-      (void)it->req->reject(proto::as_bytes_of(rsp));
+      answer_refused(*it->req, EAGAIN);  // not counted: the server goes, not the peer's fault
     } else if (draining(it->sess) == nullptr) {
       go.push_back(std::move(it->req));
     } else if (now >= it->deadline) {
@@ -1770,8 +1774,9 @@ void Impl::arm_held_timer() {
     held_timer_at = {};
     return;
   }
-  core::Clock::time_point first = held.front().deadline;
-  for (const HeldConnect& h : held) first = std::min(first, h.deadline);
+  // Every hold lasts drain_hold from its arrival and `held` is in arrival order: the front's
+  // deadline is the first.
+  const core::Clock::time_point first = held.front().deadline;
   if (held_timer != 0 && held_timer_at <= first) return;  // due before the first deadline anyway
   if (held_timer != 0) svc_poller->cancel_timer(held_timer);
   held_timer_at = first;
