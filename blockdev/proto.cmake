@@ -6,8 +6,8 @@ add_library(ibnbd_proto STATIC
   src/proto/access.cc
 )
 target_include_directories(ibnbd_proto PUBLIC include PRIVATE src)
-# The transport's wire headers for the wire integers (common/le.h) its structs use too.
-target_link_libraries(ibnbd_proto PUBLIC ibnbd_types PRIVATE ibtrs_wire_internal ibtrs_build_flags)
+# The block protocol rides on IBTRS: its messages name the transport's IO directions.
+target_link_libraries(ibnbd_proto PUBLIC ibnbd_types ibtrs_wire PRIVATE ibtrs_build_flags)
 
 # The private headers, for the project's own tests and fuzzers.
 add_library(ibnbd_proto_internal INTERFACE)

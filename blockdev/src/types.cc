@@ -3,13 +3,13 @@
 #include <charconv>
 #include <cstdint>
 
-#include "common/text.h"
+#include "base/text.h"
 
 namespace ibnbd {
 
 std::optional<AccessMode> parse_access_mode(std::string_view s) {
   // Control files and map options end in a newline; the words are the kernel's.
-  s = ibtrs::trim(s);
+  s = base::trim(s);
   if (s == "ro") return AccessMode::ro;
   if (s == "rw") return AccessMode::rw;
   if (s == "migration") return AccessMode::migration;

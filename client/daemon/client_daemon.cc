@@ -334,7 +334,7 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
     return errc(EINVAL);
   }
   if (s == nullptr) {
-    IBTRS_ASSIGN_OR_RETURN(ibtrs::ClientAuth auth, credentials(host_key, host, why));
+    BASE_ASSIGN_OR_RETURN(ibtrs::ClientAuth auth, credentials(host_key, host, why));
     BlockSessionOptions o;
     o.transport.auth = std::move(auth);
     o.transport.session_name = sname;

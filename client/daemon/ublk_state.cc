@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ibnbd {
 
@@ -33,7 +33,7 @@ Status write_all(int fd, const std::string& s) {
 }
 
 Status fsync_dir(const std::string& dir) {
-  UniqueFd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  base::UniqueFd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (!d) return errc(errno);
   if (::fsync(d.get()) != 0) return errc(errno);
   return {};
@@ -109,13 +109,13 @@ std::string UblkStateDir::file_of(uint32_t ublk_id) const {
 }
 
 Status UblkStateDir::save(const UblkRecord& r) const {
-  IBTRS_TRY(make_dir(dir_));
+  BASE_TRY(make_dir(dir_));
   const std::string file = file_of(r.ublk_id);
   const std::string tmp = file + ".tmp";
   {
-    UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    base::UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
     if (!fd) return errc(errno);
-    IBTRS_TRY(write_all(fd.get(), to_json(r).dump() + "\n"));
+    BASE_TRY(write_all(fd.get(), to_json(r).dump() + "\n"));
     if (::fsync(fd.get()) != 0) return errc(errno);
   }
   if (::rename(tmp.c_str(), file.c_str()) != 0) {

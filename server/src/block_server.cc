@@ -16,7 +16,7 @@
 #include <utility>
 
 #include "control_queue.h"
-#include "control_thread.h"
+#include "base/worker.h"
 #include "proto/access.h"
 #include "proto/ibnbd_proto.h"
 
@@ -215,7 +215,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   BlockServerOptions opts;
   std::vector<std::unique_ptr<EngineHook>> hooks;  // per IO thread
   std::unique_ptr<ibtrs::Server> transport;
-  ControlThread control;
+  base::Worker control;
 
   // Control thread only.
   proto::OpenTable table;
@@ -267,8 +267,8 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     }
     std::vector<proto::AclRule> rules;
     for (const auto& r : h.access) rules.push_back(proto::AclRule{r.devices, r.mode});
-    for (const auto& r : rules) IBTRS_TRY(proto::check_acl_rule(r));
-    IBTRS_TRY(keys.set(h.host, ibtrs::HostKeys{h.keys, h.server_key}));
+    for (const auto& r : rules) BASE_TRY(proto::check_acl_rule(r));
+    BASE_TRY(keys.set(h.host, ibtrs::HostKeys{h.keys, h.server_key}));
     (void)acl.set_host(h.host, std::move(rules));
     host_cfg[h.host] = std::move(h);
     return {};
@@ -606,7 +606,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
                  static_cast<unsigned long long>(old), static_cast<unsigned long long>(now), notified);
   }
 
-  // The periodic check (ControlThread::every, BlockServerOptions::size_check_interval): a
+  // The periodic check (base::Worker::every, BlockServerOptions::size_check_interval): a
   // stat or an ioctl per open device (an image: librbd's cached size, kept current by its
   // header watch, which also calls on_size_notice at once); WATCHes held kWatchHoldMax are let
   // go of.
@@ -713,11 +713,11 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     auto target = resolve_export(opts.dev_search_path, s.name, m.dev_name, &why);
     // The grants first, on the resolved name -- or, when it did not resolve, on the name as
     // asked (lexically cleaned): a host learns nothing of what exists where it may not look.
-    IBTRS_TRY(check_access(s, target.ok() ? target->rel_path : lexical_name(m.dev_name), m.mode));
+    BASE_TRY(check_access(s, target.ok() ? target->rel_path : lexical_name(m.dev_name), m.mode));
     // And on the file it leads to: a symlink in a directory the host may open from (its own)
     // into one it may not (another host's) opens nothing there.
     if (target.ok() && target->real_path != target->rel_path)
-      IBTRS_TRY(check_access(s, target->real_path, m.mode, target->rel_path + " -> " + target->real_path));
+      BASE_TRY(check_access(s, target->real_path, m.mode, target->rel_path + " -> " + target->real_path));
     if (!target.ok()) {
       log_warn("OPEN refused:", m.dev_name, why.empty() ? target.error().message() : why);
       return target.error();
@@ -748,7 +748,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   Result<Located> locate_rbd(Sess& s, const proto::Open& m) {
     std::string why;
     auto name = parse_rbd_name(m.dev_name, &why);
-    IBTRS_TRY(check_access(s, name.ok() ? name->text() : std::string(m.dev_name), m.mode));
+    BASE_TRY(check_access(s, name.ok() ? name->text() : std::string(m.dev_name), m.mode));
     if (!name.ok()) {
       log_warn("OPEN refused:", m.dev_name, why);
       return name.error();
@@ -900,7 +900,7 @@ Result<std::unique_ptr<BlockServer>> BlockServer::start(BlockServerOptions o) {
   impl->acl.set_allow_any_host(impl->opts.allow_any_host);
   for (auto& h : impl->opts.hosts) {
     if (impl->host_cfg.count(h.host) != 0) return errc(EINVAL);  // listed twice
-    IBTRS_TRY(impl->set_host(h, false));
+    BASE_TRY(impl->set_host(h, false));
   }
   auto srv = ibtrs::Server::start(impl->opts.transport);
   if (!srv.ok()) return srv.error();

@@ -31,7 +31,7 @@ Result<ControlSocketLock> ControlSocketLock::acquire(const std::string& socket_p
     if (why) *why = lock_path + ": " + std::strerror(e);
     return errc(e);
   }
-  UniqueFd lock(fd);
+  base::UniqueFd lock(fd);
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     if (e != EWOULDBLOCK) {

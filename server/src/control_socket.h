@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ibnbd/types.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ibnbd {
 
@@ -43,9 +43,9 @@ class ControlSocketLock {
   const std::string& socket_path() const { return socket_path_; }
 
  private:
-  ControlSocketLock(std::string path, UniqueFd fd) : socket_path_(std::move(path)), fd_(std::move(fd)) {}
+  ControlSocketLock(std::string path, base::UniqueFd fd) : socket_path_(std::move(path)), fd_(std::move(fd)) {}
   std::string socket_path_;
-  UniqueFd fd_;
+  base::UniqueFd fd_;
 };
 
 class ControlSocket {

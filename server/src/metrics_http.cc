@@ -50,7 +50,7 @@ size_t header_end(std::string_view in) {
 }
 
 struct Conn {
-  UniqueFd fd;
+  base::UniqueFd fd;
   Clock::time_point deadline;
   std::string in;    // the request so far (at most kMaxRequest + one read)
   std::string out;   // the answer, once there is one
@@ -124,7 +124,7 @@ std::string respond(std::string_view request, const HttpServer::Collector& colle
 }
 
 Result<std::unique_ptr<HttpServer>> HttpServer::start(const sockaddr_storage& addr, Collector collect) {
-  UniqueFd fd(::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  base::UniqueFd fd(::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!fd) return errc(errno);
   const int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -134,14 +134,14 @@ Result<std::unique_ptr<HttpServer>> HttpServer::start(const sockaddr_storage& ad
   sockaddr_storage bound{};
   socklen_t blen = sizeof(bound);
   if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &blen) != 0) return errc(errno);
-  UniqueFd stop(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  base::UniqueFd stop(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!stop) return errc(errno);
   std::unique_ptr<HttpServer> s(new HttpServer(std::move(fd), std::move(stop), bound, std::move(collect)));
   s->thread_ = std::thread([p = s.get()] { p->loop(); });
   return s;
 }
 
-HttpServer::HttpServer(UniqueFd listen, UniqueFd stop, sockaddr_storage addr, Collector c)
+HttpServer::HttpServer(base::UniqueFd listen, base::UniqueFd stop, sockaddr_storage addr, Collector c)
     : listen_(std::move(listen)), stop_(std::move(stop)), addr_(addr), collect_(std::move(c)) {}
 
 HttpServer::~HttpServer() {
@@ -223,7 +223,7 @@ void HttpServer::loop() {
       if (done[i]) conns.erase(conns.begin() + static_cast<std::ptrdiff_t>(i));
     if ((pfds[1].revents & POLLIN) == 0) continue;
     for (;;) {
-      UniqueFd fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+      base::UniqueFd fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
       if (!fd) {
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
           accept_paused_until = Clock::now() + kAcceptBackoff;

@@ -23,7 +23,7 @@
 #include <thread>
 
 #include "ibnbd/types.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ibnbd::metrics {
 
@@ -57,11 +57,11 @@ class HttpServer {
   const sockaddr_storage& address() const { return addr_; }
 
  private:
-  HttpServer(UniqueFd listen, UniqueFd stop, sockaddr_storage addr, Collector c);
+  HttpServer(base::UniqueFd listen, base::UniqueFd stop, sockaddr_storage addr, Collector c);
   void loop();
 
-  UniqueFd listen_;
-  UniqueFd stop_;  // eventfd: the destructor's signal to the thread
+  base::UniqueFd listen_;
+  base::UniqueFd stop_;  // eventfd: the destructor's signal to the thread
   sockaddr_storage addr_;
   Collector collect_;
   std::thread thread_;

@@ -32,9 +32,9 @@ class LoopDev : public ::testing::Test {
   std::string make_loop(uint32_t block_size) {
     if (::access("/dev/loop-control", F_OK) != 0) return "no /dev/loop-control";
     if (std::string why = r.make_file_in("/var/tmp", kDevSize); !why.empty()) return why;
-    UniqueFd ctl(::open("/dev/loop-control", O_RDWR | O_CLOEXEC));
+    base::UniqueFd ctl(::open("/dev/loop-control", O_RDWR | O_CLOEXEC));
     if (!ctl) return std::string("open /dev/loop-control: ") + strerror(errno);
-    UniqueFd back(::open(r.path.c_str(), O_RDWR | O_CLOEXEC));
+    base::UniqueFd back(::open(r.path.c_str(), O_RDWR | O_CLOEXEC));
     if (!back) return "open the backing file";
     for (int attempt = 0; attempt < 8; ++attempt) {
       int n = ::ioctl(ctl.get(), LOOP_CTL_GET_FREE);
@@ -55,7 +55,7 @@ class LoopDev : public ::testing::Test {
 
   Rig r;  // r.path is the loop device's backing file
   std::string dev;
-  UniqueFd loop_fd;
+  base::UniqueFd loop_fd;
 };
 
 #define ATTACH_OR_SKIP(...)                  \

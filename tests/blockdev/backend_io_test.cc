@@ -56,7 +56,7 @@ INSTANTIATE_TEST_SUITE_P(Files, EachFs, ::testing::Values(Fs::tmpfs, Fs::direct)
 // through the engine and compared, and checked once more with pread() on a buffered descriptor
 // of its own as the ground truth.
 void write_read_random(Rig& r, uint32_t align, int rounds, uint32_t max_len) {
-  UniqueFd plain(::open(r.path.c_str(), O_RDONLY | O_CLOEXEC));
+  base::UniqueFd plain(::open(r.path.c_str(), O_RDONLY | O_CLOEXEC));
   ASSERT_TRUE(plain.valid());
   std::mt19937_64 rng(42);
   AlignedBuf wbuf(max_len), rbuf(max_len);

@@ -138,7 +138,7 @@ struct GiveBack final : PageSource {
   std::map<uint64_t, std::vector<PageCopy>> rounds;
   Status ram_blocks(std::span<const RamBlock>) override { return {}; }
   Status changed_pages(const RamRound& r, PageWriter& out) override {
-    for (const PageCopy& p : rounds[r.index]) IBTRS_TRY(p.zero ? out.zero(p.block, p.offset, p.fill) : out.data(p.block, p.offset, p.data));
+    for (const PageCopy& p : rounds[r.index]) BASE_TRY(p.zero ? out.zero(p.block, p.offset, p.fill) : out.data(p.block, p.offset, p.data));
     return {};
   }
 };

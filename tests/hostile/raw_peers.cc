@@ -76,8 +76,8 @@ Status authenticate(const ibtrs::ClientAuth& a, const Binding& b,
   if (auto e = refused(challenge)) return *e;
   auto c = iproto::parse_auth_challenge(challenge, nullptr);
   if (!c.ok()) return errc(EPROTO);
-  IBTRS_ASSIGN_OR_RETURN(auto dh, ibtrs::auth::X25519::generate());
-  IBTRS_ASSIGN_OR_RETURN(auto z, dh.derive(c->dh_public));
+  BASE_ASSIGN_OR_RETURN(auto dh, ibtrs::auth::X25519::generate());
+  BASE_ASSIGN_OR_RETURN(auto z, dh.derive(c->dh_public));
   ibtrs::auth::Transcript t;
   t.tid = c->tid;
   std::memcpy(t.sess_uuid.data(), b.session.bytes, 16);
@@ -89,10 +89,10 @@ Status authenticate(const ibtrs::ClientAuth& a, const Binding& b,
   v.tid = c->tid;
   v.host = a.host_id;
   v.dh_public = dh.public_key();
-  IBTRS_ASSIGN_OR_RETURN(v.response,
+  BASE_ASSIGN_OR_RETURN(v.response,
                          ibtrs::auth::response(ibtrs::auth::Role::host, *a.key, z, c->nonce, c->seqnum, t));
-  IBTRS_ASSIGN_OR_RETURN(auto reply, iproto::make_auth_reply(v));
-  IBTRS_TRY(send(iproto::as_bytes_of(reply)));
+  BASE_ASSIGN_OR_RETURN(auto reply, iproto::make_auth_reply(v));
+  BASE_TRY(send(iproto::as_bytes_of(reply)));
   const auto verdict = recv();
   if (auto e = refused(verdict)) return *e;
   auto ok = iproto::parse_auth_success(verdict, nullptr);
@@ -143,14 +143,14 @@ Result<std::unique_ptr<RawFabricPeer>> RawFabricPeer::connect(const ibtrs::Addre
   std::unique_ptr<RawFabricPeer> p(new RawFabricPeer());
   p->dom_ = *dom;
   p->buf_ = std::make_unique<std::byte[]>(kBufSize);
-  IBTRS_ASSIGN_OR_RETURN(p->mr_, p->dom_->register_memory(p->buf_.get(), kBufSize,
+  BASE_ASSIGN_OR_RETURN(p->mr_, p->dom_->register_memory(p->buf_.get(), kBufSize,
                                                            fabric::kLocalWrite | fabric::kRemoteWrite));
   if (o.claim_auth && !o.auth.enabled() && o.info) return errc(EINVAL);  // no answer to a challenge
   const bool auth = o.auth.enabled() || o.claim_auth;
   const uint16_t ncon = o.connect == 0 ? o.cid_num : std::min(o.connect, o.cid_num);
   for (uint16_t cid = 0; cid < ncon; ++cid) {
     Con c;
-    IBTRS_ASSIGN_OR_RETURN(c.cq, p->dom_->create_cq(1024));
+    BASE_ASSIGN_OR_RETURN(c.cq, p->dom_->create_cq(1024));
     const auto req =
         iproto::make_con_req(cid, o.cid_num, 0, cid == 0, to_uuid(o.session), to_uuid(o.path), auth);
     fabric::ConnectParams cp;
@@ -178,7 +178,7 @@ Result<std::unique_ptr<RawFabricPeer>> RawFabricPeer::connect(const ibtrs::Addre
     }
     c.conn = std::move(r->connection);
     p->cons_.push_back(std::move(c));
-    IBTRS_TRY(cid == 0 ? p->post_recvs(p->cons_.back(), kRecvOff, kServiceSlot, kServiceSlots)
+    BASE_TRY(cid == 0 ? p->post_recvs(p->cons_.back(), kRecvOff, kServiceSlot, kServiceSlots)
                        : p->post_recvs(p->cons_.back(), kRecvOff + kServiceSlot * kServiceSlots +
                                                             size_t{cid - 1u} * kIoSlot * kIoSlots,
                                        kIoSlot, kIoSlots));
@@ -186,10 +186,10 @@ Result<std::unique_ptr<RawFabricPeer>> RawFabricPeer::connect(const ibtrs::Addre
   if (!o.info) return p;
 
   const std::string pathname = "raw@server";
-  IBTRS_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(o.session_name, pathname));
-  IBTRS_TRY(p->svc_send(iproto::as_bytes_of(info), 0));
+  BASE_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(o.session_name, pathname));
+  BASE_TRY(p->svc_send(iproto::as_bytes_of(info), 0));
   if (o.auth.enabled()) {
-    IBTRS_TRY(authenticate(
+    BASE_TRY(authenticate(
         o.auth, Binding{o.session, o.path, o.session_name, pathname},
         [&](std::span<const std::byte> m) { return p->svc_send(m, 1); }, [&] { return p->svc_recv(Ms(5000)); }));
   }
@@ -198,7 +198,7 @@ Result<std::unique_ptr<RawFabricPeer>> RawFabricPeer::connect(const ibtrs::Addre
   auto d = iproto::parse_info_rsp(rsp, p->qd_, p->chunk_size_, nullptr);
   if (!d.ok()) return errc(EPROTO);
   p->chunks_.assign(d->begin(), d->end());
-  IBTRS_ASSIGN_OR_RETURN(p->layout_, iproto::imm_layout(p->qd_, p->chunk_size_));
+  BASE_ASSIGN_OR_RETURN(p->layout_, iproto::imm_layout(p->qd_, p->chunk_size_));
   return p;
 }
 
@@ -410,7 +410,7 @@ Result<int> tcp_connect(uint16_t port) {
 
 Result<std::unique_ptr<RawTcpPeer>> RawTcpPeer::connect(uint16_t port, const iproto::ConReq& con_req,
                                                         iproto::ConRsp* rsp) {
-  IBTRS_ASSIGN_OR_RETURN(int fd, tcp_connect(port));
+  BASE_ASSIGN_OR_RETURN(int fd, tcp_connect(port));
   std::unique_ptr<RawTcpPeer> p(new RawTcpPeer(fd));
   int one = 1;
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -421,14 +421,14 @@ Result<std::unique_ptr<RawTcpPeer>> RawTcpPeer::connect(uint16_t port, const ipr
   body.version.set(tcp::kVersion);
   body.private_len = sizeof(con_req);
   std::memcpy(body.private_data, &con_req, sizeof(con_req));
-  IBTRS_TRY(p->send_all(&h, sizeof(h)));
-  IBTRS_TRY(p->send_all(&body, sizeof(body)));
+  BASE_TRY(p->send_all(&h, sizeof(h)));
+  BASE_TRY(p->send_all(&body, sizeof(body)));
   tcp::FrameHeader rh{};
-  IBTRS_TRY(p->recv_all(&rh, sizeof(rh), Ms(5000)));
+  BASE_TRY(p->recv_all(&rh, sizeof(rh), Ms(5000)));
   if (rh.type != static_cast<uint8_t>(tcp::FrameType::connect_rsp) || rh.length.get() != sizeof(tcp::ConnectBody))
     return errc(EPROTO);
   tcp::ConnectBody rb{};
-  IBTRS_TRY(p->recv_all(&rb, sizeof(rb), Ms(5000)));
+  BASE_TRY(p->recv_all(&rb, sizeof(rb), Ms(5000)));
   if (rb.verdict != 1) {
     std::string why;
     auto refusal = iproto::parse_con_rsp(std::span(reinterpret_cast<const std::byte*>(rb.private_data),
@@ -480,7 +480,7 @@ Status RawTcpPeer::recv_all(void* p, size_t n, Ms t) {
 Status RawTcpPeer::send(std::span<const std::byte> payload) {
   namespace tcp = fabric::tcp;
   auto h = tcp::make_header(tcp::FrameType::send, static_cast<uint32_t>(payload.size()));
-  IBTRS_TRY(send_all(&h, sizeof(h)));
+  BASE_TRY(send_all(&h, sizeof(h)));
   return send_all(payload.data(), payload.size());
 }
 
@@ -490,7 +490,7 @@ Status RawTcpPeer::write_imm(uint64_t addr, uint32_t rkey, uint32_t imm, std::sp
   h.imm.set(imm);
   h.remote_addr.set(addr);
   h.rkey.set(rkey);
-  IBTRS_TRY(send_all(&h, sizeof(h)));
+  BASE_TRY(send_all(&h, sizeof(h)));
   return send_all(payload.data(), payload.size());
 }
 
@@ -498,14 +498,14 @@ Result<RawTcpPeer::Frame> RawTcpPeer::read_frame(uint8_t type, Ms t) {
   const auto end = Clock::now() + t;
   for (;;) {
     fabric::tcp::FrameHeader h{};
-    IBTRS_TRY(recv_all(&h, sizeof(h), left(end)));
+    BASE_TRY(recv_all(&h, sizeof(h), left(end)));
     const uint32_t len = h.length.get();
     if (len > (16u << 20)) return errc(EPROTO);
     Frame f;
     f.type = h.type;
     f.imm = h.imm.get();
     f.payload.resize(len);
-    if (len > 0) IBTRS_TRY(recv_all(f.payload.data(), len, left(end)));
+    if (len > 0) BASE_TRY(recv_all(f.payload.data(), len, left(end)));
     if (f.type == type) return f;
   }
 }
@@ -518,32 +518,32 @@ Result<std::unique_ptr<RawTcpSession>> RawTcpSession::connect(uint16_t port, con
   const bool a = auth.enabled();
   std::unique_ptr<RawTcpSession> s(new RawTcpSession());
   iproto::ConRsp rsp{};
-  IBTRS_ASSIGN_OR_RETURN(s->svc_, RawTcpPeer::connect(port, iproto::make_con_req(0, 2, 0, true, to_uuid(sess),
+  BASE_ASSIGN_OR_RETURN(s->svc_, RawTcpPeer::connect(port, iproto::make_con_req(0, 2, 0, true, to_uuid(sess),
                                                                                 to_uuid(path), a),
                                                       &rsp));
-  IBTRS_ASSIGN_OR_RETURN(s->io_, RawTcpPeer::connect(port, iproto::make_con_req(1, 2, 0, false, to_uuid(sess),
+  BASE_ASSIGN_OR_RETURN(s->io_, RawTcpPeer::connect(port, iproto::make_con_req(1, 2, 0, false, to_uuid(sess),
                                                                                to_uuid(path), a),
                                                      nullptr));
   s->qd_ = rsp.queue_depth.get();
   const uint32_t chunk = rsp.chunk_size.get();
   const std::string pathname = "raw@server";
-  IBTRS_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(name, pathname));
-  IBTRS_TRY(s->svc_->send(iproto::as_bytes_of(info)));
+  BASE_ASSIGN_OR_RETURN(auto info, iproto::make_info_req(name, pathname));
+  BASE_TRY(s->svc_->send(iproto::as_bytes_of(info)));
   const auto send_frame = static_cast<uint8_t>(fabric::tcp::FrameType::send);
   if (a) {
-    IBTRS_TRY(authenticate(
+    BASE_TRY(authenticate(
         auth, Binding{sess, path, name, pathname}, [&](std::span<const std::byte> m) { return s->svc_->send(m); },
         [&] {
           auto f = s->svc_->read_frame(send_frame, Ms(5000));
           return f.ok() ? std::move(f->payload) : std::vector<std::byte>{};
         }));
   }
-  IBTRS_ASSIGN_OR_RETURN(auto frame, s->svc_->read_frame(send_frame, Ms(5000)));
+  BASE_ASSIGN_OR_RETURN(auto frame, s->svc_->read_frame(send_frame, Ms(5000)));
   std::string why;
   auto descs = iproto::parse_info_rsp(frame.payload, s->qd_, chunk, &why);
   if (!descs.ok()) return errc(EPROTO);
   s->chunks_.assign(descs->begin(), descs->end());
-  IBTRS_ASSIGN_OR_RETURN(s->layout_, iproto::imm_layout(s->qd_, chunk));
+  BASE_ASSIGN_OR_RETURN(s->layout_, iproto::imm_layout(s->qd_, chunk));
   return s;
 }
 
@@ -563,19 +563,19 @@ Status RawTcpSession::post_read(uint32_t c, std::span<const std::byte> usr, uint
     d.len.set(len / ndesc);
     std::memcpy(m.data() + usr.size() + sizeof(h) + i * sizeof(d), &d, sizeof(d));
   }
-  IBTRS_ASSIGN_OR_RETURN(uint32_t imm, iproto::encode_io_req_imm(layout_, c, static_cast<uint32_t>(usr.size())));
+  BASE_ASSIGN_OR_RETURN(uint32_t imm, iproto::encode_io_req_imm(layout_, c, static_cast<uint32_t>(usr.size())));
   return io_->write_imm(chunks_[c].addr.get(), chunks_[c].key.get(), imm, m);
 }
 
 Result<iproto::IoRspImm> RawTcpSession::answer(Ms t) {
-  IBTRS_ASSIGN_OR_RETURN(auto f, io_->read_frame(static_cast<uint8_t>(fabric::tcp::FrameType::write_imm), t));
+  BASE_ASSIGN_OR_RETURN(auto f, io_->read_frame(static_cast<uint8_t>(fabric::tcp::FrameType::write_imm), t));
   return iproto::decode_io_rsp_imm(f.imm);
 }
 
 // ---- SilentSocket ----
 
 Result<std::unique_ptr<SilentSocket>> SilentSocket::connect(uint16_t port) {
-  IBTRS_ASSIGN_OR_RETURN(int fd, tcp_connect(port));
+  BASE_ASSIGN_OR_RETURN(int fd, tcp_connect(port));
   return std::unique_ptr<SilentSocket>(new SilentSocket(fd));
 }
 

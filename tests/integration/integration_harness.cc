@@ -72,7 +72,7 @@ ExportFile::ExportFile(Store store, const std::string& name, uint64_t size) : na
     why_ = "mkdtemp " + tmpl + ": " + std::strerror(errno);
     return;
   }
-  UniqueFd fd(::open((tmpl + "/" + name).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
+  base::UniqueFd fd(::open((tmpl + "/" + name).c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
   if (!fd) {
     why_ = "create in " + tmpl + ": " + std::strerror(errno);
     fs::remove_all(tmpl);
@@ -100,7 +100,7 @@ ExportFile::~ExportFile() {
 
 std::vector<std::byte> ExportFile::pread(uint64_t off, size_t len) const {
   std::vector<std::byte> out(len);
-  UniqueFd fd(::open(path().c_str(), O_RDONLY | O_CLOEXEC));
+  base::UniqueFd fd(::open(path().c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd || ::pread(fd.get(), out.data(), len, static_cast<off_t>(off)) != static_cast<ssize_t>(len)) {
     ADD_FAILURE() << "pread " << path() << " @" << off << "+" << len << ": " << std::strerror(errno);
     out.clear();
@@ -120,7 +120,7 @@ Endpoints::Endpoints(const std::string& tag, size_t n) {
     // A bound socket that never listens keeps the port ours: port 0 binds and connects elsewhere
     // in the machine skip it, and the server (SO_REUSEADDR too) may still bind and listen on it,
     // again after a restart.
-    UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    base::UniqueFd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
     int one = 1;
     sockaddr_in sa{};
     sa.sin_family = AF_INET;

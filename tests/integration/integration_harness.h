@@ -31,7 +31,7 @@
 
 #include "ibnbd/client.h"
 #include "ibnbd/server.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ibnbd::itest {
 
@@ -97,7 +97,7 @@ class Endpoints {
 
  private:
   std::vector<ibtrs::Address> addrs_;
-  std::vector<UniqueFd> holds_;  // tcp: one bound socket per port, SO_REUSEADDR, not listening
+  std::vector<base::UniqueFd> holds_;  // tcp: one bound socket per port, SO_REUSEADDR, not listening
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ Status feed_all(RamStreamParser& p, std::span<const std::byte> s, size_t piece, 
   size_t at = 0;
   while (at < s.size()) {
     const size_t n = std::min(s.size() - at, piece ? piece : 1 + rng() % 4096);
-    IBTRS_TRY(p.feed(s.subspan(at, n)));
+    BASE_TRY(p.feed(s.subspan(at, n)));
     at += n;
   }
   return p.finish();
@@ -528,7 +528,7 @@ struct RoundSource final : PageSource {
   Status changed_pages(const RamRound& r, PageWriter& out) override {
     log.push_back("hook " + std::to_string(r.index));
     for (const Page& p : rounds[r.index]) {
-      IBTRS_TRY(p.zero ? out.zero(p.block, p.offset, p.fill) : out.data(p.block, p.offset, p.data));
+      BASE_TRY(p.zero ? out.zero(p.block, p.offset, p.fill) : out.data(p.block, p.offset, p.data));
     }
     return {};
   }

@@ -82,10 +82,10 @@ struct Peer {
 
   // rdma.c's exchange_send: the agent's READY first, then our message (and its answer).
   Result<std::span<const std::byte>> exchange(size_t n, bool answer) {
-    IBTRS_TRY(link->wait_recv(Link::kReady, soon()));
-    if (answer) IBTRS_TRY(link->post_recv(Link::kData));
-    IBTRS_TRY(link->post_recv(Link::kReady));
-    IBTRS_TRY(link->send(n, soon()));
+    BASE_TRY(link->wait_recv(Link::kReady, soon()));
+    if (answer) BASE_TRY(link->post_recv(Link::kData));
+    BASE_TRY(link->post_recv(Link::kReady));
+    BASE_TRY(link->send(n, soon()));
     if (!answer) return std::span<const std::byte>();
     return link->wait_recv(Link::kData, soon());
   }
@@ -103,11 +103,11 @@ struct Peer {
   // Up to the registration loop: the stream head (HOOK) and the RAM BLOCKS exchange.
   Result<std::vector<DestBlock>> into_registration() {
     const auto head = stream_head();
-    IBTRS_ASSIGN_OR_RETURN(size_t n, encode_qemu_file(link->send_buffer(), head));
-    IBTRS_TRY(exchange(n, false));
-    IBTRS_ASSIGN_OR_RETURN(n, encode_empty(link->send_buffer(), MsgType::ram_blocks_request));
-    IBTRS_ASSIGN_OR_RETURN(auto got, exchange(n, true));
-    IBTRS_ASSIGN_OR_RETURN(auto m, decode_control(got, &layout));
+    BASE_ASSIGN_OR_RETURN(size_t n, encode_qemu_file(link->send_buffer(), head));
+    BASE_TRY(exchange(n, false));
+    BASE_ASSIGN_OR_RETURN(n, encode_empty(link->send_buffer(), MsgType::ram_blocks_request));
+    BASE_ASSIGN_OR_RETURN(auto got, exchange(n, true));
+    BASE_ASSIGN_OR_RETURN(auto m, decode_control(got, &layout));
     if (m.type != MsgType::ram_blocks_result) return ibtrs::errc(EPROTO);
     return m.blocks;
   }
@@ -139,8 +139,8 @@ int run(const std::string& c, const RdmaAddress& to) {
   if (!l) return verdict(false, "connect: " + why);
   p.link = std::move(*l);
   auto send_raw = [&](size_t n) -> Status {
-    IBTRS_TRY(p.link->wait_recv(Link::kReady, soon()));
-    IBTRS_TRY(p.link->post_recv(Link::kReady));
+    BASE_TRY(p.link->wait_recv(Link::kReady, soon()));
+    BASE_TRY(p.link->post_recv(Link::kReady));
     return p.link->send(n, soon());
   };
 

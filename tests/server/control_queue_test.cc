@@ -1,6 +1,6 @@
 // FairQueue (server/src/control_queue.h): the block server's per-session queues of control
 // requests, bounded per session and served round robin; and the control thread's periodic task
-// (server/src/control_thread.h: the size check).
+// (base/include/base/worker.h: the size check).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "control_queue.h"
-#include "control_thread.h"
+#include "base/worker.h"
 
 namespace ibnbd::server {
 namespace {
@@ -60,8 +60,8 @@ TEST(FairQueue, AKeyThatDrainedRejoinsAtTheBack) {
 // then 150 ms idle, then a stream of tasks that each take 1 ms for 150 ms; then stop().
 // Expect: it runs about every period both times (the stream delays it by a task, never starves
 // it), on the control thread (never beside a task), and not after stop().
-TEST(ControlThread, PeriodicTaskRunsBetweenTasksAndStopsWithTheThread) {
-  ControlThread t;
+TEST(Worker, PeriodicTaskRunsBetweenTasksAndStopsWithTheThread) {
+  base::Worker t;
   t.call([] { return 0; });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // asleep, no task, no tick yet
   std::atomic<int> ticks{0};

@@ -291,7 +291,7 @@ class RawAuth : public AuthSession {
   Status connect(Raw& r, bool auth, std::optional<bool> io_auth = std::nullopt) {
     for (uint16_t cid = 0; cid < 2; ++cid) {
       Con c;
-      IBTRS_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(128));
+      BASE_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(128));
       auto req = make_con_req(cid, 2, 0, cid == 0, r.sess, r.path, cid == 0 ? auth : io_auth.value_or(auth));
       fabric::ConnectParams p;
       p.remote = addr_;
@@ -301,7 +301,7 @@ class RawAuth : public AuthSession {
       p.private_data = as_bytes_of(req);
       p.timeout = 5s;
       p.tls = r.tls;
-      IBTRS_ASSIGN_OR_RETURN(auto res, dom_->connect(p, nullptr));
+      BASE_ASSIGN_OR_RETURN(auto res, dom_->connect(p, nullptr));
       c.conn = std::move(res.connection);
       if (cid == 0) {
         fabric::RecvWr rw[kSlots];
@@ -310,7 +310,7 @@ class RawAuth : public AuthSession {
           sg[i] = mr_->sge(i * kSlot, kSlot);
           rw[i] = fabric::RecvWr{i, std::span(&sg[i], 1)};
         }
-        IBTRS_TRY(c.conn->post_recv(rw));
+        BASE_TRY(c.conn->post_recv(rw));
       }
       r.cons.push_back(std::move(c));
     }

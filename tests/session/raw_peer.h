@@ -57,7 +57,7 @@ class RawPeer {
   Result<RawCon> connect(const ConReq& req, int* refused = nullptr, uint32_t send_depth = 64,
                          std::chrono::milliseconds timeout = 5s) {
     RawCon c;
-    IBTRS_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(send_depth + 64));
+    BASE_ASSIGN_OR_RETURN(c.cq, dom_->create_cq(send_depth + 64));
     fabric::ConnectParams p;
     p.remote = server_;
     p.cq = c.cq.get();
@@ -80,7 +80,7 @@ class RawPeer {
     recv_sge_ = mr_->sge(8192, 8192);
     std::vector<fabric::RecvWr> rw(64);
     for (auto& w : rw) w = fabric::RecvWr{0, std::span(&recv_sge_, 1)};
-    IBTRS_TRY(c.conn->post_recv(rw));
+    BASE_TRY(c.conn->post_recv(rw));
     return c;
   }
 
@@ -146,7 +146,7 @@ class RawPeer {
     w.sg_list = std::span(&s, 1);
     w.remote_addr = chunk.addr.get();
     w.rkey = chunk.key.get();
-    IBTRS_ASSIGN_OR_RETURN(w.imm, encode_io_req_imm(l, chunk_id, 0));
+    BASE_ASSIGN_OR_RETURN(w.imm, encode_io_req_imm(l, chunk_id, 0));
     w.signaled = false;
     return io.conn->post_send(std::span(&w, 1));
   }
@@ -180,7 +180,7 @@ class RawPeer {
     w.sg_list = std::span(&s, 1);
     w.remote_addr = chunk.addr.get();
     w.rkey = chunk.key.get();
-    IBTRS_ASSIGN_OR_RETURN(w.imm, encode_io_req_imm(l, chunk_id, sizeof(VolHdr)));
+    BASE_ASSIGN_OR_RETURN(w.imm, encode_io_req_imm(l, chunk_id, sizeof(VolHdr)));
     w.signaled = false;
     return io.conn->post_send(std::span(&w, 1));
   }

@@ -131,7 +131,7 @@ grep -q '"session %s: %zu requests failed (ENOTCONN): no path for pending_timeou
 check "the transport's pending_timeout line is still the one parsed" [ $? = 0 ]
 grep -q '"ibnbd %s: %zu IO parts failed (%s): %s for remap_timeout (%lld ms)"' "$src/client/src/lib/session.cc"
 check "the block layer's remap_timeout line is still the one parsed" [ $? = 0 ]
-grep -q '"ibtrs %lld.%03lld %s: "' "$src/transport/src/common/log.cc"
+grep -q '"ibtrs %lld.%03lld %s: "' "$src/base/src/log.cc"
 check "the log's prefix is still 'ibtrs EPOCH.mmm LEVEL: ' (wall clock, as the writer's times)" [ $? = 0 ]
 
 echo "1..$n"

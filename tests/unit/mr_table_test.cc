@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common/secure_random.h"
+#include "fabric/secure_random.h"
 #include "fabric/mr_table.h"
 
 namespace ibtrs::fabric {

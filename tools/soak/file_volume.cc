@@ -59,12 +59,12 @@ class FileVolume final : public migrate::Volume {
   }
   Status write(const migrate::IoBuffer& buf, size_t buf_off, uint64_t off, size_t len, bool fua,
                migrate::VolumeDone done) override {
-    IBTRS_TRY(check(buf, buf_off, off, len));
+    BASE_TRY(check(buf, buf_off, off, len));
     return queue(Op{Op::write, fua, buf.data() + buf_off, off, len, done});
   }
   Status read(const migrate::IoBuffer& buf, size_t buf_off, uint64_t off, size_t len,
               migrate::VolumeDone done) override {
-    IBTRS_TRY(check(buf, buf_off, off, len));
+    BASE_TRY(check(buf, buf_off, off, len));
     return queue(Op{Op::read, false, buf.data() + buf_off, off, len, done});
   }
   Status flush(migrate::VolumeDone done) override { return queue(Op{Op::flush, false, nullptr, 0, 0, done}); }

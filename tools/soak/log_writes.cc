@@ -153,7 +153,7 @@ Result<Point> parse_point(std::string_view s) {
 }
 
 Result<ReplayStats> replay(Source& log, Sink& target, const ReplayOptions& o, std::string* why) {
-  IBTRS_ASSIGN_OR_RETURN(Reader r, Reader::open(log, why));
+  BASE_ASSIGN_OR_RETURN(Reader r, Reader::open(log, why));
   const uint32_t ss = r.sectorsize();
   // Pass 1: find both points and check every entry of the range, writing nothing.
   bool started = !o.start_after.has_value();
@@ -161,7 +161,7 @@ Result<ReplayStats> replay(Source& log, Sink& target, const ReplayOptions& o, st
   std::optional<uint64_t> last;
   uint64_t largest = 0;
   while (!last) {
-    IBTRS_ASSIGN_OR_RETURN(auto e, r.next(why));
+    BASE_ASSIGN_OR_RETURN(auto e, r.next(why));
     if (!e) break;
     if (!started) {
       if (o.to.matches(*e))
@@ -174,7 +174,7 @@ Result<ReplayStats> replay(Source& log, Sink& target, const ReplayOptions& o, st
       }
       continue;
     }
-    if (e->has_data() || e->is_discard()) IBTRS_TRY(fits_target(*e, ss, target.size(), why));
+    if (e->has_data() || e->is_discard()) BASE_TRY(fits_target(*e, ss, target.size(), why));
     if (e->has_data()) largest = std::max(largest, e->nr_sectors);
     if (o.to.matches(*e)) last = e->index;
   }
@@ -196,7 +196,7 @@ Result<ReplayStats> replay(Source& log, Sink& target, const ReplayOptions& o, st
   std::vector<std::byte> buf(static_cast<size_t>(std::min<uint64_t>(kChunk, largest * ss)));
   r.seek(first_index, first_offset);
   for (;;) {
-    IBTRS_ASSIGN_OR_RETURN(auto e, r.next(why));
+    BASE_ASSIGN_OR_RETURN(auto e, r.next(why));
     if (!e) break;  // cannot happen: pass 1 found `last` in the same bytes
     if (o.drop && e->index == *o.drop) {
       ++st.dropped;
@@ -236,11 +236,11 @@ Result<ReplayStats> replay(Source& log, Sink& target, const ReplayOptions& o, st
 }
 
 Status for_each(Source& log, const std::function<Status(const Entry&)>& fn, std::string* why) {
-  IBTRS_ASSIGN_OR_RETURN(Reader r, Reader::open(log, why));
+  BASE_ASSIGN_OR_RETURN(Reader r, Reader::open(log, why));
   for (;;) {
-    IBTRS_ASSIGN_OR_RETURN(auto e, r.next(why));
+    BASE_ASSIGN_OR_RETURN(auto e, r.next(why));
     if (!e) return {};
-    IBTRS_TRY(fn(*e));
+    BASE_TRY(fn(*e));
   }
 }
 
@@ -362,7 +362,7 @@ class FdSink final : public Sink {
     const std::vector<std::byte> zeroes(static_cast<size_t>(std::min<uint64_t>(kChunk, len)));
     for (uint64_t done = 0; done < len;) {
       const size_t n = static_cast<size_t>(std::min<uint64_t>(zeroes.size(), len - done));
-      IBTRS_TRY(write_at(off + done, {zeroes.data(), n}));
+      BASE_TRY(write_at(off + done, {zeroes.data(), n}));
       done += n;
     }
     return {};
@@ -379,12 +379,12 @@ class FdSink final : public Sink {
 }  // namespace
 
 Result<std::unique_ptr<Source>> open_source(const std::string& path) {
-  IBTRS_ASSIGN_OR_RETURN(Opened o, open_path(path, O_RDONLY));
+  BASE_ASSIGN_OR_RETURN(Opened o, open_path(path, O_RDONLY));
   return std::unique_ptr<Source>(new FdSource(std::move(o)));
 }
 
 Result<std::unique_ptr<Sink>> open_sink(const std::string& path) {
-  IBTRS_ASSIGN_OR_RETURN(Opened o, open_path(path, O_RDWR));
+  BASE_ASSIGN_OR_RETURN(Opened o, open_path(path, O_RDWR));
   return std::unique_ptr<Sink>(new FdSink(std::move(o)));
 }
 

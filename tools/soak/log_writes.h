@@ -32,13 +32,13 @@
 #include <string_view>
 #include <vector>
 
-#include "common/le.h"
+#include "base/le.h"
 #include "ibtrs/result.h"
 
 namespace ibnbd::soak::logwrites {
 
-using ibtrs::le32;
-using ibtrs::le64;
+using base::le32;
+using base::le64;
 
 inline constexpr uint64_t kMagic = 0x6a736677736872ull;  // WRITE_LOG_MAGIC
 inline constexpr uint64_t kVersion = 1;                   // WRITE_LOG_VERSION
@@ -63,7 +63,7 @@ struct WireSuper {
   le32 sectorsize;   // bytes per block of the log and per sector of an entry
   unsigned char padding[4];
 };
-IBTRS_WIRE_STRUCT(WireSuper, 32);
+BASE_WIRE_STRUCT(WireSuper, 32);
 
 // struct log_write_entry
 struct WireEntry {
@@ -72,7 +72,7 @@ struct WireEntry {
   le64 flags;        // kFlush | kFua | kDiscard | kMark | kMetadata
   le64 data_len;     // a MARK's name length; 0 otherwise (inline data: not from this kernel)
 };
-IBTRS_WIRE_STRUCT(WireEntry, 32);
+BASE_WIRE_STRUCT(WireEntry, 32);
 
 // Where the log's bytes come from: a file or block device (FdSource), memory in the tests.
 class Source {

@@ -147,8 +147,8 @@ Result<Address> resolve_gid_address(const Address& a, bool source, std::string* 
 Status check_gid_path(const PathSpec& p, std::string* why) {
   if (!p.destination.gid && !(p.source && p.source->gid)) return {};
   const auto tables = read_gid_tables();
-  if (p.source) IBTRS_TRY(resolve_gid_address(*p.source, true, tables, why));
-  IBTRS_TRY(resolve_gid_address(p.destination, false, tables, why));
+  if (p.source) BASE_TRY(resolve_gid_address(*p.source, true, tables, why));
+  BASE_TRY(resolve_gid_address(p.destination, false, tables, why));
   return {};
 }
 

@@ -6,12 +6,12 @@
 #include <cstring>
 #include <random>
 
-#include "common/text.h"
+#include "base/text.h"
 
 namespace ibtrs {
 
 Result<PathSpec> PathSpec::parse(std::string_view text, FabricKind default_fabric, uint16_t port) {
-  text = trim(text);  // sysfs writes end in a newline
+  text = base::trim(text);  // sysfs writes end in a newline
   if (text.empty()) return errc(EINVAL);
   // "src@dst" (the kernel's path names) or "[src,]dst" (its add_path syntax). An IPv6 address
   // contains neither ',' nor '@', so the separators are unambiguous.

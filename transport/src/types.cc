@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <charconv>
 
-#include "common/text.h"
+#include "base/text.h"
 
 namespace ibtrs {
 
@@ -31,7 +31,7 @@ std::string_view to_string(ServerPathState s) {
 }
 
 Result<MpPolicy> parse_mp_policy(std::string_view t) {
-  t = trim(t);
+  t = base::trim(t);
   if (t == "round-robin" || t == "rr" || t == "0") return MpPolicy::round_robin;
   if (t == "min-inflight" || t == "mi" || t == "1") return MpPolicy::min_inflight;
   if (t == "min-latency" || t == "ml" || t == "2") return MpPolicy::min_latency;
@@ -48,7 +48,7 @@ std::string_view to_string(MpPolicy p) {
 }
 
 Result<int32_t> parse_max_reconnect_attempts(std::string_view t) {
-  t = trim(t);
+  t = base::trim(t);
   int32_t v = 0;
   auto [p, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
   if (t.empty() || ec != std::errc{} || p != t.data() + t.size() || v < -1 || v > 9999)
@@ -57,7 +57,7 @@ Result<int32_t> parse_max_reconnect_attempts(std::string_view t) {
 }
 
 Result<StatsGroup> parse_stats_group(std::string_view t) {
-  t = trim(t);
+  t = base::trim(t);
   for (auto g : {StatsGroup::all, StatsGroup::rdma, StatsGroup::rdma_lat, StatsGroup::wc_completion,
                  StatsGroup::sg_entries, StatsGroup::cpu_migration, StatsGroup::reconnects, StatsGroup::fence})
     if (t == to_string(g)) return g;

@@ -22,11 +22,13 @@
 #include <string_view>
 #include <vector>
 
-#include "common/le.h"
+#include "base/le.h"
 #include "fabric/fabric.h"
 
 using namespace ibtrs;
 using namespace ibtrs::fabric;
+using base::le32;
+using base::le64;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -46,7 +48,7 @@ struct BufferInfo {
   le32 block_size;  // client: verify block size; server: 0
   le32 reserved2;   // 0
 };
-IBTRS_WIRE_STRUCT(BufferInfo, 32);
+BASE_WIRE_STRUCT(BufferInfo, 32);
 
 struct Options {
   std::string mode;

@@ -30,7 +30,7 @@
 #include <string_view>
 
 #include "ibnbd/types.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ibnbd {
 
@@ -67,7 +67,7 @@ inline constexpr std::string_view kSessNamePlaceholder = "%SESSNAME%";
 
 struct ExportTarget {
   enum class Kind : uint8_t { file, block_device, rbd };  // rbd: RbdCluster::open (rbd.h)
-  UniqueFd root;          // the search root, O_PATH | O_DIRECTORY
+  base::UniqueFd root;          // the search root, O_PATH | O_DIRECTORY
   std::string root_path;  // the search path with %SESSNAME% substituted (for logs)
   std::string rel_path;   // dev_name as a clean relative path under root ("a/b.img")
   // Where the name leads under root, symlinks resolved ("c/d.img" for a link a/b.img ->
@@ -181,7 +181,7 @@ class Backend {
                                                   const OpenOptions& o, std::string name);
   Status probe(const OpenOptions& o);
 
-  UniqueFd fd_;
+  base::UniqueFd fd_;
   std::unique_ptr<backend::RbdImage> rbd_;
   std::string name_;
   FileId id_;

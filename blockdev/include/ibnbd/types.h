@@ -9,13 +9,13 @@
 #include <string>
 #include <string_view>
 
-#include "ibtrs/result.h"
+#include "base/result.h"
 
 namespace ibnbd {
 
-using ibtrs::errc;
-using ibtrs::Result;
-using ibtrs::Status;
+using base::errc;
+using base::Result;
+using base::Status;
 
 // Who may hold a device open at once (kernel: RNBD_ACCESS_*). ro: any number of readers; rw: only
 // while no other writer holds it; migration: while fewer than two writers hold it (the source and

@@ -76,7 +76,7 @@ Backend::Backend() = default;
 Backend::~Backend() = default;
 
 Result<std::unique_ptr<Backend>> Backend::open(const ExportTarget& t, const OpenOptions& o) {
-  IBTRS_ASSIGN_OR_RETURN(auto b, open_fd(t.root.get(), t.rel_path, true, o, t.root_path + "/" + t.rel_path));
+  BASE_ASSIGN_OR_RETURN(auto b, open_fd(t.root.get(), t.rel_path, true, o, t.root_path + "/" + t.rel_path));
   // The server counted holders against t.id: serving another store under that key would let
   // the rules judge one file and the IO reach another.
   if (b->id() != t.id) return errc(ESTALE);
@@ -93,9 +93,9 @@ Result<std::unique_ptr<Backend>> Backend::open_fd(int dirfd, const std::string& 
   // because io_uring turns O_NONBLOCK files into -EAGAIN completions instead of waiting.
   // O_EXCL without O_CREAT claims a block device and is ignored for files (open(2)).
   int flags = (o.read_only ? O_RDONLY : O_RDWR) | O_NONBLOCK | (o.exclusive ? O_EXCL : 0);
-  UniqueFd fd;
+  base::UniqueFd fd;
   if (beneath) {
-    IBTRS_ASSIGN_OR_RETURN(fd,
+    BASE_ASSIGN_OR_RETURN(fd,
                            backend::openat2_beneath(dirfd, path, flags, backend::kResolveExport));
   } else {
     int f = ::openat(dirfd, path.c_str(), flags | O_CLOEXEC);
@@ -115,7 +115,7 @@ Result<std::unique_ptr<Backend>> Backend::open_fd(int dirfd, const std::string& 
   b->id_ = file_id_of(st);
   b->kind_ = S_ISBLK(st.st_mode) ? Kind::block_device : Kind::file;
   b->read_only_ = o.read_only;
-  IBTRS_TRY(b->probe(o));
+  BASE_TRY(b->probe(o));
   return b;
 }
 
@@ -171,7 +171,7 @@ Status Backend::probe(const OpenOptions& o) {
     if (want_direct) a = file_direct_align(fd, st);
     if (want_direct && a.io == 0) {
       if (o.direct == DirectIo::require) return errc(EINVAL);
-      IBTRS_TRY(set_direct(fd, false));
+      BASE_TRY(set_direct(fd, false));
     }
     direct_ = a.io != 0;
     if (!direct_) {

@@ -113,7 +113,7 @@ Result<ExportTarget> resolve_export(std::string_view search_path_template,
     int e = errno;
     return refuse(why, e, "search root " + root_clean + ": " + std::generic_category().message(e));
   }
-  UniqueFd root_fd(rfd);
+  base::UniqueFd root_fd(rfd);
   auto target = backend::openat2_beneath(root_fd.get(), rel, O_PATH, backend::kResolveExport);
   if (!target) {
     int e = target.error().value();

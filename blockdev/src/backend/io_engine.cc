@@ -63,7 +63,7 @@ bool on_rbd(const Backend* b) { return b->kind() == Backend::Kind::rbd; }
 struct IoEngine::Impl {
   io_uring ring{};
   bool ring_ready = false;
-  UniqueFd efd;
+  base::UniqueFd efd;
   EngineCaps caps;
   uint32_t depth = 0;
   std::vector<Slot> slots;
@@ -276,7 +276,7 @@ void IoEngine::Impl::plan(Slot& s) {
 Status IoEngine::submit(const IoRequest& r) {
   Impl& m = *impl_;
   m.check_owner();
-  IBTRS_TRY(m.validate(r));
+  BASE_TRY(m.validate(r));
   if (m.free_slots.empty()) return errc(EAGAIN);
   if (r.op == IoOp::discard || r.op == IoOp::secure_erase || r.op == IoOp::block_status) {
     if ((r.backend->kind() == Backend::Kind::block_device || r.op == IoOp::block_status) && !m.worker) {

@@ -12,14 +12,14 @@
 
 namespace ibnbd::backend {
 
-Result<UniqueFd> openat2_beneath(int dirfd, const std::string& rel, int flags, uint64_t resolve) {
+Result<base::UniqueFd> openat2_beneath(int dirfd, const std::string& rel, int flags, uint64_t resolve) {
   open_how how{};
   how.flags = static_cast<uint64_t>(flags) | O_CLOEXEC;
   how.resolve = resolve;
   // A handful of retries: EAGAIN only comes from a concurrent rename during the walk.
   for (int attempt = 0;; ++attempt) {
     long fd = ::syscall(SYS_openat2, dirfd, rel.c_str(), &how, sizeof(how));
-    if (fd >= 0) return UniqueFd(static_cast<int>(fd));
+    if (fd >= 0) return base::UniqueFd(static_cast<int>(fd));
     int e = errno;
     if ((e == EAGAIN || e == EINTR) && attempt < 8) continue;
     return errc(e);

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "ibnbd/types.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 namespace ibnbd::backend {
 
@@ -18,7 +18,7 @@ inline constexpr uint64_t kResolveExport = 0x08 /* RESOLVE_BENEATH */ | 0x02 /* 
 
 // openat2(2) by syscall number. Retries EAGAIN (RESOLVE_BENEATH refuses a walk that raced with a
 // rename; openat2(2) says to retry) and EINTR a few times. ENOSYS when the kernel lacks it.
-Result<UniqueFd> openat2_beneath(int dirfd, const std::string& rel, int flags, uint64_t resolve);
+Result<base::UniqueFd> openat2_beneath(int dirfd, const std::string& rel, int flags, uint64_t resolve);
 
 // A block device's queue limits from /sys/dev/block/MAJ:MIN/queue (or the parent's for a
 // partition). Missing files read as nullopt.

@@ -222,7 +222,7 @@ Status check_acl_rule(const AclRule& r) {
 }
 
 Status ExportAcl::set_host(std::string host, std::vector<AclRule> rules) {
-  for (const auto& r : rules) IBTRS_TRY(check_acl_rule(r));
+  for (const auto& r : rules) BASE_TRY(check_acl_rule(r));
   hosts_[std::move(host)] = std::move(rules);
   return {};
 }

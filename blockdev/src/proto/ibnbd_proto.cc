@@ -116,7 +116,7 @@ Status check_geometry(const DeviceGeometry& g) {
 }
 
 Status check_io(const Io& io) {
-  IBTRS_TRY(pack_rw(io.op, io.flags));
+  BASE_TRY(pack_rw(io.op, io.flags));
   if ((io.flags & kIoNoUnmap) != 0 && io.op != IoOp::write_zeroes) return errc(EINVAL);
   // A question, not an IO: there is nothing to make durable or to order against.
   if (io.op == IoOp::block_status && io.flags != 0) return errc(EINVAL);
@@ -168,7 +168,7 @@ Result<size_t> encode_sess_info_rsp(std::span<std::byte> out, const SessInfoRsp&
 
 Result<size_t> encode_open(std::span<std::byte> out, const Open& m) {
   if (!known_mode(static_cast<uint8_t>(m.mode))) return errc(EINVAL);
-  IBTRS_TRY(check_dev_name(m.dev_name));
+  BASE_TRY(check_dev_name(m.dev_name));
   if (m.flags & ~kOpenFlagsMask) return errc(EINVAL);
   OpenMsg w{};
   w.hdr = make_hdr(MsgType::open);
@@ -180,7 +180,7 @@ Result<size_t> encode_open(std::span<std::byte> out, const Open& m) {
 
 Result<size_t> encode_open_rsp(std::span<std::byte> out, const OpenRsp& m) {
   const DeviceGeometry& g = m.geo;
-  IBTRS_TRY(check_geometry(g));
+  BASE_TRY(check_geometry(g));
   OpenRspMsg w{};
   w.hdr = make_hdr(MsgType::open_rsp);
   w.device_id.set(m.device_id);
@@ -207,7 +207,7 @@ Result<size_t> encode_close(std::span<std::byte> out, const Close& m) {
 }
 
 Result<size_t> encode_io(std::span<std::byte> out, const Io& m) {
-  IBTRS_TRY(check_io(m));
+  BASE_TRY(check_io(m));
   IoMsg w{};
   w.hdr = make_hdr(MsgType::io);
   w.device_id.set(m.device_id);
@@ -241,7 +241,7 @@ Status check_watch_rsp(uint64_t epoch, uint32_t total, std::span<const WatchEntr
 }  // namespace
 
 Result<size_t> encode_watch_rsp(std::span<std::byte> out, const WatchRsp& m) {
-  IBTRS_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
+  BASE_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
   if (out.size() < sizeof(WatchRspMsg)) return errc(ENOBUFS);
   const size_t fit = std::min(m.entries.size(), (out.size() - sizeof(WatchRspMsg)) / kWatchEntryBytes);
   WatchRspMsg w{};
@@ -278,7 +278,7 @@ Status check_extents(std::span<const Extent> extents, uint64_t range_len) {
 
 Result<size_t> encode_block_status_rsp(std::span<std::byte> out, std::span<const Extent> extents,
                                        uint64_t range_len) {
-  IBTRS_TRY(check_extents(extents, range_len));
+  BASE_TRY(check_extents(extents, range_len));
   const size_t len = sizeof(BlockStatusRspMsg) + extents.size() * sizeof(ExtentMsg);
   if (out.size() < len) return errc(ENOBUFS);
   BlockStatusRspMsg w{};
@@ -312,13 +312,13 @@ Result<MsgType> peek_type(std::span<const std::byte> msg) {
 Result<SessInfo> decode_sess_info(std::span<const std::byte> usr, Carrier c) {
   // Reserved bytes and any tail are not checked: the client wrote them before it knew our
   // version, and a newer one may put something there that we must be able to ignore.
-  IBTRS_ASSIGN_OR_RETURN(SessInfoMsg w, load_msg<SessInfoMsg>(usr, MsgType::sess_info, Len::at_least));
+  BASE_ASSIGN_OR_RETURN(SessInfoMsg w, load_msg<SessInfoMsg>(usr, MsgType::sess_info, Len::at_least));
   if (!read_buffer_fits(c, sizeof(SessInfoRspMsg))) return errc(EINVAL);
   return SessInfo{w.ver};
 }
 
 Result<Open> decode_open(std::span<const std::byte> usr, Carrier c) {
-  IBTRS_ASSIGN_OR_RETURN(OpenMsg w, load_msg<OpenMsg>(usr, MsgType::open, Len::exact));
+  BASE_ASSIGN_OR_RETURN(OpenMsg w, load_msg<OpenMsg>(usr, MsgType::open, Len::exact));
   if (w.hdr.reserved.get() != 0 || (w.flags & ~kOpenFlagsMask) != 0 || !all_zero(w.reserved1, sizeof(w.reserved1)))
     return errc(EINVAL);
   if (!known_mode(w.access_mode)) return errc(EINVAL);
@@ -330,22 +330,22 @@ Result<Open> decode_open(std::span<const std::byte> usr, Carrier c) {
   m.mode = static_cast<AccessMode>(w.access_mode);
   m.flags = w.flags;
   m.dev_name.assign(reinterpret_cast<const char*>(w.dev_name), len);
-  IBTRS_TRY(check_dev_name(m.dev_name));
+  BASE_TRY(check_dev_name(m.dev_name));
   if (!read_buffer_fits(c, sizeof(OpenRspMsg))) return errc(EINVAL);
   return m;
 }
 
 Result<Close> decode_close(std::span<const std::byte> usr, Carrier c) {
-  IBTRS_ASSIGN_OR_RETURN(CloseMsg w, load_msg<CloseMsg>(usr, MsgType::close, Len::exact));
+  BASE_ASSIGN_OR_RETURN(CloseMsg w, load_msg<CloseMsg>(usr, MsgType::close, Len::exact));
   if (w.hdr.reserved.get() != 0) return errc(EINVAL);
   if (c != kCloseCarrier) return errc(EINVAL);
   return Close{w.device_id.get()};
 }
 
 Result<Io> decode_io(std::span<const std::byte> usr, Carrier c) {
-  IBTRS_ASSIGN_OR_RETURN(IoMsg w, load_msg<IoMsg>(usr, MsgType::io, Len::exact));
+  BASE_ASSIGN_OR_RETURN(IoMsg w, load_msg<IoMsg>(usr, MsgType::io, Len::exact));
   if (w.hdr.reserved.get() != 0 || !all_zero(w.reserved, sizeof(w.reserved))) return errc(EINVAL);
-  IBTRS_ASSIGN_OR_RETURN(Rw rw, unpack_rw(w.rw.get()));
+  BASE_ASSIGN_OR_RETURN(Rw rw, unpack_rw(w.rw.get()));
   Io m;
   m.device_id = w.device_id.get();
   m.sector = w.sector.get();
@@ -353,7 +353,7 @@ Result<Io> decode_io(std::span<const std::byte> usr, Carrier c) {
   m.flags = rw.flags;
   m.bi_size = w.bi_size.get();
   m.prio = w.prio.get();
-  IBTRS_TRY(check_io(m));
+  BASE_TRY(check_io(m));
   // A WRITE that arrived as a transport READ would store the reply buffer's garbage; a READ
   // whose buffer differs from bi_size would leak or lose bytes.
   if (c != carrier_of(m)) return errc(EINVAL);
@@ -361,7 +361,7 @@ Result<Io> decode_io(std::span<const std::byte> usr, Carrier c) {
 }
 
 Result<Watch> decode_watch(std::span<const std::byte> usr, Carrier c) {
-  IBTRS_ASSIGN_OR_RETURN(WatchMsg w, load_msg<WatchMsg>(usr, MsgType::watch, Len::exact));
+  BASE_ASSIGN_OR_RETURN(WatchMsg w, load_msg<WatchMsg>(usr, MsgType::watch, Len::exact));
   if (w.hdr.reserved.get() != 0 || w.reserved.get() != 0) return errc(EINVAL);
   if (!read_buffer_fits(c, sizeof(WatchRspMsg))) return errc(EINVAL);
   return Watch{w.epoch.get()};
@@ -369,26 +369,26 @@ Result<Watch> decode_watch(std::span<const std::byte> usr, Carrier c) {
 
 Result<Request> decode_request(std::span<const std::byte> usr, Carrier c) {
   Request r;
-  IBTRS_ASSIGN_OR_RETURN(r.type, peek_type(usr));
+  BASE_ASSIGN_OR_RETURN(r.type, peek_type(usr));
   switch (r.type) {
     case MsgType::sess_info: {
-      IBTRS_ASSIGN_OR_RETURN(r.sess_info, decode_sess_info(usr, c));
+      BASE_ASSIGN_OR_RETURN(r.sess_info, decode_sess_info(usr, c));
       return r;
     }
     case MsgType::open: {
-      IBTRS_ASSIGN_OR_RETURN(r.open, decode_open(usr, c));
+      BASE_ASSIGN_OR_RETURN(r.open, decode_open(usr, c));
       return r;
     }
     case MsgType::close: {
-      IBTRS_ASSIGN_OR_RETURN(r.close, decode_close(usr, c));
+      BASE_ASSIGN_OR_RETURN(r.close, decode_close(usr, c));
       return r;
     }
     case MsgType::io: {
-      IBTRS_ASSIGN_OR_RETURN(r.io, decode_io(usr, c));
+      BASE_ASSIGN_OR_RETURN(r.io, decode_io(usr, c));
       return r;
     }
     case MsgType::watch: {
-      IBTRS_ASSIGN_OR_RETURN(r.watch, decode_watch(usr, c));
+      BASE_ASSIGN_OR_RETURN(r.watch, decode_watch(usr, c));
       return r;
     }
     case MsgType::sess_info_rsp:
@@ -401,7 +401,7 @@ Result<Request> decode_request(std::span<const std::byte> usr, Carrier c) {
 }
 
 Result<SessInfoRsp> decode_sess_info_rsp(std::span<const std::byte> buf) {
-  IBTRS_ASSIGN_OR_RETURN(SessInfoRspMsg w,
+  BASE_ASSIGN_OR_RETURN(SessInfoRspMsg w,
                          load_msg<SessInfoRspMsg>(buf, MsgType::sess_info_rsp, Len::at_least));
   // The server answers knowing our version, so unlike SESS_INFO nothing unknown may be set.
   if (w.hdr.reserved.get() != 0 || !all_zero(w.reserved, sizeof(w.reserved))) return errc(EINVAL);
@@ -409,7 +409,7 @@ Result<SessInfoRsp> decode_sess_info_rsp(std::span<const std::byte> buf) {
 }
 
 Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf, uint8_t ver) {
-  IBTRS_ASSIGN_OR_RETURN(OpenRspMsg w, load_msg<OpenRspMsg>(buf, MsgType::open_rsp, Len::at_least));
+  BASE_ASSIGN_OR_RETURN(OpenRspMsg w, load_msg<OpenRspMsg>(buf, MsgType::open_rsp, Len::at_least));
   if (w.hdr.reserved.get() != 0) return errc(EINVAL);
   // Reserved before version 4: a server of an older session never sets it.
   if (ver < kWatchVersion && w.size_epoch.get() != 0) return errc(EINVAL);
@@ -429,12 +429,12 @@ Result<OpenRsp> decode_open_rsp(std::span<const std::byte> buf, uint8_t ver) {
   g.max_segments = w.max_segments.get();
   g.secure_discard = w.secure_discard != 0;
   g.cache_policy = w.cache_policy;
-  IBTRS_TRY(check_geometry(g));
+  BASE_TRY(check_geometry(g));
   return m;
 }
 
 Result<WatchRsp> decode_watch_rsp(std::span<const std::byte> buf) {
-  IBTRS_ASSIGN_OR_RETURN(WatchRspMsg w, load_msg<WatchRspMsg>(buf, MsgType::watch_rsp, Len::at_least));
+  BASE_ASSIGN_OR_RETURN(WatchRspMsg w, load_msg<WatchRspMsg>(buf, MsgType::watch_rsp, Len::at_least));
   if (w.hdr.reserved.get() != 0 || w.reserved.get() != 0) return errc(EINVAL);
   const uint32_t count = w.count.get();
   // The entries the header counts must lie in the buffer: nothing is read past it, and a count
@@ -451,13 +451,13 @@ Result<WatchRsp> decode_watch_rsp(std::span<const std::byte> buf) {
     if (e.reserved.get() != 0) return errc(EINVAL);
     m.entries.push_back(WatchEntry{e.device_id.get(), e.nsectors.get()});
   }
-  IBTRS_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
+  BASE_TRY(check_watch_rsp(m.epoch, m.total, m.entries));
   return m;
 }
 
 Status decode_block_status_rsp(std::span<const std::byte> buf, uint64_t range_len, ExtentList& out) {
   out.count = 0;
-  IBTRS_ASSIGN_OR_RETURN(BlockStatusRspMsg w,
+  BASE_ASSIGN_OR_RETURN(BlockStatusRspMsg w,
                          load_msg<BlockStatusRspMsg>(buf, MsgType::block_status_rsp, Len::at_least));
   if (w.hdr.reserved.get() != 0 || !all_zero(w.reserved, sizeof(w.reserved))) return errc(EINVAL);
   const uint32_t count = w.count.get();

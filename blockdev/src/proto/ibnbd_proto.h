@@ -34,15 +34,15 @@
 #include <string_view>
 #include <vector>
 
-#include "common/le.h"
+#include "base/le.h"
 #include "ibnbd/types.h"
 #include "ibtrs/client.h"
 
 namespace ibnbd::proto {
 
-using ibtrs::le16;
-using ibtrs::le32;
-using ibtrs::le64;
+using base::le16;
+using base::le32;
+using base::le64;
 
 // Protocol version carried by SESS_INFO (kernel: RNBD_PROTO_VER_MAJOR). Both sides use the
 // lower of the two; a peer below kMinProtoVersion is refused. 3: OPEN carries flags
@@ -85,7 +85,7 @@ struct MsgHdr {
   le16 type;      // MsgType
   le16 reserved;  // 0
 };
-IBTRS_WIRE_STRUCT(MsgHdr, 4);
+BASE_WIRE_STRUCT(MsgHdr, 4);
 
 // Client -> server, first request of a session (and again after every reconnect).
 struct SessInfoMsg {
@@ -93,7 +93,7 @@ struct SessInfoMsg {
   uint8_t ver;            // highest version the client speaks
   uint8_t reserved[31];   // 0 from us; ignored, since a newer client may use them
 };
-IBTRS_WIRE_STRUCT(SessInfoMsg, 36);
+BASE_WIRE_STRUCT(SessInfoMsg, 36);
 
 // Server -> client, written into the SESS_INFO request's read buffer.
 struct SessInfoRspMsg {
@@ -101,7 +101,7 @@ struct SessInfoRspMsg {
   uint8_t ver;            // the version both sides now use: min(client's, server's)
   uint8_t reserved[31];   // 0
 };
-IBTRS_WIRE_STRUCT(SessInfoRspMsg, 36);
+BASE_WIRE_STRUCT(SessInfoRspMsg, 36);
 
 struct OpenMsg {
   MsgHdr hdr;                       // MsgType::open
@@ -111,7 +111,7 @@ struct OpenMsg {
                                     // 1..254 bytes, no control characters, NUL padded
   uint8_t reserved1[3];             // 0
 };
-IBTRS_WIRE_STRUCT(OpenMsg, 264);
+BASE_WIRE_STRUCT(OpenMsg, 264);
 
 // Server -> client, written into the OPEN request's read buffer. Same size as the kernel's, but
 // the block sizes are 32-bit (the kernel's le16 cannot say 64 KiB) and the obsolete rotational
@@ -133,13 +133,13 @@ struct OpenRspMsg {
   le64 size_epoch;                // version 4: the session's size epoch when nsectors was read
                                   // (WATCH_RSP); 0 before (a reserved field then)
 };
-IBTRS_WIRE_STRUCT(OpenRspMsg, 56);
+BASE_WIRE_STRUCT(OpenRspMsg, 56);
 
 struct CloseMsg {
   MsgHdr hdr;      // MsgType::close
   le32 device_id;  // from OPEN_RSP
 };
-IBTRS_WIRE_STRUCT(CloseMsg, 8);
+BASE_WIRE_STRUCT(CloseMsg, 8);
 
 struct IoMsg {
   MsgHdr hdr;          // MsgType::io
@@ -151,7 +151,7 @@ struct IoMsg {
   le16 prio;           // ioprio of the request, passed to the backend as is
   uint8_t reserved[6]; // 0
 };
-IBTRS_WIRE_STRUCT(IoMsg, 32);
+BASE_WIRE_STRUCT(IoMsg, 32);
 
 // Client -> server (version 4): left outstanding, one per session. `epoch` is the last size
 // epoch the client saw (a WATCH_RSP's, 0 for none); the server answers at once when the
@@ -162,7 +162,7 @@ struct WatchMsg {
   le32 reserved;      // 0
   le64 epoch;
 };
-IBTRS_WIRE_STRUCT(WatchMsg, 16);
+BASE_WIRE_STRUCT(WatchMsg, 16);
 
 // Server -> client, written into the WATCH request's read buffer: the session's epoch and the
 // size of every device it has open, by id (ascending). When the buffer holds fewer entries than
@@ -174,14 +174,14 @@ struct WatchRspMsg {
   le32 reserved;      // 0
   le64 epoch;         // the session's size epoch, never 0
 };
-IBTRS_WIRE_STRUCT(WatchRspMsg, 24);
+BASE_WIRE_STRUCT(WatchRspMsg, 24);
 
 struct WatchEntryMsg {
   le32 device_id;     // as OPEN_RSP gave it
   le32 reserved;      // 0
   le64 nsectors;      // the device's size now, in 512-byte sectors
 };
-IBTRS_WIRE_STRUCT(WatchEntryMsg, 16);
+BASE_WIRE_STRUCT(WatchEntryMsg, 16);
 
 // Server -> client (version 5), written into the read buffer of an IO of op block_status
 // (IoMsg's sector and bi_size are the range): extents in order from the range's start, without
@@ -191,13 +191,13 @@ struct BlockStatusRspMsg {
   le32 count;           // extents that follow, 1..kMaxExtents
   uint8_t reserved[8];  // 0
 };
-IBTRS_WIRE_STRUCT(BlockStatusRspMsg, 16);
+BASE_WIRE_STRUCT(BlockStatusRspMsg, 16);
 
 struct ExtentMsg {
   le32 length;  // bytes, a multiple of 512, > 0 (a range is at most bi_size: 32 bits)
   le32 flags;   // ExtentFlag bits (hole 1, zero 2); others 0
 };
-IBTRS_WIRE_STRUCT(ExtentMsg, 8);
+BASE_WIRE_STRUCT(ExtentMsg, 8);
 
 // The read buffer of a block_status IO: the header and kMaxExtents entries, whatever count the
 // answer has.

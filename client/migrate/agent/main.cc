@@ -43,7 +43,7 @@
 #include "ibnbd/migrate_image.h"
 #include "ibnbd/migrate_volume.h"
 #include "ibnbd/types.h"
-#include "common/unix_socket.h"
+#include "base/unix_socket.h"
 #include "ibtrs/path_spec.h"
 #include "output.h"
 #ifdef IBNBD_MIGRATE_RDMA
@@ -230,7 +230,7 @@ class Ticker {
 Result<int> connect_retrying(const std::string& path) {
   Result<int> c = ibtrs::errc(ENOENT);
   for (int i = 0; i < 100; ++i) {
-    c = ibtrs::unix_connect(path);
+    c = base::unix_connect(path);
     if (c || (c.error().value() != ENOENT && c.error().value() != ECONNREFUSED)) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -244,7 +244,7 @@ Status produce(ImageWriter& w, uint32_t stream, std::span<const std::byte> bytes
     if (!span) return span.error();
     const size_t n = std::min(span->size(), bytes.size());
     std::memcpy(span->data(), bytes.data(), n);
-    IBTRS_TRY(w.produced(stream, n));
+    BASE_TRY(w.produced(stream, n));
     bytes = bytes.subspan(n);
   }
   return {};
@@ -270,7 +270,7 @@ Status pump_in(ImageWriter& w, uint32_t stream, int fd) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return ibtrs::errc(errno);
     if (n == 0) return {};
-    IBTRS_TRY(w.produced(stream, static_cast<size_t>(n)));
+    BASE_TRY(w.produced(stream, static_cast<size_t>(n)));
   }
 }
 
@@ -349,7 +349,7 @@ int do_save(const Args& a, ImageStore& store) {
   o.ring_chunks = std::max<uint32_t>(32, 4 * o.streams);
   int listen_fd = -1;
   if (!a.unix_path.empty()) {
-    auto l = ibtrs::unix_listen(a.unix_path, kMaxStreams, false);
+    auto l = base::unix_listen(a.unix_path, kMaxStreams, false);
     if (!l) return fail("listen on " + a.unix_path, l.error());
     listen_fd = *l;
     std::fprintf(stderr, "ibnbd-migrate: waiting for QEMU on %s (%u stream%s)\n", a.unix_path.c_str(),
@@ -445,7 +445,7 @@ Status pump_out(ImageReader& r, uint32_t stream, int fd, std::atomic<uint64_t>& 
       return p.error();
     }
     if (p->empty()) return {};
-    IBTRS_TRY(write_all(fd, p->data(), p->size()));
+    BASE_TRY(write_all(fd, p->data(), p->size()));
     done += p->size();
   }
 }

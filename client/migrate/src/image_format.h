@@ -11,13 +11,13 @@
 #include <string>
 #include <string_view>
 
-#include "common/le.h"
+#include "base/le.h"
 #include "ibnbd/migrate_image.h"
 
 namespace ibnbd::migrate::fmt {
 
-using ibtrs::le32;
-using ibtrs::le64;
+using base::le32;
+using base::le64;
 
 inline constexpr uint32_t kVersion = 1;
 inline constexpr size_t kBlock = 4096;                 // directory and header size
@@ -38,7 +38,7 @@ struct Slot {
   le32 state;            // SlotState
   unsigned char reserved[44];
 };
-IBTRS_WIRE_STRUCT(Slot, 128);
+BASE_WIRE_STRUCT(Slot, 128);
 
 struct Directory {
   char magic[8];         // "IBNBDDIR"
@@ -51,7 +51,7 @@ struct Directory {
   Slot slots[kSlots];
   unsigned char reserved1[192];
 };
-IBTRS_WIRE_STRUCT(Directory, kBlock);
+BASE_WIRE_STRUCT(Directory, kBlock);
 static_assert(offsetof(Directory, crc) == 60 && offsetof(Directory, slots) == 64);
 
 struct StreamDesc {
@@ -59,7 +59,7 @@ struct StreamDesc {
   le64 chunks;           // pieces (index entries) of the stream
   le64 first_entry;      // its first index entry
 };
-IBTRS_WIRE_STRUCT(StreamDesc, 24);
+BASE_WIRE_STRUCT(StreamDesc, 24);
 
 struct Header {
   char magic[8];         // "IBNBDIMG"
@@ -83,7 +83,7 @@ struct Header {
   unsigned char reserved1[3476];
   le32 crc;              // CRC32C of the header with this field zero
 };
-IBTRS_WIRE_STRUCT(Header, kBlock);
+BASE_WIRE_STRUCT(Header, kBlock);
 static_assert(offsetof(Header, extent_length) == 184 && offsetof(Header, streams) == 232 &&
               offsetof(Header, crc) == 4092);
 
@@ -93,7 +93,7 @@ struct IndexEntry {
   le32 length;           // bytes (chunk_size except for a stream's last piece)
   le32 reserved;
 };
-IBTRS_WIRE_STRUCT(IndexEntry, 16);
+BASE_WIRE_STRUCT(IndexEntry, 16);
 
 // Names: 1..63 bytes, no '/', no control characters, not "." or "..".
 bool valid_name(std::string_view name);

@@ -157,7 +157,7 @@ struct ImageStore::Impl {
     std::error_code first_bad;
     std::string bad_copy;
     for (uint64_t off : {uint64_t{0}, mirror_offset()}) {
-      IBTRS_TRY(sync_read(vol, *meta, off, kBlock));
+      BASE_TRY(sync_read(vol, *meta, off, kBlock));
       Directory d;
       std::memcpy(&d, meta->data(), kBlock);
       auto v = decode(d, vol.size());
@@ -189,8 +189,8 @@ struct ImageStore::Impl {
     encode(d, raw);
     std::memcpy(meta->data(), &raw, kBlock);
     // Primary then mirror, each stable before the next: a crash leaves one valid copy.
-    IBTRS_TRY(sync_write(vol, *meta, 0, kBlock, true));
-    IBTRS_TRY(sync_write(vol, *meta, mirror_offset(), kBlock, true));
+    BASE_TRY(sync_write(vol, *meta, 0, kBlock, true));
+    BASE_TRY(sync_write(vol, *meta, mirror_offset(), kBlock, true));
     dir = d;
     formatted = true;
     return {};
@@ -201,7 +201,7 @@ struct ImageStore::Impl {
   Result<Header> read_header(const DirView::Entry& e) {
     std::string why_not;
     for (uint64_t off : {e.start, e.start + e.length - kBlock}) {
-      IBTRS_TRY(sync_read(vol, *meta, off, kBlock));
+      BASE_TRY(sync_read(vol, *meta, off, kBlock));
       Header h;
       std::memcpy(&h, meta->data(), kBlock);
       auto c = check(h, e.length);
@@ -260,14 +260,14 @@ Result<std::unique_ptr<ImageStore>> ImageStore::open(Volume& volume) {
     return err(EINVAL);  // directory and headers are 4 KiB blocks
   if (volume.size() < 4 * kExtentAlign) return err(ENOSPC);
   auto impl = std::make_unique<Impl>(volume);
-  IBTRS_ASSIGN_OR_RETURN(impl->meta, volume.alloc(kBlock));
-  IBTRS_TRY(impl->read_dir());
+  BASE_ASSIGN_OR_RETURN(impl->meta, volume.alloc(kBlock));
+  BASE_TRY(impl->read_dir());
   return std::unique_ptr<ImageStore>(new ImageStore(std::move(impl)));
 }
 
 Result<std::vector<ImageInfo>> ImageStore::list() {
   auto& m = *impl_;
-  IBTRS_TRY(m.read_dir());
+  BASE_TRY(m.read_dir());
   std::vector<ImageInfo> out;
   for (const auto& e : m.dir.slots) {
     if (e.state == kSlotFree) continue;
@@ -290,7 +290,7 @@ Result<std::vector<ImageInfo>> ImageStore::list() {
 
 Status ImageStore::remove(std::string_view name) {
   auto& m = *impl_;
-  IBTRS_TRY(m.read_dir());
+  BASE_TRY(m.read_dir());
   auto* e = m.find(name);
   if (e == nullptr) return m.fail(err(ENOENT), "no image named " + std::string(name));
   const DirView::Entry gone = *e;
@@ -550,14 +550,14 @@ Status ImageWriter::commit() {
   }
   const auto index_span = std::as_bytes(std::span(index));
   const uint32_t index_crc = crc32c(index_span);
-  IBTRS_ASSIGN_OR_RETURN(auto ibuf, w.vol.alloc(ibytes));
+  BASE_ASSIGN_OR_RETURN(auto ibuf, w.vol.alloc(ibytes));
   std::memset(ibuf->data(), 0, ibytes);
   std::memcpy(ibuf->data(), index_span.data(), index_span.size());
-  IBTRS_TRY(sync_write(w.vol, *ibuf, w.slot.start + index_off, ibytes, false));
+  BASE_TRY(sync_write(w.vol, *ibuf, w.slot.start + index_off, ibytes, false));
   const Header h = w.header(ImageState::committed, extent, index_off, index, index_crc);
-  IBTRS_TRY(w.write_header(h, w.slot.start + extent - kBlock, false));
-  IBTRS_TRY(sync_flush(w.vol));
-  IBTRS_TRY(w.write_header(h, w.slot.start, true));
+  BASE_TRY(w.write_header(h, w.slot.start + extent - kBlock, false));
+  BASE_TRY(sync_flush(w.vol));
+  BASE_TRY(w.write_header(h, w.slot.start, true));
   // The image is committed now (the header decides); the directory catches up. If this write
   // fails, the next directory update reconciles the slot (ImageStore::Impl::reconcile).
   auto& e = w.store.dir.slots[w.slot_index];
@@ -573,7 +573,7 @@ Result<std::unique_ptr<ImageWriter>> ImageStore::create(const CreateOptions& o) 
       o.chunk_size > kMaxChunk || (o.chunk_size & (o.chunk_size - 1)) != 0 ||
       o.ring_chunks < o.streams + 1 || o.ring_chunks > 1024)
     return m.fail(err(EINVAL), "bad image options");
-  IBTRS_TRY(m.read_dir());
+  BASE_TRY(m.read_dir());
   m.reconcile();  // before looking for space: a reconciled slot gives back its unused extent
   if (m.find(o.name)) return m.fail(err(EEXIST), "an image named " + o.name + " exists");
   uint32_t slot_index = kSlots;
@@ -595,7 +595,7 @@ Result<std::unique_ptr<ImageWriter>> ImageStore::create(const CreateOptions& o) 
   w.slot_index = slot_index;
   w.created_ns = now_ns();
   w.streams.resize(o.streams);
-  IBTRS_ASSIGN_OR_RETURN(w.ring, m.vol.alloc(size_t{o.ring_chunks} * o.chunk_size));
+  BASE_ASSIGN_OR_RETURN(w.ring, m.vol.alloc(size_t{o.ring_chunks} * o.chunk_size));
   w.ctxs.reserve(o.ring_chunks);
   for (uint32_t i = 0; i < o.ring_chunks; ++i) w.ctxs.push_back({&w, i});
   for (uint32_t i = o.ring_chunks; i-- > 0;) w.free_slots.push_back(i);
@@ -605,7 +605,7 @@ Result<std::unique_ptr<ImageWriter>> ImageStore::create(const CreateOptions& o) 
     (void)m.read_dir();
     return r.error();
   }
-  IBTRS_TRY(w.write_header(w.header(ImageState::partial, length, 0, {}, 0), start, true));
+  BASE_TRY(w.write_header(w.header(ImageState::partial, length, 0, {}, 0), start, true));
   return std::unique_ptr<ImageWriter>(new ImageWriter(std::move(impl)));
 }
 
@@ -697,7 +697,7 @@ Result<std::span<const std::byte>> StreamReader::next() {
   auto& r = *impl_;
   const auto& ent = r.entries();
   if (r.returned >= ent.size()) return std::span<const std::byte>{};
-  IBTRS_TRY(r.issue());
+  BASE_TRY(r.issue());
   const uint64_t piece = r.returned;
   const uint32_t si = static_cast<uint32_t>(piece % r.depth);
   {
@@ -740,7 +740,7 @@ Result<std::unique_ptr<StreamReader>> ImageReader::stream(uint32_t index, ReadOp
   // One more slot than read-ahead: the piece the caller holds is not overwritten.
   impl->depth = o.read_ahead + 1;
   impl->slots.resize(impl->depth);
-  IBTRS_ASSIGN_OR_RETURN(impl->ring, m.vol.alloc(size_t{impl->depth} * m.info.chunk_size));
+  BASE_ASSIGN_OR_RETURN(impl->ring, m.vol.alloc(size_t{impl->depth} * m.info.chunk_size));
   return std::unique_ptr<StreamReader>(new StreamReader(std::move(impl)));
 }
 
@@ -750,7 +750,7 @@ Status ImageReader::verify(const std::function<void(const Progress&)>& progress)
   p.total = m.info.total_bytes();
   const auto t0 = std::chrono::steady_clock::now();
   for (uint32_t s = 0; s < m.pieces.size(); ++s) {
-    IBTRS_ASSIGN_OR_RETURN(auto r, stream(s));
+    BASE_ASSIGN_OR_RETURN(auto r, stream(s));
     for (;;) {
       auto piece = r->next();
       if (!piece) {
@@ -768,18 +768,18 @@ Status ImageReader::verify(const std::function<void(const Progress&)>& progress)
 
 Result<std::unique_ptr<ImageReader>> ImageStore::open_image(std::string_view name) {
   auto& m = *impl_;
-  IBTRS_TRY(m.read_dir());
+  BASE_TRY(m.read_dir());
   auto* e = m.find(name);
   if (e == nullptr) return m.fail(err(ENOENT), "no image named " + std::string(name));
-  IBTRS_ASSIGN_OR_RETURN(Header h, m.read_header(*e));
+  BASE_ASSIGN_OR_RETURN(Header h, m.read_header(*e));
   if (h.state.get() != static_cast<uint32_t>(ImageState::committed))
     return m.fail(err(EBUSY), "image " + std::string(name) + " is PARTIAL: its save never completed");
   auto impl = std::make_unique<ImageReader::Impl>(ImageReader::Impl{m, m.vol, info_from(h, *e), 0, {}, {}});
   impl->data_start = e->start + kExtentAlign;
   const uint64_t n = h.index_entries.get();
   const uint64_t ibytes = std::max<uint64_t>(kBlock, round_up(n * sizeof(IndexEntry), kBlock));
-  IBTRS_ASSIGN_OR_RETURN(auto ibuf, m.vol.alloc(ibytes));
-  IBTRS_TRY(sync_read(m.vol, *ibuf, e->start + h.index_offset.get(), ibytes));
+  BASE_ASSIGN_OR_RETURN(auto ibuf, m.vol.alloc(ibytes));
+  BASE_TRY(sync_read(m.vol, *ibuf, e->start + h.index_offset.get(), ibytes));
   std::vector<IndexEntry> index(n);
   std::memcpy(index.data(), ibuf->data(), n * sizeof(IndexEntry));
   if (crc32c(std::as_bytes(std::span(index))) != h.index_crc.get())

@@ -19,7 +19,7 @@
 #include <mutex>
 #include <thread>
 
-#include "common/unix_socket.h"
+#include "base/unix_socket.h"
 #include "ibnbd/migrate_volume.h"
 #include "nbd_proto.h"
 
@@ -116,10 +116,10 @@ class NbdVolume final : public Volume {
   }
 
   static Result<std::unique_ptr<Volume>> connect(const std::string& path, const std::string& name) {
-    auto c = ibtrs::unix_connect(path);
+    auto c = base::unix_connect(path);
     if (!c) return c.error();
     std::unique_ptr<NbdVolume> v(new NbdVolume(*c));
-    IBTRS_TRY(v->handshake(name));
+    BASE_TRY(v->handshake(name));
     v->reader_ = std::thread([p = v.get()] { p->read_replies(); });
     return std::unique_ptr<Volume>(std::move(v));
   }
@@ -138,12 +138,12 @@ class NbdVolume final : public Volume {
   Status write(const IoBuffer& buf, size_t buf_off, uint64_t off, size_t len, bool fua,
                VolumeDone done) override {
     if (read_only_) return errc(EPERM);
-    IBTRS_TRY(check(buf, buf_off, off, len));
+    BASE_TRY(check(buf, buf_off, off, len));
     const uint16_t flags = fua && (tx_flags_ & w::kTxSendFua) ? w::kCmdFlagFua : 0;
     return submit(w::kCmdWrite, flags, off, len, nullptr, buf.data() + buf_off, done);
   }
   Status read(const IoBuffer& buf, size_t buf_off, uint64_t off, size_t len, VolumeDone done) override {
-    IBTRS_TRY(check(buf, buf_off, off, len));
+    BASE_TRY(check(buf, buf_off, off, len));
     return submit(w::kCmdRead, 0, off, len, buf.data() + buf_off, nullptr, done);
   }
   Status flush(VolumeDone done) override {
@@ -173,7 +173,7 @@ class NbdVolume final : public Volume {
 
   Status handshake(const std::string& name) {
     w::ServerGreeting g;
-    IBTRS_TRY(read_full(fd_, &g, sizeof g, kHandshakeTimeoutMs));
+    BASE_TRY(read_full(fd_, &g, sizeof g, kHandshakeTimeoutMs));
     if (g.nbd_magic.get() != w::kNbdMagic || g.opt_magic.get() != w::kOptMagic ||
         !(g.flags.get() & w::kFlagFixedNewstyle))
       return errc(EPROTO);
@@ -190,15 +190,15 @@ class NbdVolume final : public Volume {
     ninfo.set(0);
     iovec iov[] = {{&cflags, sizeof cflags}, {&h, sizeof h}, {&nlen, sizeof nlen},
                    {const_cast<char*>(name.data()), name.size()}, {&ninfo, sizeof ninfo}};
-    IBTRS_TRY(send_full(fd_, iov, 5));
+    BASE_TRY(send_full(fd_, iov, 5));
     bool have_export = false;
     for (int replies = 0; replies < 64; ++replies) {
       w::OptionReplyHdr r;
-      IBTRS_TRY(read_full(fd_, &r, sizeof r, kHandshakeTimeoutMs));
+      BASE_TRY(read_full(fd_, &r, sizeof r, kHandshakeTimeoutMs));
       if (r.magic.get() != w::kRepMagic || r.option.get() != w::kOptGo || r.length.get() > 65536)
         return errc(EPROTO);
       std::string data(r.length.get(), '\0');
-      IBTRS_TRY(read_full(fd_, data.data(), data.size(), kHandshakeTimeoutMs));
+      BASE_TRY(read_full(fd_, data.data(), data.size(), kHandshakeTimeoutMs));
       const uint32_t type = r.type.get();
       if (type == w::kRepAck) {
         if (!have_export) return errc(EPROTO);

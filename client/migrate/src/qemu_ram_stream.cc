@@ -1,4 +1,4 @@
-#include "common/text.h"
+#include "base/text.h"
 #include "qemu_ram_stream.h"
 
 #include <algorithm>
@@ -70,7 +70,7 @@ std::string printable(std::span<const std::byte> s) {
   }
   return r;
 }
-using ibtrs::hex;
+using base::hex;
 
 }  // namespace
 
@@ -170,7 +170,7 @@ struct RamStreamParser::Impl {
       }
       if (st == St::skip) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(skip_left, in.size()));
-        IBTRS_TRY(call(ev.bytes(in.first(n))));
+        BASE_TRY(call(ev.bytes(in.first(n))));
         pos += n;
         in = in.subspan(n);
         skip_left -= n;
@@ -210,13 +210,13 @@ struct RamStreamParser::Impl {
     switch (st) {
       case St::magic:
         if (be32(f) != kQevm) return bad(EBADMSG, "not a QEMU migration stream (no QEVM magic)");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::version, 4);
         return {};
       case St::version:
         if (be32(f) != kFileVersion)
           return bad(EBADMSG, "stream version " + std::to_string(be32(f)) + " (QEMU 7.2 writes 3)");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         return to_sec_type();
       case St::sec_type:
         return section(std::to_integer<uint8_t>(f[0]), f);
@@ -224,25 +224,25 @@ struct RamStreamParser::Impl {
         const uint32_t n = be32(f);
         if (n == 0 || n > kMaxMachineType)
           return bad(EBADMSG, "machine type of " + std::to_string(n) + " bytes");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::config_name, n);
         return {};
       }
       case St::config_name:
         machine_type = printable(f);
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         in_config = true;
         return to_sec_type();
       case St::sub_len: {
         const uint8_t n = std::to_integer<uint8_t>(f[0]);
         if (n == 0) return bad(EBADMSG, "configuration subsection without a name");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::sub_name, n + 4u);  // name, be32 version_id
         return {};
       }
       case St::sub_name: {
         const std::string_view name = text(f.first(f.size() - 4));
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         if (name == "configuration/target-page-bits") {
           next(St::sub_page_bits, 4);
         } else if (name == "configuration/capabilities") {
@@ -260,21 +260,21 @@ struct RamStreamParser::Impl {
         if (bits < kMinPageBits || bits > kMaxPageBits)
           return bad(EOPNOTSUPP, "target page bits " + std::to_string(bits) + " (10..16 handled)");
         page_bits = bits;
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         return end_subsection();
       }
       case St::sub_cap_count:
         caps_left = be32(f);
         if (caps_left > kMaxCapabilities)
           return bad(EBADMSG, std::to_string(caps_left) + " capabilities in the configuration");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         if (caps_left == 0) return end_subsection();
         next(St::sub_cap_len, 1);
         return {};
       case St::sub_cap_len: {
         const uint8_t n = std::to_integer<uint8_t>(f[0]);
         if (n == 0) return bad(EBADMSG, "empty capability name");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::sub_cap_name, n);
         return {};
       }
@@ -283,12 +283,12 @@ struct RamStreamParser::Impl {
         // out of RDMA's block table: neither rewriter can keep both sides in step.
         if (text(f) == "x-ignore-shared")
           return bad(EOPNOTSUPP, "capability x-ignore-shared is not supported");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         if (--caps_left == 0) return end_subsection();
         next(St::sub_cap_len, 1);
         return {};
       case St::sub_uuid:
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         return end_subsection();
       case St::cmd_head: {
         const uint16_t cmd = static_cast<uint16_t>(be32(f) >> 16);
@@ -299,7 +299,7 @@ struct RamStreamParser::Impl {
                                      " is not supported (postcopy, COLO: precopy streams only)");
         if (len != (cmd == kCmdPing ? 4 : 0))
           return bad(EBADMSG, std::string("command ") + command_name(cmd) + " of length " + std::to_string(len));
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         skip_left = len;
         if (len == 0) return to_sec_type();
         st = St::skip;
@@ -310,7 +310,7 @@ struct RamStreamParser::Impl {
         pending_id = be32(f);
         const uint8_t n = std::to_integer<uint8_t>(f[4]);
         if (n == 0) return bad(EBADMSG, "section without a name");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(st == St::start_head ? St::start_name : St::full_name, n + 8u);  // idstr, instance, version
         return {};
       }
@@ -323,7 +323,7 @@ struct RamStreamParser::Impl {
         if (ram_started) return bad(EBADMSG, "a second START section for RAM");
         if (version != kRamVersion)
           return bad(EOPNOTSUPP, "RAM section version " + std::to_string(version) + " (QEMU 7.2 writes 4)");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         ram_started = true;
         ram_id = pending_id;
         round = {RamPhase::setup, 0};
@@ -338,9 +338,9 @@ struct RamStreamParser::Impl {
         const uint32_t id = be32(f);
         if (!ram_started || id != ram_id)
           return bad(EBADMSG, "PART / END of section " + std::to_string(id) + ", which is not RAM's");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         ++round.index;
-        IBTRS_TRY(call(ev.round_begin(round)));
+        BASE_TRY(call(ev.round_begin(round)));
         next(St::ram_header, 8);
         return {};
       }
@@ -349,7 +349,7 @@ struct RamStreamParser::Impl {
           return bad(EBADMSG, "footer of section " + std::to_string(be32(f)) + " after section " +
                                   std::to_string(*footer_for));
         footer_for.reset();
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         if (ram_complete) return to_passthrough();
         return to_sec_type();
       }
@@ -358,7 +358,7 @@ struct RamStreamParser::Impl {
       case St::mem_len: {
         const uint8_t n = std::to_integer<uint8_t>(f[0]);
         if (n == 0) return bad(EBADMSG, "RAM block without a name");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::mem_name, n + 8u);  // idstr, be64 used_length
         return {};
       }
@@ -379,13 +379,13 @@ struct RamStreamParser::Impl {
       }
       case St::page_data: {
         PageRecord p{rec_block, rec_offset, false, 0, f};
-        IBTRS_TRY(call(ev.page(p)));
+        BASE_TRY(call(ev.page(p)));
         next(St::ram_header, 8);
         return {};
       }
       case St::zero_fill: {
         PageRecord p{rec_block, rec_offset, true, std::to_integer<uint8_t>(f[0]), {}};
-        IBTRS_TRY(call(ev.page(p)));
+        BASE_TRY(call(ev.page(p)));
         next(St::ram_header, 8);
         return {};
       }
@@ -405,47 +405,47 @@ struct RamStreamParser::Impl {
     any_section = true;
     if (type == kFooter && foot) {
       footer_for = foot;
-      IBTRS_TRY(emit(f));
+      BASE_TRY(emit(f));
       next(St::footer, 4);
       return {};
     }
     if (ram_complete) {
       // After RAM's END: devices, EOF and the description, byte for byte.
-      IBTRS_TRY(emit(f));
+      BASE_TRY(emit(f));
       return to_passthrough();
     }
     switch (type) {
       case kConfiguration:
         if (!config_ok) return bad(EBADMSG, "configuration section after other sections");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::config_len, 4);
         return {};
       case kSubsection:
         if (!sub_ok) return bad(EBADMSG, "subsection outside the configuration");
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::sub_len, 1);
         return {};
       case kCommand:
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::cmd_head, 4);
         return {};
       case kSecStart:
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::start_head, 5);
         return {};
       case kSecFull:
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::full_head, 5);
         return {};
       case kSecPart:
       case kSecEnd:
         if (!ram_started) return bad(EBADMSG, "PART / END section before any START");
         round.phase = type == kSecEnd ? RamPhase::complete : RamPhase::iterate;
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::part_id, 4);
         return {};
       case kSecEof:
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         return to_passthrough();
       case kVmDescription:
         return bad(EBADMSG, "VM description before the EOF section");
@@ -469,19 +469,19 @@ struct RamStreamParser::Impl {
         if (addr == 0) return bad(EBADMSG, "RAM block list of 0 bytes");
         expect_mem_size = false;
         mem_left = addr;
-        IBTRS_TRY(emit(f));
+        BASE_TRY(emit(f));
         next(St::mem_len, 1);
         return {};
       case kFlagEos:
         if (addr != 0) return bad(EBADMSG, "EOS record with an address");
-        IBTRS_TRY(call(ev.round_end(round)));
-        IBTRS_TRY(emit(f));
+        BASE_TRY(call(ev.round_end(round)));
+        BASE_TRY(emit(f));
         footer_for = ram_id;
         if (round.phase == RamPhase::complete) ram_complete = true;
         return to_sec_type();
       case kFlagHook:
         if (addr != 0) return bad(EBADMSG, "HOOK record with an address");
-        IBTRS_TRY(call(ev.hook(round)));
+        BASE_TRY(call(ev.hook(round)));
         next(St::ram_header, 8);
         return {};
       default:
@@ -524,14 +524,14 @@ struct RamStreamParser::Impl {
     if (std::any_of(blocks.begin(), blocks.end(), [&](const RamBlock& b) { return b.name == text(name); }))
       return bad(EBADMSG, "RAM block '" + printable(name) + "' listed twice");
     blocks.push_back({std::string(text(name)), length});
-    IBTRS_TRY(emit(f));
+    BASE_TRY(emit(f));
     mem_left -= length;
     if (mem_left > 0) {
       next(St::mem_len, 1);
       return {};
     }
-    IBTRS_TRY(call(ev.ram_blocks(blocks)));
-    IBTRS_TRY(call(ev.round_begin(round)));
+    BASE_TRY(call(ev.ram_blocks(blocks)));
+    BASE_TRY(call(ev.round_begin(round)));
     next(St::ram_header, 8);
     return {};
   }
@@ -571,13 +571,13 @@ Status RecordWriter::header(std::vector<std::byte>& out, uint32_t block, uint64_
 Status RecordWriter::page(std::vector<std::byte>& out, uint32_t block, uint64_t offset,
                           std::span<const std::byte> data) {
   if (data.size() != page_size_) return ibtrs::errc(EINVAL);
-  IBTRS_TRY(header(out, block, offset, kFlagPage));
+  BASE_TRY(header(out, block, offset, kFlagPage));
   out.insert(out.end(), data.begin(), data.end());
   return {};
 }
 
 Status RecordWriter::zero(std::vector<std::byte>& out, uint32_t block, uint64_t offset, uint8_t fill) {
-  IBTRS_TRY(header(out, block, offset, kFlagZero));
+  BASE_TRY(header(out, block, offset, kFlagZero));
   out.push_back(static_cast<std::byte>(fill));
   return {};
 }
@@ -611,7 +611,7 @@ struct InlineRewriter::Impl final : StreamEvents, PageWriter {
 
   Status bytes(std::span<const std::byte> b) override {
     if (b.size() >= kFlushAt) {
-      IBTRS_TRY(flush());
+      BASE_TRY(flush());
       return out.write(b);
     }
     buf.insert(buf.end(), b.begin(), b.end());
@@ -663,7 +663,7 @@ InlineRewriter::InlineRewriter(ByteSink& out, PageSource& pages, StreamOptions o
 InlineRewriter::~InlineRewriter() = default;
 Status InlineRewriter::feed(std::span<const std::byte> in) { return impl_->note(impl_->parser.feed(in)); }
 Status InlineRewriter::finish() {
-  IBTRS_TRY(impl_->note(impl_->parser.finish()));
+  BASE_TRY(impl_->note(impl_->parser.finish()));
   return impl_->note(impl_->flush());
 }
 const std::string& InlineRewriter::last_error() const { return impl_->last_error; }
@@ -685,7 +685,7 @@ struct RdmaSplitter::Impl final : StreamEvents {
   Status round_begin(const RamRound& r) override {
     std::vector<std::byte> h;
     RecordWriter::hook(h);
-    IBTRS_TRY(sink.file_bytes(h));
+    BASE_TRY(sink.file_bytes(h));
     return sink.round_begin(r);
   }
   Status page(const PageRecord& p) override { return sink.page(p); }

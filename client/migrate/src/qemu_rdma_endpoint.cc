@@ -293,7 +293,7 @@ Status Link::setup(uint32_t write_slots, std::string* why) {
   qa.recv_cq = r.cq.get();
   qa.qp_type = IBV_QPT_RC;
   if (rdma_create_qp(r.id.get(), r.pd.get(), &qa) != 0) return fail(errno, why, "rdma_create_qp failed");
-  IBTRS_ASSIGN_OR_RETURN(r.ctl, Mapping::make(3 * kControlMaxBuffer));
+  BASE_ASSIGN_OR_RETURN(r.ctl, Mapping::make(3 * kControlMaxBuffer));
   r.ctl_mr.reset(ibv_reg_mr(r.pd.get(), r.ctl.data(), r.ctl.size(), IBV_ACCESS_LOCAL_WRITE));
   if (!r.ctl_mr) return fail(errno, why, "registering the control buffers failed" + memlock_hint());
   if (ibv_req_notify_cq(r.cq.get(), 0) != 0) return fail(errno, why, "ibv_req_notify_cq failed");
@@ -306,24 +306,24 @@ Result<std::unique_ptr<Link>> Link::connect(const RdmaAddress& to, std::span<con
   if (private_data.size() > 56) return fail(EINVAL, why, "private data larger than a REQ carries");
   std::unique_ptr<Link> l(new Link());
   Res& r = *l->res_;
-  IBTRS_ASSIGN_OR_RETURN(r.channel, make_channel(why));
+  BASE_ASSIGN_OR_RETURN(r.channel, make_channel(why));
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(r.channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return fail(errno, why, "rdma_create_id");
   r.id.reset(raw);
-  IBTRS_ASSIGN_OR_RETURN(AddrInfoPtr ai, resolve(to, false, why));
+  BASE_ASSIGN_OR_RETURN(AddrInfoPtr ai, resolve(to, false, why));
   CmEvent ev;
   const int resolve_ms = std::max(1, std::min(ms_left(deadline) * 2, 2000));
   if (rdma_resolve_addr(r.id.get(), nullptr, ai->ai_dst_addr, resolve_ms) != 0)
     return fail(errno, why, "rdma_resolve_addr " + to.text());
-  IBTRS_TRY(next_event(r.channel.get(), deadline, ev));
+  BASE_TRY(next_event(r.channel.get(), deadline, ev));
   if (ev.type != RDMA_CM_EVENT_ADDR_RESOLVED)
     return fail(EHOSTUNREACH, why, to.text() + ": address not resolved (" + rdma_event_str(ev.type) + ")");
   if (rdma_resolve_route(r.id.get(), resolve_ms) != 0) return fail(errno, why, "rdma_resolve_route");
-  IBTRS_TRY(next_event(r.channel.get(), deadline, ev));
+  BASE_TRY(next_event(r.channel.get(), deadline, ev));
   if (ev.type != RDMA_CM_EVENT_ROUTE_RESOLVED)
     return fail(EHOSTUNREACH, why, to.text() + ": no route (" + rdma_event_str(ev.type) + ")");
-  IBTRS_TRY(l->setup(write_slots, why));
-  IBTRS_TRY(l->post_recv(kReady));
+  BASE_TRY(l->setup(write_slots, why));
+  BASE_TRY(l->post_recv(kReady));
   rdma_conn_param cp{};
   cp.private_data = private_data.data();
   cp.private_data_len = static_cast<uint8_t>(private_data.size());
@@ -331,7 +331,7 @@ Result<std::unique_ptr<Link>> Link::connect(const RdmaAddress& to, std::span<con
   cp.responder_resources = 2;
   cp.retry_count = 5;
   if (rdma_connect(r.id.get(), &cp) != 0) return fail(errno, why, "rdma_connect " + to.text());
-  IBTRS_TRY(next_event(r.channel.get(), deadline, ev));
+  BASE_TRY(next_event(r.channel.get(), deadline, ev));
   if (answer != nullptr) *answer = ev.data;
   if (ev.type == RDMA_CM_EVENT_REJECTED) return fail(ECONNREFUSED, why, to.text() + " refused the connection");
   if (ev.type != RDMA_CM_EVENT_ESTABLISHED)
@@ -446,7 +446,7 @@ Status Link::broken() {
   for (int i = 0; i < 5 && flushed_ && !disconnected_; ++i) {
     pollfd pfd{res_->channel->fd, POLLIN, 0};
     (void)::poll(&pfd, 1, 100);
-    IBTRS_TRY(poll_cm());
+    BASE_TRY(poll_cm());
   }
   // A work request that failed while the peer went away failed because it went away.
   if (failed_ && !disconnected_) return failed_;
@@ -464,11 +464,11 @@ Status Link::broken() {
 Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done) {
   const auto t0 = Clock::now();
   for (;;) {
-    IBTRS_TRY(poll_cq());
+    BASE_TRY(poll_cq());
     if (done()) return {};
-    IBTRS_TRY(poll_cm());
+    BASE_TRY(poll_cm());
     if (disconnected_ || flushed_ || failed_) {
-      IBTRS_TRY(poll_cq());  // what arrived before the disconnect still counts
+      BASE_TRY(poll_cq());  // what arrived before the disconnect still counts
       if (done()) return {};
       return broken();
     }
@@ -492,12 +492,12 @@ Status Link::wait(Clock::time_point deadline, const std::function<bool()>& done)
 
 Result<std::span<const std::byte>> Link::wait_recv(Slot s, Clock::time_point deadline) {
   if (!recv_[s].posted && !recv_[s].done) {
-    IBTRS_TRY(poll_cm());
+    BASE_TRY(poll_cm());
     // Flushed (or failed) while something else was awaited; else never posted: a caller's bug.
     if (flushed_ || failed_ || disconnected_) return broken().error();
     return ibtrs::errc(EINVAL);
   }
-  IBTRS_TRY(wait(deadline, [&] { return recv_[s].done; }));
+  BASE_TRY(wait(deadline, [&] { return recv_[s].done; }));
   recv_[s].done = false;
   return std::span<const std::byte>(res_->ctl.data() + static_cast<size_t>(s) * kControlMaxBuffer, recv_[s].len);
 }
@@ -520,7 +520,7 @@ Status Link::send(size_t n, Clock::time_point deadline) {
     return ibtrs::errc(e);
   }
   send_busy_ = true;
-  IBTRS_TRY(wait(deadline, [&] { return !send_busy_; }));
+  BASE_TRY(wait(deadline, [&] { return !send_busy_; }));
   if (!send_ok_) return broken();
   return {};
 }
@@ -560,7 +560,7 @@ Status Link::post_write(std::span<const std::byte> local, uint32_t lkey, uint64_
 
 Result<uint64_t> Link::wait_write(Clock::time_point deadline) {
   if (writes_done_.empty() && writes_in_flight_ == 0) return ibtrs::errc(EINVAL);
-  IBTRS_TRY(wait(deadline, [&] { return !writes_done_.empty(); }));
+  BASE_TRY(wait(deadline, [&] { return !writes_done_.empty(); }));
   const uint64_t t = writes_done_.front();
   writes_done_.erase(writes_done_.begin());
   return t;
@@ -621,7 +621,7 @@ struct SaveEndpoint::Impl final : qstream::PageSource, Registrar {
   // Registrar: chunk and block registrations of the RamMirror.
   Result<std::unique_ptr<Registration>> register_memory(std::byte* addr, size_t len, std::string* why) override {
     auto r = std::make_unique<VerbsRegistration>();
-    IBTRS_ASSIGN_OR_RETURN(r->mr, link->reg(addr, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, why));
+    BASE_ASSIGN_OR_RETURN(r->mr, link->reg(addr, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, why));
     return std::unique_ptr<Registration>(std::move(r));
   }
 
@@ -664,7 +664,7 @@ Status SaveEndpoint::Impl::accept() {
   caps = answer_caps(*c, o.allow_pin_all);
   link.reset(new Link());
   Link::Res& r = *link->res_;
-  IBTRS_ASSIGN_OR_RETURN(r.channel, make_channel(&why));
+  BASE_ASSIGN_OR_RETURN(r.channel, make_channel(&why));
   // The id moves to a channel of its own (every event of it acked: ours are), so that its
   // disconnect is seen there and the listener can go.
   if (rdma_migrate_id(id.get(), r.channel.get()) != 0) return protocol(errno, "rdma_migrate_id failed");
@@ -673,7 +673,7 @@ Status SaveEndpoint::Impl::accept() {
     rdma_reject(r.id.get(), nullptr, 0);
     return protocol(s.error().value(), why);
   }
-  IBTRS_TRY(link->post_recv(Link::kReady));
+  BASE_TRY(link->post_recv(Link::kReady));
   const auto answer = encode_caps(caps);
   rdma_conn_param cp{};
   cp.private_data = answer.data();
@@ -724,7 +724,7 @@ Status SaveEndpoint::Impl::changed_pages(const qstream::RamRound& round, qstream
   if (!ram || !ram->ready()) return protocol(EPROTO, "a HOOK before the RAM block list");
   std::string why;
   for (bool finished = false; !finished;) {
-    IBTRS_ASSIGN_OR_RETURN(ControlMessage m, next());
+    BASE_ASSIGN_OR_RETURN(ControlMessage m, next());
     switch (m.type) {
       case MsgType::compress: {
         if (Status s = ram->compress(m.compress, out, &why); !s) return protocol(s.error().value(), why);
@@ -738,7 +738,7 @@ Status SaveEndpoint::Impl::changed_pages(const qstream::RamRound& round, qstream
           if (!k) return protocol(k.error().value(), why);
           res.push_back({*k, ram->host_addr(r.block)});
         }
-        IBTRS_TRY(reply(encode_register_result(link->send_buffer(), res)));
+        BASE_TRY(reply(encode_register_result(link->send_buffer(), res)));
         break;
       }
       case MsgType::ram_blocks_request: {
@@ -750,13 +750,13 @@ Status SaveEndpoint::Impl::changed_pages(const qstream::RamRound& round, qstream
           if (!k) return protocol(k.error().value(), why);
           keys = std::move(*k);
         }
-        IBTRS_TRY(reply(encode_ram_blocks_result(link->send_buffer(), layout, addrs, keys)));
+        BASE_TRY(reply(encode_ram_blocks_result(link->send_buffer(), layout, addrs, keys)));
         break;
       }
       case MsgType::unregister_request: {
         for (const UnregisterRequest& u : m.unregisters)
           if (Status s = ram->unregister_chunk(u, &why); !s) return protocol(s.error().value(), why);
-        IBTRS_TRY(reply(encode_empty(link->send_buffer(), MsgType::unregister_finished)));
+        BASE_TRY(reply(encode_empty(link->send_buffer(), MsgType::unregister_finished)));
         break;
       }
       case MsgType::register_finished:
@@ -771,13 +771,13 @@ Status SaveEndpoint::Impl::changed_pages(const qstream::RamRound& round, qstream
   // came anyway is found by the next round's report.
   if (round.phase == qstream::RamPhase::setup) return {};
   const uint64_t before = ram->pages_reported();
-  IBTRS_TRY(ram->report(out));
+  BASE_TRY(ram->report(out));
   stats.ram_bytes += (ram->pages_reported() - before) * rw->parser().page_size();
   return {};
 }
 
 Status SaveEndpoint::Impl::run(qstream::ByteSink& out) {
-  IBTRS_TRY(accept());
+  BASE_TRY(accept());
   rw = std::make_unique<qstream::InlineRewriter>(out, *this);
   Status result;
   for (;;) {
@@ -822,12 +822,12 @@ Result<std::unique_ptr<SaveEndpoint>> SaveEndpoint::listen(const RdmaAddress& at
   auto impl = std::make_unique<Impl>();
   impl->o = o;
   impl->pin_limit = o.pin_limit != 0 ? o.pin_limit : default_pin_limit();
-  IBTRS_ASSIGN_OR_RETURN(impl->listen_channel, make_channel(why));
+  BASE_ASSIGN_OR_RETURN(impl->listen_channel, make_channel(why));
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(impl->listen_channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0)
     return fail(errno, why, "rdma_create_id");
   impl->listen_id.reset(raw);
-  IBTRS_ASSIGN_OR_RETURN(AddrInfoPtr ai, resolve(at, true, why));
+  BASE_ASSIGN_OR_RETURN(AddrInfoPtr ai, resolve(at, true, why));
   if (rdma_bind_addr(raw, ai->ai_src_addr) != 0) return fail(errno, why, "binding " + at.text());
   if (rdma_listen(raw, 1) != 0) return fail(errno, why, "listening on " + at.text());
   impl->port = ntohs(rdma_get_src_port(raw));
@@ -887,7 +887,7 @@ struct RestoreEndpoint::Impl final : qstream::RdmaSink {
   Result<ControlMessage> exchange(Result<size_t> encoded, MsgType response);
   Status send_file(std::span<const std::byte> b) {
     stats.file_bytes += b.size();
-    IBTRS_TRY(exchange(encode_qemu_file(link->send_buffer(), b), MsgType::none));
+    BASE_TRY(exchange(encode_qemu_file(link->send_buffer(), b), MsgType::none));
     return {};
   }
   Status flush_file(bool all);
@@ -948,7 +948,7 @@ Result<ControlMessage> RestoreEndpoint::Impl::exchange(Result<size_t> encoded, M
 Status RestoreEndpoint::Impl::flush_file(bool all) {
   while (pending.size() - pending_head >= kFileIncrement || (all && pending.size() > pending_head)) {
     const size_t n = std::min(kFileIncrement, pending.size() - pending_head);
-    IBTRS_TRY(send_file({pending.data() + pending_head, n}));
+    BASE_TRY(send_file({pending.data() + pending_head, n}));
     pending_head += n;
   }
   if (pending_head == pending.size()) {
@@ -978,10 +978,10 @@ Status RestoreEndpoint::Impl::ram_blocks(std::span<const qstream::RamBlock> bloc
 }
 
 Status RestoreEndpoint::Impl::round_begin(const qstream::RamRound& r) {
-  IBTRS_TRY(flush_file(true));  // the round's HOOK is the last byte given
+  BASE_TRY(flush_file(true));  // the round's HOOK is the last byte given
   if (r.phase != qstream::RamPhase::setup) return {};
   if (src.size() == 0) return protocol(EPROTO, "a RAM round before the RAM block list");
-  IBTRS_ASSIGN_OR_RETURN(auto m, exchange(encode_empty(link->send_buffer(), MsgType::ram_blocks_request),
+  BASE_ASSIGN_OR_RETURN(auto m, exchange(encode_empty(link->send_buffer(), MsgType::ram_blocks_request),
                                           MsgType::ram_blocks_result));
   dest = std::move(m.blocks);  // count and lengths checked against `src` by the decoder
   std::vector<RamBlockLayout> dl;
@@ -1032,12 +1032,12 @@ Status RestoreEndpoint::Impl::flush_run() {
   if (r.zero_fill) {
     free_slots.push_back(r.slot);
     stats.ram_bytes += r.len;
-    IBTRS_TRY(exchange(encode_compress(link->send_buffer(), dst, r.block, r.start, r.len, *r.zero_fill), MsgType::none));
+    BASE_TRY(exchange(encode_compress(link->send_buffer(), dst, r.block, r.start, r.len, *r.zero_fill), MsgType::none));
     return {};
   }
   if (!key) {
     const RegisterArg a{r.block, r.start, 0};
-    IBTRS_ASSIGN_OR_RETURN(auto m, exchange(encode_register_request(link->send_buffer(), dst, {&a, 1}),
+    BASE_ASSIGN_OR_RETURN(auto m, exchange(encode_register_request(link->send_buffer(), dst, {&a, 1}),
                                             MsgType::register_result));
     if (m.results.size() != 1)
       return protocol(EPROTO, "REGISTER RESULT with " + std::to_string(m.results.size()) + " entries for one request");
@@ -1056,9 +1056,9 @@ Status RestoreEndpoint::Impl::page(const qstream::PageRecord& p) {
   if (dst.size() == 0) return protocol(EPROTO, "a page before the RAM blocks were exchanged");
   const uint64_t chunk = p.offset >> kChunkShift;
   if (run.open && (run.block != p.block || run.chunk != chunk || run.start + run.len != p.offset))
-    IBTRS_TRY(flush_run());
+    BASE_TRY(flush_run());
   if (!run.open) {
-    IBTRS_ASSIGN_OR_RETURN(uint32_t s, take_slot());
+    BASE_ASSIGN_OR_RETURN(uint32_t s, take_slot());
     run = Run{true, p.block, chunk, p.offset, 0, s, p.zero ? std::optional<uint8_t>(p.fill) : std::nullopt};
   } else if (!p.zero || !run.zero_fill || *run.zero_fill != p.fill) {
     run.zero_fill.reset();
@@ -1071,9 +1071,9 @@ Status RestoreEndpoint::Impl::page(const qstream::PageRecord& p) {
 }
 
 Status RestoreEndpoint::Impl::round_end(const qstream::RamRound&) {
-  IBTRS_TRY(flush_run());
-  IBTRS_TRY(drain());  // the writes land before REGISTER FINISHED (rdma.c drains the CQ too)
-  IBTRS_TRY(exchange(encode_empty(link->send_buffer(), MsgType::register_finished), MsgType::none));
+  BASE_TRY(flush_run());
+  BASE_TRY(drain());  // the writes land before REGISTER FINISHED (rdma.c drains the CQ too)
+  BASE_TRY(exchange(encode_empty(link->send_buffer(), MsgType::register_finished), MsgType::none));
   ++stats.rounds;
   return {};
 }
@@ -1121,7 +1121,7 @@ Result<std::unique_ptr<RestoreEndpoint>> RestoreEndpoint::connect(const RdmaAddr
   if (!g) return g.error();
   impl->granted = *g;
   std::string w;
-  IBTRS_ASSIGN_OR_RETURN(impl->staging, Mapping::make(static_cast<size_t>(impl->o.write_slots) << kChunkShift));
+  BASE_ASSIGN_OR_RETURN(impl->staging, Mapping::make(static_cast<size_t>(impl->o.write_slots) << kChunkShift));
   auto mr = impl->link->reg(impl->staging.data(), impl->staging.size(), IBV_ACCESS_LOCAL_WRITE, why);
   if (!mr) return mr.error();
   impl->staging_mr = std::move(*mr);
@@ -1147,7 +1147,7 @@ Status RestoreEndpoint::finish() {
     if (i.err.empty()) i.err = "the image's stream: " + i.split->last_error();
     return s;
   }
-  IBTRS_TRY(i.flush_file(true));
+  BASE_TRY(i.flush_file(true));
   // QEMU closes once it has loaded the stream; a READY means it wants more than there is.
   auto d = i.link->wait_disconnect_or_recv(Link::kReady, i.deadline());
   if (!d) return i.protocol(d.error().value(), "waiting for QEMU to finish loading: " + i.link->last_error());

@@ -149,10 +149,10 @@ Result<std::vector<uint32_t>> RamMirror::pin_all(std::string* why) {
                                    ram_mib(pin_limit_) + " (pin-max)");
     for (uint32_t i = 0; i < blocks_.size(); ++i) {
       for (uint64_t c = 0; c < (blocks_[i].length + kChunkSize - 1) >> kChunkShift; ++c)
-        IBTRS_TRY(map_chunk(i, c, why));
+        BASE_TRY(map_chunk(i, c, why));
       Block& b = blocks_[i];
       if (b.whole) continue;  // an earlier call that failed on a later block
-      IBTRS_ASSIGN_OR_RETURN(b.whole, reg_.register_memory(b.base, b.length, why));
+      BASE_ASSIGN_OR_RETURN(b.whole, reg_.register_memory(b.base, b.length, why));
       ++registrations_;
     }
     pinned_all_ = true;
@@ -167,12 +167,12 @@ Result<uint32_t> RamMirror::register_chunks(const RegisterRequest& r, std::strin
   if (r.end > b.length || r.begin >= r.end) return ram_fail(ERANGE, why, "register outside the block");
   if (b.whole) return b.whole->rkey();  // pin-all: what QEMU's destination answers too
   const uint64_t last = (r.end - 1) >> kChunkShift;
-  for (uint64_t c = r.first_chunk; c <= last; ++c) IBTRS_TRY(map_chunk(r.block, c, why));
+  for (uint64_t c = r.first_chunk; c <= last; ++c) BASE_TRY(map_chunk(r.block, c, why));
   Chunk& c = b.chunks.at(r.first_chunk);
   if (!c.regs.empty() && c.reg_end >= r.end) return c.regs.back()->rkey();
   if (registrations_ >= max_registrations_)
     return ram_fail(ENOMEM, why, "more than " + std::to_string(max_registrations_) + " registrations");
-  IBTRS_ASSIGN_OR_RETURN(auto reg, reg_.register_memory(b.base + r.begin, r.end - r.begin, why));
+  BASE_ASSIGN_OR_RETURN(auto reg, reg_.register_memory(b.base + r.begin, r.end - r.begin, why));
   c.regs.push_back(std::move(reg));
   c.reg_end = r.end;
   ++registrations_;
@@ -200,12 +200,12 @@ Status RamMirror::compress(const Compress& c, qstream::PageWriter& out, std::str
   const bool mapped = b.chunks.count(chunk) != 0;
   if (!mapped && c.value == 0 && c.offset % page_size_ == 0 && c.length % page_size_ == 0) {
     for (uint64_t off = c.offset; off < c.offset + c.length; off += page_size_) {
-      IBTRS_TRY(out.zero(c.block, off, 0));
+      BASE_TRY(out.zero(c.block, off, 0));
       ++pages_reported_;
     }
     return {};
   }
-  if (!mapped) IBTRS_TRY(map_chunk(c.block, chunk, why));
+  if (!mapped) BASE_TRY(map_chunk(c.block, chunk, why));
   // Validated to stay inside this (now mapped) chunk.
   std::memset(b.base + c.offset, c.value, c.length);
   return {};
@@ -222,8 +222,8 @@ Status RamMirror::report(qstream::PageWriter& out) {
         bool zero = false;
         const uint64_t h = page_hash(p, page_size_, &zero);
         if (c.sent[i] && c.hash[i] == h) continue;
-        if (zero) IBTRS_TRY(out.zero(bi, off, 0));
-        else IBTRS_TRY(out.data(bi, off, {p, page_size_}));
+        if (zero) BASE_TRY(out.zero(bi, off, 0));
+        else BASE_TRY(out.data(bi, off, {p, page_size_}));
         c.sent[i] = true;
         c.hash[i] = h;
         ++pages_reported_;

@@ -1,4 +1,4 @@
-#include "common/text.h"
+#include "base/text.h"
 #include "qemu_rdma_wire.h"
 
 #include <algorithm>
@@ -14,7 +14,7 @@ std::error_code fail(int e, std::string* why, std::string msg) {
   return ibtrs::errc(e);
 }
 
-using ibtrs::hex;
+using base::hex;
 
 template <typename T>
 T load(std::span<const std::byte> s, size_t at) {
@@ -67,7 +67,7 @@ Result<RegisterRequest> check_register(const RamLayout& l, uint32_t block, uint6
   if (block >= l.size())
     return fail(ERANGE, why, "register: block index " + std::to_string(block) + " of " +
                                  std::to_string(l.size()) + " blocks");
-  IBTRS_ASSIGN_OR_RETURN(uint64_t off, offset_in(l, block, addr, why, "register"));
+  BASE_ASSIGN_OR_RETURN(uint64_t off, offset_in(l, block, addr, why, "register"));
   RegisterRequest r;
   r.block = block;
   r.addr = addr;
@@ -92,7 +92,7 @@ Result<Compress> check_compress(const RamLayout& l, uint32_t value, uint32_t blo
   if (block >= l.size())
     return fail(ERANGE, why, "compress: block index " + std::to_string(block) + " of " +
                                  std::to_string(l.size()) + " blocks");
-  IBTRS_ASSIGN_OR_RETURN(uint64_t off, offset_in(l, block, addr, why, "compress"));
+  BASE_ASSIGN_OR_RETURN(uint64_t off, offset_in(l, block, addr, why, "compress"));
   // One chunk at most, and inside the block: [off, off + length) within [chunk start, chunk end).
   const uint64_t chunk_end = std::min(((off >> kChunkShift) + 1) << kChunkShift, l.block(block).length);
   if (length == 0 || length > chunk_end - off)
@@ -158,7 +158,7 @@ Caps answer_caps(Caps from_source, bool allow_pin_all) {
 }
 
 Result<Caps> check_answer(Caps asked, std::span<const std::byte> pd, std::string* why) {
-  IBTRS_ASSIGN_OR_RETURN(Caps c, decode_caps(pd, why));
+  BASE_ASSIGN_OR_RETURN(Caps c, decode_caps(pd, why));
   if ((c.flags & ~asked.flags) != 0)
     return fail(EPROTO, why, "capabilities: the destination granted flags " + hex(c.flags & ~asked.flags) +
                                  " that were not asked for");
@@ -248,7 +248,7 @@ Result<ControlMessage> decode_control(std::span<const std::byte> msg, const RamL
 
   switch (m.type) {
     case MsgType::register_result: {
-      IBTRS_TRY(entries(sizeof(RegisterResultWire)));
+      BASE_TRY(entries(sizeof(RegisterResultWire)));
       m.results.reserve(m.repeat);
       for (uint32_t i = 0; i < m.repeat; ++i) {
         const auto w = load<RegisterResultWire>(payload, i * sizeof(RegisterResultWire));
@@ -257,20 +257,20 @@ Result<ControlMessage> decode_control(std::span<const std::byte> msg, const RamL
       return m;
     }
     case MsgType::register_request: {
-      IBTRS_TRY(entries(sizeof(RegisterWire)));
-      IBTRS_TRY(need_layout());
+      BASE_TRY(entries(sizeof(RegisterWire)));
+      BASE_TRY(need_layout());
       m.registers.reserve(m.repeat);
       for (uint32_t i = 0; i < m.repeat; ++i) {
         const auto w = load<RegisterWire>(payload, i * sizeof(RegisterWire));
-        IBTRS_ASSIGN_OR_RETURN(RegisterRequest r,
+        BASE_ASSIGN_OR_RETURN(RegisterRequest r,
                                check_register(*layout, w.current_index.get(), w.key.get(), w.chunks.get(), why));
         m.registers.push_back(r);
       }
       return m;
     }
     case MsgType::unregister_request: {
-      IBTRS_TRY(entries(sizeof(RegisterWire)));
-      IBTRS_TRY(need_layout());
+      BASE_TRY(entries(sizeof(RegisterWire)));
+      BASE_TRY(need_layout());
       m.unregisters.reserve(m.repeat);
       for (uint32_t i = 0; i < m.repeat; ++i) {
         const auto w = load<RegisterWire>(payload, i * sizeof(RegisterWire));
@@ -288,9 +288,9 @@ Result<ControlMessage> decode_control(std::span<const std::byte> msg, const RamL
       if (m.repeat != 1 || len != sizeof(CompressWire))
         return fail(EBADMSG, why, name + ": repeat " + std::to_string(m.repeat) + ", length " +
                                       std::to_string(len) + " (one 24-byte entry expected)");
-      IBTRS_TRY(need_layout());
+      BASE_TRY(need_layout());
       const auto w = load<CompressWire>(payload, 0);
-      IBTRS_ASSIGN_OR_RETURN(m.compress, check_compress(*layout, w.value.get(), w.block_idx.get(),
+      BASE_ASSIGN_OR_RETURN(m.compress, check_compress(*layout, w.value.get(), w.block_idx.get(),
                                                         w.offset.get(), w.length.get(), why));
       return m;
     }
@@ -299,7 +299,7 @@ Result<ControlMessage> decode_control(std::span<const std::byte> msg, const RamL
       if (len == 0 || len % sizeof(DestBlockWire) != 0 || len / sizeof(DestBlockWire) > kMaxRamBlocks)
         return fail(EBADMSG, why, name + ": length " + std::to_string(len) + " is not 1.." +
                                       std::to_string(kMaxRamBlocks) + " entries of 32 bytes");
-      IBTRS_TRY(need_layout());
+      BASE_TRY(need_layout());
       const size_t n = len / sizeof(DestBlockWire);
       if (n != layout->size())
         return fail(ERANGE, why, name + ": " + std::to_string(n) + " blocks, the stream has " +

@@ -29,7 +29,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/le.h"  // big-endian wire integers and IBTRS_WIRE_STRUCT, the size / layout proof
+#include "base/le.h"  // big-endian wire integers and BASE_WIRE_STRUCT, the size / layout proof
 #include "ibtrs/result.h"
 
 namespace ibnbd::migrate::qrdma {
@@ -38,8 +38,8 @@ using ibtrs::Result;
 using ibtrs::Status;
 
 // QEMU writes the control channel in network byte order.
-using ibtrs::be32;
-using ibtrs::be64;
+using base::be32;
+using base::be64;
 
 // ---- constants (rdma.c names in comments) ----
 inline constexpr uint32_t kVersion = 1;                  // RDMA_CONTROL_VERSION_CURRENT
@@ -80,7 +80,7 @@ struct CapsWire {
   be32 version;  // kVersion; the destination echoes the source's
   be32 flags;    // kCap*: the source's request; the destination's answer is a subset
 };
-IBTRS_WIRE_STRUCT(CapsWire, 8);
+BASE_WIRE_STRUCT(CapsWire, 8);
 
 // Before every payload: RDMAControlHeader.
 struct HeaderWire {
@@ -89,7 +89,7 @@ struct HeaderWire {
   be32 repeat;   // entries of the payload (see each type)
   be32 padding;  // QEMU never writes it (stack bytes for QEMU FILE); we write 0, ignore it
 };
-IBTRS_WIRE_STRUCT(HeaderWire, 16);
+BASE_WIRE_STRUCT(HeaderWire, 16);
 
 // RAM BLOCKS RESULT entry: RDMADestBlock (RDMARemoteBlock in older QEMUs), in the order of the
 // stream's RAM block list.
@@ -100,7 +100,7 @@ struct DestBlockWire {
   be32 remote_rkey;       // pin-all: the block's rkey; 0 with dynamic registration
   be32 padding;
 };
-IBTRS_WIRE_STRUCT(DestBlockWire, 32);
+BASE_WIRE_STRUCT(DestBlockWire, 32);
 
 // REGISTER REQUEST / UNREGISTER REQUEST entry: RDMARegister.
 struct RegisterWire {
@@ -109,7 +109,7 @@ struct RegisterWire {
   be32 padding;        // uninitialised by QEMU 7.2 (stack): ignored
   be64 chunks;         // register: further chunks after the first (0 = one chunk)
 };
-IBTRS_WIRE_STRUCT(RegisterWire, 24);
+BASE_WIRE_STRUCT(RegisterWire, 24);
 
 // REGISTER RESULT entry: RDMARegisterResult.
 struct RegisterResultWire {
@@ -117,7 +117,7 @@ struct RegisterResultWire {
   be32 padding;
   be64 host_addr;  // base the source adds (address - block offset) to: the block's host address
 };
-IBTRS_WIRE_STRUCT(RegisterResultWire, 16);
+BASE_WIRE_STRUCT(RegisterResultWire, 16);
 
 // COMPRESS payload: RDMACompress.
 struct CompressWire {
@@ -126,7 +126,7 @@ struct CompressWire {
   be64 offset;     // address in the destination's ram_addr space
   be64 length;
 };
-IBTRS_WIRE_STRUCT(CompressWire, 24);
+BASE_WIRE_STRUCT(CompressWire, 24);
 
 // ---- capabilities ----
 

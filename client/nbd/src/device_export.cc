@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "common/log.h"
+#include "base/log.h"
 
 namespace ibnbd::nbd {
 
@@ -48,13 +48,13 @@ int DeviceExport::attach_loop() {
   if (!r.ok()) {
     // EBUSY: another thread of this process reaps this loop's connection index; the hand-off
     // carries the completions then.
-    IBTRS_LOG(info, "nbd export of %s: completions from the transport's threads (reaper: %s)",
+    BASE_LOG(info, "nbd export of %s: completions from the transport's threads (reaper: %s)",
               dev_->name().c_str(), r.error().message().c_str());
     return -1;
   }
   auto fd = (*r)->fd();
   if (!fd.ok()) {
-    IBTRS_LOG(warn, "nbd export of %s: reaper fd: %s", dev_->name().c_str(), fd.error().message().c_str());
+    BASE_LOG(warn, "nbd export of %s: reaper fd: %s", dev_->name().c_str(), fd.error().message().c_str());
     return -1;
   }
   reaper_ = std::move(*r);

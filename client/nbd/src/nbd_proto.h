@@ -10,14 +10,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "common/le.h"  // big-endian wire integers and IBTRS_WIRE_STRUCT, the size / layout proof
+#include "base/le.h"  // big-endian wire integers and BASE_WIRE_STRUCT, the size / layout proof
 
 namespace ibnbd::nbd::wire {
 
 // NBD is network byte order (IBTRS's ibtrs::Le is little-endian).
-using ibtrs::be16;
-using ibtrs::be32;
-using ibtrs::be64;
+using base::be16;
+using base::be32;
+using base::be64;
 
 // ---- magics ----
 inline constexpr uint64_t kNbdMagic = 0x4e42444d41474943ull;   // "NBDMAGIC" (INIT_PASSWD)
@@ -139,7 +139,7 @@ struct ServerGreeting {
   be64 opt_magic;  // kOptMagic
   be16 flags;      // handshake flags
 };
-IBTRS_WIRE_STRUCT(ServerGreeting, 18);
+BASE_WIRE_STRUCT(ServerGreeting, 18);
 
 // C: one option ("IHAVEOPT", option, length, then length bytes of data).
 struct OptionHdr {
@@ -147,7 +147,7 @@ struct OptionHdr {
   be32 option;  // Opt
   be32 length;  // of the data that follows
 };
-IBTRS_WIRE_STRUCT(OptionHdr, 16);
+BASE_WIRE_STRUCT(OptionHdr, 16);
 
 // S: one reply to an option (fixed newstyle), then length bytes of data.
 struct OptionReplyHdr {
@@ -156,14 +156,14 @@ struct OptionReplyHdr {
   be32 type;    // Rep
   be32 length;  // of the data that follows
 };
-IBTRS_WIRE_STRUCT(OptionReplyHdr, 20);
+BASE_WIRE_STRUCT(OptionReplyHdr, 20);
 
 // S: the answer to NBD_OPT_EXPORT_NAME (then 124 zero bytes unless NO_ZEROES was agreed).
 struct ExportNameReply {
   be64 size;
   be16 flags;  // transmission flags
 };
-IBTRS_WIRE_STRUCT(ExportNameReply, 10);
+BASE_WIRE_STRUCT(ExportNameReply, 10);
 inline constexpr size_t kExportNameZeroes = 124;
 
 // NBD_REP_INFO payloads.
@@ -172,14 +172,14 @@ struct InfoExport {
   be64 size;
   be16 flags;  // transmission flags
 };
-IBTRS_WIRE_STRUCT(InfoExport, 12);
+BASE_WIRE_STRUCT(InfoExport, 12);
 struct InfoBlockSize {
   be16 type;  // kInfoBlockSize
   be32 minimum;
   be32 preferred;
   be32 maximum;
 };
-IBTRS_WIRE_STRUCT(InfoBlockSize, 14);
+BASE_WIRE_STRUCT(InfoBlockSize, 14);
 
 // C: a transmission request (then `length` bytes of data for NBD_CMD_WRITE).
 struct Request {
@@ -190,7 +190,7 @@ struct Request {
   be64 offset;
   be32 length;
 };
-IBTRS_WIRE_STRUCT(Request, 28);
+BASE_WIRE_STRUCT(Request, 28);
 
 // S: a simple reply (then the data of a successful READ).
 struct SimpleReply {
@@ -198,7 +198,7 @@ struct SimpleReply {
   be32 error;  // Err or 0
   be64 handle;
 };
-IBTRS_WIRE_STRUCT(SimpleReply, 16);
+BASE_WIRE_STRUCT(SimpleReply, 16);
 
 // S: a structured reply chunk header (then `length` bytes of payload).
 struct ChunkHdr {
@@ -208,14 +208,14 @@ struct ChunkHdr {
   be64 handle;
   be32 length;
 };
-IBTRS_WIRE_STRUCT(ChunkHdr, 20);
+BASE_WIRE_STRUCT(ChunkHdr, 20);
 
 // NBD_REPLY_TYPE_OFFSET_DATA: header plus the offset, then the data.
 struct OffsetDataChunk {
   ChunkHdr hdr;
   be64 offset;
 };
-IBTRS_WIRE_STRUCT(OffsetDataChunk, 28);
+BASE_WIRE_STRUCT(OffsetDataChunk, 28);
 
 // NBD_REPLY_TYPE_ERROR: header, error, message length; the message follows.
 struct ErrorChunk {
@@ -223,18 +223,18 @@ struct ErrorChunk {
   be32 error;
   be16 msg_len;
 };
-IBTRS_WIRE_STRUCT(ErrorChunk, 26);
+BASE_WIRE_STRUCT(ErrorChunk, 26);
 
 // NBD_REPLY_TYPE_BLOCK_STATUS: header plus the context id, then the descriptors.
 struct BlockStatusHdr {
   ChunkHdr hdr;
   be32 context_id;
 };
-IBTRS_WIRE_STRUCT(BlockStatusHdr, 24);
+BASE_WIRE_STRUCT(BlockStatusHdr, 24);
 struct BlockDescriptor {
   be32 length;  // of the extent
   be32 status;  // kStateHole / kStateZero
 };
-IBTRS_WIRE_STRUCT(BlockDescriptor, 8);
+BASE_WIRE_STRUCT(BlockDescriptor, 8);
 
 }  // namespace ibnbd::nbd::wire

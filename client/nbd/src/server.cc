@@ -14,7 +14,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "common/unix_socket.h"
+#include "base/unix_socket.h"
 #include "server_impl.h"
 
 namespace ibnbd::nbd {
@@ -132,7 +132,7 @@ Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
   ev.data.u64 = 0;
   if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, impl->evfd, &ev) != 0) return errc(errno);
   for (ListenSpec l : impl->opts.listen) {
-    auto fd = l.kind == ListenSpec::Kind::unix_socket ? ibtrs::unix_listen(l.path, 128, true, ibtrs::UnixSocketAccess{l.mode, l.group})
+    auto fd = l.kind == ListenSpec::Kind::unix_socket ? base::unix_listen(l.path, 128, true, base::UnixSocketAccess{l.mode, l.group})
                                                       : listen_tcp(l);
     if (!fd.ok()) return fd.error();  // ~Impl closes and unlinks what was bound
     impl->listen_fds.push_back(*fd);

@@ -5,7 +5,7 @@
 
 #include <thread>
 
-#include "common/log.h"
+#include "base/log.h"
 #include "lib/client_impl.h"
 #include "lib/failover.h"
 #include "proto/access.h"
@@ -46,7 +46,7 @@ Result<uint64_t> check_segs(std::span<const ibtrs::IoSeg> segs) {
 Result<Device::Cut> Device::check(IoOp op, uint64_t offset, uint64_t& len, std::span<const ibtrs::IoSeg> segs,
                                   bool bounced, uint32_t flags) const {
   // The server's own rule, so that we refuse exactly what it would (EPERM).
-  IBTRS_TRY(proto::check_op_allowed(mode, op));
+  BASE_TRY(proto::check_op_allowed(mode, op));
   if ((flags & ~allowed_flags(op)) != 0) return errc(EINVAL);
   const bool data = op == IoOp::read || op == IoOp::write;
   uint32_t max_part = 0;
@@ -57,7 +57,7 @@ Result<Device::Cut> Device::check(IoOp op, uint64_t offset, uint64_t& len, std::
         if (bounce == nullptr) return errc(EOPNOTSUPP);
         max_part = std::min(max_rw.load(std::memory_order_relaxed), slot_size);
       } else {
-        IBTRS_ASSIGN_OR_RETURN(len, check_segs(segs));
+        BASE_ASSIGN_OR_RETURN(len, check_segs(segs));
         max_part = max_rw.load(std::memory_order_relaxed);
       }
       break;
@@ -89,7 +89,7 @@ Result<Device::Cut> Device::check(IoOp op, uint64_t offset, uint64_t& len, std::
         len > dev_size - offset)
       return errc(EINVAL);
     if (data && !bounced) {
-      IBTRS_ASSIGN_OR_RETURN(nparts, count_parts(segs, max_part, block));
+      BASE_ASSIGN_OR_RETURN(nparts, count_parts(segs, max_part, block));
     } else if (op == IoOp::block_status) {
       nparts = 1;
     } else {
@@ -109,7 +109,7 @@ Status Device::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const ib
   const bool bounced = copy_buf != nullptr;
   const bool data = op == IoOp::read || op == IoOp::write;
   // One load of the limits for the check and the cut (a remap may change them meanwhile).
-  IBTRS_ASSIGN_OR_RETURN(const Cut cut, check(op, offset, len, segs, bounced, flags));
+  BASE_ASSIGN_OR_RETURN(const Cut cut, check(op, offset, len, segs, bounced, flags));
   const uint64_t nparts = cut.nparts;
   const uint32_t max_part = cut.max_part;
 
@@ -193,7 +193,7 @@ RemoteDevice::~RemoteDevice() {
   const auto until = Clock::now() + std::chrono::seconds(60);
   while (fo_->outstanding.load() != 0 && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   if (fo_->outstanding.load() != 0) {
-    IBTRS_LOG(error, "ibnbd %s: failover device destroyed with %llu requests out: left allocated", fo_->name.c_str(),
+    BASE_LOG(error, "ibnbd %s: failover device destroyed with %llu requests out: left allocated", fo_->name.c_str(),
               static_cast<unsigned long long>(fo_->outstanding.load()));
     (void)fo_.release();
   }
@@ -374,8 +374,8 @@ Result<std::unique_ptr<ibtrs::RegisteredMemory>> RemoteDevice::alloc_buffer(size
     return s->ts->alloc_buffer(size);
   }
   // Made by the first leg's session, shared with the other's: both may carry it.
-  IBTRS_ASSIGN_OR_RETURN(auto m, fo_->legs[0].s->alloc_buffer(size));
-  IBTRS_TRY(fo_->legs[1].s->transport().share_memory(*m));
+  BASE_ASSIGN_OR_RETURN(auto m, fo_->legs[0].s->alloc_buffer(size));
+  BASE_TRY(fo_->legs[1].s->transport().share_memory(*m));
   return m;
 }
 
@@ -385,8 +385,8 @@ Result<std::unique_ptr<ibtrs::RegisteredMemory>> RemoteDevice::register_memory(v
     if (s == nullptr) return errc(ESHUTDOWN);
     return s->ts->register_memory(addr, size);
   }
-  IBTRS_ASSIGN_OR_RETURN(auto m, fo_->legs[0].s->register_memory(addr, size));
-  IBTRS_TRY(fo_->legs[1].s->transport().share_memory(*m));
+  BASE_ASSIGN_OR_RETURN(auto m, fo_->legs[0].s->register_memory(addr, size));
+  BASE_TRY(fo_->legs[1].s->transport().share_memory(*m));
   return m;
 }
 

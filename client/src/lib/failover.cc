@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common/log.h"
+#include "base/log.h"
 
 namespace ibnbd {
 
@@ -60,7 +60,7 @@ Status Failover::submit(IoOp op, uint64_t offset, uint64_t len, std::span<const 
   const Device* ad = legs[active.load(std::memory_order_acquire)].dp.load(std::memory_order_acquire);
   if (ad == nullptr) return errc(ENODEV);
   uint64_t n = len;
-  IBTRS_TRY(ad->check(op, offset, n, segs, copy != nullptr, flags));
+  BASE_TRY(ad->check(op, offset, n, segs, copy != nullptr, flags));
 
   FoReq* r = reqs.get();
   r->f = this;
@@ -152,7 +152,7 @@ void Failover::on_leg_done(void* ctx, int err) {
       // It promises stable what the old active's cache may have lost (client.h, "Flush").
       err = EIO;
       f->lost_flushes.fetch_add(1, std::memory_order_relaxed);
-      IBTRS_LOG(warn, "ibnbd %s: flush failed (EIO): writes completed on the previous active server "
+      BASE_LOG(warn, "ibnbd %s: flush failed (EIO): writes completed on the previous active server "
                 "since its last flush may be lost with its cache", f->name.c_str());
     } else {
       uint64_t cur = f->durable.load(std::memory_order_acquire);
@@ -300,7 +300,7 @@ void Failover::watch_standby() {
     if (!ready && !g.error) g.error = why;
     if (ready) g.error = {};
   }
-  IBTRS_LOG(warn, "ibnbd %s: standby %s %s%s", name.c_str(), g.s->name().c_str(),
+  BASE_LOG(warn, "ibnbd %s: standby %s %s%s", name.c_str(), g.s->name().c_str(),
             ready ? "ready" : "not ready: ", ready ? "" : why.message().c_str());
   emit(FailoverEvent{ready ? FailoverEvent::Kind::standby_back : FailoverEvent::Kind::standby_lost, name,
                      legs[sb ^ 1].s->name(), g.s->name(), {}, 0, why});
@@ -389,10 +389,10 @@ void Failover::fail_over() {
     }
   }
   if (by_admin) {
-    IBTRS_LOG(warn, "ibnbd %s: switch requested: from session %s to %s", name.c_str(),
+    BASE_LOG(warn, "ibnbd %s: switch requested: from session %s to %s", name.c_str(),
               legs[from].s->name().c_str(), legs[other].s->name().c_str());
   } else {
-    IBTRS_LOG(warn, "ibnbd %s: active server lost: session %s %s, failing over", name.c_str(),
+    BASE_LOG(warn, "ibnbd %s: active server lost: session %s %s, failing over", name.c_str(),
               legs[from].s->name().c_str(), legs[from].down.load() ? "down" : "failing requests");
   }
   // 1. New IO waits here.
@@ -468,7 +468,7 @@ void Failover::fail_over() {
       }
       if (took.ok()) return switch_to(to, from, t0, by_admin);
       if (transport_error(took.error().value())) both_refused = false;
-      IBTRS_LOG(warn, "ibnbd %s: session %s cannot take the device over: %s", name.c_str(),
+      BASE_LOG(warn, "ibnbd %s: session %s cannot take the device over: %s", name.c_str(),
                 legs[to].s->name().c_str(), took.error().message().c_str());
     }
     if (by_admin) {
@@ -495,7 +495,7 @@ void Failover::fail_over() {
         FoList w = waiting.take();
         while (!w.empty()) dead.push(w.pop());
       }
-      IBTRS_LOG(error, "ibnbd %s: no server can open the device: %s", name.c_str(), why.message().c_str());
+      BASE_LOG(error, "ibnbd %s: no server can open the device: %s", name.c_str(), why.message().c_str());
       while (!dead.empty()) finish(dead.pop(), why ? why.value() : ENODEV);
       if (Device* d = legs[from].dp.load()) d->standby.store(false);
       open.store(true, std::memory_order_seq_cst);  // new IO meets the closed leg: ENODEV
@@ -522,7 +522,7 @@ void Failover::switch_to(uint8_t to, uint8_t from, Clock::time_point t0, bool by
     const uint64_t done = writes_done.load();
     if (volatile_cache(od) && done > durable.load()) {
       cache_lost.store(true);
-      IBTRS_LOG(warn, "ibnbd %s: %llu writes completed on %s since its last flush may be lost with its cache: "
+      BASE_LOG(warn, "ibnbd %s: %llu writes completed on %s since its last flush may be lost with its cache: "
                 "the next flush fails with EIO", name.c_str(),
                 static_cast<unsigned long long>(done - durable.load()), legs[from].s->name().c_str());
       emit(FailoverEvent{FailoverEvent::Kind::cache_lost, name, legs[from].s->name(), legs[to].s->name(), {},
@@ -559,7 +559,7 @@ void Failover::switch_to(uint8_t to, uint8_t from, Clock::time_point t0, bool by
     std::lock_guard l(mu);
     standby_was_ready = false;  // the old active: down, or at least not known ready yet
   }
-  IBTRS_LOG(warn, "ibnbd %s: %s session %s after %lld ms (%llu requests sent again)", name.c_str(),
+  BASE_LOG(warn, "ibnbd %s: %s session %s after %lld ms (%llu requests sent again)", name.c_str(),
             to != from ? "failed over to" : "resumed on", legs[to].s->name().c_str(),
             static_cast<long long>(pause.count()), static_cast<unsigned long long>(n));
   if (to != from)
@@ -701,7 +701,7 @@ Result<std::shared_ptr<RemoteDevice>> map_failover(BlockSession& active, BlockSe
                                                    std::string_view dev_name, AccessMode mode,
                                                    FailoverOptions options) {
   if (&active == &standby) return errc(EINVAL);
-  IBTRS_TRY(proto::check_dev_name(dev_name));
+  BASE_TRY(proto::check_dev_name(dev_name));
   if (active.find(dev_name) != nullptr || standby.find(dev_name) != nullptr) return errc(EEXIST);
   auto f = std::make_unique<Failover>();
   f->name = std::string(dev_name);
@@ -709,7 +709,7 @@ Result<std::shared_ptr<RemoteDevice>> map_failover(BlockSession& active, BlockSe
   f->opts = std::move(options);
   f->legs[0].s = &active;
   f->legs[1].s = &standby;
-  IBTRS_ASSIGN_OR_RETURN(auto a, active.impl()->map_device(dev_name, mode, MapAs::active_leg));
+  BASE_ASSIGN_OR_RETURN(auto a, active.impl()->map_device(dev_name, mode, MapAs::active_leg));
   f->legs[0].dev = a;
   f->legs[0].dp.store(a->impl());
   // A plain OPEN: the standby's server opens the device and takes nothing over.
@@ -720,7 +720,7 @@ Result<std::shared_ptr<RemoteDevice>> map_failover(BlockSession& active, BlockSe
   } else {
     f->legs[1].error = b.error();
     f->standby_was_ready = false;
-    IBTRS_LOG(warn, "ibnbd %s: standby session %s refused the device: %s; serving from %s alone",
+    BASE_LOG(warn, "ibnbd %s: standby session %s refused the device: %s; serving from %s alone",
               f->name.c_str(), standby.name().c_str(), b.error().message().c_str(), active.name().c_str());
   }
   Failover* raw = f.get();

@@ -3,7 +3,7 @@
 // threads; nothing here blocks.
 #include <cstring>
 
-#include "common/log.h"
+#include "base/log.h"
 #include "lib/client_impl.h"
 
 namespace ibnbd {
@@ -87,7 +87,7 @@ int Session::try_send(Part* p) {
   auto n = proto::encode_io(p->usr, p->io);
   if (!n.ok()) {  // validation let through what the codec refuses: our bug, not the caller's
     left_transport(d);
-    IBTRS_LOG(error, "ibnbd %s: cannot encode IO: %s", d->name.c_str(), n.error().message().c_str());
+    BASE_LOG(error, "ibnbd %s: cannot encode IO: %s", d->name.c_str(), n.error().message().c_str());
     return n.error().value();
   }
   ibtrs::IoRequest req;
@@ -184,7 +184,7 @@ void Session::on_part_done(void* ctx, int err) {
     const std::span<const std::byte> ans(d->slot_addr(p->slot), proto::kBlockStatusReplyBytes);
     auto st = proto::decode_block_status_rsp(ans, p->io.bi_size, *reinterpret_cast<ExtentList*>(p->user));
     if (!st.ok()) {
-      IBTRS_LOG(error, "ibnbd %s: bad BLOCK_STATUS answer: %s", d->name.c_str(), st.error().message().c_str());
+      BASE_LOG(error, "ibnbd %s: bad BLOCK_STATUS answer: %s", d->name.c_str(), st.error().message().c_str());
       err = EPROTO;
     }
   } else if (err == 0 && p->slot >= 0 && r->dir == ibtrs::IoDir::read) {

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common/log.h"
+#include "base/log.h"
 #include "lib/client_impl.h"
 
 namespace ibnbd {
@@ -129,10 +129,10 @@ Status Session::control(ibtrs::IoDir dir, std::span<const std::byte> usr, std::s
 
 Result<uint8_t> Session::sess_info() {
   std::byte msg[sizeof(proto::SessInfoMsg)];
-  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_sess_info(msg, proto::SessInfo{proto::kProtoVersion}));
+  BASE_ASSIGN_OR_RETURN(size_t n, proto::encode_sess_info(msg, proto::SessInfo{proto::kProtoVersion}));
   std::byte rsp[kCtlSlotSize];
-  IBTRS_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
-  IBTRS_ASSIGN_OR_RETURN(auto r, proto::decode_sess_info_rsp(rsp));
+  BASE_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
+  BASE_ASSIGN_OR_RETURN(auto r, proto::decode_sess_info_rsp(rsp));
   return proto::accept_version(proto::kProtoVersion, r.ver);
 }
 
@@ -140,25 +140,25 @@ Result<proto::OpenRsp> Session::open_device(const std::string& name, AccessMode 
   std::byte msg[sizeof(proto::OpenMsg)];
   const uint8_t ver = version.load();
   const uint8_t flags = reopen && ver >= proto::kOpenFlagsVersion ? proto::kOpenReopen : 0;
-  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_open(msg, proto::Open{mode, name, flags}));
+  BASE_ASSIGN_OR_RETURN(size_t n, proto::encode_open(msg, proto::Open{mode, name, flags}));
   std::byte rsp[kCtlSlotSize];
-  IBTRS_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
+  BASE_TRY(control(ibtrs::IoDir::read, std::span(msg, n), rsp, false));
   return proto::decode_open_rsp(rsp, ver);
 }
 
 Status Session::close_id(uint32_t id) {
   std::byte msg[sizeof(proto::CloseMsg)];
-  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_close(msg, proto::Close{id}));
+  BASE_ASSIGN_OR_RETURN(size_t n, proto::encode_close(msg, proto::Close{id}));
   return control(ibtrs::IoDir::write, std::span(msg, n), {}, true);
 }
 
 void Session::emit(const DeviceEvent& e) {
   if (e.kind == DeviceEvent::Kind::resized) {
-    IBTRS_LOG(info, "ibnbd %s: %s resized by the server: %llu -> %llu bytes", opts.transport.session_name.c_str(),
+    BASE_LOG(info, "ibnbd %s: %s resized by the server: %llu -> %llu bytes", opts.transport.session_name.c_str(),
               e.dev_name.c_str(), static_cast<unsigned long long>(e.old_size),
               static_cast<unsigned long long>(e.new_size));
   } else {
-    IBTRS_LOG(info, "ibnbd %s: %s %s id %u -> %u %s", opts.transport.session_name.c_str(),
+    BASE_LOG(info, "ibnbd %s: %s %s id %u -> %u %s", opts.transport.session_name.c_str(),
               e.dev_name.c_str(), e.kind == DeviceEvent::Kind::remapped ? "remapped" : "remap failed",
               e.old_id, e.new_id, e.error ? e.error.message().c_str() : "");
   }
@@ -175,11 +175,11 @@ Status Session::post_watch() {
     // chunks and no chunk sets): a buffer for fewer devices then, and partial answers.
     const size_t fit = (ts->max_io_size() - sizeof(proto::WatchRspMsg)) / proto::kWatchEntryBytes;
     watch_entries = static_cast<uint32_t>(std::min<size_t>(watch_entries, fit));
-    IBTRS_ASSIGN_OR_RETURN(watch_mem, ts->alloc_buffer(proto::watch_buffer_bytes(watch_entries)));
+    BASE_ASSIGN_OR_RETURN(watch_mem, ts->alloc_buffer(proto::watch_buffer_bytes(watch_entries)));
   }
   std::byte msg[sizeof(proto::WatchMsg)];
   const uint64_t epoch = watch_epoch.load(std::memory_order_relaxed);
-  IBTRS_ASSIGN_OR_RETURN(size_t n, proto::encode_watch(msg, proto::Watch{epoch}));
+  BASE_ASSIGN_OR_RETURN(size_t n, proto::encode_watch(msg, proto::Watch{epoch}));
   ibtrs::IoSeg seg{watch_mem->data(), static_cast<uint32_t>(proto::watch_buffer_bytes(watch_entries)),
                    watch_mem.get()};
   ibtrs::IoRequest req;
@@ -247,7 +247,7 @@ Clock::time_point Session::watch_step(Clock::time_point now) {
     watch_backoff = std::clamp(watch_backoff * 2, std::chrono::milliseconds(kWatchBackoffMin), kWatchBackoffMax);
     watch_due = now + watch_backoff;
     if (std::exchange(watch_logged_err, st.error().value()) != st.error().value())
-      IBTRS_LOG(warn, "ibnbd %s: size notices: posting the WATCH: %s (retried)", opts.transport.session_name.c_str(),
+      BASE_LOG(warn, "ibnbd %s: size notices: posting the WATCH: %s (retried)", opts.transport.session_name.c_str(),
                 st.error().message().c_str());
   }
   return watch_due;
@@ -266,7 +266,7 @@ void Session::on_watch_answer(int err, Clock::time_point now) {
     watch_backoff = std::clamp(watch_backoff * 2, std::chrono::milliseconds(kWatchBackoffMin), kWatchBackoffMax);
     watch_due = now + watch_backoff;
     if (std::exchange(watch_logged_err, e) != e && !transport_error(e) && e != EPROTO)
-      IBTRS_LOG(warn, "ibnbd %s: size notices: the WATCH failed: %s (retried in %lld ms)",
+      BASE_LOG(warn, "ibnbd %s: size notices: the WATCH failed: %s (retried in %lld ms)",
                 opts.transport.session_name.c_str(), rsp.error().message().c_str(),
                 static_cast<long long>(watch_backoff.count()));
     return;
@@ -314,7 +314,7 @@ void Session::on_watch_answer(int err, Clock::time_point now) {
     } else {
       watch_epoch.store(rsp->epoch, std::memory_order_relaxed);
       if (!std::exchange(watch_partial_logged, true))
-        IBTRS_LOG(warn, "ibnbd %s: size notices: the server lists %u devices, one answer holds %zu; the rest learn "
+        BASE_LOG(warn, "ibnbd %s: size notices: the server lists %u devices, one answer holds %zu; the rest learn "
                         "their size at their next remap", opts.transport.session_name.c_str(), rsp->total, fit);
     }
   } else {
@@ -463,7 +463,7 @@ Clock::time_point Session::expire(Clock::time_point now) {
   // What an application sees as EIO then is this configured timeout, not a lost request: said
   // once per batch (the soak's verdict reads it too).
   if (!dead.empty())
-    IBTRS_LOG(warn, "ibnbd %s: %zu IO parts failed (%s): %s for remap_timeout (%lld ms)",
+    BASE_LOG(warn, "ibnbd %s: %zu IO parts failed (%s): %s for remap_timeout (%lld ms)",
               opts.transport.session_name.c_str(), dead.size, err == ETIMEDOUT ? "ETIMEDOUT" : "ENOTCONN",
               up ? "the remap did not finish" : "no path", static_cast<long long>(limit.count()));
   fail_list(dead, err);
@@ -528,7 +528,7 @@ bool Session::remap_all(uint64_t gen) {
   if (!v.ok()) {
     if (transport_error(v.error().value())) return false;
     // The server no longer speaks our protocol: nothing of this session can work.
-    IBTRS_LOG(error, "ibnbd %s: SESS_INFO after reconnect: %s", opts.transport.session_name.c_str(),
+    BASE_LOG(error, "ibnbd %s: SESS_INFO after reconnect: %s", opts.transport.session_name.c_str(),
               v.error().message().c_str());
     for (Device* d : devs) {
       close_device(d, v.error().value());
@@ -565,7 +565,7 @@ bool Session::remap_all(uint64_t gen) {
     if (link_gen != gen) return false;
     open.store(true, std::memory_order_seq_cst);
   }
-  IBTRS_LOG(info, "ibnbd %s: remapped %zu devices", opts.transport.session_name.c_str(), devs.size());
+  BASE_LOG(info, "ibnbd %s: remapped %zu devices", opts.transport.session_name.c_str(), devs.size());
   pump();
   return true;
 }
@@ -584,12 +584,12 @@ Result<std::unique_ptr<BlockSession>> BlockSession::open(BlockSessionOptions opt
   // Events reach the block layer first (it closes the IO gate before the transport re-sends),
   // then the caller's callback from opts.transport.on_event.
   to.on_event = [s](const ibtrs::SessionEventInfo& e) { s->on_transport_event(e); };
-  IBTRS_ASSIGN_OR_RETURN(impl->ts, ibtrs::ClientSession::open(std::move(to)));
-  IBTRS_ASSIGN_OR_RETURN(impl->ctl_mem, impl->ts->alloc_buffer(Impl::kCtlSlots * Impl::kCtlSlotSize));
+  BASE_ASSIGN_OR_RETURN(impl->ts, ibtrs::ClientSession::open(std::move(to)));
+  BASE_ASSIGN_OR_RETURN(impl->ctl_mem, impl->ts->alloc_buffer(Impl::kCtlSlots * Impl::kCtlSlotSize));
   const uint32_t qd = impl->ts->queue_depth();
   impl->parts.grow(qd);
   impl->reqs.grow(qd);
-  IBTRS_ASSIGN_OR_RETURN(uint8_t ver, impl->sess_info());
+  BASE_ASSIGN_OR_RETURN(uint8_t ver, impl->sess_info());
   impl->version.store(ver);
   // Outstanding when open() returns (a failure is retried by the worker).
   if (ver >= proto::kWatchVersion) (void)impl->post_watch();
@@ -637,7 +637,7 @@ Session::~Impl() {
     }
     run_deferred();
     if (outstanding.load() != 0)
-      IBTRS_LOG(error, "ibnbd %s: %llu requests did not complete at close",
+      BASE_LOG(error, "ibnbd %s: %llu requests did not complete at close",
                 opts.transport.session_name.c_str(),
                 static_cast<unsigned long long>(outstanding.load()));
   }
@@ -669,7 +669,7 @@ Result<std::shared_ptr<RemoteDevice>> BlockSession::map(std::string_view dev_nam
 
 Result<std::shared_ptr<RemoteDevice>> Session::map_device(std::string_view dev_name, AccessMode mode, MapAs as) {
   Session* s = this;
-  IBTRS_TRY(proto::check_dev_name(dev_name));
+  BASE_TRY(proto::check_dev_name(dev_name));
   std::lock_guard cl(s->ctl_mu);
   if (s->closing.load()) return errc(ESHUTDOWN);
   if (auto d = s->find_locked(dev_name)) {
@@ -677,7 +677,7 @@ Result<std::shared_ptr<RemoteDevice>> Session::map_device(std::string_view dev_n
     if (as != MapAs::plain || d->impl()->leg.load()) return errc(EEXIST);
     if (d->access_mode() != mode) return errc(EBUSY);
     // Mapped but closed (the server refused its re-open): mapping it again opens it again.
-    if (d->impl()->state.load() == DeviceState::closed) IBTRS_TRY(s->remap_device(d->impl()));
+    if (d->impl()->state.load() == DeviceState::closed) BASE_TRY(s->remap_device(d->impl()));
     return d;
   }
   uint64_t gen = 0;
@@ -712,7 +712,7 @@ Result<std::shared_ptr<RemoteDevice>> Session::map_device(std::string_view dev_n
   // Another name of a device already mapped (a symlink, "./x", the absolute path): the server
   // gave that device's id back without counting a second open, so nothing is to be closed.
   if (auto other = s->holder_of(rsp.device_id, gen, nullptr)) {
-    IBTRS_LOG(warn, "ibnbd %s: map %s refused (EEXIST): the server's device %u, mapped as %s",
+    BASE_LOG(warn, "ibnbd %s: map %s refused (EEXIST): the server's device %u, mapped as %s",
               s->opts.transport.session_name.c_str(), name.c_str(), rsp.device_id,
               other->impl()->name.c_str());
     return errc(EEXIST);
@@ -767,7 +767,7 @@ Status BlockSession::unmap(std::string_view dev_name, UnmapMode mode) {
     // The server still has some of its IO: let it answer before the CLOSE makes the id
     // unknown (the answers would turn into ENODEV).
     if (!s->wait_device_drain(d, Clock::now() + s->opts.control_timeout))
-      IBTRS_LOG(warn, "ibnbd %s: unmap %s with IO still in flight",
+      BASE_LOG(warn, "ibnbd %s: unmap %s with IO still in flight",
                 s->opts.transport.session_name.c_str(), d->name.c_str());
   } else {
     d->closed_err.store(ENODEV);
@@ -827,7 +827,7 @@ Status Session::remap_device(Device* d) {
   // The name now leads to a device mapped under another name (replaced by a link meanwhile):
   // the id is that mapping's; this one closes without a CLOSE.
   if (auto other = holder_of(r->device_id, gen, d)) {
-    IBTRS_LOG(warn, "ibnbd %s: remap %s: now the server's device %u, mapped as %s: closed",
+    BASE_LOG(warn, "ibnbd %s: remap %s: now the server's device %u, mapped as %s: closed",
               opts.transport.session_name.c_str(), d->name.c_str(), r->device_id,
               other->impl()->name.c_str());
     if (had_id && old != r->device_id) (void)close_id(old);

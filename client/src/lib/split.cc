@@ -69,7 +69,7 @@ Result<uint32_t> count_parts(std::span<const ibtrs::IoSeg> segs, uint32_t max_pa
   uint32_t n = 0;
   for (;;) {
     uint8_t nseg = 0;
-    IBTRS_ASSIGN_OR_RETURN(uint32_t len, sp.next(tmp, nseg));
+    BASE_ASSIGN_OR_RETURN(uint32_t len, sp.next(tmp, nseg));
     if (len == 0) return n;
     ++n;
   }

@@ -10,7 +10,7 @@
 #include <mutex>
 
 #include "ibnbd/ublk.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 
 #ifdef IBNBD_UBLK_UPDATE_SIZE
 // Only for UBLK_U_CMD_UPDATE_SIZE (Linux 6.16); the rest is ibnbd/ublk_uapi.h's.
@@ -21,7 +21,7 @@ static_assert(ibnbd::ublk::uapi::kFUpdateSize == UBLK_F_UPDATE_SIZE);
 namespace ibnbd::ublk {
 
 struct UblkControl::Impl {
-  UniqueFd fd;
+  base::UniqueFd fd;
   io_uring ring{};
   bool ring_ready = false;
   std::mutex mu;  // one command at a time on the ring

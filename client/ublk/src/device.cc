@@ -44,7 +44,7 @@
 
 #include "desc.h"
 #include "ibnbd/ublk.h"
-#include "ibnbd/unique_fd.h"
+#include "base/unique_fd.h"
 #include "inbox.h"
 
 #ifndef PR_SET_IO_FLUSHER
@@ -106,7 +106,7 @@ struct Queue {
   ibtrs::ClientSession* transport = nullptr;  // for make_reaper (outlives the device)
   std::vector<Tag> tags;
   Inbox<Tag, &Tag::next> inbox;
-  UniqueFd efd;
+  base::UniqueFd efd;
   std::thread thread;
   // Set once by the thread when its fetches are queued (or it failed). A member, not a local of
   // the starter: the promise must outlive set_value's return on the queue thread.
@@ -433,7 +433,7 @@ struct UblkDevice::Impl {
   std::unique_ptr<UblkControl> ctl;
   std::shared_ptr<RemoteDevice> dev;
   uapi::ublksrv_ctrl_dev_info info{};
-  UniqueFd cdev;
+  base::UniqueFd cdev;
   std::vector<std::unique_ptr<Queue>> queues;
   bool owned = false;    // ours to DEL_DEV (added, or recovered)
   bool started = false;  // START_DEV / END_USER_RECOVERY done: STOP_DEV first
@@ -467,7 +467,7 @@ struct UblkDevice::Impl {
   // Maps the descriptors, registers the buffers and starts every queue thread; returns once
   // each has queued FETCH_REQ on all its tags (what START_DEV / END_USER_RECOVERY wait for).
   Status start_queues(BlockSession& session) {
-    IBTRS_TRY(open_cdev());
+    BASE_TRY(open_cdev());
     const uint32_t buf_bytes = info.max_io_buf_bytes;
     for (uint16_t q = 0; q < info.nr_hw_queues; ++q) {
       auto queue = std::make_unique<Queue>();
@@ -550,7 +550,7 @@ Status UblkDevice::update_size(uint64_t bytes) {
   const uint32_t lbs = impl_->dev->geometry().logical_block_size;
   if (lbs == 0 || bytes % lbs != 0) return errc(EINVAL);
   if (bytes == size()) return {};
-  IBTRS_TRY(impl_->ctl->update_size(impl_->info.dev_id, bytes / kSectorSize));
+  BASE_TRY(impl_->ctl->update_size(impl_->info.dev_id, bytes / kSectorSize));
   impl_->size.store(bytes, std::memory_order_relaxed);
   return {};
 }
@@ -592,8 +592,8 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::create(std::shared_ptr<RemoteDev
   auto impl = std::make_unique<Impl>();
   impl->opts = o;
   impl->dev = dev;
-  IBTRS_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
-  IBTRS_ASSIGN_OR_RETURN(const uint64_t features, check_features(*impl->ctl));
+  BASE_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
+  BASE_ASSIGN_OR_RETURN(const uint64_t features, check_features(*impl->ctl));
 
   uapi::ublksrv_ctrl_dev_info want{};
   want.nr_hw_queues = o.nr_queues;
@@ -603,16 +603,16 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::create(std::shared_ptr<RemoteDev
   want.flags = uapi::kFUserRecovery | uapi::kFUserRecoveryReissue | uapi::kFCmdIoctlEncode;
   // Resizes (update_size) where both this build and the kernel know them.
   if (update_size_supported()) want.flags |= features & uapi::kFUpdateSize;
-  IBTRS_ASSIGN_OR_RETURN(impl->info, impl->ctl->add_dev(want));
+  BASE_ASSIGN_OR_RETURN(impl->info, impl->ctl->add_dev(want));
   impl->owned = true;  // from here on, failure paths DEL_DEV
   // The driver may have lowered the buffer size (page rounding, its own cap): requests follow.
   if (impl->info.max_io_buf_bytes < dev->geometry().logical_block_size || impl->info.queue_depth == 0 ||
       impl->info.nr_hw_queues == 0)
     return errc(EINVAL);
   params->basic.max_sectors = std::min(params->basic.max_sectors, impl->info.max_io_buf_bytes / kSectorSize);
-  IBTRS_TRY(impl->ctl->set_params(impl->info.dev_id, *params));
-  IBTRS_TRY(impl->start_queues(session));
-  IBTRS_TRY(impl->ctl->start_dev(impl->info.dev_id, ::getpid()));
+  BASE_TRY(impl->ctl->set_params(impl->info.dev_id, *params));
+  BASE_TRY(impl->start_queues(session));
+  BASE_TRY(impl->ctl->start_dev(impl->info.dev_id, ::getpid()));
   impl->started = true;
   impl->size.store(params->basic.dev_sectors * kSectorSize, std::memory_order_relaxed);
   return std::unique_ptr<UblkDevice>(new UblkDevice(std::move(impl)));
@@ -624,7 +624,7 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::recover(uint32_t dev_id, std::sh
   auto impl = std::make_unique<Impl>();
   impl->opts = o;
   impl->dev = dev;
-  IBTRS_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
+  BASE_ASSIGN_OR_RETURN(impl->ctl, UblkControl::open(o.control_path));
   const auto deadline = Clock::now() + o.wait_timeout;
   // The dead daemon's rings and /dev/ublkcN are released asynchronously: the device is LIVE
   // until the driver notices, then QUIESCED, and START_USER_RECOVERY says EBUSY until the
@@ -645,8 +645,8 @@ Result<std::unique_ptr<UblkDevice>> UblkDevice::recover(uint32_t dev_id, std::sh
   if (impl->info.queue_depth == 0 || impl->info.nr_hw_queues == 0 ||
       impl->info.max_io_buf_bytes < dev->geometry().logical_block_size)
     return errc(EINVAL);
-  IBTRS_TRY(impl->start_queues(session));
-  IBTRS_TRY(impl->ctl->end_user_recovery(dev_id, ::getpid()));
+  BASE_TRY(impl->start_queues(session));
+  BASE_TRY(impl->ctl->end_user_recovery(dev_id, ::getpid()));
   // The kernel kept the size it had: the volume may have been resized since.
   if (auto p = impl->ctl->get_params(dev_id); p.ok())
     impl->size.store(p->basic.dev_sectors * kSectorSize, std::memory_order_relaxed);

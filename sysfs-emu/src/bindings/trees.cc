@@ -73,7 +73,7 @@ std::vector<std::string> names(const json& arr, const char* key) {
 // ---- paths (both sides answer path_stats alike) ----
 
 Result<json> path_info(const Daemon& b, const std::string& sess, const std::string& path) {
-  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
+  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
   const json& ps = r.at("paths");
   if (ps.empty()) return errc(ENOENT);
   return ps[0];
@@ -87,7 +87,7 @@ std::string hca_port(const json& p) {
 }
 
 Result<std::vector<std::string>> path_names(const Daemon& b, const std::string& sess) {
-  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
+  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
   return names(r.at("paths"), "name");
 }
 
@@ -96,7 +96,7 @@ using PathInfo = std::function<Result<json>()>;
 // A read-only file showing f(the path's answer).
 NodePtr path_field(const PathInfo& info, std::function<std::string(const json&)> f) {
   return Node::read_only([info, f = std::move(f)]() -> Result<std::string> {
-    IBTRS_ASSIGN_OR_RETURN(json p, info());
+    BASE_ASSIGN_OR_RETURN(json p, info());
     return f(p);
   });
 }
@@ -134,11 +134,11 @@ NodePtr stat_file(const PathInfo& info, const ResetFn& reset, std::string group,
   return Node::attr(
       0644,
       [info, show = std::move(show)]() -> Result<std::string> {
-        IBTRS_ASSIGN_OR_RETURN(json p, info());
+        BASE_ASSIGN_OR_RETURN(json p, info());
         return show(p);
       },
       [reset, group = std::move(group)](std::string_view t) -> Status {
-        IBTRS_TRY(parse_reset(t));
+        BASE_TRY(parse_reset(t));
         return reset(group.c_str());
       });
 }
@@ -148,7 +148,7 @@ std::shared_ptr<Node> stats_dir(const PathInfo& info, const ResetFn& reset, std:
   auto d = Node::dir();
   d->add("reset_all", Node::attr(0644, text("Usage: echo 1 > reset_all (0 too) resets all the statistics\n"),
                                  [reset](std::string_view t) -> Status {
-                                   IBTRS_TRY(parse_reset(t));
+                                   BASE_TRY(parse_reset(t));
                                    return reset("all");
                                  }));
   for (const StatFile& f : files)
@@ -162,7 +162,7 @@ NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::str
   PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
   auto path_cmd = [b, sess, path](const char* cmd) {
     return [b, sess, path, cmd](std::string_view t) -> Status {
-      IBTRS_TRY(parse_one(t));
+      BASE_TRY(parse_one(t));
       return act(b, {{"cmd", cmd}, {"session", sess}, {"path", path}});
     };
   };
@@ -203,31 +203,31 @@ NodePtr client_session_dir(const Daemon& b, const std::string& sess) {
          action("Usage: echo [<source addr>@]<destination addr> > add_path\n\n"
                 "*addr ::= [ ip:<ipv4|ipv6> | gid:<gid> | tcp:<host>[:<port>] | rdma:<host>[:<port>] ]\n",
                 [b, sess](std::string_view t) -> Status {
-                  IBTRS_ASSIGN_OR_RETURN(std::string path, parse_path(t));
+                  BASE_ASSIGN_OR_RETURN(std::string path, parse_path(t));
                   return act(b, {{"cmd", "path_add"}, {"session", sess}, {"path", path}});
                 }));
   d->add("max_reconnect_attempts",
          Node::attr(
              0644,
              [b, sess]() -> Result<std::string> {
-               IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}}));
+               BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}}));
                return line(str(r.at("max_reconnect_attempts")));
              },
              [b, sess](std::string_view t) -> Status {
-               IBTRS_ASSIGN_OR_RETURN(int32_t v, ibtrs::parse_max_reconnect_attempts(t));
+               BASE_ASSIGN_OR_RETURN(int32_t v, ibtrs::parse_max_reconnect_attempts(t));
                return act(b, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}, {"value", v}});
              }));
   // mp_policy is the seed's name; mpath_policy the kernel's file: one node under both names.
   auto policy = Node::attr(
       0644,
       [b, sess]() -> Result<std::string> {
-        IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_show"}, {"session", sess}}));
+        BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_show"}, {"session", sess}}));
         auto p = ibtrs::parse_mp_policy(str(cell(r, r.at("rows").at(0), "mp")));
         if (!p) return errc(EIO);
         return format_policy(*p);
       },
       [b, sess](std::string_view t) -> Status {
-        IBTRS_ASSIGN_OR_RETURN(ibtrs::MpPolicy p, ibtrs::parse_mp_policy(t));
+        BASE_ASSIGN_OR_RETURN(ibtrs::MpPolicy p, ibtrs::parse_mp_policy(t));
         return act(b, {{"cmd", "session_policy"}, {"session", sess}, {"policy", std::string(ibtrs::to_string(p))}});
       });
   d->add("mp_policy", policy);
@@ -240,7 +240,7 @@ NodePtr client_session_dir(const Daemon& b, const std::string& sess) {
 }
 
 Result<std::vector<std::string>> listing_names(const Daemon& b, const char* cmd, const char* col) {
-  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", cmd}}));
+  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", cmd}}));
   std::vector<std::string> out;
   for (auto& row : r.at("rows")) out.push_back(escape_name(str(cell(r, row, col))));
   return out;
@@ -251,23 +251,23 @@ Result<std::vector<std::string>> listing_names(const Daemon& b, const char* cmd,
 NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
   auto field = [b, dev](const char* col) {
     return Node::read_only([b, dev, col]() -> Result<std::string> {
-      IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
+      BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
       return line(str(cell(r, r.at("rows").at(0), col)));
     });
   };
   auto d = Node::dir();
   d->add("unmap_device", action("Usage: echo <normal|force> > unmap_device\n", [b, dev](std::string_view t) -> Status {
-           IBTRS_ASSIGN_OR_RETURN(bool force, parse_unmap_mode(t));
+           BASE_ASSIGN_OR_RETURN(bool force, parse_unmap_mode(t));
            return act(b, {{"cmd", "device_unmap"}, {"device", dev}, {"force", force}});
          }));
   d->add("remap_device", action("Usage: echo 1 > remap_device\n", [b, dev](std::string_view t) -> Status {
-           IBTRS_TRY(parse_one(t));
+           BASE_TRY(parse_one(t));
            return act(b, {{"cmd", "device_remap"}, {"device", dev}});
          }));
   // The kernel sets the gendisk's capacity to the written sectors; here the device has no local
   // capacity of its own: the number is checked and the size is taken anew from the server.
   d->add("resize", action("Usage: echo <SECTORS> > resize\n", [b, dev](std::string_view t) -> Status {
-           IBTRS_TRY(parse_sectors(t));
+           BASE_TRY(parse_sectors(t));
            return act(b, {{"cmd", "device_resize"}, {"device", dev}});
          }));
   d->add("state", field("state"));
@@ -276,7 +276,7 @@ NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
   // The gendisk's /sys/block/<dev>/size: 512-byte sectors, the size the server last gave (at
   // OPEN, or in a resize notice).
   d->add("size", Node::read_only([b, dev]() -> Result<std::string> {
-           IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
+           BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
            const json& v = cell(r, r.at("rows").at(0), "size");
            return line(std::to_string(v.at("bytes").get<uint64_t>() / 512));
          }));
@@ -286,7 +286,7 @@ NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
   d->add("standby_state", field("standby_state"));
   d->add("failovers", field("failovers"));
   d->add("failover", action("Usage: echo 1 > failover\n", [b, dev](std::string_view t) -> Status {
-           IBTRS_TRY(parse_one(t));
+           BASE_TRY(parse_one(t));
            return act(b, {{"cmd", "device_failover"}, {"device", dev}});
          }));
   d->add("mapping_path", Node::read_only(text(line(dev))));
@@ -294,7 +294,7 @@ NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
   // /sys/block/rnbdN/): its /sys/block name, "ublkb0"; "-" for a device mapped in the library
   // only (ibnbd device map without --ublk).
   d->add("block", Node::read_only([b, dev]() -> Result<std::string> {
-           IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
+           BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
            const std::string path = str(cell(r, r.at("rows").at(0), "ublk"));
            return line(path.empty() ? "-" : path.substr(path.rfind('/') + 1));
          }));
@@ -309,7 +309,7 @@ NodePtr ibnbd_client_dir(const Daemon& b) {
                   "[nr_poll_queues=<n>]\" > map_device\n\n"
                   "addr ::= [ ip:<ipv4|ipv6> | gid:<gid> | tcp:<host>[:<port>] | rdma:<host>[:<port>] ]\n",
                   [b](std::string_view t) -> Status {
-                    IBTRS_ASSIGN_OR_RETURN(MapDeviceOptions o, parse_map_device(t));
+                    BASE_ASSIGN_OR_RETURN(MapDeviceOptions o, parse_map_device(t));
                     // The kernel's poll queues (blk-mq HCTX_TYPE_POLL) have no counterpart in a
                     // ublk device: refused rather than taken and ignored. 0 asks for none.
                     if (o.nr_poll_queues.value_or(0) != 0) {
@@ -336,7 +336,7 @@ NodePtr server_path_dir(const Daemon& b, const std::string& sess, const std::str
   PathInfo info = [b, sess, path] { return path_info(b, sess, path); };
   auto d = Node::dir();
   d->add("disconnect", action("Usage: echo 1 > disconnect\n", [b, sess, path](std::string_view t) -> Status {
-           IBTRS_TRY(parse_one(t));
+           BASE_TRY(parse_one(t));
            return act(b, {{"cmd", "disconnect_path"}, {"session", sess}, {"path", path}});
          }));
   add_address_files(*d, info);
@@ -351,7 +351,7 @@ NodePtr server_path_dir(const Daemon& b, const std::string& sess, const std::str
 // and reset_refusals (echo 1) to zero them.
 NodePtr ibtrs_server_ctl(const Daemon& b) {
   auto count_of = [b](const std::string& reason) -> Result<json> {
-    IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
+    BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
     for (auto& e : r.at("refusals"))
       if (e.at("reason") == reason) return e;
     return errc(ENOENT);
@@ -359,19 +359,19 @@ NodePtr ibtrs_server_ctl(const Daemon& b) {
   auto d = Node::dir();
   d->add("refusals", Node::dynamic_dir(
                          [b]() -> Result<std::vector<std::string>> {
-                           IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
+                           BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
                            return names(r.at("refusals"), "reason");
                          },
                          [count_of](const std::string& n) -> Result<NodePtr> {
                            const std::string reason = unescape_name(n);
                            return NodePtr(Node::read_only([count_of, reason]() -> Result<std::string> {
-                             IBTRS_ASSIGN_OR_RETURN(json e, count_of(reason));
+                             BASE_ASSIGN_OR_RETURN(json e, count_of(reason));
                              return line(str(e.at("count")));
                            }));
                          }));
   d->add("reset_refusals", action("Usage: echo 1 > reset_refusals (0 too) zeroes every refusals/ count\n",
                                   [b](std::string_view t) -> Status {
-                                    IBTRS_TRY(parse_reset(t));
+                                    BASE_TRY(parse_reset(t));
                                     return act(b, {{"cmd", "reset_refusals"}});
                                   }));
   return d;
@@ -380,7 +380,7 @@ NodePtr ibtrs_server_ctl(const Daemon& b) {
 // The sessions, and ctl/ beside them (a session named "ctl" is shadowed here; the CLI lists it).
 NodePtr ibtrs_server_dir(const Daemon& b) {
   auto sessions = [b]() -> Result<std::vector<std::string>> {
-    IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
+    BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
     auto n = names(r.at("sessions"), "name");
     std::erase(n, std::string("ctl"));
     n.insert(n.begin(), "ctl");
@@ -401,14 +401,14 @@ NodePtr ibtrs_server_dir(const Daemon& b) {
 
 // The holders of one exported device, from the `devices` answer.
 Result<json> device_holders(const Daemon& b, const std::string& dev) {
-  IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
+  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
   for (auto& d : r.at("devices"))
     if (d.at("name") == dev) return d.at("sessions");
   return errc(ENOENT);
 }
 
 Result<json> device_holder(const Daemon& b, const std::string& dev, const std::string& sess) {
-  IBTRS_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
+  BASE_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
   for (auto& h : hs)
     if (h.at("session") == sess) return h;
   return errc(ENOENT);
@@ -416,21 +416,21 @@ Result<json> device_holder(const Daemon& b, const std::string& dev, const std::s
 
 NodePtr server_holder_dir(const Daemon& b, const std::string& dev, const std::string& sess) {
   auto mode = [b, dev, sess]() -> Result<std::string> {
-    IBTRS_ASSIGN_OR_RETURN(json h, device_holder(b, dev, sess));
+    BASE_ASSIGN_OR_RETURN(json h, device_holder(b, dev, sess));
     return str(h.at("access_mode"));
   };
   auto d = Node::dir();
   d->add("read_only", Node::read_only([mode]() -> Result<std::string> {
-           IBTRS_ASSIGN_OR_RETURN(std::string m, mode());
+           BASE_ASSIGN_OR_RETURN(std::string m, mode());
            return std::string(m == "ro" ? "1\n" : "0\n");
          }));
   d->add("access_mode", Node::read_only([mode]() -> Result<std::string> {
-           IBTRS_ASSIGN_OR_RETURN(std::string m, mode());
+           BASE_ASSIGN_OR_RETURN(std::string m, mode());
            return line(m);
          }));
   d->add("mapping_path", Node::read_only(text(line(dev))));
   d->add("force_close", action("Usage: echo 1 > force_close\n", [b, dev, sess](std::string_view t) -> Status {
-           IBTRS_TRY(parse_one(t));
+           BASE_TRY(parse_one(t));
            return act(b, {{"cmd", "force_close"}, {"device", dev}, {"session", sess}});
          }));
   return d;
@@ -438,13 +438,13 @@ NodePtr server_holder_dir(const Daemon& b, const std::string& dev, const std::st
 
 NodePtr ibnbd_server_dir(const Daemon& b) {
   auto devices = [b]() -> Result<std::vector<std::string>> {
-    IBTRS_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
+    BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
     return names(r.at("devices"), "name");
   };
   auto dev_dir = [b](const std::string& n) -> Result<NodePtr> {
     const std::string dev = unescape_name(n);
     auto holders = [b, dev]() -> Result<std::vector<std::string>> {
-      IBTRS_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
+      BASE_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
       return names(hs, "session");
     };
     auto d = Node::dir();

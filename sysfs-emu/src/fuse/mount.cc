@@ -262,7 +262,7 @@ Mount::Mount(NodePtr root, std::string dir) : root_(std::move(root)), dir_(std::
 Result<std::unique_ptr<Mount>> Mount::create(NodePtr root, const std::string& dir, MountOptions o) {
   if (::access("/dev/fuse", R_OK | W_OK) != 0) return errc(ENODEV);
   if (dir.empty() || o.threads == 0) return errc(EINVAL);
-  IBTRS_TRY(prepare_dir(dir));
+  BASE_TRY(prepare_dir(dir));
   std::unique_ptr<Mount> m(new Mount(std::move(root), std::filesystem::absolute(dir).lexically_normal().string()));
   if (g_mount_time == 0) g_mount_time = std::time(nullptr);
 

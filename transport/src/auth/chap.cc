@@ -31,7 +31,7 @@ Result<Digest> respond(std::span<const uint8_t> key, const Digest& ca, uint32_t 
   const uint8_t zero[1] = {0};
   const Bytes parts[] = {ca, s, tid, zero, bytes_of(label), bytes_of(first), zero, bytes_of(second)};
   Digest out{};
-  IBTRS_TRY(hmac(Hash::sha256, key, parts, out));
+  BASE_TRY(hmac(Hash::sha256, key, parts, out));
   return out;
 }
 
@@ -43,14 +43,14 @@ Result<std::vector<uint8_t>> transform_key(const Secret& s, std::string_view id)
   const auto h = static_cast<Hash>(s.transform());
   std::vector<uint8_t> out(hash_len(h));
   const Bytes parts[] = {bytes_of(id), bytes_of(kTransformLabel)};
-  IBTRS_TRY(hmac(h, s.bytes(), parts, out));
+  BASE_TRY(hmac(h, s.bytes(), parts, out));
   return out;
 }
 
 Result<Digest> augmented_challenge(const X25519Key& z, const Nonce& challenge) {
   Digest hz{};
   const Bytes zp[] = {z};
-  IBTRS_TRY(digest(Hash::sha256, zp, hz));
+  BASE_TRY(digest(Hash::sha256, zp, hz));
   Digest out{};
   const Bytes cp[] = {challenge};
   auto st = hmac(Hash::sha256, hz, cp, out);
@@ -71,8 +71,8 @@ Result<Digest> server_response(std::span<const uint8_t> key, const Digest& ca2, 
 
 Result<Digest> response(Role role, const Secret& s, const X25519Key& z, const Nonce& challenge,
                         uint32_t seq, const Transcript& t) {
-  IBTRS_ASSIGN_OR_RETURN(auto ca, augmented_challenge(z, challenge));
-  IBTRS_ASSIGN_OR_RETURN(auto key, transform_key(s, t.host));
+  BASE_ASSIGN_OR_RETURN(auto ca, augmented_challenge(z, challenge));
+  BASE_ASSIGN_OR_RETURN(auto key, transform_key(s, t.host));
   auto r = role == Role::host ? host_response(key, ca, seq, t) : server_response(key, ca, seq, t);
   cleanse(key);
   cleanse(ca);

@@ -129,7 +129,7 @@ Result<X25519> X25519::generate() {
   X25519 k;
   k.key_ = std::make_unique<Pkey>();
   if (EVP_PKEY_keygen(c.get(), &k.key_->p) != 1) return errc(EIO);
-  IBTRS_TRY(fill_public(k.key_->p, k.pub_));
+  BASE_TRY(fill_public(k.key_->p, k.pub_));
   return k;
 }
 
@@ -139,7 +139,7 @@ Result<X25519> X25519::from_private(Bytes priv) {
   k.key_ = std::make_unique<Pkey>();
   k.key_->p = EVP_PKEY_new_raw_private_key(EVP_PKEY_X25519, nullptr, priv.data(), priv.size());
   if (k.key_->p == nullptr) return errc(EIO);
-  IBTRS_TRY(fill_public(k.key_->p, k.pub_));
+  BASE_TRY(fill_public(k.key_->p, k.pub_));
   return k;
 }
 

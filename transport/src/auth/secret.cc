@@ -74,7 +74,7 @@ Result<Secret> Secret::parse(std::string_view text) {
   const auto t = static_cast<Transform>(h1 - '0');
   std::string_view b64 = text.substr(kPrefix.size() + 3);
   b64.remove_suffix(1);
-  IBTRS_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, auth::base64_decode(b64));
+  BASE_ASSIGN_OR_RETURN(std::vector<uint8_t> raw, auth::base64_decode(b64));
   if (raw.size() < 4 || !valid_len(raw.size() - 4)) {
     auth::cleanse(raw);
     return errc(EINVAL);
@@ -95,7 +95,7 @@ Result<Secret> Secret::parse(std::string_view text) {
 Result<Secret> Secret::generate(Transform t, size_t len) {
   if (!valid_len(len) || static_cast<uint8_t>(t) > 3) return errc(EINVAL);
   std::vector<uint8_t> key(len);
-  IBTRS_TRY(auth::random_bytes(key));
+  BASE_TRY(auth::random_bytes(key));
   return Secret(t, std::move(key));
 }
 

@@ -14,7 +14,7 @@ constexpr std::string_view kLabel = "IBNBD TLS PSK 1";
 
 Result<std::vector<std::byte>> derive(std::string_view host, const Secret& key) {
   if (!valid_host_id(host) || key.empty()) return errc(EINVAL);
-  IBTRS_ASSIGN_OR_RETURN(auto kh, auth::transform_key(key, host));
+  BASE_ASSIGN_OR_RETURN(auto kh, auth::transform_key(key, host));
   std::vector<uint8_t> out(auth::hash_len(auth::Hash::sha256));
   const auth::Bytes parts[] = {
       auth::Bytes(reinterpret_cast<const uint8_t*>(kLabel.data()), kLabel.size()),
@@ -32,7 +32,7 @@ Result<std::vector<std::byte>> derive(std::string_view host, const Secret& key) 
 }  // namespace
 
 Result<tls::Psk> tls_psk_of(std::string_view host, const Secret& key) {
-  IBTRS_ASSIGN_OR_RETURN(auto k, derive(host, key));
+  BASE_ASSIGN_OR_RETURN(auto k, derive(host, key));
   return tls::Psk{std::string(host) + "/" + key.fingerprint(), std::move(k)};
 }
 

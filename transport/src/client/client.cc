@@ -12,7 +12,7 @@
 
 #include "auth/chap.h"
 #include "client/client_impl.h"
-#include "common/log.h"
+#include "base/log.h"
 #include "core/fabrics.h"
 #include "core/heartbeat_wr.h"
 
@@ -52,7 +52,7 @@ Result<std::shared_ptr<tls::Context>> make_tls_context(const ClientOptions& o) {
     c.key_file = o.tls.key_file;
   } else {
     if (!o.auth.enabled() || !o.tls.cert_file.empty() || !o.tls.key_file.empty()) return errc(EINVAL);
-    IBTRS_ASSIGN_OR_RETURN(auto psk, tls_psk_of(o.auth.host_id, *o.auth.key));
+    BASE_ASSIGN_OR_RETURN(auto psk, tls_psk_of(o.auth.host_id, *o.auth.key));
     c.psk = std::move(psk);
   }
   return tls::Context::create(std::move(c));
@@ -241,7 +241,7 @@ void Con::on_completions(std::span<Completion> wcs) {
     if (wc.status != WcStatus::success) {
       if (!why) why = errc(wc.status == WcStatus::flush_error ? ECONNRESET : EIO);
       if (wc.status != WcStatus::flush_error)
-        IBTRS_LOG(warn, "path %s con %u: %s", path->name.c_str(), cid,
+        BASE_LOG(warn, "path %s con %u: %s", path->name.c_str(), cid,
                   std::string(fabric::to_string(wc.status)).c_str());
       continue;
     }
@@ -263,7 +263,7 @@ void Con::on_completions(std::span<Completion> wcs) {
           auto rsp = proto::decode_io_rsp_imm(imm);
           if (cid == 0 || !s.geo_set.load(std::memory_order_acquire) ||
               rsp.permit_id >= s.geo.queue_depth) {
-            IBTRS_LOG(warn, "path %s con %u: IO_RSP for permit %u refused", path->name.c_str(), cid,
+            BASE_LOG(warn, "path %s con %u: IO_RSP for permit %u refused", path->name.c_str(), cid,
                       rsp.permit_id);
             why = errc(EPROTO);
             break;
@@ -279,7 +279,7 @@ void Con::on_completions(std::span<Completion> wcs) {
           path->hb.on_ack(core::Clock::now());
           break;
         default:
-          IBTRS_LOG(warn, "path %s con %u: unexpected immediate 0x%08x", path->name.c_str(), cid, imm);
+          BASE_LOG(warn, "path %s con %u: unexpected immediate 0x%08x", path->name.c_str(), cid, imm);
           why = errc(EPROTO);
       }
     } else if (wc.opcode == Opcode::recv && cid != 0) {
@@ -287,7 +287,7 @@ void Con::on_completions(std::span<Completion> wcs) {
       // only with the new key.
       ++recv_missing;
       if (!take_rkey(static_cast<uint32_t>(wc.wr_id >> 3), wc.byte_len)) {
-        IBTRS_LOG(warn, "path %s con %u: bad RKEY_RSP", path->name.c_str(), cid);
+        BASE_LOG(warn, "path %s con %u: bad RKEY_RSP", path->name.c_str(), cid);
         why = errc(EPROTO);
       }
     } else if (wc.opcode == Opcode::recv) {
@@ -304,7 +304,7 @@ void Con::on_completions(std::span<Completion> wcs) {
         std::string bad;
         auto v = proto::parse_fence_rsp(std::span(reinterpret_cast<const std::byte*>(&m), n), &bad);
         if (!v.ok()) {
-          IBTRS_LOG(warn, "path %s: bad FENCE_RSP: %s", path->name.c_str(), bad.c_str());
+          BASE_LOG(warn, "path %s: bad FENCE_RSP: %s", path->name.c_str(), bad.c_str());
           why = errc(EPROTO);
           continue;
         }
@@ -312,7 +312,7 @@ void Con::on_completions(std::span<Completion> wcs) {
         continue;
       }
       if (svc_buf == nullptr || part < kSvcInfoRecv || part > kSvcAuthRecv + 1) {
-        IBTRS_LOG(warn, "path %s con %u: unexpected message", path->name.c_str(), cid);
+        BASE_LOG(warn, "path %s con %u: unexpected message", path->name.c_str(), cid);
         why = errc(EPROTO);
         continue;
       }
@@ -450,11 +450,11 @@ Status Session::bind_windows(uint32_t p, Con* c, uint32_t dom, uint32_t* keys) {
   for (uint32_t i = 0; i < q.nseg; ++i) {
     if (!table[i]) {
       // Beyond a permit's first window: made on first use, kept for the session's life.
-      IBTRS_ASSIGN_OR_RETURN(table[i], pds[dom]->alloc_mw());
+      BASE_ASSIGN_OR_RETURN(table[i], pds[dom]->alloc_mw());
     }
     auto* mr = q.regs[i]->mrs[dom].load(std::memory_order_acquire);
     if (mr == nullptr) return errc(EINVAL);
-    IBTRS_ASSIGN_OR_RETURN(keys[i], c->conn->bind_mw(*table[i], *mr,
+    BASE_ASSIGN_OR_RETURN(keys[i], c->conn->bind_mw(*table[i], *mr,
                                                      reinterpret_cast<uint64_t>(q.segs[i].addr),
                                                      q.segs[i].len, fabric::kRemoteWrite));
     q.wins[q.nwin++] = table[i].get();
@@ -468,7 +468,7 @@ uint32_t Session::revoke_windows(uint32_t p) {
   for (uint32_t i = 0; i < q.nwin; ++i) {
     auto r = q.win_con->conn->invalidate_mw(*q.wins[i], wr_id(kWrInv, p));
     if (!r.ok()) {
-      IBTRS_LOG(warn, "session %s: revoking a read window of permit %u: %s",
+      BASE_LOG(warn, "session %s: revoking a read window of permit %u: %s",
                 opts.session_name.c_str(), p, r.error().message().c_str());
       continue;
     }
@@ -480,7 +480,7 @@ uint32_t Session::revoke_windows(uint32_t p) {
 
 void Session::release_windows_now(uint32_t p, Con* c) {
   if (reqs[p].nwin == 0 || revoke_windows(p) == 0) return;
-  IBTRS_LOG(warn, "path %s: read windows of an unposted request still bound: disconnecting",
+  BASE_LOG(warn, "path %s: read windows of an unposted request still bound: disconnecting",
             c->path->name.c_str());
   c->conn->disconnect();
   (void)revoke_windows(p);
@@ -659,7 +659,7 @@ bool Session::post(uint32_t p, Path* skip) {
       const bool windowed = use_windows[dom];
       if (windowed) {
         if (auto st = bind_windows(p, c, dom, keys); !st.ok()) {
-          IBTRS_LOG(warn, "path %s: cannot open read windows: %s", pa->name.c_str(),
+          BASE_LOG(warn, "path %s: cannot open read windows: %s", pa->name.c_str(),
                     st.error().message().c_str());
           release_windows_now(p, c);
           c->gate.exit();
@@ -812,7 +812,7 @@ void Session::fence_kick() {
       if (svc->send_svc(off, proto::as_bytes_of(m)).ok()) {
         f.carrier = pa;
         f.carrier_gen = pa->gen.load(std::memory_order_acquire);
-        IBTRS_LOG(info, "path %s: fencing incarnation %u (%zu requests wait) over path %s",
+        BASE_LOG(info, "path %s: fencing incarnation %u (%zu requests wait) over path %s",
                   f.path->name.c_str(), f.recon, f.reqs.size(), pa->name.c_str());
       }
       svc->gate.exit();
@@ -842,7 +842,7 @@ void Session::fence_release(Path* path, uint16_t upto, bool inclusive) {
     path->fence_rtt_last_ns.store(rtt, std::memory_order_relaxed);
     if (rtt > path->fence_rtt_max_ns.load(std::memory_order_relaxed))
       path->fence_rtt_max_ns.store(rtt, std::memory_order_relaxed);
-    IBTRS_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu requests resent, %zu chunks "
+    BASE_LOG(info, "path %s: incarnation %u fenced after %llu us: %zu requests resent, %zu chunks "
               "of failed ones free again",
               path->name.c_str(), f.recon, static_cast<unsigned long long>(rtt / 1000), f.reqs.size(),
               f.kept.size());
@@ -944,7 +944,7 @@ size_t Session::expire_parked() {
   // An operator (and the soak's verdict) must be able to tell the configured timeout from a
   // lost request: one line per batch that failed because no path came back in time.
   if (expired != 0)
-    IBTRS_LOG(warn, "session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)",
+    BASE_LOG(warn, "session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)",
               opts.session_name.c_str(), expired, static_cast<long long>(opts.pending_timeout.count()));
   return expired;
 }
@@ -992,12 +992,12 @@ Result<uint32_t> Session::domain_slot(fabric::Domain* d) {
   }
   if (slot == kMaxDomains) return errc(ENOSPC);
   // The session's own protection domain on the device: no other session's server reaches it.
-  IBTRS_ASSIGN_OR_RETURN(auto pd, d->alloc_pd(fabric::PdAttr{}));
+  BASE_ASSIGN_OR_RETURN(auto pd, d->alloc_pd(fabric::PdAttr{}));
   {
     auto probe = pd->alloc_mw();
     use_windows[slot] = probe.ok();
     if (!probe.ok()) {
-      IBTRS_LOG(warn, "session %s: device %s has no memory windows (%s): read buffers stay "
+      BASE_LOG(warn, "session %s: device %s has no memory windows (%s): read buffers stay "
                 "remotely writable while registered", opts.session_name.c_str(),
                 d->device_name().c_str(), probe.error().message().c_str());
     }
@@ -1006,7 +1006,7 @@ Result<uint32_t> Session::domain_slot(fabric::Domain* d) {
   // carries IO: every user registration now, the permit IUs once the geometry is known.
   std::vector<std::unique_ptr<fabric::MemoryRegion>> regs;
   for (auto* r : regions) {
-    IBTRS_ASSIGN_OR_RETURN(auto mr, pd->register_memory(r->addr, r->size, user_access(slot)));
+    BASE_ASSIGN_OR_RETURN(auto mr, pd->register_memory(r->addr, r->size, user_access(slot)));
     regs.push_back(std::move(mr));
   }
   for (size_t i = 0; i < regions.size(); ++i) {
@@ -1022,7 +1022,7 @@ Status Session::slot_io_setup(uint32_t slot) {
   std::lock_guard lock(mem_mu);
   fabric::Domain& pd = *pds[slot];
   if (!iu_mrs[slot]) {
-    IBTRS_ASSIGN_OR_RETURN(auto iu_mr, pd.register_memory(iu, iu_len, fabric::kLocalWrite));
+    BASE_ASSIGN_OR_RETURN(auto iu_mr, pd.register_memory(iu, iu_len, fabric::kLocalWrite));
     iu_lkey[slot].store(iu_mr->lkey(), std::memory_order_release);
     iu_mrs[slot] = std::move(iu_mr);
   }
@@ -1031,7 +1031,7 @@ Status Session::slot_io_setup(uint32_t slot) {
     const size_t n = size_t{geo.queue_depth} * ClientSession::kMaxSegments;
     auto table = std::make_unique<std::unique_ptr<fabric::MemoryWindow>[]>(n);
     for (uint32_t p = 0; p < geo.queue_depth; ++p) {
-      IBTRS_ASSIGN_OR_RETURN(table[size_t{p} * ClientSession::kMaxSegments], pd.alloc_mw());
+      BASE_ASSIGN_OR_RETURN(table[size_t{p} * ClientSession::kMaxSegments], pd.alloc_mw());
     }
     wins[slot] = std::move(table);
   }
@@ -1046,14 +1046,14 @@ Status Session::set_geometry(const proto::ConRsp& rsp) {
     // Every path of a session talks to the same server session: same chunks.
     if (qd != geo.queue_depth || chunk != geo.chunk_size || hdr != geo.max_hdr_size ||
         rsp.flags.get() != geo.flags) {
-      IBTRS_LOG(warn, "session %s: server geometry changed (queue depth %u, chunk %u)",
+      BASE_LOG(warn, "session %s: server geometry changed (queue depth %u, chunk %u)",
                 opts.session_name.c_str(), qd, chunk);
       return errc(EPROTO);
     }
     return {};
   }
-  IBTRS_ASSIGN_OR_RETURN(auto layout, proto::imm_layout(qd, chunk));
-  IBTRS_ASSIGN_OR_RETURN(permits, core::PermitPool::create(qd));
+  BASE_ASSIGN_OR_RETURN(auto layout, proto::imm_layout(qd, chunk));
+  BASE_ASSIGN_OR_RETURN(permits, core::PermitPool::create(qd));
   geo.queue_depth = qd;
   geo.chunk_size = chunk;
   geo.max_hdr_size = hdr;
@@ -1088,7 +1088,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
     caps.max_send_sge = ClientSession::kMaxSegments + 1;
     caps.max_recv_sge = 1;
   }
-  IBTRS_ASSIGN_OR_RETURN(con->cq, path->domain->create_cq(caps.max_send_wr + caps.max_recv_wr));
+  BASE_ASSIGN_OR_RETURN(con->cq, path->domain->create_cq(caps.max_send_wr + caps.max_recv_wr));
   con->failed.store(false);
   con->down = false;
   con->recv_missing = 0;
@@ -1115,7 +1115,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
       std::string why;
       auto rsp = proto::parse_con_rsp(reject, &why);
       if (rsp.ok() && rsp->errno_.get() != 0) {
-        IBTRS_LOG(warn, "path %s: server refused connection %u: %s", path->name.c_str(), con->cid,
+        BASE_LOG(warn, "path %s: server refused connection %u: %s", path->name.c_str(), con->cid,
                   std::strerror(rsp->errno_.get()));
         return errc(rsp->errno_.get());
       }
@@ -1126,23 +1126,23 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   std::string why;
   auto rsp = proto::parse_con_rsp(r->private_data, &why);
   if (!rsp.ok()) {
-    IBTRS_LOG(warn, "path %s: bad CON_RSP: %s", path->name.c_str(), why.c_str());
+    BASE_LOG(warn, "path %s: bad CON_RSP: %s", path->name.c_str(), why.c_str());
     return rsp.error();
   }
   if (rsp->errno_.get() != 0) return errc(rsp->errno_.get());
-  IBTRS_TRY(set_geometry(*rsp));
+  BASE_TRY(set_geometry(*rsp));
 
   // RECVs before anything can arrive. The service connection's first RECV takes INFO_RSP.
   if (con->cid != 0 && (geo.flags & proto::kConRspInvalidatePerIo) != 0) {
     if (!con->rkeys) con->rkeys = std::make_unique<proto::RkeyRsp[]>(con->recv_depth);
-    IBTRS_ASSIGN_OR_RETURN(con->rkeys_mr, path->domain->register_memory(
+    BASE_ASSIGN_OR_RETURN(con->rkeys_mr, path->domain->register_memory(
                                               con->rkeys.get(), sizeof(proto::RkeyRsp) * con->recv_depth,
                                               fabric::kLocalWrite));
   }
   con->rkeys_next = 0;
   if (con->cid == 0 && (geo.flags & proto::kConRspFence) != 0) {
     if (!con->fence_rsps) con->fence_rsps = std::make_unique<proto::FenceRsp[]>(con->recv_depth);
-    IBTRS_ASSIGN_OR_RETURN(con->fence_mr, path->domain->register_memory(
+    BASE_ASSIGN_OR_RETURN(con->fence_mr, path->domain->register_memory(
                                               con->fence_rsps.get(), sizeof(proto::FenceRsp) * con->recv_depth,
                                               fabric::kLocalWrite));
   }
@@ -1156,7 +1156,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
     con->svc_len = info + 2 * kAuthSlot + sizeof(proto::InfoReq) + sizeof(proto::AuthReply) +
                    ClientSession::kMaxPaths * sizeof(proto::PathFence);
     con->svc_buf = std::make_unique<std::byte[]>(con->svc_len);
-    IBTRS_ASSIGN_OR_RETURN(con->svc_mr, path->domain->register_memory(
+    BASE_ASSIGN_OR_RETURN(con->svc_mr, path->domain->register_memory(
                                             con->svc_buf.get(), con->svc_len, fabric::kLocalWrite));
     // RECVs complete in the order they are posted: the AUTH slots first when authenticating.
     uint32_t k = 0;
@@ -1169,7 +1169,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
     svc_sges[k] = con->svc_mr->sge(0, static_cast<uint32_t>(info));
     recvs[k] = fabric::RecvWr{wr_id(kWrRecv, kSvcInfoRecv), std::span(&svc_sges[k], 1)};
   }
-  IBTRS_TRY(con->conn->post_recv(recvs));
+  BASE_TRY(con->conn->post_recv(recvs));
   return {};
 }
 
@@ -1184,37 +1184,37 @@ Status Session::establish(Path* path) {
     path->auth = PathAuthInfo{};
     if (opts.auth.enabled()) path->auth.state = AuthState::pending;
   }
-  IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(path->spec.destination.fabric, opts.busy_poll));
-  IBTRS_ASSIGN_OR_RETURN(auto* device,
+  BASE_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(path->spec.destination.fabric, opts.busy_poll));
+  BASE_ASSIGN_OR_RETURN(auto* device,
                          fab->domain_for(path->spec.destination,
                                          path->spec.source ? &*path->spec.source : nullptr));
   // The path's connections and everything they use live in the session's domain there.
-  IBTRS_ASSIGN_OR_RETURN(path->dom, domain_slot(device));
+  BASE_ASSIGN_OR_RETURN(path->dom, domain_slot(device));
   path->domain = pds[path->dom].get();
   const uint16_t cid_num = static_cast<uint16_t>(nio + 1);
   for (uint16_t cid = 0; cid < cid_num; ++cid) {
     auto req = proto::make_con_req(cid, cid_num, path->recon_cnt, cid == 0, uuid_bytes, path->uuid,
                                    opts.auth.enabled());
-    IBTRS_TRY(connect_con(path, path->cons[cid].get(), proto::as_bytes_of(req)));
+    BASE_TRY(connect_con(path, path->cons[cid].get(), proto::as_bytes_of(req)));
     if (cid == 0) {
       // The geometry is known from the first CON_RSP: IO connections are sized by it, and the
       // domain needs the IUs and the read windows.
-      IBTRS_TRY(slot_io_setup(path->dom));
+      BASE_TRY(slot_io_setup(path->dom));
       path->chunks = std::make_unique<client::ChunkRemote[]>(geo.queue_depth);
     }
   }
 
   // INFO_REQ, [the authentication], INFO_RSP on the service connection.
   Con* svc = path->cons[0].get();
-  IBTRS_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
-  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot, proto::as_bytes_of(info)));
+  BASE_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
+  BASE_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot, proto::as_bytes_of(info)));
   const auto deadline = core::Clock::now() + opts.connect_timeout;
-  if (opts.auth.enabled()) IBTRS_TRY(authenticate(path, deadline));
-  IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> rsp, next_svc_msg(path, deadline));
+  if (opts.auth.enabled()) BASE_TRY(authenticate(path, deadline));
+  BASE_ASSIGN_OR_RETURN(std::vector<std::byte> rsp, next_svc_msg(path, deadline));
   std::string why;
   auto descs = proto::parse_info_rsp(rsp, geo.queue_depth, geo.chunk_size, &why);
   if (!descs.ok()) {
-    IBTRS_LOG(warn, "path %s: bad INFO_RSP: %s", path->name.c_str(), why.c_str());
+    BASE_LOG(warn, "path %s: bad INFO_RSP: %s", path->name.c_str(), why.c_str());
     return descs.error();
   }
   for (uint32_t i = 0; i < geo.queue_depth; ++i) {
@@ -1228,7 +1228,7 @@ Status Session::establish(Path* path) {
       if (path->chunks[i].addr != path->chunks[0].addr + uint64_t{i} * geo.chunk_size ||
           path->chunks[i].key.load(std::memory_order_relaxed) !=
               path->chunks[0].key.load(std::memory_order_relaxed)) {
-        IBTRS_LOG(warn, "path %s: bad INFO_RSP: chunk sets over chunks that are not one range",
+        BASE_LOG(warn, "path %s: bad INFO_RSP: chunk sets over chunks that are not one range",
                   path->name.c_str());
         return errc(EPROTO);
       }
@@ -1241,7 +1241,7 @@ Status Session::establish(Path* path) {
     path->hca_port = svc->conn->port_num();
   }
   for (auto& c : path->cons) c->gate.open();
-  IBTRS_TRY(path->state.change_from(ClientPathState::connecting, ClientPathState::connected));
+  BASE_TRY(path->state.change_from(ClientPathState::connecting, ClientPathState::connected));
   return {};
 }
 
@@ -1263,7 +1263,7 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
   Con* svc = path->cons[0].get();
   const ClientAuth& a = opts.auth;
   auto fail = [&](int err, const std::string& why) -> Status {
-    IBTRS_LOG(warn, "path %s: authentication as %s failed: %s", path->name.c_str(), a.host_id.c_str(),
+    BASE_LOG(warn, "path %s: authentication as %s failed: %s", path->name.c_str(), a.host_id.c_str(),
               why.c_str());
     std::lock_guard lock(path->meta_mu);
     path->auth.state = AuthState::failed;
@@ -1280,7 +1280,7 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
                 std::string("the server refused: ") + std::strerror(f->reason));
   };
   std::string why;
-  IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m, next_svc_msg(path, deadline));
+  BASE_ASSIGN_OR_RETURN(std::vector<std::byte> m, next_svc_msg(path, deadline));
   if (auto r = refusal(m)) return *r;
   auto c = proto::parse_auth_challenge(m, &why);
   if (!c.ok()) return fail(c.error().value(), why);
@@ -1312,10 +1312,10 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
   }
   auto reply = proto::make_auth_reply(v);
   if (!reply.ok()) return fail(EINVAL, "host id unusable on the wire");
-  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq),
+  BASE_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kAuthSlot + sizeof(proto::InfoReq),
                           proto::as_bytes_of(*reply)));
 
-  IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m2, next_svc_msg(path, deadline));
+  BASE_ASSIGN_OR_RETURN(std::vector<std::byte> m2, next_svc_msg(path, deadline));
   if (auto r = refusal(m2)) return *r;
   auto ok = proto::parse_auth_success(m2, &why);
   if (!ok.ok()) return fail(ok.error().value(), why);
@@ -1340,7 +1340,7 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
 void Session::refused(Path* path, std::error_code why) {
   (void)path->state.change(ClientPathState::closing);
   (void)path->state.change(ClientPathState::closed);
-  IBTRS_LOG(warn, "path %s: %s: closed, not retried (reconnect it once the credentials are fixed)",
+  BASE_LOG(warn, "path %s: %s: closed, not retried (reconnect it once the credentials are fixed)",
             path->name.c_str(), errstr(why).c_str());
   if (!any_path_may_return()) run_pending(true, why.value());
 }
@@ -1378,7 +1378,7 @@ void Session::teardown(Path* path) {
 }
 
 void Session::emit(SessionEvent e, const Path* path, std::error_code why) {
-  IBTRS_LOG(info, "session %s: %s %s %s", opts.session_name.c_str(),
+  BASE_LOG(info, "session %s: %s %s %s", opts.session_name.c_str(),
             std::string(to_string(e)).c_str(), path ? path->name.c_str() : "",
             why ? why.message().c_str() : "");
   if (opts.on_event) opts.on_event(SessionEventInfo{e, path ? path->name : std::string(), why});
@@ -1416,7 +1416,7 @@ void Session::start_heartbeat(Path* path) {
 void Session::heartbeat_tick(Path* path, uint64_t gen) {
   if (path->gen.load(std::memory_order_acquire) != gen || !path->usable()) return;
   if (path->hb.on_timer(core::Clock::now()) == core::Heartbeat::Action::peer_dead) {
-    IBTRS_LOG(warn, "path %s: %u heartbeats missed", path->name.c_str(), path->hb.missed());
+    BASE_LOG(warn, "path %s: %u heartbeats missed", path->name.c_str(), path->hb.missed());
     worker->post([this, path, gen] { path_failed(path, gen, errc(ETIMEDOUT)); });
     return;
   }
@@ -1434,7 +1434,7 @@ void Session::path_failed(Path* path, uint64_t gen, std::error_code why) {
   if (path->gen.load(std::memory_order_acquire) != gen) return;
   if (!path->state.change_from(ClientPathState::connected, ClientPathState::reconnecting).ok())
     return;
-  IBTRS_LOG(warn, "path %s: down (%s), reconnecting", path->name.c_str(), errstr(why).c_str());
+  BASE_LOG(warn, "path %s: down (%s), reconnecting", path->name.c_str(), errstr(why).c_str());
   {
     std::lock_guard meta_lock(path->meta_mu);
     path->last_error = why;
@@ -1452,7 +1452,7 @@ void Session::schedule_reconnect(Path* path) {
     // Attempts used up: the path rests CLOSED until a user reconnects it.
     (void)path->state.change(ClientPathState::closing);
     (void)path->state.change(ClientPathState::closed);
-    IBTRS_LOG(warn, "path %s: reconnect attempts exhausted, closed", path->name.c_str());
+    BASE_LOG(warn, "path %s: reconnect attempts exhausted, closed", path->name.c_str());
     if (!any_path_may_return()) run_pending(true, ENOTCONN);
     return;
   }
@@ -1473,7 +1473,7 @@ void Session::reconnect_attempt(Path* path) {
   if (st.ok()) {
     path->sched.reset();
     path->stats.on_reconnect(true);
-    IBTRS_LOG(info, "path %s: reconnected", path->name.c_str());
+    BASE_LOG(info, "path %s: reconnected", path->name.c_str());
     on_path_up(path);
     return;
   }
@@ -1482,7 +1482,7 @@ void Session::reconnect_attempt(Path* path) {
     std::lock_guard meta_lock(path->meta_mu);
     path->last_error = st.error();
   }
-  IBTRS_LOG(info, "path %s: reconnect failed: %s", path->name.c_str(), errstr(st.error()).c_str());
+  BASE_LOG(info, "path %s: reconnect failed: %s", path->name.c_str(), errstr(st.error()).c_str());
   teardown(path);
   (void)path->state.change(ClientPathState::connecting_err);
   if (refused_for_good(st.error())) return refused(path, st.error());
@@ -1540,13 +1540,13 @@ Status Session::open_paths() {
   std::error_code first_err;
   std::vector<Path*> failed;
   for (const auto& spec : opts.paths) {
-    IBTRS_ASSIGN_OR_RETURN(Path * p, new_path(spec));
+    BASE_ASSIGN_OR_RETURN(Path * p, new_path(spec));
     auto st = establish(p);
     if (st.ok()) {
       on_path_up(p);
     } else {
       if (!first_err) first_err = st.error();
-      IBTRS_LOG(warn, "path %s: %s", p->name.c_str(), errstr(st.error()).c_str());
+      BASE_LOG(warn, "path %s: %s", p->name.c_str(), errstr(st.error()).c_str());
       {
         std::lock_guard meta_lock(p->meta_mu);
         p->last_error = st.error();
@@ -1700,7 +1700,7 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
   auto impl = std::make_unique<Impl>();
   impl->opts = std::move(options);
   if (impl->opts.tls.mode != tls::Options::Mode::off) {
-    IBTRS_ASSIGN_OR_RETURN(impl->tls_ctx, client::make_tls_context(impl->opts));
+    BASE_ASSIGN_OR_RETURN(impl->tls_ctx, client::make_tls_context(impl->opts));
   }
   const uint32_t hw = std::max(1u, std::thread::hardware_concurrency());
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
@@ -1710,16 +1710,16 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
   impl->uuid = Uuid16::random();
   std::memcpy(impl->uuid_bytes.data(), impl->uuid.bytes, 16);
   for (uint32_t i = 0; i < impl->nio; ++i) {
-    IBTRS_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-c-io" + std::to_string(i), i,
+    BASE_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-c-io" + std::to_string(i), i,
                                                        impl->opts.busy_poll ? core::PollMode::spin : core::PollMode::block));
     impl->io_pollers.push_back(std::move(p));
   }
-  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, core::PollMode::block));
+  BASE_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, core::PollMode::block));
   impl->cancel_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (impl->cancel_fd < 0) return errc(errno);
-  impl->worker = std::make_unique<core::Worker>();
+  impl->worker = std::make_unique<base::Worker>();
   Impl* s = impl.get();
-  IBTRS_TRY(s->worker->call([s] { return s->open_paths(); }));
+  BASE_TRY(s->worker->call([s] { return s->open_paths(); }));
   // A periodic tick for parked requests' deadlines.
   struct Ticker {
     static void arm(Impl* s) {
@@ -2052,7 +2052,7 @@ Result<std::unique_ptr<RegisteredMemory>> ClientSession::register_memory(void* a
   std::lock_guard lock(impl_->mem_mu);
   for (uint32_t i = 0; i < kMaxDomains; ++i) {
     if (impl_->devices[i].load() == nullptr) continue;
-    IBTRS_ASSIGN_OR_RETURN(auto mr,
+    BASE_ASSIGN_OR_RETURN(auto mr,
                            impl_->pds[i]->register_memory(addr, size, impl_->user_access(i)));
     mi->mrs[i].store(mr.get(), std::memory_order_release);
     mi->keep.push_back(std::move(mr));
@@ -2077,7 +2077,7 @@ Status ClientSession::share_memory(const RegisteredMemory& mem) {
   std::lock_guard lock(impl_->mem_mu);
   for (uint32_t i = 0; i < kMaxDomains; ++i) {
     if (impl_->devices[i].load() == nullptr) continue;
-    IBTRS_ASSIGN_OR_RETURN(auto mr, impl_->pds[i]->register_memory(owner->addr, owner->size,
+    BASE_ASSIGN_OR_RETURN(auto mr, impl_->pds[i]->register_memory(owner->addr, owner->size,
                                                                    impl_->user_access(i)));
     mi->mrs[i].store(mr.get(), std::memory_order_release);
     mi->keep.push_back(std::move(mr));
@@ -2131,7 +2131,7 @@ const Uuid16& ClientSession::uuid() const { return impl_->uuid; }
 Status ClientSession::add_path(const PathSpec& spec) {
   Impl* s = impl_.get();
   return s->worker->call([s, &spec]() -> Status {
-    IBTRS_ASSIGN_OR_RETURN(client::Path * p, s->new_path(spec));
+    BASE_ASSIGN_OR_RETURN(client::Path * p, s->new_path(spec));
     auto st = s->establish(p);
     if (st.ok()) {
       s->on_path_up(p);
@@ -2176,9 +2176,9 @@ Status ClientSession::reconnect_path(std::string_view name) {
   return s->worker->call([s, name]() -> Status {
     client::Path* p = s->find(name);
     if (p == nullptr) return errc(ENOENT);
-    if (p->state.get() != ClientPathState::closed) IBTRS_TRY(s->close_path(p, ClientPathState::closed));
-    IBTRS_TRY(p->state.change(ClientPathState::reconnecting));
-    IBTRS_TRY(p->state.change(ClientPathState::connecting));
+    if (p->state.get() != ClientPathState::closed) BASE_TRY(s->close_path(p, ClientPathState::closed));
+    BASE_TRY(p->state.change(ClientPathState::reconnecting));
+    BASE_TRY(p->state.change(ClientPathState::connecting));
     ++p->recon_cnt;
     p->sched.reset();
     auto st = s->establish(p);

@@ -38,7 +38,7 @@
 #include "core/poller.h"
 #include "core/policy.h"
 #include "core/stats.h"
-#include "core/worker.h"
+#include "base/worker.h"
 #include "fabric/fabric.h"
 #include "ibtrs/client.h"
 #include "proto/ibtrs_proto.h"
@@ -233,7 +233,7 @@ struct Session {
 
   std::vector<std::unique_ptr<core::Poller>> io_pollers;
   std::unique_ptr<core::Poller> svc_poller;
-  std::unique_ptr<core::Worker> worker;
+  std::unique_ptr<base::Worker> worker;
 
   // Geometry and what depends on it: set once, by the first path to connect (worker), before
   // any request can be submitted.

@@ -18,7 +18,7 @@ Result<fabric::Fabric*> shared_fabric(FabricKind kind, bool busy_poll) {
   if (it != fabrics->end()) return it->second.get();
   fabric::FabricOptions o;
   o.busy_poll = busy_poll;
-  IBTRS_ASSIGN_OR_RETURN(auto f, fabric::open_fabric(kind, o));
+  BASE_ASSIGN_OR_RETURN(auto f, fabric::open_fabric(kind, o));
   auto* raw = f.get();
   fabrics->emplace(key, std::move(f));
   return raw;

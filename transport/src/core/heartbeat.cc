@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <charconv>
 
-#include "common/text.h"
+#include "base/text.h"
 
 namespace ibtrs::core {
 

@@ -4,7 +4,7 @@
 #include <thread>
 #include <typeinfo>
 
-#include "common/secure_random.h"
+#include "fabric/secure_random.h"
 
 namespace ibtrs::fabric {
 
@@ -273,24 +273,24 @@ ibtrs::Status SoftMemoryRegion::revoke() {
 }
 
 Result<uint32_t> SoftMemoryRegion::restore() {
-  IBTRS_TRY(table_->restore(lkey()));
+  BASE_TRY(table_->restore(lkey()));
   return rkey();
 }
 
 Result<uint32_t> SoftMemoryRegion::rekey() {
-  IBTRS_ASSIGN_OR_RETURN(uint32_t key, table_->rekey(lkey()));
+  BASE_ASSIGN_OR_RETURN(uint32_t key, table_->rekey(lkey()));
   set_keys(key, key);
   return key;
 }
 
 Result<std::unique_ptr<MemoryWindow>> SoftMemoryWindow::create(std::shared_ptr<MrTable> table) {
-  IBTRS_ASSIGN_OR_RETURN(uint32_t key, table->alloc_window());
+  BASE_ASSIGN_OR_RETURN(uint32_t key, table->alloc_window());
   return std::unique_ptr<MemoryWindow>(new SoftMemoryWindow(std::move(table), key));
 }
 
 Result<uint32_t> SoftMemoryWindow::bind(const MemoryRegion& mr, uint64_t addr, uint64_t len,
                                         uint32_t access, uint64_t owner) {
-  IBTRS_ASSIGN_OR_RETURN(uint32_t key,
+  BASE_ASSIGN_OR_RETURN(uint32_t key,
                          table_->bind_window(slot_key_, mr.lkey(), addr, len, access, owner));
   slot_key_ = key;
   rkey_ = key;

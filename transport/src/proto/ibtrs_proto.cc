@@ -291,7 +291,7 @@ bool ours(uint8_t hash_id, uint8_t dh_group) {
 
 Result<AuthChallengeView> parse_auth_challenge(std::span<const std::byte> msg, std::string* why) {
   using R = AuthChallengeView;
-  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthChallenge>(msg, MsgType::auth_challenge, "AUTH_CHALLENGE", why));
+  BASE_ASSIGN_OR_RETURN(auto m, load_exact<AuthChallenge>(msg, MsgType::auth_challenge, "AUTH_CHALLENGE", why));
   if (m.reserved0.get() != 0 || !all_zero(m.reserved1, sizeof(m.reserved1)))
     return fail<R>(why, "AUTH_CHALLENGE: reserved bytes set");
   if (!ours(m.hash_id, m.dh_group))
@@ -307,7 +307,7 @@ Result<AuthChallengeView> parse_auth_challenge(std::span<const std::byte> msg, s
 
 Result<AuthReplyView> parse_auth_reply(std::span<const std::byte> msg, std::string* why) {
   using R = AuthReplyView;
-  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthReply>(msg, MsgType::auth_reply, "AUTH_REPLY", why));
+  BASE_ASSIGN_OR_RETURN(auto m, load_exact<AuthReply>(msg, MsgType::auth_reply, "AUTH_REPLY", why));
   if ((m.flags.get() & ~kAuthReplyBidirectional) != 0 || !all_zero(m.reserved, sizeof(m.reserved)))
     return fail<R>(why, "AUTH_REPLY: reserved bits set");
   if (!ours(m.hash_id, m.dh_group))
@@ -329,7 +329,7 @@ Result<AuthReplyView> parse_auth_reply(std::span<const std::byte> msg, std::stri
 
 Result<AuthSuccessView> parse_auth_success(std::span<const std::byte> msg, std::string* why) {
   using R = AuthSuccessView;
-  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthSuccess>(msg, MsgType::auth_success, "AUTH_SUCCESS", why));
+  BASE_ASSIGN_OR_RETURN(auto m, load_exact<AuthSuccess>(msg, MsgType::auth_success, "AUTH_SUCCESS", why));
   if ((m.flags.get() & ~kAuthSuccessResponse) != 0 || m.reserved0.get() != 0)
     return fail<R>(why, "AUTH_SUCCESS: reserved bits set");
   R v;
@@ -343,7 +343,7 @@ Result<AuthSuccessView> parse_auth_success(std::span<const std::byte> msg, std::
 
 Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::string* why) {
   using R = AuthFailureView;
-  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<AuthFailure>(msg, MsgType::auth_failure, "AUTH_FAILURE", why));
+  BASE_ASSIGN_OR_RETURN(auto m, load_exact<AuthFailure>(msg, MsgType::auth_failure, "AUTH_FAILURE", why));
   if (m.reserved0.get() != 0) return fail<R>(why, "AUTH_FAILURE: reserved bytes set");
   if (m.reason.get() == 0) return fail<R>(why, "AUTH_FAILURE: no reason");
   return R{m.tid.get(), m.reason.get()};
@@ -351,7 +351,7 @@ Result<AuthFailureView> parse_auth_failure(std::span<const std::byte> msg, std::
 
 Result<FenceView> parse_path_fence(std::span<const std::byte> msg, std::string* why) {
   using R = FenceView;
-  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<PathFence>(msg, MsgType::path_fence, "PATH_FENCE", why));
+  BASE_ASSIGN_OR_RETURN(auto m, load_exact<PathFence>(msg, MsgType::path_fence, "PATH_FENCE", why));
   if (m.reserved0.get() != 0 || m.reserved1.get() != 0 || !all_zero(m.reserved2, sizeof(m.reserved2)))
     return fail<R>(why, "PATH_FENCE: reserved bytes set");
   if (all_zero(m.path_uuid, 16)) return fail<R>(why, "PATH_FENCE: nil path uuid");
@@ -363,7 +363,7 @@ Result<FenceView> parse_path_fence(std::span<const std::byte> msg, std::string* 
 
 Result<FenceView> parse_fence_rsp(std::span<const std::byte> msg, std::string* why) {
   using R = FenceView;
-  IBTRS_ASSIGN_OR_RETURN(auto m, load_exact<FenceRsp>(msg, MsgType::fence_rsp, "FENCE_RSP", why));
+  BASE_ASSIGN_OR_RETURN(auto m, load_exact<FenceRsp>(msg, MsgType::fence_rsp, "FENCE_RSP", why));
   if (m.reserved0.get() != 0 || !all_zero(m.reserved1, sizeof(m.reserved1)))
     return fail<R>(why, "FENCE_RSP: reserved bytes set");
   if (m.status.get() != kFenceClosed && m.status.get() != kFenceNotLive)

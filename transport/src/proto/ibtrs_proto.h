@@ -25,10 +25,14 @@
 #include <string>
 #include <string_view>
 
-#include "common/le.h"
+#include "base/le.h"
 #include "ibtrs/result.h"
 
 namespace ibtrs::proto {
+
+using base::le16;
+using base::le32;
+using base::le64;
 
 inline constexpr uint16_t kMagic = 0x1BBD;       // RTRS's magic
 inline constexpr uint8_t kVersionMajor = 2;      // only the major must match (kernel rule)
@@ -76,7 +80,7 @@ struct ConReq {
   uint8_t path_uuid[16];  // path identity (random per path, kept across reconnects)
   uint8_t reserved1[8];   // 0
 };
-IBTRS_WIRE_STRUCT(ConReq, 56);
+BASE_WIRE_STRUCT(ConReq, 56);
 
 // CON_RSP flags
 inline constexpr uint32_t kConRspInvalidatePerIo = 1u << 0;  // chunk keys change per IO (rdma)
@@ -111,7 +115,7 @@ struct ConRsp {
   le32 chunk_size;     // bytes per chunk (power of two)
   uint8_t reserved[32];  // 0
 };
-IBTRS_WIRE_STRUCT(ConRsp, 56);
+BASE_WIRE_STRUCT(ConRsp, 56);
 
 // ------------------------------------------------------------------------------------------
 // Service messages (SEND/RECV on connection 0)
@@ -140,7 +144,7 @@ struct InfoReq {
   uint8_t pathname[kNameMax];  // "src@dst" of the path, NUL padded
   uint8_t reserved1[12];     // 0
 };
-IBTRS_WIRE_STRUCT(InfoReq, 144);
+BASE_WIRE_STRUCT(InfoReq, 144);
 
 // One server chunk as the client sees it.
 struct ChunkDesc {
@@ -148,14 +152,14 @@ struct ChunkDesc {
   le32 key;    // rkey to write it with
   le32 len;    // chunk size
 };
-IBTRS_WIRE_STRUCT(ChunkDesc, 16);
+BASE_WIRE_STRUCT(ChunkDesc, 16);
 
 struct InfoRspHeader {
   le16 type;       // MsgType::info_rsp
   le16 sg_cnt;     // number of ChunkDesc that follow (= queue depth)
   le32 reserved;   // 0
 };
-IBTRS_WIRE_STRUCT(InfoRspHeader, 8);
+BASE_WIRE_STRUCT(InfoRspHeader, 8);
 
 inline constexpr size_t info_rsp_size(uint16_t chunks) {
   return sizeof(InfoRspHeader) + size_t{chunks} * sizeof(ChunkDesc);
@@ -185,7 +189,7 @@ struct AuthChallenge {
   uint8_t dh_public[kAuthValueLen];   // the server's ephemeral X25519 public value
   uint8_t reserved1[4];               // 0
 };
-IBTRS_WIRE_STRUCT(AuthChallenge, 80);
+BASE_WIRE_STRUCT(AuthChallenge, 80);
 
 // AUTH_REPLY flags
 inline constexpr uint16_t kAuthReplyBidirectional = 1u << 0;  // challenge2 / seqnum2 are valid
@@ -203,7 +207,7 @@ struct AuthReply {
   uint8_t host[kAuthHostField];       // host id, NUL padded
   uint8_t reserved[4];                // 0
 };
-IBTRS_WIRE_STRUCT(AuthReply, 336);
+BASE_WIRE_STRUCT(AuthReply, 336);
 
 // AUTH_SUCCESS flags
 inline constexpr uint16_t kAuthSuccessResponse = 1u << 0;  // response holds R2
@@ -215,7 +219,7 @@ struct AuthSuccess {
   le16 reserved0;                     // 0
   uint8_t response[kAuthValueLen];    // R2; zeros without kAuthSuccessResponse
 };
-IBTRS_WIRE_STRUCT(AuthSuccess, 40);
+BASE_WIRE_STRUCT(AuthSuccess, 40);
 
 struct AuthFailure {
   le16 type;                          // MsgType::auth_failure
@@ -223,7 +227,7 @@ struct AuthFailure {
   le16 reason;                        // errno: EACCES (not authenticated), EPROTO (bad message)
   le16 reserved0;                     // 0
 };
-IBTRS_WIRE_STRUCT(AuthFailure, 8);
+BASE_WIRE_STRUCT(AuthFailure, 8);
 
 // Checked copies of the messages (the views own their bytes: nothing refers back to a buffer
 // the peer may still write).
@@ -270,7 +274,7 @@ struct PathFence {
   le16 reserved1;         // 0
   uint8_t reserved2[8];   // 0
 };
-IBTRS_WIRE_STRUCT(PathFence, 32);
+BASE_WIRE_STRUCT(PathFence, 32);
 
 // FENCE_RSP status: both mean "fenced"; the difference is for statistics and logs.
 inline constexpr uint16_t kFenceClosed = 0;   // the named incarnation was live: closed now
@@ -284,7 +288,7 @@ struct FenceRsp {
   le16 reserved0;         // 0
   uint8_t reserved1[8];   // 0
 };
-IBTRS_WIRE_STRUCT(FenceRsp, 32);
+BASE_WIRE_STRUCT(FenceRsp, 32);
 
 struct FenceView {
   Uuid path_uuid{};
@@ -300,7 +304,7 @@ struct WriteMsg {
   le16 usr_len;    // user header bytes, just before this message
   le32 data_len;   // data bytes, at the start of the chunk
 };
-IBTRS_WIRE_STRUCT(WriteMsg, 8);
+BASE_WIRE_STRUCT(WriteMsg, 8);
 
 // ReadMsg flags
 // The descriptors' keys are single-use: the client revokes them when the response arrives (a
@@ -315,7 +319,7 @@ struct BufDesc {
   le32 key;    // client rkey
   le32 len;    // bytes
 };
-IBTRS_WIRE_STRUCT(BufDesc, 16);
+BASE_WIRE_STRUCT(BufDesc, 16);
 
 inline constexpr uint16_t kMaxReadDescs = 64;
 
@@ -325,14 +329,14 @@ struct ReadMsgHeader {
   le16 flags;      // kReadNeedInvalidate
   le16 sg_cnt;     // BufDesc entries that follow, 1..kMaxReadDescs
 };
-IBTRS_WIRE_STRUCT(ReadMsgHeader, 8);
+BASE_WIRE_STRUCT(ReadMsgHeader, 8);
 
 struct RkeyRsp {
   le16 type;       // MsgType::rkey_rsp
   le16 buf_id;     // chunk whose key changed
   le32 rkey;       // its new key
 };
-IBTRS_WIRE_STRUCT(RkeyRsp, 8);
+BASE_WIRE_STRUCT(RkeyRsp, 8);
 
 // ------------------------------------------------------------------------------------------
 // Immediates (32 bits; the rdma fabric carries them big-endian like the kernel)

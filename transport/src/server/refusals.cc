@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "common/log.h"
+#include "base/log.h"
 
 namespace ibtrs {
 
@@ -38,9 +38,9 @@ void Refusals::refuse(std::string_view reason, std::string_view detail, uint64_t
   }
   const std::string r(reason), d(detail);
   if (unlogged == 0) {
-    IBTRS_LOG(warn, "refused (%s): %s", r.c_str(), d.c_str());
+    BASE_LOG(warn, "refused (%s): %s", r.c_str(), d.c_str());
   } else {
-    IBTRS_LOG(warn, "refused (%s): %s (and %llu more not logged)", r.c_str(), d.c_str(),
+    BASE_LOG(warn, "refused (%s): %s (and %llu more not logged)", r.c_str(), d.c_str(),
               static_cast<unsigned long long>(unlogged));
   }
 }

@@ -35,7 +35,7 @@
 #include <thread>
 
 #include "auth/chap.h"
-#include "common/log.h"
+#include "base/log.h"
 #include "core/con_gate.h"
 #include "core/fabrics.h"
 #include "core/heartbeat_wr.h"
@@ -43,7 +43,7 @@
 #include "core/path_state.h"
 #include "core/poller.h"
 #include "core/stats.h"
-#include "core/worker.h"
+#include "base/worker.h"
 #include "fabric/fabric.h"
 #include "proto/ibtrs_proto.h"
 
@@ -352,7 +352,7 @@ struct Impl {
   std::vector<std::unique_ptr<core::Poller>> io_pollers;
   std::vector<std::pair<uint32_t, IoThreadHook*>> hooks;  // the handler's, per IO thread
   std::unique_ptr<core::Poller> svc_poller;
-  std::unique_ptr<core::Worker> worker;
+  std::unique_ptr<base::Worker> worker;
   std::thread acceptor;
   std::atomic<bool> stopping{false};
 
@@ -711,7 +711,7 @@ bool Req::restore_key(Con* c, SendWr& wr, Sge& sge, bool* changed) {
   auto key = mr.restore();
   if (!key.ok()) {
     // Without a key the client cannot use the chunk on this path: let it fail over.
-    IBTRS_LOG(warn, "session %s path %s: cannot re-key chunk %u: %s", ss.name_.c_str(),
+    BASE_LOG(warn, "session %s path %s: cannot re-key chunk %u: %s", ss.name_.c_str(),
               p->name.c_str(), chunk_id_, key.error().message().c_str());
     c->failed.store(true, std::memory_order_release);
     c->conn->disconnect();
@@ -852,7 +852,7 @@ void Con::on_completions(std::span<Completion> wcs) {
     if (down) break;
     if (wc.status != WcStatus::success) {
       if (wc.status != WcStatus::flush_error)
-        IBTRS_LOG(warn, "session %s path %s con %u: %s", s.name_.c_str(), p->name.c_str(), cid,
+        BASE_LOG(warn, "session %s path %s con %u: %s", s.name_.c_str(), p->name.c_str(), cid,
                   std::string(fabric::to_string(wc.status)).c_str());
       broken = true;
       continue;
@@ -1044,7 +1044,7 @@ Result<Session*> Impl::session_for(const proto::ConReq& cr, std::string_view* re
   s->qd = opts.queue_depth;
   s->chunk_size = opts.chunk_size;
   s->max_hdr = opts.max_hdr_size;
-  IBTRS_ASSIGN_OR_RETURN(s->layout, proto::imm_layout(s->qd, s->chunk_size));
+  BASE_ASSIGN_OR_RETURN(s->layout, proto::imm_layout(s->qd, s->chunk_size));
   s->invalidate = opts.always_invalidate;
   // Chunk sets for a client that knows them (a 2.1 client refuses the CON_RSP flag), and only
   // with one key over all chunks.
@@ -1179,7 +1179,7 @@ void Impl::handle_connect(std::unique_ptr<fabric::ConnectRequest> owned) {
   }
   auto st = accept_con(s, p, *cr, req);
   if (!st.ok()) {
-    IBTRS_LOG(warn, "session %s: accepting connection %u failed: %s", s->name_.c_str(), cid,
+    BASE_LOG(warn, "session %s: accepting connection %u failed: %s", s->name_.c_str(), cid,
               st.error().message().c_str());
     close_path(p, "accept failed");
   }
@@ -1278,7 +1278,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
                                      (s->sets ? proto::kConRspChunkSets : 0) |
                                      (s->fence ? proto::kConRspFence : 0),
                                  s->max_io);
-  IBTRS_ASSIGN_OR_RETURN(c->conn,
+  BASE_ASSIGN_OR_RETURN(c->conn,
                          req.accept(d, *c->cq, caps, proto::as_bytes_of(rsp), std::move(ev)));
   std::vector<fabric::RecvWr> rw(caps.max_recv_wr);
   std::vector<Sge> sg(caps.max_recv_wr);
@@ -1290,7 +1290,7 @@ Status Impl::accept_con(Session* s, Path* p, const proto::ConReq& cr, fabric::Co
       rw[i] = fabric::RecvWr{wr_id(kWrRecv), {}};
     }
   }
-  IBTRS_TRY(c->conn->post_recv(rw));
+  BASE_TRY(c->conn->post_recv(rw));
   ++p->accepted;
   return {};
 }
@@ -1337,7 +1337,7 @@ void Impl::handle_info(Path* p, std::vector<std::byte> msg) {
   // Anonymous (allow_any_host was checked at CON_REQ): only into a session of no host.
   if (!bind_host(p, "")) {
     auth_count.host_mismatch.fetch_add(1, std::memory_order_relaxed);
-    IBTRS_LOG(warn, "session %s: anonymous path %s into a session of host %s: refused",
+    BASE_LOG(warn, "session %s: anonymous path %s into a session of host %s: refused",
               s->name_.c_str(), p->name.c_str(), s->host_.c_str());
     close_path(p, "anonymous path of an authenticated session");
     return;
@@ -1457,7 +1457,7 @@ void Impl::handle_auth_reply(Path* p, std::span<const std::byte> msg) {
     a.bidirectional = r->bidirectional;
   }
   auth_count.authenticated.fetch_add(1, std::memory_order_relaxed);
-  IBTRS_LOG(info, "session %s: path %s authenticated as %s%s", s->name_.c_str(), p->name.c_str(),
+  BASE_LOG(info, "session %s: path %s authenticated as %s%s", s->name_.c_str(), p->name.c_str(),
             host.c_str(), r->bidirectional ? " (bidirectional)" : "");
   // AUTH_SUCCESS and INFO_RSP leave in this order on one connection.
   if (!post_svc(p, kSvcSlot, proto::as_bytes_of(proto::make_auth_success(ok))).ok()) {
@@ -1519,11 +1519,11 @@ void Impl::handle_fence(Path* p, std::span<const std::byte> msg) {
   }
   uint16_t status = proto::kFenceNotLive;
   if (target == nullptr) {
-    IBTRS_LOG(info, "session %s: fence of incarnation %u of a path not live here (asked over %s)",
+    BASE_LOG(info, "session %s: fence of incarnation %u of a path not live here (asked over %s)",
               s->name_.c_str(), f->recon_cnt, p->name.c_str());
   } else if (static_cast<int16_t>(target->recon_cnt - f->recon_cnt) > 0) {
     // A newer incarnation is live: accepting it closed the named one (handle_connect).
-    IBTRS_LOG(info, "session %s: fence of path %s incarnation %u: superseded by %u (asked over %s)",
+    BASE_LOG(info, "session %s: fence of path %s incarnation %u: superseded by %u (asked over %s)",
               s->name_.c_str(), target->name.c_str(), f->recon_cnt, target->recon_cnt,
               p->name.c_str());
   } else {
@@ -1593,7 +1593,7 @@ void Impl::send_info_rsp(Path* p) {
     close_path(p, "cannot send INFO_RSP");
     return;
   }
-  IBTRS_LOG(info, "session %s: path %s connected", s->name_.c_str(), p->name.c_str());
+  BASE_LOG(info, "session %s: path %s connected", s->name_.c_str(), p->name.c_str());
   p->announced = true;
   opts.handler->on_path_up(*s, p->info());
   p->hb_timer.store(svc_poller->add_timer(core::Clock::now() + opts.heartbeat.interval,
@@ -1632,7 +1632,7 @@ void Impl::close_path(Path* p, const char* why) {
   const auto prev = p->state.get();
   if (!p->state.change(ServerPathState::closing).ok()) return;  // already closing or closed
   Session* s = p->s;
-  IBTRS_LOG(info, "session %s: closing path %s (%s): %s", s->name_.c_str(), p->name.c_str(),
+  BASE_LOG(info, "session %s: closing path %s (%s): %s", s->name_.c_str(), p->name.c_str(),
             std::string(to_string(prev)).c_str(), why);
   if (uint64_t t = p->hb_timer.exchange(0)) svc_poller->cancel_timer(t);
   if (uint64_t t = p->hs_timer.exchange(0)) svc_poller->cancel_timer(t);
@@ -1738,7 +1738,7 @@ void Impl::hold(std::unique_ptr<fabric::ConnectRequest> req, const proto::Uuid& 
                   what + "; " + std::to_string(same) + " requests of it and " +
                       std::to_string(held.size()) + " in all held already");
   if (!std::exchange(pred->hold_logged, true))
-    IBTRS_LOG(info, "connection from %s held: %s", req->peer_address().to_string().c_str(), what.c_str());
+    BASE_LOG(info, "connection from %s held: %s", req->peer_address().to_string().c_str(), what.c_str());
   held.push_back(HeldConnect{std::move(req), id, core::Clock::now() + opts.drain_hold});
   held_count.store(static_cast<uint32_t>(held.size()), std::memory_order_relaxed);
   arm_held_timer();
@@ -1893,7 +1893,7 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
       o.handshake_timeout.count() <= 0 || o.ack_timeout.count() <= 0 || o.drain_hold.count() < 0 ||
       (o.authenticator == nullptr && !o.allow_any_host))
     return errc(EINVAL);
-  IBTRS_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
+  BASE_TRY(proto::imm_layout(o.queue_depth, o.chunk_size));
   // A held client must hear the answer before its connect gives up (ServerOptions::drain_hold).
   o.drain_hold = std::min(o.drain_hold, o.handshake_timeout / 2);
   // What the largest set (min(queue depth, 64) chunks) holds besides its header, at most.
@@ -1914,21 +1914,21 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
   impl->nio = impl->opts.io_threads ? impl->opts.io_threads : std::min(hw, 8u);
   fabric::Fabric::ListenOptions lo;
   if (impl->opts.tls.mode != tls::Options::Mode::off) {
-    IBTRS_ASSIGN_OR_RETURN(lo.tls, server::make_tls_context(impl->opts));
+    BASE_ASSIGN_OR_RETURN(lo.tls, server::make_tls_context(impl->opts));
     lo.tls_required = impl->opts.tls.mode == tls::Options::Mode::required;
   }
   for (const Address& a : impl->opts.listen) {
-    IBTRS_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(a.fabric, impl->opts.busy_poll));
+    BASE_ASSIGN_OR_RETURN(auto* fab, core::shared_fabric(a.fabric, impl->opts.busy_poll));
     // TLS is the tcp fabric's: other listeners ignore it (rdma is not encrypted).
-    IBTRS_ASSIGN_OR_RETURN(auto l, fab->listen(a, a.fabric == FabricKind::tcp ? lo : fabric::Fabric::ListenOptions{}));
+    BASE_ASSIGN_OR_RETURN(auto l, fab->listen(a, a.fabric == FabricKind::tcp ? lo : fabric::Fabric::ListenOptions{}));
     impl->listeners.push_back(std::move(l));
   }
   for (uint32_t i = 0; i < impl->nio; ++i) {
-    IBTRS_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-s-io" + std::to_string(i), i,
+    BASE_ASSIGN_OR_RETURN(auto p, core::Poller::start("ibtrs-s-io" + std::to_string(i), i,
                                                        server::io_poll_mode(impl->opts)));
     impl->io_pollers.push_back(std::move(p));
   }
-  IBTRS_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-s-svc", impl->nio, core::PollMode::block));
+  BASE_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-s-svc", impl->nio, core::PollMode::block));
   for (uint32_t i = 0; i < impl->nio; ++i) {
     if (IoThreadHook* h = impl->opts.handler->io_thread_hook(i)) {
       core::Poller* p = impl->io_pollers[i].get();
@@ -1936,7 +1936,7 @@ Result<std::unique_ptr<Server>> Server::start(ServerOptions o) {
       impl->hooks.emplace_back(i, h);
     }
   }
-  impl->worker = std::make_unique<core::Worker>();
+  impl->worker = std::make_unique<base::Worker>();
   Impl* raw = impl.get();
   impl->acceptor = std::thread([raw] { raw->accept_loop(); });
   return std::unique_ptr<Server>(new Server(std::move(impl)));

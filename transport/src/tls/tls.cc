@@ -895,7 +895,7 @@ Result<std::vector<Psk>> read_psk_entries(const std::string& path) {
 }
 
 Result<Psk> read_psk_file(const std::string& path) {
-  IBTRS_ASSIGN_OR_RETURN(auto all, read_psk_entries(path));
+  BASE_ASSIGN_OR_RETURN(auto all, read_psk_entries(path));
   for (size_t i = 1; i < all.size(); ++i) OPENSSL_cleanse(all[i].key.data(), all[i].key.size());
   return std::move(all.front());
 }

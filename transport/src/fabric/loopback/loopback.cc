@@ -257,7 +257,7 @@ class LbConnection final : public Connection {
     return soft_bind_mw(*mrs_, id_, mw, mr, addr, len, access);
   }
   Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t) override {
-    IBTRS_TRY(soft_invalidate_mw(*mrs_, id_, mw));
+    BASE_TRY(soft_invalidate_mw(*mrs_, id_, mw));
     return true;
   }
   void disconnect() override {
@@ -339,7 +339,7 @@ ibtrs::Status LbConnection::post_send(std::span<const SendWr> wrs) {
   std::lock_guard lock(world_mu());
   if (state_ != ConnState::connected) return errc(ENOTCONN);
   if (wrs.size() > caps_.max_send_wr - outq_.size()) return errc(ENOMEM);
-  IBTRS_TRY(check_send_batch(wrs, caps_));
+  BASE_TRY(check_send_batch(wrs, caps_));
   for (const SendWr& wr : wrs) {
     for (const Sge& s : wr.sg_list) {
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, 0)) return errc(EINVAL);
@@ -389,7 +389,7 @@ ibtrs::Status LbConnection::post_recv(std::span<const RecvWr> wrs) {
   std::lock_guard lock(world_mu());
   if (state_ != ConnState::connected) return errc(ENOTCONN);
   if (wrs.size() > caps_.max_recv_wr - rq_.size()) return errc(ENOMEM);
-  IBTRS_TRY(check_recv_batch(wrs, caps_));
+  BASE_TRY(check_recv_batch(wrs, caps_));
   for (const RecvWr& wr : wrs) {
     for (const Sge& s : wr.sg_list) {
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, kLocalWrite)) return errc(EINVAL);
@@ -673,13 +673,13 @@ class LbConnectRequest final : public ConnectRequest {
     auto* lpd = dynamic_cast<LbDomain*>(&pd);
     if (private_data.size() > kMaxPrivateData || lpd == nullptr || !same_device(*lpd))
       return errc(EINVAL);
-    IBTRS_TRY(check_caps(caps, UINT32_MAX, kMaxSge));
+    BASE_TRY(check_caps(caps, UINT32_MAX, kMaxSge));
     auto* scq = dynamic_cast<LbCq*>(&cq);
     if (scq == nullptr) return errc(EINVAL);
     std::lock_guard lock(world_mu());
     if (p_ == nullptr || p_->done) return errc(ECONNRESET);
     LbCq* ccq = p_->cq;
-    IBTRS_TRY(scq->reserve(caps.max_send_wr + caps.max_recv_wr));
+    BASE_TRY(scq->reserve(caps.max_send_wr + caps.max_recv_wr));
     if (auto st = ccq->reserve(p_->caps.max_send_wr + p_->caps.max_recv_wr); !st) {
       scq->unreserve(caps.max_send_wr + caps.max_recv_wr);
       resolve(ENOSPC);
@@ -741,7 +741,7 @@ Result<ConnectResult> LbDomain::connect(const ConnectParams& p, std::vector<std:
   if (p.cq == nullptr || dynamic_cast<LbCq*>(p.cq) == nullptr ||
       p.private_data.size() > kMaxPrivateData || p.remote.fabric != FabricKind::loopback)
     return errc(EINVAL);
-  IBTRS_TRY(check_caps(p.caps, UINT32_MAX, kMaxSge));
+  BASE_TRY(check_caps(p.caps, UINT32_MAX, kMaxSge));
   auto shared = std::make_shared<PendingConnect>();
   PendingConnect& pc = *shared;
   pc.cq = static_cast<LbCq*>(p.cq);

@@ -59,7 +59,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "common/secure_random.h"
+#include "fabric/secure_random.h"
 #include "fabric/providers.h"
 #include "fabric/rdma/rdma_private_data.h"
 #include "ibtrs/gid.h"
@@ -687,7 +687,7 @@ AsyncQpTable& async_qps() {
 ibv_context* ConnCore::context() const { return domain_.context(); }
 
 ibtrs::Status ConnCore::init(IdPtr id) {
-  IBTRS_TRY(cq_.reserve(caps_));
+  BASE_TRY(cq_.reserve(caps_));
   ibv_qp_init_attr attr{};
   attr.send_cq = cq_.cq();
   attr.recv_cq = cq_.cq();
@@ -788,7 +788,7 @@ ibtrs::Status ConnCore::post_send(std::span<const SendWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
   if (wrs.empty()) return {};
   if (wrs.size() > caps_.max_send_wr) return errc(ENOMEM);  // can never fit: the queue is full
-  IBTRS_TRY(check_send_batch(wrs, caps_));
+  BASE_TRY(check_send_batch(wrs, caps_));
 
   std::lock_guard lk(send_mu_);
   if (state() != ConnState::connected) return errc(ENOTCONN);
@@ -887,7 +887,7 @@ Result<uint32_t> ConnCore::bind_mw(MemoryWindow& mw_base, const MemoryRegion& mr
   wr.bind_mw.bind_info.mw_access_flags =
       ((access & kRemoteWrite) ? IBV_ACCESS_REMOTE_WRITE : 0) |
       ((access & kRemoteRead) ? IBV_ACCESS_REMOTE_READ : 0);
-  IBTRS_TRY(post_local(wr, 0));
+  BASE_TRY(post_local(wr, 0));
   // For type 2 windows the consumer keeps ibv_mw::rkey current: the next bind names the window
   // by it (rxe refuses a bind whose window key is not the current one).
   mw->mw()->rkey = key;
@@ -914,7 +914,7 @@ Result<bool> ConnCore::invalidate_mw(MemoryWindow& mw_base, uint64_t wr_id) {
     if (st.error() != errc(ENOTCONN)) return st.error();
   }
   // No LOCAL_INV can run on this queue pair any more: deallocating the window revokes it.
-  IBTRS_TRY(mw->replace());
+  BASE_TRY(mw->replace());
   return true;
 }
 
@@ -922,7 +922,7 @@ ibtrs::Status ConnCore::post_recv(std::span<const RecvWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
   if (wrs.empty()) return {};
   if (wrs.size() > caps_.max_recv_wr) return errc(ENOMEM);
-  IBTRS_TRY(check_recv_batch(wrs, caps_));
+  BASE_TRY(check_recv_batch(wrs, caps_));
 
   std::lock_guard lk(recv_mu_);
   if (state() != ConnState::connected) return errc(ENOTCONN);
@@ -1026,7 +1026,7 @@ Result<uint32_t> RdmaMr::rekey() {
   // ibv_rereg_mr keeps the keys on Soft-RoCE (and may elsewhere): a new registration is what
   // gives new ones.
   release();
-  IBTRS_ASSIGN_OR_RETURN(mr_, domain_.reg(addr(), length(), access()));
+  BASE_ASSIGN_OR_RETURN(mr_, domain_.reg(addr(), length(), access()));
   domain_.track(mr_);
   set_keys(mr_->lkey, mr_->rkey);
   return mr_->rkey;
@@ -1086,7 +1086,7 @@ Result<std::unique_ptr<MemoryRegion>> RdmaDomain::register_memory(void* addr, si
                                                                   uint32_t access) {
   constexpr uint32_t kKnown = kLocalWrite | kRemoteWrite | kRemoteRead | kMwBind;
   if (addr == nullptr || length == 0 || (access & ~kKnown) != 0) return errc(EINVAL);
-  IBTRS_TRY(take_key());
+  BASE_TRY(take_key());
   auto mr = reg(addr, length, access);
   if (!mr) {
     put_key();
@@ -1096,7 +1096,7 @@ Result<std::unique_ptr<MemoryRegion>> RdmaDomain::register_memory(void* addr, si
 }
 
 Result<std::unique_ptr<MemoryWindow>> RdmaDomain::alloc_mw() {
-  IBTRS_TRY(take_key());
+  BASE_TRY(take_key());
   errno = 0;
   ibv_mw* mw = ibv_alloc_mw(pd_, IBV_MW_TYPE_2);
   if (mw == nullptr) {
@@ -1147,17 +1147,17 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
   if (params.private_data.size() > kMaxPrivateData) return errc(EINVAL);
   if (!valid_ip_address(params.remote)) return errc(EINVAL);
   if (params.source != nullptr && !valid_ip_address(*params.source)) return errc(EINVAL);
-  IBTRS_TRY(check_caps(params.caps, kMaxQueueDepth, kMaxSgePerWr));
+  BASE_TRY(check_caps(params.caps, kMaxQueueDepth, kMaxSgePerWr));
   // gid: addresses: their IP form, checked against the GID tables (ibtrs/gid.h).
-  IBTRS_ASSIGN_OR_RETURN(const Address remote, resolve_gid_address(params.remote, false));
+  BASE_ASSIGN_OR_RETURN(const Address remote, resolve_gid_address(params.remote, false));
   std::optional<Address> source;
   if (params.source != nullptr) {
-    IBTRS_ASSIGN_OR_RETURN(Address s, resolve_gid_address(*params.source, true));
+    BASE_ASSIGN_OR_RETURN(Address s, resolve_gid_address(*params.source, true));
     source = s;
   }
 
   const auto deadline = Clock::now() + params.timeout;
-  IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
+  BASE_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return last_error();
   IdPtr id(raw);
@@ -1172,19 +1172,19 @@ Result<ConnectResult> RdmaDomain::connect(const ConnectParams& params,
     return errno == ENODEV ? errc(ENETUNREACH) : last_error();
   }
   CmEvent ev;
-  IBTRS_TRY(next_event(channel.get(), deadline, ev, params.cancel_fd));
+  BASE_TRY(next_event(channel.get(), deadline, ev, params.cancel_fd));
   if (ev.type != RDMA_CM_EVENT_ADDR_RESOLVED) return resolve_error(ev);
   // The CQ (and the memory the caller registered) live on this domain's device.
   if (id->verbs != ctx_) return errc(EINVAL);
 
   if (rdma_resolve_route(id.get(), std::max(ms_left(deadline), 1)) != 0) return last_error();
-  IBTRS_TRY(next_event(channel.get(), deadline, ev, params.cancel_fd));
+  BASE_TRY(next_event(channel.get(), deadline, ev, params.cancel_fd));
   if (ev.type != RDMA_CM_EVENT_ROUTE_RESOLVED) {
     return ms_left(deadline) == 0 ? errc(ETIMEDOUT) : resolve_error(ev);
   }
 
   auto core = std::make_shared<ConnCore>(fabric_, *this, *cq, params.caps, params.events);
-  IBTRS_TRY(core->init(std::move(id)));
+  BASE_TRY(core->init(std::move(id)));
   // Past this point the core owns the id; failure paths destroy() it.
   auto fail = [&](std::error_code ec) -> Result<ConnectResult> {
     core->destroy();
@@ -1290,10 +1290,10 @@ Result<std::unique_ptr<Connection>> RdmaConnectRequest::accept(
       cq->context() != domain_.context())
     return errc(EINVAL);
   if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
-  IBTRS_TRY(check_caps(caps, kMaxQueueDepth, kMaxSgePerWr));
+  BASE_TRY(check_caps(caps, kMaxQueueDepth, kMaxSgePerWr));
 
   auto core = std::make_shared<ConnCore>(fabric_, *pd, *cq, caps, std::move(events));
-  IBTRS_TRY(core->init(std::move(id_)));
+  BASE_TRY(core->init(std::move(id_)));
   auto fail = [&](std::error_code ec) -> Result<std::unique_ptr<Connection>> {
     core->destroy();
     return ec;
@@ -1425,14 +1425,14 @@ Result<Domain*> RdmaFabric::domain_for(const Address& remote_in, const Address* 
   if (!valid_ip_address(remote_in)) return errc(EINVAL);
   if (source_in != nullptr && !valid_ip_address(*source_in)) return errc(EINVAL);
   // gid: addresses: their IP form (ibtrs/gid.h); the same check connect() makes.
-  IBTRS_ASSIGN_OR_RETURN(const Address remote, resolve_gid_address(remote_in, false));
+  BASE_ASSIGN_OR_RETURN(const Address remote, resolve_gid_address(remote_in, false));
   std::optional<Address> source_ip;
   if (source_in != nullptr) {
-    IBTRS_ASSIGN_OR_RETURN(Address s, resolve_gid_address(*source_in, true));
+    BASE_ASSIGN_OR_RETURN(Address s, resolve_gid_address(*source_in, true));
     source_ip = s;
   }
   const Address* source = source_ip ? &*source_ip : nullptr;
-  IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
+  BASE_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return last_error();
   IdPtr id(raw);
@@ -1442,7 +1442,7 @@ Result<Domain*> RdmaFabric::domain_for(const Address& remote_in, const Address* 
     // itself over two ports), but requests to it arrive on the device that owns it.
     sockaddr_storage local = remote.with_port(0).sa;
     if (rdma_bind_addr(id.get(), reinterpret_cast<sockaddr*>(&local)) == 0 && id->verbs != nullptr) {
-      IBTRS_ASSIGN_OR_RETURN(RdmaDomain * owner, domain_for_context(id->verbs));
+      BASE_ASSIGN_OR_RETURN(RdmaDomain * owner, domain_for_context(id->verbs));
       return static_cast<Domain*>(owner);
     }
     id.reset();
@@ -1459,9 +1459,9 @@ Result<Domain*> RdmaFabric::domain_for(const Address& remote_in, const Address* 
   }
   CmEvent ev;
   // The kernel reports ADDR_ERROR at its own timeout; the margin covers scheduling.
-  IBTRS_TRY(next_event(channel.get(), Clock::now() + 2 * kResolveAddrTimeout, ev));
+  BASE_TRY(next_event(channel.get(), Clock::now() + 2 * kResolveAddrTimeout, ev));
   if (ev.type != RDMA_CM_EVENT_ADDR_RESOLVED) return resolve_error(ev);
-  IBTRS_ASSIGN_OR_RETURN(RdmaDomain * d, domain_for_context(id->verbs));
+  BASE_ASSIGN_OR_RETURN(RdmaDomain * d, domain_for_context(id->verbs));
   return static_cast<Domain*>(d);
 }
 
@@ -1470,8 +1470,8 @@ Result<std::unique_ptr<Listener>> RdmaFabric::listen(const Address& local, const
   if (o.tls || o.tls_required) return errc(EPROTONOSUPPORT);
   const int backlog = o.backlog;
   if (!valid_ip_address(local) || backlog <= 0) return errc(EINVAL);
-  IBTRS_ASSIGN_OR_RETURN(const Address bind_to, resolve_gid_address(local, true));
-  IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
+  BASE_ASSIGN_OR_RETURN(const Address bind_to, resolve_gid_address(local, true));
+  BASE_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   rdma_cm_id* raw = nullptr;
   if (rdma_create_id(channel.get(), &raw, nullptr, RDMA_PS_TCP) != 0) return last_error();
   IdPtr id(raw);
@@ -1608,7 +1608,7 @@ Result<std::unique_ptr<Fabric>> make_rdma_fabric(const FabricOptions& /*options*
   ibv_free_device_list(list);
   if (num == 0) return errc(ENODEV);
 
-  IBTRS_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
+  BASE_ASSIGN_OR_RETURN(ChannelPtr channel, make_channel());
   int count = 0;
   ibv_context** devices = rdma_get_devices(&count);
   if (devices == nullptr) return errc(ENODEV);

@@ -120,7 +120,7 @@ struct HandshakeFrame {
   FrameHeader hdr;
   ConnectBody body;
 };
-IBTRS_WIRE_STRUCT(HandshakeFrame, 96);
+BASE_WIRE_STRUCT(HandshakeFrame, 96);
 
 HandshakeFrame make_handshake(FrameType type, uint8_t verdict, std::span<const std::byte> pd) {
   HandshakeFrame f;
@@ -341,7 +341,7 @@ class TcpConnection final : public Connection, private RxHooks {
     return soft_bind_mw(*mrs_, id_, mw, mr, addr, len, access);
   }
   Result<bool> invalidate_mw(MemoryWindow& mw, uint64_t) override {
-    IBTRS_TRY(soft_invalidate_mw(*mrs_, id_, mw));
+    BASE_TRY(soft_invalidate_mw(*mrs_, id_, mw));
     return true;
   }
   void disconnect() override {
@@ -527,7 +527,7 @@ class TcpConnection final : public Connection, private RxHooks {
 
 ibtrs::Status TcpConnection::post(std::span<const SendWr> wrs, bool defer) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
-  IBTRS_TRY(check_send_batch(wrs, caps_));
+  BASE_TRY(check_send_batch(wrs, caps_));
   for (const SendWr& wr : wrs) {
     for (const Sge& s : wr.sg_list) {
       // A gather list outside registered memory would make sendmsg read arbitrary memory;
@@ -594,7 +594,7 @@ ibtrs::Status TcpConnection::post(std::span<const SendWr> wrs, bool defer) {
 
 ibtrs::Status TcpConnection::post_recv(std::span<const RecvWr> wrs) {
   if (state() != ConnState::connected) return errc(ENOTCONN);
-  IBTRS_TRY(check_recv_batch(wrs, caps_));
+  BASE_TRY(check_recv_batch(wrs, caps_));
   for (const RecvWr& wr : wrs) {
     for (const Sge& s : wr.sg_list) {
       if (s.length > 0 && !mrs_->check(s.lkey, s.addr, s.length, kLocalWrite)) return errc(EINVAL);
@@ -1206,7 +1206,7 @@ class TcpDomain final : public Domain {
   ibtrs::Status reserve(CompletionQueue& cq, const QueueCaps& caps) {
     auto* tcq = dynamic_cast<TcpCq*>(&cq);
     if (tcq == nullptr) return errc(EINVAL);
-    IBTRS_TRY(check_caps(caps, kMaxQueueDepth, std::min(kMaxSendSge, kMaxRecvSge)));
+    BASE_TRY(check_caps(caps, kMaxQueueDepth, std::min(kMaxSendSge, kMaxRecvSge)));
     return tcq->reserve(caps.max_send_wr + caps.max_recv_wr);
   }
 
@@ -1225,7 +1225,7 @@ Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(
   if (sock_ < 0 || private_data.size() > kMaxPrivateData || pd == nullptr ||
       pd->device() != domain_.device())
     return errc(EINVAL);
-  IBTRS_TRY(pd->reserve(cq, caps));
+  BASE_TRY(pd->reserve(cq, caps));
   // The response goes out before the connection is attached: the client sends nothing before
   // it has read the response, and its frames wait in the socket until we attach.
   HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictAccept, private_data);
@@ -1255,7 +1255,7 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
   if (p.cq == nullptr || p.private_data.size() > kMaxPrivateData ||
       p.remote.fabric != FabricKind::tcp || (p.tls && p.tls->role() != tls::Role::client))
     return errc(EINVAL);
-  IBTRS_TRY(reserve(*p.cq, p.caps));
+  BASE_TRY(reserve(*p.cq, p.caps));
   const uint32_t reserved = p.caps.max_send_wr + p.caps.max_recv_wr;
   auto fail = [&](int e) -> Result<ConnectResult> {
     static_cast<TcpCq*>(p.cq)->unreserve(reserved);

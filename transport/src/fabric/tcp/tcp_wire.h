@@ -14,10 +14,14 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/le.h"
+#include "base/le.h"
 #include "fabric/fabric.h"
 
 namespace ibtrs::fabric::tcp {
+
+using base::le16;
+using base::le32;
+using base::le64;
 
 inline constexpr uint32_t kMagic = 0x46544249;  // "IBTF" in little-endian bytes
 inline constexpr uint16_t kVersion = 1;
@@ -51,7 +55,7 @@ struct FrameHeader {
   le32 rkey;            // write, write_imm: target region key; else 0
   le32 reserved1;       // 0
 };
-IBTRS_WIRE_STRUCT(FrameHeader, 32);
+BASE_WIRE_STRUCT(FrameHeader, 32);
 
 struct ConnectBody {
   le32 magic;                          // kMagic
@@ -60,7 +64,7 @@ struct ConnectBody {
   uint8_t verdict;                     // connect_rsp: kVerdict*; connect_req: 0
   uint8_t private_data[kMaxPrivateData];  // the user's private data, zero padded
 };
-IBTRS_WIRE_STRUCT(ConnectBody, 64);
+BASE_WIRE_STRUCT(ConnectBody, 64);
 
 // CONNECT_RSP verdicts. kVerdictTlsRequired goes in plaintext to a peer that did not start TLS
 // on a listener that requires it (its connect fails with EPROTONOSUPPORT).

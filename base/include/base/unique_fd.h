@@ -6,7 +6,7 @@
 
 #include <utility>
 
-namespace ibnbd {
+namespace base {
 
 class UniqueFd {
  public:
@@ -35,4 +35,4 @@ class UniqueFd {
   int fd_ = -1;
 };
 
-}  // namespace ibnbd
+}  // namespace base

@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-namespace ibtrs {
+namespace base {
 
 inline std::string_view trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
@@ -23,4 +23,4 @@ inline std::string hex(uint64_t v) {
   return b;
 }
 
-}  // namespace ibtrs
+}  // namespace base

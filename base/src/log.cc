@@ -1,4 +1,4 @@
-#include "common/log.h"
+#include "base/log.h"
 
 #include <unistd.h>
 
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <ctime>
 
-namespace ibtrs {
+namespace base {
 
 namespace {
 int level_from_env() {
@@ -52,4 +52,4 @@ void log_msg(LogLevel level, const char* fmt, ...) {
   [[maybe_unused]] ssize_t r = ::write(2, buf, len);
 }
 
-}  // namespace ibtrs
+}  // namespace base

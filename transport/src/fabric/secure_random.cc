@@ -1,4 +1,4 @@
-#include "common/secure_random.h"
+#include "fabric/secure_random.h"
 
 #include <fcntl.h>
 #include <pthread.h>

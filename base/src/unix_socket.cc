@@ -1,4 +1,4 @@
-#include "common/unix_socket.h"
+#include "base/unix_socket.h"
 
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
-namespace ibtrs {
+namespace base {
 namespace {
 
 Result<sockaddr_un> address(const std::string& path) {
@@ -72,4 +72,4 @@ Result<int> unix_connect(const std::string& path) {
   return fd;
 }
 
-}  // namespace ibtrs
+}  // namespace base

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-namespace ibtrs {
+namespace base {
 
 template <typename T>
 struct Le {
@@ -58,9 +58,9 @@ static_assert(sizeof(be32) == 4 && alignof(be32) == 1);
 static_assert(sizeof(be64) == 8 && alignof(be64) == 1);
 
 // Checks that a wire struct has exactly the size the protocol document gives it.
-#define IBTRS_WIRE_STRUCT(T, size)                                                   \
+#define BASE_WIRE_STRUCT(T, size)                                                   \
   static_assert(sizeof(T) == (size), #T " must be " #size " bytes on the wire");   \
   static_assert(std::is_trivially_copyable_v<T>, #T " must be trivially copyable"); \
   static_assert(alignof(T) == 1, #T " must have no padding requirements")
 
-}  // namespace ibtrs
+}  // namespace base

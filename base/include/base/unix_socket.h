@@ -7,9 +7,9 @@
 #include <optional>
 #include <string>
 
-#include "ibtrs/result.h"
+#include "base/result.h"
 
-namespace ibtrs {
+namespace base {
 
 // Who may connect to a listening socket file: connecting needs write permission on it. The
 // default is its owner only, whatever the process umask.
@@ -28,4 +28,4 @@ Result<int> unix_listen(const std::string& path, int backlog, bool nonblock,
 // Connects to `path`; blocking, close-on-exec.
 Result<int> unix_connect(const std::string& path);
 
-}  // namespace ibtrs
+}  // namespace base
