@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/text.h"
 #include "ibnbd/types.h"
 #include "ibtrs/auth.h"
 #include "ibtrs/tls.h"
@@ -30,7 +31,7 @@
 
 namespace {
 
-using ibnbd::parse_size;
+using base::parse_size;
 
 using nlohmann::json;
 using namespace ibnbd::cli;

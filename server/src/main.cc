@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/text.h"
 #include "control_socket.h"
 #include "metrics_http.h"
 #include "server_commands.h"
@@ -33,7 +34,7 @@
 
 namespace {
 
-using ibnbd::parse_size;
+using base::parse_size;
 
 using nlohmann::json;
 

@@ -30,6 +30,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/text.h"
 #include "file_volume.h"
 #include "history.h"
 #include "ibnbd/client.h"
@@ -112,15 +113,9 @@ uint64_t parse_duration_ms(const std::string& flag, const std::string& v) {
 }
 
 uint64_t parse_size(const std::string& flag, const std::string& v) {
-  size_t i = 0;
-  while (i < v.size() && v[i] >= '0' && v[i] <= '9') ++i;
-  const uint64_t n = parse_u64(flag, v.substr(0, i));
-  const std::string u = v.substr(i);
-  if (u.empty()) return n;
-  if (u == "K" || u == "k") return n << 10;
-  if (u == "M") return n << 20;
-  if (u == "G") return n << 30;
-  usage(flag + ": unit '" + u + "' (K, M, G)");
+  auto n = base::parse_size(v);
+  if (!n) usage(flag + ": '" + v + "' is not a size (a number, optionally K, M, G or T)");
+  return *n;
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/le.h"
+#include "base/text.h"
 #include "fabric/fabric.h"
 
 using namespace ibtrs;
@@ -463,20 +464,9 @@ int run_verify(Endpoint& e, const Options& o) {
 }
 
 size_t parse_size(std::string_view s) {
-  char* end = nullptr;
-  std::string str(s);
-  double v = std::strtod(str.c_str(), &end);
-  size_t mul = 1;
-  if (end && *end) {
-    switch (*end) {
-      case 'k': case 'K': mul = 1024; break;
-      case 'm': case 'M': mul = 1024 * 1024; break;
-      case 'g': case 'G': mul = 1024ull * 1024 * 1024; break;
-      default: die("bad size");
-    }
-  }
-  if (v <= 0) die("bad size");
-  return static_cast<size_t>(v * static_cast<double>(mul));
+  auto v = base::parse_size(s);
+  if (!v || *v == 0) die("bad size");
+  return static_cast<size_t>(*v);
 }
 
 [[noreturn]] void usage() {

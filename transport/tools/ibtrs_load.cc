@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/text.h"
 #include "ibtrs/address.h"
 #include "ibtrs/client.h"
 #include "ibtrs/path_spec.h"
@@ -164,21 +165,7 @@ std::optional<uint64_t> parse_u64(std::string_view s) {
   return v;
 }
 
-std::optional<uint64_t> parse_size(std::string_view s) {
-  unsigned shift = 0;
-  if (!s.empty()) {
-    switch (s.back()) {
-      case 'k': case 'K': shift = 10; break;
-      case 'm': case 'M': shift = 20; break;
-      case 'g': case 'G': shift = 30; break;
-      default: break;
-    }
-    if (shift) s.remove_suffix(1);
-  }
-  auto v = parse_u64(s);
-  if (!v || *v > (UINT64_MAX >> shift)) return std::nullopt;
-  return *v << shift;
-}
+using base::parse_size;
 
 // Walks argv; each typed getter takes the value after the current flag or stops with usage.
 class Args {

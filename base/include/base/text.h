@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -22,5 +23,10 @@ inline std::string hex(uint64_t v) {
   std::snprintf(b, sizeof(b), "0x%llx", static_cast<unsigned long long>(v));
   return b;
 }
+
+// A byte count as admins type it: a number with an optional binary unit (B, K/k/KiB, M/m/MiB,
+// G/g/GiB, T/t/TiB). Nothing for other text or a value that overflows 64 bits. The one parser
+// of sizes: the daemons' options, the CLI, the migration agent, the soak and the bench tools.
+std::optional<uint64_t> parse_size(std::string_view s);
 
 }  // namespace base

@@ -24,10 +24,6 @@ enum class AccessMode : uint8_t { ro = 0, rw = 1, migration = 2 };
 std::optional<AccessMode> parse_access_mode(std::string_view s);  // "ro" | "rw" | "migration"
 std::string_view to_string(AccessMode m);
 
-// A byte count as admins type it: a number with an optional binary unit (B, K/k/KiB, M/MiB,
-// G/GiB, T/TiB). Nothing for other text or a value that overflows 64 bits.
-std::optional<uint64_t> parse_size(std::string_view s);
-
 // Operation of an IO (low 8 bits of the wire `rw`, kernel RNBD_OP_*; block_status is ours,
 // protocol 5: the kernel's rnbd has no such op).
 enum class IoOp : uint8_t {

@@ -39,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/text.h"
 #include "ibnbd/client.h"
 #include "ibnbd/migrate_image.h"
 #include "ibnbd/migrate_volume.h"
@@ -140,13 +141,13 @@ Args parse(int argc, char** argv) {
       if (ec != std::errc() || p != v.data() + v.size() || a.channels > kMaxStreams - 1)
         usage("channels: 0.." + std::to_string(kMaxStreams - 1));
     } else if (w == "max") {
-      auto s = parse_size(argv[i++]);
+      auto s = base::parse_size(argv[i++]);
       if (!s) usage("max: a size such as 4G");
       a.max_bytes = *s;
     } else if (w == "rdma") {
       a.rdma = argv[i++];
     } else if (w == "pin-max") {
-      auto s = parse_size(argv[i++]);
+      auto s = base::parse_size(argv[i++]);
       if (!s || *s == 0) usage("pin-max: a size such as 4G");
       a.pin_max = *s;
     } else if (w == "timeout") {
