@@ -66,20 +66,20 @@ using fabric::WcStatus;
 enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3, kWrSvcRecv = 4 };
 constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
 
-constexpr uint32_t kSvcRecvs = 16;
-constexpr uint32_t kSvcSlot = 512;     // bytes per service RECV: AUTH_REPLY is 336, INFO_REQ 144
+inline constexpr uint32_t kSvcRecvs = 16;
+inline constexpr uint32_t kSvcSlot = 512;     // bytes per service RECV: AUTH_REPLY is 336, INFO_REQ 144
 // A path refused by authentication: the AUTH_FAILURE goes out, then the server waits this long
 // for the client to hang up before it closes the path itself.
-constexpr auto kAuthFailLinger = std::chrono::seconds(1);
-constexpr uint32_t kSvcSends = 16;
-constexpr uint32_t kSignalEvery = 16;
-constexpr uint32_t kRepostBatch = 16;
-constexpr uint16_t kMaxCidNum = 129;   // 128 IO connections + service
+inline constexpr auto kAuthFailLinger = std::chrono::seconds(1);
+inline constexpr uint32_t kSvcSends = 16;
+inline constexpr uint32_t kSignalEvery = 16;
+inline constexpr uint32_t kRepostBatch = 16;
+inline constexpr uint16_t kMaxCidNum = 129;   // 128 IO connections + service
 // FENCE_RSP send slots per service connection, each busy from its post until its send
 // completes. An honest client has at most one fence per other path of the session unanswered
 // (ClientSession::kMaxPaths - 1), so a client that leaves more answers unacknowledged than
 // this is refused.
-constexpr uint32_t kFenceSlots = 16;
+inline constexpr uint32_t kFenceSlots = 16;
 static_assert(kFenceSlots <= 32, "one bit per slot in Con::fence_busy");
 
 inline int64_t now_ns() {
