@@ -150,7 +150,7 @@ void Con::on_completions(std::span<Completion> wcs) {
         continue;
       }
       const size_t info = proto::info_rsp_size(s.geo.queue_depth);
-      const size_t off = part == kSvcInfoRecv ? 0 : info + (part - kSvcAuthRecv) * kSvcSlot;
+      const size_t off = part == kSvcInfoRecv ? 0 : svc_auth_off(s.geo.queue_depth, part - kSvcAuthRecv);
       const size_t n = std::min<size_t>(wc.byte_len, part == kSvcInfoRecv ? info : kSvcSlot);
       std::lock_guard lock(path->info_mu);
       path->svc_msgs.emplace_back(svc_buf.get() + off, svc_buf.get() + off + n);

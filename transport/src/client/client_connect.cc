@@ -133,9 +133,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   for (uint32_t i = 0; i < caps.max_recv_wr; ++i) recvs[i] = con->next_recv(recv_sges[i]);
   if (con->cid == 0) {
     const size_t info = proto::info_rsp_size(geo.queue_depth);
-    // ... then a PATH_FENCE send slot per path of the session.
-    con->svc_len = info + 2 * kSvcSlot + sizeof(proto::InfoReq) + sizeof(proto::AuthReply) +
-                   ClientSession::kMaxPaths * sizeof(proto::PathFence);
+    con->svc_len = svc_fence_off(geo.queue_depth, ClientSession::kMaxPaths);
     con->svc_buf = std::make_unique<std::byte[]>(con->svc_len);
     IBTRS_ASSIGN_OR_RETURN(con->svc_mr, path->domain->register_memory(
                                             con->svc_buf.get(), con->svc_len, fabric::kLocalWrite));
@@ -143,7 +141,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
     uint32_t k = 0;
     if (opts.auth.enabled()) {
       for (; k < 2; ++k) {
-        svc_sges[k] = con->svc_mr->sge(info + k * kSvcSlot, kSvcSlot);
+        svc_sges[k] = con->svc_mr->sge(svc_auth_off(geo.queue_depth, k), kSvcSlot);
         recvs[k] = fabric::RecvWr{wr_id(kWrRecv, kSvcAuthRecv + k), std::span(&svc_sges[k], 1)};
       }
     }
@@ -188,7 +186,7 @@ Status Session::establish(Path* path) {
   // INFO_REQ, [the authentication], INFO_RSP on the service connection.
   Con* svc = path->cons[0].get();
   IBTRS_ASSIGN_OR_RETURN(auto info, proto::make_info_req(opts.session_name, path->name));
-  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kSvcSlot, proto::as_bytes_of(info)));
+  IBTRS_TRY(svc->send_svc(svc_info_req_off(geo.queue_depth), proto::as_bytes_of(info)));
   const auto deadline = core::Clock::now() + opts.connect_timeout;
   if (opts.auth.enabled()) IBTRS_TRY(authenticate(path, deadline));
   IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> rsp, next_svc_msg(path, deadline));
@@ -304,8 +302,7 @@ Status Session::authenticate(Path* path, core::Clock::time_point deadline) {
   }
   auto reply = proto::make_auth_reply(v);
   if (!reply.ok()) return fail(EINVAL, "host id unusable on the wire");
-  IBTRS_TRY(svc->send_svc(proto::info_rsp_size(geo.queue_depth) + 2 * kSvcSlot + sizeof(proto::InfoReq),
-                          proto::as_bytes_of(*reply)));
+  IBTRS_TRY(svc->send_svc(svc_auth_reply_off(geo.queue_depth), proto::as_bytes_of(*reply)));
 
   IBTRS_ASSIGN_OR_RETURN(std::vector<std::byte> m2, next_svc_msg(path, deadline));
   if (auto r = refusal(m2)) return *r;

@@ -63,9 +63,7 @@ void Session::fence_kick() {
       if (!svc->gate.enter()) continue;
       // One send slot per fenced path: one fence of a path is unanswered at a time (a newer
       // incarnation of it is fenced only after it connected, which confirmed the older).
-      const size_t off = proto::info_rsp_size(geo.queue_depth) + 2 * kSvcSlot +
-                         sizeof(proto::InfoReq) + sizeof(proto::AuthReply) +
-                         size_t{f.path->slot} * sizeof(proto::PathFence);
+      const size_t off = svc_fence_off(geo.queue_depth, f.path->slot);
       const auto m = proto::make_path_fence(f.path->uuid, f.recon);
       if (svc->send_svc(off, proto::as_bytes_of(m)).ok()) {
         f.carrier = pa;

@@ -107,6 +107,15 @@ inline constexpr uint64_t kSvcInfoRecv = 1;
 inline constexpr uint64_t kSvcAuthRecv = 2;  // and 3
 // After the establishment (kConRspFence): RECVs with a FENCE_RSP slot, value kSvcFenceRecv + slot.
 inline constexpr uint64_t kSvcFenceRecv = 4;
+// Where the parts lie, by the session's queue depth (INFO_RSP grows with it): AUTH slot `k`
+// (0, 1), INFO_REQ, AUTH_REPLY, the PATH_FENCE slot of path slot `path_slot`; the buffer's size
+// is svc_fence_off(qd, ClientSession::kMaxPaths).
+inline size_t svc_auth_off(uint16_t qd, uint64_t k) { return proto::info_rsp_size(qd) + k * kSvcSlot; }
+inline size_t svc_info_req_off(uint16_t qd) { return svc_auth_off(qd, 2); }
+inline size_t svc_auth_reply_off(uint16_t qd) { return svc_info_req_off(qd) + sizeof(proto::InfoReq); }
+inline size_t svc_fence_off(uint16_t qd, uint32_t path_slot) {
+  return svc_auth_reply_off(qd) + sizeof(proto::AuthReply) + size_t{path_slot} * sizeof(proto::PathFence);
+}
 inline constexpr std::chrono::milliseconds kTick{100};  // pending-request deadlines
 
 inline int64_t now_ns() {
