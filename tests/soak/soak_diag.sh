@@ -127,7 +127,7 @@ check "explain: a step given up in D state: UNEXPLAINED" [ "$(explain "$tmp/e4" 
 
 # The daemon's log formats that explain_errors parses: a change of wording there must change
 # the parser and this test.
-grep -q '"session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)"' "$src/transport/src/client/client.cc"
+grep -q '"session %s: %zu requests failed (ENOTCONN): no path for pending_timeout (%lld ms)"' "$src/transport/src/client/client_failover.cc"
 check "the transport's pending_timeout line is still the one parsed" [ $? = 0 ]
 grep -q '"ibnbd %s: %zu IO parts failed (%s): %s for remap_timeout (%lld ms)"' "$src/client/src/lib/session.cc"
 check "the block layer's remap_timeout line is still the one parsed" [ $? = 0 ]

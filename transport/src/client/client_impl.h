@@ -1,5 +1,16 @@
 // Private to the client: the session, its paths and connections (kernel: rtrs-clt.h).
 //
+// Files (one per concern, as rtrs-clt.c and siw split theirs):
+//   client_io.cc           the IO path: submit, post on a path, read windows, finish
+//   client_completions.cc  a connection's completions and its failover when it breaks
+//   client_failover.cc     requests waiting for a path: parked, or held for a failover fence
+//   client_connect.cc      a path's establishment: connections, INFO / AUTH handshake, teardown
+//   client_path.cc         a path's life: open, up, failed, heartbeats, reconnect, close
+//   client_mem.cc          protection domains, IUs, read windows, user registrations
+//   client_reaper.cc       caller-reaped completions (CompletionReaper)
+//   client_session.cc      the public API: open, close, batches, path control, statistics
+// What the server shares (wr_id encoding, queue and slot sizes) is in core/wr_id.h.
+//
 // Threads of a session (io_threads = N):
 //   IO pollers 0..N-1  own the CQ of connection cid = i + 1 of every path; complete requests,
 //                      fail over the requests of a connection that broke
@@ -24,6 +35,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -39,6 +51,7 @@
 #include "core/policy.h"
 #include "core/stats.h"
 #include "base/worker.h"
+#include "core/wr_id.h"
 #include "fabric/fabric.h"
 #include "ibtrs/client.h"
 #include "proto/ibtrs_proto.h"
@@ -71,6 +84,44 @@ namespace client {
 
 struct Session;
 struct Path;
+
+// Work request ids and the sizes shared with the server (core/wr_id.h).
+using core::kRepostBatch;
+using core::kSignalEvery;
+using core::kSvcRecvs;
+using core::kSvcSends;
+using core::kSvcSlot;
+using core::kWrInv;
+using core::kWrIo;
+using core::kWrRecv;
+using core::kWrSvc;
+using core::wr_id;
+using core::wr_kind;
+using core::wr_value;
+
+// The service connection's buffer: [INFO_RSP][AUTH slot 1][AUTH slot 2][INFO_REQ][AUTH_REPLY]
+// [a PATH_FENCE slot per path], the AUTH slots kSvcSlot bytes each. RECVs that take a message
+// say which part in their wr_id value: 1 INFO_RSP, 2 and 3 the AUTH slots (the server's
+// AUTH_CHALLENGE and AUTH_SUCCESS / AUTH_FAILURE come before INFO_RSP).
+inline constexpr uint64_t kSvcInfoRecv = 1;
+inline constexpr uint64_t kSvcAuthRecv = 2;  // and 3
+// After the establishment (kConRspFence): RECVs with a FENCE_RSP slot, value kSvcFenceRecv + slot.
+inline constexpr uint64_t kSvcFenceRecv = 4;
+// Where the parts lie, by the session's queue depth (INFO_RSP grows with it): AUTH slot `k`
+// (0, 1), INFO_REQ, AUTH_REPLY, the PATH_FENCE slot of path slot `path_slot`; the buffer's size
+// is svc_fence_off(qd, ClientSession::kMaxPaths).
+inline size_t svc_auth_off(uint16_t qd, uint64_t k) { return proto::info_rsp_size(qd) + k * kSvcSlot; }
+inline size_t svc_info_req_off(uint16_t qd) { return svc_auth_off(qd, 2); }
+inline size_t svc_auth_reply_off(uint16_t qd) { return svc_info_req_off(qd) + sizeof(proto::InfoReq); }
+inline size_t svc_fence_off(uint16_t qd, uint32_t path_slot) {
+  return svc_auth_reply_off(qd) + sizeof(proto::AuthReply) + size_t{path_slot} * sizeof(proto::PathFence);
+}
+inline constexpr std::chrono::milliseconds kTick{100};  // pending-request deadlines
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(core::Clock::now().time_since_epoch())
+      .count();
+}
 
 // One fabric connection of a path and the CQ it completes on. The fields marked "lease holder"
 // belong to whoever holds the CQ's lease: its poller, or a reaper that borrowed it.
@@ -404,5 +455,45 @@ struct Session {
   void heartbeat_tick(Path* path, uint64_t gen);
 };
 
+// ------------------------------------------------------------------------------------------
+// The calling thread's part in the IO path, defined in client_io.cc. constinit: an access from
+// another file calls no initialisation wrapper; hidden: bound inside the module, as they were
+// when they were one file's (the fio engine is a shared object).
+
+[[gnu::visibility("hidden")]] extern thread_local constinit const Session* tl_session;
+[[gnu::visibility("hidden")]] extern thread_local constinit uint32_t tl_poller;
+// Request callbacks run by this thread (CompletionReaper::reap counts its own).
+[[gnu::visibility("hidden")]] extern thread_local constinit size_t tl_finished;
+
+// The IO connection index of the calling thread in `s` (client_io.cc, thread_slot()).
+uint32_t thread_ci(const Session& s);
+
+// The calling thread's open submission batch (ClientSession::begin_batch): the connections it
+// posted to with the doorbell held. Each holds one more entry of its gate, so it cannot be torn
+// down before end_batch() rings it. A foreign thread posts to one connection per path, so the
+// list is short; past it, posts ring at once.
+struct Plug {
+  const Session* s = nullptr;
+  uint32_t depth = 0;
+  uint32_t n = 0;
+  Con* cons[ClientSession::kMaxPaths] = {};
+  // The path the batch posted to last (compared, never dereferenced): min-inflight keeps the
+  // batch on it (core::kBatchStickiness).
+  const void* last_path = nullptr;
+};
+[[gnu::visibility("hidden")]] extern thread_local constinit Plug tl_plug;
+
+// Rings the connections the batch holds and lets them go; the batch itself stays open.
+inline void flush_plug(Plug& pl) {
+  for (uint32_t i = 0; i < pl.n; ++i) {
+    pl.cons[i]->conn->ring();
+    pl.cons[i]->gate.exit();
+  }
+  pl.n = 0;
+}
+
 }  // namespace client
+
+struct ClientSession::Impl final : client::Session {};
+
 }  // namespace ibtrs
