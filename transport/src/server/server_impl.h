@@ -49,6 +49,7 @@
 #include "core/path_state.h"
 #include "core/poller.h"
 #include "core/stats.h"
+#include "core/wr_id.h"
 #include "base/worker.h"
 #include "fabric/fabric.h"
 #include "ibtrs/refusals.h"
@@ -63,17 +64,22 @@ using fabric::SendWr;
 using fabric::Sge;
 using fabric::WcStatus;
 
-enum WrKind : uint64_t { kWrIo = 1, kWrSvc = 2, kWrRecv = 3, kWrSvcRecv = 4 };
-constexpr uint64_t wr_id(WrKind k, uint64_t v = 0) { return v << 3 | k; }
+using core::kRepostBatch;
+using core::kSignalEvery;
+using core::kSvcRecvs;
+using core::kSvcSends;
+using core::kSvcSlot;
+using core::kWrIo;
+using core::kWrRecv;
+using core::kWrSvc;
+using core::kWrSvcRecv;
+using core::wr_id;
+using core::wr_kind;
+using core::wr_value;
 
-inline constexpr uint32_t kSvcRecvs = 16;
-inline constexpr uint32_t kSvcSlot = 512;     // bytes per service RECV: AUTH_REPLY is 336, INFO_REQ 144
 // A path refused by authentication: the AUTH_FAILURE goes out, then the server waits this long
 // for the client to hang up before it closes the path itself.
 inline constexpr auto kAuthFailLinger = std::chrono::seconds(1);
-inline constexpr uint32_t kSvcSends = 16;
-inline constexpr uint32_t kSignalEvery = 16;
-inline constexpr uint32_t kRepostBatch = 16;
 inline constexpr uint16_t kMaxCidNum = 129;   // 128 IO connections + service
 // FENCE_RSP send slots per service connection, each busy from its post until its send
 // completes. An honest client has at most one fence per other path of the session unanswered

@@ -377,7 +377,7 @@ void Con::on_completions(std::span<Completion> wcs) {
       continue;
     }
     if (wc.opcode == Opcode::recv_rdma_with_imm) {
-      if (cid == 0) svc_slots[nsvc++] = static_cast<uint32_t>(wc.wr_id >> 3);
+      if (cid == 0) svc_slots[nsvc++] = static_cast<uint32_t>(wr_value(wc.wr_id));
       else ++recv_missing;
       if (p->hb.missed() != 0) p->hb.on_imm();
       const uint32_t imm = wc.imm;
@@ -420,10 +420,10 @@ void Con::on_completions(std::span<Completion> wcs) {
                              p->name.c_str(), imm);
           broken = true;
       }
-    } else if (wc.opcode == Opcode::send && cid == 0 && (wc.wr_id & 7) == kWrSvc &&
-               (wc.wr_id >> 3) != 0 && (wc.wr_id >> 3) <= kFenceSlots) {
+    } else if (wc.opcode == Opcode::send && cid == 0 && wr_kind(wc.wr_id) == kWrSvc &&
+               wr_value(wc.wr_id) != 0 && wr_value(wc.wr_id) <= kFenceSlots) {
       // A FENCE_RSP is with the client: its slot may take the next answer.
-      fence_busy.fetch_and(~(1u << ((wc.wr_id >> 3) - 1)), std::memory_order_acq_rel);
+      fence_busy.fetch_and(~(1u << (wr_value(wc.wr_id) - 1)), std::memory_order_acq_rel);
     } else if (wc.opcode == Opcode::recv) {
       if (cid != 0) {
         srv.protocol_error("session %s path %s: message on an IO connection", s.name_.c_str(),
@@ -431,7 +431,7 @@ void Con::on_completions(std::span<Completion> wcs) {
         broken = true;
         continue;
       }
-      const uint32_t slot = static_cast<uint32_t>(wc.wr_id >> 3);
+      const uint32_t slot = static_cast<uint32_t>(wr_value(wc.wr_id));
       svc_slots[nsvc++] = slot;
       const std::byte* b = svc_buf.get() + size_t{slot} * kSvcSlot;
       std::vector<std::byte> msg(b, b + std::min<uint32_t>(wc.byte_len, kSvcSlot));
