@@ -19,7 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "control_socket.h"
+#include "control/socket.h"
 #include "ibnbd/client.h"
 #include "ibnbd/nbd_server.h"
 #include "ibnbd/ublk.h"
@@ -62,7 +62,7 @@ class ClientDaemon {
   nlohmann::json recover_ublk();
 
   // One admin command (see client/README.md, "Control socket"). Never throws.
-  nlohmann::json handle(const nlohmann::json& req, const ControlSocket::Emit& emit);
+  nlohmann::json handle(const nlohmann::json& req, const control::Emit& emit);
 
   // The Prometheus text of the daemon's counters (client_daemon_metrics.cc; the metrics
   // endpoint's collector). Nothing when a command has held the daemon for kMetricsWait.
@@ -90,7 +90,7 @@ class ClientDaemon {
   json device_list(const json& req, bool one);
   json device_unmap(const json& req);
   json device_remap(const json& req);
-  json device_io(const json& req, const ControlSocket::Emit& emit);
+  json device_io(const json& req, const control::Emit& emit);
   json session_list(const json& req, bool one);
   json session_close(const json& req);
   json path_list(const json& req);

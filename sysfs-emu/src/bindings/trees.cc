@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "control_stats.h"
+#include "control/stats.h"
 #include "sysfs/format.h"
 #include "sysfs/parse.h"
 
@@ -153,7 +153,7 @@ std::shared_ptr<Node> stats_dir(const PathInfo& info, const ResetFn& reset, std:
                                  }));
   for (const StatFile& f : files)
     d->add(f.name, stat_file(info, reset, f.name, [fmt = f.format](const json& p) {
-             return fmt(ibnbd::stats_from_json(p.at("stats")));
+             return fmt(ibnbd::control::stats_from_json(p.at("stats")));
            }));
   return d;
 }
@@ -189,7 +189,7 @@ NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::str
   // Ours (the kernel's RTRS has no failover fence); reset_all resets it too (the daemon's reset
   // of "all" includes the fence's counters).
   stats->add("fence", stat_file(info, reset, "fence", [](const json& p) {
-               return format_fence(ibnbd::fence_from_json(p.value("fence", json::object())));
+               return format_fence(ibnbd::control::fence_from_json(p.value("fence", json::object())));
              }));
   d->add("stats", stats);
   return d;
