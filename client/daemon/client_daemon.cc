@@ -734,63 +734,84 @@ json ClientDaemon::recover_ublk() {
   return out;
 }
 
-json ClientDaemon::device_list(const json& req, bool one) {
-  const std::string only = one ? string_arg(req, "device") : "";
-  json rows = json::array();
-  // One row per device: a failover device's under its active session, with its standby.
-  auto row_of = [&](const std::string& sess, const std::shared_ptr<RemoteDevice>& d) {
+std::vector<control::DeviceReport> ClientDaemon::device_reports(bool one, const std::string& only) {
+  std::vector<control::DeviceReport> out;
+  // One report per device: a failover device's under its active session, with its standby.
+  auto report_of = [&](const std::string& sess, const std::shared_ptr<RemoteDevice>& d) {
     auto st = d->stats();
     const auto fi = d->failover();
-    std::string standby = "-", standby_state = "-";
+    control::DeviceReport r;
     if (fi) {
-      standby = fi->standby;
-      standby_state = fi->standby_ready ? "ready" : fi->standby_error ? fi->standby_error.message() : "not ready";
+      r.standby = fi->standby;
+      r.standby_state = fi->standby_ready ? "ready" : fi->standby_error ? fi->standby_error.message() : "not ready";
     }
-    json row = json::array({d->name(), fi ? fi->active : sess, std::string(to_string(d->access_mode())),
-                            bytes_cell(d->size_bytes()), std::string(to_string(d->state())), d->device_id(),
-                            bytes_cell(st.read_bytes), bytes_cell(st.write_bytes), st.inflight, st.errors, st.remaps,
-                            export_addresses(d->name()), ublk_path(d->name()), standby, standby_state,
-                            fi ? fi->failovers : 0});
+    r.device = d->name();
+    r.session = fi ? fi->active : sess;
+    r.access_mode = std::string(to_string(d->access_mode()));
+    r.size = d->size_bytes();
+    r.state = std::string(to_string(d->state()));
+    r.device_id = d->device_id();
+    r.rx_bytes = st.read_bytes;
+    r.tx_bytes = st.write_bytes;
+    r.inflight = st.inflight;
+    r.errors = st.errors;
+    r.remaps = st.remaps;
+    r.nbd = export_addresses(d->name());
+    r.ublk = ublk_path(d->name());
+    r.failovers = fi ? fi->failovers : 0;
     if (one) {
+      control::DeviceReport::Detail x;
       // How the ublk queues got their completions: committed by the queue thread that reaped
       // them, or handed over by the transport's IO threads (eventfd wake-ups).
       auto it = ublk_.find(d->name());
       const auto us = it == ublk_.end() ? ublk::UblkStats{} : it->second.dev->stats();
-      for (uint64_t v : {us.requests, us.reaped, us.wakeups}) row.push_back(v);
+      x.ublk_requests = us.requests;
+      x.ublk_reaped = us.reaped;
+      x.ublk_wakeups = us.wakeups;
       // Sizes the server announced, and the size /dev/ublkbN has: behind `size` until it is
       // mapped again where the kernel cannot resize it (no UBLK_U_CMD_UPDATE_SIZE).
-      row.push_back(st.resizes);
-      row.push_back(it == ublk_.end() ? json("-") : bytes_cell(it->second.dev->size()));
+      x.resizes = st.resizes;
+      if (it != ublk_.end()) x.ublk_size = it->second.dev->size();
       // The last failover: its pause (trigger to IO flowing again), the requests sent again,
       // and flushes failed because the old active's cache may have lost writes.
-      row.push_back(fi ? fi->last_pause.count() : 0);
-      row.push_back(fi ? fi->resent : 0);
-      row.push_back(fi ? fi->lost_flushes : 0);
+      x.last_failover_ms = fi ? static_cast<uint64_t>(fi->last_pause.count()) : 0;
+      x.resent = fi ? fi->resent : 0;
+      x.lost_flushes = fi ? fi->lost_flushes : 0;
+      r.detail = x;
     }
-    rows.push_back(std::move(row));
+    out.push_back(std::move(r));
   };
   for (auto& [n, s] : sessions_) {
     for (auto& d : s.s->devices()) {
       if (one && d->name() != only) continue;
       if (failover_.count(d->name())) continue;  // a leg: listed once, below
-      row_of(n, d);
+      report_of(n, d);
     }
   }
   for (auto& [n, f] : failover_) {
     if (one && n != only) continue;
-    row_of("", f.dev);
+    report_of("", f.dev);
   }
-  if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
-  json cols = json::array({column("device"), column("session"), column("access_mode"), column("size", true),
-                           column("state"), column("device_id", true), column("rx_bytes", true),
-                           column("tx_bytes", true), column("inflights", true), column("errors", true),
-                           column("remaps", true), column("nbd"), column("ublk"), column("standby"), column("standby_state"),
-                           column("failovers", true)});
-  if (one)
-    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups", "resizes", "ublk_size", "last_failover_ms",
-                          "resent", "lost_flushes"})
-      cols.push_back(column(c, true));
-  return {{"ok", true}, {"columns", std::move(cols)}, {"rows", rows}};
+  return out;
+}
+
+std::vector<control::DeviceReport> ClientDaemon::devices() {
+  std::lock_guard l(mu_);
+  return device_reports(false, "");
+}
+
+Result<control::DeviceReport> ClientDaemon::device(const std::string& name) {
+  std::lock_guard l(mu_);
+  auto r = device_reports(true, name);
+  if (r.empty()) return errc(ENOENT);
+  return std::move(r.front());
+}
+
+json ClientDaemon::device_list(const json& req, bool one) {
+  const std::string only = one ? string_arg(req, "device") : "";
+  auto reports = device_reports(one, only);
+  if (one && reports.empty()) return err(ENOENT, "device " + only + " is not mapped");
+  return control::device_listing(reports, one);
 }
 
 Status ClientDaemon::failover_unmap(const std::string& name, UnmapMode mode) {

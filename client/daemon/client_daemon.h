@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "control/client_devices.h"
 #include "control/socket.h"
 #include "ibnbd/client.h"
 #include "ibnbd/nbd_server.h"
@@ -64,6 +65,12 @@ class ClientDaemon {
   // One admin command (see client/README.md, "Control socket"). Never throws.
   nlohmann::json handle(const nlohmann::json& req, const control::Emit& emit);
 
+  // The typed answers of commands (handle() writes them as JSON, control/client_devices.h):
+  // device_list, and device_show of `name` (ENOENT when it is not mapped). Serialized with the
+  // commands, as handle() is.
+  std::vector<control::DeviceReport> devices();
+  Result<control::DeviceReport> device(const std::string& name);
+
   // The Prometheus text of the daemon's counters (client_daemon_metrics.cc; the metrics
   // endpoint's collector). Nothing when a command has held the daemon for kMetricsWait.
   std::optional<std::string> metrics();
@@ -88,6 +95,9 @@ class ClientDaemon {
                     const std::vector<std::string>& path_strs);
   json device_failover(const json& req);
   json device_list(const json& req, bool one);
+  // device_list's reports (mu_ held): every device, or with `one` the device `only` (none when it
+  // is not mapped) with its detail.
+  std::vector<control::DeviceReport> device_reports(bool one, const std::string& only);
   json device_unmap(const json& req);
   json device_remap(const json& req);
   json device_io(const json& req, const control::Emit& emit);

@@ -183,11 +183,13 @@ int main(int argc, char** argv) {
   // Declared after the daemon: unmounted before it goes (the files call into it).
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!sysfs_dir.empty()) {
-    auto m = sysfs::mount_for_daemon(sysfs::client_tree([&daemon](const nlohmann::json& req) {
-                                       return daemon.handle(req, [](const nlohmann::json&) { return true; });
-                                     },
-                                     [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); }),
-                                     sysfs_dir, "ibnbd-client");
+    sysfs::ClientBinding binding{
+        [&daemon](const nlohmann::json& req) {
+          return daemon.handle(req, [](const nlohmann::json&) { return true; });
+        },
+        [&daemon](const std::string& name) { return daemon.device(name); },
+        [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); }};
+    auto m = sysfs::mount_for_daemon(sysfs::client_tree(std::move(binding)), sysfs_dir, "ibnbd-client");
     if (!m) {
       std::fprintf(stderr, "ibnbd-client: sysfs tree at %s: %s\n", sysfs_dir.c_str(), m.error().message().c_str());
       return 1;
