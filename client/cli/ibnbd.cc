@@ -3,9 +3,6 @@
 // JSON answer is rendered as a table, JSON or CSV.
 //
 //   ibnbd [options] [client|server] [device|session|path] <command> [arguments]
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <climits>
@@ -27,14 +24,16 @@
 #include "ibnbd/types.h"
 #include "ibtrs/auth.h"
 #include "ibtrs/tls.h"
-#include "output.h"
+#include "control/client.h"
+#include "control/command.h"
+#include "control/output.h"
 
 namespace {
 
 using base::parse_size;
 
 using nlohmann::json;
-using namespace ibnbd::cli;
+using namespace ibnbd::control;
 
 const char kUsage[] =
     "usage: ibnbd [options] [client|server] [device|session|path] <command> [arguments]\n"
@@ -131,52 +130,11 @@ void show_progress(const json& p) {
 // One request over the daemon's control socket: progress lines are shown as they come, the
 // last line is the answer.
 json call(const std::string& path, const json& req) {
-  sockaddr_un sa{};
-  sa.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(sa.sun_path)) fail(2, "socket path too long: " + path);
-  std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
-    const int e = errno;
-    // Only a missing socket or nobody listening says the daemon may be down; a refusal of
-    // permission means it runs and its socket is not ours (owner-only by default).
-    const char* hint = e == EACCES || e == EPERM
-                           ? " (the daemon runs, but its socket is its owner's: run as that user or root)"
-                           : e == ENOENT || e == ECONNREFUSED ? " (is it running? --socket PATH)" : "";
-    fail(1, "cannot reach the daemon at " + path + ": " + std::strerror(e) + hint);
-  }
-  std::string out = req.dump() + "\n";
-  for (size_t off = 0; off < out.size();) {
-    ssize_t n = ::send(fd, out.data() + off, out.size() - off, MSG_NOSIGNAL);
-    if (n <= 0) fail(1, std::string("sending to the daemon: ") + std::strerror(errno));
-    off += static_cast<size_t>(n);
-  }
-  std::string in;
-  char buf[65536];
-  for (;;) {
-    size_t nl;
-    while ((nl = in.find('\n')) != std::string::npos) {
-      json line;
-      try {
-        line = json::parse(in.substr(0, nl));
-      } catch (const std::exception& e) {
-        fail(1, std::string("bad answer from the daemon: ") + e.what());
-      }
-      in.erase(0, nl + 1);
-      if (!line.contains("progress")) {
-        if (progress_shown) std::fputc('\n', stderr);
-        ::close(fd);
-        return line;
-      }
-      show_progress(line["progress"]);
-    }
-    // Mapping a device may wait for a connect timeout; anything longer is a stuck daemon.
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, 120000) <= 0) fail(1, "no answer from the daemon");
-    ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) fail(1, "the daemon closed the connection");
-    in.append(buf, static_cast<size_t>(n));
-  }
+  std::string why;
+  auto rsp = ibnbd::control::call(path, req, show_progress, &why);
+  if (!rsp) fail(rsp.error() == std::errc::filename_too_long ? 2 : 1, why);
+  if (progress_shown) std::fputc('\n', stderr);
+  return std::move(*rsp);
 }
 
 // The daemon's verdict: on failure its message goes to stderr and its errno is the exit code.
@@ -506,23 +464,6 @@ int run_server(const Cli& c) {
 
 // ---- client side: the daemon returns listings ready to render ----
 
-Listing listing_of(const json& rsp) {
-  Listing l;
-  for (auto& col : rsp["columns"]) l.columns.push_back(Column{str(col, "name"), col.value("right", false)});
-  for (auto& row : rsp["rows"]) {
-    std::vector<Cell> r;
-    for (size_t i = 0; i < l.columns.size() && i < row.size(); ++i) {
-      const json& v = row[i];
-      if (v.is_object() && v.contains("bytes")) r.push_back(Bytes{v["bytes"].get<uint64_t>()});
-      else if (v.is_number()) r.push_back(v.get<int64_t>());
-      else if (v.is_array()) r.push_back(v.get<std::vector<std::string>>());
-      else r.push_back(v.is_string() ? v.get<std::string>() : v.dump());
-    }
-    l.rows.push_back(std::move(r));
-  }
-  return l;
-}
-
 // The summary of `device io`: a line per pass and the per-path split.
 int print_io(const Cli& c, const json& rsp) {
   if (!rsp.contains("bytes")) check(rsp);
@@ -636,7 +577,7 @@ int run_client(const Cli& c) {
   }
   if (c.object == "device" && cmd == "io") return print_io(c, call(c.socket, req));
   json rsp = c.rpc(req);
-  if (rsp.contains("columns")) c.print(listing_of(rsp));
+  if (rsp.contains("columns")) c.print(listing_from_json(rsp));
   else if (rsp.contains("message")) std::printf("%s\n", str(rsp, "message").c_str());
   return 0;
 }

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "control/command.h"
 #include "ibnbd/nbd_device_export.h"
 #include "ibtrs/gid.h"
 #include "ibtrs/tls.h"
@@ -27,15 +28,13 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 namespace tls = ibtrs::tls;
 
-json err(int e, const std::string& text = {}) { return ControlSocket::error(e, text); }
+json err(int e, const std::string& text = {}) { return control::error(e, text); }
 
 // A ublk map without ublk_drv: the module, and the way to a block device without it.
 const std::string kUblkMissing = "ublk: ublk_drv not loaded (no ";
 constexpr const char* kUblkMissingHint =
     "): modprobe ublk_drv, or map without ublk and serve the device over NBD (ibnbd device export)";
-json err(std::error_code ec, const std::string& what) {
-  return ControlSocket::error(ec.value(), what + ": " + ec.message());
-}
+json err(std::error_code ec, const std::string& what) { return control::error(ec, what); }
 
 // A group by name or number (nothing when there is no such group).
 std::optional<gid_t> group_id(const std::string& g) {
@@ -50,13 +49,9 @@ std::optional<gid_t> group_id(const std::string& g) {
   return found->gr_gid;
 }
 
-std::string str_arg(const json& req, const char* k) {
-  if (!req.contains(k) || !req[k].is_string()) throw std::invalid_argument(std::string("missing \"") + k + "\"");
-  return req[k].get<std::string>();
-}
-
-json bytes(uint64_t v) { return json{{"bytes", v}}; }
-json col(const char* name, bool right = false) { return json{{"name", name}, {"right", right}}; }
+using control::bytes_cell;
+using control::column;
+using control::string_arg;
 
 // A session name the kernel would accept (printable, no '/'), from the first server address.
 std::string default_session_name(const ibtrs::PathSpec& p) {
@@ -131,7 +126,7 @@ struct Pass {
   }
 
   // Returns the seconds it took.
-  double run(const ControlSocket::Emit& emit) {
+  double run(const control::Emit& emit) {
     ctxs.resize(qd);
     slot_off.assign(qd, 0);
     for (uint32_t i = 0; i < qd; ++i) {
@@ -193,7 +188,7 @@ json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
                       p.spec.destination.to_string(), p.hca_name, p.hca_port,
                       std::string(ibtrs::to_string(p.state)), auth_word(p.auth), p.auth.host,
                       ibtrs::tls::describe(p.tls),
-                      bytes(p.stats.read_bytes), bytes(p.stats.write_bytes), p.inflight,
+                      bytes_cell(p.stats.read_bytes), bytes_cell(p.stats.write_bytes), p.inflight,
                       p.stats.reconnects_ok, p.latency ? static_cast<int64_t>(p.latency->count()) : -1,
                       p.last_error ? p.last_error.message() : "", p.fence.waited, p.fence.fenced,
                       std::chrono::duration_cast<std::chrono::microseconds>(p.fence.last_rtt).count()});
@@ -217,7 +212,7 @@ ClientDaemon::~ClientDaemon() {
   sessions_.clear();
 }
 
-json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
+json ClientDaemon::handle(const json& req, const control::Emit& emit) {
   std::lock_guard l(mu_);
   try {
     const std::string cmd = req.at("cmd").get<std::string>();
@@ -244,7 +239,7 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
     if (cmd == "session_recover" || cmd == "device_recover" || cmd == "path_recover") {
       // The rnbd tool's recover: reconnect every path that is not up and re-open every device
       // a failed remap left closed, in one session or in all.
-      const std::string only = req.contains("session") ? str_arg(req, "session") : "";
+      const std::string only = req.contains("session") ? string_arg(req, "session") : "";
       if (!only.empty() && find_session(only) == nullptr) return err(ENOENT, "no session " + only);
       json done = json::array();
       for (auto& [n, s] : sessions_) {
@@ -273,8 +268,8 @@ json ClientDaemon::handle(const json& req, const ControlSocket::Emit& emit) {
               {"message", std::to_string(done.size()) + " path(s) or device(s) recovered"}};
     }
     if (cmd == "session_reconnect") {
-      Sess* s = find_session(str_arg(req, "session"));
-      if (s == nullptr) return err(ENOENT, "no session " + str_arg(req, "session"));
+      Sess* s = find_session(string_arg(req, "session"));
+      if (s == nullptr) return err(ENOENT, "no session " + string_arg(req, "session"));
       for (auto& p : s->s->transport().paths()) {
         if (p.state != ibtrs::ClientPathState::connected) (void)s->s->transport().reconnect_path(p.name);
       }
@@ -379,7 +374,7 @@ Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
 }
 
 json ClientDaemon::device_map(const json& req) {
-  const std::string dev = str_arg(req, "device");
+  const std::string dev = string_arg(req, "device");
   AccessMode mode = AccessMode::rw;
   if (req.contains("access_mode")) {
     auto m = parse_access_mode(req["access_mode"].get<std::string>());
@@ -410,16 +405,16 @@ json ClientDaemon::device_map(const json& req) {
     return err(EINVAL, "ublk_queue_depth: 1.." + std::to_string(ublk::uapi::kMaxQueueDepth));
   if (want_ublk && ublk_.count(dev))
     return err(EEXIST, "device " + dev + " already has " + ublk_.at(dev).dev->block_path());
-  const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
+  const std::string sname = req.contains("session") ? string_arg(req, "session") : default_session_name(paths[0]);
   auto [old_s, old_d] = find_device(dev);
   if (old_d && old_s->s->name() != sname)
     return err(EEXIST, "device " + dev + " is mapped through session " + old_s->s->name());
   // exclusive (the kernel's map_device): mapping a mapped device again is EEXIST, not a no-op.
   if (old_d && req.value("exclusive", false)) return err(EEXIST, "device " + dev + " is already mapped");
   if (json e = want_ublk ? ublk_unavailable() : json(); !e.is_null()) return e;
-  std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
-  const std::string host = req.contains("host") ? str_arg(req, "host") : "";
-  const std::string tls = req.contains("tls") ? str_arg(req, "tls") : "";
+  std::string host_key = req.contains("host_key") ? string_arg(req, "host_key") : "";
+  const std::string host = req.contains("host") ? string_arg(req, "host") : "";
+  const std::string tls = req.contains("tls") ? string_arg(req, "tls") : "";
   if (!tls.empty() && tls != "on" && tls != "off") return err(EINVAL, "tls: on or off");
   std::string why;
   auto s = open_session(sname, paths, host_key, host, tls, &why);
@@ -463,9 +458,9 @@ json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessM
     spath_strs.push_back(p.get<std::string>());
   }
   if (spaths.empty()) return err(EINVAL, "standby: at least one path");
-  const std::string sname = req.contains("session") ? str_arg(req, "session") : default_session_name(paths[0]);
+  const std::string sname = req.contains("session") ? string_arg(req, "session") : default_session_name(paths[0]);
   const std::string bname =
-      req.contains("standby_session") ? str_arg(req, "standby_session") : default_session_name(spaths[0]);
+      req.contains("standby_session") ? string_arg(req, "standby_session") : default_session_name(spaths[0]);
   if (sname == bname)
     return err(EINVAL, "the standby needs a session of its own: another server, or standby-session NAME");
   if (auto it = failover_.find(dev); it != failover_.end()) {
@@ -481,9 +476,9 @@ json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessM
   if (want_ublk && (depth == 0 || depth > ublk::uapi::kMaxQueueDepth))
     return err(EINVAL, "ublk_queue_depth: 1.." + std::to_string(ublk::uapi::kMaxQueueDepth));
   if (json e = want_ublk ? ublk_unavailable() : json(); !e.is_null()) return e;
-  const std::string host_key = req.contains("host_key") ? str_arg(req, "host_key") : "";
-  const std::string host = req.contains("host") ? str_arg(req, "host") : "";
-  const std::string tls = req.contains("tls") ? str_arg(req, "tls") : "";
+  const std::string host_key = req.contains("host_key") ? string_arg(req, "host_key") : "";
+  const std::string host = req.contains("host") ? string_arg(req, "host") : "";
+  const std::string tls = req.contains("tls") ? string_arg(req, "tls") : "";
   if (!tls.empty() && tls != "on" && tls != "off") return err(EINVAL, "tls: on or off");
   // Sessions this command opened go again when it fails.
   const bool had_a = find_session(sname) != nullptr, had_b = find_session(bname) != nullptr;
@@ -739,63 +734,84 @@ json ClientDaemon::recover_ublk() {
   return out;
 }
 
-json ClientDaemon::device_list(const json& req, bool one) {
-  const std::string only = one ? str_arg(req, "device") : "";
-  json rows = json::array();
-  // One row per device: a failover device's under its active session, with its standby.
-  auto row_of = [&](const std::string& sess, const std::shared_ptr<RemoteDevice>& d) {
+std::vector<control::DeviceReport> ClientDaemon::device_reports(bool one, const std::string& only) {
+  std::vector<control::DeviceReport> out;
+  // One report per device: a failover device's under its active session, with its standby.
+  auto report_of = [&](const std::string& sess, const std::shared_ptr<RemoteDevice>& d) {
     auto st = d->stats();
     const auto fi = d->failover();
-    std::string standby = "-", standby_state = "-";
+    control::DeviceReport r;
     if (fi) {
-      standby = fi->standby;
-      standby_state = fi->standby_ready ? "ready" : fi->standby_error ? fi->standby_error.message() : "not ready";
+      r.standby = fi->standby;
+      r.standby_state = fi->standby_ready ? "ready" : fi->standby_error ? fi->standby_error.message() : "not ready";
     }
-    json row = json::array({d->name(), fi ? fi->active : sess, std::string(to_string(d->access_mode())),
-                            bytes(d->size_bytes()), std::string(to_string(d->state())), d->device_id(),
-                            bytes(st.read_bytes), bytes(st.write_bytes), st.inflight, st.errors, st.remaps,
-                            export_addresses(d->name()), ublk_path(d->name()), standby, standby_state,
-                            fi ? fi->failovers : 0});
+    r.device = d->name();
+    r.session = fi ? fi->active : sess;
+    r.access_mode = std::string(to_string(d->access_mode()));
+    r.size = d->size_bytes();
+    r.state = std::string(to_string(d->state()));
+    r.device_id = d->device_id();
+    r.rx_bytes = st.read_bytes;
+    r.tx_bytes = st.write_bytes;
+    r.inflight = st.inflight;
+    r.errors = st.errors;
+    r.remaps = st.remaps;
+    r.nbd = export_addresses(d->name());
+    r.ublk = ublk_path(d->name());
+    r.failovers = fi ? fi->failovers : 0;
     if (one) {
+      control::DeviceReport::Detail x;
       // How the ublk queues got their completions: committed by the queue thread that reaped
       // them, or handed over by the transport's IO threads (eventfd wake-ups).
       auto it = ublk_.find(d->name());
       const auto us = it == ublk_.end() ? ublk::UblkStats{} : it->second.dev->stats();
-      for (uint64_t v : {us.requests, us.reaped, us.wakeups}) row.push_back(v);
+      x.ublk_requests = us.requests;
+      x.ublk_reaped = us.reaped;
+      x.ublk_wakeups = us.wakeups;
       // Sizes the server announced, and the size /dev/ublkbN has: behind `size` until it is
       // mapped again where the kernel cannot resize it (no UBLK_U_CMD_UPDATE_SIZE).
-      row.push_back(st.resizes);
-      row.push_back(it == ublk_.end() ? json("-") : bytes(it->second.dev->size()));
+      x.resizes = st.resizes;
+      if (it != ublk_.end()) x.ublk_size = it->second.dev->size();
       // The last failover: its pause (trigger to IO flowing again), the requests sent again,
       // and flushes failed because the old active's cache may have lost writes.
-      row.push_back(fi ? fi->last_pause.count() : 0);
-      row.push_back(fi ? fi->resent : 0);
-      row.push_back(fi ? fi->lost_flushes : 0);
+      x.last_failover_ms = fi ? static_cast<uint64_t>(fi->last_pause.count()) : 0;
+      x.resent = fi ? fi->resent : 0;
+      x.lost_flushes = fi ? fi->lost_flushes : 0;
+      r.detail = x;
     }
-    rows.push_back(std::move(row));
+    out.push_back(std::move(r));
   };
   for (auto& [n, s] : sessions_) {
     for (auto& d : s.s->devices()) {
       if (one && d->name() != only) continue;
       if (failover_.count(d->name())) continue;  // a leg: listed once, below
-      row_of(n, d);
+      report_of(n, d);
     }
   }
   for (auto& [n, f] : failover_) {
     if (one && n != only) continue;
-    row_of("", f.dev);
+    report_of("", f.dev);
   }
-  if (one && rows.empty()) return err(ENOENT, "device " + only + " is not mapped");
-  json cols = json::array({col("device"), col("session"), col("access_mode"), col("size", true),
-                           col("state"), col("device_id", true), col("rx_bytes", true),
-                           col("tx_bytes", true), col("inflights", true), col("errors", true),
-                           col("remaps", true), col("nbd"), col("ublk"), col("standby"), col("standby_state"),
-                           col("failovers", true)});
-  if (one)
-    for (const char* c : {"ublk_requests", "ublk_reaped", "ublk_wakeups", "resizes", "ublk_size", "last_failover_ms",
-                          "resent", "lost_flushes"})
-      cols.push_back(col(c, true));
-  return {{"ok", true}, {"columns", std::move(cols)}, {"rows", rows}};
+  return out;
+}
+
+std::vector<control::DeviceReport> ClientDaemon::devices() {
+  std::lock_guard l(mu_);
+  return device_reports(false, "");
+}
+
+Result<control::DeviceReport> ClientDaemon::device(const std::string& name) {
+  std::lock_guard l(mu_);
+  auto r = device_reports(true, name);
+  if (r.empty()) return errc(ENOENT);
+  return std::move(r.front());
+}
+
+json ClientDaemon::device_list(const json& req, bool one) {
+  const std::string only = one ? string_arg(req, "device") : "";
+  auto reports = device_reports(one, only);
+  if (one && reports.empty()) return err(ENOENT, "device " + only + " is not mapped");
+  return control::device_listing(reports, one);
 }
 
 Status ClientDaemon::failover_unmap(const std::string& name, UnmapMode mode) {
@@ -816,7 +832,7 @@ Status ClientDaemon::failover_unmap(const std::string& name, UnmapMode mode) {
 }
 
 json ClientDaemon::device_unmap(const json& req) {
-  const std::string dev = str_arg(req, "device");
+  const std::string dev = string_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   const bool is_failover = d->failover().has_value();
@@ -856,7 +872,7 @@ json ClientDaemon::device_unmap(const json& req) {
 }
 
 json ClientDaemon::device_remap(const json& req) {
-  const std::string dev = str_arg(req, "device");
+  const std::string dev = string_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   auto st = d->failover() ? remap_failover(*d) : s->s->remap(dev);
@@ -866,7 +882,7 @@ json ClientDaemon::device_remap(const json& req) {
 
 // device_failover {device}: the standby becomes active now (an administrative failover).
 json ClientDaemon::device_failover(const json& req) {
-  const std::string dev = str_arg(req, "device");
+  const std::string dev = string_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   if (!d->failover()) return err(EINVAL, "device " + dev + " has no standby (map it with standby SERVER)");
@@ -879,8 +895,8 @@ json ClientDaemon::device_failover(const json& req) {
   return device_list(json{{"device", dev}}, true);
 }
 
-json ClientDaemon::device_io(const json& req, const ControlSocket::Emit& emit) {
-  const std::string dev = str_arg(req, "device");
+json ClientDaemon::device_io(const json& req, const control::Emit& emit) {
+  const std::string dev = string_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   const uint32_t lbs = d->geometry().logical_block_size;
@@ -952,7 +968,7 @@ json ClientDaemon::device_io(const json& req, const ControlSocket::Emit& emit) {
 }
 
 json ClientDaemon::session_list(const json& req, bool one) {
-  const std::string only = one ? str_arg(req, "session") : "";
+  const std::string only = one ? string_arg(req, "session") : "";
   json rows = json::array();
   for (auto& [n, s] : sessions_) {
     if (one && n != only) continue;
@@ -970,20 +986,20 @@ json ClientDaemon::session_list(const json& req, bool one) {
     auto st = s.s->transport().stats();
     rows.push_back(json::array({n, ps.size(), up, std::string(to_string(s.s->state())), uu,
                                 std::string(ibtrs::to_string(s.s->transport().policy())),
-                                bytes(st.read_bytes), bytes(st.write_bytes), inflight, reconnects,
+                                bytes_cell(st.read_bytes), bytes_cell(st.write_bytes), inflight, reconnects,
                                 s.s->devices().size()}));
   }
   if (one && rows.empty()) return err(ENOENT, "no session " + only);
   return {{"ok", true},
-          {"columns", json::array({col("sessname"), col("path_cnt", true), col("act_path_cnt", true),
-                                   col("state"), col("path_uu"), col("mp"), col("rx_bytes", true),
-                                   col("tx_bytes", true), col("inflights", true), col("reconnects", true),
-                                   col("devices", true)})},
+          {"columns", json::array({column("sessname"), column("path_cnt", true), column("act_path_cnt", true),
+                                   column("state"), column("path_uu"), column("mp"), column("rx_bytes", true),
+                                   column("tx_bytes", true), column("inflights", true), column("reconnects", true),
+                                   column("devices", true)})},
           {"rows", rows}};
 }
 
 json ClientDaemon::session_close(const json& req) {
-  const std::string n = str_arg(req, "session");
+  const std::string n = string_arg(req, "session");
   Sess* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   // A failover device through this session goes, on both of its sessions.
@@ -1008,16 +1024,16 @@ json ClientDaemon::session_close(const json& req) {
 }
 
 json ClientDaemon::policy_set(const json& req) {
-  Sess* s = find_session(str_arg(req, "session"));
-  if (s == nullptr) return err(ENOENT, "no session " + str_arg(req, "session"));
-  auto p = ibtrs::parse_mp_policy(str_arg(req, "policy"));
+  Sess* s = find_session(string_arg(req, "session"));
+  if (s == nullptr) return err(ENOENT, "no session " + string_arg(req, "session"));
+  auto p = ibtrs::parse_mp_policy(string_arg(req, "policy"));
   if (!p) return err(EINVAL, "policy: round-robin, min-inflight or min-latency");
   auto st = s->s->transport().set_policy(*p);
   return st.ok() ? json{{"ok", true}} : err(st.error(), "policy");
 }
 
 json ClientDaemon::path_list(const json& req) {
-  const std::string only = req.contains("session") ? str_arg(req, "session") : "";
+  const std::string only = req.contains("session") ? string_arg(req, "session") : "";
   json rows = json::array();
   for (auto& [n, s] : sessions_) {
     if (!only.empty() && n != only) continue;
@@ -1025,23 +1041,23 @@ json ClientDaemon::path_list(const json& req) {
   }
   if (!only.empty() && find_session(only) == nullptr) return err(ENOENT, "no session " + only);
   return {{"ok", true},
-          {"columns", json::array({col("sessname"), col("pathname"), col("src_addr"), col("dst_addr"),
-                                   col("hca_name"), col("hca_port", true), col("state"), col("auth"),
-                                   col("host"), col("tls"), col("rx_bytes", true), col("tx_bytes", true),
-                                   col("inflights", true), col("reconnects", true),
-                                   col("cur_latency_ns", true), col("last_error"),
+          {"columns", json::array({column("sessname"), column("pathname"), column("src_addr"), column("dst_addr"),
+                                   column("hca_name"), column("hca_port", true), column("state"), column("auth"),
+                                   column("host"), column("tls"), column("rx_bytes", true), column("tx_bytes", true),
+                                   column("inflights", true), column("reconnects", true),
+                                   column("cur_latency_ns", true), column("last_error"),
                                    // The failover fence (docs/protocol.md): requests that waited
                                    // for one, incarnations fenced, the last one's round trip.
-                                   col("fence_waited", true), col("fenced", true),
-                                   col("fence_rtt_us", true)})},
+                                   column("fence_waited", true), column("fenced", true),
+                                   column("fence_rtt_us", true)})},
           {"rows", rows}};
 }
 
 json ClientDaemon::path_op(const json& req, const std::string& op) {
-  const std::string n = str_arg(req, "session");
+  const std::string n = string_arg(req, "session");
   Sess* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
-  const std::string path = str_arg(req, "path");
+  const std::string path = string_arg(req, "path");
   auto& t = s->s->transport();
   Status st;
   if (op == "add") {
@@ -1097,7 +1113,7 @@ std::string ClientDaemon::export_addresses(const std::string& dev) const {
 // local user can connect to a loopback port and read and write the device; beyond loopback it
 // needs `remote` as well.
 json ClientDaemon::nbd_export(const json& req) {
-  const std::string dev = str_arg(req, "device");
+  const std::string dev = string_arg(req, "device");
   auto [s, d] = find_device(dev);
   if (d == nullptr) return err(ENOENT, "device " + dev + " is not mapped");
   nbd::NbdServerOptions o;
@@ -1108,7 +1124,7 @@ json ClientDaemon::nbd_export(const json& req) {
     tls::Config tc;
     tc.role = tls::Role::server;
     if (psk) {
-      const std::string f = str_arg(req, "tls_psk");
+      const std::string f = string_arg(req, "tls_psk");
       auto entries = tls::read_psk_entries(f);
       if (!entries.ok())
         return err(entries.error(), "tls_psk " + f +
@@ -1123,9 +1139,9 @@ json ClientDaemon::nbd_export(const json& req) {
       };
     } else {
       if (!req.contains("tls_cert") || !req.contains("tls_key")) return err(EINVAL, "tls_cert and tls_key go together");
-      tc.cert_file = str_arg(req, "tls_cert");
-      tc.key_file = str_arg(req, "tls_key");
-      if (req.contains("tls_ca")) tc.ca_file = str_arg(req, "tls_ca");
+      tc.cert_file = string_arg(req, "tls_cert");
+      tc.key_file = string_arg(req, "tls_key");
+      if (req.contains("tls_ca")) tc.ca_file = string_arg(req, "tls_ca");
     }
     auto ctx = tls::Context::create(std::move(tc));
     if (!ctx.ok()) return err(ctx.error(), "TLS credentials: unreadable or mismatched certificate, key or CA file");
@@ -1133,9 +1149,9 @@ json ClientDaemon::nbd_export(const json& req) {
     o.tls_required = true;
   }
   if (req.contains("unix")) {
-    nbd::ListenSpec l = nbd::ListenSpec::unix_socket(str_arg(req, "unix"));
+    nbd::ListenSpec l = nbd::ListenSpec::unix_socket(string_arg(req, "unix"));
     if (req.contains("mode")) {
-      const std::string m = str_arg(req, "mode");
+      const std::string m = string_arg(req, "mode");
       unsigned v = 0;
       auto [p, ec] = std::from_chars(m.data(), m.data() + m.size(), v, 8);
       if (m.empty() || ec != std::errc() || p != m.data() + m.size() || v > 0777)
@@ -1143,8 +1159,8 @@ json ClientDaemon::nbd_export(const json& req) {
       l.mode = static_cast<mode_t>(v);
     }
     if (req.contains("group")) {
-      auto g = group_id(str_arg(req, "group"));
-      if (!g) return err(EINVAL, "group '" + str_arg(req, "group") + "': no such group");
+      auto g = group_id(string_arg(req, "group"));
+      if (!g) return err(EINVAL, "group '" + string_arg(req, "group") + "': no such group");
       l.group = *g;
     }
     o.listen.push_back(std::move(l));
@@ -1152,7 +1168,7 @@ json ClientDaemon::nbd_export(const json& req) {
     return err(EINVAL, "mode and group are for the unix socket");
   }
   if (req.contains("tcp")) {
-    const std::string a = str_arg(req, "tcp");
+    const std::string a = string_arg(req, "tcp");
     auto l = nbd::ListenSpec::parse_tcp(a.empty() ? "127.0.0.1:0" : a);
     if (!l.ok()) return err(EINVAL, "tcp '" + a + "': HOST:PORT with a numeric address");
     if (!o.tls && !req.value("insecure", false))
@@ -1167,7 +1183,7 @@ json ClientDaemon::nbd_export(const json& req) {
   }
   if (o.listen.empty()) return err(EINVAL, "nothing to listen on: unix PATH and/or tcp HOST:PORT");
   if (exports_.count(dev)) return err(EEXIST, "device " + dev + " is already exported (unexport it first)");
-  const std::string name = req.contains("name") ? str_arg(req, "name") : dev;
+  const std::string name = req.contains("name") ? string_arg(req, "name") : dev;
   if (name.size() > 4096 || name.find('\0') != std::string::npos) return err(EINVAL, "bad export name");
   // Request memory registered with the session (zero copy between the NBD socket and the
   // transport) and the loop reaping its own completions; without the memory (registration
@@ -1198,14 +1214,14 @@ json ClientDaemon::nbd_export(const json& req) {
 }
 
 json ClientDaemon::nbd_unexport(const json& req) {
-  const std::string dev = str_arg(req, "device");
+  const std::string dev = string_arg(req, "device");
   if (!stop_export(dev)) return err(ENOENT, "device " + dev + " is not exported");
   return {{"ok", true}};
 }
 
 // One row per export, with the NBD URIs a client would use (nbdinfo, qemu-img, fio uri=).
 json ClientDaemon::nbd_list(const json& req) {
-  const std::string only = req.contains("device") ? str_arg(req, "device") : "";
+  const std::string only = req.contains("device") ? string_arg(req, "device") : "";
   json rows = json::array();
   for (auto& [dev, e] : exports_) {
     if (!only.empty() && dev != only) continue;
@@ -1223,13 +1239,13 @@ json ClientDaemon::nbd_list(const json& req) {
     }
     const auto st = e.server->stats();
     rows.push_back(json::array({dev, e.name, unix_path, tcp, st.connections, st.requests, st.errors,
-                                bytes(st.read_bytes), bytes(st.write_bytes), uris}));
+                                bytes_cell(st.read_bytes), bytes_cell(st.write_bytes), uris}));
   }
   if (!only.empty() && rows.empty()) return err(ENOENT, "device " + only + " is not exported");
   return {{"ok", true},
-          {"columns", json::array({col("device"), col("name"), col("unix"), col("tcp"),
-                                   col("connections", true), col("requests", true), col("errors", true),
-                                   col("read_bytes", true), col("write_bytes", true), col("uris")})},
+          {"columns", json::array({column("device"), column("name"), column("unix"), column("tcp"),
+                                   column("connections", true), column("requests", true), column("errors", true),
+                                   column("read_bytes", true), column("write_bytes", true), column("uris")})},
           {"rows", rows}};
 }
 

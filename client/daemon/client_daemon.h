@@ -19,7 +19,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "control_socket.h"
+#include "control/client_devices.h"
+#include "control/socket.h"
 #include "ibnbd/client.h"
 #include "ibnbd/nbd_server.h"
 #include "ibnbd/ublk.h"
@@ -62,7 +63,13 @@ class ClientDaemon {
   nlohmann::json recover_ublk();
 
   // One admin command (see client/README.md, "Control socket"). Never throws.
-  nlohmann::json handle(const nlohmann::json& req, const ControlSocket::Emit& emit);
+  nlohmann::json handle(const nlohmann::json& req, const control::Emit& emit);
+
+  // The typed answers of commands (handle() writes them as JSON, control/client_devices.h):
+  // device_list, and device_show of `name` (ENOENT when it is not mapped). Serialized with the
+  // commands, as handle() is.
+  std::vector<control::DeviceReport> devices();
+  Result<control::DeviceReport> device(const std::string& name);
 
   // The Prometheus text of the daemon's counters (client_daemon_metrics.cc; the metrics
   // endpoint's collector). Nothing when a command has held the daemon for kMetricsWait.
@@ -88,9 +95,12 @@ class ClientDaemon {
                     const std::vector<std::string>& path_strs);
   json device_failover(const json& req);
   json device_list(const json& req, bool one);
+  // device_list's reports (mu_ held): every device, or with `one` the device `only` (none when it
+  // is not mapped) with its detail.
+  std::vector<control::DeviceReport> device_reports(bool one, const std::string& only);
   json device_unmap(const json& req);
   json device_remap(const json& req);
-  json device_io(const json& req, const ControlSocket::Emit& emit);
+  json device_io(const json& req, const control::Emit& emit);
   json session_list(const json& req, bool one);
   json session_close(const json& req);
   json path_list(const json& req);

@@ -3,7 +3,7 @@
 #include <array>
 
 #include "client_daemon.h"
-#include "metrics.h"
+#include "control/metrics.h"
 
 namespace ibnbd {
 
@@ -12,6 +12,7 @@ std::optional<std::string> ClientDaemon::metrics() {
   // io) makes the scrape fail (503) rather than queue the exporter behind it.
   std::unique_lock l(mu_, kMetricsWait);
   if (!l.owns_lock()) return std::nullopt;
+  namespace metrics = control::metrics;
   using metrics::Labels;
   metrics::Exposition e;
   metrics::daemon_info(e, "client");

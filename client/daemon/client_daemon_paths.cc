@@ -1,20 +1,21 @@
 // ClientDaemon commands over a session's paths and settings that the sysfs files need and the
 // CLI can use too (client/README.md, "Control socket"):
-//   path_stats {session, path?}         every counter of the paths (server/src/control_stats.h),
+//   path_stats {session, path?}         every counter of the paths (control/stats.h),
 //                                       the failover fence's, and what the kernel's path files show
 //   path_reset_stats {session, path?, stats?: all|rdma|rdma_lat|wc_completion|sg_entries|
 //                     cpu_migration|reconnects|fence}
 //   session_max_reconnect_attempts {session, value?: -1..9999}   reads, or sets then reads
 // Kept in their own file so the daemon's main command file stays as it is for other work.
 #include "client_daemon.h"
-#include "control_stats.h"
+#include "control/command.h"
+#include "control/stats.h"
 
 namespace ibnbd {
 
 using nlohmann::json;
 
 namespace {
-json err(int e, const std::string& text) { return ControlSocket::error(e, text); }
+json err(int e, const std::string& text) { return control::error(e, text); }
 }  // namespace
 
 json ClientDaemon::path_stats(const json& req) {
@@ -45,8 +46,8 @@ json ClientDaemon::path_stats(const json& req) {
                    {"tls", ibtrs::tls::describe(p.tls)},
                    {"last_error", p.last_error ? p.last_error.message() : ""},
                    {"inflight", p.inflight},
-                   {"stats", stats_to_json(p.stats)},
-                   {"fence", fence_to_json(p.fence)}});
+                   {"stats", control::stats_to_json(p.stats)},
+                   {"fence", control::fence_to_json(p.fence)}});
   }
   if (!only.empty() && out.empty()) return err(ENOENT, "no path " + only + " in session " + n);
   return {{"ok", true}, {"paths", out}};

@@ -9,13 +9,9 @@
 //                [--state-dir DIR] [--ublk-queue-depth N] [--ublk-reap caller|thread]
 //                [--sysfs-dir DIR] [--host-key FILE] [--host-id ID] [--config FILE]
 //                [--metrics-listen [ADDR:]PORT]
-#include <signal.h>
-#include <unistd.h>
-
 #include <charconv>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "client_daemon.h"
-#include "metrics_http.h"
+#include "control/daemon.h"
 #include "sysfs/mount.h"
 #include "sysfs/trees.h"
 
@@ -98,7 +94,7 @@ void apply(ibnbd::ClientDaemonOptions& o, Paths& paths, const std::string& a, co
     o.ublk_reap = m == "caller";
   } else if (a == "--sysfs-dir") paths.sysfs_dir = v;
   else if (a == "--metrics-listen") {
-    auto m = ibnbd::metrics::parse_listen(v);
+    auto m = ibnbd::control::metrics::parse_listen(v);
     if (!m) die("--metrics-listen '" + std::string(v) + "': expected PORT, :PORT or ADDR:PORT (ADDR numeric, IPv6 in [])");
     paths.metrics = *m;
   }
@@ -128,17 +124,11 @@ void apply(ibnbd::ClientDaemonOptions& o, Paths& paths, const std::string& a, co
 
 // --config FILE: {"name": value, ...} with the options' names (dashes or underscores).
 std::vector<std::pair<std::string, std::string>> read_config(const std::string& file) {
-  std::ifstream in(file);
-  if (!in) die("cannot read " + file + ": " + std::strerror(errno));
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const std::exception& e) {
-    die(file + ": " + e.what());
-  }
-  if (!j.is_object()) die(file + ": expected a JSON object");
+  std::string why;
+  auto j = ibnbd::control::read_config(file, &why);
+  if (!j) die(why);
   std::vector<std::pair<std::string, std::string>> out;
-  for (auto& [k, v] : j.items()) {
+  for (auto& [k, v] : j->items()) {
     std::string name = "--" + k;
     for (auto& c : name)
       if (c == '_') c = '-';
@@ -177,70 +167,50 @@ int main(int argc, char** argv) {
     std::string why;
     if (!ibtrs::client_auth_from_key_file(o.host_key, o.host_id, &why)) die("--host-key: " + why);
   }
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
+  ibnbd::control::StopSignals signals;
 
   // First: a second daemon on a live control socket stops here, before it could take the ublk
   // devices of the running one for a crashed predecessor's.
-  std::string why;
-  auto lock = ibnbd::ControlSocketLock::acquire(socket_path, &why);
-  if (!lock) {
-    std::fprintf(stderr, "ibnbd-client: control socket %s: %s\n", socket_path.c_str(), why.c_str());
-    return 1;
-  }
+  auto lock = ibnbd::control::lock_socket("ibnbd-client", socket_path);
+  if (!lock) return 1;
   ibnbd::ClientDaemon daemon(o);
   for (auto& r : daemon.recover_ublk()) std::fprintf(stderr, "ibnbd-client: recovery: %s\n", r.dump().c_str());
-  auto ctl = ibnbd::ControlSocket::start(std::move(*lock), [&](const nlohmann::json& req, const auto& emit) {
-    return daemon.handle(req, emit);
-  });
-  if (!ctl) {
-    std::fprintf(stderr, "ibnbd-client: control socket %s: %s\n", socket_path.c_str(),
-                 ctl.error().message().c_str());
-    return 1;
-  }
+  auto ctl = ibnbd::control::start_socket("ibnbd-client", std::move(*lock),
+                                          [&](const nlohmann::json& req, const auto& emit) {
+                                            return daemon.handle(req, emit);
+                                          });
+  if (!ctl) return 1;
   // Declared after the daemon: unmounted before it goes (the files call into it).
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!sysfs_dir.empty()) {
-    auto m = sysfs::mount_for_daemon(sysfs::client_tree([&daemon](const nlohmann::json& req) {
-                                       return daemon.handle(req, [](const nlohmann::json&) { return true; });
-                                     },
-                                     [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); }),
-                                     sysfs_dir, "ibnbd-client");
+    sysfs::ClientBinding binding{
+        [&daemon](const nlohmann::json& req) {
+          return daemon.handle(req, [](const nlohmann::json&) { return true; });
+        },
+        [&daemon](const std::string& name) { return daemon.device(name); },
+        [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); }};
+    auto m = sysfs::mount_for_daemon(sysfs::client_tree(std::move(binding)), sysfs_dir, "ibnbd-client");
     if (!m) {
       std::fprintf(stderr, "ibnbd-client: sysfs tree at %s: %s\n", sysfs_dir.c_str(), m.error().message().c_str());
       return 1;
     }
     sysfs_mount = std::move(*m);
   }
-  std::unique_ptr<ibnbd::metrics::HttpServer> metrics;
+  std::unique_ptr<ibnbd::control::metrics::HttpServer> metrics;
   std::string ready = "ready " + socket_path + "\n";
   if (paths.metrics) {
-    auto m = ibnbd::metrics::HttpServer::start(*paths.metrics, [&daemon] { return daemon.metrics(); });
-    if (!m) {
-      std::fprintf(stderr, "ibnbd-client: metrics on %s: %s\n", ibnbd::metrics::to_string(*paths.metrics).c_str(),
-                   m.error().message().c_str());
-      return 1;
-    }
+    auto m = ibnbd::control::start_metrics("ibnbd-client", *paths.metrics, [&daemon] { return daemon.metrics(); });
+    if (!m) return 1;
     metrics = std::move(*m);
-    ready += "metrics http://" + ibnbd::metrics::to_string(metrics->address()) + "/metrics\n";
+    ready += ibnbd::control::metrics_ready_line(*metrics);
   }
   std::fprintf(stderr, "ibnbd-client: ready on %s\n", socket_path.c_str());
-  if (!ready_file.empty()) {
-    // Whole or not at all: a reader that sees the file sees every line.
-    const std::string tmp = ready_file + ".tmp";
-    std::ofstream(tmp) << ready;
-    ::rename(tmp.c_str(), ready_file.c_str());
-  }
-  int sig = 0;
-  sigwait(&set, &sig);
+  ibnbd::control::write_ready_file(ready_file, ready);
+  const int sig = signals.wait();
   std::fprintf(stderr, "ibnbd-client: %s: unmapping\n", strsignal(sig));
   metrics.reset();
   sysfs_mount.reset();
   ctl->reset();
-  if (!ready_file.empty()) ::unlink(ready_file.c_str());
+  ibnbd::control::remove_ready_file(ready_file);
   return 0;
 }

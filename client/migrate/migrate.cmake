@@ -29,9 +29,10 @@ add_library(ibnbd_migrate STATIC
   ${CMAKE_CURRENT_LIST_DIR}/src/nbd_volume.cc
 )
 target_include_directories(ibnbd_migrate PUBLIC ${CMAKE_CURRENT_LIST_DIR}/include
-  PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${CMAKE_CURRENT_LIST_DIR}/../nbd/src)  # nbd_proto.h: the NBD wire structs
+  PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src)
+# ibnbd_nbd: ibnbd/nbd_proto.h, the NBD wire structs (nbd_volume.cc is an NBD client).
 target_link_libraries(ibnbd_migrate PUBLIC ibnbd_client Threads::Threads
-  PRIVATE ibnbd_migrate_qemu ibtrs_internal ibtrs_build_flags)
+  PRIVATE ibnbd_nbd ibnbd_migrate_qemu ibtrs_internal ibtrs_build_flags)
 # The on-volume structs, for the project's own tests.
 add_library(ibnbd_migrate_internal INTERFACE)
 target_include_directories(ibnbd_migrate_internal INTERFACE ${CMAKE_CURRENT_LIST_DIR}/src)
@@ -39,7 +40,7 @@ target_link_libraries(ibnbd_migrate_internal INTERFACE ibnbd_migrate ibtrs_inter
 
 # The migration agent (QEMU's exec: / unix: peer; `ibnbd migrate ...` runs it).
 add_executable(ibnbd-migrate ${CMAKE_CURRENT_LIST_DIR}/agent/main.cc)
-target_link_libraries(ibnbd-migrate PRIVATE ibnbd_migrate ibnbd_cli_output ibtrs_internal ibtrs_build_flags)
+target_link_libraries(ibnbd-migrate PRIVATE ibnbd_migrate ibnbd_control ibtrs_internal ibtrs_build_flags)
 if(IBTRS_HAVE_RDMA)
   target_link_libraries(ibnbd-migrate PRIVATE ibnbd_migrate_rdma)
   target_compile_definitions(ibnbd-migrate PRIVATE IBNBD_MIGRATE_RDMA=1)

@@ -5,7 +5,6 @@
 //
 // Runs until SIGTERM/SIGINT, then closes every session, waits for the IO in flight and syncs the
 // devices. Admin commands (ibnbd server ...) come over --control-socket.
-#include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -15,7 +14,6 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -24,8 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "base/text.h"
-#include "control_socket.h"
-#include "metrics_http.h"
+#include "control/daemon.h"
 #include "server_commands.h"
 #include "server_metrics.h"
 #include "sysfs/mount.h"
@@ -191,7 +188,7 @@ void apply(Config& c, const std::string& key, const json& v) {
   } else if (key == "sysfs_dir") {
     c.sysfs_dir = text();
   } else if (key == "metrics_listen") {
-    auto a = ibnbd::metrics::parse_listen(text());
+    auto a = ibnbd::control::metrics::parse_listen(text());
     if (!a) die("metrics_listen '" + text() + "': expected PORT, :PORT or ADDR:PORT (ADDR numeric, IPv6 in [])");
     c.metrics_listen = *a;
   } else if (key == "allow_any_host") {
@@ -299,16 +296,10 @@ Config parse(int argc, char** argv) {
     cli.emplace_back(key, std::string(argv[++i]));
   }
   if (!config_file.empty()) {
-    std::ifstream in(config_file);
-    if (!in) die("cannot read " + config_file + ": " + std::strerror(errno));
-    json j;
-    try {
-      j = json::parse(in);
-    } catch (const std::exception& e) {
-      die(config_file + ": " + e.what());
-    }
-    if (!j.is_object()) die(config_file + ": expected a JSON object");
-    for (auto& [k, v] : j.items()) {
+    std::string why;
+    auto j = ibnbd::control::read_config(config_file, &why);
+    if (!j) die(why);
+    for (auto& [k, v] : j->items()) {
       if (k == "listen" && listen_given) continue;  // the command line's addresses win
       apply(c, k, v);
     }
@@ -350,21 +341,12 @@ void raise_fd_limit() {
 int main(int argc, char** argv) {
   Config c = parse(argc, argv);
   raise_fd_limit();
-  // Signals go to sigwait below only: every thread started from here inherits the mask.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-  ::signal(SIGPIPE, SIG_IGN);
+  // Signals go to signals.wait() below only: every thread started from here inherits the mask.
+  ibnbd::control::StopSignals signals;
 
   // First, before anything listens: a second server on a live control socket stops here.
-  std::string why;
-  auto lock = ibnbd::ControlSocketLock::acquire(c.control_socket, &why);
-  if (!lock) {
-    std::fprintf(stderr, "ibnbd-server: control socket %s: %s\n", c.control_socket.c_str(), why.c_str());
-    return 1;
-  }
+  auto lock = ibnbd::control::lock_socket("ibnbd-server", c.control_socket);
+  if (!lock) return 1;
   if (c.o.allow_any_host) {
     std::fprintf(stderr,
                  "ibnbd-server: WARNING: allow_any_host is on: anyone who reaches %s opens any device "
@@ -393,14 +375,10 @@ int main(int argc, char** argv) {
                  "ibnbd-server: drain_hold_ms %lld is more than half of handshake_timeout_ms %lld: %lld in force\n",
                  static_cast<long long>(c.o.transport.drain_hold.count()),
                  static_cast<long long>(c.o.transport.handshake_timeout.count()), static_cast<long long>(hold.count()));
-  auto ctl = ibnbd::ControlSocket::start(std::move(*lock), [&s](const json& req, const auto&) {
+  auto ctl = ibnbd::control::start_socket("ibnbd-server", std::move(*lock), [&s](const json& req, const auto&) {
     return ibnbd::server_command(s, req);
   });
-  if (!ctl) {
-    std::fprintf(stderr, "ibnbd-server: control socket %s: %s\n", c.control_socket.c_str(),
-                 ctl.error().message().c_str());
-    return 1;
-  }
+  if (!ctl) return 1;
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!c.sysfs_dir.empty()) {
     auto m = sysfs::mount_for_daemon(
@@ -414,33 +392,24 @@ int main(int argc, char** argv) {
     }
     sysfs_mount = std::move(*m);
   }
-  std::unique_ptr<ibnbd::metrics::HttpServer> metrics;
+  std::unique_ptr<ibnbd::control::metrics::HttpServer> metrics;
   if (c.metrics_listen) {
-    auto m = ibnbd::metrics::HttpServer::start(*c.metrics_listen, [&s] { return ibnbd::server_metrics(s); });
-    if (!m) {
-      std::fprintf(stderr, "ibnbd-server: metrics on %s: %s\n", ibnbd::metrics::to_string(*c.metrics_listen).c_str(),
-                   m.error().message().c_str());
-      return 1;
-    }
+    auto m = ibnbd::control::start_metrics("ibnbd-server", *c.metrics_listen, [&s] { return ibnbd::server_metrics(s); });
+    if (!m) return 1;
     metrics = std::move(*m);
   }
   std::string lines;
   for (auto& a : s.addresses()) lines += "listening " + a.to_string() + "\n";
-  if (metrics) lines += "metrics http://" + ibnbd::metrics::to_string(metrics->address()) + "/metrics\n";
+  if (metrics) lines += ibnbd::control::metrics_ready_line(*metrics);
   std::fputs(lines.c_str(), stdout);
   std::fflush(stdout);
-  if (!c.ready_file.empty()) {
-    std::string tmp = c.ready_file + ".tmp";
-    std::ofstream(tmp) << lines;
-    ::rename(tmp.c_str(), c.ready_file.c_str());
-  }
-  int sig = 0;
-  sigwait(&set, &sig);
+  ibnbd::control::write_ready_file(c.ready_file, lines);
+  const int sig = signals.wait();
   std::fprintf(stderr, "ibnbd-server: %s: closing sessions\n", strsignal(sig));
   metrics.reset();      // it reads the server too
   sysfs_mount.reset();  // the files call into the server: they go first
   ctl->reset();
   srv->reset();
-  if (!c.ready_file.empty()) ::unlink(c.ready_file.c_str());
+  ibnbd::control::remove_ready_file(c.ready_file);
   return 0;
 }

@@ -4,8 +4,8 @@
 #include <cerrno>
 #include <string>
 
-#include "control_socket.h"
-#include "control_stats.h"
+#include "control/command.h"
+#include "control/stats.h"
 
 namespace ibnbd {
 namespace {
@@ -39,14 +39,8 @@ json path_json(const ibtrs::ServerPathInfo& p) {
 
 json handle(BlockServer& srv, const json& req) {
   const std::string cmd = req.at("cmd").get<std::string>();
-  auto status = [](ibtrs::Status st, const std::string& what) {
-    if (st.ok()) return json{{"ok", true}};
-    return ControlSocket::error(st.error().value(), what + ": " + st.error().message());
-  };
-  auto arg = [&](const char* k) -> std::string {
-    if (!req.contains(k) || !req[k].is_string()) throw std::invalid_argument(std::string("missing \"") + k + "\"");
-    return req[k].get<std::string>();
-  };
+  auto status = [](const ibtrs::Status& st, const std::string& what) { return control::answer(st, what); };
+  auto arg = [&](const char* k) { return control::string_arg(req, k); };
   if (cmd == "sessions") {
     json out = json::array();
     for (auto& s : srv.sessions()) {
@@ -85,19 +79,19 @@ json handle(BlockServer& srv, const json& req) {
     // The server's paths have no fence counters (those are the client's; the server counts its
     // answers in `limits`).
     if (!group || *group == ibtrs::StatsGroup::fence)
-      return ControlSocket::error(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration or reconnects");
+      return control::error(EINVAL, "stats: all, rdma, rdma_lat, wc_completion, sg_entries, cpu_migration or reconnects");
     return status(srv.reset_path_stats(arg("session"), req.value("path", ""), *group),
                   "session '" + arg("session") + "'");
   }
   if (cmd == "host_add") {
     std::string why;
     auto h = host_from_json(req, &why);
-    if (!h.ok()) return ControlSocket::error(h.error().value(), why);
+    if (!h.ok()) return control::error(h.error().value(), why);
     const auto hosts = srv.hosts();
     const bool known = std::any_of(hosts.begin(), hosts.end(), [&](const HostInfo& i) { return i.host == h->host; });
     const std::string name = h->host;
     auto st = srv.set_host(std::move(*h), !req.contains("access"));
-    if (!st.ok()) return ControlSocket::error(st.error().value(), "host " + name + ": " + st.error().message());
+    if (!st.ok()) return control::error(st.error().value(), "host " + name + ": " + st.error().message());
     return {{"ok", true}, {"host", name}, {"replaced", known},
             {"message", std::string(known ? "replaced" : "added") + " host " + name +
                             ": paths that authenticate from now on use its new keys"}};
@@ -142,13 +136,13 @@ json handle(BlockServer& srv, const json& req) {
         j["src_host"] = p.peer.host_string();
         j["dst_host"] = p.local.host_string();
         j["dst_port"] = p.local.port;
-        j["stats"] = stats_to_json(p.stats);
+        j["stats"] = control::stats_to_json(p.stats);
         out.push_back(std::move(j));
       }
-      if (!only.empty() && out.empty()) return ControlSocket::error(ENOENT, "no path " + only + " in session " + sess);
+      if (!only.empty() && out.empty()) return control::error(ENOENT, "no path " + only + " in session " + sess);
       return {{"ok", true}, {"paths", out}};
     }
-    return ControlSocket::error(ENOENT, "no session " + sess);
+    return control::error(ENOENT, "no session " + sess);
   }
   if (cmd == "refusals") {
     json out = json::array();
@@ -195,7 +189,7 @@ json handle(BlockServer& srv, const json& req) {
                        {"fences_answered", u.fences_answered},
                        {"fences_closed", u.fences_closed}}}};
   }
-  return ControlSocket::error(EINVAL, "unknown command '" + cmd + "'");
+  return control::error(EINVAL, "unknown command '" + cmd + "'");
 }
 
 }  // namespace
@@ -258,7 +252,7 @@ json server_command(BlockServer& srv, const json& req) {
   try {
     return handle(srv, req);
   } catch (const std::exception& e) {
-    return ControlSocket::error(EINVAL, e.what());
+    return control::error(EINVAL, e.what());
   }
 }
 

@@ -5,7 +5,7 @@
 //
 //   sessions | devices | force_close {device, session} | disconnect_path {session, path}
 //   reset_stats {session, path?, stats?: all|rdma|rdma_lat|wc_completion|...}
-//   path_stats {session, path?}: every counter of the paths (control_stats.h) and their identity
+//   path_stats {session, path?}: every counter of the paths (control/stats.h) and their identity
 //   refusals: [{reason, count, last, last_unix_ms}], every peer refused or cut off by reason
 //     (ibtrs/refusals.h) | reset_refusals
 //   limits: {limits: the transport's caps and timeouts, usage: what peers hold now}

@@ -2,11 +2,12 @@
 
 #include <array>
 
-#include "metrics.h"
+#include "control/metrics.h"
 
 namespace ibnbd {
 namespace {
 
+namespace metrics = control::metrics;
 using metrics::Exposition;
 using metrics::Labels;
 

@@ -1,7 +1,7 @@
 // The CLI's listings: the same rows as a table, CSV and JSON, byte counts in the asked unit.
 #include <gtest/gtest.h>
 
-#include "output.h"
+#include "control/output.h"
 
 namespace ibnbd::cli {
 namespace {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "nbd_proto.h"
+#include "ibnbd/nbd_proto.h"
 
 namespace ibnbd::nbd::test {
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "metrics.h"
-#include "metrics_http.h"
+#include "control/metrics.h"
+#include "control/metrics_http.h"
 
 namespace {
 

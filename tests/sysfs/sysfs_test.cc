@@ -5,7 +5,7 @@
 #include <map>
 #include <mutex>
 
-#include "control_stats.h"
+#include "control/stats.h"
 #include "sysfs/format.h"
 #include "sysfs/node.h"
 #include "sysfs/parse.h"

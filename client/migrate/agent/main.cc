@@ -46,7 +46,7 @@
 #include "ibnbd/types.h"
 #include "base/unix_socket.h"
 #include "ibtrs/path_spec.h"
-#include "output.h"
+#include "control/output.h"
 #ifdef IBNBD_MIGRATE_RDMA
 #include "qemu_rdma_endpoint.h"
 #endif
@@ -186,8 +186,8 @@ int fail(const std::string& what, std::error_code e, const std::string& detail =
 void report(const char* verb, const Progress& p, bool final) {
   const double s = std::chrono::duration<double>(p.elapsed).count();
   const double rate = s > 0 ? static_cast<double>(p.bytes) / s : 0;
-  using cli::format_bytes;
-  using cli::Unit;
+  using control::format_bytes;
+  using control::Unit;
   std::string line = std::string(verb) + " " + format_bytes(p.bytes, Unit::automatic);
   if (p.total) line += " of " + format_bytes(p.total, Unit::automatic);
   line += " at " + format_bytes(static_cast<uint64_t>(rate), Unit::automatic) + "/s";

@@ -21,7 +21,7 @@
 
 #include "base/unix_socket.h"
 #include "ibnbd/migrate_volume.h"
-#include "nbd_proto.h"
+#include "ibnbd/nbd_proto.h"
 
 namespace ibnbd::migrate {
 namespace {

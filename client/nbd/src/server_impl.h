@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "ibnbd/nbd_server.h"
-#include "nbd_proto.h"
+#include "ibnbd/nbd_proto.h"
 
 namespace ibnbd::nbd {
 

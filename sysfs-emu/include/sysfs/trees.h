@@ -8,12 +8,18 @@
 // Backend contract: called on the FUSE worker threads, possibly several at once; returns the
 // daemon's answer ({"ok": true, ...} or {"ok": false, "errno": N, "error": "..."}); must not
 // throw (the daemons' handlers do not). An answer of the wrong shape reads as EIO.
+//
+// A daemon in the same process binds typed commands where it has them (ClientBinding): the
+// tree then reads its structs, not the JSON it would write for the CLI (issue 18). Over a
+// Backend alone the same commands are read from their JSON answers.
 #pragma once
 
 #include <functional>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "control/client_devices.h"
 #include "sysfs/node.h"
 
 namespace sysfs {
@@ -24,7 +30,17 @@ using Backend = std::function<nlohmann::json(const nlohmann::json& request)>;
 // writer sees only the errno. Empty: nothing is logged.
 using Log = std::function<void(const std::string& line)>;
 
+// The client daemon's commands the client tree reads typed, each with the Backend contract's
+// threading and errnos; an empty one is read from the Backend's JSON answer.
+struct ClientBinding {
+  Backend backend;  // every other command
+  // device_show: the mapped device `name`, or ENOENT (ClientDaemon::device).
+  std::function<ibnbd::Result<ibnbd::control::DeviceReport>(const std::string& name)> device;
+  Log log;
+};
+
 // ibnbd-client's root: ibtrs-client/<session>/..., ibnbd-client/ctl/{map_device, devices/...}.
+NodePtr client_tree(ClientBinding binding);
 NodePtr client_tree(Backend backend, Log log = {});
 // ibnbd-server's root: ibtrs-server/<session>/paths/..., ibnbd-server/ctl/devices/...
 NodePtr server_tree(Backend backend, Log log = {});

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "control_stats.h"
+#include "control/stats.h"
 #include "sysfs/format.h"
 #include "sysfs/parse.h"
 
@@ -22,10 +22,12 @@ using ibtrs::errc;
 std::string line(std::string s) { return s + "\n"; }
 std::string str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
-// The backend and the log the tree's files share (copied into each file's callbacks).
+// The backend, the typed commands and the log the tree's files share (copied into each file's
+// callbacks).
 struct Daemon {
   Backend backend;
   Log log;
+  decltype(ClientBinding::device) device;  // set for the client tree (client_tree fills it)
   json operator()(const json& req) const { return backend(req); }
 };
 
@@ -153,7 +155,7 @@ std::shared_ptr<Node> stats_dir(const PathInfo& info, const ResetFn& reset, std:
                                  }));
   for (const StatFile& f : files)
     d->add(f.name, stat_file(info, reset, f.name, [fmt = f.format](const json& p) {
-             return fmt(ibnbd::stats_from_json(p.at("stats")));
+             return fmt(ibnbd::control::stats_from_json(p.at("stats")));
            }));
   return d;
 }
@@ -189,7 +191,7 @@ NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::str
   // Ours (the kernel's RTRS has no failover fence); reset_all resets it too (the daemon's reset
   // of "all" includes the fence's counters).
   stats->add("fence", stat_file(info, reset, "fence", [](const json& p) {
-               return format_fence(ibnbd::fence_from_json(p.value("fence", json::object())));
+               return format_fence(ibnbd::control::fence_from_json(p.value("fence", json::object())));
              }));
   d->add("stats", stats);
   return d;
@@ -249,10 +251,11 @@ Result<std::vector<std::string>> listing_names(const Daemon& b, const char* cmd,
 // ---- ibnbd-client/ctl/ ----
 
 NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
-  auto field = [b, dev](const char* col) {
-    return Node::read_only([b, dev, col]() -> Result<std::string> {
-      BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
-      return line(str(cell(r, r.at("rows").at(0), col)));
+  using Report = ibnbd::control::DeviceReport;
+  auto field = [b, dev](std::string (*show)(const Report&)) {
+    return Node::read_only([b, dev, show]() -> Result<std::string> {
+      BASE_ASSIGN_OR_RETURN(Report r, b.device(dev));
+      return line(show(r));
     });
   };
   auto d = Node::dir();
@@ -270,21 +273,17 @@ NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
            BASE_TRY(parse_sectors(t));
            return act(b, {{"cmd", "device_resize"}, {"device", dev}});
          }));
-  d->add("state", field("state"));
-  d->add("session", field("session"));
-  d->add("access_mode", field("access_mode"));
+  d->add("state", field([](const Report& r) { return r.state; }));
+  d->add("session", field([](const Report& r) { return r.session; }));
+  d->add("access_mode", field([](const Report& r) { return r.access_mode; }));
   // The gendisk's /sys/block/<dev>/size: 512-byte sectors, the size the server last gave (at
   // OPEN, or in a resize notice).
-  d->add("size", Node::read_only([b, dev]() -> Result<std::string> {
-           BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
-           const json& v = cell(r, r.at("rows").at(0), "size");
-           return line(std::to_string(v.at("bytes").get<uint64_t>() / 512));
-         }));
+  d->add("size", field([](const Report& r) { return std::to_string(r.size / 512); }));
   // Not the kernel's: a device mapped with a standby server (gateway failover). session is the
   // active one; standby is "-" for a device of one session.
-  d->add("standby", field("standby"));
-  d->add("standby_state", field("standby_state"));
-  d->add("failovers", field("failovers"));
+  d->add("standby", field([](const Report& r) { return r.standby; }));
+  d->add("standby_state", field([](const Report& r) { return r.standby_state; }));
+  d->add("failovers", field([](const Report& r) { return std::to_string(r.failovers); }));
   d->add("failover", action("Usage: echo 1 > failover\n", [b, dev](std::string_view t) -> Status {
            BASE_TRY(parse_one(t));
            return act(b, {{"cmd", "device_failover"}, {"device", dev}});
@@ -293,10 +292,8 @@ NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
   // The block device map_device made (the kernel's devices/<name> is a link into
   // /sys/block/rnbdN/): its /sys/block name, "ublkb0"; "-" for a device mapped in the library
   // only (ibnbd device map without --ublk).
-  d->add("block", Node::read_only([b, dev]() -> Result<std::string> {
-           BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "device_show"}, {"device", dev}}));
-           const std::string path = str(cell(r, r.at("rows").at(0), "ublk"));
-           return line(path.empty() ? "-" : path.substr(path.rfind('/') + 1));
+  d->add("block", field([](const Report& r) {
+           return r.ublk.empty() ? std::string("-") : r.ublk.substr(r.ublk.rfind('/') + 1);
          }));
   return d;
 }
@@ -463,7 +460,21 @@ NodePtr ibnbd_server_dir(const Daemon& b) {
 }  // namespace
 
 NodePtr client_tree(Backend backend, Log log) {
-  const Daemon b{std::move(backend), std::move(log)};
+  ClientBinding binding{std::move(backend), {}, std::move(log)};
+  return client_tree(std::move(binding));
+}
+
+NodePtr client_tree(ClientBinding binding) {
+  Daemon b{std::move(binding.backend), std::move(binding.log), std::move(binding.device)};
+  if (!b.device) {
+    // device_show's listing, read back by column name.
+    b.device = [backend = b.backend](const std::string& name) -> Result<ibnbd::control::DeviceReport> {
+      BASE_ASSIGN_OR_RETURN(json r, call(Daemon{backend, {}, {}}, {{"cmd", "device_show"}, {"device", name}}));
+      auto reports = ibnbd::control::devices_from_listing(r);
+      if (!reports || reports->empty()) return errc(EIO);  // the wrong shape
+      return std::move(reports->front());
+    };
+  }
   auto root = Node::dir();
   root->add("ibtrs-client", Node::dynamic_dir([b] { return listing_names(b, "session_list", "sessname"); },
                                               [b](const std::string& n) -> Result<NodePtr> {
@@ -474,7 +485,7 @@ NodePtr client_tree(Backend backend, Log log) {
 }
 
 NodePtr server_tree(Backend backend, Log log) {
-  const Daemon b{std::move(backend), std::move(log)};
+  const Daemon b{std::move(backend), std::move(log), {}};
   auto root = Node::dir();
   root->add("ibtrs-server", ibtrs_server_dir(b));
   root->add("ibnbd-server", ibnbd_server_dir(b));

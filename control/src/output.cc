@@ -1,9 +1,9 @@
-#include "output.h"
+#include "control/output.h"
 
 #include <algorithm>
 #include <cstdio>
 
-namespace ibnbd::cli {
+namespace ibnbd::control {
 
 std::optional<Format> parse_format(std::string_view s) {
   if (s == "table" || s == "term") return Format::table;
@@ -196,4 +196,4 @@ std::string render(const Listing& l, const OutputOptions& o) {
   return out;
 }
 
-}  // namespace ibnbd::cli
+}  // namespace ibnbd::control

@@ -25,7 +25,7 @@
 #include "ibnbd/types.h"
 #include "base/unique_fd.h"
 
-namespace ibnbd::metrics {
+namespace ibnbd::control::metrics {
 
 // ADDR:PORT with ADDR numeric IPv4 or [IPv6]; ":PORT" and "PORT" are 127.0.0.1:PORT (loopback
 // unless an address is named). PORT 0 picks a free one. EINVAL otherwise.
@@ -72,4 +72,4 @@ class HttpServer {
 // blank line.
 std::string respond(std::string_view request, const HttpServer::Collector& collect);
 
-}  // namespace ibnbd::metrics
+}  // namespace ibnbd::control::metrics

@@ -1,4 +1,4 @@
-#include "control_socket.h"
+#include "control/socket.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -12,18 +12,16 @@
 #include <cerrno>
 #include <cstring>
 
-namespace ibnbd {
+#include "control/command.h"
+
+namespace ibnbd::control {
 
 namespace {
 constexpr size_t kMaxLine = 1 << 20;  // a request larger than this is refused, not buffered
 constexpr int kIdleMs = 30000;        // a silent admin connection is dropped after this
 }  // namespace
 
-nlohmann::json ControlSocket::error(int err, const std::string& text) {
-  return {{"ok", false}, {"errno", err}, {"error", text.empty() ? std::strerror(err) : text}};
-}
-
-Result<ControlSocketLock> ControlSocketLock::acquire(const std::string& socket_path, std::string* why) {
+Result<SocketLock> SocketLock::acquire(const std::string& socket_path, std::string* why) {
   const std::string lock_path = socket_path + ".lock";
   const int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) {
@@ -51,10 +49,10 @@ Result<ControlSocketLock> ControlSocketLock::acquire(const std::string& socket_p
   const std::string me = std::to_string(::getpid()) + "\n";
   [[maybe_unused]] const bool noted =
       ::ftruncate(fd, 0) == 0 && ::pwrite(fd, me.data(), me.size(), 0) == static_cast<ssize_t>(me.size());
-  return ControlSocketLock(socket_path, std::move(lock));
+  return SocketLock(socket_path, std::move(lock));
 }
 
-Result<std::unique_ptr<ControlSocket>> ControlSocket::start(ControlSocketLock lock, Handler h) {
+Result<std::unique_ptr<Socket>> Socket::start(SocketLock lock, Handler h) {
   const std::string path = lock.socket_path();
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
@@ -77,15 +75,15 @@ Result<std::unique_ptr<ControlSocket>> ControlSocket::start(ControlSocketLock lo
     ::close(fd);
     return errc(e);
   }
-  std::unique_ptr<ControlSocket> cs(new ControlSocket(std::move(lock), fd, stop, std::move(h)));
+  std::unique_ptr<Socket> cs(new Socket(std::move(lock), fd, stop, std::move(h)));
   cs->thread_ = std::thread([p = cs.get()] { p->loop(); });
   return cs;
 }
 
-ControlSocket::ControlSocket(ControlSocketLock lock, int fd, int stop_fd, Handler h)
+Socket::Socket(SocketLock lock, int fd, int stop_fd, Handler h)
     : lock_(std::move(lock)), path_(lock_.socket_path()), fd_(fd), stop_fd_(stop_fd), handler_(std::move(h)) {}
 
-ControlSocket::~ControlSocket() {
+Socket::~Socket() {
   uint64_t one = 1;
   [[maybe_unused]] ssize_t w = ::write(stop_fd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
@@ -96,7 +94,7 @@ ControlSocket::~ControlSocket() {
 
 // Joins the connection threads that have finished (all: every one, after stop was signalled;
 // their polls see the stop eventfd, which stays readable).
-void ControlSocket::reap(bool all) {
+void Socket::reap(bool all) {
   for (auto it = conns_.begin(); it != conns_.end();) {
     if (all || it->done.load(std::memory_order_acquire)) {
       it->thread.join();
@@ -107,7 +105,7 @@ void ControlSocket::reap(bool all) {
   }
 }
 
-void ControlSocket::loop() {
+void Socket::loop() {
   for (;;) {
     reap(false);
     // At the limit the listening socket is left alone (clients wait in the backlog); the
@@ -132,7 +130,7 @@ void ControlSocket::loop() {
   reap(true);
 }
 
-bool ControlSocket::send_line(int conn, const nlohmann::json& j) {
+bool Socket::send_line(int conn, const nlohmann::json& j) {
   std::string out = j.dump() + "\n";
   for (size_t off = 0; off < out.size();) {
     ssize_t n = ::send(conn, out.data() + off, out.size() - off, MSG_NOSIGNAL);
@@ -142,7 +140,7 @@ bool ControlSocket::send_line(int conn, const nlohmann::json& j) {
   return true;
 }
 
-void ControlSocket::serve(int conn) {
+void Socket::serve(int conn) {
   std::string buf;
   char tmp[4096];
   for (;;) {
@@ -172,4 +170,4 @@ void ControlSocket::serve(int conn) {
   }
 }
 
-}  // namespace ibnbd
+}  // namespace ibnbd::control

@@ -9,7 +9,7 @@
 #include "ibtrs/client.h"
 #include "ibtrs/types.h"
 
-namespace ibnbd {
+namespace ibnbd::control {
 
 nlohmann::json stats_to_json(const ibtrs::PathStatsSnapshot& s);
 // The inverse; missing fields read as 0. Throws nlohmann::json exceptions on wrong types (callers
@@ -22,4 +22,12 @@ ibtrs::PathStatsSnapshot stats_from_json(const nlohmann::json& j);
 nlohmann::json fence_to_json(const ibtrs::ClientPathInfo::Fence& f);
 ibtrs::ClientPathInfo::Fence fence_from_json(const nlohmann::json& j);
 
+}  // namespace ibnbd::control
+
+// The names from before control/ (tests/sysfs/sysfs_test.cc spells them ibnbd::).
+namespace ibnbd {
+using control::fence_from_json;
+using control::fence_to_json;
+using control::stats_from_json;
+using control::stats_to_json;
 }  // namespace ibnbd

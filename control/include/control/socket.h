@@ -1,8 +1,8 @@
-// A daemon's local control socket: a unix stream socket speaking one JSON object per line. Each
-// request line gets one response line. The admin CLI is the client.
+// A daemon's local control socket, the server side: a unix stream socket speaking one JSON object
+// per line. Each request line gets one response line. The admin CLI is the client (client.h).
 //
 //   request:  {"cmd": "devices", ...arguments}
-//   response: {"ok": true, ...} or {"ok": false, "errno": N, "error": "text"}
+//   response: {"ok": true, ...} or {"ok": false, "errno": N, "error": "text"} (command.h)
 // A long command may send progress lines first ({"progress": ...}, through Emit); the line with
 // "ok" is always the last one.
 //
@@ -26,7 +26,7 @@
 #include "ibnbd/types.h"
 #include "base/unique_fd.h"
 
-namespace ibnbd {
+namespace ibnbd::control {
 
 // The right to serve one control socket path: an exclusive flock(2) on PATH.lock beside it,
 // held for the daemon's life (the kernel drops it when the process dies, however it dies). A
@@ -35,34 +35,33 @@ namespace ibnbd {
 // for ibnbd-client, recovering ublk devices the first one still serves). A socket file left by
 // a dead daemon has no lock holder and is replaced as before. The lock file stays when the
 // daemon ends: removing it would let two daemons lock two files of the same name.
-class ControlSocketLock {
+class SocketLock {
  public:
   // EADDRINUSE when a live daemon holds the lock (`why` names its pid); the errno of creating
   // or locking the file otherwise (EACCES, ENOENT when the directory is missing, ...).
-  static Result<ControlSocketLock> acquire(const std::string& socket_path, std::string* why = nullptr);
+  static Result<SocketLock> acquire(const std::string& socket_path, std::string* why = nullptr);
   const std::string& socket_path() const { return socket_path_; }
 
  private:
-  ControlSocketLock(std::string path, base::UniqueFd fd) : socket_path_(std::move(path)), fd_(std::move(fd)) {}
+  SocketLock(std::string path, base::UniqueFd fd) : socket_path_(std::move(path)), fd_(std::move(fd)) {}
   std::string socket_path_;
   base::UniqueFd fd_;
 };
 
-class ControlSocket {
+// Sends one progress line to the requester now; false once the requester is gone.
+using Emit = std::function<bool(const nlohmann::json& progress)>;
+// One request's answer (command.h's shapes). Called on the connection's thread.
+using Handler = std::function<nlohmann::json(const nlohmann::json& request, const Emit& emit)>;
+
+class Socket {
  public:
-  // Sends one progress line to the requester now; false once the requester is gone.
-  using Emit = std::function<bool(const nlohmann::json& progress)>;
-  using Handler = std::function<nlohmann::json(const nlohmann::json& request, const Emit& emit)>;
   // Binds `lock`'s path (an existing socket file there is one of a dead daemon, since we hold
   // the lock, and is replaced; its directory must exist) with mode 0600, and keeps the lock.
   // Errors: what bind/listen return, ENAMETOOLONG.
-  static Result<std::unique_ptr<ControlSocket>> start(ControlSocketLock lock, Handler h);
-  ~ControlSocket();  // stops the thread, removes the socket file
-  ControlSocket(const ControlSocket&) = delete;
-  ControlSocket& operator=(const ControlSocket&) = delete;
-
-  // Builds the error response for `err`.
-  static nlohmann::json error(int err, const std::string& text = {});
+  static Result<std::unique_ptr<Socket>> start(SocketLock lock, Handler h);
+  ~Socket();  // stops the thread, removes the socket file
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
 
   static constexpr size_t kMaxConnections = 8;
 
@@ -72,12 +71,12 @@ class ControlSocket {
     std::atomic<bool> done{false};
   };
   void reap(bool all);
-  ControlSocket(ControlSocketLock lock, int fd, int stop_fd, Handler h);
+  Socket(SocketLock lock, int fd, int stop_fd, Handler h);
   void loop();
   void serve(int conn);
   bool send_line(int conn, const nlohmann::json& j);
 
-  ControlSocketLock lock_;  // released after the socket file is gone (~ControlSocket)
+  SocketLock lock_;  // released after the socket file is gone (~Socket)
   std::string path_;
   int fd_;
   int stop_fd_;
@@ -86,4 +85,4 @@ class ControlSocket {
   std::list<Conn> conns_;  // the accept thread's only
 };
 
-}  // namespace ibnbd
+}  // namespace ibnbd::control

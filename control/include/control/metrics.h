@@ -2,7 +2,8 @@
 // (https://prometheus.io/docs/instrumenting/exposition_formats/) written by Exposition, and the
 // families both daemons share: build info, process start time, and a path's counters
 // (ibtrs::PathStatsSnapshot, the numbers of the kernel's stats/ files) with its latency
-// histogram. The HTTP side is metrics_http.h.
+// histogram. The HTTP side is metrics_http.h; each daemon adds its own families (server/src/server_metrics.cc,
+// client/daemon/client_daemon_metrics.cc).
 //
 // Names follow Prometheus' conventions: the ibnbd_ prefix, base units (bytes, seconds), counters
 // ending in _total; labels name the session, path, device and direction. Values from peers
@@ -19,7 +20,7 @@
 
 #include "ibtrs/types.h"
 
-namespace ibnbd::metrics {
+namespace ibnbd::control::metrics {
 
 using Label = std::pair<std::string_view, std::string_view>;
 using Labels = std::vector<Label>;
@@ -69,4 +70,9 @@ void path_stats(Exposition& e, const Labels& labels, const ibtrs::PathStatsSnaps
 void state_set(Exposition& e, std::string_view name, std::string_view help, const Labels& labels,
                std::string_view current, std::span<const std::string_view> states);
 
-}  // namespace ibnbd::metrics
+}  // namespace ibnbd::control::metrics
+
+// The name from before control/ (tests/server/metrics_test.cc uses namespace ibnbd::metrics).
+namespace ibnbd {
+namespace metrics = control::metrics;
+}  // namespace ibnbd

@@ -1,6 +1,6 @@
-#include "control_stats.h"
+#include "control/stats.h"
 
-namespace ibnbd {
+namespace ibnbd::control {
 
 using nlohmann::json;
 
@@ -78,4 +78,4 @@ ibtrs::ClientPathInfo::Fence fence_from_json(const json& j) {
   return f;
 }
 
-}  // namespace ibnbd
+}  // namespace ibnbd::control

@@ -1,4 +1,4 @@
-#include "metrics.h"
+#include "control/metrics.h"
 
 #include <unistd.h>
 
@@ -9,10 +9,10 @@
 #include <cstdlib>
 
 #ifndef IBNBD_VERSION
-#error "IBNBD_VERSION is set by server/CMakeLists.txt (the project's version)"
+#error "IBNBD_VERSION is set by control/CMakeLists.txt (the project's version)"
 #endif
 
-namespace ibnbd::metrics {
+namespace ibnbd::control::metrics {
 namespace {
 
 void append_number(std::string& out, uint64_t v) {
@@ -266,4 +266,4 @@ void state_set(Exposition& e, std::string_view name, std::string_view help, cons
   }
 }
 
-}  // namespace ibnbd::metrics
+}  // namespace ibnbd::control::metrics

@@ -1,5 +1,6 @@
-// Listings of the `ibnbd` CLI: rows of named fields rendered as an aligned table, JSON or CSV,
-// with byte counts in the unit the user asked for (the `rnbd` tool's output options).
+// Listings of the `ibnbd` CLI and the migration agent: rows of named fields rendered as an aligned
+// table, JSON or CSV, with byte counts in the unit the user asked for (the `rnbd` tool's output
+// options). A daemon's listing answer becomes one with command.h's listing_from_json.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace ibnbd::cli {
+namespace ibnbd::control {
 
 enum class Format : uint8_t { table, json, csv };
 std::optional<Format> parse_format(std::string_view s);
@@ -69,4 +70,21 @@ std::optional<Listing> select_fields(const Listing& l, std::string_view spec, st
 // JSON keeps raw byte counts (numbers), whatever the unit.
 std::string render(const Listing& l, const OutputOptions& o);
 
+}  // namespace ibnbd::control
+
+// The CLI's names from before control/ (tests/cli/output_test.cc is written in ibnbd::cli).
+namespace ibnbd::cli {
+using control::Bytes;
+using control::Cell;
+using control::Column;
+using control::Format;
+using control::format_bytes;
+using control::is_field_spec;
+using control::Listing;
+using control::OutputOptions;
+using control::parse_format;
+using control::parse_unit;
+using control::render;
+using control::select_fields;
+using control::Unit;
 }  // namespace ibnbd::cli

@@ -1,4 +1,4 @@
-#include "metrics_http.h"
+#include "control/metrics_http.h"
 
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -12,7 +12,7 @@
 
 #include "ibtrs/address.h"
 
-namespace ibnbd::metrics {
+namespace ibnbd::control::metrics {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -246,4 +246,4 @@ void HttpServer::loop() {
   }
 }
 
-}  // namespace ibnbd::metrics
+}  // namespace ibnbd::control::metrics
