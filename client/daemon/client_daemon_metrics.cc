@@ -13,9 +13,9 @@ std::optional<std::string> ClientDaemon::metrics() {
   std::unique_lock l(mu_, kMetricsWait);
   if (!l.owns_lock()) return std::nullopt;
   namespace metrics = control::metrics;
-  using metrics::Labels;
-  metrics::Exposition e;
-  metrics::daemon_info(e, "client");
+  using control::metrics::Labels;
+  control::metrics::Exposition e;
+  control::metrics::daemon_info(e, "client");
 
   static constexpr std::array<std::string_view, 7> kPathStates = {
       "connecting", "connecting_err", "reconnecting", "connected", "closing", "closed", "dead"};
@@ -27,8 +27,8 @@ std::optional<std::string> ClientDaemon::metrics() {
             static_cast<double>(s.s->devices().size()));
     for (const ibtrs::ClientPathInfo& p : paths) {
       const Labels pl = {{"session", name}, {"path", p.name}};
-      metrics::path_stats(e, pl, p.stats);
-      metrics::state_set(e, "ibnbd_path_state", "The path's state (1 for the current one).", pl,
+      control::metrics::path_stats(e, pl, p.stats);
+      control::metrics::state_set(e, "ibnbd_path_state", "The path's state (1 for the current one).", pl,
                          ibtrs::to_string(p.state), kPathStates);
       if (p.latency)
         e.gauge("ibnbd_path_heartbeat_rtt_seconds", "The path's last heartbeat round trip.", pl,

@@ -8,8 +8,8 @@ namespace ibnbd {
 namespace {
 
 namespace metrics = control::metrics;
-using metrics::Exposition;
-using metrics::Labels;
+using control::metrics::Exposition;
+using control::metrics::Labels;
 
 // A session's or a device's block requests (BlockStats) under ibnbd_server_<what>_*.
 void block_stats(Exposition& e, const std::string& what, const Labels& labels, const BlockStats& s) {
@@ -34,7 +34,7 @@ void block_stats(Exposition& e, const std::string& what, const Labels& labels, c
 
 std::string server_metrics(const BlockServer& srv) {
   Exposition e;
-  metrics::daemon_info(e, "server");
+  control::metrics::daemon_info(e, "server");
 
   static constexpr std::array<std::string_view, 4> kPathStates = {"connecting", "connected", "closing", "closed"};
   const auto sessions = srv.sessions();
@@ -46,8 +46,8 @@ std::string server_metrics(const BlockServer& srv) {
     e.gauge("ibnbd_server_session_paths", "Paths of the session.", sl, static_cast<double>(s.paths.size()));
     for (const ibtrs::ServerPathInfo& p : s.paths) {
       const Labels pl = {{"session", s.name}, {"path", p.name}};
-      metrics::path_stats(e, pl, p.stats);
-      metrics::state_set(e, "ibnbd_path_state", "The path's state (1 for the current one).", pl,
+      control::metrics::path_stats(e, pl, p.stats);
+      control::metrics::state_set(e, "ibnbd_path_state", "The path's state (1 for the current one).", pl,
                          ibtrs::to_string(p.state), kPathStates);
     }
   }

@@ -3,7 +3,7 @@
 
 #include "control/output.h"
 
-namespace ibnbd::cli {
+namespace ibnbd::control {
 namespace {
 
 Listing sample() {
@@ -102,4 +102,4 @@ TEST(CliOutput, FieldSelectionAsRnbdHasIt) {
 }
 
 }  // namespace
-}  // namespace ibnbd::cli
+}  // namespace ibnbd::control

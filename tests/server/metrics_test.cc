@@ -1,4 +1,4 @@
-// The daemons' Prometheus metrics (server/src/metrics.h, metrics_http.h): the exposition
+// The daemons' Prometheus metrics (control/include/control/metrics.h, metrics_http.h): the exposition
 // encoder, the path counters' families, the listen address forms and the HTTP answers. The
 // daemons' real scrapes (promtool, hostile scrapers) are tests/cli/daemons.sh's.
 #include <arpa/inet.h>
@@ -20,7 +20,7 @@
 
 namespace {
 
-using namespace ibnbd::metrics;
+using namespace ibnbd::control::metrics;
 
 std::vector<std::string> lines(const std::string& text) {
   std::vector<std::string> out;

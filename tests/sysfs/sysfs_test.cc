@@ -204,12 +204,12 @@ struct FakeDaemon {
               {"hca_name", "rxe0"}, {"hca_port", 1}, {"src_host", "ip:0.0.0.0"}, {"dst_host", "ip:10.0.0.1"},
               {"dst_port", 1234}, {"cur_latency_ns", 1500}, {"auth", "authenticated"},
               {"auth_host", "nqn.2014-08.org.example:h"}, {"auth_bidirectional", true},
-              {"stats", ibnbd::stats_to_json(st)}};
+              {"stats", ibnbd::control::stats_to_json(st)}};
       ibtrs::ClientPathInfo::Fence f;
       f.waited = 4;
       f.fenced = 1;
       f.last_rtt = f.max_rtt = std::chrono::nanoseconds(2500);
-      p1["fence"] = ibnbd::fence_to_json(f);
+      p1["fence"] = ibnbd::control::fence_to_json(f);
       json p2 = p1;
       p2.erase("fence");  // a daemon that does not send it: zeros
       p2["name"] = "tcp:0.0.0.0@tcp:127.0.0.1:4000";
@@ -362,7 +362,7 @@ TEST(Trees, ServerFilesMapOntoTheDaemonsCommands) {
       return {{"ok", true},
               {"paths", json::array({{{"name", "ip:1.1.1.1@ip:2.2.2.2"}, {"fabric", "rdma"}, {"hca_name", "rxe0"},
                                       {"hca_port", 1}, {"src_host", "ip:1.1.1.1"}, {"dst_host", "ip:2.2.2.2"},
-                                      {"dst_port", 1234}, {"stats", ibnbd::stats_to_json({})}}})}};
+                                      {"dst_port", 1234}, {"stats", ibnbd::control::stats_to_json({})}}})}};
     return {{"ok", true}};
   });
   EXPECT_EQ(read_at(root, "/ibtrs-server/s1/paths/ip:1.1.1.1@ip:2.2.2.2/stats/rdma"), "0 0 0 0 0\n");

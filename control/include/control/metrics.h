@@ -71,8 +71,3 @@ void state_set(Exposition& e, std::string_view name, std::string_view help, cons
                std::string_view current, std::span<const std::string_view> states);
 
 }  // namespace ibnbd::control::metrics
-
-// The name from before control/ (tests/server/metrics_test.cc uses namespace ibnbd::metrics).
-namespace ibnbd {
-namespace metrics = control::metrics;
-}  // namespace ibnbd

@@ -71,20 +71,3 @@ std::optional<Listing> select_fields(const Listing& l, std::string_view spec, st
 std::string render(const Listing& l, const OutputOptions& o);
 
 }  // namespace ibnbd::control
-
-// The CLI's names from before control/ (tests/cli/output_test.cc is written in ibnbd::cli).
-namespace ibnbd::cli {
-using control::Bytes;
-using control::Cell;
-using control::Column;
-using control::Format;
-using control::format_bytes;
-using control::is_field_spec;
-using control::Listing;
-using control::OutputOptions;
-using control::parse_format;
-using control::parse_unit;
-using control::render;
-using control::select_fields;
-using control::Unit;
-}  // namespace ibnbd::cli

@@ -23,11 +23,3 @@ nlohmann::json fence_to_json(const ibtrs::ClientPathInfo::Fence& f);
 ibtrs::ClientPathInfo::Fence fence_from_json(const nlohmann::json& j);
 
 }  // namespace ibnbd::control
-
-// The names from before control/ (tests/sysfs/sysfs_test.cc spells them ibnbd::).
-namespace ibnbd {
-using control::fence_from_json;
-using control::fence_to_json;
-using control::stats_from_json;
-using control::stats_to_json;
-}  // namespace ibnbd
