@@ -103,6 +103,13 @@ fio_ok() {  # fio_ok NAME WHAT: fio verified every block, its longest IO below l
 fio_nbd kill 0 &
 fio_pid=$!
 sleep 1.2
+# A takes the image's exclusive lock with the first write that reaches it. On a loaded host
+# fio's first write can come later than 1.2 s (seen in CI: B's REOPEN then found the lock free
+# and fenced nobody), so the kill waits for A's lock, 10 s at most.
+for _ in $(seq 50); do
+  timeout 10 rbd lock ls rbd/ha 2>/dev/null | grep -q "auto" && { echo "# A holds the lock"; break; }
+  sleep 0.2
+done
 kill -9 "$a_pid"
 wait "$a_pid" 2>/dev/null
 wait "$fio_pid"
