@@ -43,7 +43,7 @@
 #include <string>
 #include <vector>
 
-#include "core/con_gate.h"
+#include "core/con_base.h"
 #include "core/heartbeat.h"
 #include "core/path_state.h"
 #include "core/permits.h"
@@ -125,18 +125,9 @@ inline int64_t now_ns() {
 
 // One fabric connection of a path and the CQ it completes on. The fields marked "lease holder"
 // belong to whoever holds the CQ's lease: its poller, or a reaper that borrowed it.
-struct Con final : core::CqHandler {
-  Path* path = nullptr;
-  uint16_t cid = 0;
-  core::Poller* poller = nullptr;
-  std::unique_ptr<fabric::CompletionQueue> cq;
-  std::unique_ptr<fabric::Connection> conn;
-  core::ConGate gate;
-  std::atomic<bool> failed{false};   // the fabric reported a break (event or error completion)
-  bool down = false;                 // lease holder: failover done for this incarnation
-  std::atomic<uint32_t> sig{0};      // selective signalling counter
+// path, cid, poller, cq, conn, gate, failed, down, sig, recv_missing: core::ConBase.
+struct Con final : core::ConBase<Path> {
   uint32_t recv_depth = 0;
-  uint32_t recv_missing = 0;         // lease holder: consumed RECVs not yet reposted
   // Service connection: one registered buffer for INFO_RSP (first RECV) and INFO_REQ.
   std::unique_ptr<std::byte[]> svc_buf;
   size_t svc_len = 0;

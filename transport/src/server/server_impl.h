@@ -44,7 +44,7 @@
 #include <vector>
 
 #include "auth/chap.h"
-#include "core/con_gate.h"
+#include "core/con_base.h"
 #include "core/heartbeat.h"
 #include "core/path_state.h"
 #include "core/poller.h"
@@ -97,17 +97,8 @@ struct Impl;
 struct Session;
 struct Path;
 
-struct Con final : core::CqHandler {
-  Path* path = nullptr;
-  uint16_t cid = 0;
-  core::Poller* poller = nullptr;
-  std::unique_ptr<fabric::CompletionQueue> cq;
-  std::unique_ptr<fabric::Connection> conn;
-  core::ConGate gate;
-  std::atomic<bool> failed{false};
-  bool down = false;  // poller thread
-  std::atomic<uint32_t> sig{0};
-  uint32_t recv_missing = 0;
+// path, cid, poller, cq, conn, gate, failed, down, sig, recv_missing: core::ConBase.
+struct Con final : core::ConBase<Path> {
   // Service connection: kSvcRecvs RECV slots, then the INFO_RSP being sent.
   std::unique_ptr<std::byte[]> svc_buf;
   size_t svc_len = 0;
