@@ -13,6 +13,7 @@
 #include <cstring>
 #include <optional>
 
+#include "fabric/held_request.h"
 #include "fabric/rdma/rdma_private.h"
 #include "fabric/rdma/rdma_private_data.h"
 #include "ibtrs/gid.h"
@@ -101,26 +102,23 @@ std::error_code resolve_error(const CmEvent& ev) {
   return errc(EHOSTUNREACH);
 }
 
-class RdmaConnectRequest final : public ConnectRequest {
+class RdmaConnectRequest final : public HeldConnectRequest {
  public:
   RdmaConnectRequest(RdmaFabric& fabric, RdmaDomain& domain, ChannelPtr channel, IdPtr id,
                      std::span<const std::byte> private_data)
-      : fabric_(fabric),
+      : HeldConnectRequest(std::vector<std::byte>(private_data.begin(), private_data.end()),
+                           to_address(rdma_get_local_addr(id.get())),
+                           to_address(rdma_get_peer_addr(id.get()))),
+        fabric_(fabric),
         domain_(domain),
         channel_(std::move(channel)),
-        id_(std::move(id)),
-        private_data_(private_data.begin(), private_data.end()),
-        local_(to_address(rdma_get_local_addr(id_.get()))),
-        peer_(to_address(rdma_get_peer_addr(id_.get()))) {}
+        id_(std::move(id)) {}
   ~RdmaConnectRequest() override {
     // Neither accepted nor rejected: answer now rather than let the peer's REQ time out. (Member
     // order destroys the id before the channel it reports on.)
     if (id_) rdma_reject(id_.get(), nullptr, 0);
   }
 
-  std::span<const std::byte> private_data() const override { return private_data_; }
-  const Address& peer_address() const override { return peer_; }
-  const Address& local_address() const override { return local_; }
   Domain& domain() override;
   using ConnectRequest::accept;
   Result<std::unique_ptr<Connection>> accept(Domain& pd, CompletionQueue& cq,
@@ -134,9 +132,6 @@ class RdmaConnectRequest final : public ConnectRequest {
   RdmaDomain& domain_;
   ChannelPtr channel_;
   IdPtr id_;
-  std::vector<std::byte> private_data_;
-  Address local_;
-  Address peer_;
 };
 
 class RdmaListener final : public Listener {

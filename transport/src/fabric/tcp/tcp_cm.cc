@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "fabric/held_request.h"
 #include "fabric/tcp/tcp_private.h"
 
 namespace ibtrs::fabric::tcp {
@@ -98,24 +99,27 @@ bool handshake_valid(const HandshakeFrame& f, FrameType want) {
          f.body.verdict <= (want == FrameType::connect_rsp ? kVerdictTlsRequired : kVerdictReject);
 }
 
+// The private data a valid handshake frame carries (handshake_valid() bounds private_len).
+std::vector<std::byte> private_data_of(const HandshakeFrame& f) {
+  const auto* pd = reinterpret_cast<const std::byte*>(f.body.private_data);
+  return std::vector<std::byte>(pd, pd + f.body.private_len);
+}
+
 void set_nodelay(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-class TcpConnectRequest final : public ConnectRequest {
+class TcpConnectRequest final : public HeldConnectRequest {
  public:
   TcpConnectRequest(TcpDomain& d, int sock, std::vector<std::byte> pd, std::unique_ptr<tls::Session> tls)
-      : domain_(d), sock_(sock), pd_(std::move(pd)), local_(address_of(sock, false)),
-        peer_(address_of(sock, true)), tls_(std::move(tls)) {}
+      : HeldConnectRequest(std::move(pd), address_of(sock, false), address_of(sock, true)),
+        domain_(d), sock_(sock), tls_(std::move(tls)) {}
   ~TcpConnectRequest() override {
     tls_.reset();
     if (sock_ >= 0) ::close(sock_);
   }
   std::string tls_identity() const override { return tls_ != nullptr ? tls_->peer_identity() : std::string(); }
-  std::span<const std::byte> private_data() const override { return pd_; }
-  const Address& peer_address() const override { return peer_; }
-  const Address& local_address() const override { return local_; }
   Domain& domain() override;
   using ConnectRequest::accept;
   Result<std::unique_ptr<Connection>> accept(Domain& pd, CompletionQueue& cq,
@@ -136,9 +140,6 @@ class TcpConnectRequest final : public ConnectRequest {
  private:
   TcpDomain& domain_;
   int sock_;
-  std::vector<std::byte> pd_;
-  Address local_;
-  Address peer_;
   std::unique_ptr<tls::Session> tls_;
 };
 
@@ -302,9 +303,7 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
   if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline, p.cancel_fd, session.get()); !st)
     return tls_fail(st.error().value());
   if (!handshake_valid(rsp, FrameType::connect_rsp)) return tls_fail(EPROTO);
-  std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(rsp.body.private_data),
-                            reinterpret_cast<const std::byte*>(rsp.body.private_data) +
-                                rsp.body.private_len);
+  std::vector<std::byte> pd = private_data_of(rsp);
   if (rsp.body.verdict == kVerdictTlsRequired) return tls_fail(EPROTONOSUPPORT);
   if (rsp.body.verdict != kVerdictAccept) {
     if (reject_data != nullptr) *reject_data = std::move(pd);
@@ -504,9 +503,7 @@ std::unique_ptr<ConnectRequest> TcpListener::read_pending(uint64_t id) {
     return nullptr;
   }
   const int s = p.sock;
-  std::vector<std::byte> pd(reinterpret_cast<const std::byte*>(p.frame.body.private_data),
-                            reinterpret_cast<const std::byte*>(p.frame.body.private_data) +
-                                p.frame.body.private_len);
+  std::vector<std::byte> pd = private_data_of(p.frame);
   epoll_event ev{};
   ::epoll_ctl(epfd_, EPOLL_CTL_DEL, s, &ev);
   auto session = std::move(p.tls);
