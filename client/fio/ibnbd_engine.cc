@@ -24,7 +24,7 @@
 //              completion finding it asleep wakes. In caller mode the requests that complete
 //              elsewhere (large ones spread over the connections, failed-over ones, failures)
 //              take that same stack and wake the reaper instead.
-//              How it waits, in both modes: ibnbd_poll=adaptive (default, core/hybrid_poll.h) sleeps
+//              How it waits, in both modes: ibnbd_poll=adaptive (default, ibtrs/hybrid_poll.h) sleeps
 //              until shortly before the expected completion (a blocking wait with a timeout,
 //              which a completion ends early), spins (non-blocking looks: a readv per look in
 //              caller mode on tcp) within a budget, then blocks; it blocks from the start while
@@ -56,8 +56,8 @@
 #include <string_view>
 #include <vector>
 
-#include "core/hybrid_poll.h"
-#include "core/runqueue.h"
+#include "ibtrs/hybrid_poll.h"
+#include "ibtrs/cpu_load.h"
 #include "ibnbd/client.h"
 
 extern "C" {
@@ -366,15 +366,15 @@ struct Engine {
 
   // ibnbd_poll=adaptive (job thread only).
   bool adaptive = false;
-  ibtrs::core::HybridPoll policy;
-  int64_t policy_gap_ns = ibtrs::core::HybridPollConfig{}.preempt_gap_ns;
-  std::unique_ptr<ibtrs::core::CpuLoadSampler> load;  // adaptive mode: run queue, CPU pressure
+  ibtrs::HybridPoll policy;
+  int64_t policy_gap_ns = ibtrs::HybridPollConfig{}.preempt_gap_ns;
+  std::unique_ptr<ibtrs::CpuLoadSampler> load;  // adaptive mode: run queue, CPU pressure
   int64_t last_wait_end = 0;  // for the time per completion
   size_t taken = 0;           // completions taken off the stack since then
   int old_timer_slack = -1;   // restored at cleanup
   struct Stats {
     uint64_t waits = 0;
-    uint64_t reason[ibtrs::core::kBlockReasons] = {};  // by BlockReason (none: a hybrid wait)
+    uint64_t reason[ibtrs::kBlockReasons] = {};  // by BlockReason (none: a hybrid wait)
     uint64_t end[3] = {};  // hybrid waits by WaitEnd
     uint64_t preempted = 0;
   };
@@ -648,7 +648,7 @@ int eng_init(thread_data* td) noexcept {
       e->old_timer_slack = ::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0);
       ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
       // ibnbd_poll_runnable=0: neither the run queue nor the CPU pressure is looked at.
-      e->load = std::make_unique<ibtrs::core::CpuLoadSampler>(o->poll_runnable != 0,
+      e->load = std::make_unique<ibtrs::CpuLoadSampler>(o->poll_runnable != 0,
                                                               o->poll_runnable != 0);
     }
     if (o->poll_stats) e->stats = std::make_unique<Engine::Stats>();
@@ -685,7 +685,7 @@ void eng_cleanup(thread_data* td) noexcept {
                  (unsigned long long)r[1], (unsigned long long)r[2], (unsigned long long)r[3],
                  (unsigned long long)r[4], (unsigned long long)r[5], (unsigned long long)r[6],
                  (unsigned long long)e->policy.no_gain_verdicts(),
-                 (unsigned long long)r[static_cast<size_t>(ibtrs::core::BlockReason::pressure)],
+                 (unsigned long long)r[static_cast<size_t>(ibtrs::BlockReason::pressure)],
                  (unsigned long long)e->policy.pressure_backoffs(), e->policy.stall() * 100,
                  (long long)(e->policy.expected_ns() / 1000), e->policy.sleep_share(),
                  (long long)(e->policy.oversleep_ns() / 1000),
@@ -875,14 +875,14 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
   const int64_t start = now_ns();
   const int64_t deadline =
       t != nullptr ? start + t->tv_sec * 1000000000LL + t->tv_nsec : INT64_MAX;
-  ibtrs::core::WaitPlan plan;
+  ibtrs::WaitPlan plan;
   if (e->poll.count() > 0) {
     plan.spin_ns = e->poll.count() * 1000;  // ibnbd_poll_us: a fixed spin, no sleep
   } else if (e->adaptive) {
     e->load->maybe_sample(start, e->policy);
     plan = e->policy.plan(start);
   }
-  ibtrs::core::WaitOutcome out;
+  ibtrs::WaitOutcome out;
   int64_t now = start;
   const auto done = [&] { return have(*e) >= min; };
   if (plan.sleep_ns > 0) {
@@ -890,7 +890,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
     now = now_ns();
     // A sleep that ran its length tells how late the timer wakes us.
     if (now - start >= plan.sleep_ns) out.woke_ns = now - start;
-    if (done()) out.end = ibtrs::core::WaitEnd::slept;
+    if (done()) out.end = ibtrs::WaitEnd::slept;
   }
   if (!done() && plan.spin_ns > 0) {
     const int64_t spin_end = std::min<int64_t>(start + plan.spin_ns, deadline);
@@ -901,7 +901,7 @@ void wait_for(Engine* e, size_t min, const timespec* t) {
       if (now - last > e->policy_gap_ns) out.preempted = true;
       last = now;
       if (done()) {
-        out.end = ibtrs::core::WaitEnd::spun;
+        out.end = ibtrs::WaitEnd::spun;
         break;
       }
       if (now >= spin_end) break;

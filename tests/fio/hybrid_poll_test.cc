@@ -1,9 +1,9 @@
 // The adaptive wait policy of the fio engine and of the server's IO pollers
-// (transport/src/core/hybrid_poll.h) as a pure function: given
+// (transport/include/ibtrs/hybrid_poll.h) as a pure function: given
 // arrival times, spin outcomes and run queue samples, when it sleeps, when it spins and for how
 // long, and when it falls back to blocking.
-#include "core/hybrid_poll.h"
-#include "core/runqueue.h"
+#include "ibtrs/hybrid_poll.h"
+#include "ibtrs/cpu_load.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>

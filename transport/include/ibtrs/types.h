@@ -126,7 +126,7 @@ struct PathStatsSnapshot {
 // How an IO thread waited for work (core::Poller; the server's `io_threads` control command).
 // Adaptive mode plans a wait after every pass that found CQ completions: it spins (polls its CQs without
 // blocking) until the next work or the spin budget, or blocks at once for one of `blocked`'s
-// reasons (core/hybrid_poll.h's BlockReason, by name).
+// reasons (ibtrs/hybrid_poll.h's BlockReason, by name).
 struct IoThreadWaitStats {
   uint32_t thread = 0;
   std::string mode;           // adaptive, block or spin

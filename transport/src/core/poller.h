@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "core/hybrid_poll.h"
-#include "core/runqueue.h"
+#include "ibtrs/hybrid_poll.h"
+#include "ibtrs/cpu_load.h"
 #include "fabric/fabric.h"
 #include "ibtrs/io_hook.h"
 #include "ibtrs/result.h"

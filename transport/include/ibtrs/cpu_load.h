@@ -1,9 +1,9 @@
-// What the adaptive waits (hybrid_poll.h) sample to tell whether their spins cost another task
-// a CPU: the fio engine's getevents and the transport's IO pollers. Header only: the engine
+// What the adaptive waits (ibtrs/hybrid_poll.h) sample to tell whether their spins cost another
+// task a CPU: the fio engine's getevents and the transport's IO pollers. Header only: the engine
 // includes it without linking the transport's internals.
 #pragma once
 
-#include "core/hybrid_poll.h"
+#include "ibtrs/hybrid_poll.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <thread>
 
-namespace ibtrs::core {
+namespace ibtrs {
 
 // How often a waiter samples the run queue and the CPU pressure: a contended host is judged on
 // these samples.
@@ -94,4 +94,4 @@ class CpuLoadSampler {
   int64_t pressure_us_ = -1;  // PSI total then
 };
 
-}  // namespace ibtrs::core
+}  // namespace ibtrs

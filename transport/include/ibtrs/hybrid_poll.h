@@ -1,5 +1,7 @@
 // Adaptive hybrid polling for a thread that waits for its own completions (the fio engine's
-// getevents) or for the next request (a server IO poller, HybridPollConfig::server()).
+// getevents) or for the next request (a server IO poller, HybridPollConfig::server()). Part of
+// what the transport offers its users (PollMode::adaptive is this policy): header only and
+// inline, since every wait of a poller plans and records through it.
 // Models: io_uring's hybrid IOPOLL (sleep for part of the expected completion time,
 // then poll) and NAPI busy-poll budgets (spin within a bound, then sleep).
 //
@@ -38,7 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace ibtrs::core {
+namespace ibtrs {
 
 struct HybridPollConfig {
   int64_t max_spin_ns = 100'000;   // one wait spins at most this long after its sleep
@@ -314,4 +316,4 @@ class HybridPoll {
   uint64_t no_gain_verdicts_ = 0;
 };
 
-}  // namespace ibtrs::core
+}  // namespace ibtrs
