@@ -14,6 +14,8 @@
 #include <cstring>
 #include <thread>
 
+#include "base/unique_fd.h"
+
 namespace ibtrs {
 
 // How often a waiter samples the run queue and the CPU pressure: a contended host is judged on
@@ -57,14 +59,10 @@ class CpuLoadSampler {
  public:
   // runqueue / pressure: whether to read /proc/loadavg / /proc/pressure/cpu at all.
   explicit CpuLoadSampler(bool runqueue = true, bool pressure = true) {
-    if (runqueue) loadavg_fd_ = ::open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
-    if (pressure) pressure_fd_ = ::open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC);
+    if (runqueue) loadavg_fd_.reset(::open("/proc/loadavg", O_RDONLY | O_CLOEXEC));
+    if (pressure) pressure_fd_.reset(::open("/proc/pressure/cpu", O_RDONLY | O_CLOEXEC));
     const unsigned n = std::thread::hardware_concurrency();
     cpus_ = n > 0 ? n : 1;
-  }
-  ~CpuLoadSampler() {
-    if (loadavg_fd_ >= 0) ::close(loadavg_fd_);
-    if (pressure_fd_ >= 0) ::close(pressure_fd_);
   }
   CpuLoadSampler(const CpuLoadSampler&) = delete;
   CpuLoadSampler& operator=(const CpuLoadSampler&) = delete;
@@ -72,8 +70,8 @@ class CpuLoadSampler {
   // Before a wait is planned, at `now_ns` (monotonic): samples when the interval has passed.
   void maybe_sample(int64_t now_ns, HybridPoll& policy) {
     if (now_ns - at_ns_ < kEveryNs) return;
-    if (int r = runnable_now(loadavg_fd_); r >= 1) policy.observe_runnable(r - 1, cpus_);
-    const int64_t p = cpu_pressure_us(pressure_fd_);
+    if (int r = runnable_now(loadavg_fd_.get()); r >= 1) policy.observe_runnable(r - 1, cpus_);
+    const int64_t p = cpu_pressure_us(pressure_fd_.get());
     if (p >= 0 && pressure_us_ >= 0 && at_ns_ > 0 && p >= pressure_us_) {
       const double stall = static_cast<double>(p - pressure_us_) * 1000.0 /
                            static_cast<double>(now_ns - at_ns_);
@@ -87,8 +85,8 @@ class CpuLoadSampler {
 
  private:
   static constexpr int64_t kEveryNs = std::chrono::nanoseconds(kRunqueueSampleEvery).count();
-  int loadavg_fd_ = -1;
-  int pressure_fd_ = -1;
+  base::UniqueFd loadavg_fd_;   // -1: not read
+  base::UniqueFd pressure_fd_;  // -1: not read
   uint32_t cpus_ = 1;
   int64_t at_ns_ = 0;         // the last sample
   int64_t pressure_us_ = -1;  // PSI total then

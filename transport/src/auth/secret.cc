@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "auth/crypto.h"
+#include "base/unique_fd.h"
 #include "ibtrs/auth.h"
 
 namespace ibtrs {
@@ -151,8 +152,8 @@ std::string generate_host_id() {
 // Key files
 
 Result<KeyFile> load_key_file(const std::string& path, std::string* why) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
-  if (fd < 0) {
+  base::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY));
+  if (!fd) {
     const int e = errno;
     return refuse(why, e, path + ": " + std::generic_category().message(e));
   }
@@ -160,7 +161,7 @@ Result<KeyFile> load_key_file(const std::string& path, std::string* why) {
   struct stat st {};
   int err = 0;
   std::string reason;
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(fd.get(), &st) != 0) {
     err = errno;
     reason = path + ": fstat failed";
   } else if (!S_ISREG(st.st_mode)) {
@@ -179,14 +180,14 @@ Result<KeyFile> load_key_file(const std::string& path, std::string* why) {
     text.resize(static_cast<size_t>(st.st_size));
     size_t got = 0;
     while (got < text.size()) {
-      const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+      const ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;
       got += static_cast<size_t>(n);
     }
     text.resize(got);
   }
-  ::close(fd);
+  fd.reset();  // read: closed before the parse, as it always was
   if (err != 0) return refuse(why, err, reason);
 
   KeyFile k;
@@ -245,12 +246,12 @@ std::string format_key_file(const KeyFile& k) {
 }
 
 Status save_key_file(const std::string& path, const KeyFile& k) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return errc(errno);
+  base::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd) return errc(errno);
   std::string text = format_key_file(k);
   int err = 0;
   for (size_t off = 0; off < text.size();) {
-    const ssize_t n = ::write(fd, text.data() + off, text.size() - off);
+    const ssize_t n = ::write(fd.get(), text.data() + off, text.size() - off);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       err = n < 0 ? errno : EIO;
@@ -258,8 +259,8 @@ Status save_key_file(const std::string& path, const KeyFile& k) {
     }
     off += static_cast<size_t>(n);
   }
-  if (err == 0 && ::fsync(fd) != 0) err = errno;
-  ::close(fd);
+  if (err == 0 && ::fsync(fd.get()) != 0) err = errno;
+  fd.reset();  // closed before a failed file is unlinked
   auth::cleanse({reinterpret_cast<uint8_t*>(text.data()), text.size()});
   if (err != 0) {
     ::unlink(path.c_str());

@@ -84,7 +84,7 @@ Status Session::connect_con(Path* path, Con* con, std::span<const std::byte> pd)
   params.caps = caps;
   params.private_data = pd;
   params.timeout = opts.connect_timeout;
-  params.cancel_fd = cancel_fd;
+  params.cancel_fd = cancel_fd.get();  // borrowed: the session closes it
   if (params.remote.fabric == FabricKind::tcp) params.tls = tls_ctx;
   params.events.on_disconnected = [c](std::error_code) {
     c->failed.store(true, std::memory_order_release);

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "core/con_base.h"
 #include "core/heartbeat.h"
 #include "core/path_state.h"
@@ -246,13 +247,12 @@ struct Req {
 // reaper may outlive its session and still know it is gone.
 struct ReapPort {
   uint32_t ci = 0;     // the IO connection index it borrows on every path
-  int evfd = -1;       // wake(): ends a blocking reap()
+  base::UniqueFd evfd;  // wake(): ends a blocking reap()
   std::atomic<bool> closed{false};    // the session is closing: reap() returns ESHUTDOWN
   std::atomic<uint32_t> inside{0};    // threads inside reap() (the session's close waits)
   ReapPort() = default;
   ReapPort(const ReapPort&) = delete;
   ReapPort& operator=(const ReapPort&) = delete;
-  ~ReapPort();
   void wake() const;
 };
 
@@ -312,7 +312,7 @@ struct Session {
   std::atomic<bool> closing{false};
   // Written once when the session closes: a connect in progress on the worker gives up at once
   // instead of waiting out connect_timeout (ConnectParams::cancel_fd).
-  int cancel_fd = -1;
+  base::UniqueFd cancel_fd;
   std::atomic<uint32_t> connected_paths{0};
   bool was_disconnected = false;  // worker
 

@@ -29,13 +29,9 @@ void Session::give_back(Con* c) {
   c->lease.set(core::CqLease::free);
 }
 
-ReapPort::~ReapPort() {
-  if (evfd >= 0) ::close(evfd);
-}
-
 void ReapPort::wake() const {
   const uint64_t one = 1;
-  [[maybe_unused]] ssize_t r = ::write(evfd, &one, sizeof(one));
+  [[maybe_unused]] ssize_t r = ::write(evfd.get(), &one, sizeof(one));
 }
 
 }  // namespace client
@@ -58,21 +54,17 @@ struct CompletionReaper::Impl {
   // reclaims from lent_idle stays in the set (we are not told), which only costs a spurious
   // wake-up and a re-borrow, and leaves by itself when the CQ is destroyed (closing an fd takes
   // it out of every epoll set). -1 until fd() is called: the set costs nothing before.
-  int epfd = -1;
-
-  ~Impl() {
-    if (epfd >= 0) ::close(epfd);
-  }
+  base::UniqueFd epfd;
 
   void watch(Con* c) {
-    if (epfd < 0) return;
+    if (!epfd) return;
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.ptr = c;
-    ::epoll_ctl(epfd, EPOLL_CTL_ADD, c->cq->fd(), &ev);  // EEXIST: still there from before
+    ::epoll_ctl(epfd.get(), EPOLL_CTL_ADD, c->cq->fd(), &ev);  // EEXIST: still there from before
   }
   void give_back(Con* c) {
-    if (epfd >= 0) ::epoll_ctl(epfd, EPOLL_CTL_DEL, c->cq->fd(), nullptr);
+    if (epfd) ::epoll_ctl(epfd.get(), EPOLL_CTL_DEL, c->cq->fd(), nullptr);
     s->give_back(c);
   }
 
@@ -147,7 +139,7 @@ struct CompletionReaper::Impl {
       // The caller waits on fd() next, not inside reap(): what completed between the last poll
       // and arm() raised no event, so it is looked for now (the verbs protocol's second poll).
       // A level-triggered CQ's fd says so by itself.
-      if (epfd >= 0 && !c->cq->level_triggered()) {
+      if (epfd && !c->cq->level_triggered()) {
         Completion wcs[32];
         for (size_t n; (n = c->cq->poll(std::span(wcs, 32))) > 0;) {
           c->on_completions(std::span(wcs, n));
@@ -174,13 +166,13 @@ struct CompletionReaper::Impl {
     pollfd pfds[ClientSession::kMaxPaths + 1];
     uint32_t n = 0;
     for (uint32_t i = 0; i < nheld; ++i) pfds[n++] = pollfd{held[i]->cq->fd(), POLLIN, 0};
-    pfds[n++] = pollfd{port->evfd, POLLIN, 0};
+    pfds[n++] = pollfd{port->evfd.get(), POLLIN, 0};
     const auto us = wait.count();
     timespec ts{static_cast<time_t>(us / 1000000), static_cast<long>(us % 1000000) * 1000};
     if (::ppoll(pfds, n, forever ? nullptr : &ts, nullptr) <= 0) return 0;
     if (pfds[n - 1].revents != 0) {
       uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(port->evfd, &v, sizeof(v));
+      [[maybe_unused]] ssize_t r = ::read(port->evfd.get(), &v, sizeof(v));
     }
     uint32_t ready = 0;
     for (uint32_t i = 0; i < nheld; ++i) {
@@ -242,7 +234,7 @@ Result<size_t> CompletionReaper::reap(std::chrono::microseconds wait) {
   const bool forever = wait == std::chrono::microseconds::max();
   // Waited on through fd(): the events that made it readable are consumed here (a verbs
   // completion channel stays readable until they are read).
-  if (m.epfd >= 0 && !block) {
+  if (m.epfd && !block) {
     for (uint32_t i = 0; i < m.nheld; ++i)
       if (!m.held[i]->cq->level_triggered()) m.held[i]->cq->ack_events();
   }
@@ -280,9 +272,9 @@ void CompletionReaper::wake() { impl_->port->wake(); }
 
 Result<int> CompletionReaper::fd() {
   Impl& m = *impl_;
-  if (m.epfd >= 0) return m.epfd;
-  const int fd = ::epoll_create1(EPOLL_CLOEXEC);
-  if (fd < 0) return errc(errno);
+  if (m.epfd) return m.epfd.get();  // the caller borrows it: it lives as long as the reaper
+  base::UniqueFd fd(::epoll_create1(EPOLL_CLOEXEC));
+  if (!fd) return errc(errno);
   // CQs held lent_idle from earlier calls never joined the set: back to their pollers, to be
   // borrowed (and watched) by the next reap().
   client::ReapPort& port = *m.port;
@@ -297,8 +289,8 @@ Result<int> CompletionReaper::fd() {
       }
     }
   }
-  m.epfd = fd;
-  return fd;
+  m.epfd = std::move(fd);
+  return m.epfd.get();
 }
 
 Result<std::unique_ptr<CompletionReaper>> ClientSession::make_reaper() {
@@ -307,8 +299,8 @@ Result<std::unique_ptr<CompletionReaper>> ClientSession::make_reaper() {
   const uint32_t ci = client::thread_ci(*s);
   auto port = std::make_shared<client::ReapPort>();
   port->ci = ci;
-  port->evfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (port->evfd < 0) return errc(errno);
+  port->evfd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!port->evfd) return errc(errno);
   auto impl = std::make_unique<CompletionReaper::Impl>();
   impl->s = s;
   impl->port = port;

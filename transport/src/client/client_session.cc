@@ -60,9 +60,9 @@ Session::~Session() {
   for (auto& port : reapers) {
     while (port && port->inside.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
   }
-  if (cancel_fd >= 0) {
+  if (cancel_fd) {
     const uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(cancel_fd, &one, sizeof(one));
+    [[maybe_unused]] ssize_t r = ::write(cancel_fd.get(), &one, sizeof(one));
   }
   for (auto& p : all_paths) {
     std::lock_guard lock(p->info_mu);
@@ -96,7 +96,7 @@ Session::~Session() {
     for (auto& w : wins) w.reset();
   }
   if (iu != nullptr) ::munmap(iu, iu_len);
-  if (cancel_fd >= 0) ::close(cancel_fd);
+  cancel_fd.reset();  // last, as it always was (the worker that connects with it has stopped)
 }
 
 }  // namespace client
@@ -144,8 +144,8 @@ Result<std::unique_ptr<ClientSession>> ClientSession::open(ClientOptions options
     impl->io_pollers.push_back(std::move(p));
   }
   BASE_ASSIGN_OR_RETURN(impl->svc_poller, core::Poller::start("ibtrs-c-svc", impl->nio, core::PollMode::block));
-  impl->cancel_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (impl->cancel_fd < 0) return errc(errno);
+  impl->cancel_fd.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!impl->cancel_fd) return errc(errno);
   impl->worker = std::make_unique<base::Worker>();
   Impl* s = impl.get();
   BASE_TRY(s->worker->call([s] { return s->open_paths(); }));

@@ -39,39 +39,31 @@ const char* to_string(PollMode m) {
 }
 
 Result<std::unique_ptr<Poller>> Poller::start(std::string name, uint32_t index, PollMode mode) {
-  int epfd = ::epoll_create1(EPOLL_CLOEXEC);
-  if (epfd < 0) return errc(errno);
-  int evfd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (evfd < 0) {
-    int e = errno;
-    ::close(epfd);
-    return errc(e);
-  }
+  base::UniqueFd epfd(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epfd) return errc(errno);
+  base::UniqueFd evfd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!evfd) return errc(errno);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = nullptr;  // the wake-up eventfd
-  if (::epoll_ctl(epfd, EPOLL_CTL_ADD, evfd, &ev) != 0) {
-    int e = errno;
-    ::close(epfd);
-    ::close(evfd);
-    return errc(e);
-  }
-  std::unique_ptr<Poller> p(new Poller(std::move(name), index, mode, epfd, evfd));
+  if (::epoll_ctl(epfd.get(), EPOLL_CTL_ADD, evfd.get(), &ev) != 0) return errc(errno);
+  std::unique_ptr<Poller> p(new Poller(std::move(name), index, mode, std::move(epfd), std::move(evfd)));
   // Without its files the policy still backs off on preempted and missed spins.
   if (mode == PollMode::adaptive) p->load_ = std::make_unique<CpuLoadSampler>();
   p->thread_ = std::thread([raw = p.get()] { raw->loop(); });
   return p;
 }
 
-Poller::Poller(std::string name, uint32_t index, PollMode mode, int epfd, int evfd)
-    : name_(std::move(name)), index_(index), mode_(mode), epfd_(epfd), evfd_(evfd) {}
+Poller::Poller(std::string name, uint32_t index, PollMode mode, base::UniqueFd epfd,
+               base::UniqueFd evfd)
+    : name_(std::move(name)), index_(index), mode_(mode), epfd_(std::move(epfd)),
+      evfd_(std::move(evfd)) {}
 
 Poller::~Poller() {
   stop_.store(true, std::memory_order_seq_cst);
   wake();
   if (thread_.joinable()) thread_.join();
-  ::close(epfd_);
-  ::close(evfd_);
+  // epfd_ and evfd_ close with the members, after the thread that waits on them has ended.
 }
 
 IoThreadWaitStats Poller::wait_stats() const {
@@ -92,7 +84,7 @@ IoThreadWaitStats Poller::wait_stats() const {
 void Poller::wake() {
   if (!sleeping_.load(std::memory_order_seq_cst)) return;
   uint64_t one = 1;
-  [[maybe_unused]] ssize_t r = ::write(evfd_, &one, sizeof(one));
+  [[maybe_unused]] ssize_t r = ::write(evfd_.get(), &one, sizeof(one));
 }
 
 void Poller::post(Task t) {
@@ -139,7 +131,7 @@ void Poller::set_muted(fabric::CompletionQueue* cq, bool muted) {
   epoll_event ev{};
   ev.events = muted ? 0u : static_cast<uint32_t>(EPOLLIN);
   ev.data.ptr = cq;
-  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, cq->fd(), &ev);  // ENOENT: detached meanwhile, nothing to do
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, cq->fd(), &ev);  // ENOENT: detached meanwhile, nothing to do
 }
 
 bool Poller::take(const Entry& e, Clock::time_point now) {
@@ -173,11 +165,11 @@ void Poller::attach(fabric::CompletionQueue* cq, CqHandler* handler) {
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.ptr = cq;
-  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, cq->fd(), &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, cq->fd(), &ev);
 }
 
 void Poller::detach(fabric::CompletionQueue* cq) {
-  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, cq->fd(), nullptr);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_DEL, cq->fd(), nullptr);
   std::erase_if(cqs_, [&](const Entry& e) { return e.cq == cq; });
 }
 
@@ -187,11 +179,11 @@ void Poller::add_source(PollSource* s) {
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = kSourceTag;
-  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, s->fd(), &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, s->fd(), &ev);
 }
 
 void Poller::remove_source(PollSource* s) {
-  if (s->fd() >= 0) ::epoll_ctl(epfd_, EPOLL_CTL_DEL, s->fd(), nullptr);
+  if (s->fd() >= 0) ::epoll_ctl(epfd_.get(), EPOLL_CTL_DEL, s->fd(), nullptr);
   std::erase(sources_, s);
 }
 
@@ -266,12 +258,12 @@ size_t Poller::sleep_until(Clock::time_point deadline) {
   auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
   int ms = static_cast<int>(std::clamp<int64_t>(left.count(), 0, kMaxSleep.count()));
   epoll_event evs[16];
-  int k = ::epoll_wait(epfd_, evs, 16, ms);
+  int k = ::epoll_wait(epfd_.get(), evs, 16, ms);
   sleeping_.store(false, std::memory_order_seq_cst);
   for (int i = 0; i < k; ++i) {
     if (evs[i].data.ptr == nullptr) {
       uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(evfd_, &v, sizeof(v));
+      [[maybe_unused]] ssize_t r = ::read(evfd_.get(), &v, sizeof(v));
       continue;
     }
     if (evs[i].data.u64 == kSourceTag) continue;

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "ibtrs/hybrid_poll.h"
 #include "ibtrs/cpu_load.h"
 #include "fabric/fabric.h"
@@ -136,7 +137,7 @@ class Poller {
   const std::string& name() const { return name_; }
 
  private:
-  Poller(std::string name, uint32_t index, PollMode mode, int epfd, int evfd);
+  Poller(std::string name, uint32_t index, PollMode mode, base::UniqueFd epfd, base::UniqueFd evfd);
   void loop();
   void run_tasks();
   Clock::time_point run_timers();
@@ -163,8 +164,8 @@ class Poller {
   const std::string name_;
   const uint32_t index_;
   const PollMode mode_;
-  const int epfd_;
-  const int evfd_;
+  const base::UniqueFd epfd_;
+  const base::UniqueFd evfd_;
   std::vector<Entry> cqs_;  // poller thread only
   std::vector<PollSource*> sources_;  // poller thread only
   size_t poll_sources();

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "base/unique_fd.h"
+
 namespace ibtrs {
 namespace {
 
@@ -35,10 +37,10 @@ void fill(void* out, size_t len) {
     }
     if (n < 0 && errno == EINTR) continue;
     // No getrandom (ENOSYS, kernels < 3.17): the same pool through its device.
-    int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) std::abort();
+    base::UniqueFd fd(::open("/dev/urandom", O_RDONLY | O_CLOEXEC));  // closes after the loop
+    if (!fd) std::abort();
     while (got < len) {
-      ssize_t r = ::read(fd, p + got, len - got);
+      ssize_t r = ::read(fd.get(), p + got, len - got);
       if (r > 0) {
         got += static_cast<size_t>(r);
       } else if (r < 0 && errno == EINTR) {
@@ -47,7 +49,6 @@ void fill(void* out, size_t len) {
         std::abort();
       }
     }
-    ::close(fd);
   }
 }
 

@@ -32,6 +32,8 @@
 #include <fstream>
 #include <mutex>
 
+#include "base/unique_fd.h"
+
 #ifndef SOL_TLS
 #define SOL_TLS 282
 #endif
@@ -782,40 +784,39 @@ bool kernel_tls_available() {
     // through it: the kernel's layer is trusted only once it has moved a record. The first use
     // of kTLS in a kernel loads modules and instantiates and self-tests the AEADs (12 s under
     // QEMU TCG in the VM rig), which is why Context::create() pays it, not a handshake.
-    int l = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (l < 0) return false;
+    base::UniqueFd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!l) return false;
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     socklen_t len = sizeof(a);
     bool ok = false;
-    int c = -1, s = -1;
-    if (::bind(l, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(l, 4) == 0 &&
-        ::getsockname(l, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-      c = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      if (c >= 0 && ::connect(c, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) s = ::accept4(l, nullptr, nullptr, SOCK_CLOEXEC);
-      ok = s >= 0 && ::setsockopt(c, SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0;
+    base::UniqueFd s, c;  // declared after l, s before c: they close c, s, then l
+    if (::bind(l.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(l.get(), 4) == 0 &&
+        ::getsockname(l.get(), reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      c.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      if (c && ::connect(c.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0)
+        s.reset(::accept4(l.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      ok = s && ::setsockopt(c.get(), SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0;
     }
     if (ok) {
       const std::vector<unsigned char> secret(32, 0x5a);
       const Suite* suite = suite_by_id(0x1301);
-      bool exchanged = ::setsockopt(s, SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0 &&
-                       install_kernel_keys(c, TLS_TX, *suite, secret) &&
-                       install_kernel_keys(s, TLS_RX, *suite, secret);
+      bool exchanged = ::setsockopt(s.get(), SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0 &&
+                       install_kernel_keys(c.get(), TLS_TX, *suite, secret) &&
+                       install_kernel_keys(s.get(), TLS_RX, *suite, secret);
       if (exchanged) {
         const char ping[] = "ibtrs-ktls-probe";
         char got[sizeof(ping)] = {};
         timeval tv{2, 0};
-        ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-        exchanged = ::send(c, ping, sizeof(ping), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(ping)) &&
-                    ::recv(s, got, sizeof(got), MSG_WAITALL) == static_cast<ssize_t>(sizeof(got)) &&
+        ::setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        exchanged = ::send(c.get(), ping, sizeof(ping), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(ping)) &&
+                    ::recv(s.get(), got, sizeof(got), MSG_WAITALL) == static_cast<ssize_t>(sizeof(got)) &&
                     std::memcmp(got, ping, sizeof(ping)) == 0;
       }
       // Without a working exchange the kernel's layer is not trusted: userspace it is.
       ok = exchanged;
     }
-    for (int fd : {c, s, l})
-      if (fd >= 0) ::close(fd);
     return ok;
   }();
   return available;
@@ -910,8 +911,8 @@ Result<Psk> generate_psk(std::string identity) {
 
 Status write_psk_file(const std::string& path, const Psk& psk, bool overwrite) {
   if (!valid_psk(psk)) return errc(EINVAL);
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (overwrite ? O_TRUNC : O_EXCL), 0600);
-  if (fd < 0) return errc(errno);
+  base::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (overwrite ? O_TRUNC : O_EXCL), 0600));
+  if (!fd) return errc(errno);
   std::string line = psk.identity + ":";
   static const char kHex[] = "0123456789abcdef";
   for (std::byte b : psk.key) {
@@ -919,10 +920,10 @@ Status write_psk_file(const std::string& path, const Psk& psk, bool overwrite) {
     line += kHex[static_cast<uint8_t>(b) & 15];
   }
   line += '\n';
-  const bool ok = ::fchmod(fd, 0600) == 0 && ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+  const bool ok = ::fchmod(fd.get(), 0600) == 0 &&
+                  ::write(fd.get(), line.data(), line.size()) == static_cast<ssize_t>(line.size());
   const int e = errno;
   OPENSSL_cleanse(line.data(), line.size());
-  ::close(fd);
   return ok ? Status{} : Status{errc(e)};
 }
 

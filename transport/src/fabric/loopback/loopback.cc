@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 
+#include "base/unique_fd.h"
 #include "fabric/mr_table.h"
 #include "fabric/providers.h"
 
@@ -128,31 +129,28 @@ class LbCq final : public CompletionQueue {
   static Result<std::unique_ptr<CompletionQueue>> create(uint32_t capacity) {
     if (capacity == 0) return errc(EINVAL);
     std::unique_ptr<LbCq> cq(new LbCq(capacity));
-    cq->fd_ = ::epoll_create1(EPOLL_CLOEXEC);
-    cq->efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    cq->tfd_ = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (cq->fd_ < 0 || cq->efd_ < 0 || cq->tfd_ < 0) return errc(errno);
-    for (int f : {cq->efd_, cq->tfd_}) {
+    cq->fd_.reset(::epoll_create1(EPOLL_CLOEXEC));
+    cq->efd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    cq->tfd_.reset(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+    if (!cq->fd_ || !cq->efd_ || !cq->tfd_) return errc(errno);
+    for (int f : {cq->efd_.get(), cq->tfd_.get()}) {
       epoll_event ev{};
       ev.events = EPOLLIN;
-      if (::epoll_ctl(cq->fd_, EPOLL_CTL_ADD, f, &ev) != 0) return errc(errno);
+      if (::epoll_ctl(cq->fd_.get(), EPOLL_CTL_ADD, f, &ev) != 0) return errc(errno);
     }
     return std::unique_ptr<CompletionQueue>(std::move(cq));
   }
-  ~LbCq() override {
-    for (int f : {fd_, efd_, tfd_}) {
-      if (f >= 0) ::close(f);
-    }
-  }
+  // fd_, efd_ and tfd_ close with the members: nothing polls a CQ being destroyed.
+  ~LbCq() override = default;
 
   size_t poll(std::span<Completion> out) override;
   size_t wait(std::span<Completion> out, std::chrono::milliseconds timeout) override;
-  int fd() const override { return fd_; }
+  int fd() const override { return fd_.get(); }
   ibtrs::Status arm() override { return {}; }
   void ack_events() override {
     uint64_t v;
-    [[maybe_unused]] ssize_t r = ::read(efd_, &v, sizeof(v));
-    r = ::read(tfd_, &v, sizeof(v));
+    [[maybe_unused]] ssize_t r = ::read(efd_.get(), &v, sizeof(v));
+    r = ::read(tfd_.get(), &v, sizeof(v));
   }
 
   // World lock held. A completion shows at `at` (late_completion), and never before the ones
@@ -168,7 +166,7 @@ class LbCq final : public CompletionQueue {
   }
   void signal() {
     uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(efd_, &one, sizeof(one));
+    [[maybe_unused]] ssize_t r = ::write(efd_.get(), &one, sizeof(one));
   }
   // Makes fd() readable at `t` unless it already will be earlier. World lock held.
   void wake_at(Clock::time_point t) {
@@ -194,16 +192,16 @@ class LbCq final : public CompletionQueue {
       its.it_value.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
       its.it_value.tv_nsec = static_cast<long>(ns % 1'000'000'000);
     }
-    [[maybe_unused]] int r = ::timerfd_settime(tfd_, TFD_TIMER_ABSTIME, &its, nullptr);
+    [[maybe_unused]] int r = ::timerfd_settime(tfd_.get(), TFD_TIMER_ABSTIME, &its, nullptr);
     timer_armed_ = t.has_value();
     if (t) timer_at_ = *t;
   }
   // After delivering: the timer follows the earliest frame still waiting. World lock held.
   void rearm_for_pending(Clock::time_point now);
 
-  int fd_ = -1;
-  int efd_ = -1;
-  int tfd_ = -1;
+  base::UniqueFd fd_;   // the epoll set of efd_ and tfd_
+  base::UniqueFd efd_;
+  base::UniqueFd tfd_;
   bool timer_armed_ = false;
   Clock::time_point timer_at_{};
   uint32_t reserved_ = 0;
@@ -558,7 +556,7 @@ size_t LbCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout) 
       }
     }
     auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(until - now).count() + 1;
-    pollfd pfd{fd_, POLLIN, 0};
+    pollfd pfd{fd_.get(), POLLIN, 0};
     if (::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(ms, INT32_MAX))) > 0) ack_events();
   }
 }
@@ -582,7 +580,8 @@ struct PendingConnect {
 
 class LbListener final : public Listener {
  public:
-  LbListener(LbDomain& d, Address addr, int efd) : domain_(d), addr_(std::move(addr)), efd_(efd) {}
+  LbListener(LbDomain& d, Address addr, base::UniqueFd efd)
+      : domain_(d), addr_(std::move(addr)), efd_(std::move(efd)) {}
   ~LbListener() override {
     std::lock_guard lock(world_mu());
     listeners().erase(endpoint_key(addr_));
@@ -591,10 +590,10 @@ class LbListener final : public Listener {
       p->error = ECONNREFUSED;
       p->cv.notify_all();
     }
-    ::close(efd_);
+    efd_.reset();  // under the world lock, as it always was
   }
   Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) override;
-  int fd() const override { return efd_; }
+  int fd() const override { return efd_.get(); }
   const Address& address() const override { return addr_; }
 
   // World lock held.
@@ -602,7 +601,7 @@ class LbListener final : public Listener {
     queue_.push_back(std::move(p));
     cv_.notify_all();
     uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(efd_, &one, sizeof(one));
+    [[maybe_unused]] ssize_t r = ::write(efd_.get(), &one, sizeof(one));
   }
   void withdraw(const std::shared_ptr<PendingConnect>& p) {
     std::erase(queue_, p);
@@ -611,14 +610,14 @@ class LbListener final : public Listener {
   // World lock held: fd() goes quiet (nothing waits any more).
   void drain_fd() {
     uint64_t v;
-    [[maybe_unused]] ssize_t r = ::read(efd_, &v, sizeof(v));
+    [[maybe_unused]] ssize_t r = ::read(efd_.get(), &v, sizeof(v));
   }
   LbDomain& domain() { return domain_; }
 
  private:
   LbDomain& domain_;
   Address addr_;
-  int efd_;
+  base::UniqueFd efd_;
   std::deque<std::shared_ptr<PendingConnect>> queue_;
   std::condition_variable cv_;
 };
@@ -783,8 +782,8 @@ class LbFabric final : public Fabric {
   Result<std::unique_ptr<Listener>> listen(const Address& local, const ListenOptions& o) override {
     if (o.tls || o.tls_required) return errc(EPROTONOSUPPORT);
     if (local.fabric != FabricKind::loopback || local.name.empty()) return errc(EINVAL);
-    int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (efd < 0) return errc(errno);
+    base::UniqueFd efd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!efd) return errc(errno);
     std::lock_guard lock(world_mu());
     Address a = local;
     if (a.port == 0) {
@@ -794,11 +793,8 @@ class LbFabric final : public Fabric {
         if (listeners().count(endpoint_key(a)) == 0) break;
       }
     }
-    if (listeners().count(endpoint_key(a)) != 0) {
-      ::close(efd);
-      return errc(EADDRINUSE);
-    }
-    auto l = std::make_unique<LbListener>(domain_, a, efd);
+    if (listeners().count(endpoint_key(a)) != 0) return errc(EADDRINUSE);  // efd closes
+    auto l = std::make_unique<LbListener>(domain_, a, std::move(efd));
     listeners()[endpoint_key(a)] = l.get();
     return std::unique_ptr<Listener>(std::move(l));
   }

@@ -78,7 +78,7 @@ void RdmaFabric::run() {
       if (stop_) return;
       if (seen_gen != domains_gen_) {
         seen_gen = domains_gen_;
-        fds.assign({pollfd{wake_fd_, POLLIN, 0}, pollfd{channel_->fd, POLLIN, 0}});
+        fds.assign({pollfd{wake_fd_.get(), POLLIN, 0}, pollfd{channel_->fd, POLLIN, 0}});
         fd_ctx.clear();
         for (auto& [ctx, domain] : domains_) {
           fds.push_back(pollfd{ctx->async_fd, POLLIN, 0});
@@ -94,7 +94,7 @@ void RdmaFabric::run() {
     if (::poll(fds.data(), fds.size(), -1) < 0) continue;
     if (fds[0].revents & POLLIN) {
       uint64_t v;
-      ssize_t r = ::read(wake_fd_, &v, sizeof(v));
+      ssize_t r = ::read(wake_fd_.get(), &v, sizeof(v));
       (void)r;
     }
     if (fds[1].revents & POLLIN) handle_cm_events();
@@ -204,13 +204,13 @@ Result<std::unique_ptr<Fabric>> make_rdma_fabric(const FabricOptions& /*options*
     rdma_free_devices(devices);
     return errc(ENODEV);
   }
-  int wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (wake_fd < 0) {
+  base::UniqueFd wake_fd(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!wake_fd) {
     auto err = rdma::last_error();
     rdma_free_devices(devices);
     return err;
   }
-  return std::unique_ptr<Fabric>(new rdma::RdmaFabric(devices, std::move(channel), wake_fd));
+  return std::unique_ptr<Fabric>(new rdma::RdmaFabric(devices, std::move(channel), std::move(wake_fd)));
 }
 
 }  // namespace ibtrs::fabric

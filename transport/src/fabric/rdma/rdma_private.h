@@ -72,6 +72,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "fabric/secure_random.h"
 #include "fabric/fabric.h"
 
@@ -423,8 +424,8 @@ std::unique_ptr<Connection> make_connection(std::shared_ptr<ConnCore> core);
 
 class RdmaFabric final : public Fabric {
  public:
-  RdmaFabric(ibv_context** devices, ChannelPtr channel, int wake_fd)
-      : devices_(devices), channel_(std::move(channel)), wake_fd_(wake_fd) {
+  RdmaFabric(ibv_context** devices, ChannelPtr channel, base::UniqueFd wake_fd)
+      : devices_(devices), channel_(std::move(channel)), wake_fd_(std::move(wake_fd)) {
     thread_ = std::thread([this] { run(); });
   }
   ~RdmaFabric() override {
@@ -436,7 +437,7 @@ class RdmaFabric final : public Fabric {
     thread_.join();
     domains_.clear();
     channel_.reset();
-    ::close(wake_fd_);
+    wake_fd_.reset();  // after the event thread and the channel, before the devices
     rdma_free_devices(devices_);
   }
 
@@ -476,7 +477,7 @@ class RdmaFabric final : public Fabric {
  private:
   void wake() {
     uint64_t one = 1;
-    ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+    ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
     (void)n;  // the counter saturating still leaves the fd readable
   }
   void run();
@@ -491,7 +492,7 @@ class RdmaFabric final : public Fabric {
 
   ibv_context** devices_;  // rdma_get_devices: keeps librdmacm's device contexts open
   ChannelPtr channel_;
-  int wake_fd_;
+  base::UniqueFd wake_fd_;
   std::thread thread_;
 
   std::mutex mu_;

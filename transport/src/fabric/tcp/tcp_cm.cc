@@ -112,12 +112,14 @@ void set_nodelay(int fd) {
 
 class TcpConnectRequest final : public HeldConnectRequest {
  public:
-  TcpConnectRequest(TcpDomain& d, int sock, std::vector<std::byte> pd, std::unique_ptr<tls::Session> tls)
-      : HeldConnectRequest(std::move(pd), address_of(sock, false), address_of(sock, true)),
-        domain_(d), sock_(sock), tls_(std::move(tls)) {}
+  TcpConnectRequest(TcpDomain& d, base::UniqueFd sock, std::vector<std::byte> pd,
+                    std::unique_ptr<tls::Session> tls)
+      : HeldConnectRequest(std::move(pd), address_of(sock.get(), false), address_of(sock.get(), true)),
+        domain_(d), sock_(std::move(sock)), tls_(std::move(tls)) {}
   ~TcpConnectRequest() override {
+    // The session ends before its socket closes (it does not own the socket).
     tls_.reset();
-    if (sock_ >= 0) ::close(sock_);
+    sock_.reset();
   }
   std::string tls_identity() const override { return tls_ != nullptr ? tls_->peer_identity() : std::string(); }
   Domain& domain() override;
@@ -127,19 +129,18 @@ class TcpConnectRequest final : public HeldConnectRequest {
                                              std::span<const std::byte> private_data,
                                              ConnectionEvents events) override;
   ibtrs::Status reject(std::span<const std::byte> private_data) override {
-    if (sock_ < 0) return errc(EINVAL);
+    if (!sock_) return errc(EINVAL);
     if (private_data.size() > kMaxPrivateData) return errc(EINVAL);
     HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictReject, private_data);
-    auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout, -1, tls_.get());
+    auto st = io_all(sock_.get(), &f, sizeof(f), true, Clock::now() + kHandshakeTimeout, -1, tls_.get());
     tls_.reset();
-    ::close(sock_);
-    sock_ = -1;
+    sock_.reset();
     return st;
   }
 
  private:
   TcpDomain& domain_;
-  int sock_;
+  base::UniqueFd sock_;  // -1: handed to the connection, or rejected
   std::unique_ptr<tls::Session> tls_;
 };
 
@@ -149,11 +150,11 @@ class TcpConnectRequest final : public HeldConnectRequest {
 // return or to expire (fabric.h, Listener).
 class TcpListener final : public Listener {
  public:
-  static Result<std::unique_ptr<Listener>> create(TcpDomain& d, int sock, size_t max_pending,
+  static Result<std::unique_ptr<Listener>> create(TcpDomain& d, base::UniqueFd sock, size_t max_pending,
                                                   std::shared_ptr<tls::Context> tls, bool tls_required);
   ~TcpListener() override;
   Result<std::unique_ptr<ConnectRequest>> get_request(std::chrono::milliseconds timeout) override;
-  int fd() const override { return epfd_; }
+  int fd() const override { return epfd_.get(); }
   const Address& address() const override { return addr_; }
   Drops drops() const override {
     return {timed_out_.load(std::memory_order_relaxed), overflow_.load(std::memory_order_relaxed),
@@ -165,7 +166,7 @@ class TcpListener final : public Listener {
   // epoll ids: the listening socket, the timer, then one per pending socket in arrival order.
   enum : uint64_t { kListenId = 0, kTimerId = 1, kFirstPendingId = 2 };
   struct Pending {
-    int sock;
+    base::UniqueFd sock;  // declared before tls: the session goes first
     Clock::time_point deadline;
     // first: telling TLS from plaintext by the first bytes; tls: its handshake; frame: the
     // CONNECT_REQ (through TLS when the peer started it).
@@ -176,9 +177,10 @@ class TcpListener final : public Listener {
   };
   using PendingMap = std::map<uint64_t, Pending>;
 
-  TcpListener(TcpDomain& d, int sock, int epfd, int tfd, size_t max_pending,
-              std::shared_ptr<tls::Context> tls, bool tls_required)
-      : domain_(d), sock_(sock), epfd_(epfd), tfd_(tfd), addr_(address_of(sock, false)),
+  TcpListener(TcpDomain& d, base::UniqueFd sock, base::UniqueFd epfd, base::UniqueFd tfd,
+              size_t max_pending, std::shared_ptr<tls::Context> tls, bool tls_required)
+      : domain_(d), sock_(std::move(sock)), epfd_(std::move(epfd)), tfd_(std::move(tfd)),
+        addr_(address_of(sock_.get(), false)),
         max_pending_(max_pending), tls_(std::move(tls)), tls_required_(tls_required) {}
   // The stage of pending socket `it` that decides between TLS and plaintext. False: not yet
   // decided (or dropped: `it` is then gone).
@@ -198,9 +200,10 @@ class TcpListener final : public Listener {
   void watch_listen_socket(bool on);
 
   TcpDomain& domain_;
-  int sock_;
-  int epfd_;
-  int tfd_;
+  // Closed by the destructor in reverse order (the timer, the epoll set, then the socket).
+  base::UniqueFd sock_;
+  base::UniqueFd epfd_;
+  base::UniqueFd tfd_;
   Address addr_;
   size_t max_pending_;
   uint64_t next_id_ = kFirstPendingId;
@@ -219,30 +222,28 @@ Result<std::unique_ptr<Connection>> TcpConnectRequest::accept(
     Domain& pd_base, CompletionQueue& cq, const QueueCaps& caps,
     std::span<const std::byte> private_data, ConnectionEvents events) {
   auto* pd = dynamic_cast<TcpDomain*>(&pd_base);
-  if (sock_ < 0 || private_data.size() > kMaxPrivateData || pd == nullptr ||
+  if (!sock_ || private_data.size() > kMaxPrivateData || pd == nullptr ||
       pd->device() != domain_.device())
     return errc(EINVAL);
   BASE_TRY(pd->reserve(cq, caps));
   // The response goes out before the connection is attached: the client sends nothing before
   // it has read the response, and its frames wait in the socket until we attach.
   HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictAccept, private_data);
-  auto st = io_all(sock_, &f, sizeof(f), true, Clock::now() + kHandshakeTimeout, -1, tls_.get());
+  auto st = io_all(sock_.get(), &f, sizeof(f), true, Clock::now() + kHandshakeTimeout, -1, tls_.get());
   if (!st) {
     static_cast<TcpCq&>(cq).unreserve(caps.max_send_wr + caps.max_recv_wr);
     return st.error();
   }
   // The connection is the domain's: its peer's writes are checked against pd's keys only.
-  auto conn = pd->make_connection(cq, sock_, caps, std::move(events), std::move(tls_));
-  sock_ = -1;
-  return conn;
+  return pd->make_connection(cq, std::move(sock_), caps, std::move(events), std::move(tls_));
 }
 
-Result<std::unique_ptr<Connection>> TcpDomain::make_connection(CompletionQueue& cq, int sock,
+Result<std::unique_ptr<Connection>> TcpDomain::make_connection(CompletionQueue& cq, base::UniqueFd sock,
                                                                const QueueCaps& caps,
                                                                ConnectionEvents events,
                                                                std::unique_ptr<tls::Session> tls) {
-  set_nodelay(sock);
-  auto c = std::make_unique<TcpConnection>(static_cast<TcpCq&>(cq), sock, caps, std::move(events),
+  set_nodelay(sock.get());
+  auto c = std::make_unique<TcpConnection>(static_cast<TcpCq&>(cq), std::move(sock), caps, std::move(events),
                                            mrs_, std::move(tls));
   c->attach();
   return std::unique_ptr<Connection>(std::move(c));
@@ -259,31 +260,31 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
     return errc(e);
   };
   const auto deadline = Clock::now() + p.timeout;
-  int sock = ::socket(p.remote.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (sock < 0) return fail(errno);
+  base::UniqueFd sock(::socket(p.remote.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!sock) return fail(errno);
   auto close_fail = [&](int e) {
-    ::close(sock);
+    sock.reset();
     return fail(e);
   };
   if (p.source != nullptr) {
     Address src = p.source->with_port(0);
-    if (::bind(sock, src.sockaddr_ptr(), src.sockaddr_len()) != 0) return close_fail(errno);
+    if (::bind(sock.get(), src.sockaddr_ptr(), src.sockaddr_len()) != 0) return close_fail(errno);
   }
-  if (::connect(sock, p.remote.sockaddr_ptr(), p.remote.sockaddr_len()) != 0) {
+  if (::connect(sock.get(), p.remote.sockaddr_ptr(), p.remote.sockaddr_len()) != 0) {
     if (errno != EINPROGRESS) return close_fail(errno);
-    int r = wait_fd(sock, POLLOUT, deadline, p.cancel_fd);
+    int r = wait_fd(sock.get(), POLLOUT, deadline, p.cancel_fd);
     if (r == 0) return close_fail(ETIMEDOUT);
     if (r < 0) return close_fail(-r);
     int err = 0;
     socklen_t len = sizeof(err);
-    ::getsockopt(sock, SOL_SOCKET, SO_ERROR, &err, &len);
+    ::getsockopt(sock.get(), SOL_SOCKET, SO_ERROR, &err, &len);
     if (err != 0) return close_fail(err);
   }
-  set_nodelay(sock);
+  set_nodelay(sock.get());
   std::unique_ptr<tls::Session> session;
   if (p.tls) {
     // TLS first: the provider's own handshake, and everything after it, goes through it.
-    auto ts = tls::Session::create(p.tls, sock);
+    auto ts = tls::Session::create(p.tls, sock.get());
     if (!ts.ok()) return close_fail(ts.error().value());
     session = std::move(*ts);
     if (auto st = session->handshake(deadline, p.cancel_fd); !st) {
@@ -297,10 +298,10 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
     return close_fail(e);
   };
   HandshakeFrame req = make_handshake(FrameType::connect_req, 0, p.private_data);
-  if (auto st = io_all(sock, &req, sizeof(req), true, deadline, p.cancel_fd, session.get()); !st)
+  if (auto st = io_all(sock.get(), &req, sizeof(req), true, deadline, p.cancel_fd, session.get()); !st)
     return tls_fail(st.error().value());
   HandshakeFrame rsp;
-  if (auto st = io_all(sock, &rsp, sizeof(rsp), false, deadline, p.cancel_fd, session.get()); !st)
+  if (auto st = io_all(sock.get(), &rsp, sizeof(rsp), false, deadline, p.cancel_fd, session.get()); !st)
     return tls_fail(st.error().value());
   if (!handshake_valid(rsp, FrameType::connect_rsp)) return tls_fail(EPROTO);
   std::vector<std::byte> pd = private_data_of(rsp);
@@ -309,45 +310,38 @@ Result<ConnectResult> TcpDomain::connect(const ConnectParams& p, std::vector<std
     if (reject_data != nullptr) *reject_data = std::move(pd);
     return tls_fail(ECONNREFUSED);
   }
-  auto c = make_connection(*p.cq, sock, p.caps, p.events, std::move(session));
+  auto c = make_connection(*p.cq, std::move(sock), p.caps, p.events, std::move(session));
   return ConnectResult{std::move(c).value(), std::move(pd)};
 }
 
-Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, int sock, size_t max_pending,
+Result<std::unique_ptr<Listener>> TcpListener::create(TcpDomain& d, base::UniqueFd sock, size_t max_pending,
                                                       std::shared_ptr<tls::Context> tls, bool tls_required) {
-  int ep = ::epoll_create1(EPOLL_CLOEXEC);
-  if (ep < 0) return errc(errno);
-  int tfd = ::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-  if (tfd < 0) {
-    int e = errno;
-    ::close(ep);
-    return errc(e);
-  }
+  base::UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+  if (!ep) return errc(errno);
+  base::UniqueFd tfd(::timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC));
+  if (!tfd) return errc(errno);
   // From here the listener owns the three fds.
-  std::unique_ptr<TcpListener> l(new TcpListener(d, sock, ep, tfd, max_pending, std::move(tls), tls_required));
+  std::unique_ptr<TcpListener> l(new TcpListener(d, std::move(sock), std::move(ep), std::move(tfd),
+                                                 max_pending, std::move(tls), tls_required));
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = kListenId;
-  if (::epoll_ctl(ep, EPOLL_CTL_ADD, sock, &ev) != 0) return errc(errno);
+  if (::epoll_ctl(l->epfd_.get(), EPOLL_CTL_ADD, l->sock_.get(), &ev) != 0) return errc(errno);
   ev.data.u64 = kTimerId;
-  if (::epoll_ctl(ep, EPOLL_CTL_ADD, tfd, &ev) != 0) return errc(errno);
+  if (::epoll_ctl(l->epfd_.get(), EPOLL_CTL_ADD, l->tfd_.get(), &ev) != 0) return errc(errno);
   return std::unique_ptr<Listener>(std::move(l));
 }
 
 TcpListener::~TcpListener() {
-  for (auto& [id, p] : pending_) {
-    p.tls.reset();
-    ::close(p.sock);
-  }
-  ::close(tfd_);
-  ::close(epfd_);
-  ::close(sock_);
+  // The pending sockets first (each after its session: Pending's member order), then the
+  // members: tfd_, epfd_, sock_.
+  pending_.clear();
 }
 
 void TcpListener::drop(PendingMap::iterator it, std::atomic<uint64_t>& counter) {
   // Closing removes the socket from the epoll set.
   it->second.tls.reset();
-  ::close(it->second.sock);
+  it->second.sock.reset();
   pending_.erase(it);
   counter.fetch_add(1, std::memory_order_relaxed);
 }
@@ -365,7 +359,7 @@ void TcpListener::watch_listen_socket(bool on) {
   epoll_event ev{};
   ev.events = on ? EPOLLIN : 0u;
   ev.data.u64 = kListenId;
-  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, sock_, &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, sock_.get(), &ev);
 }
 
 void TcpListener::arm_timer() {
@@ -380,13 +374,13 @@ void TcpListener::arm_timer() {
     its.it_value.tv_nsec = static_cast<long>(std::max<int64_t>(ns, 1) % 1000000000);
   }
   // Setting the timer also clears an expiry not read yet.
-  ::timerfd_settime(tfd_, TFD_TIMER_ABSTIME, &its, nullptr);
+  ::timerfd_settime(tfd_.get(), TFD_TIMER_ABSTIME, &its, nullptr);
 }
 
 ibtrs::Status TcpListener::accept_new(Clock::time_point now) {
   for (;;) {
-    int s = ::accept4(sock_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (s < 0) {
+    base::UniqueFd s(::accept4(sock_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+    if (!s) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return {};
       const int e = errno;
@@ -403,12 +397,9 @@ ibtrs::Status TcpListener::accept_new(Clock::time_point now) {
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.u64 = id;
-    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, s, &ev) != 0) {
-      ::close(s);
-      continue;
-    }
+    if (::epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, s.get(), &ev) != 0) continue;  // s closes
     Pending& p = pending_[id];
-    p.sock = s;
+    p.sock = std::move(s);
     p.deadline = now + kHandshakeTimeout;
   }
 }
@@ -417,7 +408,7 @@ void TcpListener::watch(int sock, uint64_t id, uint32_t events) {
   epoll_event ev{};
   ev.events = events | EPOLLRDHUP;
   ev.data.u64 = id;
-  ::epoll_ctl(epfd_, EPOLL_CTL_MOD, sock, &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, sock, &ev);
 }
 
 bool TcpListener::classify(PendingMap::iterator it) {
@@ -425,7 +416,7 @@ bool TcpListener::classify(PendingMap::iterator it) {
   // A TLS ClientHello starts with a handshake record header; our CONNECT_REQ with its frame
   // type (1). Three bytes tell them apart without consuming anything.
   std::byte first[3];
-  ssize_t n = ::recv(p.sock, first, sizeof(first), MSG_PEEK | MSG_DONTWAIT);
+  ssize_t n = ::recv(p.sock.get(), first, sizeof(first), MSG_PEEK | MSG_DONTWAIT);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
   if (n <= 0) {
     drop(it, invalid_);
@@ -433,7 +424,7 @@ bool TcpListener::classify(PendingMap::iterator it) {
   }
   if (static_cast<size_t>(n) < sizeof(first) && static_cast<uint8_t>(first[0]) == 22) return false;  // wait
   if (tls_ != nullptr && tls::looks_like_tls(std::span(first, static_cast<size_t>(n)))) {
-    auto ts = tls::Session::create(tls_, p.sock);
+    auto ts = tls::Session::create(tls_, p.sock.get());
     if (!ts.ok()) {
       drop(it, tls_failed_);
       return false;
@@ -448,10 +439,10 @@ bool TcpListener::classify(PendingMap::iterator it) {
     // What it sent is read first: a socket closed with unread bytes resets the connection,
     // and the reset may overtake the answer.
     std::byte sink[512];
-    while (::recv(p.sock, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+    while (::recv(p.sock.get(), sink, sizeof(sink), MSG_DONTWAIT) > 0) {
     }
     HandshakeFrame f = make_handshake(FrameType::connect_rsp, kVerdictTlsRequired, {});
-    [[maybe_unused]] ssize_t w = ::send(p.sock, &f, sizeof(f), MSG_NOSIGNAL | MSG_DONTWAIT);
+    [[maybe_unused]] ssize_t w = ::send(p.sock.get(), &f, sizeof(f), MSG_NOSIGNAL | MSG_DONTWAIT);
     drop(it, plaintext_);
     return false;
   }
@@ -463,12 +454,12 @@ bool TcpListener::tls_step(PendingMap::iterator it) {
   Pending& p = it->second;
   auto st = p.tls->handshake_step();
   if (st.ok()) {
-    watch(p.sock, it->first, EPOLLIN);
+    watch(p.sock.get(), it->first, EPOLLIN);
     p.stage = Pending::Stage::frame;
     return true;
   }
   if (st.error() == std::errc::resource_unavailable_try_again) {
-    watch(p.sock, it->first, p.tls->want() == POLLOUT ? EPOLLOUT : EPOLLIN);
+    watch(p.sock.get(), it->first, p.tls->want() == POLLOUT ? EPOLLOUT : EPOLLIN);
     return false;
   }
   drop(it, tls_failed_);
@@ -488,7 +479,7 @@ std::unique_ptr<ConnectRequest> TcpListener::read_pending(uint64_t id) {
       iovec iov{reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got};
       n = p.tls->readv(&iov, 1);
     } else {
-      n = ::recv(p.sock, reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got, MSG_DONTWAIT);
+      n = ::recv(p.sock.get(), reinterpret_cast<char*>(&p.frame) + p.got, sizeof(p.frame) - p.got, MSG_DONTWAIT);
     }
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return nullptr;
     if (n <= 0) {
@@ -502,13 +493,13 @@ std::unique_ptr<ConnectRequest> TcpListener::read_pending(uint64_t id) {
     drop(it, invalid_);
     return nullptr;
   }
-  const int s = p.sock;
+  base::UniqueFd s = std::move(p.sock);
   std::vector<std::byte> pd = private_data_of(p.frame);
   epoll_event ev{};
-  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, s, &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_DEL, s.get(), &ev);
   auto session = std::move(p.tls);
   pending_.erase(it);
-  return std::make_unique<TcpConnectRequest>(domain_, s, std::move(pd), std::move(session));
+  return std::make_unique<TcpConnectRequest>(domain_, std::move(s), std::move(pd), std::move(session));
 }
 
 Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::milliseconds timeout) {
@@ -517,7 +508,7 @@ Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::mi
     const auto now = Clock::now();
     expire(now);
     epoll_event evs[kMaxEvents];
-    int n = ::epoll_wait(epfd_, evs, kMaxEvents, 0);
+    int n = ::epoll_wait(epfd_.get(), evs, kMaxEvents, 0);
     if (n < 0 && errno != EINTR) return errc(errno);
     std::unique_ptr<ConnectRequest> ready;
     ibtrs::Status failed;
@@ -528,7 +519,7 @@ Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::mi
         if (auto st = accept_new(now); !st) failed = st;
       } else if (id == kTimerId) {
         uint64_t ticks;
-        [[maybe_unused]] ssize_t r = ::read(tfd_, &ticks, sizeof(ticks));
+        [[maybe_unused]] ssize_t r = ::read(tfd_.get(), &ticks, sizeof(ticks));
       } else {
         ready = read_pending(id);
       }
@@ -539,7 +530,7 @@ Result<std::unique_ptr<ConnectRequest>> TcpListener::get_request(std::chrono::mi
     const int ms = remaining_ms(deadline);
     if (ms == 0) return errc(ETIMEDOUT);
     // Anything to do: a new socket, bytes from a pending one, or the timer.
-    pollfd pfd{epfd_, POLLIN, 0};
+    pollfd pfd{epfd_.get(), POLLIN, 0};
     if (::poll(&pfd, 1, ms) < 0 && errno != EINTR) return errc(errno);
   }
 }
@@ -551,16 +542,13 @@ Result<std::unique_ptr<Listener>> listen_on(TcpDomain& domain, const Address& lo
   if (local.fabric != FabricKind::tcp || backlog <= 0 || (o.tls_required && !o.tls) ||
       (o.tls && o.tls->role() != tls::Role::server))
     return errc(EINVAL);
-  int s = ::socket(local.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (s < 0) return errc(errno);
+  base::UniqueFd s(::socket(local.family(), SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!s) return errc(errno);
   int one = 1;
-  ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(s, local.sockaddr_ptr(), local.sockaddr_len()) != 0 || ::listen(s, backlog) != 0) {
-    int e = errno;
-    ::close(s);
-    return errc(e);
-  }
-  return TcpListener::create(domain, s, static_cast<size_t>(backlog), o.tls, o.tls_required);
+  ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(s.get(), local.sockaddr_ptr(), local.sockaddr_len()) != 0 || ::listen(s.get(), backlog) != 0)
+    return errc(errno);
+  return TcpListener::create(domain, std::move(s), static_cast<size_t>(backlog), o.tls, o.tls_required);
 }
 
 }  // namespace ibtrs::fabric::tcp

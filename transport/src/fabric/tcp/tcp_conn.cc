@@ -79,7 +79,7 @@ void TcpConnection::pump() {
         // Stop reading until post_recv() wakes us; the peer's sender waits (infinite RNR retry).
         std::lock_guard lock(tx_mu_);
         rx_enabled_ = false;
-        cq_.set_events(cq_id_, sock_, epollout_ ? EPOLLOUT : 0u);
+        cq_.set_events(cq_id_, sock_.get(), epollout_ ? EPOLLOUT : 0u);
       }
       break;
     }
@@ -113,7 +113,7 @@ void TcpConnection::on_wakeup() {
       {
         std::lock_guard lock(tx_mu_);
         rx_enabled_ = true;
-        cq_.set_events(cq_id_, sock_, EPOLLIN | EPOLLRDHUP | (epollout_ ? EPOLLOUT : 0u));
+        cq_.set_events(cq_id_, sock_.get(), EPOLLIN | EPOLLRDHUP | (epollout_ ? EPOLLOUT : 0u));
       }
       pump();
     }
@@ -153,9 +153,9 @@ void TcpConnection::enter_error(std::error_code why, Ctrl tell_peer, WcStatus na
     }
     rq_head_.store(head, std::memory_order_release);
   }
-  ::shutdown(sock_, SHUT_WR);
+  ::shutdown(sock_.get(), SHUT_WR);
   epoll_event ev{};
-  ::epoll_ctl(cq_.fd(), EPOLL_CTL_DEL, sock_, &ev);
+  ::epoll_ctl(cq_.fd(), EPOLL_CTL_DEL, sock_.get(), &ev);
   if (events_.on_disconnected) events_.on_disconnected(why);
 }
 

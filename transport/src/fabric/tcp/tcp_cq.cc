@@ -14,19 +14,15 @@ namespace ibtrs::fabric::tcp {
 
 Result<std::unique_ptr<CompletionQueue>> TcpCq::create(uint32_t capacity, bool busy_poll) {
   if (capacity == 0 || capacity > (1u << 22)) return errc(EINVAL);
-  int ep = ::epoll_create1(EPOLL_CLOEXEC);
-  if (ep < 0) return errc(errno);
-  int ev = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (ev < 0) {
-    int e = errno;
-    ::close(ep);
-    return errc(e);
-  }
+  base::UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+  if (!ep) return errc(errno);
+  base::UniqueFd ev(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!ev) return errc(errno);
   epoll_event e{};
   e.events = EPOLLIN;
   e.data.u64 = 0;
-  ::epoll_ctl(ep, EPOLL_CTL_ADD, ev, &e);
-  return std::unique_ptr<CompletionQueue>(new TcpCq(capacity, ep, ev, busy_poll));
+  ::epoll_ctl(ep.get(), EPOLL_CTL_ADD, ev.get(), &e);
+  return std::unique_ptr<CompletionQueue>(new TcpCq(capacity, std::move(ep), std::move(ev), busy_poll));
 }
 
 ibtrs::Status TcpCq::reserve(uint32_t n) {
@@ -49,13 +45,13 @@ void TcpCq::attach(TcpConnection* c, int sock, uint64_t* id_out) {
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.u64 = id;
-  ::epoll_ctl(epfd_, EPOLL_CTL_ADD, sock, &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, sock, &ev);
 }
 
 void TcpCq::detach(uint64_t id, int sock) {
   std::lock_guard lock(mu_);
   epoll_event ev{};
-  ::epoll_ctl(epfd_, EPOLL_CTL_DEL, sock, &ev);
+  ::epoll_ctl(epfd_.get(), EPOLL_CTL_DEL, sock, &ev);
   for (size_t i = 0; i < conns_.size(); ++i) {
     if (conns_[i].id == id) {
       TcpConnection* c = conns_[i].conn;
@@ -111,7 +107,7 @@ void TcpCq::dispatch(const epoll_event* evs, int n) {
     if (id == 0) {
       wake_pending_.store(false, std::memory_order_release);
       uint64_t v;
-      [[maybe_unused]] ssize_t r = ::read(evfd_, &v, sizeof(v));
+      [[maybe_unused]] ssize_t r = ::read(evfd_.get(), &v, sizeof(v));
       // on_wakeup() may run rx (pump) but never attaches or detaches, so conns_ is stable here.
       for (size_t k = 0; k < conns_.size(); ++k) conns_[k].conn->on_wakeup();
       continue;
@@ -144,7 +140,7 @@ size_t TcpCq::poll(std::span<Completion> out) {
     return open_batch(n + drain(out.subspan(n)));
   }
   epoll_event evs[kMaxEvents];
-  int k = ::epoll_wait(epfd_, evs, kMaxEvents, 0);
+  int k = ::epoll_wait(epfd_.get(), evs, kMaxEvents, 0);
   if (k > 0) dispatch(evs, k);
   return open_batch(n + drain(out.subspan(n)));
 }
@@ -164,7 +160,7 @@ size_t TcpCq::wait(std::span<Completion> out, std::chrono::milliseconds timeout)
   epoll_event evs[kMaxEvents];
   for (;;) {
     int ms = busy_poll_ ? 0 : remaining_ms(deadline);
-    int k = ::epoll_wait(epfd_, evs, kMaxEvents, ms);
+    int k = ::epoll_wait(epfd_.get(), evs, kMaxEvents, ms);
     if (k > 0) {
       // Dispatch under the lock; ids of connections detached meanwhile are simply not found.
       std::lock_guard lock(mu_);

@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "fabric/mr_table.h"
 #include "fabric/tcp/tcp_rx.h"
 #include "fabric/tcp/tcp_wire.h"
@@ -88,14 +89,12 @@ inline std::atomic<uint64_t> g_next_conn_id{1};
 class TcpCq final : public CompletionQueue {
  public:
   static Result<std::unique_ptr<CompletionQueue>> create(uint32_t capacity, bool busy_poll);
-  ~TcpCq() override {
-    ::close(epfd_);
-    ::close(evfd_);
-  }
+  // epfd_ and evfd_ close with the members: nothing polls a CQ being destroyed.
+  ~TcpCq() override = default;
 
   size_t poll(std::span<Completion> out) override;
   size_t wait(std::span<Completion> out, std::chrono::milliseconds timeout) override;
-  int fd() const override { return epfd_; }
+  int fd() const override { return epfd_.get(); }
   ibtrs::Status arm() override {
     std::lock_guard lock(mu_);
     close_batch();
@@ -115,13 +114,13 @@ class TcpCq final : public CompletionQueue {
   void wake() {
     wake_pending_.store(true, std::memory_order_release);
     uint64_t one = 1;
-    [[maybe_unused]] ssize_t r = ::write(evfd_, &one, sizeof(one));
+    [[maybe_unused]] ssize_t r = ::write(evfd_.get(), &one, sizeof(one));
   }
   void set_events(uint64_t id, int sock, uint32_t events) {
     epoll_event ev{};
     ev.events = events;
     ev.data.u64 = id;
-    ::epoll_ctl(epfd_, EPOLL_CTL_MOD, sock, &ev);
+    ::epoll_ctl(epfd_.get(), EPOLL_CTL_MOD, sock, &ev);
   }
 
   // Poller side (mu_ held).
@@ -152,8 +151,9 @@ class TcpCq final : public CompletionQueue {
   }
 
  private:
-  TcpCq(uint32_t capacity, int epfd, int evfd, bool busy)
-      : CompletionQueue(capacity), epfd_(epfd), evfd_(evfd), busy_poll_(busy), ring_(capacity) {
+  TcpCq(uint32_t capacity, base::UniqueFd epfd, base::UniqueFd evfd, bool busy)
+      : CompletionQueue(capacity), epfd_(std::move(epfd)), evfd_(std::move(evfd)), busy_poll_(busy),
+        ring_(capacity) {
     ack_owed_.reserve(16);
     deferred_.reserve(16);
     flushing_.reserve(16);
@@ -174,8 +174,8 @@ class TcpCq final : public CompletionQueue {
   }
   void grow();
 
-  int epfd_;
-  int evfd_;
+  base::UniqueFd epfd_;
+  base::UniqueFd evfd_;
   bool busy_poll_;
   std::mutex mu_;
   struct Attached {
@@ -203,32 +203,33 @@ class TcpCq final : public CompletionQueue {
 // ---------------------------------------------------------------------------------------------
 class TcpConnection final : public Connection, private RxHooks {
  public:
-  TcpConnection(TcpCq& cq, int sock, const QueueCaps& caps, ConnectionEvents events,
+  TcpConnection(TcpCq& cq, base::UniqueFd sock, const QueueCaps& caps, ConnectionEvents events,
                 std::shared_ptr<MrTable> mrs, std::unique_ptr<tls::Session> tls)
       : id_(g_next_conn_id.fetch_add(1, std::memory_order_relaxed)),
         cq_(cq),
-        sock_(sock),
+        sock_(std::move(sock)),
         tls_(std::move(tls)),
         tls_user_(tls_ != nullptr && !(tls_->kernel_tx() && tls_->kernel_rx())),
         caps_(caps),
         events_(std::move(events)),
         mrs_(std::move(mrs)),
-        local_(address_of(sock, false)),
-        peer_(address_of(sock, true)),
+        local_(address_of(sock_.get(), false)),
+        peer_(address_of(sock_.get(), true)),
         sq_(caps.max_send_wr),
         sq_sges_(static_cast<size_t>(caps.max_send_wr) * caps.max_send_sge),
         rq_(caps.max_recv_wr),
         rx_(*mrs_, kDefaultStaging, id_) {}
 
   // Attaching is separate from construction so that nothing can poll a half-built object.
-  void attach() { cq_.attach(this, sock_, &cq_id_); }
+  void attach() { cq_.attach(this, sock_.get(), &cq_id_); }
 
   ~TcpConnection() override {
     // A doorbell still deferred is not rung: as when verbs destroys a QP, requests that never
     // completed are dropped, and their memory may already be gone (sending would read it).
-    if (cq_id_ != 0) cq_.detach(cq_id_, sock_);
+    if (cq_id_ != 0) cq_.detach(cq_id_, sock_.get());
     cq_.unreserve(caps_.max_send_wr + caps_.max_recv_wr);
-    ::close(sock_);
+    // Closed here, before tls_ and the rest of the members go, as it always was.
+    sock_.reset();
   }
 
   ibtrs::Status post_send(std::span<const SendWr> wrs) override { return post(wrs, false); }
@@ -306,7 +307,7 @@ class TcpConnection final : public Connection, private RxHooks {
   ssize_t read(const iovec* iov, int iovcnt) override {
     ssize_t n;
     if (tls_ == nullptr) {
-      n = ::readv(sock_, iov, iovcnt);
+      n = ::readv(sock_.get(), iov, iovcnt);
     } else if (!tls_user_) {
       n = tls_->readv(iov, iovcnt);  // the kernel's record layer: a readv of the socket
     } else {
@@ -321,7 +322,7 @@ class TcpConnection final : public Connection, private RxHooks {
       msghdr msg{};
       msg.msg_iov = const_cast<iovec*>(iov);
       msg.msg_iovlen = static_cast<size_t>(iovcnt);
-      return ::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      return ::sendmsg(sock_.get(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
     }
     if (!tls_user_) return tls_->writev(iov, iovcnt);
     std::lock_guard lock(tls_mu_);
@@ -377,7 +378,7 @@ class TcpConnection final : public Connection, private RxHooks {
 
   const uint64_t id_;
   TcpCq& cq_;
-  int sock_;
+  base::UniqueFd sock_;
   // TLS on the stream. With both directions in the kernel it is plain socket IO; with either in
   // userspace the reader (poller) and the writers share one OpenSSL object: tls_mu_, a leaf lock
   // taken inside the CQ lock (reads) and tx_mu_ (writes).
@@ -461,7 +462,7 @@ inline void TcpConnection::set_lowat() {
   const uint64_t left = rx_.payload_left();
   const int want = left >= kLowatFrom ? static_cast<int>(std::min<uint64_t>(left, kLowatMax)) : 1;
   if (want == lowat_) return;
-  if (::setsockopt(sock_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) lowat_ = want;
+  if (::setsockopt(sock_.get(), SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) lowat_ = want;
 }
 
 inline void TcpConnection::send_owed_ack() {
@@ -507,9 +508,9 @@ class TcpDomain final : public Domain {
   Result<ConnectResult> connect(const ConnectParams& p, std::vector<std::byte>* reject_data) override;
 
   const void* device() const { return device_; }
-  // Builds the connection on an established, handshaken socket (and its TLS session, if any).
-  // Takes the socket on success.
-  Result<std::unique_ptr<Connection>> make_connection(CompletionQueue& cq, int sock,
+  // Builds the connection on an established, handshaken socket (and its TLS session, if any),
+  // which it takes.
+  Result<std::unique_ptr<Connection>> make_connection(CompletionQueue& cq, base::UniqueFd sock,
                                                       const QueueCaps& caps,
                                                       ConnectionEvents events,
                                                       std::unique_ptr<tls::Session> tls = nullptr);

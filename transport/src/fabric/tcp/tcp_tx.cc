@@ -113,7 +113,7 @@ bool TcpConnection::on_ack(uint32_t ack) {
 void TcpConnection::set_epollout(bool on) {
   if (epollout_.load(std::memory_order_relaxed) == on) return;
   epollout_.store(on, std::memory_order_release);
-  cq_.set_events(cq_id_, sock_,
+  cq_.set_events(cq_id_, sock_.get(),
                  (rx_enabled_ ? EPOLLIN | EPOLLRDHUP : 0u) | (on ? EPOLLOUT : 0u));
 }
 
