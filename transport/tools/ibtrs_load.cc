@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/pattern.h"
 #include "base/text.h"
 #include "ibtrs/address.h"
 #include "ibtrs/client.h"
@@ -652,12 +653,7 @@ class LatHist {
   uint64_t max_ = 0;
 };
 
-uint64_t splitmix64(uint64_t& x) {
-  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+using base::splitmix64;
 
 // Generation 0 means "never written by this client": the block must read as zeros.
 // kUnknownGen marks a block whose last write failed: its content is undefined until rewritten.
@@ -665,36 +661,55 @@ constexpr uint32_t kUnknownGen = UINT32_MAX;
 
 // The data of a block at `offset` written for the `gen`-th time: each 512-byte sector starts
 // with its own offset and the generation (so a mismatch can say whose data it found), the rest
-// is pseudo-random from both. Generation 0 is all zeros.
-void sector_pattern(uint64_t (&words)[64], uint64_t sector_offset, uint32_t gen) {
-  if (gen == 0) {
-    std::memset(words, 0, sizeof(words));
-    return;
-  }
-  uint64_t seed = sector_offset * 0x100000001B3ull ^ gen;
-  words[0] = sector_offset;
-  words[1] = (uint64_t{kLoadMagic} << 32) | gen;
-  for (size_t w = 2; w < 64; ++w) words[w] = splitmix64(seed);
-}
+// is the test pattern (base/pattern.h) of the generation at the sector's offsets. Generation 0
+// is all zeros.
+constexpr size_t kSectorHdr = 16;
+base::Pattern sector_body(uint32_t gen) { return base::Pattern((uint64_t{kLoadMagic} << 32) | gen); }
 
 void fill_pattern(std::byte* p, size_t len, uint64_t offset, uint32_t gen) {
-  for (size_t s = 0; s < len; s += 512) {
-    uint64_t words[64];
-    sector_pattern(words, offset + s, gen);
-    std::memcpy(p + s, words, 512);
+  if (gen == 0) {
+    std::memset(p, 0, len);
+    return;
   }
+  const base::Pattern body = sector_body(gen);
+  for (size_t s = 0; s < len; s += 512) {
+    const uint64_t hdr[2] = {offset + s, (uint64_t{kLoadMagic} << 32) | gen};
+    std::memcpy(p + s, hdr, kSectorHdr);
+    body.fill(std::span(p + s + kSectorHdr, 512 - kSectorHdr), offset + s + kSectorHdr);
+  }
+}
+
+// Index of the first byte of the 512 at `p` that is not zero, or -1.
+int64_t first_nonzero(const std::byte* p) {
+  for (size_t i = 0; i < 512; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    if (w == 0) continue;
+    while (p[i] == std::byte{0}) ++i;
+    return static_cast<int64_t>(i);
+  }
+  return -1;
 }
 
 // Empty when the block holds what it should, else what is wrong with it.
 std::string check_pattern(const std::byte* p, size_t len, uint64_t offset, uint32_t gen) {
+  const base::Pattern body = sector_body(gen);
   for (size_t s = 0; s < len; s += 512) {
-    uint64_t want[64], got[64];
-    std::memcpy(got, p + s, 512);
-    sector_pattern(want, offset + s, gen);
-    if (std::memcmp(want, got, 512) == 0) continue;
-    size_t first = 0;
-    while (reinterpret_cast<const unsigned char*>(want)[first] == reinterpret_cast<const unsigned char*>(got)[first])
-      ++first;
+    const uint64_t want[2] = {gen == 0 ? 0 : offset + s, gen == 0 ? 0 : (uint64_t{kLoadMagic} << 32) | gen};
+    uint64_t got[2];
+    std::memcpy(got, p + s, kSectorHdr);
+    int64_t first = -1;
+    if (gen == 0) {
+      first = first_nonzero(p + s);
+    } else if (std::memcmp(want, got, kSectorHdr) != 0) {
+      first = 0;
+      while (reinterpret_cast<const unsigned char*>(want)[first] == reinterpret_cast<const unsigned char*>(got)[first])
+        ++first;
+    } else if (int64_t d = body.check(std::span(p + s + kSectorHdr, 512 - kSectorHdr), offset + s + kSectorHdr);
+               d >= 0) {
+      first = static_cast<int64_t>(kSectorHdr) + d;
+    }
+    if (first < 0) continue;
     char buf[320];
     std::string expect = gen == 0 ? "zeros (never written by this client; is the server volume fresh?)"
                                   : "generation " + std::to_string(gen);
@@ -706,7 +721,7 @@ std::string check_pattern(const std::byte* p, size_t len, uint64_t offset, uint3
       found = "other data";
     }
     std::snprintf(buf, sizeof(buf), "sector at %" PRIu64 ": expected %s, found %s (first difference at byte %zu)",
-                  offset + s, expect.c_str(), found.c_str(), first);
+                  offset + s, expect.c_str(), found.c_str(), static_cast<size_t>(first));
     return buf;
   }
   return {};
