@@ -9,6 +9,7 @@
 #include <memory>
 #include <thread>
 
+#include "base/unique_fd.h"
 #include "ibtrs/result.h"
 #include "ibtrs_load.h"
 #include "ibtrs_load_workload.h"
@@ -35,8 +36,12 @@ class ControlThread {
       warn("--control %s: exists and is not a FIFO", path_.c_str());
       return false;
     }
-    fd_ = open(path_.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
-    if (fd_ < 0 || pipe2(wake_, O_CLOEXEC) != 0) {
+    fd_.reset(open(path_.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC));
+    int wake[2] = {-1, -1};
+    const bool piped = fd_ && pipe2(wake, O_CLOEXEC) == 0;
+    wake_r_.reset(wake[0]);
+    wake_w_.reset(wake[1]);
+    if (!piped) {
       warn("--control %s: %s", path_.c_str(), errtext(errno).c_str());
       return false;
     }
@@ -47,11 +52,10 @@ class ControlThread {
   void stop() {
     if (th_.joinable()) {
       char c = 0;
-      (void)!write(wake_[1], &c, 1);
+      (void)!write(wake_w_.get(), &c, 1);
       th_.join();
     }
-    for (int* fd : {&fd_, &wake_[0], &wake_[1]})
-      if (*fd >= 0) close(std::exchange(*fd, -1));
+    for (base::UniqueFd* fd : {&fd_, &wake_r_, &wake_w_}) fd->reset();
     if (created_) unlink(path_.c_str());
     created_ = false;
   }
@@ -60,7 +64,7 @@ class ControlThread {
   void run() {
     std::string pending;
     for (;;) {
-      pollfd p[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+      pollfd p[2] = {{fd_.get(), POLLIN, 0}, {wake_r_.get(), POLLIN, 0}};
       if (poll(p, 2, -1) < 0) {
         if (errno == EINTR) continue;
         warn("control: poll: %s", errtext(errno).c_str());
@@ -68,7 +72,7 @@ class ControlThread {
       }
       if (p[1].revents) return;
       char buf[4096];
-      ssize_t n = read(fd_, buf, sizeof(buf));
+      ssize_t n = read(fd_.get(), buf, sizeof(buf));
       if (n <= 0) continue;
       pending.append(buf, static_cast<size_t>(n));
       size_t nl;
@@ -115,8 +119,8 @@ class ControlThread {
   std::string path_;
   ibtrs::ClientSession& s_;
   bool created_ = false;
-  int fd_ = -1;
-  int wake_[2] = {-1, -1};
+  base::UniqueFd fd_;
+  base::UniqueFd wake_r_, wake_w_;  // the self-pipe that stops run()
   std::thread th_;
 };
 
