@@ -21,6 +21,7 @@
 #include <span>
 #include <string>
 
+#include "base/pattern.h"
 #include "ibnbd/backend.h"
 
 namespace ibnbd::test {
@@ -115,23 +116,15 @@ struct AlignedBuf {
   std::unique_ptr<std::byte, Free> p;
 };
 
-// The byte at device offset `off` of pattern `seed`: a function of both, so any range can be
-// checked without keeping what was written.
-inline std::byte pattern_byte(uint64_t seed, uint64_t off) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + (off >> 3) + 1;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<std::byte>(z >> ((off & 7) * 8));
-}
+// The test pattern (base/pattern.h): the byte at device offset `off` of pattern `seed` is a
+// function of both, so any range can be checked without keeping what was written.
+inline std::byte pattern_byte(uint64_t seed, uint64_t off) { return base::Pattern(seed).byte(off); }
 inline void fill_pattern(std::span<std::byte> b, uint64_t seed, uint64_t dev_off) {
-  for (size_t i = 0; i < b.size(); ++i) b[i] = pattern_byte(seed, dev_off + i);
+  base::fill_pattern(b, seed, dev_off);
 }
 // Index of the first byte that differs from the pattern, or -1.
 inline int64_t check_pattern(std::span<const std::byte> b, uint64_t seed, uint64_t dev_off) {
-  for (size_t i = 0; i < b.size(); ++i)
-    if (b[i] != pattern_byte(seed, dev_off + i)) return static_cast<int64_t>(i);
-  return -1;
+  return base::check_pattern(b, seed, dev_off);
 }
 inline bool all_zero(std::span<const std::byte> b) {
   for (std::byte x : b)

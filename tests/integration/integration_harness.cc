@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "base/pattern.h"
 #include "fabric/loopback/loopback.h"
 
 namespace ibnbd::itest {
@@ -35,24 +36,10 @@ uint64_t test_seed(uint64_t fallback) {
   return seed;
 }
 
-namespace {
-
-uint64_t mix64(uint64_t x) {  // splitmix64's finalizer
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
+// base/pattern.h's pattern with the version as its seed (the same bytes as this harness's own
+// generator before base/ had one).
 void fill_pattern(std::byte* p, size_t len, uint64_t dev_off, uint64_t version) {
-  const uint64_t salt = mix64(version * 0x9e3779b97f4a7c15ull + 1);
-  for (size_t i = 0; i + 8 <= len; i += 8) {
-    const uint64_t w = mix64(((dev_off + i) >> 3) ^ salt);
-    std::memcpy(p + i, &w, 8);
-  }
+  base::fill_pattern(std::span(p, len), version, dev_off);
 }
 
 int64_t first_diff(const std::byte* got, const std::byte* want, size_t len) {

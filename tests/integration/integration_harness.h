@@ -51,8 +51,8 @@ inline constexpr uint64_t kDevSize = 16 << 20; // the exported file
 // The seed of a test: --seed=N, else `fallback`; printed so that a failure can be replayed.
 uint64_t test_seed(uint64_t fallback);
 
-// Bytes a test can predict: the 8-byte word at device offset o of `version` v is a hash of
-// (o, v). Version 0 is what the file holds before the test; every write uses a version of its
+// Bytes a test can predict (base/pattern.h): the 8-byte word at device offset o of `version` v
+// is a hash of (o, v). Version 0 is what the file holds before the test; every write uses a version of its
 // own, so a block written to the wrong place or by the wrong request is caught. `dev_off` and
 // `len` are multiples of 8.
 void fill_pattern(std::byte* p, size_t len, uint64_t dev_off, uint64_t version);

@@ -35,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include "base/unique_fd.h"
+
 namespace {
 
 constexpr const char* kCtl = "/.soak-ctl";
@@ -77,13 +79,11 @@ int fs_getattr(const char* path, struct stat* st, fuse_file_info*) {
 
 int fs_readdir(const char* path, void* buf, fuse_fill_dir_t fill, off_t, fuse_file_info*, fuse_readdir_flags) {
   if (std::strcmp(path, "/") != 0) return -ENOTDIR;
-  const int fd = ::openat(g_dir, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return -errno;
-  DIR* d = ::fdopendir(fd);
-  if (d == nullptr) {
-    ::close(fd);
-    return -errno;
-  }
+  base::UniqueFd fd(::openat(g_dir, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (!fd) return -errno;
+  DIR* d = ::fdopendir(fd.get());
+  if (d == nullptr) return -errno;
+  (void)fd.release();  // the DIR owns it now: closedir closes it
   while (dirent* e = ::readdir(d)) fill(buf, e->d_name, nullptr, 0, static_cast<fuse_fill_dir_flags>(0));
   ::closedir(d);
   fill(buf, kCtl + 1, nullptr, 0, static_cast<fuse_fill_dir_flags>(0));
@@ -98,6 +98,7 @@ int fs_open(const char* path, fuse_file_info* fi) {
   }
   const int fd = ::openat(g_dir, rel(path), (fi->flags & (O_ACCMODE | O_SYNC | O_DSYNC)) | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) return -errno;
+  // Raw: FUSE keeps the descriptor in the file handle until fs_release closes it.
   fi->fh = static_cast<uint64_t>(fd);
   return 0;
 }
@@ -193,11 +194,9 @@ int fs_fallocate(const char*, int mode, off_t off, off_t len, fuse_file_info* fi
 int fs_truncate(const char* path, off_t size, fuse_file_info* fi) {
   if (std::strcmp(path, kCtl) == 0) return 0;  // `echo ... >` truncates first
   if (fi != nullptr) return ::ftruncate(static_cast<int>(fi->fh), size) == 0 ? 0 : -errno;
-  const int fd = ::openat(g_dir, rel(path), O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
-  if (fd < 0) return -errno;
-  const int r = ::ftruncate(fd, size) == 0 ? 0 : -errno;
-  ::close(fd);
-  return r;
+  base::UniqueFd fd(::openat(g_dir, rel(path), O_WRONLY | O_CLOEXEC | O_NOFOLLOW));
+  if (!fd) return -errno;
+  return ::ftruncate(fd.get(), size) == 0 ? 0 : -errno;
 }
 
 int fs_statfs(const char*, struct statvfs* st) { return ::fstatvfs(g_dir, st) == 0 ? 0 : -errno; }

@@ -12,7 +12,10 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#include "base/unique_fd.h"
 
 namespace ibnbd::soak {
 namespace {
@@ -35,8 +38,8 @@ class AlignedBuffer final : public migrate::IoBuffer {
 
 class FileVolume final : public migrate::Volume {
  public:
-  FileVolume(int fd, uint64_t size, uint32_t logical, unsigned threads)
-      : fd_(fd), size_(size), logical_(logical) {
+  FileVolume(base::UniqueFd fd, uint64_t size, uint32_t logical, unsigned threads)
+      : fd_(std::move(fd)), size_(size), logical_(logical) {
     for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
   }
   ~FileVolume() override {
@@ -46,7 +49,7 @@ class FileVolume final : public migrate::Volume {
     }
     cv_.notify_all();
     for (auto& t : workers_) t.join();
-    ::close(fd_);
+    fd_.reset();  // once no worker can use it
   }
 
   uint64_t size() const override { return size_; }
@@ -108,13 +111,13 @@ class FileVolume final : public migrate::Volume {
     }
   }
   int execute(const Op& op) const {
-    if (op.kind == Op::flush) return ::fdatasync(fd_) == 0 ? 0 : errno;
+    if (op.kind == Op::flush) return ::fdatasync(fd_.get()) == 0 ? 0 : errno;
     size_t done = 0;
     while (done < op.len) {
       iovec v{op.p + done, op.len - done};
       const auto at = static_cast<off_t>(op.off + done);
-      ssize_t n = op.kind == Op::read ? ::preadv2(fd_, &v, 1, at, 0)
-                                      : ::pwritev2(fd_, &v, 1, at, op.fua ? RWF_DSYNC : 0);
+      ssize_t n = op.kind == Op::read ? ::preadv2(fd_.get(), &v, 1, at, 0)
+                                      : ::pwritev2(fd_.get(), &v, 1, at, op.fua ? RWF_DSYNC : 0);
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) return errno;
       if (n == 0) return EIO;  // end of the device inside the range: never zeros
@@ -123,7 +126,7 @@ class FileVolume final : public migrate::Volume {
     return 0;
   }
 
-  int fd_;
+  base::UniqueFd fd_;
   uint64_t size_;
   uint32_t logical_;
   std::mutex mu_;
@@ -137,34 +140,24 @@ class FileVolume final : public migrate::Volume {
 
 ibtrs::Result<std::unique_ptr<migrate::Volume>> file_volume(const std::string& path, unsigned threads,
                                                             uint32_t* logical_block) {
-  const int fd = ::open(path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC);
-  if (fd < 0) return errc(errno);
+  base::UniqueFd fd(::open(path.c_str(), O_RDWR | O_DIRECT | O_CLOEXEC));
+  if (!fd) return errc(errno);
   struct stat st {};
   uint64_t size = 0;
   uint32_t logical = 512;
-  if (::fstat(fd, &st) != 0) {
-    const int e = errno;
-    ::close(fd);
-    return errc(e);
-  }
+  if (::fstat(fd.get(), &st) != 0) return errc(errno);
   if (S_ISBLK(st.st_mode)) {
     int ss = 0;
-    if (::ioctl(fd, BLKGETSIZE64, &size) != 0 || ::ioctl(fd, BLKSSZGET, &ss) != 0) {
-      const int e = errno;
-      ::close(fd);
-      return errc(e);
-    }
+    if (::ioctl(fd.get(), BLKGETSIZE64, &size) != 0 || ::ioctl(fd.get(), BLKSSZGET, &ss) != 0)
+      return errc(errno);
     logical = static_cast<uint32_t>(ss);
   } else {
     size = static_cast<uint64_t>(st.st_size);
   }
   size -= size % 4096;
-  if (size == 0) {
-    ::close(fd);
-    return errc(EINVAL);
-  }
+  if (size == 0) return errc(EINVAL);
   if (logical_block != nullptr) *logical_block = logical;
-  return std::unique_ptr<migrate::Volume>(new FileVolume(fd, size, logical, threads == 0 ? 4 : threads));
+  return std::unique_ptr<migrate::Volume>(new FileVolume(std::move(fd), size, logical, threads == 0 ? 4 : threads));
 }
 
 }  // namespace ibnbd::soak

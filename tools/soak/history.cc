@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/pattern.h"
 #include "crc32c.h"
 
 namespace ibnbd::soak {
@@ -20,13 +21,6 @@ struct Header {
   uint16_t flags;
 };
 static_assert(sizeof(Header) == 32);
-
-uint64_t splitmix(uint64_t& x) {
-  uint64_t z = (x += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 uint32_t sector_crc(const std::byte* s) {
   // The CRC field counts as zero: CRC of [0, 4), four zero bytes, then the rest.
@@ -53,9 +47,12 @@ void stamp_block(std::byte* buf, uint32_t block_bytes, uint64_t seed, uint64_t b
     std::byte* s = buf + static_cast<size_t>(i) * kSector;
     Header h{kStampMagic, 0, seed, block, gen, static_cast<uint16_t>(i), 0};
     std::memcpy(s, &h, sizeof h);
-    uint64_t x = seed ^ (block * 0x9e3779b97f4a7c15ull) ^ (static_cast<uint64_t>(gen) << 32) ^ i;
+    // A stamp is an on-disk format, not base::Pattern's bytes: the checker parses the header
+    // (and soak-vm.sh --log-writes replays logs of earlier runs), so the body keeps the bytes it
+    // always had, a splitmix64 sequence from (seed, block, gen, sector) (base/pattern.h's).
+    uint64_t x = seed ^ (block * base::kGolden64) ^ (static_cast<uint64_t>(gen) << 32) ^ i;
     for (uint32_t o = sizeof h; o < kSector; o += 8) {
-      const uint64_t w = splitmix(x);
+      const uint64_t w = base::splitmix64(x);
       std::memcpy(s + o, &w, 8);
     }
     const uint32_t crc = sector_crc(s);

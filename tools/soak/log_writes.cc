@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "base/unique_fd.h"
+
 namespace ibnbd::soak::logwrites {
 namespace {
 
@@ -275,32 +277,17 @@ std::string printable(std::string_view name) {
 
 namespace {
 
-// A file or a block device, by its descriptor (closed with the object).
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 struct Opened {
-  std::unique_ptr<Fd> fd;
+  base::UniqueFd fd;  // a file or a block device
   uint64_t size = 0;
   bool block = false;
 };
 
 Result<Opened> open_path(const std::string& path, int flags) {
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
-  if (fd < 0) return errc(errno);
   Opened o;
-  o.fd = std::make_unique<Fd>(fd);
+  o.fd.reset(::open(path.c_str(), flags | O_CLOEXEC));
+  if (!o.fd) return errc(errno);
+  const int fd = o.fd.get();
   struct stat st {};
   if (::fstat(fd, &st) != 0) return errc(errno);
   if (S_ISBLK(st.st_mode)) {
@@ -321,7 +308,7 @@ class FdSource final : public Source {
   Status read_at(uint64_t off, std::span<std::byte> out) override {
     size_t done = 0;
     while (done < out.size()) {
-      const ssize_t n = ::pread(o_.fd->get(), out.data() + done, out.size() - done, static_cast<off_t>(off + done));
+      const ssize_t n = ::pread(o_.fd.get(), out.data() + done, out.size() - done, static_cast<off_t>(off + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) return errc(errno);
       if (n == 0) return errc(EIO);  // the file shrank under us
@@ -341,7 +328,7 @@ class FdSink final : public Sink {
   Status write_at(uint64_t off, std::span<const std::byte> data) override {
     size_t done = 0;
     while (done < data.size()) {
-      const ssize_t n = ::pwrite(o_.fd->get(), data.data() + done, data.size() - done, static_cast<off_t>(off + done));
+      const ssize_t n = ::pwrite(o_.fd.get(), data.data() + done, data.size() - done, static_cast<off_t>(off + done));
       if (n < 0 && errno == EINTR) continue;
       if (n < 0) return errc(errno);
       if (n == 0) return errc(EIO);
@@ -352,8 +339,8 @@ class FdSink final : public Sink {
   Status discard(uint64_t off, uint64_t len) override {
     if (o_.block) {
       uint64_t range[2] = {off, len};
-      if (::ioctl(o_.fd->get(), BLKDISCARD, range) == 0) return {};
-    } else if (::fallocate(o_.fd->get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(off),
+      if (::ioctl(o_.fd.get(), BLKDISCARD, range) == 0) return {};
+    } else if (::fallocate(o_.fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(off),
                            static_cast<off_t>(len)) == 0) {
       return {};
     }
@@ -368,7 +355,7 @@ class FdSink final : public Sink {
     return {};
   }
   Status sync() override {
-    if (::fdatasync(o_.fd->get()) != 0) return errc(errno);
+    if (::fdatasync(o_.fd.get()) != 0) return errc(errno);
     return {};
   }
 

@@ -1,5 +1,6 @@
 #include <algorithm>
 
+#include "base/pattern.h"
 #include "soak.h"
 
 namespace ibnbd::soak {
@@ -29,12 +30,7 @@ std::optional<FaultKind> parse_fault(std::string_view s) {
 
 Rng::Rng(uint64_t seed) {
   uint64_t x = seed;
-  for (auto& w : s_) {
-    uint64_t z = (x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    w = z ^ (z >> 31);
-  }
+  for (auto& w : s_) w = base::splitmix64(x);
 }
 
 uint64_t Rng::next() {

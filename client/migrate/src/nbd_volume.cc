@@ -19,6 +19,7 @@
 #include <mutex>
 #include <thread>
 
+#include "base/unique_fd.h"
 #include "base/unix_socket.h"
 #include "ibnbd/migrate_volume.h"
 #include "ibnbd/nbd_proto.h"
@@ -108,17 +109,17 @@ class NbdVolume final : public Volume {
       r.magic.set(w::kRequestMagic);
       r.type.set(w::kCmdDisc);
       iovec v{&r, sizeof r};
-      (void)send_full(fd_, &v, 1);
+      (void)send_full(fd_.get(), &v, 1);
     }
-    ::shutdown(fd_, SHUT_RDWR);
+    ::shutdown(fd_.get(), SHUT_RDWR);
     if (reader_.joinable()) reader_.join();
-    ::close(fd_);
+    fd_.reset();  // after the reader, which reads it, has gone
   }
 
   static Result<std::unique_ptr<Volume>> connect(const std::string& path, const std::string& name) {
     auto c = base::unix_connect(path);
     if (!c) return c.error();
-    std::unique_ptr<NbdVolume> v(new NbdVolume(*c));
+    std::unique_ptr<NbdVolume> v(new NbdVolume(base::UniqueFd(*c)));
     BASE_TRY(v->handshake(name));
     v->reader_ = std::thread([p = v.get()] { p->read_replies(); });
     return std::unique_ptr<Volume>(std::move(v));
@@ -156,7 +157,7 @@ class NbdVolume final : public Volume {
   }
 
  private:
-  explicit NbdVolume(int fd) : fd_(fd) {}
+  explicit NbdVolume(base::UniqueFd fd) : fd_(std::move(fd)) {}
 
   struct Pending {
     std::byte* read_into = nullptr;  // READ: where the reply's data goes
@@ -173,7 +174,7 @@ class NbdVolume final : public Volume {
 
   Status handshake(const std::string& name) {
     w::ServerGreeting g;
-    BASE_TRY(read_full(fd_, &g, sizeof g, kHandshakeTimeoutMs));
+    BASE_TRY(read_full(fd_.get(), &g, sizeof g, kHandshakeTimeoutMs));
     if (g.nbd_magic.get() != w::kNbdMagic || g.opt_magic.get() != w::kOptMagic ||
         !(g.flags.get() & w::kFlagFixedNewstyle))
       return errc(EPROTO);
@@ -190,15 +191,15 @@ class NbdVolume final : public Volume {
     ninfo.set(0);
     iovec iov[] = {{&cflags, sizeof cflags}, {&h, sizeof h}, {&nlen, sizeof nlen},
                    {const_cast<char*>(name.data()), name.size()}, {&ninfo, sizeof ninfo}};
-    BASE_TRY(send_full(fd_, iov, 5));
+    BASE_TRY(send_full(fd_.get(), iov, 5));
     bool have_export = false;
     for (int replies = 0; replies < 64; ++replies) {
       w::OptionReplyHdr r;
-      BASE_TRY(read_full(fd_, &r, sizeof r, kHandshakeTimeoutMs));
+      BASE_TRY(read_full(fd_.get(), &r, sizeof r, kHandshakeTimeoutMs));
       if (r.magic.get() != w::kRepMagic || r.option.get() != w::kOptGo || r.length.get() > 65536)
         return errc(EPROTO);
       std::string data(r.length.get(), '\0');
-      BASE_TRY(read_full(fd_, data.data(), data.size(), kHandshakeTimeoutMs));
+      BASE_TRY(read_full(fd_.get(), data.data(), data.size(), kHandshakeTimeoutMs));
       const uint32_t type = r.type.get();
       if (type == w::kRepAck) {
         if (!have_export) return errc(EPROTO);
@@ -239,7 +240,7 @@ class NbdVolume final : public Volume {
     Status s;
     {
       std::lock_guard lk(send_mu_);
-      s = send_full(fd_, iov, write_from ? 2 : 1);
+      s = send_full(fd_.get(), iov, write_from ? 2 : 1);
     }
     if (s) return {};
     // Not sent whole: the request never runs done unless the reader already failed it (then
@@ -253,7 +254,7 @@ class NbdVolume final : public Volume {
     int fail_with = ECONNRESET;
     for (;;) {
       w::SimpleReply rep;
-      if (!read_full(fd_, &rep, sizeof rep, -1)) break;
+      if (!read_full(fd_.get(), &rep, sizeof rep, -1)) break;
       if (rep.magic.get() != w::kSimpleReplyMagic) {
         fail_with = EPROTO;
         break;
@@ -270,7 +271,7 @@ class NbdVolume final : public Volume {
         pending_.erase(it);
       }
       const uint32_t e = rep.error.get();
-      if (e == 0 && p.read_into != nullptr && !read_full(fd_, p.read_into, p.len, -1)) {
+      if (e == 0 && p.read_into != nullptr && !read_full(fd_.get(), p.read_into, p.len, -1)) {
         p.done.fn(p.done.ctx, EIO);
         break;
       }
@@ -285,7 +286,7 @@ class NbdVolume final : public Volume {
     for (auto& [h, p] : left) p.done.fn(p.done.ctx, fail_with);
   }
 
-  int fd_;
+  base::UniqueFd fd_;
   uint64_t size_ = 0;
   uint16_t tx_flags_ = 0;
   bool read_only_ = false;
