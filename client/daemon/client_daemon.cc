@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "control/command.h"
 #include "ibnbd/nbd_device_export.h"
 #include "ibtrs/gid.h"
@@ -826,9 +827,9 @@ json ClientDaemon::device_unmap(const json& req) {
     // As rnbd refuses to unmap an opened device: a mounted filesystem (or any exclusive opener)
     // would lose its disk. O_EXCL on a block device fails with EBUSY while one holds it.
     const std::string bdev = it->second.dev->block_path();
-    const int fd = ::open(bdev.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC);
-    if (fd < 0 && errno == EBUSY) return err(EBUSY, bdev + " is in use (mounted?); unmap " + dev + " force");
-    if (fd >= 0) ::close(fd);
+    // Closed at the end of this block, before the unmap: our own O_EXCL open must not hold it.
+    const base::UniqueFd fd(::open(bdev.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC));
+    if (!fd && errno == EBUSY) return err(EBUSY, bdev + " is in use (mounted?); unmap " + dev + " force");
   }
   stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
   // So does /dev/ublkbN: STOP_DEV waits for its IO, which still needs the mapping.
