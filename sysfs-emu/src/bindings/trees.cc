@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstring>
 
-#include "control/stats.h"
 #include "sysfs/format.h"
 #include "sysfs/parse.h"
 
