@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "control/command.h"
 #include "ibnbd/nbd_device_export.h"
 #include "ibtrs/gid.h"
@@ -177,22 +178,6 @@ struct Pass {
     return std::chrono::duration<double>(Clock::now() - t0).count();
   }
 };
-
-// "authenticated", "authenticated+server" (bidirectional), "none", "pending", "failed".
-std::string auth_word(const ibtrs::PathAuthInfo& a) {
-  return std::string(ibtrs::to_string(a.state)) + (a.bidirectional ? "+server" : "");
-}
-
-json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
-  return json::array({sess, p.name, p.spec.source ? p.spec.source->to_string() : "",
-                      p.spec.destination.to_string(), p.hca_name, p.hca_port,
-                      std::string(ibtrs::to_string(p.state)), auth_word(p.auth), p.auth.host,
-                      ibtrs::tls::describe(p.tls),
-                      bytes_cell(p.stats.read_bytes), bytes_cell(p.stats.write_bytes), p.inflight,
-                      p.stats.reconnects_ok, p.latency ? static_cast<int64_t>(p.latency->count()) : -1,
-                      p.last_error ? p.last_error.message() : "", p.fence.waited, p.fence.fenced,
-                      std::chrono::duration_cast<std::chrono::microseconds>(p.fence.last_rtt).count()});
-}
 
 }  // namespace
 
@@ -842,9 +827,9 @@ json ClientDaemon::device_unmap(const json& req) {
     // As rnbd refuses to unmap an opened device: a mounted filesystem (or any exclusive opener)
     // would lose its disk. O_EXCL on a block device fails with EBUSY while one holds it.
     const std::string bdev = it->second.dev->block_path();
-    const int fd = ::open(bdev.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC);
-    if (fd < 0 && errno == EBUSY) return err(EBUSY, bdev + " is in use (mounted?); unmap " + dev + " force");
-    if (fd >= 0) ::close(fd);
+    // Closed at the end of this block, before the unmap: our own O_EXCL open must not hold it.
+    const base::UniqueFd fd(::open(bdev.c_str(), O_RDONLY | O_EXCL | O_CLOEXEC));
+    if (!fd && errno == EBUSY) return err(EBUSY, bdev + " is in use (mounted?); unmap " + dev + " force");
   }
   stop_export(dev);  // NBD clients lose the device before the IBNBD mapping goes
   // So does /dev/ublkbN: STOP_DEV waits for its IO, which still needs the mapping.
@@ -967,35 +952,52 @@ json ClientDaemon::device_io(const json& req, const control::Emit& emit) {
   return out;
 }
 
-json ClientDaemon::session_list(const json& req, bool one) {
-  const std::string only = one ? string_arg(req, "session") : "";
-  json rows = json::array();
+std::vector<control::SessionReport> ClientDaemon::session_reports(bool one, const std::string& only) {
+  std::vector<control::SessionReport> out;
   for (auto& [n, s] : sessions_) {
     if (one && n != only) continue;
     auto ps = s.s->transport().paths();
-    std::string uu;
-    uint32_t up = 0, inflight = 0;
-    uint64_t reconnects = 0;
+    control::SessionReport r;
+    r.name = n;
+    r.path_cnt = ps.size();
+    uint32_t up = 0, inflight = 0;  // 32 bits, as the listing always counted them
     for (auto& p : ps) {
       const bool u = p.state == ibtrs::ClientPathState::connected;
-      uu += u ? 'U' : '_';
+      r.path_uu += u ? 'U' : '_';
       up += u;
       inflight += p.inflight;
-      reconnects += p.stats.reconnects_ok;
+      r.reconnects += p.stats.reconnects_ok;
     }
+    r.act_path_cnt = up;
+    r.inflight = inflight;
     auto st = s.s->transport().stats();
-    rows.push_back(json::array({n, ps.size(), up, std::string(to_string(s.s->state())), uu,
-                                std::string(ibtrs::to_string(s.s->transport().policy())),
-                                bytes_cell(st.read_bytes), bytes_cell(st.write_bytes), inflight, reconnects,
-                                s.s->devices().size()}));
+    r.state = std::string(to_string(s.s->state()));
+    r.mp = std::string(ibtrs::to_string(s.s->transport().policy()));
+    r.rx_bytes = st.read_bytes;
+    r.tx_bytes = st.write_bytes;
+    r.devices = s.s->devices().size();
+    out.push_back(std::move(r));
   }
-  if (one && rows.empty()) return err(ENOENT, "no session " + only);
-  return {{"ok", true},
-          {"columns", json::array({column("sessname"), column("path_cnt", true), column("act_path_cnt", true),
-                                   column("state"), column("path_uu"), column("mp"), column("rx_bytes", true),
-                                   column("tx_bytes", true), column("inflights", true), column("reconnects", true),
-                                   column("devices", true)})},
-          {"rows", rows}};
+  return out;
+}
+
+std::vector<control::SessionReport> ClientDaemon::sessions() {
+  std::lock_guard l(mu_);
+  return session_reports(false, "");
+}
+
+Result<control::SessionReport> ClientDaemon::session(const std::string& name) {
+  std::lock_guard l(mu_);
+  auto r = session_reports(true, name);
+  if (r.empty()) return errc(ENOENT);
+  return std::move(r.front());
+}
+
+json ClientDaemon::session_list(const json& req, bool one) {
+  const std::string only = one ? string_arg(req, "session") : "";
+  auto reports = session_reports(one, only);
+  if (one && reports.empty()) return err(ENOENT, "no session " + only);
+  return control::session_listing(reports);
 }
 
 json ClientDaemon::session_close(const json& req) {
@@ -1034,23 +1036,13 @@ json ClientDaemon::policy_set(const json& req) {
 
 json ClientDaemon::path_list(const json& req) {
   const std::string only = req.contains("session") ? string_arg(req, "session") : "";
-  json rows = json::array();
+  std::vector<control::PathReport> paths;
   for (auto& [n, s] : sessions_) {
     if (!only.empty() && n != only) continue;
-    for (auto& p : s.s->transport().paths()) rows.push_back(path_row(n, p));
+    path_reports(n, s, "", paths);
   }
   if (!only.empty() && find_session(only) == nullptr) return err(ENOENT, "no session " + only);
-  return {{"ok", true},
-          {"columns", json::array({column("sessname"), column("pathname"), column("src_addr"), column("dst_addr"),
-                                   column("hca_name"), column("hca_port", true), column("state"), column("auth"),
-                                   column("host"), column("tls"), column("rx_bytes", true), column("tx_bytes", true),
-                                   column("inflights", true), column("reconnects", true),
-                                   column("cur_latency_ns", true), column("last_error"),
-                                   // The failover fence (docs/protocol.md): requests that waited
-                                   // for one, incarnations fenced, the last one's round trip.
-                                   column("fence_waited", true), column("fenced", true),
-                                   column("fence_rtt_us", true)})},
-          {"rows", rows}};
+  return control::path_listing(paths);
 }
 
 json ClientDaemon::path_op(const json& req, const std::string& op) {

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "control/client_devices.h"
+#include "control/client_sessions.h"
 #include "control/socket.h"
 #include "ibnbd/client.h"
 #include "ibnbd/nbd_server.h"
@@ -65,11 +66,17 @@ class ClientDaemon {
   // One admin command (see client/README.md, "Control socket"). Never throws.
   nlohmann::json handle(const nlohmann::json& req, const control::Emit& emit);
 
-  // The typed answers of commands (handle() writes them as JSON, control/client_devices.h):
-  // device_list, and device_show of `name` (ENOENT when it is not mapped). Serialized with the
-  // commands, as handle() is.
+  // The typed answers of commands (handle() writes them as JSON, control/client_devices.h and
+  // client_sessions.h), serialized with the commands as handle() is:
+  //   devices / device(name): device_list, and device_show of `name` (ENOENT when it is not
+  //   mapped); sessions / session(name): session_list and session_show (ENOENT: no session);
+  //   paths(session, path): path_stats of one path, or with path "" of every path of the
+  //   session (ENOENT: no such session, or no such path in it).
   std::vector<control::DeviceReport> devices();
   Result<control::DeviceReport> device(const std::string& name);
+  std::vector<control::SessionReport> sessions();
+  Result<control::SessionReport> session(const std::string& name);
+  Result<std::vector<control::PathReport>> paths(const std::string& session, const std::string& path);
 
   // The Prometheus text of the daemon's counters (client_daemon_metrics.cc; the metrics
   // endpoint's collector). Nothing when a command has held the daemon for kMetricsWait.
@@ -102,12 +109,18 @@ class ClientDaemon {
   json device_remap(const json& req);
   json device_io(const json& req, const control::Emit& emit);
   json session_list(const json& req, bool one);
+  // session_list's reports (mu_ held): every session, or with `one` the session `only` (none
+  // when there is no such session).
+  std::vector<control::SessionReport> session_reports(bool one, const std::string& only);
   json session_close(const json& req);
   json path_list(const json& req);
   json path_op(const json& req, const std::string& op);
   json policy_set(const json& req);
   // client_daemon_paths.cc: per-path statistics and session settings (the sysfs files' commands).
   json path_stats(const json& req);
+  // Appends the reports of the paths of session `sess` (mu_ held): every path, or the path
+  // `only`; false when none was appended.
+  bool path_reports(const std::string& sess, Sess& s, const std::string& only, std::vector<control::PathReport>& out);
   json path_reset_stats(const json& req);
   json max_reconnect_attempts(const json& req);
   json nbd_export(const json& req);

@@ -8,7 +8,6 @@
 // Kept in their own file so the daemon's main command file stays as it is for other work.
 #include "client_daemon.h"
 #include "control/command.h"
-#include "control/stats.h"
 
 namespace ibnbd {
 
@@ -18,39 +17,34 @@ namespace {
 json err(int e, const std::string& text) { return control::error(e, text); }
 }  // namespace
 
+bool ClientDaemon::path_reports(const std::string& sess, Sess& s, const std::string& only,
+                                std::vector<control::PathReport>& out) {
+  bool found = false;
+  for (auto& p : s.s->transport().paths()) {
+    if (!only.empty() && p.name != only) continue;
+    out.push_back(control::client_path_report(sess, p));
+    found = true;
+  }
+  return found;
+}
+
+Result<std::vector<control::PathReport>> ClientDaemon::paths(const std::string& session, const std::string& path) {
+  std::lock_guard l(mu_);
+  Sess* s = find_session(session);
+  if (s == nullptr) return errc(ENOENT);
+  std::vector<control::PathReport> out;
+  if (!path_reports(session, *s, path, out) && !path.empty()) return errc(ENOENT);
+  return out;
+}
+
 json ClientDaemon::path_stats(const json& req) {
   const std::string n = req.at("session").get<std::string>();
   Sess* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   const std::string only = req.value("path", "");
-  json out = json::array();
-  for (auto& p : s->s->transport().paths()) {
-    if (!only.empty() && p.name != only) continue;
-    const ibtrs::Address& dst = p.spec.destination;
-    out.push_back({{"name", p.name},
-                   {"state", std::string(ibtrs::to_string(p.state))},
-                   {"fabric", std::string(ibtrs::to_string(p.fabric))},
-                   {"hca_name", p.hca_name},
-                   {"hca_port", p.hca_port},
-                   // The kernel's src_addr/dst_addr files show the host only ("ip:10.0.0.1");
-                   // an unset source is the wildcard address of the destination's family.
-                   {"src_host", p.spec.source ? p.spec.source->host_string()
-                                              : (dst.family() == AF_INET6 ? "ip:::" : "ip:0.0.0.0")},
-                   {"dst_host", dst.host_string()},
-                   {"dst_port", dst.port},
-                   {"cur_latency_ns", p.latency ? p.latency->count() : 0},
-                   {"auth", std::string(ibtrs::to_string(p.auth.state))},
-                   {"auth_host", p.auth.host},
-                   {"auth_bidirectional", p.auth.bidirectional},
-                   {"auth_method", p.auth.method},
-                   {"tls", ibtrs::tls::describe(p.tls)},
-                   {"last_error", p.last_error ? p.last_error.message() : ""},
-                   {"inflight", p.inflight},
-                   {"stats", control::stats_to_json(p.stats)},
-                   {"fence", control::fence_to_json(p.fence)}});
-  }
-  if (!only.empty() && out.empty()) return err(ENOENT, "no path " + only + " in session " + n);
-  return {{"ok", true}, {"paths", out}};
+  std::vector<control::PathReport> out;
+  if (!path_reports(n, *s, only, out) && !only.empty()) return err(ENOENT, "no path " + only + " in session " + n);
+  return control::path_stats_answer(out);
 }
 
 json ClientDaemon::path_reset_stats(const json& req) {

@@ -183,12 +183,18 @@ int main(int argc, char** argv) {
   // Declared after the daemon: unmounted before it goes (the files call into it).
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!sysfs_dir.empty()) {
+    // The files read the daemon's typed answers; writes go through its commands.
+    namespace control = ibnbd::control;
     sysfs::ClientBinding binding{
-        [&daemon](const nlohmann::json& req) {
+        .backend = [&daemon](const nlohmann::json& req) {
           return daemon.handle(req, [](const nlohmann::json&) { return true; });
         },
-        [&daemon](const std::string& name) { return daemon.device(name); },
-        [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); }};
+        .device = [&daemon](const std::string& name) { return daemon.device(name); },
+        .log = [](const std::string& l) { std::fprintf(stderr, "ibnbd-client: %s\n", l.c_str()); },
+        .devices = [&daemon]() -> ibnbd::Result<std::vector<control::DeviceReport>> { return daemon.devices(); },
+        .sessions = [&daemon]() -> ibnbd::Result<std::vector<control::SessionReport>> { return daemon.sessions(); },
+        .session = [&daemon](const std::string& name) { return daemon.session(name); },
+        .paths = [&daemon](const std::string& sess, const std::string& path) { return daemon.paths(sess, path); }};
     auto m = sysfs::mount_for_daemon(sysfs::client_tree(std::move(binding)), sysfs_dir, "ibnbd-client");
     if (!m) {
       std::fprintf(stderr, "ibnbd-client: sysfs tree at %s: %s\n", sysfs_dir.c_str(), m.error().message().c_str());

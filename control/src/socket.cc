@@ -58,37 +58,35 @@ Result<std::unique_ptr<Socket>> Socket::start(SocketLock lock, Handler h) {
   sa.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(sa.sun_path)) return errc(ENAMETOOLONG);
   std::memcpy(sa.sun_path, path.c_str(), path.size() + 1);
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errc(errno);
+  base::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd) return errc(errno);
   ::unlink(path.c_str());
   const mode_t old = ::umask(0077);
-  int r = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+  int r = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
   ::umask(old);
-  if (r != 0 || ::listen(fd, 16) != 0) {
-    int e = errno;
-    ::close(fd);
-    return errc(e);
-  }
-  int stop = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (stop < 0) {
-    int e = errno;
-    ::close(fd);
-    return errc(e);
-  }
-  std::unique_ptr<Socket> cs(new Socket(std::move(lock), fd, stop, std::move(h)));
+  if (r != 0 || ::listen(fd.get(), 16) != 0) return errc(errno);
+  base::UniqueFd stop(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!stop) return errc(errno);
+  std::unique_ptr<Socket> cs(new Socket(std::move(lock), std::move(fd), std::move(stop), std::move(h)));
   cs->thread_ = std::thread([p = cs.get()] { p->loop(); });
   return cs;
 }
 
-Socket::Socket(SocketLock lock, int fd, int stop_fd, Handler h)
-    : lock_(std::move(lock)), path_(lock_.socket_path()), fd_(fd), stop_fd_(stop_fd), handler_(std::move(h)) {}
+Socket::Socket(SocketLock lock, base::UniqueFd fd, base::UniqueFd stop_fd, Handler h)
+    : lock_(std::move(lock)),
+      path_(lock_.socket_path()),
+      fd_(std::move(fd)),
+      stop_fd_(std::move(stop_fd)),
+      handler_(std::move(h)) {}
 
 Socket::~Socket() {
   uint64_t one = 1;
-  [[maybe_unused]] ssize_t w = ::write(stop_fd_, &one, sizeof(one));
+  [[maybe_unused]] ssize_t w = ::write(stop_fd_.get(), &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
-  ::close(fd_);
-  ::close(stop_fd_);
+  // Closed before the socket file goes (and the lock after it), as always: by then no thread
+  // polls them.
+  fd_.reset();
+  stop_fd_.reset();
   ::unlink(path_.c_str());
 }
 
@@ -111,19 +109,20 @@ void Socket::loop() {
     // At the limit the listening socket is left alone (clients wait in the backlog); the
     // timeout comes back to reap.
     const bool full = conns_.size() >= kMaxConnections;
-    pollfd p[2] = {{fd_, static_cast<short>(full ? 0 : POLLIN), 0}, {stop_fd_, POLLIN, 0}};
+    pollfd p[2] = {{fd_.get(), static_cast<short>(full ? 0 : POLLIN), 0}, {stop_fd_.get(), POLLIN, 0}};
     if (::poll(p, 2, full ? 50 : 1000) < 0) {
       if (errno == EINTR) continue;
       break;
     }
     if (p[1].revents != 0) break;
     if ((p[0].revents & POLLIN) == 0) continue;
-    int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (c < 0) continue;
+    base::UniqueFd c(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!c) continue;
     Conn& conn = conns_.emplace_back();
-    conn.thread = std::thread([this, c, &conn] {
-      serve(c);
-      ::close(c);
+    // The connection's thread owns its fd: closed before the thread says it is done.
+    conn.thread = std::thread([this, c = std::move(c), &conn]() mutable {
+      serve(c.get());
+      c.reset();
       conn.done.store(true, std::memory_order_release);
     });
   }
@@ -161,7 +160,7 @@ void Socket::serve(int conn) {
       if (!send_line(conn, rsp)) return;
     }
     if (buf.size() > kMaxLine) return;
-    pollfd p[2] = {{conn, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    pollfd p[2] = {{conn, POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
     int r = ::poll(p, 2, kIdleMs);
     if (r <= 0 || p[1].revents != 0) return;
     ssize_t n = ::recv(conn, tmp, sizeof(tmp), 0);

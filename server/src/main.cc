@@ -382,8 +382,18 @@ int main(int argc, char** argv) {
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!c.sysfs_dir.empty()) {
     auto m = sysfs::mount_for_daemon(
-        sysfs::server_tree([&s](const json& req) { return ibnbd::server_command(s, req); },
-                           [](const std::string& l) { std::fprintf(stderr, "ibnbd-server: %s\n", l.c_str()); }),
+        // The path files read the server's typed paths; the rest goes through its commands.
+        sysfs::server_tree(sysfs::ServerBinding{
+            .backend = [&s](const json& req) { return ibnbd::server_command(s, req); },
+            .log = [](const std::string& l) { std::fprintf(stderr, "ibnbd-server: %s\n", l.c_str()); },
+            .sessions = [&s]() -> ibnbd::Result<std::vector<std::string>> {
+              std::vector<std::string> names;
+              for (auto& i : s.sessions()) names.push_back(i.name);
+              return names;
+            },
+            .paths = [&s](const std::string& sess, const std::string& path) {
+              return ibnbd::server_paths(s, sess, path);
+            }}),
         c.sysfs_dir,
         "ibnbd-server");
     if (!m) {

@@ -19,11 +19,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "control/client_sessions.h"
 #include "ibnbd/server.h"
 
 namespace ibnbd {
 
 nlohmann::json server_command(BlockServer& srv, const nlohmann::json& req);
+
+// path_stats's paths typed (sysfs-emu's server tree binds it, control/client_sessions.h): the
+// path `path` of session `session`, or with path "" every path of it. ENOENT: no such session,
+// or no such path in it. Any thread.
+Result<std::vector<control::PathReport>> server_paths(BlockServer& srv, const std::string& session,
+                                                     const std::string& path);
 
 // One host of the daemon's config file or of host_add: {"host", "key_file" | "key",
 // "server_key_file" | "server_key", "access": [{"devices", "mode"}]}. A key file (ibtrs/auth.h)

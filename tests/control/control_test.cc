@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -17,10 +18,13 @@
 
 #include "control/client.h"
 #include "control/client_devices.h"
+#include "control/client_sessions.h"
 #include "control/command.h"
 #include "control/daemon.h"
 #include "control/socket.h"
 #include "base/unique_fd.h"
+#include "control/stats.h"
+#include "ibtrs/tls.h"
 
 namespace ibnbd::control {
 namespace {
@@ -114,6 +118,295 @@ TEST(DeviceListing, RefusesTheWrongShape) {
     ASSERT_FALSE(r.ok()) << bad.dump();
     EXPECT_EQ(r.error(), std::errc::invalid_argument) << bad.dump();
   }
+}
+
+// ---- sessions and paths ----
+
+SessionReport sample_session() {
+  SessionReport s;
+  s.name = "s1";
+  s.path_cnt = 2;
+  s.act_path_cnt = 1;
+  s.state = "connected";
+  s.path_uu = "U_";
+  s.mp = "min-inflight";
+  s.rx_bytes = 4096;
+  s.tx_bytes = 512;
+  s.inflight = 3;
+  s.reconnects = 4;
+  s.devices = 1;
+  return s;
+}
+
+PathReport sample_path() {
+  PathReport p;
+  p.session = "s1";
+  p.name = "ip:0.0.0.0@ip:10.0.0.1";
+  p.state = "connected";
+  p.fabric = "rdma";
+  p.hca_name = "rxe0";
+  p.hca_port = 1;
+  p.src_addr = "";
+  p.dst_addr = "rdma:10.0.0.1:1234";
+  p.src_host = "ip:0.0.0.0";
+  p.dst_host = "ip:10.0.0.1";
+  p.dst_port = 1234;
+  p.latency = std::chrono::nanoseconds(1500);
+  p.auth = "authenticated";
+  p.auth_host = "h";
+  p.auth_bidirectional = true;
+  p.auth_method = "dhchap-sha256-x25519";
+  p.inflight = 2;
+  p.stats.read_bytes = 8192;
+  p.stats.write_bytes = 4096;
+  p.stats.reconnects_ok = 5;
+  p.fence.waited = 7;
+  p.fence.fenced = 1;
+  p.fence.last_rtt = std::chrono::nanoseconds(2'500'000);
+  return p;
+}
+
+// Case: a session listed, a path listed, a path's stats. Expect: the JSON the daemon wrote
+// before its answers were typed, to the byte (the CLI, scripts and sysfs-emu read it).
+TEST(SessionListing, IsTheSocketsAnswerByteForByte) {
+  EXPECT_EQ(session_listing({sample_session()}).dump(),
+            R"({"columns":[{"name":"sessname","right":false},{"name":"path_cnt","right":true},)"
+            R"({"name":"act_path_cnt","right":true},{"name":"state","right":false},{"name":"path_uu","right":false},)"
+            R"({"name":"mp","right":false},{"name":"rx_bytes","right":true},{"name":"tx_bytes","right":true},)"
+            R"({"name":"inflights","right":true},{"name":"reconnects","right":true},{"name":"devices","right":true}],)"
+            R"("ok":true,"rows":[["s1",2,1,"connected","U_","min-inflight",{"bytes":4096},{"bytes":512},3,4,1]]})");
+  EXPECT_EQ(session_listing({})["rows"].dump(), "[]");
+  EXPECT_EQ(path_listing({sample_path()}).dump(),
+            R"({"columns":[{"name":"sessname","right":false},{"name":"pathname","right":false},)"
+            R"({"name":"src_addr","right":false},{"name":"dst_addr","right":false},{"name":"hca_name","right":false},)"
+            R"({"name":"hca_port","right":true},{"name":"state","right":false},{"name":"auth","right":false},)"
+            R"({"name":"host","right":false},{"name":"tls","right":false},{"name":"rx_bytes","right":true},)"
+            R"({"name":"tx_bytes","right":true},{"name":"inflights","right":true},{"name":"reconnects","right":true},)"
+            R"({"name":"cur_latency_ns","right":true},{"name":"last_error","right":false},)"
+            R"({"name":"fence_waited","right":true},{"name":"fenced","right":true},{"name":"fence_rtt_us","right":true}],)"
+            R"("ok":true,"rows":[["s1","ip:0.0.0.0@ip:10.0.0.1","","rdma:10.0.0.1:1234","rxe0",1,"connected",)"
+            R"("authenticated+server","h","-",{"bytes":8192},{"bytes":4096},2,5,1500,"",7,1,2500]]})");
+  PathReport none = sample_path();
+  none.latency.reset();
+  EXPECT_EQ(path_listing({none})["rows"][0][14].dump(), "-1") << "no heartbeat yet";
+  const json st = path_stats_answer({sample_path()});
+  json entry = st["paths"][0];
+  EXPECT_EQ(entry["stats"].dump(), stats_to_json(sample_path().stats).dump());
+  EXPECT_EQ(entry["fence"].dump(), R"({"fenced":1,"last_rtt_ns":2500000,"max_rtt_ns":0,"waited":7})");
+  entry.erase("stats");
+  entry.erase("fence");
+  EXPECT_EQ(entry.dump(),
+            R"({"auth":"authenticated","auth_bidirectional":true,"auth_host":"h","auth_method":"dhchap-sha256-x25519",)"
+            R"("cur_latency_ns":1500,"dst_host":"ip:10.0.0.1","dst_port":1234,"fabric":"rdma","hca_name":"rxe0",)"
+            R"("hca_port":1,"inflight":2,"last_error":"","name":"ip:0.0.0.0@ip:10.0.0.1","src_host":"ip:0.0.0.0",)"
+            R"("state":"connected","tls":"-"})");
+  EXPECT_EQ(path_stats_answer({none})["paths"][0]["cur_latency_ns"].dump(), "0");
+  EXPECT_EQ(path_stats_answer({}).dump(), R"({"ok":true,"paths":[]})");
+}
+
+// The daemon's encoders before the answers were typed (client_daemon.cc's session_list and
+// path_row, client_daemon_paths.cc's path_stats), kept here verbatim over the same inputs as
+// the reference the typed encoders must match byte for byte.
+namespace before {
+struct Sess {
+  std::string name;
+  std::vector<ibtrs::ClientPathInfo> ps;
+  std::string state;
+  ibtrs::MpPolicy policy;
+  uint64_t read_bytes, write_bytes;
+  size_t devices;
+};
+
+json session_row(const Sess& s) {
+  std::string uu;
+  uint32_t up = 0, inflight = 0;
+  uint64_t reconnects = 0;
+  for (auto& p : s.ps) {
+    const bool u = p.state == ibtrs::ClientPathState::connected;
+    uu += u ? 'U' : '_';
+    up += u;
+    inflight += p.inflight;
+    reconnects += p.stats.reconnects_ok;
+  }
+  return json::array({s.name, s.ps.size(), up, s.state, uu, std::string(ibtrs::to_string(s.policy)),
+                      bytes_cell(s.read_bytes), bytes_cell(s.write_bytes), inflight, reconnects, s.devices});
+}
+
+std::string auth_word(const ibtrs::PathAuthInfo& a) {
+  return std::string(ibtrs::to_string(a.state)) + (a.bidirectional ? "+server" : "");
+}
+
+json path_row(const std::string& sess, const ibtrs::ClientPathInfo& p) {
+  return json::array({sess, p.name, p.spec.source ? p.spec.source->to_string() : "",
+                      p.spec.destination.to_string(), p.hca_name, p.hca_port,
+                      std::string(ibtrs::to_string(p.state)), auth_word(p.auth), p.auth.host,
+                      ibtrs::tls::describe(p.tls),
+                      bytes_cell(p.stats.read_bytes), bytes_cell(p.stats.write_bytes), p.inflight,
+                      p.stats.reconnects_ok, p.latency ? static_cast<int64_t>(p.latency->count()) : -1,
+                      p.last_error ? p.last_error.message() : "", p.fence.waited, p.fence.fenced,
+                      std::chrono::duration_cast<std::chrono::microseconds>(p.fence.last_rtt).count()});
+}
+
+json path_stats_entry(const ibtrs::ClientPathInfo& p) {
+  const ibtrs::Address& dst = p.spec.destination;
+  return {{"name", p.name},
+          {"state", std::string(ibtrs::to_string(p.state))},
+          {"fabric", std::string(ibtrs::to_string(p.fabric))},
+          {"hca_name", p.hca_name},
+          {"hca_port", p.hca_port},
+          {"src_host", p.spec.source ? p.spec.source->host_string()
+                                     : (dst.family() == AF_INET6 ? "ip:::" : "ip:0.0.0.0")},
+          {"dst_host", dst.host_string()},
+          {"dst_port", dst.port},
+          {"cur_latency_ns", p.latency ? p.latency->count() : 0},
+          {"auth", std::string(ibtrs::to_string(p.auth.state))},
+          {"auth_host", p.auth.host},
+          {"auth_bidirectional", p.auth.bidirectional},
+          {"auth_method", p.auth.method},
+          {"tls", ibtrs::tls::describe(p.tls)},
+          {"last_error", p.last_error ? p.last_error.message() : ""},
+          {"inflight", p.inflight},
+          {"stats", stats_to_json(p.stats)},
+          {"fence", fence_to_json(p.fence)}};
+}
+}  // namespace before
+
+// A path with every field drawn at random (addresses of both families and fabrics, with and
+// without a source; strings with quotes and non-ASCII bytes; counters up to 64 bits).
+ibtrs::ClientPathInfo random_path(std::mt19937_64& rng) {
+  auto pick = [&](uint64_t n) { return rng() % n; };
+  auto text = [&] {
+    static const char* kWords[] = {"", "h", "nqn.2014-08.org.example:\"x\"", "caf\xc3\xa9", "a b\tc", "\\n"};
+    return std::string(kWords[pick(6)]);
+  };
+  static const char* kSpecs[] = {"tcp:127.0.0.1:4000",      "tcp:10.0.0.1:1@tcp:10.0.0.2:2",
+                                 "rdma:[fe80::1]:4791",     "ip:10.0.0.1",
+                                 "ip:10.0.0.2@ip:10.0.0.3", "rdma:[::1]:1@rdma:[::2]:65535",
+                                 "ip:fe80::2",              "tcp:[2001:db8::1]:0"};
+  ibtrs::ClientPathInfo p;
+  auto spec = ibtrs::PathSpec::parse(kSpecs[pick(8)]);
+  EXPECT_TRUE(spec.ok());
+  if (spec.ok()) p.spec = *spec;
+  p.name = pick(2) ? p.spec.name() : text();
+  p.state = static_cast<ibtrs::ClientPathState>(pick(7));
+  p.fabric = static_cast<ibtrs::FabricKind>(pick(3));
+  p.hca_name = text();
+  p.hca_port = static_cast<uint8_t>(rng());
+  if (pick(2)) p.latency = std::chrono::nanoseconds(static_cast<int64_t>(rng() >> pick(64)));
+  p.inflight = static_cast<uint32_t>(rng());
+  p.auth.state = static_cast<ibtrs::AuthState>(pick(4));
+  p.auth.host = text();
+  p.auth.bidirectional = pick(2);
+  p.auth.method = text();
+  p.tls.on = pick(2);
+  p.tls.kernel_tx = pick(2);
+  p.tls.kernel_rx = pick(2);
+  p.tls.cipher = text();
+  if (pick(2)) p.last_error = std::error_code(static_cast<int>(pick(140)), std::generic_category());
+  p.stats.read_bytes = rng() >> pick(64);
+  p.stats.write_bytes = rng() >> pick(64);
+  p.stats.reconnects_ok = rng() >> pick(64);
+  p.stats.inflight = static_cast<int64_t>(rng() >> 1);
+  p.stats.lat_read[pick(p.stats.lat_read.size())] = rng();
+  p.stats.migrated_to.assign(pick(4), rng());
+  p.fence.waited = rng() >> pick(64);
+  p.fence.fenced = rng() >> pick(64);
+  p.fence.last_rtt = std::chrono::nanoseconds(static_cast<int64_t>(rng() >> pick(64)));
+  p.fence.max_rtt = std::chrono::nanoseconds(static_cast<int64_t>(rng() >> 1));
+  return p;
+}
+
+// Case: 2000 random sessions of up to 4 random paths, each listed, its paths listed and their
+// stats answered by the typed encoders (the reports filled as the daemon fills them) and by the
+// encoders from before. Expect: the same bytes, every time; and the reports read back from the
+// JSON encode to the same bytes again.
+TEST(SessionListing, MatchesTheOldEncodersOnRandomSessions) {
+  std::mt19937_64 rng(0x5e55107);
+  for (int i = 0; i < 2000; ++i) {
+    before::Sess s{"s" + std::to_string(rng() % 100), {}, i % 3 ? "connected" : "closed",
+                   static_cast<ibtrs::MpPolicy>(rng() % 3), rng() >> (rng() % 64), rng() >> (rng() % 64), rng() % 5};
+    const size_t n = rng() % 5;
+    for (size_t k = 0; k < n; ++k) s.ps.push_back(random_path(rng));
+    // The daemon's session_reports and path_reports over the same session.
+    SessionReport r;
+    r.name = s.name;
+    r.path_cnt = s.ps.size();
+    std::vector<PathReport> paths;
+    uint32_t up = 0, inflight = 0;
+    for (auto& p : s.ps) {
+      const bool u = p.state == ibtrs::ClientPathState::connected;
+      r.path_uu += u ? 'U' : '_';
+      up += u;
+      inflight += p.inflight;
+      r.reconnects += p.stats.reconnects_ok;
+      paths.push_back(client_path_report(s.name, p));
+    }
+    r.act_path_cnt = up;
+    r.inflight = inflight;
+    r.state = s.state;
+    r.mp = std::string(ibtrs::to_string(s.policy));
+    r.rx_bytes = s.read_bytes;
+    r.tx_bytes = s.write_bytes;
+    r.devices = s.devices;
+
+    const json rows_before = json::array({before::session_row(s)});
+    ASSERT_EQ(session_listing({r})["rows"].dump(), rows_before.dump()) << "session " << i;
+    json path_rows = json::array(), stats = json::array();
+    for (auto& p : s.ps) {
+      path_rows.push_back(before::path_row(s.name, p));
+      stats.push_back(before::path_stats_entry(p));
+    }
+    ASSERT_EQ(path_listing(paths)["rows"].dump(), path_rows.dump()) << "session " << i;
+    ASSERT_EQ(path_stats_answer(paths).dump(), json({{"ok", true}, {"paths", stats}}).dump()) << "session " << i;
+
+    auto sb = sessions_from_listing(session_listing({r}));
+    ASSERT_TRUE(sb.ok());
+    EXPECT_EQ(session_listing(*sb).dump(), session_listing({r}).dump());
+    auto pb = paths_from_stats(path_stats_answer(paths));
+    ASSERT_TRUE(pb.ok());
+    EXPECT_EQ(path_stats_answer(*pb).dump(), path_stats_answer(paths).dump());
+  }
+}
+
+// Case: answers read back from a hand-written daemon (fewer fields, signed numbers), and answers
+// of the wrong shape. Expect: defaults for what is missing; EINVAL for the wrong shape, no throw.
+TEST(SessionListing, ReadsBackAndRefusesTheWrongShape) {
+  const json hand = {{"ok", true},
+                     {"columns", json::array({{{"name", "mp"}}, {{"name", "sessname"}}})},
+                     {"rows", json::array({json::array({"round-robin", "s1"})})}};
+  auto h = sessions_from_listing(hand);
+  ASSERT_TRUE(h.ok());
+  ASSERT_EQ(h->size(), 1u);
+  EXPECT_EQ((*h)[0].name, "s1");
+  EXPECT_EQ((*h)[0].mp, "round-robin");
+  EXPECT_EQ((*h)[0].path_cnt, 0u);
+  const json cols = json::array({{{"name", "sessname"}}, {{"name", "path_cnt"}}});
+  for (const json& bad : {json("x"), json{{"columns", cols}, {"rows", json::array({json::array({"s", -1})})}},
+                          json{{"columns", cols}, {"rows", json::array({1})}}})
+    EXPECT_EQ(sessions_from_listing(bad).error(), std::errc::invalid_argument) << bad.dump();
+
+  // The server's path_stats entry (no latency, fence, last_error; its addresses in full).
+  const json srv = {{"ok", true},
+                    {"paths", json::array({{{"name", "p"}, {"src_addr", "tcp:1.1.1.1:5"}, {"hca_port", 1},
+                                            {"dst_port", 4000}, {"fabric", "tcp"}, {"inflight", 0},
+                                            {"stats", stats_to_json({})}}})}};
+  auto ps = paths_from_stats(srv);
+  ASSERT_TRUE(ps.ok());
+  ASSERT_EQ(ps->size(), 1u);
+  EXPECT_EQ((*ps)[0].src_addr, "tcp:1.1.1.1:5");
+  EXPECT_EQ((*ps)[0].dst_port, 4000u);
+  EXPECT_EQ((*ps)[0].auth, "none");
+  EXPECT_EQ((*ps)[0].tls, "-");
+  EXPECT_FALSE((*ps)[0].latency.has_value());
+  EXPECT_EQ((*ps)[0].fence.waited, 0u);
+  for (const json& bad :
+       {json{{"ok", true}}, json{{"paths", 1}}, json{{"paths", json::array({1})}},
+        json{{"paths", json::array({{{"hca_port", 256}}})}}, json{{"paths", json::array({{{"dst_port", -1}}})}},
+        json{{"paths", json::array({{{"cur_latency_ns", "soon"}}})}},
+        json{{"paths", json::array({{{"auth_bidirectional", 1}}})}},
+        json{{"paths", json::array({{{"stats", {{"read_cnt", "many"}}}}})}},
+        json{{"paths", json::array({{{"fence", {{"waited", "x"}}}}})}}})
+    EXPECT_EQ(paths_from_stats(bad).error(), std::errc::invalid_argument) << bad.dump();
 }
 
 // Case: the codec's answers and arguments. Expect: the shapes command.h names.

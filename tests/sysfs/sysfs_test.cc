@@ -4,7 +4,9 @@
 
 #include <map>
 #include <mutex>
+#include <random>
 
+#include "control/command.h"
 #include "control/stats.h"
 #include "sysfs/format.h"
 #include "sysfs/node.h"
@@ -405,6 +407,165 @@ TEST(Trees, ServerRefusalsAreFilesUnderCtl) {
   EXPECT_NE(seen.back()["cmd"], "reset_refusals") << "a malformed write sends nothing";
   EXPECT_EQ(write_at(root, "/ibtrs-server/ctl/reset_refusals", "1\n"), 0);
   EXPECT_EQ(seen.back()["cmd"], "reset_refusals");
+}
+
+// The report whose `key` is `name`, or ENOENT.
+template <typename R>
+ibnbd::Result<R> find(const std::vector<R>& all, const std::string& name, std::string R::*key) {
+  for (const R& r : all)
+    if (r.*key == name) return r;
+  return errc(ENOENT);
+}
+
+// Every file of a tree that reads (path -> content, or its errno; "throws" for an answer the
+// tree could not read, which FUSE turns into EIO), walking the directories.
+void read_all(const NodePtr& root, const std::string& dir, std::map<std::string, std::string>& out) {
+  auto n = resolve(root, dir.empty() ? "/" : dir);
+  ASSERT_TRUE(n.ok()) << dir;
+  auto names = (*n)->list();
+  if (!names) {
+    try {
+      auto r = (*n)->read();
+      out[dir] = r ? *r : "E" + std::to_string(r.error().value());
+    } catch (const std::exception&) {
+      out[dir] = "throws";
+    }
+    return;
+  }
+  for (const std::string& e : *names) read_all(root, dir + "/" + e, out);
+}
+
+// Case: the same sessions, paths and devices (drawn at random) bound typed, as the daemons
+// bind them, and answered as JSON by a backend, as the trees read them before the daemons had
+// types. Expect: every file of both trees reads the same bytes (the client's, and the server's
+// path files); the typed tree sends no read command to the backend.
+TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
+  using namespace ibnbd::control;
+  std::mt19937_64 rng(0x7e55);
+  for (int round = 0; round < 20; ++round) {
+    std::vector<SessionReport> sessions;
+    std::vector<PathReport> paths;
+    std::vector<DeviceReport> devices;
+    static const char* kPolicies[] = {"round-robin", "min-inflight", "min-latency"};
+    static const char* kStates[] = {"connected", "reconnecting", "closed"};
+    static const char* kAuth[] = {"none", "pending", "authenticated", "failed"};
+    for (int i = 0; i < 2; ++i) {
+      SessionReport s;
+      s.name = "s" + std::to_string(i) + (i ? "/x" : "");
+      s.mp = kPolicies[rng() % 3];
+      sessions.push_back(s);
+      for (int k = 0; k < 2; ++k) {
+        PathReport p;
+        p.session = s.name;
+        p.name = "tcp:0.0.0.0@tcp:127.0.0." + std::to_string(k + 1) + ":" + std::to_string(rng() % 65536);
+        p.state = kStates[rng() % 3];
+        p.fabric = rng() % 2 ? "tcp" : "rdma";
+        p.hca_name = p.fabric == "tcp" ? "tcp" : "rxe0";
+        p.hca_port = static_cast<uint8_t>(rng());
+        p.src_host = "ip:0.0.0.0";
+        p.dst_host = "ip:127.0.0." + std::to_string(k + 1);
+        p.dst_port = static_cast<uint16_t>(rng());
+        if (rng() % 2) p.latency = std::chrono::nanoseconds(static_cast<int64_t>(rng() >> 1));
+        p.auth = kAuth[rng() % 4];
+        p.auth_host = rng() % 2 ? "nqn.2014-08.org.example:h" : "";
+        p.auth_bidirectional = rng() % 2;
+        p.tls = rng() % 2 ? "-" : "kTLS TLS_AES_128_GCM_SHA256";
+        p.stats.read_cnt = rng() >> (rng() % 64);
+        p.stats.write_bytes = rng() >> (rng() % 64);
+        p.stats.inflight = static_cast<int64_t>(rng() >> 2);
+        p.stats.reconnects_failed = rng() >> (rng() % 64);
+        p.stats.lat_write[rng() % p.stats.lat_write.size()] = rng() >> (rng() % 64);
+        p.stats.lat_max_read_ns = rng() >> (rng() % 64);
+        p.stats.sg_entries[rng() % p.stats.sg_entries.size()] = rng() >> (rng() % 64);
+        p.stats.polls = rng() >> (rng() % 64);
+        p.stats.migrated_from.assign(rng() % 3, rng() >> 40);
+        p.stats.migrated_to.assign(p.stats.migrated_from.size(), rng() >> 40);
+        p.fence.waited = rng() >> (rng() % 64);
+        p.fence.max_rtt = std::chrono::nanoseconds(static_cast<int64_t>(rng() >> 1));
+        paths.push_back(p);
+      }
+      DeviceReport d;
+      d.device = "dev" + std::to_string(i);
+      d.session = s.name;
+      d.size = rng() >> (rng() % 64);
+      d.state = "open";
+      d.ublk = rng() % 2 ? "/dev/ublkb" + std::to_string(i) : "";
+      d.failovers = rng() >> (rng() % 64);
+      devices.push_back(d);
+    }
+    auto paths_of = [&](const std::string& sess, const std::string& path) -> ibnbd::Result<std::vector<PathReport>> {
+      std::vector<PathReport> out;
+      bool known = false;
+      for (auto& p : paths) {
+        known |= p.session == sess;
+        if (p.session == sess && (path.empty() || p.name == path)) out.push_back(p);
+      }
+      if (!known || (!path.empty() && out.empty())) return errc(ENOENT);
+      return out;
+    };
+    Backend json_daemon = [&](const json& req) -> json {
+      const std::string cmd = req.at("cmd");
+      if (cmd == "session_list") return session_listing(sessions);
+      if (cmd == "device_list") return device_listing(devices, false);
+      if (cmd == "sessions") {
+        json out = json::array();
+        for (auto& s : sessions) out.push_back({{"name", s.name}});
+        return {{"ok", true}, {"sessions", out}};
+      }
+      if (cmd == "session_show") {
+        auto s = find(sessions, req.at("session").get<std::string>(), &SessionReport::name);
+        return s ? session_listing({*s}) : error(ENOENT);
+      }
+      if (cmd == "device_show") {
+        auto d = find(devices, req.at("device").get<std::string>(), &DeviceReport::device);
+        return d ? device_listing({*d}, false) : error(ENOENT);
+      }
+      if (cmd == "path_stats") {
+        auto ps = paths_of(req.at("session"), req.value("path", ""));
+        return ps ? path_stats_answer(*ps) : error(ENOENT);
+      }
+      return {{"ok", true}, {"devices", json::array()}, {"refusals", json::array()}, {"max_reconnect_attempts", 3}};
+    };
+    size_t typed_reads = 0;
+    Backend write_only = [&](const json& req) -> json {
+      const std::string cmd = req.at("cmd");
+      // Still read from JSON: the server tree's devices and refusals, a session's
+      // max_reconnect_attempts (one number).
+      if (cmd != "devices" && cmd != "refusals" && cmd != "session_max_reconnect_attempts") ++typed_reads;
+      return json_daemon(req);
+    };
+    ClientBinding typed{
+        .backend = write_only,
+        .device = [&](const std::string& n) { return find(devices, n, &DeviceReport::device); },
+        .log = {},
+        .devices = [&]() -> ibnbd::Result<std::vector<DeviceReport>> { return devices; },
+        .sessions = [&]() -> ibnbd::Result<std::vector<SessionReport>> { return sessions; },
+        .session = [&](const std::string& n) { return find(sessions, n, &SessionReport::name); },
+        .paths = paths_of};
+    std::map<std::string, std::string> over_json, over_types;
+    read_all(client_tree(json_daemon), "", over_json);
+    read_all(client_tree(std::move(typed)), "", over_types);
+    EXPECT_GT(over_json.size(), 60u);
+    for (auto& [f, c] : over_json) EXPECT_TRUE(c != "throws" && c != "E5") << f << " reads nothing to compare";
+    EXPECT_EQ(over_types, over_json) << "round " << round;
+    EXPECT_EQ(typed_reads, 0u) << "the typed client tree read through JSON";
+
+    std::map<std::string, std::string> srv_json, srv_types;
+    read_all(server_tree(json_daemon), "", srv_json);
+    read_all(server_tree(ServerBinding{.backend = write_only,
+                                       .log = {},
+                                       .sessions = [&]() -> ibnbd::Result<std::vector<std::string>> {
+                                         std::vector<std::string> n;
+                                         for (auto& s : sessions) n.push_back(s.name);
+                                         return n;
+                                       },
+                                       .paths = paths_of}),
+             "", srv_types);
+    EXPECT_GT(srv_json.size(), 20u);
+    for (auto& [f, c] : srv_json) EXPECT_TRUE(c != "throws" && c != "E5") << f << " reads nothing to compare";
+    EXPECT_EQ(srv_types, srv_json) << "round " << round;
+    EXPECT_EQ(typed_reads, 0u) << "the typed server tree read paths or sessions through JSON";
+  }
 }
 
 }  // namespace

@@ -71,15 +71,15 @@ class Socket {
     std::atomic<bool> done{false};
   };
   void reap(bool all);
-  Socket(SocketLock lock, int fd, int stop_fd, Handler h);
+  Socket(SocketLock lock, base::UniqueFd fd, base::UniqueFd stop_fd, Handler h);
   void loop();
   void serve(int conn);
   bool send_line(int conn, const nlohmann::json& j);
 
   SocketLock lock_;  // released after the socket file is gone (~Socket)
   std::string path_;
-  int fd_;
-  int stop_fd_;
+  base::UniqueFd fd_;       // the listening socket
+  base::UniqueFd stop_fd_;  // an eventfd: readable once ~Socket began
   Handler handler_;
   std::thread thread_;
   std::list<Conn> conns_;  // the accept thread's only

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "sysfs/node.h"
 
 struct fuse;
@@ -61,7 +62,7 @@ class Mount {
   NodePtr root_;
   std::string dir_;
   struct fuse* fuse_ = nullptr;
-  int stop_fd_ = -1;
+  base::UniqueFd stop_fd_;  // an eventfd: readable once ~Mount began
   std::atomic<bool> stop_{false};
   std::vector<std::thread> threads_;
 };

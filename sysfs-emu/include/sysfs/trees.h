@@ -10,8 +10,9 @@
 // throw (the daemons' handlers do not). An answer of the wrong shape reads as EIO.
 //
 // A daemon in the same process binds typed commands where it has them (ClientBinding): the
-// tree then reads its structs, not the JSON it would write for the CLI (issue 18). Over a
-// Backend alone the same commands are read from their JSON answers.
+// tree then reads its structs, not the JSON it would write for the CLI (issue 18); the Backend
+// carries the writes. Over a Backend alone the same commands are read from their JSON answers
+// (control/client_devices.h and client_sessions.h read them back).
 #pragma once
 
 #include <functional>
@@ -20,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "control/client_devices.h"
+#include "control/client_sessions.h"
 #include "sysfs/node.h"
 
 namespace sysfs {
@@ -37,12 +39,32 @@ struct ClientBinding {
   // device_show: the mapped device `name`, or ENOENT (ClientDaemon::device).
   std::function<ibnbd::Result<ibnbd::control::DeviceReport>(const std::string& name)> device;
   Log log;
+  // device_list: every mapped device (ClientDaemon::devices).
+  std::function<ibnbd::Result<std::vector<ibnbd::control::DeviceReport>>()> devices;
+  // session_list, and session_show of `name` (ENOENT) (ClientDaemon::sessions, session).
+  std::function<ibnbd::Result<std::vector<ibnbd::control::SessionReport>>()> sessions;
+  std::function<ibnbd::Result<ibnbd::control::SessionReport>(const std::string& name)> session;
+  // path_stats: the path `path` of `session`, or every path of it with path "" (ENOENT: no such
+  // session or path) (ClientDaemon::paths).
+  std::function<ibnbd::Result<std::vector<ibnbd::control::PathReport>>(const std::string& session, const std::string& path)>
+      paths;
+};
+
+// The server daemon's commands the server tree reads typed, as ClientBinding.
+struct ServerBinding {
+  Backend backend;  // every other command
+  Log log;
+  // sessions: the sessions' names.
+  std::function<ibnbd::Result<std::vector<std::string>>()> sessions;
+  // path_stats: as ClientBinding::paths, the server's paths (ibnbd::server_paths).
+  decltype(ClientBinding::paths) paths;
 };
 
 // ibnbd-client's root: ibtrs-client/<session>/..., ibnbd-client/ctl/{map_device, devices/...}.
 NodePtr client_tree(ClientBinding binding);
 NodePtr client_tree(Backend backend, Log log = {});
 // ibnbd-server's root: ibtrs-server/<session>/paths/..., ibnbd-server/ctl/devices/...
+NodePtr server_tree(ServerBinding binding);
 NodePtr server_tree(Backend backend, Log log = {});
 
 }  // namespace sysfs

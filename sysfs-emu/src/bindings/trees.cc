@@ -6,7 +6,6 @@
 #include <cstdio>
 #include <cstring>
 
-#include "control/stats.h"
 #include "sysfs/format.h"
 #include "sysfs/parse.h"
 
@@ -22,21 +21,33 @@ using ibtrs::errc;
 std::string line(std::string s) { return s + "\n"; }
 std::string str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
+using ibnbd::control::DeviceReport;
+using ibnbd::control::PathReport;
+using ibnbd::control::SessionReport;
+
 // The backend, the typed commands and the log the tree's files share (copied into each file's
-// callbacks).
+// callbacks). The client tree fills every typed command (from the binding, or over the
+// backend's JSON); the server tree `paths` and `server_sessions`.
 struct Daemon {
   Backend backend;
   Log log;
-  decltype(ClientBinding::device) device;  // set for the client tree (client_tree fills it)
+  decltype(ClientBinding::device) device;
+  decltype(ClientBinding::devices) devices;
+  decltype(ClientBinding::sessions) sessions;
+  decltype(ClientBinding::session) session;
+  decltype(ClientBinding::paths) paths;
+  decltype(ServerBinding::sessions) server_sessions;  // the server tree's
   json operator()(const json& req) const { return backend(req); }
 };
 
-Result<json> call(const Daemon& b, const json& req) {
-  json r = b(req);
+Result<json> call(const Backend& backend, const json& req) {
+  json r = backend(req);
   if (r.is_object() && r.value("ok", false)) return r;
   int e = r.is_object() ? r.value("errno", EIO) : EIO;
   return errc(e > 0 ? e : EIO);
 }
+
+Result<json> call(const Daemon& b, const json& req) { return call(b.backend, req); }
 
 // A write's command. The writer sees only the errno; the daemon's reason goes to the log.
 Status act(const Daemon& b, const json& req) {
@@ -48,14 +59,6 @@ Status act(const Daemon& b, const json& req) {
     b.log("sysfs: " + str(req.value("cmd", json("?"))) + ": " + (why.is_string() ? why.get<std::string>() : std::strerror(e > 0 ? e : EIO)));
   }
   return errc(e > 0 ? e : EIO);
-}
-
-// The cell `col` of a listing answer ({"columns": [{"name"}...], "rows": [[...]]}).
-const json& cell(const json& rsp, const json& row, const char* col) {
-  const json& cols = rsp.at("columns");
-  for (size_t i = 0; i < cols.size(); ++i)
-    if (cols[i].at("name") == col) return row.at(i);
-  throw std::out_of_range(col);
 }
 
 ReadFn text(std::string s) {
@@ -74,52 +77,52 @@ std::vector<std::string> names(const json& arr, const char* key) {
 
 // ---- paths (both sides answer path_stats alike) ----
 
-Result<json> path_info(const Daemon& b, const std::string& sess, const std::string& path) {
-  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}, {"path", path}}));
-  const json& ps = r.at("paths");
+Result<PathReport> path_info(const Daemon& b, const std::string& sess, const std::string& path) {
+  BASE_ASSIGN_OR_RETURN(std::vector<PathReport> ps, b.paths(sess, path));
   if (ps.empty()) return errc(ENOENT);
-  return ps[0];
+  return std::move(ps.front());
 }
 
 // hca_port: an HCA's port; for the software fabric (no HCA, hca_name "tcp") the TCP port the
 // path goes to.
-std::string hca_port(const json& p) {
-  if (p.value("fabric", "") == "tcp") return line(str(p.at("dst_port")));
-  return line(str(p.at("hca_port")));
+std::string hca_port(const PathReport& p) {
+  if (p.fabric == "tcp") return line(std::to_string(p.dst_port));
+  return line(std::to_string(p.hca_port));
 }
 
 Result<std::vector<std::string>> path_names(const Daemon& b, const std::string& sess) {
-  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "path_stats"}, {"session", sess}}));
-  return names(r.at("paths"), "name");
+  BASE_ASSIGN_OR_RETURN(std::vector<PathReport> ps, b.paths(sess, ""));
+  std::vector<std::string> out;
+  for (auto& p : ps) out.push_back(escape_name(p.name));
+  return out;
 }
 
-using PathInfo = std::function<Result<json>()>;
+using PathInfo = std::function<Result<PathReport>()>;
 
-// A read-only file showing f(the path's answer).
-NodePtr path_field(const PathInfo& info, std::function<std::string(const json&)> f) {
+// A read-only file showing f(the path's report).
+NodePtr path_field(const PathInfo& info, std::function<std::string(const PathReport&)> f) {
   return Node::read_only([info, f = std::move(f)]() -> Result<std::string> {
-    BASE_ASSIGN_OR_RETURN(json p, info());
+    BASE_ASSIGN_OR_RETURN(PathReport p, info());
     return f(p);
   });
 }
 
 // The path's authentication (ours; the kernel's RTRS has none): "authenticated HOST", with
 // " bidirectional" when the server proved its key too, or "none" / "pending" / "failed".
-std::string auth_line(const json& p) {
-  const std::string state = p.value("auth", "none");
-  if (state != "authenticated") return line(state);
-  return line(state + " " + p.value("auth_host", "") + (p.value("auth_bidirectional", false) ? " bidirectional" : ""));
+std::string auth_line(const PathReport& p) {
+  if (p.auth != "authenticated") return line(p.auth);
+  return line(p.auth + " " + p.auth_host + (p.auth_bidirectional ? " bidirectional" : ""));
 }
 
 // hca_name, hca_port, src_addr, dst_addr, auth, tls: the same files on both sides. tls (ours):
 // "-" without TLS, else where the record layer runs (kTLS or user) and the cipher.
 void add_address_files(Node& d, const PathInfo& info) {
   d.add("auth", path_field(info, auth_line));
-  d.add("tls", path_field(info, [](const json& p) { return line(p.value("tls", std::string("-"))); }));
-  d.add("hca_name", path_field(info, [](const json& p) { return line(str(p.at("hca_name"))); }));
+  d.add("tls", path_field(info, [](const PathReport& p) { return line(p.tls); }));
+  d.add("hca_name", path_field(info, [](const PathReport& p) { return line(p.hca_name); }));
   d.add("hca_port", path_field(info, hca_port));
-  d.add("src_addr", path_field(info, [](const json& p) { return line(str(p.at("src_host"))); }));
-  d.add("dst_addr", path_field(info, [](const json& p) { return line(str(p.at("dst_host"))); }));
+  d.add("src_addr", path_field(info, [](const PathReport& p) { return line(p.src_host); }));
+  d.add("dst_addr", path_field(info, [](const PathReport& p) { return line(p.dst_host); }));
 }
 
 using Formatter = std::string (*)(const PathStatsSnapshot&);
@@ -130,13 +133,13 @@ struct StatFile {
 
 using ResetFn = std::function<Status(const char* group)>;
 
-// A stats file: shows show(the path's answer) and resets its counters (`group`) when written.
+// A stats file: shows show(the path's report) and resets its counters (`group`) when written.
 NodePtr stat_file(const PathInfo& info, const ResetFn& reset, std::string group,
-                  std::function<std::string(const json&)> show) {
+                  std::function<std::string(const PathReport&)> show) {
   return Node::attr(
       0644,
       [info, show = std::move(show)]() -> Result<std::string> {
-        BASE_ASSIGN_OR_RETURN(json p, info());
+        BASE_ASSIGN_OR_RETURN(PathReport p, info());
         return show(p);
       },
       [reset, group = std::move(group)](std::string_view t) -> Status {
@@ -154,9 +157,7 @@ std::shared_ptr<Node> stats_dir(const PathInfo& info, const ResetFn& reset, std:
                                    return reset("all");
                                  }));
   for (const StatFile& f : files)
-    d->add(f.name, stat_file(info, reset, f.name, [fmt = f.format](const json& p) {
-             return fmt(ibnbd::control::stats_from_json(p.at("stats")));
-           }));
+    d->add(f.name, stat_file(info, reset, f.name, [fmt = f.format](const PathReport& p) { return fmt(p.stats); }));
   return d;
 }
 
@@ -170,14 +171,16 @@ NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::str
   };
   auto d = Node::dir();
   // The seed's two states: connected, or disconnected for every other state of the path.
-  d->add("state", path_field(info, [](const json& p) {
-    return std::string(p.at("state") == "connected" ? "connected\n" : "disconnected\n");
+  d->add("state", path_field(info, [](const PathReport& p) {
+    return std::string(p.state == "connected" ? "connected\n" : "disconnected\n");
   }));
   d->add("reconnect", action("Usage: echo 1 > reconnect\n", path_cmd("path_reconnect")));
   d->add("disconnect", action("Usage: echo 1 > disconnect\n", path_cmd("path_disconnect")));
   d->add("remove_path", action("Usage: echo 1 > remove_path\n", path_cmd("path_delete")));
   add_address_files(*d, info);
-  d->add("cur_latency", path_field(info, [](const json& p) { return str(p.at("cur_latency_ns")) + " ns\n"; }));
+  d->add("cur_latency", path_field(info, [](const PathReport& p) {
+    return std::to_string(p.latency ? p.latency->count() : 0) + " ns\n";
+  }));
   auto reset = [b, sess, path](const char* group) {
     return act(b, {{"cmd", "path_reset_stats"}, {"session", sess}, {"path", path}, {"stats", group}});
   };
@@ -190,9 +193,7 @@ NodePtr client_path_dir(const Daemon& b, const std::string& sess, const std::str
                                            {"reconnects", format_reconnects}});
   // Ours (the kernel's RTRS has no failover fence); reset_all resets it too (the daemon's reset
   // of "all" includes the fence's counters).
-  stats->add("fence", stat_file(info, reset, "fence", [](const json& p) {
-               return format_fence(ibnbd::control::fence_from_json(p.value("fence", json::object())));
-             }));
+  stats->add("fence", stat_file(info, reset, "fence", [](const PathReport& p) { return format_fence(p.fence); }));
   d->add("stats", stats);
   return d;
 }
@@ -223,8 +224,8 @@ NodePtr client_session_dir(const Daemon& b, const std::string& sess) {
   auto policy = Node::attr(
       0644,
       [b, sess]() -> Result<std::string> {
-        BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_show"}, {"session", sess}}));
-        auto p = ibtrs::parse_mp_policy(str(cell(r, r.at("rows").at(0), "mp")));
+        BASE_ASSIGN_OR_RETURN(SessionReport r, b.session(sess));
+        auto p = ibtrs::parse_mp_policy(r.mp);
         if (!p) return errc(EIO);
         return format_policy(*p);
       },
@@ -241,17 +242,19 @@ NodePtr client_session_dir(const Daemon& b, const std::string& sess) {
   return d;
 }
 
-Result<std::vector<std::string>> listing_names(const Daemon& b, const char* cmd, const char* col) {
-  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", cmd}}));
+// The escaped names of a listing's reports (`name` of each).
+template <typename Report, typename Name>
+Result<std::vector<std::string>> listing_names(const Result<std::vector<Report>>& reports, Name name) {
+  if (!reports) return reports.error();
   std::vector<std::string> out;
-  for (auto& row : r.at("rows")) out.push_back(escape_name(str(cell(r, row, col))));
+  for (const Report& r : *reports) out.push_back(escape_name(r.*name));
   return out;
 }
 
 // ---- ibnbd-client/ctl/ ----
 
 NodePtr client_device_dir(const Daemon& b, const std::string& dev) {
-  using Report = ibnbd::control::DeviceReport;
+  using Report = DeviceReport;
   auto field = [b, dev](std::string (*show)(const Report&)) {
     return Node::read_only([b, dev, show]() -> Result<std::string> {
       BASE_ASSIGN_OR_RETURN(Report r, b.device(dev));
@@ -318,7 +321,7 @@ NodePtr ibnbd_client_dir(const Daemon& b) {
                     // refuses (ENODEV without ublk_drv) and maps nothing.
                     return act(b, map_device_request(o));
                   }));
-  ctl->add("devices", Node::dynamic_dir([b] { return listing_names(b, "device_list", "device"); },
+  ctl->add("devices", Node::dynamic_dir([b] { return listing_names(b.devices(), &DeviceReport::device); },
                                         [b](const std::string& n) -> Result<NodePtr> {
                                           return client_device_dir(b, unescape_name(n));
                                         }));
@@ -377,8 +380,8 @@ NodePtr ibtrs_server_ctl(const Daemon& b) {
 // The sessions, and ctl/ beside them (a session named "ctl" is shadowed here; the CLI lists it).
 NodePtr ibtrs_server_dir(const Daemon& b) {
   auto sessions = [b]() -> Result<std::vector<std::string>> {
-    BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "sessions"}}));
-    auto n = names(r.at("sessions"), "name");
+    BASE_ASSIGN_OR_RETURN(std::vector<std::string> n, b.server_sessions());
+    for (std::string& s : n) s = escape_name(s);
     std::erase(n, std::string("ctl"));
     n.insert(n.begin(), "ctl");
     return n;
@@ -460,23 +463,66 @@ NodePtr ibnbd_server_dir(const Daemon& b) {
 }  // namespace
 
 NodePtr client_tree(Backend backend, Log log) {
-  ClientBinding binding{std::move(backend), {}, std::move(log)};
+  ClientBinding binding{std::move(backend), {}, std::move(log), {}, {}, {}, {}};
   return client_tree(std::move(binding));
 }
 
+namespace {
+
+// A listing command's reports over the backend's JSON, read back by `from` (a wrong shape: EIO).
+template <typename Report>
+Result<std::vector<Report>> listing_over(const Backend& backend, const json& req,
+                                         Result<std::vector<Report>> (*from)(const json&)) {
+  BASE_ASSIGN_OR_RETURN(json r, call(backend, req));
+  auto reports = from(r);
+  if (!reports) return errc(EIO);
+  return reports;
+}
+
+// The one report of a show command (none: the wrong shape, EIO).
+template <typename Report>
+Result<Report> one_of(Result<std::vector<Report>> reports) {
+  if (!reports) return reports.error();
+  if (reports->empty()) return errc(EIO);
+  return std::move(reports->front());
+}
+
+// path_stats over the backend's JSON, either daemon's (the path named only when one is asked).
+decltype(Daemon::paths) paths_over(const Backend& backend) {
+  return [backend](const std::string& sess, const std::string& path) {
+    json req{{"cmd", "path_stats"}, {"session", sess}};
+    if (!path.empty()) req["path"] = path;
+    return listing_over(backend, req, &ibnbd::control::paths_from_stats);
+  };
+}
+
+}  // namespace
+
 NodePtr client_tree(ClientBinding binding) {
-  Daemon b{std::move(binding.backend), std::move(binding.log), std::move(binding.device)};
-  if (!b.device) {
-    // device_show's listing, read back by column name.
-    b.device = [backend = b.backend](const std::string& name) -> Result<ibnbd::control::DeviceReport> {
-      BASE_ASSIGN_OR_RETURN(json r, call(Daemon{backend, {}, {}}, {{"cmd", "device_show"}, {"device", name}}));
-      auto reports = ibnbd::control::devices_from_listing(r);
-      if (!reports || reports->empty()) return errc(EIO);  // the wrong shape
-      return std::move(reports->front());
+  Daemon b{std::move(binding.backend),  std::move(binding.log),     std::move(binding.device),
+           std::move(binding.devices),  std::move(binding.sessions), std::move(binding.session),
+           std::move(binding.paths),    {}};
+  // Whatever the daemon did not bind typed is read from its JSON answers.
+  const Backend& backend = b.backend;
+  if (!b.device)
+    b.device = [backend](const std::string& name) {
+      return one_of(listing_over(backend, {{"cmd", "device_show"}, {"device", name}},
+                                 &ibnbd::control::devices_from_listing));
     };
-  }
+  if (!b.devices)
+    b.devices = [backend] { return listing_over(backend, {{"cmd", "device_list"}}, &ibnbd::control::devices_from_listing); };
+  if (!b.sessions)
+    b.sessions = [backend] {
+      return listing_over(backend, {{"cmd", "session_list"}}, &ibnbd::control::sessions_from_listing);
+    };
+  if (!b.session)
+    b.session = [backend](const std::string& name) {
+      return one_of(listing_over(backend, {{"cmd", "session_show"}, {"session", name}},
+                                 &ibnbd::control::sessions_from_listing));
+    };
+  if (!b.paths) b.paths = paths_over(backend);
   auto root = Node::dir();
-  root->add("ibtrs-client", Node::dynamic_dir([b] { return listing_names(b, "session_list", "sessname"); },
+  root->add("ibtrs-client", Node::dynamic_dir([b] { return listing_names(b.sessions(), &SessionReport::name); },
                                               [b](const std::string& n) -> Result<NodePtr> {
                                                 return client_session_dir(b, unescape_name(n));
                                               }));
@@ -485,7 +531,21 @@ NodePtr client_tree(ClientBinding binding) {
 }
 
 NodePtr server_tree(Backend backend, Log log) {
-  const Daemon b{std::move(backend), std::move(log), {}};
+  return server_tree(ServerBinding{std::move(backend), std::move(log), {}, {}});
+}
+
+NodePtr server_tree(ServerBinding binding) {
+  Daemon b{std::move(binding.backend), std::move(binding.log), {}, {}, {}, {}, std::move(binding.paths),
+           std::move(binding.sessions)};
+  const Backend& backend = b.backend;
+  if (!b.paths) b.paths = paths_over(backend);
+  if (!b.server_sessions)
+    b.server_sessions = [backend]() -> Result<std::vector<std::string>> {
+      BASE_ASSIGN_OR_RETURN(json r, call(backend, {{"cmd", "sessions"}}));
+      std::vector<std::string> out;
+      for (auto& e : r.at("sessions")) out.push_back(e.at("name").get<std::string>());
+      return out;
+    };
   auto root = Node::dir();
   root->add("ibtrs-server", ibtrs_server_dir(b));
   root->add("ibnbd-server", ibnbd_server_dir(b));

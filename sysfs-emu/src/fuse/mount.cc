@@ -295,8 +295,8 @@ Result<std::unique_ptr<Mount>> Mount::create(NodePtr root, const std::string& di
   // Non-blocking: several workers wake for one request; the losers see EAGAIN and poll again.
   const int fd = fuse_session_fd(fuse_get_session(m->fuse_));
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
-  m->stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
-  if (m->stop_fd_ < 0) return errc(errno);  // the destructor unmounts
+  m->stop_fd_.reset(::eventfd(0, EFD_CLOEXEC));
+  if (!m->stop_fd_) return errc(errno);  // the destructor unmounts
   for (unsigned i = 0; i < o.threads; ++i) m->threads_.emplace_back([p = m.get()] { p->worker(); });
   return m;
 }
@@ -306,7 +306,7 @@ void Mount::worker() {
   const int fd = fuse_session_fd(se);
   fuse_buf buf{};
   while (!stop_.load() && !fuse_session_exited(se)) {
-    pollfd p[2] = {{fd, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    pollfd p[2] = {{fd, POLLIN, 0}, {stop_fd_.get(), POLLIN, 0}};
     if (::poll(p, 2, -1) < 0) {
       if (errno == EINTR) continue;
       break;
@@ -323,16 +323,16 @@ void Mount::worker() {
 
 Mount::~Mount() {
   stop_.store(true);
-  if (stop_fd_ >= 0) {
+  if (stop_fd_) {
     const uint64_t one = 1;
-    (void)!::write(stop_fd_, &one, sizeof(one));  // stays readable: wakes every worker
+    (void)!::write(stop_fd_.get(), &one, sizeof(one));  // stays readable: wakes every worker
   }
   for (auto& t : threads_) t.join();
   if (fuse_ != nullptr) {
     fuse_unmount(fuse_);  // closes the channel first: requests still queued get ENOTCONN
     fuse_destroy(fuse_);
   }
-  if (stop_fd_ >= 0) ::close(stop_fd_);
+  stop_fd_.reset();  // last, as before: the workers poll it until they are joined
 }
 
 }  // namespace sysfs
