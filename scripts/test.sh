@@ -115,7 +115,14 @@ seed_costs() {
   [ -e "$from" ] && [ ! -e "$1/Testing/Temporary/CTestCostData.txt" ] || return 0
   mkdir -p "$1/Testing/Temporary" && cp "$from" "$1/Testing/Temporary/"
 }
-asan_tests() { wait_build asan && seed_costs build-asan && host_tests build-asan '^(rdma|vm|vm_one|netns|soak)$'; }
+# ASan leaves out the loopback twins of the block-layer scenarios (ibnbd_client, integration,
+# block_server): the code above the fabric is the same in both, and the tcp twin runs it with the
+# tcp provider's receive path, which parses what a peer sent; the loopback fabric's memory is
+# fabric_conformance_loopback's and session_loopback's (both run here).
+asan_tests() {
+  wait_build asan && seed_costs build-asan &&
+    host_tests build-asan '^(rdma|vm|vm_one|netns|soak)$' '^(ibnbd_client_loopback|integration_loopback|block_server_loopback)$'
+}
 # TSan also leaves out twins whose difference is not threads: always_invalidate's re-keying
 # (session_*_inv: memory registration, ASan's domain), integration over loopback (its tcp twin
 # runs; fabric_conformance_loopback covers the loopback fabric's threads), the client library's
@@ -139,7 +146,10 @@ bash scripts/setup.sh || { echo "setup failed"; exit 1; }
 mkdir -p build-logs
 rm -f build-logs/{asan,tsan,fuzz}.rc
 
-stage build configure_build build -O2 -DIBTRS_WERROR=ON -DIBTRS_TEST_OPT=-Og -DIBTRS_RDMA=ON
+# A unity build, as the sanitizer builds: 322 s against 396 s for the whole tree on this host (635
+# against 788 s of CPU; -O2's optimizer is most of the rest). Code that compiles only beside
+# another file's includes would pass here: the README's demo (scripts/demo.sh) builds file by file.
+stage build configure_build build -O2 -DIBTRS_WERROR=ON -DIBTRS_TEST_OPT=-Og -DIBTRS_RDMA=ON -DCMAKE_UNITY_BUILD=ON
 bg_pid=""
 if wanted asan || wanted tsan || wanted fuzz; then
   ( renice -n 19 "$BASHPID" >/dev/null; ionice -c 3 -p "$BASHPID" 2>/dev/null; background_builds ) &
