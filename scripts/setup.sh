@@ -32,6 +32,8 @@ packages=(
   # RBD exports (blockdev's rbd backend) and the single-host Ceph cluster of the tests and the
   # benchmark (scripts/ceph-dev.sh); qemu-block-extra: qemu-nbd's rbd: driver (bench/rbd.sh)
   librbd-dev librados-dev ceph-mon ceph-osd ceph-mgr ceph-common rbd-nbd qemu-block-extra
+  # the threads' stacks of a test's daemons when their IO stops (tests/rbd/cluster.sh)
+  gdb
 )
 
 missing=()

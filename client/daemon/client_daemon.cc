@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/pattern.h"
 #include "base/unique_fd.h"
 #include "control/command.h"
 #include "ibnbd/nbd_device_export.h"
@@ -62,27 +63,13 @@ std::string default_session_name(const ibtrs::PathSpec& p) {
   return n;
 }
 
-// The verification pattern: 8-byte words that depend on the seed and their device offset, so a
-// block read back from the wrong place or a stale one is caught.
-uint64_t pattern_word(uint64_t seed, uint64_t off) {
-  uint64_t z = seed ^ (off * 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+// device_io's verification pattern (base/pattern.h): a block read back from the wrong place or a
+// stale one does not match.
 void fill_pattern(std::byte* p, uint64_t off, uint32_t len, uint64_t seed) {
-  for (uint32_t i = 0; i + 8 <= len; i += 8) {
-    uint64_t w = pattern_word(seed, off + i);
-    std::memcpy(p + i, &w, 8);
-  }
+  base::Pattern(seed).fill({p, len}, off);
 }
 bool check_pattern(const std::byte* p, uint64_t off, uint32_t len, uint64_t seed) {
-  for (uint32_t i = 0; i + 8 <= len; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    if (w != pattern_word(seed, off + i)) return false;
-  }
-  return true;
+  return base::Pattern(seed).check({p, len}, off) < 0;
 }
 
 // One pass of device_io: every block of the range written (or read and checked) with `qd`
@@ -253,7 +240,7 @@ json ClientDaemon::handle(const json& req, const control::Emit& emit) {
               {"message", std::to_string(done.size()) + " path(s) or device(s) recovered"}};
     }
     if (cmd == "session_reconnect") {
-      Sess* s = find_session(string_arg(req, "session"));
+      OpenSession* s = find_session(string_arg(req, "session"));
       if (s == nullptr) return err(ENOENT, "no session " + string_arg(req, "session"));
       for (auto& p : s->s->transport().paths()) {
         if (p.state != ibtrs::ClientPathState::connected) (void)s->s->transport().reconnect_path(p.name);
@@ -266,12 +253,12 @@ json ClientDaemon::handle(const json& req, const control::Emit& emit) {
   }
 }
 
-ClientDaemon::Sess* ClientDaemon::find_session(const std::string& name) {
+ClientDaemon::OpenSession* ClientDaemon::find_session(const std::string& name) {
   auto it = sessions_.find(name);
   return it == sessions_.end() ? nullptr : &it->second;
 }
 
-std::pair<ClientDaemon::Sess*, std::shared_ptr<RemoteDevice>> ClientDaemon::find_device(const std::string& name) {
+std::pair<ClientDaemon::OpenSession*, std::shared_ptr<RemoteDevice>> ClientDaemon::find_device(const std::string& name) {
   if (auto it = failover_.find(name); it != failover_.end())
     return {find_session(it->second.dev->failover()->active), it->second.dev};
   for (auto& [n, s] : sessions_) {
@@ -295,12 +282,12 @@ Result<ibtrs::ClientAuth> ClientDaemon::credentials(const std::string& key_file,
   return ibtrs::client_auth_from_key_file(file, host.empty() ? opts_.host_id : host, why);
 }
 
-Result<ClientDaemon::Sess*> ClientDaemon::open_session(const std::string& sname,
+Result<ClientDaemon::OpenSession*> ClientDaemon::open_session(const std::string& sname,
                                                        const std::vector<ibtrs::PathSpec>& paths,
                                                        const std::string& host_key,
                                                        const std::string& host, const std::string& tls,
                                                        std::string* why) {
-  Sess* s = find_session(sname);
+  OpenSession* s = find_session(sname);
   if (s != nullptr && s->tls != tls) {
     *why = "session " + sname + " was opened with " + (s->tls.empty() ? "the daemon's TLS setting" : "tls " + s->tls) +
            ": map through it with the same, or another session";
@@ -469,7 +456,7 @@ json ClientDaemon::failover_map(const json& req, const std::string& dev, AccessM
   const bool had_a = find_session(sname) != nullptr, had_b = find_session(bname) != nullptr;
   auto drop_new = [&] {
     for (auto [n, had] : {std::pair{sname, had_a}, std::pair{bname, had_b}}) {
-      Sess* s = find_session(n);
+      OpenSession* s = find_session(n);
       if (!had && s != nullptr && s->s->devices().empty()) sessions_.erase(n);
     }
   };
@@ -551,7 +538,7 @@ json ClientDaemon::ublk_unavailable() const {
   return err(ENODEV, kUblkMissing + opts_.ublk_control + kUblkMissingHint);
 }
 
-json ClientDaemon::ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
+json ClientDaemon::ublk_start(OpenSession& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                               uint16_t queue_depth) {
   auto u = ublk::UblkDevice::create(d, *s.s, ublk_options(*d, queue_depth));
   if (!u.ok()) {
@@ -658,12 +645,12 @@ json ClientDaemon::recover_ublk() {
       continue;
     }
     // A failover device: its standby's session too.
-    Sess* sb = nullptr;
+    OpenSession* sb = nullptr;
     if (!r.standby_paths.empty()) {
       std::vector<ibtrs::PathSpec> spaths;
       for (auto& p : r.standby_paths)
         if (auto spec = ibtrs::PathSpec::parse(p); spec.ok()) spaths.push_back(*spec);
-      auto b = spaths.empty() ? Result<Sess*>(errc(EINVAL))
+      auto b = spaths.empty() ? Result<OpenSession*>(errc(EINVAL))
                               : open_session(r.standby_session, spaths, r.host_key, r.host, r.tls, &why);
       if (!b.ok()) {
         if ((*s)->s->devices().empty()) sessions_.erase(r.session);
@@ -686,7 +673,7 @@ json ClientDaemon::recover_ublk() {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     auto drop_sessions = [&] {
       for (const std::string& n : {r.session, r.standby_session}) {
-        Sess* x = n.empty() ? nullptr : find_session(n);
+        OpenSession* x = n.empty() ? nullptr : find_session(n);
         if (x != nullptr && x->s->devices().empty()) sessions_.erase(n);
       }
     };
@@ -807,7 +794,7 @@ Status ClientDaemon::failover_unmap(const std::string& name, UnmapMode mode) {
   const Failover f = it->second;
   failover_.erase(it);
   for (const std::string& n : f.sessions) {
-    Sess* s = find_session(n);
+    OpenSession* s = find_session(n);
     if (s != nullptr && s->s->devices().empty()) {
       s->io_buf.reset();
       sessions_.erase(n);
@@ -1002,7 +989,7 @@ json ClientDaemon::session_list(const json& req, bool one) {
 
 json ClientDaemon::session_close(const json& req) {
   const std::string n = string_arg(req, "session");
-  Sess* s = find_session(n);
+  OpenSession* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   // A failover device through this session goes, on both of its sessions.
   std::vector<std::string> fo;
@@ -1026,7 +1013,7 @@ json ClientDaemon::session_close(const json& req) {
 }
 
 json ClientDaemon::policy_set(const json& req) {
-  Sess* s = find_session(string_arg(req, "session"));
+  OpenSession* s = find_session(string_arg(req, "session"));
   if (s == nullptr) return err(ENOENT, "no session " + string_arg(req, "session"));
   auto p = ibtrs::parse_mp_policy(string_arg(req, "policy"));
   if (!p) return err(EINVAL, "policy: round-robin, min-inflight or min-latency");
@@ -1047,7 +1034,7 @@ json ClientDaemon::path_list(const json& req) {
 
 json ClientDaemon::path_op(const json& req, const std::string& op) {
   const std::string n = string_arg(req, "session");
-  Sess* s = find_session(n);
+  OpenSession* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   const std::string path = string_arg(req, "path");
   auto& t = s->s->transport();

@@ -84,7 +84,10 @@ class ClientDaemon {
   static constexpr std::chrono::milliseconds kMetricsWait{1000};
 
  private:
-  struct Sess {
+  // A block session the daemon opened for a map (ibnbd::BlockSession), with what it was opened
+  // with: later maps through the same session name share it, and must name the same credentials
+  // and TLS setting (open_session refuses others).
+  struct OpenSession {
     std::unique_ptr<BlockSession> s;
     std::unique_ptr<ibtrs::RegisteredMemory> io_buf;  // for device_io
     std::string host_key, host;  // the credentials it was opened with (as map named them)
@@ -120,7 +123,7 @@ class ClientDaemon {
   json path_stats(const json& req);
   // Appends the reports of the paths of session `sess` (mu_ held): every path, or the path
   // `only`; false when none was appended.
-  bool path_reports(const std::string& sess, Sess& s, const std::string& only, std::vector<control::PathReport>& out);
+  bool path_reports(const std::string& sess, OpenSession& s, const std::string& only, std::vector<control::PathReport>& out);
   json path_reset_stats(const json& req);
   json max_reconnect_attempts(const json& req);
   json nbd_export(const json& req);
@@ -133,21 +136,21 @@ class ClientDaemon {
 
   // The session and device of a mapped device name (a failover device's active session), or
   // nulls.
-  std::pair<Sess*, std::shared_ptr<RemoteDevice>> find_device(const std::string& name);
+  std::pair<OpenSession*, std::shared_ptr<RemoteDevice>> find_device(const std::string& name);
   // Unmaps a failover device (both sessions lose the device; a session left without devices
   // goes). The unmap's status.
   Status failover_unmap(const std::string& name, UnmapMode mode);
-  Sess* find_session(const std::string& name);
+  OpenSession* find_session(const std::string& name);
   // The session `name`, opened over `paths` when there is none (paths it lacks are added).
   // With credentials as credentials() takes them; EINVAL (and `why`) when a session of that name
   // exists with other credentials.
-  Result<Sess*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths,
+  Result<OpenSession*> open_session(const std::string& name, const std::vector<ibtrs::PathSpec>& paths,
                              const std::string& host_key, const std::string& host, const std::string& tls,
                              std::string* why);
   // ENODEV naming ublk_drv when --ublk-control is missing (the module is not loaded), else null.
   nlohmann::json ublk_unavailable() const;
   // Serves a mapped device as /dev/ublkbN and records it. The answer is an error or null.
-  nlohmann::json ublk_start(Sess& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
+  nlohmann::json ublk_start(OpenSession& s, const std::shared_ptr<RemoteDevice>& d, const UblkRecord& rec,
                             uint16_t queue_depth);
   // Stops and deletes the device's ublk device and its record, if it has one.
   Status ublk_stop(const std::string& dev);
@@ -158,7 +161,7 @@ class ClientDaemon {
 
   ClientDaemonOptions opts_;
   std::timed_mutex mu_;  // serializes commands (timed: metrics() does not wait out a long one)
-  std::map<std::string, Sess, std::less<>> sessions_;
+  std::map<std::string, OpenSession, std::less<>> sessions_;
   // Failover devices by name (device map ... standby ...): the device, and its sessions as
   // mapped (the first was active then). Their legs are in both sessions' device lists, which
   // the listings skip.

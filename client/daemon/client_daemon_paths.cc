@@ -17,7 +17,7 @@ namespace {
 json err(int e, const std::string& text) { return control::error(e, text); }
 }  // namespace
 
-bool ClientDaemon::path_reports(const std::string& sess, Sess& s, const std::string& only,
+bool ClientDaemon::path_reports(const std::string& sess, OpenSession& s, const std::string& only,
                                 std::vector<control::PathReport>& out) {
   bool found = false;
   for (auto& p : s.s->transport().paths()) {
@@ -30,7 +30,7 @@ bool ClientDaemon::path_reports(const std::string& sess, Sess& s, const std::str
 
 Result<std::vector<control::PathReport>> ClientDaemon::paths(const std::string& session, const std::string& path) {
   std::lock_guard l(mu_);
-  Sess* s = find_session(session);
+  OpenSession* s = find_session(session);
   if (s == nullptr) return errc(ENOENT);
   std::vector<control::PathReport> out;
   if (!path_reports(session, *s, path, out) && !path.empty()) return errc(ENOENT);
@@ -39,7 +39,7 @@ Result<std::vector<control::PathReport>> ClientDaemon::paths(const std::string& 
 
 json ClientDaemon::path_stats(const json& req) {
   const std::string n = req.at("session").get<std::string>();
-  Sess* s = find_session(n);
+  OpenSession* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   const std::string only = req.value("path", "");
   std::vector<control::PathReport> out;
@@ -49,7 +49,7 @@ json ClientDaemon::path_stats(const json& req) {
 
 json ClientDaemon::path_reset_stats(const json& req) {
   const std::string n = req.at("session").get<std::string>();
-  Sess* s = find_session(n);
+  OpenSession* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   auto group = ibtrs::parse_stats_group(req.value("stats", "all"));
   if (!group)
@@ -60,7 +60,7 @@ json ClientDaemon::path_reset_stats(const json& req) {
 
 json ClientDaemon::max_reconnect_attempts(const json& req) {
   const std::string n = req.at("session").get<std::string>();
-  Sess* s = find_session(n);
+  OpenSession* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);
   auto& t = s->s->transport();
   if (req.contains("value")) {

@@ -56,6 +56,7 @@
 #include <string_view>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "ibtrs/hybrid_poll.h"
 #include "ibtrs/cpu_load.h"
 #include "ibnbd/client.h"
@@ -476,16 +477,15 @@ int probe_in_child(Config& cfg, ProbeAnswer& a) {
     set_what(a, std::string("probe pipe: ") + std::strerror(a.err));
     return a.err;
   }
+  base::UniqueFd rd(fds[0]), wr(fds[1]);
   const pid_t pid = fork();
   if (pid < 0) {
     a.err = errno;
     set_what(a, std::string("probe fork: ") + std::strerror(a.err));
-    close(fds[0]);
-    close(fds[1]);
     return a.err;
   }
   if (pid == 0) {
-    close(fds[0]);
+    rd.reset();
     ProbeAnswer out;
     try {
       auto s = ibnbd::BlockSession::open(std::move(cfg.session));
@@ -504,15 +504,15 @@ int probe_in_child(Config& cfg, ProbeAnswer& a) {
       set_what(out, "probe: exception");
     }
     // _exit: no atexit handlers or static destructors of fio's in this copy of its process.
-    _exit(write(fds[1], &out, sizeof out) == static_cast<ssize_t>(sizeof out) ? 0 : 1);
+    _exit(write(wr.get(), &out, sizeof out) == static_cast<ssize_t>(sizeof out) ? 0 : 1);
   }
-  close(fds[1]);
+  wr.reset();  // the child's copy is the only writer left: its exit ends the read
   ProbeAnswer in;
   ssize_t n;
   do {
-    n = read(fds[0], &in, sizeof in);
+    n = read(rd.get(), &in, sizeof in);
   } while (n < 0 && errno == EINTR);
-  close(fds[0]);
+  rd.reset();
   int status = 0;
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }

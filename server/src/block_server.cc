@@ -103,14 +103,16 @@ struct Slot {
 // What the engine's callback needs to answer one request; one per chunk of the session (a chunk
 // carries one request at a time), so the IO path allocates nothing.
 struct IoCtx {
-  struct Sess* sess = nullptr;
+  struct SrvSession* sess = nullptr;
   ServerRequest* req = nullptr;
   Device* dev = nullptr;
   IoOp op = IoOp::read;
   uint32_t bytes = 0;
 };
 
-struct Sess {
+// A session of the block layer on the server (the kernel's rnbd_srv_session), over one transport
+// session (ts: rtrs_srv_sess).
+struct SrvSession {
   proto::SessionId id = 0;
   ServerSession* ts = nullptr;
   std::string name;
@@ -141,7 +143,7 @@ struct Sess {
 struct ControlReq {
   ServerRequest* r = nullptr;
   proto::Request msg;
-  uint64_t path_downs = 0;  // Sess::path_downs when it arrived
+  uint64_t path_downs = 0;  // SrvSession::path_downs when it arrived
 };
 
 // Control requests (OPEN, CLOSE, WATCH) one session may have waiting; more are refused with
@@ -184,7 +186,7 @@ class LookupSection {
 struct EngineHook final : ibtrs::IoThreadHook {
   std::unique_ptr<IoEngine> engine;
   // Requests the ring had no room for (EAGAIN): retried as completions free slots.
-  std::deque<std::pair<ServerRequest*, ibnbd::IoRequest>> overflow;
+  std::deque<std::pair<ServerRequest*, ibnbd::BackendRequest>> overflow;
   // LookupSection of this thread; its own cache line (written twice per IO, read by quiesce).
   alignas(64) std::atomic<uint64_t> lookups{0};
 
@@ -238,12 +240,12 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // serve_control() task is posted at a time (ctl_serving), so admin commands posted meanwhile
   // wait for one request, not for a whole flood.
   std::mutex ctl_mu;
-  FairQueue<Sess*, ControlReq> ctl_queue{kMaxControlPerSession};
+  FairQueue<SrvSession*, ControlReq> ctl_queue{kMaxControlPerSession};
   bool ctl_serving = false;
 
   // Sessions by name, for listings and admin lookups (the IO path never takes it).
   mutable std::mutex mu;
-  std::map<proto::SessionId, Sess*> sessions;
+  std::map<proto::SessionId, SrvSession*> sessions;
 
   // Hosts: their secrets for the transport (a thread-safe table it reads on its control
   // thread), their grants for OPEN (acl_mu: the control thread checks, admin commands change).
@@ -276,7 +278,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 
   // May the session's host open `rel` (its path under the search root) in `mode`? `shown` names
   // it in the log when it is not `rel` itself.
-  Status check_access(const Sess& s, const std::string& rel, AccessMode mode, const std::string& shown = {}) {
+  Status check_access(const SrvSession& s, const std::string& rel, AccessMode mode, const std::string& shown = {}) {
     Status st;
     {
       std::lock_guard l(acl_mu);
@@ -311,7 +313,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   void on_session_up(ServerSession& ts) override {
-    auto* s = new Sess;
+    auto* s = new SrvSession;
     s->ts = &ts;
     s->name = ts.name();
     s->host = ts.host();
@@ -340,7 +342,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // snapshot) is lost with the path or reaches the client, which posts again either way; the
   // session is not freed before it completes (on_session_down's call() runs after this post).
   void on_path_down(ServerSession& ts, const ibtrs::ServerPathInfo&) override {
-    auto* s = static_cast<Sess*>(ts.context.load(std::memory_order_acquire));
+    auto* s = static_cast<SrvSession*>(ts.context.load(std::memory_order_acquire));
     if (s == nullptr) return;
     // Every request that came on the path reached on_request before this (the transport closed
     // the path's connections first), so a WATCH still queued sees the count move.
@@ -352,7 +354,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     control.post([this, s] { release_all(*s); });  // on_session_down's call() runs after it
   }
 
-  void release_all(Sess& s) {
+  void release_all(SrvSession& s) {
     bool published = false;
     for (uint32_t i = 0; i < opts.max_devices_per_session; ++i)
       published |= s.slots[i].dev.exchange(nullptr, std::memory_order_seq_cst) != nullptr;
@@ -363,7 +365,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   void on_session_down(ServerSession& ts) override {
-    auto* s = static_cast<Sess*>(ts.context.load(std::memory_order_acquire));
+    auto* s = static_cast<SrvSession*>(ts.context.load(std::memory_order_acquire));
     if (s == nullptr) return;
     {
       std::lock_guard l(mu);
@@ -380,7 +382,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   void on_request(ServerRequest& r) override {
-    auto* s = static_cast<Sess*>(r.session().context.load(std::memory_order_acquire));
+    auto* s = static_cast<SrvSession*>(r.session().context.load(std::memory_order_acquire));
     if (s == nullptr) return r.complete(ESHUTDOWN);
     // The message lies in the session's chunk, which the client may still write (it holds the
     // chunk's key). It is copied out once, here, and decoded from the copy; only the decoded
@@ -420,7 +422,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 
   // IO thread: hands a decoded OPEN or CLOSE to the control thread, or refuses it with EAGAIN
   // when the session already has kMaxControlPerSession waiting.
-  void queue_control(Sess& s, ServerRequest& r, proto::Request&& m) {
+  void queue_control(SrvSession& s, ServerRequest& r, proto::Request&& m) {
     bool post = false;
     bool queued = false;
     {
@@ -440,7 +442,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // Control thread: one request of the session whose turn it is, then the next turn is posted
   // behind whatever else was posted meanwhile (admin commands, session ends).
   void serve_control() {
-    std::optional<std::pair<Sess*, ControlReq>> next;
+    std::optional<std::pair<SrvSession*, ControlReq>> next;
     {
       std::lock_guard l(ctl_mu);
       next = ctl_queue.pop();
@@ -460,7 +462,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   // ---- IO path (the request's IO thread) ----
-  void submit_io(Sess& s, ServerRequest& r, const proto::Io& io) {
+  void submit_io(SrvSession& s, ServerRequest& r, const proto::Io& io) {
     // No version check: before SESS_INFO no device is open, so such IO gets ENODEV below like
     // any unknown id. It is what a restarted server (or one that dropped the session's last
     // path) receives first -- the client's transport re-sends its requests in flight before the
@@ -492,7 +494,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     c.op = io.op;
     c.bytes = io.bi_size;
     s.stats.inflight.fetch_add(1, std::memory_order_relaxed);
-    ibnbd::IoRequest q;
+    ibnbd::BackendRequest q;
     q.backend = d->backend.get();
     q.op = io.op;
     q.flags = io.flags;
@@ -524,7 +526,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   }
 
   // ---- control thread ----
-  void control_request(Sess& s, const ControlReq& c) {
+  void control_request(SrvSession& s, const ControlReq& c) {
     ServerRequest& r = *c.r;
     const proto::Request& m = c.msg;
     if (m.type == proto::MsgType::open) {
@@ -545,7 +547,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // session has one held: a client holds one chunk and one permit for this, not more.
   // `path_downs`: the session's count when it arrived; a path lost since may have been its own,
   // whose copy the transport re-sends into this chunk: answered now, that copy is served.
-  void arm_watch(Sess& s, ServerRequest& r, const proto::Watch& m, uint64_t path_downs) {
+  void arm_watch(SrvSession& s, ServerRequest& r, const proto::Watch& m, uint64_t path_downs) {
     if (s.version.load(std::memory_order_relaxed) < proto::kWatchVersion) return r.complete(EPROTO);
     if (s.watch != nullptr) return r.complete(EBUSY);
     s.watch = &r;
@@ -559,7 +561,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // when the epoch differs from what the client saw, or always with `release` (a path went
   // down, the server stops). Devices beyond what the client's buffer holds are counted, not
   // listed (count < total): the client asks again with a larger buffer.
-  void answer_watch(Sess& s, bool release) {
+  void answer_watch(SrvSession& s, bool release) {
     if (s.watch == nullptr || (!release && s.watch_seen == s.size_epoch)) return;
     ServerRequest* r = std::exchange(s.watch, nullptr);
     proto::WatchRsp rsp;
@@ -592,7 +594,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   void size_changed(Device& d, uint64_t old, uint64_t now) {
     size_t notified = 0;
     for (const auto& h : table.holders(d.id)) {
-      Sess* s = nullptr;
+      SrvSession* s = nullptr;
       {
         std::lock_guard l(mu);
         if (auto it = sessions.find(h.session); it != sessions.end()) s = it->second;
@@ -613,13 +615,13 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   void check_sizes() {
     for (auto& [id, d] : devices) check_size(*d);
     const auto old = std::chrono::steady_clock::now() - kWatchHoldMax;
-    std::vector<Sess*> live;
+    std::vector<SrvSession*> live;
     {
       std::lock_guard l(mu);
       for (auto& [sid, s] : sessions) live.push_back(s);
     }
     // Listed sessions stay until on_session_down's call() on this thread.
-    for (Sess* s : live)
+    for (SrvSession* s : live)
       if (s->watch != nullptr && s->watch_since < old) answer_watch(*s, true);
   }
 
@@ -637,7 +639,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     std::optional<ExportTarget> target;
   };
 
-  Result<proto::OpenRsp> open_device(Sess& s, const proto::Open& m) {
+  Result<proto::OpenRsp> open_device(SrvSession& s, const proto::Open& m) {
     if (s.version.load(std::memory_order_relaxed) == 0) return errc(EPROTO);
     auto loc = is_rbd_name(m.dev_name) ? locate_rbd(s, m) : locate_file(s, m);
     if (!loc.ok()) return loc.error();
@@ -708,7 +710,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     return rsp;
   }
 
-  Result<Located> locate_file(Sess& s, const proto::Open& m) {
+  Result<Located> locate_file(SrvSession& s, const proto::Open& m) {
     std::string why;
     auto target = resolve_export(opts.dev_search_path, s.name, m.dev_name, &why);
     // The grants first, on the resolved name -- or, when it did not resolve, on the name as
@@ -745,7 +747,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
 
   // "rbd:POOL/IMAGE[@SNAP]": the grants on the name as asked (cleaned of nothing: it is not a
   // path), then the server's RBD configuration, then the image itself.
-  Result<Located> locate_rbd(Sess& s, const proto::Open& m) {
+  Result<Located> locate_rbd(SrvSession& s, const proto::Open& m) {
     std::string why;
     auto name = parse_rbd_name(m.dev_name, &why);
     BASE_TRY(check_access(s, name.ok() ? name->text() : std::string(m.dev_name), m.mode));
@@ -822,7 +824,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
   // CLOSE. An id the session does not have (never opened, closed already, out of range) is
   // ENODEV at once, the answer IO to it gets: nothing of it is visible to the IO threads, so
   // there is nothing to wait for, and a flood of such CLOSEs costs a map lookup each.
-  Status close_id(Sess& s, uint32_t id) {
+  Status close_id(SrvSession& s, uint32_t id) {
     if (id >= opts.max_devices_per_session || !table.has_id(s.id, id)) return errc(ENODEV);
     unpublish(s.slots[id]);
     return release(s.id, id);
@@ -858,7 +860,7 @@ struct BlockServer::Impl final : ibtrs::ServerHandler {
     devices.erase(it);
   }
 
-  Sess* find_session(std::string_view name) const {
+  SrvSession* find_session(std::string_view name) const {
     std::lock_guard l(mu);
     for (auto& [id, s] : sessions)
       if (s->name == name) return s;
@@ -923,7 +925,7 @@ std::vector<ibtrs::IoThreadWaitStats> BlockServer::io_thread_stats() const {
 }
 
 std::vector<BlockSessionInfo> BlockServer::sessions() const {
-  std::vector<std::pair<proto::SessionId, Sess*>> live;
+  std::vector<std::pair<proto::SessionId, SrvSession*>> live;
   {
     std::lock_guard l(impl_->mu);
     live.assign(impl_->sessions.begin(), impl_->sessions.end());
@@ -985,7 +987,7 @@ std::vector<ExportedDeviceInfo> BlockServer::devices() const {
 }
 
 Status BlockServer::force_close(std::string_view device, std::string_view session) {
-  Sess* s = impl_->find_session(session);
+  SrvSession* s = impl_->find_session(session);
   if (s == nullptr) return errc(ENOENT);
   return impl_->control.call([&]() -> Status {
     uint32_t id = UINT32_MAX;

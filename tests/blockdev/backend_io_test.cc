@@ -144,7 +144,7 @@ TEST(FileIo, TmpfsSmallRequestsAreDoneInsideSubmit) {
     *b->errors += err != 0;
   };
   for (int i = 0; i < kN; ++i) {
-    IoRequest q = rw(*r.be, IoOp::write, uint64_t(i) * 8192, wbuf.sub(uint64_t(i) * 4096, 4096));
+    BackendRequest q = rw(*r.be, IoOp::write, uint64_t(i) * 8192, wbuf.sub(uint64_t(i) * 4096, 4096));
     q.done = cb;
     q.ctx = &box;
     ASSERT_TRUE(eng.submit(q).ok());
@@ -163,7 +163,7 @@ TEST(FileIo, TmpfsSmallRequestsAreDoneInsideSubmit) {
   EXPECT_EQ(std::memcmp(rbuf.data(), wbuf.data(), kN * 4096), 0);
 
   AlignedBuf big(1 << 20);
-  IoRequest q = rw(*r.be, IoOp::read, 0, big.span());
+  BackendRequest q = rw(*r.be, IoOp::read, 0, big.span());
   q.done = cb;
   q.ctx = &box;
   ASSERT_TRUE(eng.submit(q).ok());
@@ -223,10 +223,10 @@ TEST_P(EachFs, ScatterListsRoundTrip) {
                  {rd.data() + 2 * a, a},
                  {rd.data() + 3 * a, 12 * a},
                  {rd.data() + 15 * a, a}};
-  IoRequest wr = range_op(*r.be, IoOp::write, 3 * a, 16 * a);
+  BackendRequest wr = range_op(*r.be, IoOp::write, 3 * a, 16 * a);
   wr.iov = wv;
   ASSERT_EQ(run_io(*r.eng, wr), 0);
-  IoRequest rr = range_op(*r.be, IoOp::read, 3 * a, 16 * a);
+  BackendRequest rr = range_op(*r.be, IoOp::read, 3 * a, 16 * a);
   rr.iov = rv;
   ASSERT_EQ(run_io(*r.eng, rr), 0);
   EXPECT_EQ(check_pattern(rd.span(), 7, 3 * a), -1);
@@ -358,7 +358,7 @@ TEST(FileIo, InvalidRequestsAreRefusedAtSubmit) {
   Rig r;
   RIG_OR_SKIP(r, Fs::tmpfs);
   AlignedBuf buf(4096);
-  IoRequest q = rw(*r.be, IoOp::read, 0, buf.span());
+  BackendRequest q = rw(*r.be, IoOp::read, 0, buf.span());
   EXPECT_EQ(r.eng->submit(q).error().value(), EINVAL) << "no callback";
   q.flags = 1u << 20;
   EXPECT_EQ(run_io(*r.eng, q), EINVAL);
@@ -471,13 +471,13 @@ TEST(FileIo, SixtyFourInFlight) {
       const uint64_t off = uint64_t(i) * kSlot;
       auto* mem = (op == IoOp::write ? w : rd).data() + off;
       if (op == IoOp::write) fill_pattern({mem, len_of(i)}, 11, off);
-      IoRequest q = rw(*r.be, op, off, {mem, len_of(i)});
+      BackendRequest q = rw(*r.be, op, off, {mem, len_of(i)});
       q.done = cb;
       q.ctx = &ctx[i];
       ASSERT_TRUE(r.eng->submit(q).ok()) << i;
     }
     EXPECT_EQ(r.eng->in_flight(), 64u);
-    IoRequest extra = rw(*r.be, op, 0, w.sub(0, 4096));
+    BackendRequest extra = rw(*r.be, op, 0, w.sub(0, 4096));
     extra.done = cb;
     extra.ctx = &ctx[0];
     EXPECT_EQ(r.eng->submit(extra).error().value(), EAGAIN);
@@ -513,7 +513,7 @@ TEST(FileIo, CallbacksMaySubmitAndTheEventfdWakes) {
     int done = 0;
     int errors = 0;
   } chain{r.eng.get(), r.be.get(), buf.span(), 500};
-  IoRequest first = rw(*r.be, IoOp::write, 0, buf.span());
+  BackendRequest first = rw(*r.be, IoOp::write, 0, buf.span());
   first.ctx = &chain;
   // A named function, so the callback can submit its successor with itself as callback.
   struct Self {
@@ -522,7 +522,7 @@ TEST(FileIo, CallbacksMaySubmitAndTheEventfdWakes) {
       ++c->done;
       c->errors += err != 0;
       if (--c->left == 0) return;
-      IoRequest n = rw(*c->be, IoOp::write, uint64_t(c->left % 64) * 4096, c->buf);
+      BackendRequest n = rw(*c->be, IoOp::write, uint64_t(c->left % 64) * 4096, c->buf);
       n.ctx = c;
       n.done = &Self::done;
       if (!c->eng->submit(n).ok()) ++c->errors;
@@ -551,7 +551,7 @@ TEST(FileIo, DestroyWithRequestsInFlight) {
   AlignedBuf buf(16 << 20);
   int calls = 0;
   for (int i = 0; i < 16; ++i) {
-    IoRequest q = rw(*r.be, IoOp::read, 0, buf.sub(uint64_t(i) << 20, 1 << 20));
+    BackendRequest q = rw(*r.be, IoOp::read, 0, buf.sub(uint64_t(i) << 20, 1 << 20));
     q.ctx = &calls;
     q.done = [](void* p, int) { ++*static_cast<int*>(p); };
     ASSERT_TRUE(r.eng->submit(q).ok());
@@ -568,7 +568,7 @@ TEST(FileIo, DestroyWithRequestsInFlight) {
 // Asks the engine where the data of [off, off + len) is; the decoded answer, or an errno.
 int status_of(Rig& r, uint64_t off, uint32_t len, ExtentList& out) {
   AlignedBuf ans(proto::kBlockStatusReplyBytes);
-  IoRequest q = range_op(*r.be, IoOp::block_status, off, len);
+  BackendRequest q = range_op(*r.be, IoOp::block_status, off, len);
   q.buf = std::span(ans.span().data(), proto::kBlockStatusReplyBytes);
   if (int e = run_io(*r.eng, q); e != 0) return e;
   auto st = proto::decode_block_status_rsp(q.buf, len, out);
@@ -640,7 +640,7 @@ TEST(FileIo, BlockStatusRefusals) {
   RIG_OR_SKIP(r, Fs::tmpfs);
   AlignedBuf ans(proto::kBlockStatusReplyBytes);
   auto q = [&](uint64_t off, uint32_t len, uint32_t flags = 0, size_t buf = proto::kBlockStatusReplyBytes) {
-    IoRequest x = range_op(*r.be, IoOp::block_status, off, len, flags);
+    BackendRequest x = range_op(*r.be, IoOp::block_status, off, len, flags);
     x.buf = std::span(ans.span().data(), buf);
     x.done = [](void*, int) { ADD_FAILURE() << "called back"; };
     return r.eng->submit(x);

@@ -219,7 +219,7 @@ class RbdEngine : public ::testing::Test {
     return d.calls == 1;
   }
   Status submit(IoOp op, uint64_t off, std::span<std::byte> buf, Done& d, uint32_t flags = 0, uint32_t len = 0) {
-    IoRequest r;
+    BackendRequest r;
     r.backend = be_.get();
     r.op = op;
     r.flags = flags;
@@ -337,7 +337,7 @@ TEST_F(RbdEngine, ReadOnlyAndOutOfRangeAreRefusedAtSubmit) {
   auto ro = backend::RbdAccess::make_fake(fake_.get(), kSize, true);
   std::vector<std::byte> b(4096);
   for (IoOp op : {IoOp::write, IoOp::discard, IoOp::write_zeroes}) {
-    IoRequest r;
+    BackendRequest r;
     r.backend = ro.get();
     r.op = op;
     r.len = 4096;

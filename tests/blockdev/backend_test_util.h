@@ -172,7 +172,7 @@ struct Rig {
 };
 
 // Runs one request to its callback. Returns the submit error, or the completion's errno.
-inline int run_io(IoEngine& e, IoRequest r) {
+inline int run_io(IoEngine& e, BackendRequest r) {
   struct Box {
     bool done = false;
     int err = -1;
@@ -191,9 +191,9 @@ inline int run_io(IoEngine& e, IoRequest r) {
   return box.done ? box.err : -2;  // -2: timed out (the test fails on it)
 }
 
-inline IoRequest rw(Backend& b, IoOp op, uint64_t off, std::span<std::byte> buf,
+inline BackendRequest rw(Backend& b, IoOp op, uint64_t off, std::span<std::byte> buf,
                     uint32_t flags = 0) {
-  IoRequest r;
+  BackendRequest r;
   r.backend = &b;
   r.op = op;
   r.flags = flags;
@@ -202,8 +202,8 @@ inline IoRequest rw(Backend& b, IoOp op, uint64_t off, std::span<std::byte> buf,
   r.buf = buf;
   return r;
 }
-inline IoRequest range_op(Backend& b, IoOp op, uint64_t off, uint32_t len, uint32_t flags = 0) {
-  IoRequest r;
+inline BackendRequest range_op(Backend& b, IoOp op, uint64_t off, uint32_t len, uint32_t flags = 0) {
+  BackendRequest r;
   r.backend = &b;
   r.op = op;
   r.flags = flags;

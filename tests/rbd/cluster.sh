@@ -28,4 +28,36 @@ rbd_cluster_cleanup() {
   bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1
   rm -rf "$work"
 }
-t() { timeout 60 "$@"; }
+# t CMD...: CMD with 60 s at most. The first time one runs out, what the test's daemons and the
+# cluster were doing is printed ("# stall: ..." lines): the state of every thread of every
+# process in $pids (kernel wait channel; user stacks too when gdb is installed), the client
+# daemons' and servers' listings, and Ceph's health (slow ops). Two CI runs of session 12 saw
+# the gateway's IO stop under the host stage's full load and nothing else said why.
+t() {
+  local rc=0
+  timeout 60 "$@" || rc=$?
+  [ "$rc" = 124 ] && [ -z "${stall_reported:-}" ] && { stall_reported=1; rbd_stall_report "$*" >&2; }
+  return "$rc"
+}
+rbd_stall_report() {
+  local p task sock
+  echo "# stall: '$1' ran out of its 60 s; the test's processes and the cluster:"
+  for p in "${pids[@]}"; do
+    [ -d "/proc/$p" ] || continue
+    echo "# stall: pid $p: $(tr '\0' ' ' <"/proc/$p/cmdline" | cut -c1-160)"
+    for task in /proc/"$p"/task/*; do
+      echo "# stall:   tid ${task##*/} $(cat "$task/comm" 2>/dev/null) $(cut -d' ' -f3 "$task/stat" 2>/dev/null) wchan=$(cat "$task/wchan" 2>/dev/null)"
+    done
+    command -v gdb >/dev/null &&
+      timeout 30 gdb -p "$p" -batch -ex 'thread apply all bt 10' 2>/dev/null | grep '^#\|^Thread' | head -150 | sed 's/^/# stall:   /'
+  done
+  for sock in "$work"/*.sock; do
+    [ -S "$sock" ] || continue
+    for what in "client session list" "client device list" "server session list"; do
+      # shellcheck disable=SC2086  # the words of a command
+      [ -n "${ibnbd:-}" ] && timeout 5 "$ibnbd" --socket "$sock" $what 2>/dev/null | sed "s|^|# stall: ${sock##*/} $what: |" | head -20
+    done
+  done
+  timeout 20 ceph -s 2>&1 | sed 's/^/# stall: ceph: /' | head -30
+  timeout 20 ceph health detail 2>&1 | sed 's/^/# stall: ceph: /' | head -30
+}

@@ -239,7 +239,7 @@ using IoDoneFn = void (*)(void* ctx, int err);
 
 inline constexpr uint32_t kMaxIoSegments = 16;  // iovecs per request (the chunk is one)
 
-struct IoRequest {
+struct BackendRequest {
   Backend* backend = nullptr;  // must outlive the request
   IoOp op = IoOp::read;
   uint32_t flags = 0;   // IoFlag bits; SYNC is a hint and ignored
@@ -293,7 +293,7 @@ class IoEngine {
   //   EIO         the range ends beyond the exported size (the kernel's bio_check_eod)
   //   EROFS       WRITE, DISCARD, WRITE_ZEROES or SECURE_ERASE on a read-only backend
   //   EOPNOTSUPP  DISCARD / WRITE_ZEROES / SECURE_ERASE the store (or this kernel's ring) lacks
-  Status submit(const IoRequest& r);
+  Status submit(const BackendRequest& r);
   // Hands everything queued since the last kick to the kernel in one io_uring_submit. On error
   // (EBUSY, EAGAIN, EINTR) the requests stay queued for the next kick.
   Status kick();

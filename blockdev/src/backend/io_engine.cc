@@ -128,7 +128,7 @@ struct IoEngine::Impl {
     io_uring_queue_exit(&ring);
   }
 
-  Status validate(const IoRequest& r) const;
+  Status validate(const BackendRequest& r) const;
   void plan(Slot& s);
   Status start_round(Slot& s);
   bool prep_stage(Slot& s, uint8_t stage, io_uring_sqe* sqe);
@@ -204,7 +204,7 @@ const EngineCaps& IoEngine::caps() const { return impl_->caps; }
 // ---------------------------------------------------------------------------------------------
 // Submission
 
-Status IoEngine::Impl::validate(const IoRequest& r) const {
+Status IoEngine::Impl::validate(const BackendRequest& r) const {
   if (!r.backend || !r.done) return errc(EINVAL);
   if (static_cast<uint8_t>(r.op) > static_cast<uint8_t>(IoOp::block_status)) return errc(EINVAL);
   if (r.flags & ~kIoFlagsMask) return errc(EINVAL);
@@ -273,7 +273,7 @@ void IoEngine::Impl::plan(Slot& s) {
   }
 }
 
-Status IoEngine::submit(const IoRequest& r) {
+Status IoEngine::submit(const BackendRequest& r) {
   Impl& m = *impl_;
   m.check_owner();
   BASE_TRY(m.validate(r));

@@ -44,6 +44,7 @@
 #include "ibnbd/migrate_image.h"
 #include "ibnbd/migrate_volume.h"
 #include "ibnbd/types.h"
+#include "base/unique_fd.h"
 #include "base/unix_socket.h"
 #include "ibtrs/path_spec.h"
 #include "control/output.h"
@@ -348,11 +349,11 @@ int do_save(const Args& a, ImageStore& store) {
   o.streams = 1 + a.channels;
   o.max_bytes = a.max_bytes;
   o.ring_chunks = std::max<uint32_t>(32, 4 * o.streams);
-  int listen_fd = -1;
+  base::UniqueFd listen_fd;
   if (!a.unix_path.empty()) {
     auto l = base::unix_listen(a.unix_path, kMaxStreams, false);
     if (!l) return fail("listen on " + a.unix_path, l.error());
-    listen_fd = *l;
+    listen_fd.reset(*l);
     std::fprintf(stderr, "ibnbd-migrate: waiting for QEMU on %s (%u stream%s)\n", a.unix_path.c_str(),
                  o.streams, o.streams > 1 ? "s" : "");
   }
@@ -391,7 +392,7 @@ int do_save(const Args& a, ImageStore& store) {
       }
     } else
 #endif
-    if (listen_fd < 0) {
+    if (!listen_fd) {
       widen_pipe(STDIN_FILENO);
       result = pump_in(writer, 0, STDIN_FILENO);
     } else {
@@ -400,31 +401,31 @@ int do_save(const Args& a, ImageStore& store) {
       std::vector<Status> results(o.streams);
       std::vector<bool> taken(o.streams, false);
       for (uint32_t i = 0; i < o.streams && result; ++i) {
-        int c = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-        if (c < 0) {
+        base::UniqueFd c(::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+        if (!c) {
           result = ibtrs::errc(errno);
           break;
         }
         std::vector<std::byte> head;
-        auto s = classify(c, head);
+        auto s = classify(c.get(), head);
         if (!s || *s >= o.streams || taken[*s]) {
-          ::close(c);
+          c.reset();
           result = ibtrs::errc(EPROTO);
           std::fprintf(stderr, "ibnbd-migrate: connection %u is not a migration stream this save expects\n", i);
           break;
         }
         taken[*s] = true;
-        pumps.emplace_back([&, c, s = *s, head = std::move(head)] {
+        pumps.emplace_back([&, c = std::move(c), s = *s, head = std::move(head)]() mutable {
           Status r = produce(writer, s, head);
-          if (r) r = pump_in(writer, s, c);
-          ::close(c);
+          if (r) r = pump_in(writer, s, c.get());
+          c.reset();
           results[s] = r;
         });
       }
       for (auto& t : pumps) t.join();
       for (auto& r : results)
         if (result && !r) result = r;
-      ::close(listen_fd);
+      listen_fd.reset();
       ::unlink(a.unix_path.c_str());
     }
   }
@@ -466,7 +467,7 @@ void refuse(const Args& a) {
   }
 #endif
   if (!a.unix_path.empty()) {
-    if (auto c = connect_retrying(a.unix_path)) ::close(*c);
+    if (auto c = connect_retrying(a.unix_path)) base::UniqueFd refused(*c);  // connected and closed: QEMU reads EOF
   } else {
     static const char kNot[] = "IBNBD: image refused\n";
     (void)write_all(STDOUT_FILENO, reinterpret_cast<const std::byte*>(kNot), sizeof kNot - 1);
@@ -553,21 +554,21 @@ int do_restore(const Args& a, ImageStore& store) {
     } else {
       // Main first: QEMU takes the first connection as the main channel; the multifd channels
       // then connect in their order, each fed by its own thread.
-      std::vector<int> fds;
+      std::vector<base::UniqueFd> fds;
       for (uint32_t s = 0; s < n && result; ++s) {
         auto c = connect_retrying(a.unix_path);
         if (!c) result = c.error();
-        else fds.push_back(*c);
+        else fds.emplace_back(*c);
       }
       std::vector<Status> results(fds.size());
       std::vector<std::thread> pumps;
       for (uint32_t s = 0; s < fds.size(); ++s)
         pumps.emplace_back([&, s] {
-          results[s] = pump_out(reader, s, fds[s], done);
-          ::shutdown(fds[s], SHUT_WR);
+          results[s] = pump_out(reader, s, fds[s].get(), done);
+          ::shutdown(fds[s].get(), SHUT_WR);
         });
       for (auto& t : pumps) t.join();
-      for (int fd : fds) ::close(fd);
+      fds.clear();
       for (auto& x : results)
         if (result && !x) result = x;
     }

@@ -48,21 +48,17 @@ Result<int> listen_tcp(ListenSpec& l) {
     if (inet_pton(AF_INET, l.host.c_str(), &s4->sin_addr) != 1) return errc(EINVAL);
     len = sizeof(*s4);
   }
-  const int fd = ::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return errc(errno);
+  base::UniqueFd fd(::socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd) return errc(errno);
   const int one = 1;
-  (void)::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (v6) (void)::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd, 128) != 0) {
-    const int e = errno;
-    ::close(fd);
-    return errc(e);
-  }
+  (void)::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (v6) (void)::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof(one));
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&ss), len) != 0 || ::listen(fd.get(), 128) != 0) return errc(errno);
   len = sizeof(ss);
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0)
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len) == 0)
     l.port = ntohs(v6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
                       : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
-  return fd;
+  return fd.release();  // the caller's, as unix_listen's is
 }
 
 std::string peer_name(int fd) {
@@ -124,22 +120,22 @@ Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
     const std::span<std::byte> mem = e->request_memory();
     if (mem.size() >= PagePool::kPage) impl->pools[e.get()].init(mem);
   }
-  impl->epfd = ::epoll_create1(EPOLL_CLOEXEC);
-  impl->evfd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (impl->epfd < 0 || impl->evfd < 0) return errc(errno);
+  impl->epfd.reset(::epoll_create1(EPOLL_CLOEXEC));
+  impl->evfd.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!impl->epfd || !impl->evfd) return errc(errno);
   epoll_event ev{};
   ev.events = EPOLLIN;
   ev.data.u64 = 0;
-  if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, impl->evfd, &ev) != 0) return errc(errno);
+  if (::epoll_ctl(impl->epfd.get(), EPOLL_CTL_ADD, impl->evfd.get(), &ev) != 0) return errc(errno);
   for (ListenSpec l : impl->opts.listen) {
     auto fd = l.kind == ListenSpec::Kind::unix_socket ? base::unix_listen(l.path, 128, true, base::UnixSocketAccess{l.mode, l.group})
                                                       : listen_tcp(l);
     if (!fd.ok()) return fd.error();  // ~Impl closes and unlinks what was bound
-    impl->listen_fds.push_back(*fd);
+    impl->listen_fds.emplace_back(*fd);
     impl->bound.push_back(l);
     ev.events = EPOLLIN;
     ev.data.u64 = kListenerTag | (impl->listen_fds.size() - 1);
-    if (::epoll_ctl(impl->epfd, EPOLL_CTL_ADD, *fd, &ev) != 0) return errc(errno);
+    if (::epoll_ctl(impl->epfd.get(), EPOLL_CTL_ADD, *fd, &ev) != 0) return errc(errno);
   }
   Impl* p = impl.get();
   impl->thread = std::thread([p] { p->run(); });
@@ -149,18 +145,13 @@ Result<std::unique_ptr<NbdServer>> NbdServer::start(NbdServerOptions options) {
 NbdServer::NbdServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NbdServer::~NbdServer() { stop(); }
 
-Status NbdServer::serve_fd(int fd) {
+Status NbdServer::serve_fd(int raw) {
+  base::UniqueFd fd(raw);  // ours from here on, served or closed
   {
     std::lock_guard l(impl_->done_mu);
-    if (!impl_->stopping.load()) {
-      impl_->adopt.push_back(fd);
-      fd = -1;
-    }
+    if (!impl_->stopping.load()) impl_->adopt.push_back(std::move(fd));
   }
-  if (fd >= 0) {
-    ::close(fd);
-    return errc(ESHUTDOWN);
-  }
+  if (fd) return errc(ESHUTDOWN);  // closes it
   impl_->wake();
   return {};
 }
@@ -201,13 +192,13 @@ NbdServerStats NbdServer::stats() const {
 
 NbdServer::Impl::~Impl() {
   for (size_t i = 0; i < listen_fds.size(); ++i) {
-    if (listen_fds[i] < 0) continue;
-    ::close(listen_fds[i]);
+    if (!listen_fds[i]) continue;
+    listen_fds[i].reset();  // before the unlink: no connection lands on a name being removed
     if (bound[i].kind == ListenSpec::Kind::unix_socket) ::unlink(bound[i].path.c_str());
   }
-  for (int fd : adopt) ::close(fd);
-  if (evfd >= 0) ::close(evfd);
-  if (epfd >= 0) ::close(epfd);
+  adopt.clear();
+  evfd.reset();
+  epfd.reset();
 }
 
 void NbdServer::Impl::log(const std::string& m) const {
@@ -216,7 +207,7 @@ void NbdServer::Impl::log(const std::string& m) const {
 
 void NbdServer::Impl::wake() {
   const uint64_t one = 1;
-  ssize_t n = ::write(evfd, &one, sizeof(one));
+  ssize_t n = ::write(evfd.get(), &one, sizeof(one));
   (void)n;  // EAGAIN: the counter is already non-zero, the loop will wake anyway
 }
 
@@ -256,7 +247,7 @@ void NbdServer::Impl::run() {
     ev.events = EPOLLIN;
     ev.data.u64 = kPolledTag | polled.size();
     polled.push_back(e.get());
-    if (::epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) log(std::string("nbd: export polling: epoll: ") + std::strerror(errno));
+    if (::epoll_ctl(epfd.get(), EPOLL_CTL_ADD, fd, &ev) != 0) log(std::string("nbd: export polling: epoll: ") + std::strerror(errno));
   }
   epoll_event evs[64];
   bool stop_done = false;
@@ -266,31 +257,35 @@ void NbdServer::Impl::run() {
     bool resume = false;  // request memory came back during the last resume: waiters go again
     for (auto& [e, pool] : pools) resume = resume || pool.resume;
     const int timeout = !rx_ready.empty() || local_head != nullptr || resume ? 0 : conns.empty() ? -1 : 500;
-    const int n = ::epoll_wait(epfd, evs, 64, timeout);
+    const int n = ::epoll_wait(epfd.get(), evs, 64, timeout);
     if (n < 0 && errno != EINTR) break;
     bool poll = false;
     for (int i = 0; i < std::max(n, 0); ++i) {
       const uint64_t tag = evs[i].data.u64;
       if (tag == 0) {
         uint64_t v;
-        ssize_t r = ::read(evfd, &v, sizeof(v));
+        ssize_t r = ::read(evfd.get(), &v, sizeof(v));
         (void)r;
-        std::vector<int> fds;
+        std::vector<base::UniqueFd> fds;
         {
           std::lock_guard l(done_mu);
           fds.swap(adopt);
         }
-        for (int fd : fds) add_conn(fd, peer_name(fd));
+        for (base::UniqueFd& fd : fds) {
+          const int raw = fd.get();
+          add_conn(std::move(fd), peer_name(raw));
+        }
         drain_completions();
         // A completion from another thread: the exports' polling may have lost hold of what
         // it polls (Export::poll_loop takes it back).
         poll = poll || remote_seen;
       } else if (tag & kListenerTag) {
-        const int lfd = listen_fds[tag & ~kListenerTag];
+        const int lfd = listen_fds[tag & ~kListenerTag].get();
         for (;;) {
-          const int fd = ::accept4(lfd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-          if (fd < 0) break;  // EAGAIN, or a transient error (EMFILE, ECONNABORTED)
-          add_conn(fd, peer_name(fd));
+          base::UniqueFd fd(::accept4(lfd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+          if (!fd) break;  // EAGAIN, or a transient error (EMFILE, ECONNABORTED)
+          const int raw = fd.get();
+          add_conn(std::move(fd), peer_name(raw));
         }
       } else if (tag & kPolledTag) {
         poll = true;
@@ -319,9 +314,8 @@ void NbdServer::Impl::run() {
       // shutting down SHOULD wait for inflight requests first).
       stop_done = true;
       for (size_t i = 0; i < listen_fds.size(); ++i) {
-        ::epoll_ctl(epfd, EPOLL_CTL_DEL, listen_fds[i], nullptr);
-        ::close(listen_fds[i]);
-        listen_fds[i] = -1;
+        ::epoll_ctl(epfd.get(), EPOLL_CTL_DEL, listen_fds[i].get(), nullptr);
+        listen_fds[i].reset();
         if (bound[i].kind == ListenSpec::Kind::unix_socket) ::unlink(bound[i].path.c_str());
       }
       ids.clear();
@@ -329,7 +323,7 @@ void NbdServer::Impl::run() {
       for (uint64_t id : ids) {
         Conn& c = *conns[id];
         c.rx_closed = true;
-        ::shutdown(c.fd, SHUT_RD);
+        ::shutdown(c.fd.get(), SHUT_RD);
         if (c.rx_slot) {  // a WRITE whose payload will never arrive
           release(c, *c.rx_slot);
           c.rx_slot = nullptr;
@@ -404,21 +398,20 @@ void NbdServer::Impl::check_stalls(Clock::time_point now) {
   }
 }
 
-void NbdServer::Impl::add_conn(int fd, std::string peer) {
+void NbdServer::Impl::add_conn(base::UniqueFd fd, std::string peer) {
   if (stopping.load() || conns.size() >= opts.max_connections) {
     stats.refused.fetch_add(1, std::memory_order_relaxed);
     log("nbd: refusing a connection from " + peer + (stopping.load() ? " (stopping)" : " (too many connections)"));
-    ::close(fd);
-    return;
+    return;  // fd closes
   }
-  const int fl = ::fcntl(fd, F_GETFL);
-  if (fl >= 0) ::fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+  const int fl = ::fcntl(fd.get(), F_GETFL);
+  if (fl >= 0) ::fcntl(fd.get(), F_SETFL, fl | O_NONBLOCK);
   const int one = 1;
-  (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // fails on unix: fine
+  (void)::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // fails on unix: fine
   auto c = std::make_unique<Conn>();
   c->srv = this;
   c->id = next_id++;
-  c->fd = fd;
+  c->fd = std::move(fd);
   c->peer = std::move(peer);
   c->in.resize(kInBufSize);
   c->last_io = Clock::now();
@@ -430,7 +423,7 @@ void NbdServer::Impl::add_conn(int fd, std::string peer) {
   epoll_event ev{};
   ev.events = 0;
   ev.data.u64 = ref.id;
-  if (::epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+  if (::epoll_ctl(epfd.get(), EPOLL_CTL_ADD, ref.fd.get(), &ev) != 0) {
     fail(ref, std::string("epoll: ") + std::strerror(errno), false);
   } else {
     ref.registered = true;
@@ -622,7 +615,7 @@ void NbdServer::Impl::fail(Conn& c, const std::string& why, bool protocol_error)
   log("nbd: dropping " + c.peer + ": " + why);
   c.rx_closed = true;
   tx_gone(c);
-  ::shutdown(c.fd, SHUT_RDWR);
+  ::shutdown(c.fd.get(), SHUT_RDWR);
   if (c.rx_slot) {
     release(c, *c.rx_slot);
     c.rx_slot = nullptr;
@@ -644,8 +637,8 @@ void NbdServer::Impl::tx_gone(Conn& c) {
 void NbdServer::Impl::update(Conn& c) {
   const bool out_pending = c.hs_sent < c.hs_out.size() || c.out_head != nullptr;
   if (c.rx_closed && c.inflight == 0 && (c.tx_dead || !out_pending || stopping.load())) {
-    if (c.registered) ::epoll_ctl(epfd, EPOLL_CTL_DEL, c.fd, nullptr);
-    ::close(c.fd);
+    if (c.registered) ::epoll_ctl(epfd.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
+    c.fd.reset();
     stats.connections.fetch_sub(1, std::memory_order_relaxed);
     conns.erase(c.id);  // frees c
     return;
@@ -655,7 +648,7 @@ void NbdServer::Impl::update(Conn& c) {
   if (c.tx_dead) {
     // Only waiting for completions (they come through the eventfd): a socket that reports
     // only HUP/ERR from now on must not wake the loop, so it leaves the epoll set.
-    ::epoll_ctl(epfd, EPOLL_CTL_DEL, c.fd, nullptr);
+    ::epoll_ctl(epfd.get(), EPOLL_CTL_DEL, c.fd.get(), nullptr);
     c.registered = false;
     return;
   }
@@ -670,7 +663,7 @@ void NbdServer::Impl::update(Conn& c) {
   epoll_event ev{};
   ev.events = want;
   ev.data.u64 = c.id;
-  ::epoll_ctl(epfd, EPOLL_CTL_MOD, c.fd, &ev);
+  ::epoll_ctl(epfd.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
   c.events = want;
 }
 
@@ -679,7 +672,7 @@ ssize_t Conn::recv_into(void* dst, size_t len) {
     iovec iov{dst, len};
     return tls->readv(&iov, 1);
   }
-  return ::recv(fd, dst, len, 0);
+  return ::recv(fd.get(), dst, len, 0);
 }
 
 ssize_t Conn::send_iov(const iovec* iov, int n) {
@@ -687,7 +680,7 @@ ssize_t Conn::send_iov(const iovec* iov, int n) {
   msghdr m{};
   m.msg_iov = const_cast<iovec*>(iov);
   m.msg_iovlen = static_cast<size_t>(n);
-  return ::sendmsg(fd, &m, MSG_NOSIGNAL);
+  return ::sendmsg(fd.get(), &m, MSG_NOSIGNAL);
 }
 
 // The STARTTLS ACK has left in plaintext: from here every byte is TLS.
@@ -700,7 +693,7 @@ void NbdServer::Impl::start_tls(Conn& c) {
     return;
   }
   c.in_beg = c.in_end = 0;
-  auto s = ibtrs::tls::Session::create(opts.tls, c.fd);
+  auto s = ibtrs::tls::Session::create(opts.tls, c.fd.get());
   if (!s.ok()) {
     fail(c, "TLS: " + s.error().message(), false);
     return;

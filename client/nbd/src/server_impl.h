@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/unique_fd.h"
 #include "ibnbd/nbd_server.h"
 #include "ibnbd/nbd_proto.h"
 
@@ -106,7 +107,7 @@ struct Slot {
 struct Conn {
   NbdServer::Impl* srv = nullptr;
   uint64_t id = 0;
-  int fd = -1;
+  base::UniqueFd fd;
   bool registered = false;  // in the epoll set
   bool resumed = false;     // a slot was freed while paused: parse again
   enum class Phase : uint8_t { client_flags, option, option_skip, transmission } phase =
@@ -163,9 +164,9 @@ struct Conn {
 struct NbdServer::Impl {
   NbdServerOptions opts;
   std::vector<ListenSpec> bound;
-  std::vector<int> listen_fds;
-  int epfd = -1;
-  int evfd = -1;
+  std::vector<base::UniqueFd> listen_fds;  // closed (-1) once the server stops listening
+  base::UniqueFd epfd;
+  base::UniqueFd evfd;
   std::thread thread;
   std::atomic<bool> stopping{false};
   std::mutex stop_mu;  // serializes stop()
@@ -191,7 +192,7 @@ struct NbdServer::Impl {
   std::mutex done_mu;
   Slot* done_head = nullptr;
   Slot* done_tail = nullptr;
-  std::vector<int> adopt;
+  std::vector<base::UniqueFd> adopt;
   bool signalled = false;  // the eventfd holds a wakeup not yet consumed
 
   struct Counters {
@@ -204,7 +205,7 @@ struct NbdServer::Impl {
   // server.cc
   void run();
   void wake();
-  void add_conn(int fd, std::string peer);
+  void add_conn(base::UniqueFd fd, std::string peer);
   void on_event(Conn& c, uint32_t ev);
   void on_readable(Conn& c);
   void pump(Conn& c);

@@ -201,7 +201,7 @@ bool NbdServer::Impl::parse_request(Conn& c) {
       stats.protocol_errors.fetch_add(1, std::memory_order_relaxed);
       log("nbd: " + c.peer + ": WRITE of " + std::to_string(length) + " bytes is over the maximum payload; closing");
       c.rx_closed = true;
-      ::shutdown(c.fd, SHUT_RD);
+      ::shutdown(c.fd.get(), SHUT_RD);
       return false;
     }
     return true;
