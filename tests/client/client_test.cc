@@ -1672,6 +1672,114 @@ TEST_F(Failover, AResizeReachesTheFailoverDevice) {
   EXPECT_TRUE(same("vol0", 20 << 20, m->data(), 4096));
 }
 
+// Case: two threads keep 12 writes each in flight on the failover device, each resubmitting
+// as one completes, while server 1 (the active's) is killed; the sessions' pending_timeout is
+// 4 s. Four rounds (fresh servers each; in odd ones server 1 holds what it got at the kill).
+// Expect: every write completes once with 0 well before pending_timeout: a request submitted
+// while the switch runs (after the old active's requests were taken back) is taken back too,
+// not left on the dead session to fail with ENOTCONN at its pending_timeout.
+TEST_F(Failover, SubmittersRacingTheSwitchLoseNothing) {
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    start_both(32);
+    auto mk = [&](int server) {
+      BlockSessionOptions o = options(1, server == 1 ? "sa" : "sb");
+      o.transport.paths = {ibtrs::PathSpec{std::nullopt, server == 1 ? addrs_[0] : addrs2_[0]}};
+      o.transport.io_threads = 2;
+      o.transport.reconnect = ibtrs::ReconnectConfig{1000ms, 1000ms, 1000ms, 10ms, -1};
+      o.transport.pending_timeout = 4000ms;
+      return open(std::move(o));
+    };
+    BlockSession* a = mk(1);
+    BlockSession* b = mk(2);
+    ASSERT_TRUE(a && b);
+    auto d = map_fo(*a, *b);
+    ASSERT_NE(d, nullptr);
+    auto* m = fo_buffer(*d, 1 << 20);
+    ASSERT_NE(m, nullptr);
+    std::atomic<bool> go{true};
+    std::atomic<int> errors{0}, last_err{0};
+    std::atomic<uint64_t> done_ios{0};
+    struct Slot {
+      std::atomic<int>* errors;
+      std::atomic<int>* last_err;
+      std::atomic<uint64_t>* done_ios;
+      std::atomic<int> busy{0};
+    };
+    auto worker = [&](int t) {
+      std::vector<std::unique_ptr<Slot>> slots;
+      for (int i = 0; i < 12; ++i) {
+        auto slot = std::make_unique<Slot>();
+        slot->errors = &errors;
+        slot->last_err = &last_err;
+        slot->done_ios = &done_ios;
+        slots.push_back(std::move(slot));
+      }
+      uint64_t n = 0;
+      while (go.load()) {
+        bool sent = false;
+        for (int i = 0; i < 12; ++i) {
+          Slot& s = *slots[i];
+          if (s.busy.load()) continue;
+          s.busy.store(1);
+          IoSeg seg{m->data() + size_t(t * 12 + i) * 4096, 4096, m};
+          auto cb = [](void* ctx, int err) {
+            auto* x = static_cast<Slot*>(ctx);
+            if (err != 0) {
+              x->errors->fetch_add(1);
+              x->last_err->store(err);
+            }
+            x->done_ios->fetch_add(1);
+            x->busy.store(0);
+          };
+          auto st = d->write(((n++ % 64) * 24 + uint64_t(t * 12 + i)) * 4096, std::span(&seg, 1), 0, IoDone{cb, &s});
+          if (!st.ok()) {
+            errors.fetch_add(1);
+            last_err.store(-st.error().value());
+            s.busy.store(0);
+          }
+          sent = true;
+        }
+        if (!sent) std::this_thread::sleep_for(50us);
+      }
+      for (auto& s : slots)
+        if (!wait_until([&] { return s->busy.load() == 0; }, 10s)) last_err.store(-ETIMEDOUT);
+    };
+    std::thread t1(worker, 0), t2(worker, 1);
+    std::this_thread::sleep_for(200ms);
+    if (round % 2 == 1) {  // odd rounds: server 1 holds what it got at the kill, as librbd would
+      srv_.hold_io(true);
+      std::this_thread::sleep_for(20ms);
+    }
+    kill(1);
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(wait_until([&] { return d->failover()->failovers == 1; }, 5s));
+    std::this_thread::sleep_for(300ms);
+    go.store(false);
+    t1.join();
+    t2.join();
+    const auto took = std::chrono::steady_clock::now() - t0;
+    EXPECT_EQ(errors.load(), 0) << "last error " << last_err.load() << " after "
+                                << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+    EXPECT_LT(took, 3s) << "a request waited on the dead session";
+    EXPECT_GT(done_ios.load(), 100u);
+    EXPECT_TRUE(unmap_failover(*d).ok());
+    d.reset();
+    bufs_.clear();
+    sessions_.clear();
+    if (server2_) {
+      (void)wait_until([&] { return server2_->sessions().empty(); }, 5s);
+      (void)server2_->with_session("", [](ibtrs::ServerSession&) {});
+    }
+    srv2_.drop_held(ECONNABORTED);
+    server2_.reset();
+    if (server_) {
+      (void)wait_until([&] { return server_->sessions().empty(); }, 5s);
+      server_.reset();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ibnbd::test
 
