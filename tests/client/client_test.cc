@@ -14,6 +14,7 @@
 #include "fabric/loopback/loopback.h"
 #include "fake_block_server.h"
 #include "ibnbd/client.h"
+#include "lib/client_impl.h"
 
 namespace ibnbd::test {
 namespace {
@@ -706,6 +707,43 @@ TEST_F(Client, PartsBeyondTheQueueDepthWaitForPermits) {
   // The WATCH (re-posted after its first answer, or after it found no permit) holds the other.
   EXPECT_TRUE(wait_until([&] { return s->size_watch().armed; }));
   EXPECT_EQ(s->transport().free_permits(), 3u) << "all but the WATCH's";
+}
+
+// Case: a session with one permit for IO (queue depth 2; the WATCH holds the other); rounds of
+// two 4 KiB writes submitted at once, then waited for: the first goes out, the second waits
+// for the permit. The thread that pumps the waiting write stalls 2 ms after it found no
+// permit (as a thread preempted on a loaded host stalls), and the first write completes then.
+// Expect: every write completes within 2 s: the completion that freed the permit sees the
+// write waiting and sends it (session 12's stall: it saw an empty queue, the write went back
+// to it, and nothing was left to send it: no IO in flight, none submitted).
+TEST_F(Client, APermitFreedWhileTheQueueIsPumpedIsNotLost) {
+  start_server(1, /*qd=*/2);
+  BlockSession* s = open(options(1));
+  ASSERT_NE(s, nullptr);
+  auto d = map(*s, "vol0");
+  ASSERT_NE(d, nullptr);
+  auto* m = buffer(*s, 2 * 4096);
+  ASSERT_NE(m, nullptr);
+  ASSERT_TRUE(wait_until([&] { return s->size_watch().armed; }));
+  ASSERT_EQ(s->transport().free_permits(), 1u);
+  static std::atomic<int> stalls{0};
+  stalls = 0;
+  client::g_pump_found_no_permit = [] {
+    stalls.fetch_add(1);
+    std::this_thread::sleep_for(2ms);
+  };
+  IoSeg seg[2];
+  for (int i = 0; i < 2; ++i) seg[i] = IoSeg{m->data() + 4096 * i, 4096, m};
+  // Until the pump stalled 5 times (a round whose WATCH was being re-posted has both permits
+  // free: its second write does not wait), 200 rounds at most.
+  for (int round = 0; round < 200 && stalls.load() < 5; ++round) {
+    Done w[2];
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE(d->write(uint64_t(i) * 4096, std::span(&seg[i], 1), 0, w[i].io()).ok());
+    for (int i = 0; i < 2; ++i) ASSERT_EQ(w[i].wait(2s), 0) << "write " << i << " of round " << round;
+  }
+  client::g_pump_found_no_permit = nullptr;
+  EXPECT_GE(stalls.load(), 5) << "second writes found the first's permit taken";
+  EXPECT_EQ(d->stats().inflight, 0u);
 }
 
 // Case: one of two paths breaks (fabric fault) while split IO runs.

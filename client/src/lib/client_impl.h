@@ -164,6 +164,12 @@ inline constexpr int kWaitDevice = -2;   // the device is being re-opened: Devic
 inline constexpr int kAnsweredHere = -3;  // a BLOCK_STATUS the session's version cannot carry,
                                           // answered "all data" by the library: done, 0
 
+// Fault injection for tests (tests/client/client_test.cc): when set, Session::pump calls it
+// after a part it took off the queue found no permit, before the part goes back: a test
+// stalls the pumping thread there, as a preempted thread on a loaded host is stalled, so that
+// a completion lands in that window. Read only on that path (no permit: the part waits anyway).
+inline std::atomic<void (*)()> g_pump_found_no_permit{nullptr};
+
 struct Stats {
   std::atomic<uint64_t> reads{0}, writes{0}, flushes{0}, discards{0}, write_zeroes{0}, block_status{0};
   std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, parts_sent{0}, errors{0};

@@ -123,16 +123,20 @@ void Session::pump() {
   std::unique_lock l(q_mu);
   while (!queue.empty() && open.load(std::memory_order_seq_cst)) {
     // Off the queue before it is sent: once sent, it may complete (and be recycled, its link
-    // reused) on another thread before try_send returns.
+    // reused) on another thread before try_send returns. It stays counted in q_len until it
+    // left for good: a permit freed after try_send found none is seen by its completion,
+    // which then pumps (it waits for q_mu and finds the part back at the front). Uncounted,
+    // that completion saw an empty queue and nothing sent the part until the next IO came or
+    // went: a request that waited for ever on a quiet device.
     Part* p = queue.pop();
-    q_len.fetch_sub(1, std::memory_order_release);
     const int r = try_send(p);
-    if (r == 0) continue;
     if (r == kWaitSession) {  // no permit: back to the front; the next completion pumps again
+      if (auto hook = g_pump_found_no_permit.load(std::memory_order_relaxed)) hook();
       queue.push_front(p);
-      q_len.fetch_add(1, std::memory_order_release);
       break;
     }
+    q_len.fetch_sub(1, std::memory_order_release);
+    if (r == 0) continue;
     l.unlock();
     if (r == kWaitDevice) {
       if (!hold(p)) send_or_queue(p);
