@@ -202,7 +202,7 @@ json ClientDaemon::handle(const json& req, const control::Emit& emit) {
     if (cmd == "path_list") return path_list(req);
     if (cmd == "path_stats") return path_stats(req);
     if (cmd == "path_reset_stats") return path_reset_stats(req);
-    if (cmd == "session_max_reconnect_attempts") return max_reconnect_attempts(req);
+    if (cmd == "session_max_reconnect_attempts") return session_max_reconnect_attempts(req);
     if (cmd == "nbd_export") return nbd_export(req);
     if (cmd == "nbd_unexport") return nbd_unexport(req);
     if (cmd == "nbd_list") return nbd_list(req);

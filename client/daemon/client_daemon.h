@@ -71,12 +71,15 @@ class ClientDaemon {
   //   devices / device(name): device_list, and device_show of `name` (ENOENT when it is not
   //   mapped); sessions / session(name): session_list and session_show (ENOENT: no session);
   //   paths(session, path): path_stats of one path, or with path "" of every path of the
-  //   session (ENOENT: no such session, or no such path in it).
+  //   session (ENOENT: no such session, or no such path in it);
+  //   max_reconnect_attempts(session): session_max_reconnect_attempts without a value, the
+  //   session's setting (-1..9999; ENOENT: no session).
   std::vector<control::DeviceReport> devices();
   Result<control::DeviceReport> device(const std::string& name);
   std::vector<control::SessionReport> sessions();
   Result<control::SessionReport> session(const std::string& name);
   Result<std::vector<control::PathReport>> paths(const std::string& session, const std::string& path);
+  Result<int32_t> max_reconnect_attempts(const std::string& session);
 
   // The Prometheus text of the daemon's counters (client_daemon_metrics.cc; the metrics
   // endpoint's collector). Nothing when a command has held the daemon for kMetricsWait.
@@ -125,7 +128,7 @@ class ClientDaemon {
   // `only`; false when none was appended.
   bool path_reports(const std::string& sess, OpenSession& s, const std::string& only, std::vector<control::PathReport>& out);
   json path_reset_stats(const json& req);
-  json max_reconnect_attempts(const json& req);
+  json session_max_reconnect_attempts(const json& req);
   json nbd_export(const json& req);
   json nbd_unexport(const json& req);
   json nbd_list(const json& req);

@@ -58,7 +58,14 @@ json ClientDaemon::path_reset_stats(const json& req) {
   return st.ok() ? json{{"ok", true}} : err(st.error().value(), "reset stats: " + st.error().message());
 }
 
-json ClientDaemon::max_reconnect_attempts(const json& req) {
+Result<int32_t> ClientDaemon::max_reconnect_attempts(const std::string& session) {
+  std::lock_guard l(mu_);
+  OpenSession* s = find_session(session);
+  if (s == nullptr) return errc(ENOENT);
+  return s->s->transport().max_reconnect_attempts();
+}
+
+json ClientDaemon::session_max_reconnect_attempts(const json& req) {
   const std::string n = req.at("session").get<std::string>();
   OpenSession* s = find_session(n);
   if (s == nullptr) return err(ENOENT, "no session " + n);

@@ -194,7 +194,8 @@ int main(int argc, char** argv) {
         .devices = [&daemon]() -> ibnbd::Result<std::vector<control::DeviceReport>> { return daemon.devices(); },
         .sessions = [&daemon]() -> ibnbd::Result<std::vector<control::SessionReport>> { return daemon.sessions(); },
         .session = [&daemon](const std::string& name) { return daemon.session(name); },
-        .paths = [&daemon](const std::string& sess, const std::string& path) { return daemon.paths(sess, path); }};
+        .paths = [&daemon](const std::string& sess, const std::string& path) { return daemon.paths(sess, path); },
+        .max_reconnect_attempts = [&daemon](const std::string& sess) { return daemon.max_reconnect_attempts(sess); }};
     auto m = sysfs::mount_for_daemon(sysfs::client_tree(std::move(binding)), sysfs_dir, "ibnbd-client");
     if (!m) {
       std::fprintf(stderr, "ibnbd-client: sysfs tree at %s: %s\n", sysfs_dir.c_str(), m.error().message().c_str());

@@ -1,9 +1,10 @@
-// Reading a listing answer ({"columns": [{"name"}...], "rows": [[cell...]...]}, command.h) back
-// into a report type by column name: client_devices.cc and client_sessions.cc read the client
-// daemon's listings with it when they know the daemon only by its JSON (sysfs-emu's trees over a
-// Backend). Columns are found by name, so an answer with fewer or more of them, in another
-// order, reads; a missing column leaves the field as it was; a cell of the wrong type marks the
-// row bad (the caller answers EINVAL). Never throws.
+// Reading the daemons' answers back into report types, for a daemon known only by its JSON
+// (sysfs-emu's trees over a Backend). ListingReader reads a listing ({"columns": [{"name"}...],
+// "rows": [[cell...]...]}, command.h) by column name: client_devices.cc and client_sessions.cc
+// read the client daemon's listings with it. Columns are found by name, so an answer with fewer
+// or more of them, in another order, reads; a missing column leaves the field as it was; a cell
+// of the wrong type marks the row bad (the caller answers EINVAL). FieldReader reads one object
+// of an answer the same way, field by field (server_reports.cc). Never throws.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +25,64 @@ inline std::optional<uint64_t> count(const nlohmann::json& v) {
   return std::nullopt;
 }
 
+// A count into `v`, a T (uint8_t ... uint64_t); false for what is no count or does not fit.
+template <typename T>
+bool count_into(const nlohmann::json& j, T& v) {
+  auto n = count(j);
+  if (!n || *n > std::numeric_limits<T>::max()) return false;
+  v = static_cast<T>(*n);
+  return true;
+}
+
 // As the CLI shows a value: a string as it is, anything else as its JSON text.
 inline std::string shown(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+// One object of an answer ({"name": ..., "count": ...}) read field by field into a report:
+// a missing field leaves it as it was, a field of the wrong type (or an object that is not one)
+// marks it bad (the caller answers EINVAL). Never throws.
+class FieldReader {
+ public:
+  explicit FieldReader(const nlohmann::json& obj) : obj_(obj), bad_(!obj.is_object()) {}
+  bool bad() const { return bad_; }
+  // A name that identifies the object: a string, and there must be one.
+  void name(const char* k, std::string& v) {
+    const nlohmann::json* f = field(k);
+    if (f != nullptr && f->is_string()) v = f->get<std::string>();
+    else bad_ = true;
+  }
+  void text(const char* k, std::string& v) {
+    if (const nlohmann::json* f = field(k)) v = shown(*f);
+  }
+  template <typename T>
+  void number(const char* k, T& v) {
+    if (const nlohmann::json* f = field(k); f != nullptr && !count_into(*f, v)) bad_ = true;
+  }
+  // A signed count (in flight, a time): any JSON integer that fits an int64_t.
+  void integer(const char* k, int64_t& v) {
+    if (const nlohmann::json* f = field(k)) {
+      if (f->is_number_unsigned() && f->get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) bad_ = true;
+      else if (f->is_number_integer()) v = f->get<int64_t>();
+      else bad_ = true;
+    }
+  }
+  void flag(const char* k, bool& v) {
+    if (const nlohmann::json* f = field(k)) {
+      if (f->is_boolean()) v = f->get<bool>();
+      else bad_ = true;
+    }
+  }
+  // The field `k` if the object has it (and is not bad yet).
+  const nlohmann::json* field(const char* k) const {
+    if (bad_) return nullptr;
+    auto it = obj_.find(k);
+    return it == obj_.end() ? nullptr : &*it;
+  }
+  void set_bad() { bad_ = true; }
+
+ private:
+  const nlohmann::json& obj_;
+  bool bad_;
+};
 
 class ListingReader {
  public:
@@ -56,11 +113,7 @@ class ListingReader {
     }
     template <typename T>
     void number(const char* name, T& v) {
-      if (const nlohmann::json* c = cell(name)) {
-        auto n = count(*c);
-        if (n && *n <= std::numeric_limits<T>::max()) v = static_cast<T>(*n);
-        else bad_ = true;
-      }
+      if (const nlohmann::json* c = cell(name); c != nullptr && !count_into(*c, v)) bad_ = true;
     }
     // A byte count ({"bytes": N}); nothing for another cell ("-": none) or a missing column.
     std::optional<uint64_t> bytes(const char* name) {

@@ -382,7 +382,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<sysfs::Mount> sysfs_mount;
   if (!c.sysfs_dir.empty()) {
     auto m = sysfs::mount_for_daemon(
-        // The path files read the server's typed paths; the rest goes through its commands.
+        // The files read the server's typed reports; the writes go through its commands.
         sysfs::server_tree(sysfs::ServerBinding{
             .backend = [&s](const json& req) { return ibnbd::server_command(s, req); },
             .log = [](const std::string& l) { std::fprintf(stderr, "ibnbd-server: %s\n", l.c_str()); },
@@ -393,6 +393,12 @@ int main(int argc, char** argv) {
             },
             .paths = [&s](const std::string& sess, const std::string& path) {
               return ibnbd::server_paths(s, sess, path);
+            },
+            .devices = [&s]() -> ibnbd::Result<std::vector<ibnbd::control::ExportedDeviceReport>> {
+              return ibnbd::server_devices(s);
+            },
+            .refusals = [&s]() -> ibnbd::Result<std::vector<ibnbd::control::RefusalReport>> {
+              return ibnbd::server_refusals(s);
             }}),
         c.sysfs_dir,
         "ibnbd-server");

@@ -12,12 +12,6 @@ namespace {
 
 using nlohmann::json;
 
-json stats_json(const BlockStats& s) {
-  return {{"read_ops", s.read_ops}, {"read_bytes", s.read_bytes}, {"write_ops", s.write_ops},
-          {"write_bytes", s.write_bytes}, {"flush_ops", s.flush_ops}, {"discard_ops", s.discard_ops},
-          {"write_zeroes_ops", s.write_zeroes_ops}, {"status_ops", s.status_ops}, {"errors", s.errors}, {"inflight", s.inflight}};
-}
-
 json path_json(const ibtrs::ServerPathInfo& p) {
   return {{"name", p.name},
           {"auth", std::string(ibtrs::to_string(p.auth.state))},
@@ -52,22 +46,13 @@ json handle(BlockServer& srv, const json& req) {
                         {"access_mode", std::string(to_string(d.mode))}, {"force_closed", d.force_closed}});
       out.push_back({{"name", s.name}, {"host", s.host}, {"version", s.version}, {"watching", s.watching},
                      {"size_epoch", s.size_epoch}, {"paths", paths}, {"devices", devs},
-                     {"stats", stats_json(s.stats)}});
+                     {"stats", control::block_stats_to_json(s.stats)}});
     }
     return {{"ok", true}, {"sessions", out}};
   }
-  if (cmd == "devices") {
-    json out = json::array();
-    for (auto& d : srv.devices()) {
-      json holders = json::array();
-      for (auto& h : d.holders)
-        holders.push_back({{"session", h.session}, {"device_id", h.device_id},
-                           {"access_mode", std::string(to_string(h.mode))}});
-      out.push_back({{"name", d.name}, {"kind", d.kind}, {"size", d.size}, {"direct", d.direct},
-                     {"read_only", d.read_only}, {"sessions", holders}, {"stats", stats_json(d.stats)}});
-    }
-    return {{"ok", true}, {"devices", out}};
-  }
+  // devices and refusals: the typed reports sysfs-emu reads, written as JSON (one source, so
+  // the socket and the files cannot tell two stories).
+  if (cmd == "devices") return control::devices_answer(server_devices(srv));
   if (cmd == "force_close")
     return status(srv.force_close(arg("device"), arg("session")),
                   "session '" + arg("session") + "' holding device '" + arg("device") + "'");
@@ -144,13 +129,7 @@ json handle(BlockServer& srv, const json& req) {
     }
     return control::error(ENOENT, "no session " + sess);
   }
-  if (cmd == "refusals") {
-    json out = json::array();
-    for (auto& r : srv.refusals().snapshot())
-      out.push_back({{"reason", r.reason}, {"count", r.count}, {"last", r.last},
-                     {"last_unix_ms", r.last_unix_ms}});
-    return {{"ok", true}, {"refusals", out}};
-  }
+  if (cmd == "refusals") return control::refusals_answer(server_refusals(srv));
   if (cmd == "reset_refusals") {
     srv.refusals().reset();
     return {{"ok", true}};

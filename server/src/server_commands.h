@@ -20,17 +20,22 @@
 #include <nlohmann/json.hpp>
 
 #include "control/client_sessions.h"
+#include "control/server_reports.h"
 #include "ibnbd/server.h"
 
 namespace ibnbd {
 
 nlohmann::json server_command(BlockServer& srv, const nlohmann::json& req);
 
-// path_stats's paths typed (sysfs-emu's server tree binds it, control/client_sessions.h): the
-// path `path` of session `session`, or with path "" every path of it. ENOENT: no such session,
-// or no such path in it. Any thread.
+// The answers typed (server_reports.cc; sysfs-emu's server tree binds them). Any thread.
+// path_stats's paths (control/client_sessions.h): the path `path` of session `session`, or with
+// path "" every path of it. ENOENT: no such session, or no such path in it.
 Result<std::vector<control::PathReport>> server_paths(BlockServer& srv, const std::string& session,
                                                      const std::string& path);
+// devices' exported devices with their holders, and refusals' reasons with their counts
+// (control/server_reports.h): server_command writes its answers from these.
+std::vector<control::ExportedDeviceReport> server_devices(BlockServer& srv);
+std::vector<control::RefusalReport> server_refusals(BlockServer& srv);
 
 // One host of the daemon's config file or of host_add: {"host", "key_file" | "key",
 // "server_key_file" | "server_key", "access": [{"devices", "mode"}]}. A key file (ibtrs/auth.h)

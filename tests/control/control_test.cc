@@ -1,6 +1,7 @@
-// control/ (library ibnbd_control): the client daemon's device listing as a type and its JSON
-// (byte for byte what the socket answered before the type existed), the command codec, and the
-// control socket's two sides talking over a real unix socket.
+// control/ (library ibnbd_control): the client daemon's devices, sessions and paths and the
+// server daemon's devices and refusals as types and their JSON (byte for byte what the sockets
+// answered before the types existed), the command codec, and the control socket's two sides
+// talking over a real unix socket.
 #include <gtest/gtest.h>
 
 #include <sys/socket.h>
@@ -21,6 +22,7 @@
 #include "control/client_sessions.h"
 #include "control/command.h"
 #include "control/daemon.h"
+#include "control/server_reports.h"
 #include "control/socket.h"
 #include "base/unique_fd.h"
 #include "control/stats.h"
@@ -407,6 +409,175 @@ TEST(SessionListing, ReadsBackAndRefusesTheWrongShape) {
         json{{"paths", json::array({{{"stats", {{"read_cnt", "many"}}}}})}},
         json{{"paths", json::array({{{"fence", {{"waited", "x"}}}}})}}})
     EXPECT_EQ(paths_from_stats(bad).error(), std::errc::invalid_argument) << bad.dump();
+}
+
+// ---- the server's devices and refusals ----
+
+ExportedDeviceReport sample_export() {
+  ExportedDeviceReport d;
+  d.name = "/srv/sub/a.img";
+  d.kind = "file";
+  d.size = 8u << 20;
+  d.direct = true;
+  d.holders = {{"s1", 3, "rw"}, {"s2", 0, "ro"}};
+  d.stats.read_ops = 2;
+  d.stats.read_bytes = 8192;
+  d.stats.write_ops = 1;
+  d.stats.write_bytes = 4096;
+  d.stats.status_ops = 5;
+  d.stats.inflight = -1;  // a counter that raced its decrement: shown as the server has it
+  return d;
+}
+
+// Case: a device with two holders and a refusal, answered. Expect: the JSON the server wrote
+// before its answers were typed, to the byte (the CLI and scripts read it); empty lists as [].
+TEST(ServerReports, AreTheSocketsAnswersByteForByte) {
+  EXPECT_EQ(devices_answer({sample_export()}).dump(),
+            R"({"devices":[{"direct":true,"kind":"file","name":"/srv/sub/a.img","read_only":false,)"
+            R"("sessions":[{"access_mode":"rw","device_id":3,"session":"s1"},{"access_mode":"ro","device_id":0,"session":"s2"}],)"
+            R"("size":8388608,"stats":{"discard_ops":0,"errors":0,"flush_ops":0,"inflight":-1,"read_bytes":8192,)"
+            R"("read_ops":2,"status_ops":5,"write_bytes":4096,"write_ops":1,"write_zeroes_ops":0}}],"ok":true})");
+  EXPECT_EQ(devices_answer({}).dump(), R"({"devices":[],"ok":true})");
+  ExportedDeviceReport idle = sample_export();
+  idle.holders.clear();
+  EXPECT_EQ(devices_answer({idle})["devices"][0]["sessions"].dump(), "[]");
+  EXPECT_EQ(refusals_answer({{"session_limit", 7, "peer 10.0.0.1: Too many users", 1700000000123}}).dump(),
+            R"({"ok":true,"refusals":[{"count":7,"last":"peer 10.0.0.1: Too many users",)"
+            R"("last_unix_ms":1700000000123,"reason":"session_limit"}]})");
+  EXPECT_EQ(refusals_answer({}).dump(), R"({"ok":true,"refusals":[]})");
+}
+
+// The server's encoders before the answers were typed (server_commands.cc's devices, refusals
+// and stats_json), kept here verbatim over the server's own structs (Device and Holder as
+// BlockServer's ExportedDeviceInfo and DeviceHolderInfo) as the reference the typed encoders
+// must match byte for byte.
+namespace before {
+struct Holder {
+  std::string session;
+  uint32_t device_id = 0;
+  AccessMode mode = AccessMode::ro;
+};
+struct Device {
+  std::string name, kind;
+  uint64_t size = 0;
+  bool direct = false, read_only = false;
+  std::vector<Holder> holders;
+  BlockStats stats;
+};
+
+json stats_json(const BlockStats& s) {
+  return {{"read_ops", s.read_ops}, {"read_bytes", s.read_bytes}, {"write_ops", s.write_ops},
+          {"write_bytes", s.write_bytes}, {"flush_ops", s.flush_ops}, {"discard_ops", s.discard_ops},
+          {"write_zeroes_ops", s.write_zeroes_ops}, {"status_ops", s.status_ops}, {"errors", s.errors}, {"inflight", s.inflight}};
+}
+
+json devices(const std::vector<Device>& devs) {
+  json out = json::array();
+  for (auto& d : devs) {
+    json holders = json::array();
+    for (auto& h : d.holders)
+      holders.push_back({{"session", h.session}, {"device_id", h.device_id},
+                         {"access_mode", std::string(to_string(h.mode))}});
+    out.push_back({{"name", d.name}, {"kind", d.kind}, {"size", d.size}, {"direct", d.direct},
+                   {"read_only", d.read_only}, {"sessions", holders}, {"stats", stats_json(d.stats)}});
+  }
+  return {{"ok", true}, {"devices", out}};
+}
+
+json refusals(const std::vector<ibtrs::RefusalCount>& rs) {
+  json out = json::array();
+  for (auto& r : rs)
+    out.push_back({{"reason", r.reason}, {"count", r.count}, {"last", r.last},
+                   {"last_unix_ms", r.last_unix_ms}});
+  return {{"ok", true}, {"refusals", out}};
+}
+}  // namespace before
+
+// Case: 2000 random sets of devices (up to 3 holders each, names with quotes and non-ASCII bytes,
+// counters up to 64 bits, signed in-flight counts) and of refusals, answered by the typed
+// encoders (the reports filled as server_devices fills them) and by the encoders from before.
+// Expect: the same bytes every time; the reports read back from the JSON are the same reports.
+TEST(ServerReports, MatchTheOldEncodersOnRandomReports) {
+  std::mt19937_64 rng(0x5e7de5);
+  auto text = [&] {
+    static const char* kWords[] = {"", "s1", "/srv/a \"b\".img", "caf\xc3\xa9", "a b\tc", "rbd:pool/img@snap"};
+    return std::string(kWords[rng() % 6]);
+  };
+  auto big = [&] { return rng() >> (rng() % 64); };
+  for (int i = 0; i < 2000; ++i) {
+    std::vector<before::Device> devs(rng() % 4);
+    std::vector<ExportedDeviceReport> reports;
+    for (before::Device& d : devs) {
+      d.name = text();
+      d.kind = text();
+      d.size = big();
+      d.direct = rng() % 2;
+      d.read_only = rng() % 2;
+      d.holders.resize(rng() % 4);
+      for (before::Holder& h : d.holders) h = {text(), static_cast<uint32_t>(rng()), static_cast<AccessMode>(rng() % 3)};
+      d.stats = {big(), big(), big(), big(), big(), big(), big(), big(), big(), static_cast<int64_t>(rng())};
+      ExportedDeviceReport r{d.name, d.kind, d.size, d.direct, d.read_only, {}, d.stats};
+      for (const before::Holder& h : d.holders) r.holders.push_back({h.session, h.device_id, std::string(to_string(h.mode))});
+      reports.push_back(std::move(r));
+    }
+    std::vector<RefusalReport> refusals(rng() % 4);
+    for (RefusalReport& r : refusals) r = {text(), big(), text(), static_cast<int64_t>(rng())};
+
+    ASSERT_EQ(devices_answer(reports).dump(), before::devices(devs).dump()) << "round " << i;
+    ASSERT_EQ(refusals_answer(refusals).dump(), before::refusals(refusals).dump()) << "round " << i;
+    auto db = devices_from_answer(devices_answer(reports));
+    ASSERT_TRUE(db.ok()) << "round " << i;
+    EXPECT_EQ(*db, reports) << "round " << i;
+    auto rb = refusals_from_answer(refusals_answer(refusals));
+    ASSERT_TRUE(rb.ok()) << "round " << i;
+    EXPECT_EQ(refusals_answer(*rb).dump(), refusals_answer(refusals).dump()) << "round " << i;
+  }
+}
+
+// Case: answers from a hand-written daemon (only the fields sysfs-emu reads, signed numbers), and
+// answers of the wrong shape. Expect: defaults for what is missing, access_mode shown as written;
+// EINVAL for the wrong shape (a nameless device or holder, a reasonless refusal, a count that is
+// not one), no throw.
+TEST(ServerReports, ReadBackAndRefuseTheWrongShape) {
+  const json hand = {{"ok", true},
+                     {"devices", json::array({{{"name", "/srv/a.img"},
+                                               {"sessions", json::array({{{"session", "s1"}, {"access_mode", "ro"}},
+                                                                         {{"session", "s2"}, {"access_mode", 1}}})}},
+                                              {{"name", "/srv/idle.img"}, {"size", 4096}}})}};
+  auto d = devices_from_answer(hand);
+  ASSERT_TRUE(d.ok());
+  ASSERT_EQ(d->size(), 2u);
+  EXPECT_EQ((*d)[0].name, "/srv/a.img");
+  ASSERT_EQ((*d)[0].holders.size(), 2u);
+  EXPECT_EQ((*d)[0].holders[0], (HolderReport{"s1", 0, "ro"}));
+  EXPECT_EQ((*d)[0].holders[1].access_mode, "1") << "shown as the CLI shows it";
+  EXPECT_EQ((*d)[0].kind, "");
+  EXPECT_EQ((*d)[0].stats, BlockStats{});
+  EXPECT_TRUE((*d)[1].holders.empty());
+  EXPECT_EQ((*d)[1].size, 4096u);
+  auto r = refusals_from_answer(json{{"refusals", json::array({{{"reason", "ack_timeout"}, {"count", 0}},
+                                                               {{"reason", "session_limit"}, {"count", 7}}})}});
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->size(), 2u);
+  EXPECT_EQ((*r)[1].reason, "session_limit");
+  EXPECT_EQ((*r)[1].count, 7u);
+  EXPECT_EQ((*r)[1].last, "");
+  EXPECT_EQ((*r)[1].last_unix_ms, 0);
+
+  auto dev = [](json one) { return json{{"ok", true}, {"devices", json::array({std::move(one)})}}; };
+  for (const json& bad :
+       {json("x"), json{{"ok", true}}, json{{"devices", 1}}, json{{"devices", json::array({1})}},
+        dev(json::object()), dev({{"name", 1}}), dev({{"name", "d"}, {"size", -1}}),
+        dev({{"name", "d"}, {"direct", 1}}), dev({{"name", "d"}, {"sessions", "s1"}}),
+        dev({{"name", "d"}, {"sessions", json::array({{{"access_mode", "ro"}}})}}),
+        dev({{"name", "d"}, {"sessions", json::array({{{"session", "s"}, {"device_id", 1ull << 32}}})}}),
+        dev({{"name", "d"}, {"stats", 1}}), dev({{"name", "d"}, {"stats", {{"read_ops", "many"}}}}),
+        dev({{"name", "d"}, {"stats", {{"inflight", 1.5}}}})})
+    EXPECT_EQ(devices_from_answer(bad).error(), std::errc::invalid_argument) << bad.dump();
+  for (const json& bad : {json{{"refusals", json::object()}}, json{{"refusals", json::array({{{"count", 1}}})}},
+                          json{{"refusals", json::array({{{"reason", "r"}, {"count", "1"}}})}},
+                          json{{"refusals", json::array({{{"reason", "r"}, {"last_unix_ms", UINT64_MAX}}})}}})
+    EXPECT_EQ(refusals_from_answer(bad).error(), std::errc::invalid_argument) << bad.dump();
 }
 
 // Case: the codec's answers and arguments. Expect: the shapes command.h names.

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "ibnbd/server.h"
+#include "server_commands.h"
 #include "proto/ibnbd_proto.h"
 #include "../session/session_harness.h"
 
@@ -497,6 +499,66 @@ TEST_F(BlockServerTest, ForceCloseTakesTheDeviceAway) {
   proto::OpenRsp again;
   EXPECT_EQ(p.open_dev("disk.img", AccessMode::rw, &again), 0);
   EXPECT_EQ(p.io(again.device_id, IoOp::read, 0, 4096), 0);
+}
+
+// Case: two sessions hold a device (rw and ro), one holds a second device, IO ran, and a
+// refusal was counted. Expect: the typed reports (server_devices, server_refusals: what the
+// daemon's sysfs tree reads) say what BlockServer says, field by field, and the devices and
+// refusals commands answer exactly those reports as JSON (control/server_reports.h; unit_control
+// holds that JSON to the bytes the server wrote before it was typed).
+TEST_F(BlockServerTest, TheTypedReportsAreWhatTheCommandsAnswer) {
+  start();
+  Peer& a = peer("a");
+  Peer& b = peer("b");
+  proto::OpenRsp ra, rb;
+  ASSERT_EQ(a.open_dev("disk.img", AccessMode::rw, &ra), 0);
+  ASSERT_EQ(b.open_dev("disk.img", AccessMode::ro, &rb), 0);
+  ASSERT_EQ(a.open_dev("other.img", AccessMode::rw), 0);
+  fill(a, 0, 4096, 1);
+  ASSERT_EQ(a.io(ra.device_id, IoOp::write, 0, 4096), 0);
+  ASSERT_EQ(b.io(rb.device_id, IoOp::read, 0, 4096), 0);
+  server_->refusals().refuse("test_refusal", "counted by the test", 3);
+
+  const std::vector<ExportedDeviceInfo> infos = server_->devices();
+  const std::vector<control::ExportedDeviceReport> reports = server_devices(*server_);
+  ASSERT_EQ(infos.size(), 2u);
+  ASSERT_EQ(reports.size(), infos.size());
+  size_t holders = 0;
+  for (size_t i = 0; i < infos.size(); ++i) {
+    const ExportedDeviceInfo& d = infos[i];
+    const control::ExportedDeviceReport& r = reports[i];
+    EXPECT_EQ(r.name, d.name);
+    EXPECT_EQ(r.kind, d.kind);
+    EXPECT_EQ(r.size, d.size);
+    EXPECT_EQ(r.direct, d.direct);
+    EXPECT_EQ(r.read_only, d.read_only);
+    EXPECT_EQ(r.stats, d.stats) << d.name;
+    ASSERT_EQ(r.holders.size(), d.holders.size()) << d.name;
+    for (size_t k = 0; k < d.holders.size(); ++k) {
+      EXPECT_EQ(r.holders[k], (control::HolderReport{d.holders[k].session, d.holders[k].device_id,
+                                                     std::string(to_string(d.holders[k].mode))}));
+      ++holders;
+    }
+  }
+  EXPECT_EQ(holders, 3u);
+  const auto disk = std::find_if(reports.begin(), reports.end(),
+                                 [](auto& r) { return r.name.find("disk.img") != std::string::npos; });
+  ASSERT_NE(disk, reports.end());
+  EXPECT_EQ(disk->stats.write_bytes, 4096u);
+  EXPECT_EQ(disk->stats.read_bytes, 4096u);
+  EXPECT_EQ(server_command(*server_, {{"cmd", "devices"}}).dump(), control::devices_answer(reports).dump());
+
+  const std::vector<ibtrs::RefusalCount> snapshot = server_->refusals().snapshot();
+  const std::vector<control::RefusalReport> refusals = server_refusals(*server_);
+  ASSERT_EQ(refusals.size(), snapshot.size());
+  for (size_t i = 0; i < snapshot.size(); ++i) {
+    EXPECT_EQ(refusals[i].reason, snapshot[i].reason);
+    EXPECT_EQ(refusals[i].count, snapshot[i].count);
+    EXPECT_EQ(refusals[i].last, snapshot[i].last);
+    EXPECT_EQ(refusals[i].last_unix_ms, snapshot[i].last_unix_ms);
+  }
+  EXPECT_EQ(server_->refusals().count("test_refusal"), 3u);
+  EXPECT_EQ(server_command(*server_, {{"cmd", "refusals"}}).dump(), control::refusals_answer(refusals).dump());
 }
 
 // Case: the search path has %SESSNAME%. Expect: each session sees its own directory.

@@ -409,6 +409,70 @@ TEST(Trees, ServerRefusalsAreFilesUnderCtl) {
   EXPECT_EQ(seen.back()["cmd"], "reset_refusals");
 }
 
+// Case: a daemon known only by its JSON answers devices, refusals and max_reconnect_attempts in
+// the wrong shape (a nameless device, a reasonless refusal, a number that is text or out of
+// range), or refuses them. Expect: the listings and files read EIO (FUSE's answer to an answer
+// it cannot read), never a throw; the daemon's own errno passes through.
+TEST(Trees, AnswersOfTheWrongShapeReadAsEio) {
+  json devices, refusals, attempts;
+  Backend daemon = [&](const json& req) -> json {
+    const std::string cmd = req.at("cmd");
+    if (cmd == "sessions") return {{"ok", true}, {"sessions", json::array({{{"name", "s1"}}})}};
+    if (cmd == "session_list")
+      return {{"ok", true}, {"columns", json::array({{{"name", "sessname"}}})}, {"rows", json::array({json::array({"s1"})})}};
+    if (cmd == "devices") return devices;
+    if (cmd == "refusals") return refusals;
+    if (cmd == "session_max_reconnect_attempts") return attempts;
+    return {{"ok", false}, {"errno", EINVAL}};
+  };
+  NodePtr srv = server_tree(daemon);
+  NodePtr cl = client_tree(daemon);
+  auto listed = [](const NodePtr& root, const char* dir) -> std::string {
+    auto n = resolve(root, dir);
+    if (!n) return "E" + std::to_string(n.error().value());
+    auto l = (*n)->list();
+    return l ? std::to_string(l->size()) + " entries" : "E" + std::to_string(l.error().value());
+  };
+  const json good_dev = {{"name", "/srv/a.img"}, {"sessions", json::array({{{"session", "s1"}, {"access_mode", "rw"}}})}};
+  devices = {{"ok", true}, {"devices", json::array({good_dev})}};
+  refusals = {{"ok", true}, {"refusals", json::array({{{"reason", "ack_timeout"}, {"count", 2}}})}};
+  attempts = {{"ok", true}, {"max_reconnect_attempts", -1}};
+  EXPECT_EQ(read_at(srv, "/ibnbd-server/ctl/devices/!srv!a.img/sessions/s1/access_mode"), "rw\n");
+  EXPECT_EQ(read_at(srv, "/ibtrs-server/ctl/refusals/ack_timeout"), "2\n");
+  EXPECT_EQ(read_at(cl, "/ibtrs-client/s1/max_reconnect_attempts"), "-1\n");
+  // A file's errno (0: it read).
+  auto err = [](const NodePtr& n) {
+    auto r = n->read();
+    return r ? 0 : r.error().value();
+  };
+  NodePtr mode = *resolve(srv, "/ibnbd-server/ctl/devices/!srv!a.img/sessions/s1/access_mode");
+  NodePtr count = *resolve(srv, "/ibtrs-server/ctl/refusals/ack_timeout");
+  NodePtr tries = *resolve(cl, "/ibtrs-client/s1/max_reconnect_attempts");
+  for (const json& bad : {json{{"ok", true}}, json{{"ok", true}, {"devices", json::array({{{"name", 1}}})}},
+                          json{{"ok", true}, {"devices", json::array({{{"name", "/srv/a.img"}, {"sessions", 1}}})}}}) {
+    devices = bad;
+    EXPECT_EQ(listed(srv, "/ibnbd-server/ctl/devices"), "E5") << bad.dump();
+    EXPECT_EQ(err(mode), EIO) << bad.dump();
+  }
+  devices = {{"ok", false}, {"errno", EPERM}};
+  EXPECT_EQ(err(mode), EPERM) << "the daemon's errno";
+  for (const json& bad : {json{{"ok", true}}, json{{"ok", true}, {"refusals", json::array({{{"count", 2}}})}},
+                          json{{"ok", true}, {"refusals", json::array({{{"reason", "ack_timeout"}, {"count", "2"}}})}}}) {
+    refusals = bad;
+    EXPECT_EQ(listed(srv, "/ibtrs-server/ctl/refusals"), "E5") << bad.dump();
+    EXPECT_EQ(err(count), EIO) << bad.dump();
+  }
+  for (const json& bad : {json{{"ok", true}}, json{{"ok", true}, {"max_reconnect_attempts", "3"}},
+                          json{{"ok", true}, {"max_reconnect_attempts", 1ll << 32}},
+                          json{{"ok", true}, {"max_reconnect_attempts", -(1ll << 32)}},
+                          json{{"ok", true}, {"max_reconnect_attempts", 3.5}}}) {
+    attempts = bad;
+    EXPECT_EQ(err(tries), EIO) << bad.dump();
+  }
+  attempts = {{"ok", false}, {"errno", ENOENT}};
+  EXPECT_EQ(err(tries), ENOENT) << "the daemon's errno";
+}
+
 // The report whose `key` is `name`, or ENOENT.
 template <typename R>
 ibnbd::Result<R> find(const std::vector<R>& all, const std::string& name, std::string R::*key) {
@@ -435,17 +499,23 @@ void read_all(const NodePtr& root, const std::string& dir, std::map<std::string,
   for (const std::string& e : *names) read_all(root, dir + "/" + e, out);
 }
 
-// Case: the same sessions, paths and devices (drawn at random) bound typed, as the daemons
-// bind them, and answered as JSON by a backend, as the trees read them before the daemons had
-// types. Expect: every file of both trees reads the same bytes (the client's, and the server's
-// path files); the typed tree sends no read command to the backend.
+// Case: the same sessions, paths, devices, a session's max_reconnect_attempts, the server's
+// exported devices with their holders and its refusals (drawn at random) bound typed, as the
+// daemons bind them, and answered as JSON by a backend, as the trees read them before the
+// daemons had types. Expect: every file of both trees reads the same bytes; the typed trees
+// send no command to the backend (reading sends no write).
 TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
   using namespace ibnbd::control;
   std::mt19937_64 rng(0x7e55);
+  size_t holders_seen = 0;
   for (int round = 0; round < 20; ++round) {
     std::vector<SessionReport> sessions;
     std::vector<PathReport> paths;
     std::vector<DeviceReport> devices;
+    std::map<std::string, int32_t> attempts;  // max_reconnect_attempts by session
+    std::vector<ExportedDeviceReport> exports;
+    std::vector<RefusalReport> refusals;
+    static const char* kModes[] = {"ro", "rw", "migration"};
     static const char* kPolicies[] = {"round-robin", "min-inflight", "min-latency"};
     static const char* kStates[] = {"connected", "reconnecting", "closed"};
     static const char* kAuth[] = {"none", "pending", "authenticated", "failed"};
@@ -492,6 +562,17 @@ TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
       d.ublk = rng() % 2 ? "/dev/ublkb" + std::to_string(i) : "";
       d.failovers = rng() >> (rng() % 64);
       devices.push_back(d);
+      attempts[s.name] = static_cast<int32_t>(rng() % 10001) - 1;
+      // The server's side: a device under a subdirectory (escaped in its directory's name), held
+      // by up to three sessions, one of them with a '/' in its name.
+      ExportedDeviceReport e;
+      e.name = "/srv/sub/img" + std::to_string(i);
+      e.kind = "file";
+      e.size = rng() >> (rng() % 64);
+      for (int k = 0, n = static_cast<int>(rng() % 4); k < n; ++k)
+        e.holders.push_back({k ? "h" + std::to_string(k) : s.name, static_cast<uint32_t>(rng()), kModes[rng() % 3]});
+      exports.push_back(e);
+      refusals.push_back({i ? "session_limit" : "ack_timeout", rng() >> (rng() % 64), "x", 1});
     }
     auto paths_of = [&](const std::string& sess, const std::string& path) -> ibnbd::Result<std::vector<PathReport>> {
       std::vector<PathReport> out;
@@ -524,14 +605,17 @@ TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
         auto ps = paths_of(req.at("session"), req.value("path", ""));
         return ps ? path_stats_answer(*ps) : error(ENOENT);
       }
-      return {{"ok", true}, {"devices", json::array()}, {"refusals", json::array()}, {"max_reconnect_attempts", 3}};
+      if (cmd == "session_max_reconnect_attempts") {
+        auto it = attempts.find(req.at("session").get<std::string>());
+        return it != attempts.end() ? json{{"ok", true}, {"max_reconnect_attempts", it->second}} : error(ENOENT);
+      }
+      if (cmd == "devices") return devices_answer(exports);
+      if (cmd == "refusals") return refusals_answer(refusals);
+      return error(EINVAL, "unknown command");
     };
     size_t typed_reads = 0;
     Backend write_only = [&](const json& req) -> json {
-      const std::string cmd = req.at("cmd");
-      // Still read from JSON: the server tree's devices and refusals, a session's
-      // max_reconnect_attempts (one number).
-      if (cmd != "devices" && cmd != "refusals" && cmd != "session_max_reconnect_attempts") ++typed_reads;
+      ++typed_reads;
       return json_daemon(req);
     };
     ClientBinding typed{
@@ -541,7 +625,12 @@ TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
         .devices = [&]() -> ibnbd::Result<std::vector<DeviceReport>> { return devices; },
         .sessions = [&]() -> ibnbd::Result<std::vector<SessionReport>> { return sessions; },
         .session = [&](const std::string& n) { return find(sessions, n, &SessionReport::name); },
-        .paths = paths_of};
+        .paths = paths_of,
+        .max_reconnect_attempts = [&](const std::string& n) -> ibnbd::Result<int32_t> {
+          auto it = attempts.find(n);
+          if (it == attempts.end()) return errc(ENOENT);
+          return it->second;
+        }};
     std::map<std::string, std::string> over_json, over_types;
     read_all(client_tree(json_daemon), "", over_json);
     read_all(client_tree(std::move(typed)), "", over_types);
@@ -549,6 +638,7 @@ TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
     for (auto& [f, c] : over_json) EXPECT_TRUE(c != "throws" && c != "E5") << f << " reads nothing to compare";
     EXPECT_EQ(over_types, over_json) << "round " << round;
     EXPECT_EQ(typed_reads, 0u) << "the typed client tree read through JSON";
+    EXPECT_EQ(over_types["/ibtrs-client/s0/max_reconnect_attempts"], std::to_string(attempts["s0"]) + "\n");
 
     std::map<std::string, std::string> srv_json, srv_types;
     read_all(server_tree(json_daemon), "", srv_json);
@@ -559,13 +649,27 @@ TEST(Trees, TypedBindingsReadTheSameFilesAsTheJsonAnswers) {
                                          for (auto& s : sessions) n.push_back(s.name);
                                          return n;
                                        },
-                                       .paths = paths_of}),
+                                       .paths = paths_of,
+                                       .devices = [&]() -> ibnbd::Result<std::vector<ExportedDeviceReport>> {
+                                         return exports;
+                                       },
+                                       .refusals = [&]() -> ibnbd::Result<std::vector<RefusalReport>> {
+                                         return refusals;
+                                       }}),
              "", srv_types);
     EXPECT_GT(srv_json.size(), 20u);
     for (auto& [f, c] : srv_json) EXPECT_TRUE(c != "throws" && c != "E5") << f << " reads nothing to compare";
     EXPECT_EQ(srv_types, srv_json) << "round " << round;
-    EXPECT_EQ(typed_reads, 0u) << "the typed server tree read paths or sessions through JSON";
+    EXPECT_EQ(typed_reads, 0u) << "the typed server tree read through JSON";
+    EXPECT_EQ(srv_types["/ibtrs-server/ctl/refusals/session_limit"], std::to_string(refusals[1].count) + "\n");
+    for (const HolderReport& h : exports[0].holders) {
+      const std::string dir = "/ibnbd-server/ctl/devices/!srv!sub!img0/sessions/" + escape_name(h.session);
+      EXPECT_EQ(srv_types[dir + "/access_mode"], h.access_mode + "\n") << dir;
+      EXPECT_EQ(srv_types[dir + "/read_only"], h.access_mode == "ro" ? "1\n" : "0\n") << dir;
+      ++holders_seen;
+    }
   }
+  EXPECT_GT(holders_seen, 10u) << "the rounds compared holders' files";
 }
 
 }  // namespace

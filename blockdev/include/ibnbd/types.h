@@ -115,4 +115,17 @@ struct DeviceGeometry {
   bool operator==(const DeviceGeometry&) const = default;
 };
 
+// The block server's counters of a device and of a session (cumulative since the device was
+// opened / the session came up): BlockServer's devices() and sessions() fill them, and the
+// server daemon's typed reports (control/server_reports.h) carry them to its answers.
+struct BlockStats {
+  uint64_t read_ops = 0, read_bytes = 0;
+  uint64_t write_ops = 0, write_bytes = 0;
+  uint64_t flush_ops = 0, discard_ops = 0, write_zeroes_ops = 0;
+  uint64_t status_ops = 0;  // BLOCK_STATUS questions (protocol 5): they read no data
+  uint64_t errors = 0;
+  int64_t inflight = 0;
+  bool operator==(const BlockStats&) const = default;
+};
+
 }  // namespace ibnbd

@@ -90,16 +90,8 @@ struct BlockServerOptions {
   std::optional<RbdConfig> rbd;
 };
 
-// Per-device and per-session counters (cumulative since the device was opened / the session
-// came up).
-struct BlockStats {
-  uint64_t read_ops = 0, read_bytes = 0;
-  uint64_t write_ops = 0, write_bytes = 0;
-  uint64_t flush_ops = 0, discard_ops = 0, write_zeroes_ops = 0;
-  uint64_t status_ops = 0;  // BLOCK_STATUS questions (protocol 5): they read no data
-  uint64_t errors = 0;
-  int64_t inflight = 0;
-};
+// A device's and a session's counters are BlockStats (ibnbd/types.h, where the daemon's typed
+// reports in control/ reach them too).
 
 struct DeviceHolderInfo {
   std::string session;

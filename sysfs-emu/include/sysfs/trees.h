@@ -9,10 +9,11 @@
 // daemon's answer ({"ok": true, ...} or {"ok": false, "errno": N, "error": "..."}); must not
 // throw (the daemons' handlers do not). An answer of the wrong shape reads as EIO.
 //
-// A daemon in the same process binds typed commands where it has them (ClientBinding): the
+// A daemon in the same process binds its typed commands (ClientBinding, ServerBinding): the
 // tree then reads its structs, not the JSON it would write for the CLI (issue 18); the Backend
 // carries the writes. Over a Backend alone the same commands are read from their JSON answers
-// (control/client_devices.h and client_sessions.h read them back).
+// (control/client_devices.h, client_sessions.h and server_reports.h read them back), and every
+// file reads the same bytes either way.
 #pragma once
 
 #include <functional>
@@ -22,6 +23,7 @@
 
 #include "control/client_devices.h"
 #include "control/client_sessions.h"
+#include "control/server_reports.h"
 #include "sysfs/node.h"
 
 namespace sysfs {
@@ -48,6 +50,9 @@ struct ClientBinding {
   // session or path) (ClientDaemon::paths).
   std::function<ibnbd::Result<std::vector<ibnbd::control::PathReport>>(const std::string& session, const std::string& path)>
       paths;
+  // session_max_reconnect_attempts without a value: the session's setting, or ENOENT
+  // (ClientDaemon::max_reconnect_attempts). Its write stays a command on the backend.
+  std::function<ibnbd::Result<int32_t>(const std::string& session)> max_reconnect_attempts;
 };
 
 // The server daemon's commands the server tree reads typed, as ClientBinding.
@@ -58,6 +63,10 @@ struct ServerBinding {
   std::function<ibnbd::Result<std::vector<std::string>>()> sessions;
   // path_stats: as ClientBinding::paths, the server's paths (ibnbd::server_paths).
   decltype(ClientBinding::paths) paths;
+  // devices: every exported device with its holders (ibnbd::server_devices).
+  std::function<ibnbd::Result<std::vector<ibnbd::control::ExportedDeviceReport>>()> devices;
+  // refusals: every reason the server counts, with its count (ibnbd::server_refusals).
+  std::function<ibnbd::Result<std::vector<ibnbd::control::RefusalReport>>()> refusals;
 };
 
 // ibnbd-client's root: ibtrs-client/<session>/..., ibnbd-client/ctl/{map_device, devices/...}.

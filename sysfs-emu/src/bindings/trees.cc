@@ -3,6 +3,7 @@
 #include "sysfs/trees.h"
 
 #include <cinttypes>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -22,12 +23,16 @@ std::string line(std::string s) { return s + "\n"; }
 std::string str(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
 
 using ibnbd::control::DeviceReport;
+using ibnbd::control::ExportedDeviceReport;
+using ibnbd::control::HolderReport;
 using ibnbd::control::PathReport;
+using ibnbd::control::RefusalReport;
 using ibnbd::control::SessionReport;
 
 // The backend, the typed commands and the log the tree's files share (copied into each file's
-// callbacks). The client tree fills every typed command (from the binding, or over the
-// backend's JSON); the server tree `paths` and `server_sessions`.
+// callbacks). Each tree fills every typed command of its side, from the binding or over the
+// backend's JSON: the client tree `device` to `max_reconnect_attempts`, the server tree `paths`
+// and the `server_` ones.
 struct Daemon {
   Backend backend;
   Log log;
@@ -36,7 +41,10 @@ struct Daemon {
   decltype(ClientBinding::sessions) sessions;
   decltype(ClientBinding::session) session;
   decltype(ClientBinding::paths) paths;
-  decltype(ServerBinding::sessions) server_sessions;  // the server tree's
+  decltype(ClientBinding::max_reconnect_attempts) max_reconnect_attempts;
+  decltype(ServerBinding::sessions) server_sessions;
+  decltype(ServerBinding::devices) server_devices;
+  decltype(ServerBinding::refusals) server_refusals;
   json operator()(const json& req) const { return backend(req); }
 };
 
@@ -46,8 +54,6 @@ Result<json> call(const Backend& backend, const json& req) {
   int e = r.is_object() ? r.value("errno", EIO) : EIO;
   return errc(e > 0 ? e : EIO);
 }
-
-Result<json> call(const Daemon& b, const json& req) { return call(b.backend, req); }
 
 // A write's command. The writer sees only the errno; the daemon's reason goes to the log.
 Status act(const Daemon& b, const json& req) {
@@ -67,13 +73,6 @@ ReadFn text(std::string s) {
 
 // An action file: write-only in effect, reading shows how to use it (as the kernel's do).
 NodePtr action(std::string usage, WriteFn w) { return Node::attr(0644, text(std::move(usage)), std::move(w)); }
-
-// The escaped names of a JSON array's objects (`key` of each).
-std::vector<std::string> names(const json& arr, const char* key) {
-  std::vector<std::string> out;
-  for (auto& e : arr) out.push_back(escape_name(e.at(key).get<std::string>()));
-  return out;
-}
 
 // ---- paths (both sides answer path_stats alike) ----
 
@@ -213,8 +212,8 @@ NodePtr client_session_dir(const Daemon& b, const std::string& sess) {
          Node::attr(
              0644,
              [b, sess]() -> Result<std::string> {
-               BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}}));
-               return line(str(r.at("max_reconnect_attempts")));
+               BASE_ASSIGN_OR_RETURN(int32_t v, b.max_reconnect_attempts(sess));
+               return line(std::to_string(v));
              },
              [b, sess](std::string_view t) -> Status {
                BASE_ASSIGN_OR_RETURN(int32_t v, ibtrs::parse_max_reconnect_attempts(t));
@@ -350,25 +349,21 @@ NodePtr server_path_dir(const Daemon& b, const std::string& sess, const std::str
 // ctl/: the server's refusals (ibtrs/refusals.h), one read-only file per reason with its count,
 // and reset_refusals (echo 1) to zero them.
 NodePtr ibtrs_server_ctl(const Daemon& b) {
-  auto count_of = [b](const std::string& reason) -> Result<json> {
-    BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
-    for (auto& e : r.at("refusals"))
-      if (e.at("reason") == reason) return e;
+  auto count_of = [b](const std::string& reason) -> Result<uint64_t> {
+    BASE_ASSIGN_OR_RETURN(std::vector<RefusalReport> rs, b.server_refusals());
+    for (const RefusalReport& r : rs)
+      if (r.reason == reason) return r.count;
     return errc(ENOENT);
   };
   auto d = Node::dir();
-  d->add("refusals", Node::dynamic_dir(
-                         [b]() -> Result<std::vector<std::string>> {
-                           BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "refusals"}}));
-                           return names(r.at("refusals"), "reason");
-                         },
-                         [count_of](const std::string& n) -> Result<NodePtr> {
-                           const std::string reason = unescape_name(n);
-                           return NodePtr(Node::read_only([count_of, reason]() -> Result<std::string> {
-                             BASE_ASSIGN_OR_RETURN(json e, count_of(reason));
-                             return line(str(e.at("count")));
-                           }));
-                         }));
+  d->add("refusals", Node::dynamic_dir([b] { return listing_names(b.server_refusals(), &RefusalReport::reason); },
+                                       [count_of](const std::string& n) -> Result<NodePtr> {
+                                         const std::string reason = unescape_name(n);
+                                         return NodePtr(Node::read_only([count_of, reason]() -> Result<std::string> {
+                                           BASE_ASSIGN_OR_RETURN(uint64_t count, count_of(reason));
+                                           return line(std::to_string(count));
+                                         }));
+                                       }));
   d->add("reset_refusals", action("Usage: echo 1 > reset_refusals (0 too) zeroes every refusals/ count\n",
                                   [b](std::string_view t) -> Status {
                                     BASE_TRY(parse_reset(t));
@@ -399,25 +394,25 @@ NodePtr ibtrs_server_dir(const Daemon& b) {
   });
 }
 
-// The holders of one exported device, from the `devices` answer.
-Result<json> device_holders(const Daemon& b, const std::string& dev) {
-  BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
-  for (auto& d : r.at("devices"))
-    if (d.at("name") == dev) return d.at("sessions");
+// The holders of one exported device (the first device of that name, as listed).
+Result<std::vector<HolderReport>> device_holders(const Daemon& b, const std::string& dev) {
+  BASE_ASSIGN_OR_RETURN(std::vector<ExportedDeviceReport> ds, b.server_devices());
+  for (ExportedDeviceReport& d : ds)
+    if (d.name == dev) return std::move(d.holders);
   return errc(ENOENT);
 }
 
-Result<json> device_holder(const Daemon& b, const std::string& dev, const std::string& sess) {
-  BASE_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
-  for (auto& h : hs)
-    if (h.at("session") == sess) return h;
+Result<HolderReport> device_holder(const Daemon& b, const std::string& dev, const std::string& sess) {
+  BASE_ASSIGN_OR_RETURN(std::vector<HolderReport> hs, device_holders(b, dev));
+  for (HolderReport& h : hs)
+    if (h.session == sess) return std::move(h);
   return errc(ENOENT);
 }
 
 NodePtr server_holder_dir(const Daemon& b, const std::string& dev, const std::string& sess) {
   auto mode = [b, dev, sess]() -> Result<std::string> {
-    BASE_ASSIGN_OR_RETURN(json h, device_holder(b, dev, sess));
-    return str(h.at("access_mode"));
+    BASE_ASSIGN_OR_RETURN(HolderReport h, device_holder(b, dev, sess));
+    return std::move(h.access_mode);
   };
   auto d = Node::dir();
   d->add("read_only", Node::read_only([mode]() -> Result<std::string> {
@@ -437,16 +432,10 @@ NodePtr server_holder_dir(const Daemon& b, const std::string& dev, const std::st
 }
 
 NodePtr ibnbd_server_dir(const Daemon& b) {
-  auto devices = [b]() -> Result<std::vector<std::string>> {
-    BASE_ASSIGN_OR_RETURN(json r, call(b, {{"cmd", "devices"}}));
-    return names(r.at("devices"), "name");
-  };
+  auto devices = [b] { return listing_names(b.server_devices(), &ExportedDeviceReport::name); };
   auto dev_dir = [b](const std::string& n) -> Result<NodePtr> {
     const std::string dev = unescape_name(n);
-    auto holders = [b, dev]() -> Result<std::vector<std::string>> {
-      BASE_ASSIGN_OR_RETURN(json hs, device_holders(b, dev));
-      return names(hs, "session");
-    };
+    auto holders = [b, dev] { return listing_names(device_holders(b, dev), &HolderReport::session); };
     auto d = Node::dir();
     d->add("sessions", Node::dynamic_dir(holders, [b, dev](const std::string& s) -> Result<NodePtr> {
              return server_holder_dir(b, dev, unescape_name(s));
@@ -463,7 +452,9 @@ NodePtr ibnbd_server_dir(const Daemon& b) {
 }  // namespace
 
 NodePtr client_tree(Backend backend, Log log) {
-  ClientBinding binding{std::move(backend), {}, std::move(log), {}, {}, {}, {}};
+  ClientBinding binding;
+  binding.backend = std::move(backend);
+  binding.log = std::move(log);
   return client_tree(std::move(binding));
 }
 
@@ -499,9 +490,15 @@ decltype(Daemon::paths) paths_over(const Backend& backend) {
 }  // namespace
 
 NodePtr client_tree(ClientBinding binding) {
-  Daemon b{std::move(binding.backend),  std::move(binding.log),     std::move(binding.device),
-           std::move(binding.devices),  std::move(binding.sessions), std::move(binding.session),
-           std::move(binding.paths),    {}};
+  Daemon b;
+  b.backend = std::move(binding.backend);
+  b.log = std::move(binding.log);
+  b.device = std::move(binding.device);
+  b.devices = std::move(binding.devices);
+  b.sessions = std::move(binding.sessions);
+  b.session = std::move(binding.session);
+  b.paths = std::move(binding.paths);
+  b.max_reconnect_attempts = std::move(binding.max_reconnect_attempts);
   // Whatever the daemon did not bind typed is read from its JSON answers.
   const Backend& backend = b.backend;
   if (!b.device)
@@ -521,6 +518,17 @@ NodePtr client_tree(ClientBinding binding) {
                                  &ibnbd::control::sessions_from_listing));
     };
   if (!b.paths) b.paths = paths_over(backend);
+  if (!b.max_reconnect_attempts)
+    b.max_reconnect_attempts = [backend](const std::string& sess) -> Result<int32_t> {
+      BASE_ASSIGN_OR_RETURN(json r, call(backend, {{"cmd", "session_max_reconnect_attempts"}, {"session", sess}}));
+      // One number, -1..9999 as the daemon writes it; anything else is the wrong shape (EIO).
+      const auto v = r.find("max_reconnect_attempts");
+      if (v == r.end() || !v->is_number_integer()) return errc(EIO);
+      if (v->is_number_unsigned() ? v->get<uint64_t>() > uint64_t(INT32_MAX)
+                                  : v->get<int64_t>() < INT32_MIN || v->get<int64_t>() > INT32_MAX)
+        return errc(EIO);
+      return static_cast<int32_t>(v->get<int64_t>());
+    };
   auto root = Node::dir();
   root->add("ibtrs-client", Node::dynamic_dir([b] { return listing_names(b.sessions(), &SessionReport::name); },
                                               [b](const std::string& n) -> Result<NodePtr> {
@@ -531,12 +539,20 @@ NodePtr client_tree(ClientBinding binding) {
 }
 
 NodePtr server_tree(Backend backend, Log log) {
-  return server_tree(ServerBinding{std::move(backend), std::move(log), {}, {}});
+  ServerBinding binding;
+  binding.backend = std::move(backend);
+  binding.log = std::move(log);
+  return server_tree(std::move(binding));
 }
 
 NodePtr server_tree(ServerBinding binding) {
-  Daemon b{std::move(binding.backend), std::move(binding.log), {}, {}, {}, {}, std::move(binding.paths),
-           std::move(binding.sessions)};
+  Daemon b;
+  b.backend = std::move(binding.backend);
+  b.log = std::move(binding.log);
+  b.paths = std::move(binding.paths);
+  b.server_sessions = std::move(binding.sessions);
+  b.server_devices = std::move(binding.devices);
+  b.server_refusals = std::move(binding.refusals);
   const Backend& backend = b.backend;
   if (!b.paths) b.paths = paths_over(backend);
   if (!b.server_sessions)
@@ -545,6 +561,14 @@ NodePtr server_tree(ServerBinding binding) {
       std::vector<std::string> out;
       for (auto& e : r.at("sessions")) out.push_back(e.at("name").get<std::string>());
       return out;
+    };
+  if (!b.server_devices)
+    b.server_devices = [backend] {
+      return listing_over(backend, {{"cmd", "devices"}}, &ibnbd::control::devices_from_answer);
+    };
+  if (!b.server_refusals)
+    b.server_refusals = [backend] {
+      return listing_over(backend, {{"cmd", "refusals"}}, &ibnbd::control::refusals_from_answer);
     };
   auto root = Node::dir();
   root->add("ibtrs-server", ibtrs_server_dir(b));

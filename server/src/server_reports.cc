@@ -1,6 +1,8 @@
-// server_paths (server_commands.h): path_stats's paths as control::PathReport, for sysfs-emu's
-// server tree. Its own file: added to server_commands.cc it changed GCC's inlining there enough
-// for -Wnull-dereference to flag nlohmann::json's value() (a false positive under -Werror).
+// The server daemon's typed reports (server_commands.h): path_stats's paths as
+// control::PathReport, devices' devices and refusals' refusals (control/server_reports.h).
+// sysfs-emu's server tree binds them; server_command writes the devices and refusals answers
+// from them. Its own file: added to server_commands.cc, server_paths changed GCC's inlining there
+// enough for -Wnull-dereference to flag nlohmann::json's value() (a false positive under -Werror).
 #include <cerrno>
 
 #include "ibtrs/tls.h"
@@ -41,5 +43,24 @@ Result<std::vector<control::PathReport>> server_paths(BlockServer& srv, const st
   }
   return ibtrs::errc(ENOENT);
 }
+
+std::vector<control::ExportedDeviceReport> server_devices(BlockServer& srv) {
+  std::vector<control::ExportedDeviceReport> out;
+  for (ExportedDeviceInfo& d : srv.devices()) {
+    control::ExportedDeviceReport r;
+    r.name = std::move(d.name);
+    r.kind = std::move(d.kind);
+    r.size = d.size;
+    r.direct = d.direct;
+    r.read_only = d.read_only;
+    for (DeviceHolderInfo& h : d.holders)
+      r.holders.push_back({std::move(h.session), h.device_id, std::string(to_string(h.mode))});
+    r.stats = d.stats;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<control::RefusalReport> server_refusals(BlockServer& srv) { return srv.refusals().snapshot(); }
 
 }  // namespace ibnbd
