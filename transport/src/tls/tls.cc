@@ -1,45 +1,28 @@
-// TLS sessions over stream sockets (ibtrs/tls.h) with OpenSSL 3.
+// TLS sessions over stream sockets (ibtrs/tls.h) with OpenSSL 3: contexts, the handshake and the
+// userspace record layer (kernel TLS is in tls_kernel.cc, PSK files in tls_psk.cc).
 //
 // The SSL object never touches the socket: it reads and writes memory BIOs, and this file moves
 // the bytes. During the handshake it reads the socket one TLS record at a time (header, then
 // exactly the body), so when the handshake ends nothing of the peer's application data sits in
 // userspace, and the kernel can take the receive direction at record sequence 0. OpenSSL 3.0
 // hands TLS 1.3 only the transmit direction to the kernel itself, so both directions are set up
-// here, from the traffic secrets the key-log callback reports and the key schedule's own
-// HKDF-Expand-Label (OpenSSL's TLS13-KDF): no cryptography of our own.
+// here (go_kernel), from the traffic secrets the key-log callback reports, with the keys
+// tls_kernel.cc derives from them.
 #include "ibtrs/tls.h"
 
-#include <fcntl.h>
-#include <linux/tls.h>
-#include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <openssl/core_names.h>
 #include <openssl/err.h>
-#include <openssl/evp.h>
-#include <openssl/kdf.h>
-#include <openssl/rand.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 #include <openssl/x509v3.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <deque>
-#include <fstream>
-#include <mutex>
 
-#include "base/unique_fd.h"
-
-#ifndef SOL_TLS
-#define SOL_TLS 282
-#endif
-#ifndef TCP_ULP
-#define TCP_ULP 31
-#endif
+#include "tls/tls_private.h"
 
 namespace ibtrs::tls {
 
@@ -78,10 +61,6 @@ int session_index() {
   return idx;
 }
 
-bool printable(std::string_view s) {
-  return std::all_of(s.begin(), s.end(), [](char c) { return c > 0x20 && c < 0x7f; });
-}
-
 ssize_t send_some(int fd, const void* p, size_t n) {
   for (;;) {
     ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
@@ -96,99 +75,6 @@ ssize_t recv_some(int fd, void* p, size_t n) {
     if (r < 0 && errno == EINTR) continue;
     return r;
   }
-}
-
-struct Suite {
-  uint16_t id;
-  const char* digest;
-  size_t key_len;
-  uint16_t kernel_cipher;
-};
-
-const Suite* suite_by_id(uint16_t id) {
-  static const Suite kSuites[] = {
-      {0x1301, "SHA256", 16, TLS_CIPHER_AES_GCM_128},
-      {0x1302, "SHA384", 32, TLS_CIPHER_AES_GCM_256},
-      {0x1303, "SHA256", 32, TLS_CIPHER_CHACHA20_POLY1305},
-  };
-  for (const auto& s : kSuites)
-    if (s.id == id) return &s;
-  return nullptr;
-}
-
-const Suite* suite_of(const SSL_CIPHER* c) {
-  return c == nullptr ? nullptr : suite_by_id(static_cast<uint16_t>(SSL_CIPHER_get_id(c) & 0xffff));
-}
-
-// HKDF-Expand-Label(secret, label, "", len) of the TLS 1.3 key schedule (RFC 8446 7.1, 7.3).
-bool expand_label(const Suite& s, const std::vector<unsigned char>& secret, const char* label,
-                  unsigned char* out, size_t len) {
-  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, OSSL_KDF_NAME_TLS1_3_KDF, nullptr);
-  if (kdf == nullptr) return false;
-  EVP_KDF_CTX* k = EVP_KDF_CTX_new(kdf);
-  EVP_KDF_free(kdf);
-  if (k == nullptr) return false;
-  int mode = EVP_KDF_HKDF_MODE_EXPAND_ONLY;
-  static const char kPrefix[] = "tls13 ";
-  OSSL_PARAM params[] = {
-      OSSL_PARAM_construct_int(OSSL_KDF_PARAM_MODE, &mode),
-      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, const_cast<char*>(s.digest), 0),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<unsigned char*>(secret.data()),
-                                        secret.size()),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_PREFIX, const_cast<char*>(kPrefix),
-                                        sizeof(kPrefix) - 1),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_LABEL, const_cast<char*>(label), std::strlen(label)),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_DATA, const_cast<char*>(""), 0),
-      OSSL_PARAM_construct_end(),
-  };
-  const bool ok = EVP_KDF_derive(k, out, len, params) == 1;
-  EVP_KDF_CTX_free(k);
-  return ok;
-}
-
-// Installs one direction's keys in the kernel at record sequence 0.
-bool install_kernel_keys(int fd, int direction, const Suite& s, const std::vector<unsigned char>& secret) {
-  unsigned char key[32], iv[12];
-  if (!expand_label(s, secret, "key", key, s.key_len) || !expand_label(s, secret, "iv", iv, sizeof(iv)))
-    return false;
-  int rc = -1;
-  switch (s.kernel_cipher) {
-    case TLS_CIPHER_AES_GCM_128: {
-      tls12_crypto_info_aes_gcm_128 ci{};
-      ci.info.version = TLS_1_3_VERSION;
-      ci.info.cipher_type = TLS_CIPHER_AES_GCM_128;
-      std::memcpy(ci.key, key, sizeof(ci.key));
-      std::memcpy(ci.salt, iv, sizeof(ci.salt));
-      std::memcpy(ci.iv, iv + sizeof(ci.salt), sizeof(ci.iv));
-      rc = ::setsockopt(fd, SOL_TLS, direction, &ci, sizeof(ci));
-      OPENSSL_cleanse(&ci, sizeof(ci));
-      break;
-    }
-    case TLS_CIPHER_AES_GCM_256: {
-      tls12_crypto_info_aes_gcm_256 ci{};
-      ci.info.version = TLS_1_3_VERSION;
-      ci.info.cipher_type = TLS_CIPHER_AES_GCM_256;
-      std::memcpy(ci.key, key, sizeof(ci.key));
-      std::memcpy(ci.salt, iv, sizeof(ci.salt));
-      std::memcpy(ci.iv, iv + sizeof(ci.salt), sizeof(ci.iv));
-      rc = ::setsockopt(fd, SOL_TLS, direction, &ci, sizeof(ci));
-      OPENSSL_cleanse(&ci, sizeof(ci));
-      break;
-    }
-    case TLS_CIPHER_CHACHA20_POLY1305: {
-      tls12_crypto_info_chacha20_poly1305 ci{};
-      ci.info.version = TLS_1_3_VERSION;
-      ci.info.cipher_type = TLS_CIPHER_CHACHA20_POLY1305;
-      std::memcpy(ci.key, key, sizeof(ci.key));
-      std::memcpy(ci.iv, iv, sizeof(ci.iv));
-      rc = ::setsockopt(fd, SOL_TLS, direction, &ci, sizeof(ci));
-      OPENSSL_cleanse(&ci, sizeof(ci));
-      break;
-    }
-  }
-  OPENSSL_cleanse(key, sizeof(key));
-  OPENSSL_cleanse(iv, sizeof(iv));
-  return rc == 0;
 }
 
 // Handshake failures that mean "these credentials are refused" (EACCES); anything else the
@@ -615,11 +501,6 @@ int psk_find_cb(SSL* ssl, const unsigned char* id, size_t idlen, SSL_SESSION** s
   return 1;
 }
 
-bool valid_psk(const Psk& p) {
-  return !p.identity.empty() && p.identity.size() <= 255 && printable(p.identity) &&
-         p.key.size() >= 32 && p.key.size() <= 64;
-}
-
 }  // namespace
 
 Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -778,50 +659,6 @@ bool Session::read_pending() const {
   return SSL_pending(impl_->ssl) > 0 || impl_->whole_record_buffered();
 }
 
-bool kernel_tls_available() {
-  static const bool available = [] {
-    // A loopback pair whose ends take the record layer with throw-away keys, and one record
-    // through it: the kernel's layer is trusted only once it has moved a record. The first use
-    // of kTLS in a kernel loads modules and instantiates and self-tests the AEADs (12 s under
-    // QEMU TCG in the VM rig), which is why Context::create() pays it, not a handshake.
-    base::UniqueFd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!l) return false;
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(a);
-    bool ok = false;
-    base::UniqueFd s, c;  // declared after l, s before c: they close c, s, then l
-    if (::bind(l.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && ::listen(l.get(), 4) == 0 &&
-        ::getsockname(l.get(), reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-      c.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-      if (c && ::connect(c.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0)
-        s.reset(::accept4(l.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      ok = s && ::setsockopt(c.get(), SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0;
-    }
-    if (ok) {
-      const std::vector<unsigned char> secret(32, 0x5a);
-      const Suite* suite = suite_by_id(0x1301);
-      bool exchanged = ::setsockopt(s.get(), SOL_TCP, TCP_ULP, "tls", sizeof("tls")) == 0 &&
-                       install_kernel_keys(c.get(), TLS_TX, *suite, secret) &&
-                       install_kernel_keys(s.get(), TLS_RX, *suite, secret);
-      if (exchanged) {
-        const char ping[] = "ibtrs-ktls-probe";
-        char got[sizeof(ping)] = {};
-        timeval tv{2, 0};
-        ::setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-        exchanged = ::send(c.get(), ping, sizeof(ping), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(ping)) &&
-                    ::recv(s.get(), got, sizeof(got), MSG_WAITALL) == static_cast<ssize_t>(sizeof(got)) &&
-                    std::memcmp(got, ping, sizeof(ping)) == 0;
-      }
-      // Without a working exchange the kernel's layer is not trusted: userspace it is.
-      ok = exchanged;
-    }
-    return ok;
-  }();
-  return available;
-}
-
 std::string describe(const Info& i) {
   if (!i.on) return "-";
   return std::string(i.kernel_tx && i.kernel_rx ? "kTLS " : "user ") + i.cipher;
@@ -847,84 +684,6 @@ bool looks_like_tls(std::span<const std::byte> first) {
   if (first.size() < 3) return false;
   return static_cast<uint8_t>(first[0]) == kHandshake && static_cast<uint8_t>(first[1]) == 3 &&
          static_cast<uint8_t>(first[2]) <= 4;
-}
-
-Result<std::vector<Psk>> read_psk_entries(const std::string& path) {
-  struct stat st{};
-  if (::stat(path.c_str(), &st) != 0) return errc(errno);
-  if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) return errc(EACCES);
-  std::ifstream in(path);
-  if (!in) return errc(errno != 0 ? errno : EIO);
-  auto nib = [](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-  };
-  std::vector<Psk> out;
-  std::string line;
-  Status bad;
-  while (std::getline(in, line)) {
-    while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
-    if (line.empty() || line[0] == '#') continue;
-    const size_t colon = line.rfind(':');
-    Psk p;
-    if (colon != std::string::npos) p.identity = line.substr(0, colon);
-    const std::string_view hex = colon == std::string::npos ? std::string_view{} : std::string_view(line).substr(colon + 1);
-    bool ok = colon != std::string::npos && hex.size() % 2 == 0;
-    for (size_t i = 0; ok && i < hex.size(); i += 2) {
-      const int hi = nib(hex[i]), lo = nib(hex[i + 1]);
-      ok = hi >= 0 && lo >= 0;
-      p.key.push_back(static_cast<std::byte>(hi << 4 | lo));
-    }
-    OPENSSL_cleanse(line.data(), line.size());
-    ok = ok && valid_psk(p) &&
-         std::none_of(out.begin(), out.end(), [&](const Psk& q) { return q.identity == p.identity; });
-    if (!ok) {
-      OPENSSL_cleanse(p.key.data(), p.key.size());
-      bad = errc(EINVAL);
-      break;
-    }
-    out.push_back(std::move(p));
-  }
-  if (bad.ok() && out.empty()) bad = errc(EINVAL);
-  if (!bad.ok()) {
-    for (auto& p : out) OPENSSL_cleanse(p.key.data(), p.key.size());
-    return bad.error();
-  }
-  return out;
-}
-
-Result<Psk> read_psk_file(const std::string& path) {
-  BASE_ASSIGN_OR_RETURN(auto all, read_psk_entries(path));
-  for (size_t i = 1; i < all.size(); ++i) OPENSSL_cleanse(all[i].key.data(), all[i].key.size());
-  return std::move(all.front());
-}
-
-Result<Psk> generate_psk(std::string identity) {
-  Psk p{std::move(identity), std::vector<std::byte>(32)};
-  if (RAND_bytes(reinterpret_cast<unsigned char*>(p.key.data()), static_cast<int>(p.key.size())) != 1)
-    return errc(EIO);
-  if (!valid_psk(p)) return errc(EINVAL);
-  return p;
-}
-
-Status write_psk_file(const std::string& path, const Psk& psk, bool overwrite) {
-  if (!valid_psk(psk)) return errc(EINVAL);
-  base::UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | (overwrite ? O_TRUNC : O_EXCL), 0600));
-  if (!fd) return errc(errno);
-  std::string line = psk.identity + ":";
-  static const char kHex[] = "0123456789abcdef";
-  for (std::byte b : psk.key) {
-    line += kHex[static_cast<uint8_t>(b) >> 4];
-    line += kHex[static_cast<uint8_t>(b) & 15];
-  }
-  line += '\n';
-  const bool ok = ::fchmod(fd.get(), 0600) == 0 &&
-                  ::write(fd.get(), line.data(), line.size()) == static_cast<ssize_t>(line.size());
-  const int e = errno;
-  OPENSSL_cleanse(line.data(), line.size());
-  return ok ? Status{} : Status{errc(e)};
 }
 
 }  // namespace ibtrs::tls
