@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/le.h"
+#include "base/pattern.h"
 #include "base/text.h"
 #include "fabric/fabric.h"
 
@@ -73,42 +74,11 @@ struct Options {
   std::exit(1);
 }
 
-// The pattern of a block: xorshift64 words seeded by the block number. One generator serves
-// both filling and checking, compared word by word without a scratch copy.
-template <typename Visit>
-void pattern_words(size_t len, uint32_t seed, Visit&& visit) {
-  uint64_t x = 0x9E3779B97F4A7C15ull * (seed + 1);
-  for (size_t i = 0; i < len; i += 8) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    if (!visit(i, x, std::min<size_t>(8, len - i))) return;
-  }
-}
-
-// Whole words go through fixed-size copies (single loads/stores once inlined); only a short tail
-// needs a variable-length one.
-void fill_pattern(std::byte* p, size_t len, uint32_t seed) {
-  pattern_words(len, seed, [p](size_t i, uint64_t w, size_t n) {
-    if (n == 8) std::memcpy(p + i, &w, 8);
-    else std::memcpy(p + i, &w, n);
-    return true;
-  });
-}
+// The pattern of a block (base/pattern.h's, seeded by the block number), from its first byte.
+void fill_pattern(std::byte* p, size_t len, uint32_t seed) { base::Pattern(seed).fill({p, len}, 0); }
 
 bool check_pattern(const std::byte* p, size_t len, uint32_t seed) {
-  bool same = true;
-  pattern_words(len, seed, [p, &same](size_t i, uint64_t w, size_t n) {
-    if (n == 8) {
-      uint64_t got;
-      std::memcpy(&got, p + i, 8);
-      same = got == w;
-    } else {
-      same = std::memcmp(p + i, &w, n) == 0;
-    }
-    return same;
-  });
-  return same;
+  return base::Pattern(seed).check({p, len}, 0) < 0;
 }
 
 struct Endpoint {
