@@ -42,7 +42,9 @@ void Session::send_or_queue(Part* p) {
         std::lock_guard l(q_mu);
         if (p->queued_at == Clock::time_point{}) p->queued_at = Clock::now();
         queue.push(p);
-        q_len.fetch_add(1, std::memory_order_release);
+        // seq_cst, as the completion's load of q_len and the permit pool's release and take:
+        // either that completion sees the part counted, or our pump below sees its permit.
+        q_len.fetch_add(1, std::memory_order_seq_cst);
       }
       // A permit may have come back between our try and the push: its completion saw an empty
       // queue, so pump now.
@@ -208,7 +210,7 @@ void Session::finish_part(Part* p, int err) {
   parts.put(p);
   if (next_owner != nullptr) advance(next_owner);
   // The permit of this part is free again (the transport releases it before calling back).
-  if (q_len.load(std::memory_order_acquire) != 0) pump();
+  if (q_len.load(std::memory_order_seq_cst) != 0) pump();
   if (r->left.fetch_sub(1, std::memory_order_acq_rel) == 1) complete_req(r);
 }
 

@@ -39,7 +39,7 @@ void Session::on_ctl_done(void* ctx, int err) {
   // `counted` and `s` are stable while the slot is busy, and it stays busy until below.
   if (slot->counted) s->inflight.fetch_sub(1, std::memory_order_seq_cst);
   // A permit came back; IO may be waiting for one.
-  if (s->q_len.load(std::memory_order_acquire) != 0) s->pump();
+  if (s->q_len.load(std::memory_order_seq_cst) != 0) s->pump();  // as finish_part's
   std::lock_guard l(s->ctl_slot_mu);
   slot->done = true;
   slot->err = err;
