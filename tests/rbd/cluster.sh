@@ -18,6 +18,14 @@ rbd_cluster_start() {
   [ "$rc" = 0 ] || { echo "not ok - ceph-dev start: $(tail -5 "$work/ceph.err")"; exit 1; }
   export CEPH_CONF=$work/ceph/ceph.conf
   echo "# cluster up in $((SECONDS - t0)) s"
+  # The EXIT trap does not run when the test is killed (ctest's timeout), and ceph-mon and
+  # ceph-osd are daemons outside its process group: a watchdog in a session of its own stops
+  # what the test started once the test's shell is gone: every process with a path under $work
+  # on its command line (gateways, client daemons, fio; its own names $work without a slash),
+  # then the cluster. After a normal exit the trap has done both, and the watchdog finds nothing.
+  setsid bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 2; done
+    pkill -KILL -f -- "$3/"; bash "$2/scripts/ceph-dev.sh" stop "$3/ceph" >/dev/null 2>&1
+    rm -rf -- "$3"' _ "$$" "$top" "$work" </dev/null >/dev/null 2>&1 &
   ibnbd_keyring=$(sed -n 's/^CEPH_IBNBD_KEYRING=//p' <<<"$env_out")
 }
 rbd_cluster_cleanup() {
