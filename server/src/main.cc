@@ -12,11 +12,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -43,7 +45,7 @@ const char kUsage[] =
     "                    [--hb-interval-ms N] [--hb-missed N] [--poll adaptive|block|spin]\n"
     "                    [--max-sessions N] [--max-paths-per-session N] [--max-chunk-memory SIZE]\n"
     "                    [--handshake-timeout-ms N] [--ack-timeout-ms N] [--drain-hold-ms N]\n"
-    "                    [--size-check-ms N]\n"
+    "                    [--size-check-ms N] [--shutdown-timeout-ms N]\n"
     "                    [--control-socket PATH] [--ready-file PATH] [--sysfs-dir DIR]\n"
     "                    [--allow-any-host] [--metrics-listen [ADDR:]PORT]\n"
     "                    [--rbd-conf FILE] [--rbd-client-id ID] [--rbd-keyring FILE]\n"
@@ -74,6 +76,9 @@ const char kUsage[] =
     "         land after the new session's writes). Refusals: `ibnbd server refusals`.\n"
     "  --size-check-ms: how often the size of every open device is re-read (default 1000; 0\n"
     "         never): a resized one is announced to the sessions that hold it (protocol 4).\n"
+    "  --shutdown-timeout-ms: how long closing the sessions and devices after SIGTERM may take\n"
+    "         (default 25000; 0: as long as it takes); past it the daemon says so and exits 1\n"
+    "         (an RBD image's close waits for its cluster's OSDs with no timeout of its own).\n"
     "  --metrics-listen [ADDR:]PORT: Prometheus metrics over HTTP (GET /metrics; server/README.md,\n"
     "         \"Metrics\"); ADDR 127.0.0.1 unless named (0.0.0.0 or [::] for every address).\n"
     "  --sysfs-dir DIR: serves the kernel's control files (DIR/ibtrs-server/<session>/paths/...,\n"
@@ -105,6 +110,8 @@ struct Config {
   std::string ready_file;
   std::string sysfs_dir;
   std::optional<sockaddr_storage> metrics_listen;
+  // How long the stop after SIGTERM/SIGINT may take (0: as long as it takes).
+  std::chrono::milliseconds shutdown_timeout{25000};  // below the unit's TimeoutStopSec=30: we say why first
 };
 
 // One setting by name, from the command line (text) or the config file (JSON).
@@ -179,6 +186,8 @@ void apply(Config& c, const std::string& key, const json& v) {
     t.drain_hold = std::chrono::milliseconds(number(0, 3600000));
   } else if (key == "ack_timeout_ms") {
     t.ack_timeout = std::chrono::milliseconds(number(1, 3600000));
+  } else if (key == "shutdown_timeout_ms") {
+    c.shutdown_timeout = std::chrono::milliseconds(number(0, 3600000));
   } else if (key == "size_check_ms") {
     c.o.size_check_interval = std::chrono::milliseconds(number(0, 3600000));
   } else if (key == "control_socket") {
@@ -264,7 +273,7 @@ constexpr std::string_view kValueOptions[] = {
     "handshake_timeout_ms", "hb_interval_ms", "hb_missed", "io_threads", "listen", "max_chunk_memory",
     "max_io_size", "max_paths_per_session", "max_sessions", "metrics_listen", "poll", "queue_depth", "rbd_client_id",
     "rbd_conf", "rbd_connect_timeout_s", "rbd_keyring", "rbd_namespace", "rbd_pools", "ready_file",
-    "size_check_ms", "sysfs_dir", "tls", "tls_ca", "tls_cert", "tls_key"};
+    "shutdown_timeout_ms", "size_check_ms", "sysfs_dir", "tls", "tls_ca", "tls_cert", "tls_key"};
 
 Config parse(int argc, char** argv) {
   Config c;
@@ -422,6 +431,21 @@ int main(int argc, char** argv) {
   ibnbd::control::write_ready_file(c.ready_file, lines);
   const int sig = signals.wait();
   std::fprintf(stderr, "ibnbd-server: %s: closing sessions\n", strsignal(sig));
+  if (c.shutdown_timeout.count() > 0) {
+    // A backend's close may wait on what is gone for good (librbd's rbd_close on a cluster that
+    // is down waits for OSD ops with no timeout): the stop is bounded, as a service manager's
+    // would be, and says why. Exiting here loses nothing a crash would not: what the clients
+    // were told is stable was flushed when they asked.
+    std::thread([t = c.shutdown_timeout] {
+      std::this_thread::sleep_for(t);
+      std::fprintf(stderr,
+                   "ibnbd-server: closing took more than %lld ms (shutdown_timeout_ms): a device's backend "
+                   "did not finish closing (an RBD image whose cluster is unreachable?); exiting\n",
+                   static_cast<long long>(t.count()));
+      std::fflush(stderr);
+      ::_exit(1);
+    }).detach();
+  }
   metrics.reset();      // it reads the server too
   sysfs_mount.reset();  // the files call into the server: they go first
   ctl->reset();

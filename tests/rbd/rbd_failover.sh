@@ -43,7 +43,7 @@ cat >"$work/srv.json" <<EOF
 EOF
 start_gw() {  # start_gw NAME [ADDRESS]: sets gw_pid, gw_addr
   rm -f "$work/$1.ready"
-  "$srv" --config "$work/srv.json" --listen "${2:-tcp:127.0.0.1:0}" --control-socket "$work/$1.sock" \
+  "$srv" --config "$work/srv.json" --listen "${2:-tcp:127.0.0.1:0}" --control-socket "$work/$1.sock" --shutdown-timeout-ms 3000 \
     --ready-file "$work/$1.ready" >>"$work/$1.log" 2>&1 &
   gw_pid=$!
   pids+=($!)
@@ -139,6 +139,7 @@ fi
 # Case: A restarted on its address. Expect: it comes back as the standby (ready) and takes
 # nothing over (its OPEN has no REOPEN: no lock broken in its log); B stays active.
 start_gw a "$a_addr"
+a_pid=$gw_pid
 for _ in $(seq 50); do [ "$(show standby_state)" = ready ] && break; sleep 0.1; done
 [ "$(show standby_state)" = ready ] && [ "$(show session)" = "ibnbd-$b_addr" ] &&
   ok "gateway A back: the standby, ready; B still active" || not_ok "gateway A back" "$(c device show rbd:rbd/ha 2>&1)"
@@ -177,6 +178,31 @@ for off in 0 4M; do
   fi
 done
 check_cmd "unmap" c device unmap rbd:rbd/ha
+
+# Case: gateway A holds rbd/ha open (mapped again from A alone) when the whole cluster stops;
+# then A gets SIGTERM (its --shutdown-timeout-ms is 3000 here).
+# Expect: A exits within its bound (1 here, and it says why) rather than hang in rbd_close,
+# which waits for OSDs that are gone, with no timeout of its own.
+check_cmd "map rbd:rbd/ha from A" c device map rbd:rbd/ha from "$a_addr" rw
+bash "$top/scripts/ceph-dev.sh" stop "$work/ceph" >/dev/null 2>&1
+t_stop=$SECONDS
+kill -TERM "$a_pid"
+for _ in $(seq 150); do kill -0 "$a_pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$a_pid" 2>/dev/null; then
+  not_ok "gateway A stops within its shutdown timeout with its cluster gone" "still running after $((SECONDS - t_stop)) s"
+  kill -KILL "$a_pid"
+  wait "$a_pid" 2>/dev/null
+else
+  rc=0
+  wait "$a_pid" || rc=$?
+  if grep -q "closing took more than 3000 ms" "$work/a.log" && [ "$rc" = 1 ]; then
+    ok "gateway A stopped $((SECONDS - t_stop)) s after SIGTERM with its cluster gone (exit 1, says why)"
+  elif [ "$rc" = 0 ]; then
+    ok "gateway A stopped $((SECONDS - t_stop)) s after SIGTERM with its cluster gone (its close did not wait)"
+  else
+    not_ok "gateway A's stop with its cluster gone" "exit $rc: $(tail -3 "$work/a.log")"
+  fi
+fi
 
 echo "# done in $((SECONDS - t0)) s"
 exit $failed
